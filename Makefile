@@ -1,0 +1,105 @@
+# ddp_train: `make run` and `make test` do all set-up on a fresh Debian machine.
+#   make            build ./ddp_train (with CUDA when nvcc is found; CUDA=0 for a CPU-only binary)
+#   make deps       install missing Debian packages (as root) or print the command
+#   make data       data/fashion_mnist.h5 from Debian's dataset-fashion-mnist
+#   make run        deps + build + data, then train configs/model.yaml on 2 ranks
+#   make test       deps + build + data, then the whole test suite
+#   make test-gpu   the GPU tests (on a machine with a GPU)
+#   make bench      CPU throughput against PyTorch, same run
+
+CUDA_HOME ?= /usr/local/cuda
+NVCC ?= $(CUDA_HOME)/bin/nvcc
+ifeq ($(origin CUDA),undefined)
+  CUDA := $(if $(wildcard $(NVCC)),1,0)
+endif
+NP ?= 2
+PYTHON ?= /usr/bin/python3
+MPIRUN ?= mpirun
+
+DEB_PKGS := pkg-config libopenmpi-dev openmpi-bin libhdf5-dev hdf5-tools libyaml-dev libopenblas-openmp-dev \
+            dataset-fashion-mnist libcmocka-dev python3-numpy python3-h5py python3-torch python3-yaml
+OPENBLAS_DIR := /usr/lib/x86_64-linux-gnu/openblas-openmp
+OPENBLAS_INC := /usr/include/x86_64-linux-gnu/openblas-openmp
+
+BUILD := build/$(if $(filter 1,$(CUDA)),cuda,cpu)
+PKG_CFLAGS = $(shell pkg-config --cflags ompi-c hdf5 yaml-0.1 2>/dev/null)
+PKG_LIBS = $(shell pkg-config --libs ompi-c hdf5 yaml-0.1 2>/dev/null)
+CFLAGS ?= -O2 -g
+# format-truncation: messages are cut to bounded buffers on purpose
+CFLAGS += -std=gnu11 -Wall -Wextra -Werror -Wno-format-truncation -fopenmp -pthread $(PKG_CFLAGS) -I$(OPENBLAS_INC) -Isrc
+LDLIBS = $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -lgomp -lpthread -lm
+
+SRCS := common.c yaml_tree.c keys.c config.c model.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
+        layer_activation.c layer_residual.c layer_loss.c backend_cpu.c comm_mpi.c sampler.c data_hdf5.c optim.c \
+        checkpoint.c log.c train.c
+ifeq ($(CUDA),1)
+  SRCS += gpu_cuda.c
+  CFLAGS += -I$(CUDA_HOME)/include -DDT_WITH_CUDA=1
+  LDLIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudnn -lcublas -lcudart -lnccl
+else
+  SRCS += gpu_none.c
+endif
+OBJS := $(SRCS:%.c=$(BUILD)/%.o)
+
+TESTS := test_config test_sampler test_model test_ops test_optim
+TEST_BINS := $(TESTS:%=$(BUILD)/tests/%)
+
+.PHONY: all deps data run test test-gpu bench clean docs
+all: ddp_train
+
+ddp_train: $(BUILD)/ddp_train
+	cp $< $@
+
+$(BUILD)/ddp_train: $(OBJS) $(BUILD)/main.o
+	$(CC) $(CFLAGS) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/%.o: src/%.c src/*.h | $(BUILD)/tests
+	$(CC) $(CFLAGS) -c -o $@ $<
+
+$(BUILD)/tests/%: tests/%.c $(OBJS) tests/*.h | $(BUILD)/tests
+	$(CC) $(CFLAGS) -Itests -o $@ $< $(OBJS) $(LDLIBS) -lcmocka
+
+$(BUILD)/tests:
+	mkdir -p $@
+
+deps:
+	@missing=""; for p in $(DEB_PKGS); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	  else \
+	    echo "missing packages; run: sudo apt-get install --no-install-recommends$$missing"; exit 1; \
+	  fi; \
+	fi
+
+data: data/fashion_mnist.h5
+data/fashion_mnist.h5: scripts/make_fashion_mnist.py
+	mkdir -p data
+	$(PYTHON) scripts/make_fashion_mnist.py /usr/share/datasets/fashion-mnist $@
+
+export OMPI_ALLOW_RUN_AS_ROOT=1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+
+run: deps
+	$(MAKE) ddp_train data
+	$(MPIRUN) --oversubscribe -np $(NP) ./ddp_train configs/model.yaml
+
+test: deps
+	$(MAKE) ddp_train data $(TEST_BINS)
+	BUILD=$(BUILD) PYTHON=$(PYTHON) bash tests/run.sh
+
+test-gpu: ddp_train
+	BUILD=$(BUILD) PYTHON=$(PYTHON) DDP_TRAIN_GPU_TESTS=only bash tests/run.sh
+
+bench: deps
+	$(MAKE) ddp_train data
+	PYTHON=$(PYTHON) bash benchmarks/cpu_bench.sh
+
+docs: ddp_train
+	./ddp_train --config-keys > docs/config-keys.md
+
+clean:
+	rm -rf build ddp_train

@@ -1,0 +1,547 @@
+/* backend_cpu.c: the reference backend. Matrix products and convolutions (im2col + GEMM) go
+ * through OpenBLAS; loops are parallel with OpenMP (OpenBLAS's OpenMP build shares the pool). */
+#include <cblas.h>
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+
+const char *const dt_op_names[DT_OP_COUNT] = {
+    "gemm",       "bias_add",     "bias_grad",    "conv_fwd",     "conv_bwd_data", "conv_bwd_filter",
+    "bn_stats",   "bn_apply",     "bn_bwd_stats", "bn_bwd_apply", "act_fwd",       "act_bwd",
+    "pool_fwd",   "pool_bwd",     "dropout_fwd",  "dropout_bwd",  "add",           "loss",
+    "sgd",        "adamw",        "scale",        "sumsq",        "input"};
+_Static_assert(sizeof dt_op_names / sizeof *dt_op_names == DT_OP_COUNT, "dt_op_names must name every op");
+
+/* Per-thread workspaces, grown on first use at each new shape (the first steps). */
+typedef struct {
+  float **col;        /* [threads] im2col of one sample (C*K*K, Ho*Wo) */
+  size_t col_bytes;
+  float **dw;         /* [threads] private filter gradients (O, C*K*K) */
+  size_t dw_bytes;
+  int threads;
+} cpu_impl;
+
+static void grow_all(float **bufs, size_t *have, size_t need, int n) {
+  if (need <= *have) return;
+  for (int t = 0; t < n; t++) {
+    free(bufs[t]);
+    bufs[t] = dt_malloc(need);
+  }
+  *have = need;
+}
+
+/* Valid output columns [lo, hi) for kernel column kw: 0 <= ow*stride - pad + kw < w. */
+static void valid_range(const dt_conv_geom *g, int64_t kw, int64_t *lo, int64_t *hi) {
+  int64_t off = kw - g->pad;
+  int64_t a = off >= 0 ? 0 : (-off + g->stride - 1) / g->stride;
+  int64_t b = (g->w - off + g->stride - 1) / g->stride;
+  if (b > g->wo) b = g->wo;
+  if (a > b) a = b;
+  *lo = a;
+  *hi = b;
+}
+
+/* col (C*K*K, Ho*Wo) from one sample x (C, H, W). */
+static void im2col(const dt_conv_geom *g, const float *x, float *col) {
+  const int64_t hw = g->ho * g->wo, kk = g->k * g->k;
+  for (int64_t c = 0; c < g->c; c++) {
+    const float *xc = x + c * g->h * g->w;
+    for (int64_t ki = 0; ki < kk; ki++) {
+      int64_t kh = ki / g->k, kw = ki % g->k, lo, hi;
+      valid_range(g, kw, &lo, &hi);
+      float *dst = col + (c * kk + ki) * hw;
+      for (int64_t oh = 0; oh < g->ho; oh++) {
+        int64_t ih = oh * g->stride - g->pad + kh;
+        float *row = dst + oh * g->wo;
+        if (ih < 0 || ih >= g->h) {
+          memset(row, 0, (size_t)g->wo * sizeof(float));
+          continue;
+        }
+        const float *xr = xc + ih * g->w + kw - g->pad;
+        for (int64_t ow = 0; ow < lo; ow++) row[ow] = 0.0f;
+        if (g->stride == 1) memcpy(row + lo, xr + lo, (size_t)(hi - lo) * sizeof(float));
+        else
+          for (int64_t ow = lo; ow < hi; ow++) row[ow] = xr[ow * g->stride];
+        for (int64_t ow = hi; ow < g->wo; ow++) row[ow] = 0.0f;
+      }
+    }
+  }
+}
+
+/* dx (C, H, W) of one sample = col2im(col); overwrites dx. */
+static void col2im(const dt_conv_geom *g, const float *col, float *dx) {
+  const int64_t hw = g->ho * g->wo, kk = g->k * g->k;
+  memset(dx, 0, (size_t)(g->c * g->h * g->w) * sizeof(float));
+  for (int64_t c = 0; c < g->c; c++) {
+    float *xc = dx + c * g->h * g->w;
+    for (int64_t ki = 0; ki < kk; ki++) {
+      int64_t kh = ki / g->k, kw = ki % g->k, lo, hi;
+      valid_range(g, kw, &lo, &hi);
+      const float *src = col + (c * kk + ki) * hw;
+      for (int64_t oh = 0; oh < g->ho; oh++) {
+        int64_t ih = oh * g->stride - g->pad + kh;
+        if (ih < 0 || ih >= g->h) continue;
+        float *xr = xc + ih * g->w + kw - g->pad;
+        const float *row = src + oh * g->wo;
+        if (g->stride == 1)
+          for (int64_t ow = lo; ow < hi; ow++) xr[ow] += row[ow];
+        else
+          for (int64_t ow = lo; ow < hi; ow++) xr[ow * g->stride] += row[ow];
+      }
+    }
+  }
+}
+
+/* Samples run in parallel, each with a single-threaded GEMM (OpenBLAS's OpenMP build runs
+ * serially inside a parallel region), so one sample's columns stay in cache. */
+static void conv_fwd(cpu_impl *im, const dt_conv_geom *g, const float *x, const float *w, float *y) {
+  const int64_t ckk = g->c * g->k * g->k, hw = g->ho * g->wo;
+  grow_all(im->col, &im->col_bytes, (size_t)(ckk * hw) * sizeof(float), im->threads);
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < g->b; b++) {
+    float *col = im->col[omp_get_thread_num()];
+    im2col(g, x + b * g->c * g->h * g->w, col);
+    /* y_b(O, hw) = w(O, ckk) col(ckk, hw) */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)g->o, (int)hw, (int)ckk, 1.0f, w, (int)ckk, col,
+                (int)hw, 0.0f, y + b * g->o * hw, (int)hw);
+  }
+}
+
+static void conv_bwd_data(cpu_impl *im, const dt_conv_geom *g, const float *dy, const float *w, float *dx) {
+  const int64_t ckk = g->c * g->k * g->k, hw = g->ho * g->wo;
+  grow_all(im->col, &im->col_bytes, (size_t)(ckk * hw) * sizeof(float), im->threads);
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < g->b; b++) {
+    float *col = im->col[omp_get_thread_num()];
+    /* col(ckk, hw) = w^T(ckk, O) dy_b(O, hw) */
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)ckk, (int)hw, (int)g->o, 1.0f, w, (int)ckk,
+                dy + b * g->o * hw, (int)hw, 0.0f, col, (int)hw);
+    col2im(g, col, dx + b * g->c * g->h * g->w);
+  }
+}
+
+static void conv_bwd_filter(cpu_impl *im, const dt_conv_geom *g, const float *x, const float *dy, float *dw) {
+  const int64_t ckk = g->c * g->k * g->k, hw = g->ho * g->wo, nw = g->o * ckk;
+  grow_all(im->col, &im->col_bytes, (size_t)(ckk * hw) * sizeof(float), im->threads);
+  grow_all(im->dw, &im->dw_bytes, (size_t)nw * sizeof(float), im->threads);
+#pragma omp parallel
+  {
+    int t = omp_get_thread_num();
+    float *col = im->col[t], *acc = im->dw[t];
+    memset(acc, 0, (size_t)nw * sizeof(float));
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < g->b; b++) {
+      im2col(g, x + b * g->c * g->h * g->w, col);
+      /* acc(O, ckk) += dy_b(O, hw) col^T(hw, ckk) */
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)g->o, (int)ckk, (int)hw, 1.0f, dy + b * g->o * hw,
+                  (int)hw, col, (int)hw, 1.0f, acc, (int)ckk);
+    }
+    /* fixed order of the per-thread sums: results do not depend on scheduling */
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < nw; i++) {
+      float s = 0;
+      for (int k = 0; k < omp_get_num_threads(); k++) s += im->dw[k][i];
+      dw[i] += s;
+    }
+  }
+}
+
+static inline float gelu_f(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
+static inline float gelu_grad(float x) {
+  float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
+  float pdf = 0.39894228040143268f * expf(-0.5f * x * x);
+  return cdf + x * pdf;
+}
+
+static void act_fwd(int kind, int64_t n, const float *x, float *y) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; i++) {
+    float v = x[i];
+    switch (kind) {
+    case DT_ACT_RELU: y[i] = v > 0 ? v : 0; break;
+    case DT_ACT_GELU: y[i] = gelu_f(v); break;
+    case DT_ACT_TANH: y[i] = tanhf(v); break;
+    default: y[i] = 1.0f / (1.0f + expf(-v)); break;
+    }
+  }
+}
+
+static void act_bwd(int kind, int64_t n, const float *x, const float *y, const float *dy, float *dx) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; i++) {
+    float g;
+    switch (kind) {
+    case DT_ACT_RELU: g = x[i] > 0 ? 1.0f : 0.0f; break;
+    case DT_ACT_GELU: g = gelu_grad(x[i]); break;
+    case DT_ACT_TANH: g = 1.0f - y[i] * y[i]; break;
+    default: g = y[i] * (1.0f - y[i]); break;
+    }
+    dx[i] = g * dy[i];
+  }
+}
+
+static void cpu_run(dt_backend *be, const dt_op *op) {
+  cpu_impl *im = be->impl;
+  switch (op->type) {
+  case DT_OP_GEMM: {
+    const typeof(op->p.gemm) *q = &op->p.gemm;
+    int lda = (int)(q->trans_a ? q->m : q->k), ldb = (int)(q->trans_b ? q->k : q->n);
+    cblas_sgemm(CblasRowMajor, q->trans_a ? CblasTrans : CblasNoTrans, q->trans_b ? CblasTrans : CblasNoTrans,
+                (int)q->m, (int)q->n, (int)q->k, q->alpha, q->a, lda, q->b, ldb, q->beta, q->c, (int)q->n);
+    break;
+  }
+  case DT_OP_BIAS_ADD: {
+    const typeof(op->p.bias_add) *q = &op->p.bias_add;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t b = 0; b < q->b; b++)
+      for (int64_t c = 0; c < q->c; c++) {
+        float *y = q->y + (b * q->c + c) * q->s, bias = q->bias[c];
+        for (int64_t s = 0; s < q->s; s++) y[s] += bias;
+      }
+    break;
+  }
+  case DT_OP_BIAS_GRAD: {
+    const typeof(op->p.bias_grad) *q = &op->p.bias_grad;
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < q->c; c++) {
+      double acc = 0;
+      for (int64_t b = 0; b < q->b; b++) {
+        const float *dy = q->dy + (b * q->c + c) * q->s;
+        for (int64_t s = 0; s < q->s; s++) acc += dy[s];
+      }
+      q->db[c] += (float)acc;
+    }
+    break;
+  }
+  case DT_OP_CONV_FWD: conv_fwd(im, &op->p.conv_fwd.g, op->p.conv_fwd.x, op->p.conv_fwd.w, op->p.conv_fwd.y); break;
+  case DT_OP_CONV_BWD_DATA:
+    conv_bwd_data(im, &op->p.conv_bwd_data.g, op->p.conv_bwd_data.dy, op->p.conv_bwd_data.w, op->p.conv_bwd_data.dx);
+    break;
+  case DT_OP_CONV_BWD_FILTER:
+    conv_bwd_filter(im, &op->p.conv_bwd_filter.g, op->p.conv_bwd_filter.x, op->p.conv_bwd_filter.dy,
+                    op->p.conv_bwd_filter.dw);
+    break;
+  case DT_OP_BN_STATS: {
+    const typeof(op->p.bn_stats) *q = &op->p.bn_stats;
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < q->c; c++) {
+      double s1 = 0, s2 = 0;
+      for (int64_t b = 0; b < q->b; b++) {
+        const float *x = q->x + (b * q->c + c) * q->s;
+        for (int64_t s = 0; s < q->s; s++) {
+          s1 += x[s];
+          s2 += (double)x[s] * x[s];
+        }
+      }
+      q->sum[c] = s1;
+      q->sumsq[c] = s2;
+    }
+    break;
+  }
+  case DT_OP_BN_APPLY: {
+    const typeof(op->p.bn_apply) *q = &op->p.bn_apply;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t b = 0; b < q->b; b++)
+      for (int64_t c = 0; c < q->c; c++) {
+        const float *x = q->x + (b * q->c + c) * q->s;
+        float *y = q->y + (b * q->c + c) * q->s;
+        float a = q->invstd[c] * q->gamma[c], m = q->mean[c], beta = q->beta[c];
+        for (int64_t s = 0; s < q->s; s++) y[s] = (x[s] - m) * a + beta;
+      }
+    break;
+  }
+  case DT_OP_BN_BWD_STATS: {
+    const typeof(op->p.bn_bwd_stats) *q = &op->p.bn_bwd_stats;
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < q->c; c++) {
+      double s1 = 0, s2 = 0;
+      float m = q->mean[c], is = q->invstd[c];
+      for (int64_t b = 0; b < q->b; b++) {
+        const float *x = q->x + (b * q->c + c) * q->s, *dy = q->dy + (b * q->c + c) * q->s;
+        for (int64_t s = 0; s < q->s; s++) {
+          s1 += dy[s];
+          s2 += (double)dy[s] * ((x[s] - m) * is);
+        }
+      }
+      q->sum_dy[c] = s1;
+      q->sum_dy_xhat[c] = s2;
+    }
+    break;
+  }
+  case DT_OP_BN_BWD_APPLY: {
+    const typeof(op->p.bn_bwd_apply) *q = &op->p.bn_bwd_apply;
+    /* dx = gamma*invstd * (dy - mean(dy) - xhat * mean(dy*xhat)), means over the global count */
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t b = 0; b < q->b; b++)
+      for (int64_t c = 0; c < q->c; c++) {
+        const float *x = q->x + (b * q->c + c) * q->s, *dy = q->dy + (b * q->c + c) * q->s;
+        float *dx = q->dx + (b * q->c + c) * q->s;
+        float m = q->mean[c], is = q->invstd[c], gi = q->gamma[c] * is;
+        float mdy = (float)(q->sum_dy[c] / q->count), mdyx = (float)(q->sum_dy_xhat[c] / q->count);
+        for (int64_t s = 0; s < q->s; s++) {
+          float xhat = (x[s] - m) * is;
+          dx[s] = gi * (dy[s] - mdy - xhat * mdyx);
+        }
+      }
+    if (q->dgamma)
+      for (int64_t c = 0; c < q->c; c++) {
+        q->dgamma[c] += (float)q->sum_dy_xhat[c];
+        q->dbeta[c] += (float)q->sum_dy[c];
+      }
+    break;
+  }
+  case DT_OP_ACT_FWD: act_fwd(op->p.act_fwd.kind, op->p.act_fwd.n, op->p.act_fwd.x, op->p.act_fwd.y); break;
+  case DT_OP_ACT_BWD:
+    act_bwd(op->p.act_bwd.kind, op->p.act_bwd.n, op->p.act_bwd.x, op->p.act_bwd.y, op->p.act_bwd.dy, op->p.act_bwd.dx);
+    break;
+  case DT_OP_POOL_FWD: {
+    const typeof(op->p.pool_fwd) *q = &op->p.pool_fwd;
+    float inv = 1.0f / (float)(q->k * q->k);
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t b = 0; b < q->b; b++)
+      for (int64_t c = 0; c < q->c; c++) {
+        const float *x = q->x + (b * q->c + c) * q->h * q->w;
+        float *y = q->y + (b * q->c + c) * q->ho * q->wo;
+        int32_t *am = q->argmax ? q->argmax + (b * q->c + c) * q->ho * q->wo : NULL;
+        for (int64_t oh = 0; oh < q->ho; oh++)
+          for (int64_t ow = 0; ow < q->wo; ow++) {
+            float best = -INFINITY, acc = 0;
+            int32_t where = 0;
+            for (int64_t i = 0; i < q->k; i++)
+              for (int64_t j = 0; j < q->k; j++) {
+                int64_t idx = (oh * q->stride + i) * q->w + ow * q->stride + j;
+                float v = x[idx];
+                acc += v;
+                if (v > best || (isnan(v) && !isnan(best))) {
+                  best = v;
+                  where = (int32_t)idx;
+                }
+              }
+            if (q->kind == DT_POOL_MAX) {
+              y[oh * q->wo + ow] = best;
+              am[oh * q->wo + ow] = where;
+            } else {
+              y[oh * q->wo + ow] = acc * inv;
+            }
+          }
+      }
+    break;
+  }
+  case DT_OP_POOL_BWD: {
+    const typeof(op->p.pool_bwd) *q = &op->p.pool_bwd;
+    float inv = 1.0f / (float)(q->k * q->k);
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t b = 0; b < q->b; b++)
+      for (int64_t c = 0; c < q->c; c++) {
+        float *dx = q->dx + (b * q->c + c) * q->h * q->w;
+        const float *dy = q->dy + (b * q->c + c) * q->ho * q->wo;
+        memset(dx, 0, (size_t)(q->h * q->w) * sizeof(float));
+        if (q->kind == DT_POOL_MAX) {
+          const int32_t *am = q->argmax + (b * q->c + c) * q->ho * q->wo;
+          for (int64_t i = 0; i < q->ho * q->wo; i++) dx[am[i]] += dy[i];
+        } else {
+          for (int64_t oh = 0; oh < q->ho; oh++)
+            for (int64_t ow = 0; ow < q->wo; ow++) {
+              float g = dy[oh * q->wo + ow] * inv;
+              for (int64_t i = 0; i < q->k; i++)
+                for (int64_t j = 0; j < q->k; j++) dx[(oh * q->stride + i) * q->w + ow * q->stride + j] += g;
+            }
+        }
+      }
+    break;
+  }
+  case DT_OP_DROPOUT_FWD: {
+    const typeof(op->p.dropout_fwd) *q = &op->p.dropout_fwd;
+    float keep = 1.0f / (1.0f - q->p);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < q->n; i++) q->y[i] = dt_hash_uniform(q->seed, (uint64_t)i) >= q->p ? q->x[i] * keep : 0.0f;
+    break;
+  }
+  case DT_OP_DROPOUT_BWD: {
+    const typeof(op->p.dropout_bwd) *q = &op->p.dropout_bwd;
+    float keep = 1.0f / (1.0f - q->p);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < q->n; i++)
+      q->dx[i] = dt_hash_uniform(q->seed, (uint64_t)i) >= q->p ? q->dy[i] * keep : 0.0f;
+    break;
+  }
+  case DT_OP_ADD: {
+    const typeof(op->p.add) *q = &op->p.add;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < q->n; i++) q->y[i] = q->a[i] + q->b[i];
+    break;
+  }
+  case DT_OP_LOSS: {
+    const typeof(op->p.loss) *q = &op->p.loss;
+    double total = 0, hits = 0;
+#pragma omp parallel for reduction(+ : total, hits) schedule(static)
+    for (int64_t b = 0; b < q->b; b++) {
+      const float *z = q->logits + b * q->k;
+      float *dz = q->dlogits + b * q->k;
+      if (q->kind == DT_LOSS_CROSS_ENTROPY) {
+        float mx = z[0];
+        int64_t arg = 0;
+        for (int64_t j = 1; j < q->k; j++)
+          if (z[j] > mx) mx = z[j], arg = j;
+        double se = 0;
+        for (int64_t j = 0; j < q->k; j++) se += exp((double)(z[j] - mx));
+        double lse = mx + log(se);
+        int32_t y = q->labels[b];
+        double eps = q->label_smoothing, off = eps / (double)q->k, l = 0;
+        for (int64_t j = 0; j < q->k; j++) {
+          double t = off + (j == y ? 1.0 - eps : 0.0);
+          double lp = (double)z[j] - lse;
+          l -= t * lp;
+          dz[j] = (float)((exp(lp) - t) * q->weight);
+        }
+        total += l;
+        hits += arg == y;
+      } else {
+        const float *t = q->targets + b * q->k;
+        double l = 0;
+        for (int64_t j = 0; j < q->k; j++) {
+          double d = (double)z[j] - t[j];
+          l += d * d;
+          dz[j] = (float)(2.0 * d / (double)q->k * q->weight);
+        }
+        total += l / (double)q->k;
+      }
+    }
+    *q->loss_sum = total;
+    *q->correct = hits;
+    break;
+  }
+  case DT_OP_SGD: {
+    const typeof(op->p.sgd) *q = &op->p.sgd;
+    /* PyTorch's SGD: g += wd*p; buf = momentum*buf + g (buf = g at first); nesterov: g += momentum*buf */
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < q->n; i++) {
+      float g = q->grad[i] + q->weight_decay * q->param[i];
+      if (q->momentum > 0) {
+        float buf = q->first ? g : q->momentum * q->mom[i] + g;
+        q->mom[i] = buf;
+        g = q->nesterov ? g + q->momentum * buf : buf;
+      }
+      q->param[i] -= q->lr * g;
+    }
+    break;
+  }
+  case DT_OP_ADAMW: {
+    const typeof(op->p.adamw) *q = &op->p.adamw;
+    double bc1 = 1.0 - pow(q->beta1, (double)q->step), bc2 = 1.0 - pow(q->beta2, (double)q->step);
+    float step_size = (float)(q->lr / bc1);
+    float bc2_sqrt = (float)sqrt(bc2);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < q->n; i++) {
+      float g = q->grad[i];
+      q->param[i] *= 1.0f - q->lr * q->weight_decay;
+      q->m[i] = q->beta1 * q->m[i] + (1.0f - q->beta1) * g;
+      q->v[i] = q->beta2 * q->v[i] + (1.0f - q->beta2) * g * g;
+      float denom = sqrtf(q->v[i]) / bc2_sqrt + q->eps;
+      q->param[i] -= step_size * q->m[i] / denom;
+    }
+    break;
+  }
+  case DT_OP_SCALE: {
+    const typeof(op->p.scale) *q = &op->p.scale;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < q->n; i++) q->x[i] *= q->alpha;
+    break;
+  }
+  case DT_OP_SUMSQ: {
+    const typeof(op->p.sumsq) *q = &op->p.sumsq;
+    double acc = 0;
+    int64_t bad = 0;
+#pragma omp parallel for reduction(+ : acc, bad) schedule(static)
+    for (int64_t i = 0; i < q->n; i++) {
+      float v = q->x[i];
+      if (!isfinite(v)) bad++;
+      else acc += (double)v * v;
+    }
+    *q->sumsq = acc;
+    *q->nonfinite = bad;
+    break;
+  }
+  case DT_OP_INPUT: {
+    const typeof(op->p.input) *q = &op->p.input;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t b = 0; b < q->b; b++)
+      for (int64_t c = 0; c < q->c; c++) {
+        const float *r = q->raw + (b * q->c + c) * q->s;
+        float *x = q->x + (b * q->c + c) * q->s;
+        float m = q->mean ? q->mean[c] : 0.0f, inv = q->std ? 1.0f / q->std[c] : 1.0f;
+        for (int64_t s = 0; s < q->s; s++) x[s] = (r[s] * q->scale - m) * inv;
+      }
+    break;
+  }
+  case DT_OP_COUNT: DT_ASSERT(0);
+  }
+}
+
+static float *cpu_alloc(dt_backend *be, size_t bytes) {
+  (void)be;
+  float *p = NULL;
+  if (posix_memalign((void **)&p, 64, bytes ? bytes : 64)) {
+    char what[160];
+    snprintf(what, sizeof what, "out of host memory allocating %zu bytes for a backend buffer", bytes);
+    dt_abort(__FILE__, __LINE__, what);
+  }
+  memset(p, 0, bytes);
+  return p;
+}
+
+static void cpu_free(dt_backend *be, void *p) {
+  (void)be;
+  free(p);
+}
+
+static void cpu_copy(dt_backend *be, void *dst, const void *src, size_t bytes) {
+  (void)be;
+  if (bytes) memmove(dst, src, bytes);
+}
+
+static void cpu_zero(dt_backend *be, void *p, size_t bytes) {
+  (void)be;
+  memset(p, 0, bytes);
+}
+
+static void cpu_sync(dt_backend *be) { (void)be; }
+
+static void cpu_destroy(dt_backend *be) {
+  cpu_impl *im = be->impl;
+  for (int t = 0; t < im->threads; t++) {
+    free(im->col[t]);
+    free(im->dw[t]);
+  }
+  free(im->col);
+  free(im->dw);
+  free(im);
+  free(be);
+}
+
+dt_backend *backend_cpu_create(int threads) {
+  dt_backend *be = dt_calloc(1, sizeof *be);
+  cpu_impl *im = dt_calloc(1, sizeof *im);
+  if (threads < 1) threads = 1;
+  im->threads = threads;
+  im->col = dt_calloc((size_t)threads, sizeof(float *));
+  im->dw = dt_calloc((size_t)threads, sizeof(float *));
+  omp_set_num_threads(threads);
+  openblas_set_num_threads(threads);
+  *be = (dt_backend){.name = "cpu",
+                     .run = cpu_run,
+                     .alloc = cpu_alloc,
+                     .free = cpu_free,
+                     .to_device = cpu_copy,
+                     .to_host = cpu_copy,
+                     .zero = cpu_zero,
+                     .sync = cpu_sync,
+                     .destroy = cpu_destroy,
+                     .threads = threads,
+                     .impl = im};
+  return be;
+}

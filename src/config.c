@@ -1,0 +1,252 @@
+#include "config.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define F(field) offsetof(dt_config_values, field)
+#define NOB 1, 0 /* no bounds */
+#define BIG 1e308
+
+/* The one declaration of every config key. Order is the order of docs and of the effective dump. */
+static const dt_key config_keys[] = {
+    {"model.input", DT_KEY_INTS, F(input), NULL, 1, BIG, NULL, "input shape per sample: [C,H,W], [H,W] or [D]"},
+    {"model.layers", DT_KEY_NODE, F(layers), NULL, NOB, NULL,
+     "list of one-key maps, e.g. `- conv2d: {out: 32, kernel: 3}` (see Layers)"},
+    {"model.loss", DT_KEY_NODE, F(loss), "cross_entropy", NOB, NULL,
+     "`cross_entropy`, `mse`, or a one-key map such as `{cross_entropy: {label_smoothing: 0.1}}`"},
+    {"model.init_from", DT_KEY_STRING, F(init_from), "\"\"", NOB, NULL,
+     "HDF5 file in the checkpoint layout to load parameters and batchnorm buffers from"},
+    {"data.path", DT_KEY_STRING, F(data_path), NULL, NOB, NULL, "HDF5 file holding the datasets"},
+    {"data.train.x", DT_KEY_STRING, F(train_x), "/train/images", NOB, NULL,
+     "training inputs: (N,C,H,W), (N,H,W) or (N,D); uint8, float32 or float64"},
+    {"data.train.y", DT_KEY_STRING, F(train_y), "/train/labels", NOB, NULL,
+     "training targets: integer class labels (N,) or float targets (N,K)"},
+    {"data.val.x", DT_KEY_STRING, F(val_x), "/test/images", NOB, NULL, "validation inputs; empty string: none"},
+    {"data.val.y", DT_KEY_STRING, F(val_y), "/test/labels", NOB, NULL, "validation targets"},
+    {"data.scale", DT_KEY_FLOAT, F(scale), "1.0", NOB, NULL, "inputs are multiplied by this first (1/255 for bytes)"},
+    {"data.mean", DT_KEY_FLOATS, F(mean), "[]", NOB, NULL, "per-channel mean subtracted after scaling (one per channel)"},
+    {"data.std", DT_KEY_FLOATS, F(std), "[]", 1e-12, BIG, NULL, "per-channel std divided by after the mean"},
+    {"data.sharding", DT_KEY_ENUM, F(sharding), "global", NOB, "global|contiguous",
+     "global: one permutation per epoch, each rank a slice of every global batch; contiguous: rank r "
+     "reads only its 1/W of the rows"},
+    {"data.drop_last", DT_KEY_BOOL, F(drop_last), "false", NOB, NULL, "drop the final partial global batch"},
+    {"data.cache", DT_KEY_ENUM, F(cache), "auto", NOB, "auto|memory|none",
+     "memory: load the rank's rows once; none: read each batch from the file; auto: memory when under 4 GiB"},
+    {"train.epochs", DT_KEY_INT, F(epochs), "1", 1, BIG, NULL, "passes over the training set"},
+    {"train.max_steps", DT_KEY_INT, F(max_steps), "0", 0, BIG, NULL, "stop after this many optimizer steps (0: no limit)"},
+    {"train.batch_size", DT_KEY_INT, F(batch_size), "0", 0, BIG, NULL,
+     "per-rank batch (PyTorch's convention); global batch = batch_size x world size"},
+    {"train.global_batch_size", DT_KEY_INT, F(global_batch_size), "0", 0, BIG, NULL,
+     "total batch split across ranks, so the trajectory does not depend on the world size"},
+    {"train.grad_accum", DT_KEY_INT, F(grad_accum), "1", 1, 1024, NULL,
+     "micro-batches per optimizer step; gradients are communicated on the last one only"},
+    {"train.clip_grad_norm", DT_KEY_FLOAT, F(clip_grad_norm), "0", 0, BIG, NULL,
+     "clip gradients to this global L2 norm (0: off)"},
+    {"train.seed", DT_KEY_INT, F(seed), "0", 0, BIG, NULL, "seed of every random stream (init, data order, dropout)"},
+    {"train.eval_every_steps", DT_KEY_INT, F(eval_every_steps), "0", 0, BIG, NULL,
+     "also validate every N steps (0: only at the end of each epoch)"},
+    {"train.early_stopping.metric", DT_KEY_ENUM, F(early_metric), "none", NOB, "none|val_loss|val_acc",
+     "stop when this validation metric has not improved for `patience` evaluations"},
+    {"train.early_stopping.patience", DT_KEY_INT, F(early_patience), "3", 1, BIG, NULL,
+     "evaluations without improvement before stopping"},
+    {"optim.name", DT_KEY_ENUM, F(optim), "sgd", NOB, "sgd|adamw", "optimizer"},
+    {"optim.lr", DT_KEY_FLOAT, F(lr), "0.01", 0, BIG, NULL, "peak learning rate"},
+    {"optim.momentum", DT_KEY_FLOAT, F(momentum), "0", 0, 1, NULL, "SGD momentum"},
+    {"optim.nesterov", DT_KEY_BOOL, F(nesterov), "false", NOB, NULL, "SGD Nesterov momentum (needs momentum > 0)"},
+    {"optim.weight_decay", DT_KEY_FLOAT, F(weight_decay), "0", 0, BIG, NULL,
+     "SGD: L2 added to the gradient; AdamW: decoupled decay"},
+    {"optim.betas", DT_KEY_FLOATS, F(betas), "[0.9, 0.999]", 0, 0.999999, NULL, "AdamW betas (two numbers in [0,1))"},
+    {"optim.eps", DT_KEY_FLOAT, F(eps), "1e-8", 0, BIG, NULL, "AdamW epsilon"},
+    {"optim.schedule.name", DT_KEY_ENUM, F(schedule), "constant", NOB, "constant|step|cosine|onecycle",
+     "learning-rate schedule over the optimizer steps of the run"},
+    {"optim.schedule.milestones", DT_KEY_INTS, F(milestones), "[]", 0, BIG, NULL,
+     "step: multiply lr by gamma at each of these optimizer steps"},
+    {"optim.schedule.gamma", DT_KEY_FLOAT, F(gamma), "0.1", 0, BIG, NULL, "step: factor at each milestone"},
+    {"optim.schedule.warmup_steps", DT_KEY_INT, F(warmup_steps), "0", 0, BIG, NULL, "cosine: linear warm-up steps"},
+    {"optim.schedule.min_lr", DT_KEY_FLOAT, F(min_lr), "0", 0, BIG, NULL, "cosine: final learning rate"},
+    {"optim.schedule.pct_start", DT_KEY_FLOAT, F(pct_start), "0.3", 0, 1, NULL,
+     "onecycle: fraction of steps spent warming up (from lr/25, then cosine down to lr/25e4, as PyTorch)"},
+    {"checkpoint.dir", DT_KEY_STRING, F(ckpt_dir), "checkpoints", NOB, NULL,
+     "rank 0 writes final.h5 (the model in the checkpoint layout) here at the end; empty: no file"},
+    {"log.dir", DT_KEY_STRING, F(log_dir), "runs/latest", NOB, NULL, "where rank 0 writes metrics.jsonl"},
+    {"log.every_steps", DT_KEY_INT, F(log_every_steps), "50", 1, BIG, NULL, "console and metrics line every N steps"},
+    {"log.progress", DT_KEY_ENUM, F(progress), "auto", NOB, "auto|on|off",
+     "progress bar with ETA (auto: when stdout is a terminal)"},
+    {"dist.comm", DT_KEY_ENUM, F(comm), "auto", NOB, "auto|mpi|nccl", "gradient communicator (auto: NCCL on GPUs, MPI on CPUs)"},
+    {"dist.bucket_mb", DT_KEY_FLOAT, F(bucket_mb), "25", 0.001, 4096, NULL,
+     "gradient bucket size; each bucket's allreduce starts as soon as backward completes it"},
+    {"dist.threads", DT_KEY_INT, F(threads), "0", 0, 1024, NULL,
+     "CPU threads per rank (0: cores / ranks on the node)"},
+};
+#define N_CONFIG_KEYS ((int)(sizeof config_keys / sizeof *config_keys))
+
+uint64_t dt_fnv1a(const void *data, size_t len, uint64_t h) {
+  const unsigned char *p = data;
+  if (!h) h = 1469598103934665603ULL;
+  for (size_t i = 0; i < len; i++) {
+    h ^= p[i];
+    h *= 1099511628211ULL;
+  }
+  return h;
+}
+
+static char *read_file(const char *path, size_t *len, dt_status *st) {
+  FILE *f = fopen(path, "rb");
+  if (!f) {
+    dt_fail(st, DT_EXIT_INPUT, "%s: cannot open config: %s", path, strerror(errno));
+    return NULL;
+  }
+  size_t cap = 4096, n = 0;
+  char *buf = dt_malloc(cap);
+  for (;;) {
+    if (n + 1 >= cap) buf = dt_realloc(buf, cap *= 2);
+    size_t got = fread(buf + n, 1, cap - n - 1, f);
+    n += got;
+    if (got == 0) break;
+  }
+  int bad = ferror(f);
+  fclose(f);
+  if (bad) {
+    free(buf);
+    dt_fail(st, DT_EXIT_INPUT, "%s: cannot read config", path);
+    return NULL;
+  }
+  buf[n] = 0;
+  *len = n;
+  return buf;
+}
+
+/* Applies "a.b.c=VALUE": VALUE is parsed as YAML (so lists and maps work) and replaces a.b.c. */
+static int apply_set(dt_config *cfg, const char *arg, int idx, dt_status *st) {
+  const char *eq = strchr(arg, '=');
+  if (!eq || eq == arg)
+    return dt_fail(st, DT_EXIT_INPUT, "--set %s: expected KEY=VALUE, e.g. --set train.epochs=3", arg);
+  size_t klen = (size_t)(eq - arg);
+  char *key = dt_malloc(klen + 1);
+  memcpy(key, arg, klen);
+  key[klen] = 0;
+  char origin[300];
+  snprintf(origin, sizeof origin, "--set %s", key);
+  cfg->set_origins[idx] = dt_strdup(origin);
+  dt_node *value = yaml_tree_parse(eq + 1, strlen(eq + 1), cfg->set_origins[idx], st);
+  if (!value) {
+    free(key);
+    return st->code;
+  }
+  if (eq[1] == 0) { /* "--set k=" is the empty string */
+    yaml_tree_free(value);
+    value = yaml_new_map(cfg->set_origins[idx]);
+    value->kind = DT_NODE_SCALAR;
+    value->scalar = dt_strdup("");
+    value->quoted = 1;
+  }
+  /* Nodes parsed from the argument keep line/col of the argument; drop them so messages say --set. */
+  value->line = value->col = 0;
+  dt_node *map = cfg->tree;
+  char *part = key, *dot;
+  while ((dot = strchr(part, '.'))) {
+    *dot = 0;
+    dt_node *child = yaml_map_get(map, part);
+    if (!child) {
+      child = yaml_new_map(cfg->set_origins[idx]);
+      yaml_map_set(map, part, child);
+    } else if (child->kind != DT_NODE_MAP) {
+      dt_fail(st, DT_EXIT_INPUT, "--set %s: '%s' is not a section", arg, part);
+      yaml_tree_free(value);
+      free(key);
+      return st->code;
+    }
+    map = child;
+    part = dot + 1;
+  }
+  yaml_map_set(map, part, value);
+  free(key);
+  return 0;
+}
+
+static int check_cross(dt_config *cfg, dt_status *st) {
+  dt_config_values *v = &cfg->v;
+  char where[512];
+  if (v->batch_size && v->global_batch_size)
+    return dt_fail(st, DT_EXIT_INPUT,
+                   "%s: train.batch_size and train.global_batch_size are both set; set only one (per-rank "
+                   "or total)",
+                   cfg->path);
+  if (!v->batch_size && !v->global_batch_size)
+    return dt_fail(st, DT_EXIT_INPUT, "%s: set train.batch_size (per rank) or train.global_batch_size (total)",
+                   cfg->path);
+  if (v->input.n < 1 || v->input.n > 3)
+    return dt_fail(st, DT_EXIT_INPUT, "%s: model.input: expected [C,H,W], [H,W] or [D], got %d numbers",
+                   cfg->path, v->input.n);
+  int channels = v->input.n == 3 ? (int)v->input.v[0] : 1;
+  if (v->mean.n && v->mean.n != channels)
+    return dt_fail(st, DT_EXIT_INPUT, "%s: data.mean has %d values but the input has %d channels", cfg->path,
+                   v->mean.n, channels);
+  if (v->std.n && v->std.n != channels)
+    return dt_fail(st, DT_EXIT_INPUT, "%s: data.std has %d values but the input has %d channels", cfg->path,
+                   v->std.n, channels);
+  if (v->betas.n != 2) return dt_fail(st, DT_EXIT_INPUT, "%s: optim.betas: expected two numbers", cfg->path);
+  if (v->nesterov && v->momentum <= 0)
+    return dt_fail(st, DT_EXIT_INPUT, "%s: optim.nesterov needs optim.momentum > 0", cfg->path);
+  for (int i = 1; i < v->milestones.n; i++)
+    if (v->milestones.v[i] <= v->milestones.v[i - 1])
+      return dt_fail(st, DT_EXIT_INPUT, "%s: optim.schedule.milestones must increase", cfg->path);
+  if (!v->layers || v->layers->kind != DT_NODE_SEQ || v->layers->n == 0) {
+    const dt_node *at = v->layers ? v->layers : cfg->tree;
+    return dt_fail(st, DT_EXIT_INPUT, "%s: model.layers: expected a non-empty list of layers",
+                   yaml_where(at, where, sizeof where));
+  }
+  return 0;
+}
+
+int config_load(dt_config *cfg, const char *path, char *const *sets, int n_sets, dt_status *st) {
+  memset(cfg, 0, sizeof *cfg);
+  cfg->path = dt_strdup(path);
+  size_t len;
+  char *text = read_file(path, &len, st);
+  if (!text) return st->code;
+  cfg->tree = yaml_tree_parse(text, len, cfg->path, st);
+  free(text);
+  if (!cfg->tree) return st->code;
+  if (cfg->tree->kind != DT_NODE_MAP) {
+    char where[512];
+    return dt_fail(st, DT_EXIT_INPUT, "%s: the config must be a map of sections (model, data, train, ...)",
+                   yaml_where(cfg->tree, where, sizeof where));
+  }
+  cfg->set_origins = dt_calloc((size_t)(n_sets > 0 ? n_sets : 1), sizeof(char *));
+  cfg->n_set = n_sets;
+  for (int i = 0; i < n_sets; i++)
+    if (apply_set(cfg, sets[i], i, st)) return st->code;
+  if (keys_read(config_keys, N_CONFIG_KEYS, &cfg->v, cfg->tree, "", "key", st)) return st->code;
+  if (check_cross(cfg, st)) return st->code;
+  size_t elen = 0, ecap = 0;
+  keys_dump(config_keys, N_CONFIG_KEYS, &cfg->v, "", &cfg->effective, &elen, &ecap);
+  cfg->hash = dt_fnv1a(cfg->effective, elen, 0);
+  return 0;
+}
+
+void config_free(dt_config *cfg) {
+  keys_free(config_keys, N_CONFIG_KEYS, &cfg->v);
+  yaml_tree_free(cfg->tree);
+  for (int i = 0; i < cfg->n_set; i++) free(cfg->set_origins[i]);
+  free(cfg->set_origins);
+  free(cfg->path);
+  free(cfg->effective);
+  memset(cfg, 0, sizeof *cfg);
+}
+
+void config_print_keys(FILE *out) {
+  fprintf(out, "| key | type | default | meaning |\n|---|---|---|---|\n");
+  for (int i = 0; i < N_CONFIG_KEYS; i++) {
+    const dt_key *k = &config_keys[i];
+    char bounds[96] = "";
+    if (k->min <= k->max) {
+      if (k->max >= 1e300) snprintf(bounds, sizeof bounds, ", >= %g", k->min);
+      else snprintf(bounds, sizeof bounds, ", in [%g, %g]", k->min, k->max);
+    }
+    fprintf(out, "| `%s` | %s%s | %s | %s |\n", k->path, keys_type_name(k), bounds,
+            k->deflt ? k->deflt : "(required)", k->doc);
+  }
+}

@@ -1,0 +1,79 @@
+/* config.h: the typed run configuration, read from YAML plus --set overrides.
+ * Every key is declared once in config.c's table (type, bounds, default, doc); `ddp_train
+ * --config-keys` prints that table, and docs/config.md is generated from it.
+ * Owns: the YAML tree (model.layers and model.loss point into it) and all strings. */
+#ifndef DT_CONFIG_H
+#define DT_CONFIG_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "keys.h"
+#include "yaml_tree.h"
+
+enum { DT_SHARD_GLOBAL, DT_SHARD_CONTIGUOUS };
+enum { DT_CACHE_AUTO, DT_CACHE_MEMORY, DT_CACHE_NONE };
+enum { DT_OPTIM_SGD, DT_OPTIM_ADAMW };
+enum { DT_SCHED_CONSTANT, DT_SCHED_STEP, DT_SCHED_COSINE, DT_SCHED_ONECYCLE };
+enum { DT_METRIC_NONE, DT_METRIC_VAL_LOSS, DT_METRIC_VAL_ACC };
+enum { DT_COMM_AUTO, DT_COMM_MPI, DT_COMM_NCCL };
+enum { DT_PROGRESS_AUTO, DT_PROGRESS_ON, DT_PROGRESS_OFF };
+
+typedef struct {
+  /* model */
+  dt_list input;            /* (C,H,W), (H,W) or (D) */
+  const dt_node *layers;    /* borrowed from tree */
+  const dt_node *loss;      /* borrowed from tree */
+  char *init_from;
+  /* data */
+  char *data_path, *train_x, *train_y, *val_x, *val_y;
+  double scale;
+  dt_list mean, std;
+  int sharding, drop_last, cache;
+  /* train */
+  int64_t epochs, max_steps, batch_size, global_batch_size, grad_accum, seed, eval_every_steps;
+  double clip_grad_norm;
+  int early_metric;
+  int64_t early_patience;
+  /* optim */
+  int optim;
+  double lr, momentum, weight_decay, eps;
+  int nesterov;
+  dt_list betas;
+  int schedule;
+  dt_list milestones;
+  double gamma, min_lr, pct_start;
+  int64_t warmup_steps;
+  /* checkpoint */
+  char *ckpt_dir;
+  /* log */
+  char *log_dir;
+  int64_t log_every_steps;
+  int progress;
+  /* dist */
+  int comm;
+  double bucket_mb;
+  int64_t threads;
+} dt_config_values;
+
+typedef struct {
+  dt_config_values v;
+  dt_node *tree;   /* owned */
+  char *path;      /* owned: the config file's path (origin of node locations) */
+  char **set_origins; /* owned: "--set KEY" strings, origins of --set nodes */
+  int n_set;
+  char *effective; /* owned: canonical text of every effective value (hashed, logged, checkpointed) */
+  uint64_t hash;   /* FNV-1a of effective */
+} dt_config;
+
+/* Reads path, applies each "KEY=VALUE" of sets in order, validates all keys.
+ * Returns 0, or sets st (exit 2 for config errors). cfg must be freed with config_free either way. */
+int config_load(dt_config *cfg, const char *path, char *const *sets, int n_sets, dt_status *st);
+void config_free(dt_config *cfg);
+
+/* Prints the key table as a Markdown table (docs/config.md). */
+void config_print_keys(FILE *out);
+
+uint64_t dt_fnv1a(const void *data, size_t len, uint64_t h);
+
+#endif

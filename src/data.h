@@ -1,0 +1,85 @@
+/* data.h: HDF5 datasets, checked at start-up, and a loader that prepares the next batch in a
+ * background thread.
+ * A split (train or val) is an x dataset (N, ...) of uint8/float32/float64 and a y dataset:
+ * integer class labels (N,) for cross_entropy, float targets (N, K) or (N,) for mse.
+ * Each rank holds the rows it may use ([lo, hi)): all of them for global sharding, its own 1/W
+ * for contiguous sharding, its 1/W slice of the validation set. Labels are always in memory; x
+ * is in memory when cached, otherwise read row by row from the file per batch.
+ * Owns: the HDF5 handles and the cached rows. */
+#ifndef DT_DATA_H
+#define DT_DATA_H
+
+#include <hdf5.h>
+#include <pthread.h>
+#include <stdint.h>
+
+#include "config.h"
+#include "model.h"
+#include "sampler.h"
+
+enum { DT_X_U8, DT_X_F32, DT_X_F64 };
+
+typedef struct {
+  char x_name[256], y_name[256];
+  int64_t n, row_elems;
+  int x_type;
+  size_t x_elem;
+  int64_t y_k;         /* targets per row (mse); 0 for class labels */
+  int64_t lo, hi;      /* rows held by this rank */
+  void *x;             /* rows [lo, hi) in the file's type; NULL: read per batch */
+  int32_t *labels;     /* rows [lo, hi) (cross_entropy) */
+  float *targets;      /* rows [lo, hi) x y_k (mse) */
+  hid_t dset_x;
+} dt_split;
+
+typedef struct {
+  char path[1024];
+  hid_t file;
+  dt_split train, val;
+  int has_val;
+  int cached;
+} dt_data;
+
+/* Opens and validates both splits; every failure is exit 2 naming file, dataset and index.
+ * The training rows held depend on sharding (see sampler.h). */
+int data_open(dt_data *d, const dt_config *cfg, const dt_model *m, int world, int rank, dt_status *st);
+void data_close(dt_data *d);
+
+/* Rows idx[0..n) (absolute row numbers within [lo, hi)) of split as float (n, row_elems), with
+ * labels (n) or targets (n, y_k). Returns 0 or st (exit 5 on a read failure). */
+int data_gather(dt_data *d, dt_split *s, const int64_t *idx, int64_t n, float *x, int32_t *labels, float *targets,
+                dt_status *st);
+
+/* One micro-batch on the host. */
+typedef struct {
+  float *x;
+  int32_t *labels;
+  float *targets;
+  int64_t count, global_count;
+  int64_t epoch, step; /* sampler position */
+  int ready;
+} dt_batch;
+
+/* Training loader: produces (epoch, step) micro-batches in order from a start position, two ahead. */
+typedef struct {
+  dt_data *data;
+  dt_sampler *sampler;
+  int64_t *idx;
+  dt_batch slots[2];
+  int64_t next_fill, next_take; /* sequence numbers */
+  int64_t start_epoch, start_step, end_epoch;
+  int stop, threaded;
+  pthread_t thread;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  dt_status st;   /* first error seen by the thread */
+  double wait_s;  /* time the consumer waited in loader_next since the last reset */
+} dt_loader;
+
+void loader_start(dt_loader *L, dt_data *d, dt_sampler *s, const dt_model *m, int64_t start_epoch, int64_t start_step,
+                  int64_t end_epoch);
+/* Next micro-batch in order; the previous one returned is released. NULL with st set on error. */
+dt_batch *loader_next(dt_loader *L, dt_status *st);
+void loader_stop(dt_loader *L);
+
+#endif

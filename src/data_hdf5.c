@@ -1,0 +1,439 @@
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "data.h"
+
+/* The innermost messages of HDF5's error stack, for our own messages. */
+typedef struct {
+  char *buf;
+  size_t cap, len;
+} h5_msgs;
+
+static herr_t collect(unsigned n, const H5E_error2_t *e, void *ctx) {
+  h5_msgs *m = ctx;
+  if (n > 2 || !e->desc) return 0;
+  m->len += (size_t)snprintf(m->buf + m->len, m->cap - m->len, "%s%s", m->len ? "; " : "", e->desc);
+  if (m->len >= m->cap) m->len = m->cap - 1;
+  return 0;
+}
+
+static const char *h5_error(char *buf, size_t cap) {
+  h5_msgs m = {buf, cap, 0};
+  buf[0] = 0;
+  H5Ewalk2(H5E_DEFAULT, H5E_WALK_DOWNWARD, collect, &m);
+  H5Eclear2(H5E_DEFAULT);
+  if (!buf[0]) snprintf(buf, cap, "unknown HDF5 error");
+  return buf;
+}
+
+static void dims_text(int nd, const hsize_t *dims, char *buf, size_t cap) {
+  size_t len = (size_t)snprintf(buf, cap, "(");
+  for (int i = 0; i < nd; i++) len += (size_t)snprintf(buf + len, cap - len, "%s%llu", i ? ", " : "", (unsigned long long)dims[i]);
+  snprintf(buf + len, cap - len, "%s)", nd == 1 ? "," : "");
+}
+
+/* Opens a dataset, checking it exists. */
+static hid_t open_dset(dt_data *d, const char *name, const char *key, dt_status *st) {
+  if (!name[0] || name[0] != '/') {
+    dt_fail(st, DT_EXIT_INPUT, "%s: %s: dataset path must start with '/', got '%s'", d->path, key, name);
+    return -1;
+  }
+  /* check each link on the way, so a missing group is a clear message rather than an HDF5 trace */
+  char part[256];
+  dt_strlcpy(part, name, sizeof part);
+  for (char *p = part + 1;; p++) {
+    if (*p == '/' || *p == 0) {
+      char save = *p;
+      *p = 0;
+      htri_t ok = H5Lexists(d->file, part, H5P_DEFAULT);
+      if (ok <= 0) {
+        char e[512] = "";
+        if (ok < 0) h5_error(e, sizeof e);
+        dt_fail(st, DT_EXIT_INPUT, "%s: dataset '%s' (%s) not found%s%s", d->path, name, key, ok < 0 ? ": " : "", e);
+        return -1;
+      }
+      *p = save;
+      if (!save) break;
+    }
+  }
+  hid_t ds = H5Dopen2(d->file, name, H5P_DEFAULT);
+  if (ds < 0) {
+    char e[512];
+    dt_fail(st, DT_EXIT_INPUT, "%s: cannot open dataset '%s' (%s): %s", d->path, name, key, h5_error(e, sizeof e));
+  }
+  return ds;
+}
+
+static int get_dims(hid_t ds, hsize_t *dims, int max) {
+  hid_t sp = H5Dget_space(ds);
+  int nd = H5Sget_simple_extent_ndims(sp);
+  if (nd > 0 && nd <= max) H5Sget_simple_extent_dims(sp, dims, NULL);
+  H5Sclose(sp);
+  return nd;
+}
+
+/* Reads rows [lo, hi) of ds (row = prod(dims[1..])) as mem_type into buf. */
+static int read_rows(hid_t ds, hid_t mem_type, int64_t lo, int64_t hi, int64_t row_elems, void *buf) {
+  hid_t fsp = H5Dget_space(ds);
+  int nd = H5Sget_simple_extent_ndims(fsp);
+  hsize_t start[8] = {0}, count[8];
+  H5Sget_simple_extent_dims(fsp, count, NULL);
+  start[0] = (hsize_t)lo;
+  count[0] = (hsize_t)(hi - lo);
+  herr_t rc = H5Sselect_hyperslab(fsp, H5S_SELECT_SET, start, NULL, count, NULL);
+  (void)row_elems; /* the memory space has the file's shape, which keeps HDF5 on its fast path */
+  hid_t msp = H5Screate_simple(nd, count, NULL);
+  if (rc >= 0) rc = H5Dread(ds, mem_type, msp, fsp, H5P_DEFAULT, buf);
+  H5Sclose(msp);
+  H5Sclose(fsp);
+  return rc < 0 ? -1 : 0;
+}
+
+/* Compares x's trailing dims with model.input, ignoring leading 1s on either side. */
+static int shape_matches(int nd, const hsize_t *dims, const dt_shape *in) {
+  int64_t want[3];
+  int nw = 0;
+  if (in->rank == 1) want[nw++] = in->c;
+  else want[0] = in->c, want[1] = in->h, want[2] = in->w, nw = 3;
+  int a = 1, b = 0;
+  while (a < nd - 1 && dims[a] == 1 && nd - a > nw - b) a++;
+  while (b < nw - 1 && want[b] == 1 && nw - b > nd - a) b++;
+  if (nd - a != nw - b) return 0;
+  for (; a < nd; a++, b++)
+    if ((int64_t)dims[a] != want[b]) return 0;
+  return 1;
+}
+
+static int open_split(dt_data *d, dt_split *s, const char *xkey, const char *ykey, const dt_model *m, int64_t lo_frac_r,
+                      int world, int contiguous, int cache, dt_status *st) {
+  char e[512], dt[128];
+  hid_t dx = open_dset(d, s->x_name, xkey, st);
+  if (dx < 0) return st->code;
+  hid_t dy = open_dset(d, s->y_name, ykey, st);
+  if (dy < 0) {
+    H5Dclose(dx);
+    return st->code;
+  }
+  hsize_t xd[8], yd[8];
+  int xn = get_dims(dx, xd, 8), yn = get_dims(dy, yd, 8);
+  int rc = 0;
+  if (xn < 2) {
+    rc = dt_fail(st, DT_EXIT_INPUT, "%s: dataset '%s' (%s): expected (N, C, H, W), (N, H, W) or (N, D), got %d dimensions",
+                 d->path, s->x_name, xkey, xn);
+    goto out;
+  }
+  dims_text(xn, xd, dt, sizeof dt);
+  if (!shape_matches(xn, xd, &m->input)) {
+    char in[64];
+    shape_text(m->input, in, sizeof in);
+    rc = dt_fail(st, DT_EXIT_INPUT, "%s: dataset '%s' (%s) has shape %s, which does not match model.input %s", d->path,
+                 s->x_name, xkey, dt, in);
+    goto out;
+  }
+  s->n = (int64_t)xd[0];
+  s->row_elems = shape_size(m->input);
+  hid_t t = H5Dget_type(dx);
+  H5T_class_t cls = H5Tget_class(t);
+  size_t sz = H5Tget_size(t);
+  H5T_sign_t sign = cls == H5T_INTEGER ? H5Tget_sign(t) : H5T_SGN_NONE;
+  H5Tclose(t);
+  if (cls == H5T_INTEGER && sz == 1 && sign == H5T_SGN_NONE) s->x_type = DT_X_U8, s->x_elem = 1;
+  else if (cls == H5T_FLOAT && sz == 4) s->x_type = DT_X_F32, s->x_elem = 4;
+  else if (cls == H5T_FLOAT && sz == 8) s->x_type = DT_X_F64, s->x_elem = 8;
+  else {
+    rc = dt_fail(st, DT_EXIT_INPUT, "%s: dataset '%s' (%s): element type must be uint8, float32 or float64", d->path,
+                 s->x_name, xkey);
+    goto out;
+  }
+  if (yn < 1 || (int64_t)yd[0] != s->n) {
+    char ydt[128];
+    dims_text(yn, yd, ydt, sizeof ydt);
+    rc = dt_fail(st, DT_EXIT_INPUT, "%s: '%s' has %lld rows but '%s' has shape %s: x and y lengths differ", d->path,
+                 s->x_name, (long long)s->n, s->y_name, ydt);
+    goto out;
+  }
+  t = H5Dget_type(dy);
+  cls = H5Tget_class(t);
+  H5Tclose(t);
+  if (m->loss_kind == DT_LOSS_CROSS_ENTROPY) {
+    if (cls != H5T_INTEGER || yn != 1) {
+      rc = dt_fail(st, DT_EXIT_INPUT, "%s: dataset '%s' (%s): cross_entropy needs integer class labels shaped (N,)",
+                   d->path, s->y_name, ykey);
+      goto out;
+    }
+    s->y_k = 0;
+  } else {
+    int64_t k = yn == 1 ? 1 : (int64_t)yd[1];
+    if ((cls != H5T_FLOAT && cls != H5T_INTEGER) || yn > 2 || k != m->n_outputs) {
+      rc = dt_fail(st, DT_EXIT_INPUT, "%s: dataset '%s' (%s): mse needs float targets shaped (N, %lld)", d->path,
+                   s->y_name, ykey, (long long)m->n_outputs);
+      goto out;
+    }
+    s->y_k = k;
+  }
+  /* rows this rank holds */
+  if (contiguous) {
+    s->lo = split_lo(s->n, world, (int)lo_frac_r);
+    s->hi = split_lo(s->n, world, (int)lo_frac_r + 1);
+  } else {
+    s->lo = 0;
+    s->hi = s->n;
+  }
+  int64_t rows = s->hi - s->lo;
+  if (s->y_k == 0) {
+    s->labels = dt_malloc((size_t)(rows ? rows : 1) * sizeof(int32_t));
+    if (rows && read_rows(dy, H5T_NATIVE_INT32, s->lo, s->hi, 1, s->labels)) {
+      rc = dt_fail(st, DT_EXIT_INPUT, "%s: cannot read '%s' (corrupt or unreadable file?): %s", d->path, s->y_name,
+                   h5_error(e, sizeof e));
+      goto out;
+    }
+    for (int64_t i = 0; i < rows; i++)
+      if (s->labels[i] < 0 || s->labels[i] >= m->n_outputs) {
+        rc = dt_fail(st, DT_EXIT_INPUT, "%s: '%s'[%lld] = %d: label outside [0, %lld) (the model has %lld outputs)",
+                     d->path, s->y_name, (long long)(s->lo + i), s->labels[i], (long long)m->n_outputs,
+                     (long long)m->n_outputs);
+        goto out;
+      }
+  } else {
+    s->targets = dt_malloc((size_t)(rows * s->y_k + 1) * sizeof(float));
+    if (rows && read_rows(dy, H5T_NATIVE_FLOAT, s->lo, s->hi, s->y_k, s->targets)) {
+      rc = dt_fail(st, DT_EXIT_INPUT, "%s: cannot read '%s' (corrupt or unreadable file?): %s", d->path, s->y_name,
+                   h5_error(e, sizeof e));
+      goto out;
+    }
+  }
+  size_t bytes = (size_t)rows * (size_t)s->row_elems * s->x_elem;
+  int in_memory = cache == DT_CACHE_MEMORY || (cache == DT_CACHE_AUTO && bytes < ((size_t)4 << 30));
+  if (in_memory) {
+    s->x = dt_malloc(bytes ? bytes : 1);
+    hid_t mt = s->x_type == DT_X_U8 ? H5T_NATIVE_UINT8 : s->x_type == DT_X_F32 ? H5T_NATIVE_FLOAT : H5T_NATIVE_DOUBLE;
+    if (rows && read_rows(dx, mt, s->lo, s->hi, s->row_elems, s->x)) {
+      rc = dt_fail(st, DT_EXIT_INPUT, "%s: cannot read '%s' (corrupt or unreadable file?): %s", d->path, s->x_name,
+                   h5_error(e, sizeof e));
+      goto out;
+    }
+    d->cached = 1;
+  } else {
+    s->dset_x = dx;
+    dx = -1;
+  }
+out:
+  if (dx >= 0) H5Dclose(dx);
+  H5Dclose(dy);
+  return rc;
+}
+
+int data_open(dt_data *d, const dt_config *cfg, const dt_model *m, int world, int rank, dt_status *st) {
+  memset(d, 0, sizeof *d);
+  d->file = -1;
+  d->train.dset_x = d->val.dset_x = -1;
+  const dt_config_values *v = &cfg->v;
+  dt_strlcpy(d->path, v->data_path, sizeof d->path);
+  H5Eset_auto2(H5E_DEFAULT, NULL, NULL); /* we report HDF5 errors ourselves */
+  struct stat sb;
+  if (stat(d->path, &sb) != 0)
+    return dt_fail(st, DT_EXIT_INPUT, "%s: data.path: cannot open: %s%s", d->path, strerror(errno),
+                   errno == ENOENT ? " (for Fashion-MNIST, run `make data`)" : "");
+  if (H5Fis_hdf5(d->path) <= 0) {
+    char e[512];
+    h5_error(e, sizeof e);
+    return dt_fail(st, DT_EXIT_INPUT, "%s: data.path: not a readable HDF5 file (corrupt or another format): %s",
+                   d->path, e);
+  }
+  d->file = H5Fopen(d->path, H5F_ACC_RDONLY, H5P_DEFAULT);
+  if (d->file < 0) {
+    char e[512];
+    h5_error(e, sizeof e);
+    int lock = strstr(e, "lock") != NULL;
+    return dt_fail(st, DT_EXIT_INPUT, "%s: cannot open HDF5 file: %s%s", d->path, e,
+                   lock ? " (the file is locked; on shared filesystems set HDF5_USE_FILE_LOCKING=FALSE)" : "");
+  }
+  dt_strlcpy(d->train.x_name, v->train_x, sizeof d->train.x_name);
+  dt_strlcpy(d->train.y_name, v->train_y, sizeof d->train.y_name);
+  if (open_split(d, &d->train, "data.train.x", "data.train.y", m, rank, world, v->sharding == DT_SHARD_CONTIGUOUS,
+                 v->cache, st))
+    return st->code;
+  d->has_val = v->val_x[0] != 0;
+  if (d->has_val) {
+    dt_strlcpy(d->val.x_name, v->val_x, sizeof d->val.x_name);
+    dt_strlcpy(d->val.y_name, v->val_y, sizeof d->val.y_name);
+    /* validation: every rank holds its contiguous 1/W */
+    if (open_split(d, &d->val, "data.val.x", "data.val.y", m, rank, world, 1, v->cache, st)) return st->code;
+  }
+  if (d->train.n == 0) return dt_fail(st, DT_EXIT_INPUT, "%s: '%s' is empty", d->path, d->train.x_name);
+  return 0;
+}
+
+static void split_free(dt_split *s) {
+  free(s->x);
+  free(s->labels);
+  free(s->targets);
+  if (s->dset_x >= 0) H5Dclose(s->dset_x);
+  s->x = NULL;
+  s->labels = NULL;
+  s->targets = NULL;
+  s->dset_x = -1;
+}
+
+void data_close(dt_data *d) {
+  split_free(&d->train);
+  split_free(&d->val);
+  if (d->file >= 0) H5Fclose(d->file);
+  d->file = -1;
+}
+
+static void convert_row(const dt_split *s, const void *src, float *dst) {
+  int64_t n = s->row_elems;
+  if (s->x_type == DT_X_U8)
+    for (int64_t i = 0; i < n; i++) dst[i] = (float)((const uint8_t *)src)[i];
+  else if (s->x_type == DT_X_F32)
+    memcpy(dst, src, (size_t)n * sizeof(float));
+  else
+    for (int64_t i = 0; i < n; i++) dst[i] = (float)((const double *)src)[i];
+}
+
+int data_gather(dt_data *d, dt_split *s, const int64_t *idx, int64_t n, float *x, int32_t *labels, float *targets,
+                dt_status *st) {
+  unsigned char row[8 * 4096];
+  void *tmp = s->x ? NULL : (s->row_elems * (int64_t)s->x_elem <= (int64_t)sizeof row ? (void *)row
+                                                                                        : dt_malloc((size_t)s->row_elems * s->x_elem));
+  hid_t mt = s->x_type == DT_X_U8 ? H5T_NATIVE_UINT8 : s->x_type == DT_X_F32 ? H5T_NATIVE_FLOAT : H5T_NATIVE_DOUBLE;
+  for (int64_t i = 0; i < n; i++) {
+    int64_t r = idx[i];
+    DT_ASSERT(r >= s->lo && r < s->hi);
+    if (s->x) {
+      convert_row(s, (const char *)s->x + (size_t)(r - s->lo) * (size_t)s->row_elems * s->x_elem, x + i * s->row_elems);
+    } else {
+      if (read_rows(s->dset_x, mt, r, r + 1, s->row_elems, tmp)) {
+        char e[512];
+        if (tmp != row) free(tmp);
+        return dt_fail(st, DT_EXIT_IO, "%s: reading '%s'[%lld] failed: %s", d->path, s->x_name, (long long)r,
+                       h5_error(e, sizeof e));
+      }
+      convert_row(s, tmp, x + i * s->row_elems);
+    }
+    if (s->y_k == 0) labels[i] = s->labels[r - s->lo];
+    else memcpy(targets + i * s->y_k, s->targets + (r - s->lo) * s->y_k, (size_t)s->y_k * sizeof(float));
+  }
+  if (tmp && tmp != row) free(tmp);
+  return 0;
+}
+
+/* ---- loader ---- */
+
+static void seq_position(const dt_loader *L, int64_t seq, int64_t *epoch, int64_t *step) {
+  int64_t abs = L->start_step + seq, steps = L->sampler->steps;
+  *epoch = L->start_epoch + abs / steps;
+  *step = abs % steps;
+}
+
+/* Fills slot for sequence number seq; 0 or error in L->st. Caller holds no lock. */
+static int fill(dt_loader *L, dt_batch *b, int64_t seq, dt_status *st) {
+  seq_position(L, seq, &b->epoch, &b->step);
+  b->count = sampler_batch(L->sampler, b->epoch, b->step, L->idx, &b->global_count);
+  return data_gather(L->data, &L->data->train, L->idx, b->count, b->x, b->labels, b->targets, st);
+}
+
+static void *loader_main(void *arg) {
+  dt_loader *L = arg;
+  pthread_mutex_lock(&L->mu);
+  for (;;) {
+    while (!L->stop && (L->next_fill - L->next_take >= 1 || L->slots[L->next_fill % 2].ready)) {
+      /* at most one batch ahead of the one the consumer holds */
+      pthread_cond_wait(&L->cv, &L->mu);
+    }
+    if (L->stop) break;
+    int64_t seq = L->next_fill;
+    int64_t e, s;
+    seq_position(L, seq, &e, &s);
+    if (e >= L->end_epoch) {
+      pthread_cond_wait(&L->cv, &L->mu);
+      continue;
+    }
+    dt_batch *b = &L->slots[seq % 2];
+    pthread_mutex_unlock(&L->mu);
+    dt_status st = {0};
+    fill(L, b, seq, &st);
+    pthread_mutex_lock(&L->mu);
+    if (st.code && !L->st.code) L->st = st;
+    b->ready = 1;
+    L->next_fill++;
+    pthread_cond_broadcast(&L->cv);
+  }
+  pthread_mutex_unlock(&L->mu);
+  return NULL;
+}
+
+void loader_start(dt_loader *L, dt_data *d, dt_sampler *s, const dt_model *m, int64_t start_epoch, int64_t start_step,
+                  int64_t end_epoch) {
+  memset(L, 0, sizeof *L);
+  L->data = d;
+  L->sampler = s;
+  L->start_epoch = start_epoch;
+  L->start_step = start_step;
+  L->end_epoch = end_epoch;
+  int64_t cap = sampler_max_local(s);
+  L->idx = dt_malloc((size_t)cap * sizeof(int64_t));
+  for (int i = 0; i < 2; i++) {
+    L->slots[i].x = dt_malloc((size_t)(cap * shape_size(m->input)) * sizeof(float));
+    L->slots[i].labels = dt_malloc((size_t)cap * sizeof(int32_t));
+    L->slots[i].targets = dt_malloc((size_t)(cap * (m->n_outputs > 0 ? m->n_outputs : 1)) * sizeof(float));
+  }
+  pthread_mutex_init(&L->mu, NULL);
+  pthread_cond_init(&L->cv, NULL);
+  /* HDF5 without thread safety must stay on one thread: then batches are read in the caller. */
+  hbool_t safe = 0;
+  H5is_library_threadsafe(&safe);
+  L->threaded = d->cached || safe;
+  if (L->threaded && pthread_create(&L->thread, NULL, loader_main, L) != 0) L->threaded = 0;
+}
+
+dt_batch *loader_next(dt_loader *L, dt_status *st) {
+  double t0 = dt_now();
+  pthread_mutex_lock(&L->mu);
+  /* release the batch handed out last time */
+  if (L->next_take > 0) {
+    L->slots[(L->next_take - 1) % 2].ready = 0;
+    pthread_cond_broadcast(&L->cv);
+  }
+  dt_batch *b = &L->slots[L->next_take % 2];
+  if (!L->threaded) {
+    pthread_mutex_unlock(&L->mu);
+    if (fill(L, b, L->next_take, st)) return NULL;
+    b->ready = 1;
+    L->next_fill = ++L->next_take;
+    L->wait_s += dt_now() - t0;
+    return b;
+  }
+  while (!b->ready && !L->st.code) pthread_cond_wait(&L->cv, &L->mu);
+  if (L->st.code) {
+    *st = L->st;
+    pthread_mutex_unlock(&L->mu);
+    return NULL;
+  }
+  L->next_take++;
+  pthread_cond_broadcast(&L->cv);
+  pthread_mutex_unlock(&L->mu);
+  L->wait_s += dt_now() - t0;
+  return b;
+}
+
+void loader_stop(dt_loader *L) {
+  pthread_mutex_lock(&L->mu);
+  L->stop = 1;
+  pthread_cond_broadcast(&L->cv);
+  pthread_mutex_unlock(&L->mu);
+  if (L->threaded) pthread_join(L->thread, NULL);
+  pthread_mutex_destroy(&L->mu);
+  pthread_cond_destroy(&L->cv);
+  for (int i = 0; i < 2; i++) {
+    free(L->slots[i].x);
+    free(L->slots[i].labels);
+    free(L->slots[i].targets);
+  }
+  free(L->idx);
+  memset(L, 0, sizeof *L);
+}

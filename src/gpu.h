@@ -1,0 +1,13 @@
+/* gpu.h: what the CUDA toolkit reports, when the binary is built with CUDA (DT_WITH_CUDA).
+ * Without CUDA the functions report no device and no versions. */
+#ifndef DT_GPU_H
+#define DT_GPU_H
+
+#include <stddef.h>
+
+/* Visible CUDA devices (0 when none, when the driver is missing, or without CUDA). */
+int gpu_count(char *why, size_t cap);
+/* "CUDA runtime 13.0, driver 13.0, cuDNN 9.x, cuBLAS ..., NCCL 2.28.x", or "" without CUDA. */
+void gpu_versions(char *buf, size_t cap);
+
+#endif

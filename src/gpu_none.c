@@ -1,0 +1,11 @@
+/* gpu_none.c: the CPU-only build (make CUDA=0). */
+#include <stdio.h>
+
+#include "gpu.h"
+
+int gpu_count(char *why, size_t cap) {
+  snprintf(why, cap, "this binary was built without CUDA (make CUDA=0)");
+  return 0;
+}
+
+void gpu_versions(char *buf, size_t cap) { snprintf(buf, cap, "CUDA: not built in"); }

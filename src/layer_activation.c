@@ -1,0 +1,99 @@
+/* layer_activation.c: elementwise layers that keep the shape: relu, gelu (erf form), tanh,
+ * sigmoid, dropout{p}; and flatten, (C,H,W) -> (C*H*W) in PyTorch's C,H,W order. */
+#include <stddef.h>
+
+#include "layers.h"
+
+static int same_setup(dt_model *m, dt_layer *l, dt_status *st) {
+  (void)m;
+  (void)st;
+  l->out = l->in;
+  return 0;
+}
+
+static int act_kind(const dt_layer *l) {
+  if (l->ops == &dt_layer_relu) return DT_ACT_RELU;
+  if (l->ops == &dt_layer_gelu) return DT_ACT_GELU;
+  if (l->ops == &dt_layer_tanh) return DT_ACT_TANH;
+  return DT_ACT_SIGMOID;
+}
+
+static void act_forward(dt_layer *l, dt_pass *pass, const float *x) {
+  dt_op op = {.type = DT_OP_ACT_FWD};
+  op.p.act_fwd = (typeof(op.p.act_fwd)){act_kind(l), pass->batch * shape_size(l->in), x, l->y};
+  backend_run(pass->be, &op);
+}
+
+static void act_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
+  if (!dx) return;
+  dt_op op = {.type = DT_OP_ACT_BWD};
+  op.p.act_bwd = (typeof(op.p.act_bwd)){act_kind(l), pass->batch * shape_size(l->in), x, l->y, l->dy, dx};
+  backend_run(pass->be, &op);
+}
+
+static int64_t act_flops(const dt_layer *l) { return shape_size(l->in); }
+
+#define ACTIVATION(var, name)                                                                             \
+  const dt_layer_ops var = {.kind = name, .setup = same_setup, .forward = act_forward,                     \
+                            .backward = act_backward, .flops = act_flops}
+ACTIVATION(dt_layer_relu, "relu");
+ACTIVATION(dt_layer_gelu, "gelu");
+ACTIVATION(dt_layer_tanh, "tanh");
+ACTIVATION(dt_layer_sigmoid, "sigmoid");
+
+#define A(field) offsetof(dt_layer_args, field)
+static const dt_key dropout_keys[] = {
+    {"p", DT_KEY_FLOAT, A(p), "0.5", 0, 0.999, NULL, "probability of zeroing an element"},
+};
+
+/* The mask is a hash of (pass seed, layer index, element), so backward recomputes it. */
+static uint64_t dropout_seed(const dt_layer *l, const dt_pass *pass) {
+  return dt_hash64(pass->dropout_seed ^ ((uint64_t)l->index * 0x9e3779b97f4a7c15ULL));
+}
+
+static void dropout_forward(dt_layer *l, dt_pass *pass, const float *x) {
+  int64_t n = pass->batch * shape_size(l->in);
+  if (!pass->training || l->args.p == 0) {
+    pass->be->to_device(pass->be, l->y, x, (size_t)n * sizeof(float));
+    return;
+  }
+  dt_op op = {.type = DT_OP_DROPOUT_FWD};
+  op.p.dropout_fwd = (typeof(op.p.dropout_fwd)){n, (float)l->args.p, dropout_seed(l, pass), x, l->y};
+  backend_run(pass->be, &op);
+}
+
+static void dropout_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
+  (void)x;
+  if (!dx) return;
+  int64_t n = pass->batch * shape_size(l->in);
+  if (l->args.p == 0) {
+    pass->be->to_device(pass->be, dx, l->dy, (size_t)n * sizeof(float));
+    return;
+  }
+  dt_op op = {.type = DT_OP_DROPOUT_BWD};
+  op.p.dropout_bwd = (typeof(op.p.dropout_bwd)){n, (float)l->args.p, dropout_seed(l, pass), l->dy, dx};
+  backend_run(pass->be, &op);
+}
+
+const dt_layer_ops dt_layer_dropout = {.kind = "dropout", .keys = dropout_keys, .n_keys = 1, .setup = same_setup,
+                                       .forward = dropout_forward, .backward = dropout_backward, .flops = act_flops};
+
+static int flatten_setup(dt_model *m, dt_layer *l, dt_status *st) {
+  (void)m;
+  (void)st;
+  l->out = (dt_shape){1, shape_size(l->in), 1, 1};
+  return 0;
+}
+
+/* Same memory order, so forward and backward are copies (on the device for GPU backends). */
+static void flatten_forward(dt_layer *l, dt_pass *pass, const float *x) {
+  pass->be->to_device(pass->be, l->y, x, (size_t)(pass->batch * shape_size(l->in)) * sizeof(float));
+}
+
+static void flatten_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
+  (void)x;
+  if (dx) pass->be->to_device(pass->be, dx, l->dy, (size_t)(pass->batch * shape_size(l->in)) * sizeof(float));
+}
+
+const dt_layer_ops dt_layer_flatten = {.kind = "flatten", .setup = flatten_setup, .forward = flatten_forward,
+                                       .backward = flatten_backward};

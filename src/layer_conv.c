@@ -1,0 +1,95 @@
+/* layer_conv.c: conv2d{out, kernel, stride, pad, bias}. x (B,C,H,W) -> y (B,O,Ho,Wo);
+ * weight (O,C,K,K) and bias (O) as PyTorch. */
+#include <math.h>
+#include <stddef.h>
+
+#include "layers.h"
+
+#define A(field) offsetof(dt_layer_args, field)
+static const dt_key conv_keys[] = {
+    {"out", DT_KEY_INT, A(out), NULL, 1, 1e9, NULL, "output channels"},
+    {"kernel", DT_KEY_INT, A(kernel), NULL, 1, 1024, NULL, "square kernel size"},
+    {"stride", DT_KEY_INT, A(stride), "1", 1, 1024, NULL, "stride"},
+    {"pad", DT_KEY_INT, A(pad), "0", 0, 1024, NULL, "zero padding on each side"},
+    {"bias", DT_KEY_BOOL, A(bias), "true", 1, 0, NULL, "add a bias"},
+};
+
+static dt_conv_geom geom(const dt_layer *l, int64_t batch) {
+  return (dt_conv_geom){batch, l->in.c, l->in.h, l->in.w, l->args.out, l->args.kernel, l->args.stride,
+                        l->args.pad, l->out.h, l->out.w};
+}
+
+static int conv_setup(dt_model *m, dt_layer *l, dt_status *st) {
+  (void)m;
+  char s[64];
+  shape_text(l->in, s, sizeof s);
+  if (l->in.rank != 3)
+    return dt_fail(st, DT_EXIT_INPUT, "%s: layer %s conv2d: expects a (C, H, W) input, got %s", l->where, l->name, s);
+  int64_t k = l->args.kernel, p = l->args.pad, str = l->args.stride;
+  int64_t ho = (l->in.h + 2 * p - k) / str + 1, wo = (l->in.w + 2 * p - k) / str + 1;
+  if (l->in.h + 2 * p < k || l->in.w + 2 * p < k)
+    return dt_fail(st, DT_EXIT_INPUT, "%s: layer %s conv2d: kernel %lld does not fit input %s with pad %lld", l->where,
+                   l->name, (long long)k, s, (long long)p);
+  l->out = (dt_shape){3, l->args.out, ho, wo};
+  int64_t w[4] = {l->args.out, l->in.c, k, k};
+  layer_add_tensor(l, "weight", 0, 4, w);
+  if (l->args.bias) layer_add_tensor(l, "bias", 0, 1, &l->args.out);
+  return 0;
+}
+
+static void conv_init(dt_layer *l, float *params, float *bufs, uint64_t seed) {
+  (void)bufs;
+  float bound = 1.0f / sqrtf((float)(l->in.c * l->args.kernel * l->args.kernel));
+  for (int t = 0; t < l->n_tensors; t++)
+    init_uniform(params + l->tensors[t].offset, l->tensors[t].count, bound, dt_hash64(seed + (uint64_t)t));
+}
+
+static void conv_forward(dt_layer *l, dt_pass *pass, const float *x) {
+  const float *w = pass->params + l->param_off;
+  dt_op op = {.type = DT_OP_CONV_FWD};
+  op.p.conv_fwd.g = geom(l, pass->batch);
+  op.p.conv_fwd.x = x;
+  op.p.conv_fwd.w = w;
+  op.p.conv_fwd.y = l->y;
+  backend_run(pass->be, &op);
+  if (l->args.bias) {
+    dt_op b = {.type = DT_OP_BIAS_ADD};
+    b.p.bias_add = (typeof(b.p.bias_add)){pass->batch, l->args.out, l->out.h * l->out.w, l->y,
+                                          w + l->tensors[0].count};
+    backend_run(pass->be, &b);
+  }
+}
+
+static void conv_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
+  const float *w = pass->params + l->param_off;
+  float *dw = pass->grads + l->param_off;
+  dt_op op = {.type = DT_OP_CONV_BWD_FILTER};
+  op.p.conv_bwd_filter.g = geom(l, pass->batch);
+  op.p.conv_bwd_filter.x = x;
+  op.p.conv_bwd_filter.dy = l->dy;
+  op.p.conv_bwd_filter.dw = dw;
+  backend_run(pass->be, &op);
+  if (l->args.bias) {
+    dt_op b = {.type = DT_OP_BIAS_GRAD};
+    b.p.bias_grad = (typeof(b.p.bias_grad)){pass->batch, l->args.out, l->out.h * l->out.w, l->dy,
+                                            dw + l->tensors[0].count};
+    backend_run(pass->be, &b);
+  }
+  if (dx) {
+    dt_op d = {.type = DT_OP_CONV_BWD_DATA};
+    d.p.conv_bwd_data.g = geom(l, pass->batch);
+    d.p.conv_bwd_data.dy = l->dy;
+    d.p.conv_bwd_data.w = w;
+    d.p.conv_bwd_data.dx = dx;
+    backend_run(pass->be, &d);
+  }
+}
+
+static int64_t conv_flops(const dt_layer *l) {
+  int64_t outs = l->out.c * l->out.h * l->out.w;
+  return 2 * outs * l->in.c * l->args.kernel * l->args.kernel + (l->args.bias ? outs : 0);
+}
+
+const dt_layer_ops dt_layer_conv2d = {
+    .kind = "conv2d", .keys = conv_keys, .n_keys = 5, .setup = conv_setup, .init = conv_init,
+    .forward = conv_forward, .backward = conv_backward, .flops = conv_flops};

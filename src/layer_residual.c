@@ -1,0 +1,88 @@
+/* layer_residual.c: residual{body, shortcut}: y = body(x) + shortcut(x), the shortcut being the
+ * identity when omitted. Tensors are named "<i>.body.<j>.*" and "<i>.shortcut.<j>.*". */
+#include <stddef.h>
+#include <stdio.h>
+
+#include "layers.h"
+
+#define A(field) offsetof(dt_layer_args, field)
+static const dt_key residual_keys[] = {
+    {"body", DT_KEY_NODE, A(body), NULL, 1, 0, NULL, "list of layers"},
+    {"shortcut", DT_KEY_NODE, A(shortcut), "{}", 1, 0, NULL, "list of layers (identity when omitted)"},
+};
+
+typedef struct {
+  float *dx_short; /* (B, in) backend memory */
+} residual_state;
+
+static int residual_setup(dt_model *m, dt_layer *l, dt_status *st) {
+  char prefix[160], what[200];
+  snprintf(prefix, sizeof prefix, "%s.body.", l->name);
+  snprintf(what, sizeof what, "layer %s residual body", l->name);
+  if (seq_build(m, &l->body, l->args.body, l->in, prefix, what, st)) return st->code;
+  if (l->body.n == 0) return dt_fail(st, DT_EXIT_INPUT, "%s: layer %s residual: body is empty", l->where, l->name);
+  dt_shape body_out = l->body.layers[l->body.n - 1]->out, short_out = l->in;
+  if (l->args.shortcut && !(l->args.shortcut->kind == DT_NODE_MAP && l->args.shortcut->n == 0)) {
+    snprintf(prefix, sizeof prefix, "%s.shortcut.", l->name);
+    snprintf(what, sizeof what, "layer %s residual shortcut", l->name);
+    if (seq_build(m, &l->shortcut, l->args.shortcut, l->in, prefix, what, st)) return st->code;
+    if (l->shortcut.n) short_out = l->shortcut.layers[l->shortcut.n - 1]->out;
+  }
+  if (shape_size(body_out) != shape_size(short_out) || body_out.c != short_out.c || body_out.h != short_out.h) {
+    char a[64], b[64];
+    shape_text(body_out, a, sizeof a);
+    shape_text(short_out, b, sizeof b);
+    return dt_fail(st, DT_EXIT_INPUT, "%s: layer %s residual: body gives %s but the shortcut gives %s", l->where,
+                   l->name, a, b);
+  }
+  l->out = body_out;
+  return 0;
+}
+
+static void residual_alloc(dt_layer *l, dt_backend *be, int64_t max_batch) {
+  residual_state *s = dt_calloc(1, sizeof *s);
+  s->dx_short = be->alloc(be, (size_t)(max_batch * shape_size(l->in)) * sizeof(float));
+  l->priv = s;
+}
+
+static void residual_release(dt_layer *l, dt_backend *be) {
+  residual_state *s = l->priv;
+  if (s) be->free(be, s->dx_short);
+}
+
+static void residual_forward(dt_layer *l, dt_pass *pass, const float *x) {
+  seq_forward(&l->body, pass, x);
+  const float *shortcut = x;
+  if (l->shortcut.n) {
+    seq_forward(&l->shortcut, pass, x);
+    shortcut = l->shortcut.layers[l->shortcut.n - 1]->y;
+  }
+  dt_op op = {.type = DT_OP_ADD};
+  op.p.add = (typeof(op.p.add)){pass->batch * shape_size(l->out), l->body.layers[l->body.n - 1]->y, shortcut, l->y};
+  backend_run(pass->be, &op);
+}
+
+/* Shortcut first: its parameters sit after the body's, and gradients complete from the end. */
+static void residual_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
+  residual_state *s = l->priv;
+  size_t out_bytes = (size_t)(pass->batch * shape_size(l->out)) * sizeof(float);
+  dt_layer *body_last = l->body.layers[l->body.n - 1];
+  if (l->shortcut.n) {
+    dt_layer *short_last = l->shortcut.layers[l->shortcut.n - 1];
+    pass->be->to_device(pass->be, short_last->dy, l->dy, out_bytes);
+    seq_backward(&l->shortcut, pass, x, dx ? s->dx_short : NULL);
+  }
+  pass->be->to_device(pass->be, body_last->dy, l->dy, out_bytes);
+  seq_backward(&l->body, pass, x, dx);
+  if (!dx) return;
+  dt_op op = {.type = DT_OP_ADD};
+  op.p.add = (typeof(op.p.add)){pass->batch * shape_size(l->in), dx, l->shortcut.n ? s->dx_short : l->dy, dx};
+  backend_run(pass->be, &op);
+}
+
+static int64_t residual_flops(const dt_layer *l) { return shape_size(l->out); }
+
+const dt_layer_ops dt_layer_residual = {
+    .kind = "residual", .keys = residual_keys, .n_keys = 2, .setup = residual_setup, .alloc = residual_alloc,
+    .forward = residual_forward, .backward = residual_backward, .release = residual_release,
+    .flops = residual_flops};

@@ -1,0 +1,30 @@
+/* log.h: rank 0's console lines, progress bar and metrics.jsonl. Other ranks hold a disabled
+ * logger. Owns: the metrics file. */
+#ifndef DT_LOG_H
+#define DT_LOG_H
+
+#include <stdio.h>
+
+#include "common.h"
+
+typedef struct {
+  int enabled;  /* rank 0 only */
+  int progress; /* draw a progress bar (stdout is a terminal) */
+  FILE *metrics;
+  char path[1100];
+  int bar_drawn;
+} dt_log;
+
+/* Opens dir/metrics.jsonl (creating dir). Exit 5 naming the path on failure. */
+int log_open(dt_log *lg, int enabled, const char *dir, int progress_mode, dt_status *st);
+void log_close(dt_log *lg);
+/* mkdir -p; exit 5 naming the directory on failure. */
+int log_mkdirs(const char *dir, dt_status *st);
+
+/* Console line (clears the progress bar first); printf-style. */
+void log_line(dt_log *lg, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* One JSON object per line; the text is the object's members without braces. */
+void log_metrics(dt_log *lg, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void log_progress(dt_log *lg, int64_t step, int64_t total, double elapsed_s, double loss);
+
+#endif

@@ -1,0 +1,213 @@
+/* main.c: the CLI, start-up order and the exit-code contract (README "Exit codes").
+ * Every rank runs the same steps; after each stage that can find bad input, the ranks agree
+ * (comm_agree) so that all exit together with one message. */
+#define _GNU_SOURCE
+#include <cblas.h>
+#include <hdf5.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <yaml.h>
+
+#include "checkpoint.h"
+#include "comm.h"
+#include "config.h"
+#include "data.h"
+#include "gpu.h"
+#include "model.h"
+#include "train.h"
+
+static const char usage_text[] =
+    "usage: ddp_train [options] CONFIG.yaml\n"
+    "\n"
+    "Data-parallel training of the network CONFIG.yaml describes; launch with\n"
+    "`mpirun -np N ddp_train CONFIG.yaml` for N ranks.\n"
+    "\n"
+    "options:\n"
+    "  --set KEY=VALUE   override a config key (dotted path, repeatable), e.g. --set train.epochs=3\n"
+    "  --dry-run         validate the config and the data, print the model summary, exit 0\n"
+    "  --device DEV      auto, cpu or cuda (default auto: cpu in this version)\n"
+    "  --config-keys     print every config key with its type, default and meaning (Markdown)\n"
+    "  --version         print the versions of ddp_train and its libraries\n"
+    "  --help            print this help\n"
+    "\n"
+    "exit codes: 0 success, 2 bad input (usage, config, data), 3 peer failure or collective timeout,\n"
+    "4 numerical failure (NaN/Inf), 5 I/O failure, 75 stopped by a signal or time limit after a checkpoint\n";
+
+enum { DEV_AUTO, DEV_CPU, DEV_CUDA };
+
+typedef struct {
+  const char *config;
+  char **sets;
+  int n_sets;
+  int dry_run, help, version, config_keys, device;
+} cli_args;
+
+static int parse_args(int argc, char **argv, cli_args *a, dt_status *st) {
+  memset(a, 0, sizeof *a);
+  a->sets = dt_calloc((size_t)argc + 1, sizeof(char *));
+  for (int i = 1; i < argc; i++) {
+    const char *s = argv[i];
+    if (!strcmp(s, "--help") || !strcmp(s, "-h")) a->help = 1;
+    else if (!strcmp(s, "--version")) a->version = 1;
+    else if (!strcmp(s, "--dry-run")) a->dry_run = 1;
+    else if (!strcmp(s, "--config-keys")) a->config_keys = 1;
+    else if (!strcmp(s, "--set") || !strncmp(s, "--set=", 6)) {
+      const char *val = s[5] == '=' ? s + 6 : (i + 1 < argc ? argv[++i] : NULL);
+      if (!val) return dt_fail(st, DT_EXIT_INPUT, "--set needs KEY=VALUE\n%s", usage_text);
+      a->sets[a->n_sets++] = (char *)val;
+    } else if (!strcmp(s, "--device") || !strncmp(s, "--device=", 9)) {
+      const char *val = s[8] == '=' ? s + 9 : (i + 1 < argc ? argv[++i] : NULL);
+      if (!val) return dt_fail(st, DT_EXIT_INPUT, "--device needs auto, cpu or cuda");
+      if (!strcmp(val, "auto")) a->device = DEV_AUTO;
+      else if (!strcmp(val, "cpu")) a->device = DEV_CPU;
+      else if (!strcmp(val, "cuda")) a->device = DEV_CUDA;
+      else return dt_fail(st, DT_EXIT_INPUT, "--device %s: expected auto, cpu or cuda", val);
+    } else if (s[0] == '-' && s[1]) {
+      return dt_fail(st, DT_EXIT_INPUT, "unknown option '%s'\n%s", s, usage_text);
+    } else if (a->config) {
+      return dt_fail(st, DT_EXIT_INPUT, "more than one config given ('%s' and '%s')\n%s", a->config, s, usage_text);
+    } else {
+      a->config = s;
+    }
+  }
+  if (!a->help && !a->version && !a->config_keys && !a->config)
+    return dt_fail(st, DT_EXIT_INPUT, "no config given\n%s", usage_text);
+  return 0;
+}
+
+static void print_version(void) {
+  char mpi[MPI_MAX_LIBRARY_VERSION_STRING];
+  int len = 0;
+  MPI_Get_library_version(mpi, &len);
+  char *nl = strchr(mpi, '\n');
+  if (nl) *nl = 0;
+  char *comma = strchr(mpi, ',');
+  if (comma) *comma = 0;
+  unsigned maj, min, rel;
+  H5get_libversion(&maj, &min, &rel);
+  char gpu[512];
+  gpu_versions(gpu, sizeof gpu);
+  printf("ddp_train %s\n", DT_VERSION);
+  printf("  MPI: %s\n", mpi);
+  printf("  HDF5: %u.%u.%u\n", maj, min, rel);
+  printf("  libyaml: %s\n", yaml_get_version_string());
+  printf("  OpenBLAS: %s\n", openblas_get_config());
+  printf("  %s\n", gpu);
+}
+
+/* Threads per rank: the cores this rank may run on, shared with the other ranks on the node. */
+static int pick_threads(const dt_config *cfg, const dt_comm *c) {
+  if (cfg->v.threads > 0) return (int)cfg->v.threads;
+  cpu_set_t set;
+  int mine = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+  long online = sysconf(_SC_NPROCESSORS_ONLN);
+  int share = (int)(online > 0 ? online : 1) / (c->local_size > 0 ? c->local_size : 1);
+  if (share < 1) share = 1;
+  return mine < share ? mine : share;
+}
+
+/* Rank 0's parameters (from init_from or the seed) become everyone's. */
+static int init_params(const dt_config *cfg, dt_model *m, dt_comm *comm) {
+  dt_status st = {0};
+  dt_backend *be = m->be;
+  float *hp = dt_malloc((size_t)(m->n_params ? m->n_params : 1) * sizeof(float));
+  float *hb = dt_malloc((size_t)(m->n_bufs ? m->n_bufs : 1) * sizeof(float));
+  be->to_host(be, hp, m->params, (size_t)m->n_params * sizeof(float));
+  be->to_host(be, hb, m->bufs, (size_t)m->n_bufs * sizeof(float));
+  if (comm->rank == 0 && cfg->v.init_from[0]) ckpt_read_model(cfg->v.init_from, m, hp, hb, &st);
+  int code = comm_agree(comm, &st);
+  if (!code) {
+    comm_bcast(comm, hp, (size_t)m->n_params * sizeof(float), 0);
+    comm_bcast(comm, hb, (size_t)m->n_bufs * sizeof(float), 0);
+    be->to_device(be, m->params, hp, (size_t)m->n_params * sizeof(float));
+    be->to_device(be, m->bufs, hb, (size_t)m->n_bufs * sizeof(float));
+  }
+  free(hp);
+  free(hb);
+  return code;
+}
+
+static void print_data_summary(const dt_data *d, const dt_config *cfg, int world) {
+  const dt_config_values *v = &cfg->v;
+  int64_t G = v->global_batch_size ? v->global_batch_size : v->batch_size * world;
+  printf("data: %s: train %lld rows ('%s', '%s'), ", d->path, (long long)d->train.n, d->train.x_name, d->train.y_name);
+  if (d->has_val) printf("val %lld rows ('%s', '%s')\n", (long long)d->val.n, d->val.x_name, d->val.y_name);
+  else printf("no validation split\n");
+  printf("batch: global %lld = %d rank%s x %s%lld, %s sharding\n", (long long)G, world, world > 1 ? "s" : "",
+         v->global_batch_size && G % world ? "~" : "", (long long)(G / world),
+         v->sharding == DT_SHARD_GLOBAL ? "global" : "contiguous");
+}
+
+int main(int argc, char **argv) {
+  dt_comm comm;
+  comm_init(&comm, &argc, &argv);
+  dt_status st = {0};
+  cli_args args;
+  dt_config cfg;
+  memset(&cfg, 0, sizeof cfg);
+  dt_model model;
+  memset(&model, 0, sizeof model);
+  dt_data data;
+  memset(&data, 0, sizeof data);
+  data.file = -1;
+  data.train.dset_x = data.val.dset_x = -1;
+  dt_backend *be = NULL;
+  int code = 0;
+
+  parse_args(argc, argv, &args, &st);
+  if ((code = comm_agree(&comm, &st))) goto done;
+  if (args.help || args.version || args.config_keys) {
+    if (comm.rank == 0) {
+      if (args.help) fputs(usage_text, stdout);
+      if (args.version) print_version();
+      if (args.config_keys) config_print_keys(stdout);
+    }
+    goto done;
+  }
+  config_load(&cfg, args.config, args.sets, args.n_sets, &st);
+  if ((code = comm_agree(&comm, &st))) goto done;
+  comm_check_same(&comm, cfg.hash, "the effective config", &st);
+  if ((code = comm_agree(&comm, &st))) goto done;
+  model_build(&model, &cfg, &st);
+  if ((code = comm_agree(&comm, &st))) goto done;
+  if (args.device == DEV_CUDA) {
+    char why[256] = "";
+    int n = gpu_count(why, sizeof why);
+    if (n == 0) dt_fail(&st, DT_EXIT_INPUT, "--device cuda: %s; use --device cpu", why);
+    else dt_fail(&st, DT_EXIT_INPUT, "--device cuda: the CUDA backend is not part of this version yet; use --device cpu");
+  }
+  if ((code = comm_agree(&comm, &st))) goto done;
+  data_open(&data, &cfg, &model, comm.size, comm.rank, &st);
+  if ((code = comm_agree(&comm, &st))) goto done;
+  if (args.dry_run) {
+    if (comm.rank == 0) {
+      printf("config: %s (hash %016llx), %d rank%s\n", cfg.path, (unsigned long long)cfg.hash, comm.size,
+             comm.size > 1 ? "s" : "");
+      print_data_summary(&data, &cfg, comm.size);
+      printf("model:\n");
+      model_summary(&model, stdout);
+      fflush(stdout);
+    }
+    goto done;
+  }
+  be = backend_cpu_create(pick_threads(&cfg, &comm));
+  int64_t W = comm.size;
+  int64_t G = cfg.v.global_batch_size ? cfg.v.global_batch_size : cfg.v.batch_size * W;
+  int64_t max_local = (G + W - 1) / W + 1;
+  model_alloc(&model, be, max_local, (uint64_t)cfg.v.seed);
+  if ((code = init_params(&cfg, &model, &comm))) goto done;
+  dt_train_result res;
+  code = train_run(&cfg, &model, &data, &comm, &res);
+
+done:
+  model_free(&model);
+  data_close(&data);
+  if (be) be->destroy(be);
+  config_free(&cfg);
+  free(args.sets);
+  comm_finalize(&comm);
+  return code;
+}

@@ -1,0 +1,284 @@
+#include "model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "layers.h"
+
+static const dt_layer_ops *const layer_kinds[] = {
+    &dt_layer_linear, &dt_layer_conv2d, &dt_layer_batchnorm, &dt_layer_maxpool, &dt_layer_avgpool,
+    &dt_layer_global_avgpool, &dt_layer_relu, &dt_layer_gelu, &dt_layer_tanh, &dt_layer_sigmoid,
+    &dt_layer_dropout, &dt_layer_flatten, &dt_layer_residual};
+#define N_LAYER_KINDS ((int)(sizeof layer_kinds / sizeof *layer_kinds))
+
+void shape_text(dt_shape s, char *buf, size_t cap) {
+  if (s.rank == 1) snprintf(buf, cap, "(%lld)", (long long)s.c);
+  else snprintf(buf, cap, "(%lld, %lld, %lld)", (long long)s.c, (long long)s.h, (long long)s.w);
+}
+
+void layer_add_tensor(dt_layer *l, const char *name, int is_buffer, int ndim, const int64_t *dims) {
+  DT_ASSERT(l->n_tensors < 4);
+  dt_tensor *t = &l->tensors[l->n_tensors++];
+  snprintf(t->name, sizeof t->name, "%s.%s", l->name, name);
+  t->ndim = ndim;
+  t->count = 1;
+  for (int i = 0; i < ndim; i++) t->count *= (t->dims[i] = dims[i]);
+  t->is_buffer = is_buffer;
+  /* offsets are relative to the layer until model_build lays the flat buffers out */
+  if (is_buffer) {
+    t->offset = l->n_bufs;
+    l->n_bufs += t->count;
+  } else {
+    t->offset = l->n_params;
+    l->n_params += t->count;
+  }
+}
+
+void init_uniform(float *p, int64_t n, float bound, uint64_t seed) {
+  for (int64_t i = 0; i < n; i++) p[i] = (2.0f * dt_hash_uniform(seed, (uint64_t)i) - 1.0f) * bound;
+}
+
+static void register_layer(dt_model *m, dt_layer *l) {
+  m->all = dt_realloc(m->all, (size_t)(m->n_all + 1) * sizeof *m->all);
+  l->index = m->n_all;
+  m->all[m->n_all++] = l;
+}
+
+int seq_build(dt_model *m, dt_seq *s, const dt_node *list, dt_shape in, const char *prefix, const char *what,
+              dt_status *st) {
+  char where[512];
+  if (list->kind != DT_NODE_SEQ)
+    return dt_fail(st, DT_EXIT_INPUT, "%s: %s: expected a list of layers", yaml_where(list, where, sizeof where),
+                   what);
+  s->n = 0;
+  s->layers = dt_calloc((size_t)(list->n > 0 ? list->n : 1), sizeof *s->layers);
+  dt_shape cur = in;
+  for (int i = 0; i < list->n; i++) {
+    const dt_node *item = list->items[i];
+    yaml_where(item, where, sizeof where);
+    const char *kind;
+    const dt_node *params = NULL;
+    if (item->kind == DT_NODE_SCALAR) {
+      kind = item->scalar;
+    } else if (item->kind == DT_NODE_MAP && item->n == 1) {
+      kind = item->keys[0];
+      params = item->items[0];
+      if (params->kind == DT_NODE_SCALAR && (!strcmp(params->scalar, "") || !strcmp(params->scalar, "null") ||
+                                             !strcmp(params->scalar, "~")))
+        params = NULL;
+    } else {
+      return dt_fail(st, DT_EXIT_INPUT, "%s: %s[%d]: a layer is a one-key map such as `- relu: {}`", where, what, i);
+    }
+    const dt_layer_ops *ops = NULL;
+    const char *names[N_LAYER_KINDS];
+    for (int k = 0; k < N_LAYER_KINDS; k++) {
+      names[k] = layer_kinds[k]->kind;
+      if (!strcmp(kind, layer_kinds[k]->kind)) ops = layer_kinds[k];
+    }
+    if (!ops) {
+      const char *near = keys_suggest(kind, names, N_LAYER_KINDS);
+      return dt_fail(st, DT_EXIT_INPUT, "%s: %s[%d]: unknown layer '%s'%s%s%s", where, what, i, kind,
+                     near ? "; did you mean '" : "", near ? near : "", near ? "'?" : "");
+    }
+    dt_layer *l = dt_calloc(1, sizeof *l);
+    s->layers[s->n++] = l;
+    l->ops = ops;
+    l->in = cur;
+    snprintf(l->name, sizeof l->name, "%s%d", prefix, i);
+    dt_strlcpy(l->where, where, sizeof l->where);
+    register_layer(m, l);
+    char kp[256];
+    snprintf(kp, sizeof kp, "%s[%d] %s: ", what, i, kind);
+    if (keys_read(ops->keys, ops->n_keys, &l->args, params, kp, "parameter", st)) return st->code;
+    if (ops->setup(m, l, st)) return st->code;
+    cur = l->out;
+  }
+  return 0;
+}
+
+/* Lays tensors out: parameters and buffers in pre-order, each layer's block contiguous. */
+static void layout(dt_model *m) {
+  m->n_params = m->n_bufs = 0;
+  m->tensors = dt_calloc((size_t)(m->n_all * 4 + 1), sizeof *m->tensors);
+  m->n_tensors = 0;
+  for (int i = 0; i < m->n_all; i++) {
+    dt_layer *l = m->all[i];
+    l->param_off = m->n_params;
+    l->buf_off = m->n_bufs;
+    for (int t = 0; t < l->n_tensors; t++) {
+      l->tensors[t].offset += l->tensors[t].is_buffer ? l->buf_off : l->param_off;
+      m->tensors[m->n_tensors++] = l->tensors[t];
+    }
+    m->n_params += l->n_params;
+    m->n_bufs += l->n_bufs;
+  }
+}
+
+int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
+  memset(m, 0, sizeof *m);
+  const dt_list *in = &cfg->v.input;
+  if (in->n == 3) m->input = (dt_shape){3, (int64_t)in->v[0], (int64_t)in->v[1], (int64_t)in->v[2]};
+  else if (in->n == 2) m->input = (dt_shape){3, 1, (int64_t)in->v[0], (int64_t)in->v[1]};
+  else m->input = (dt_shape){1, (int64_t)in->v[0], 1, 1};
+  if (seq_build(m, &m->top, cfg->v.layers, m->input, "", "model.layers", st)) return st->code;
+  if (loss_parse(m, cfg->v.loss, st)) return st->code;
+  dt_shape out = m->top.layers[m->top.n - 1]->out;
+  m->n_outputs = shape_size(out);
+  if (out.rank != 1) {
+    char s[64];
+    shape_text(out, s, sizeof s);
+    return dt_fail(st, DT_EXIT_INPUT, "%s: the last layer outputs %s; the loss needs a vector (add flatten and linear)",
+                   m->top.layers[m->top.n - 1]->where, s);
+  }
+  if (m->loss_kind == DT_LOSS_CROSS_ENTROPY && m->n_outputs < 2)
+    return dt_fail(st, DT_EXIT_INPUT, "%s: cross_entropy needs at least 2 outputs, the model has %lld",
+                   m->top.layers[m->top.n - 1]->where, (long long)m->n_outputs);
+  layout(m);
+  return 0;
+}
+
+static void alloc_seq(dt_model *m, dt_seq *s, dt_backend *be, int64_t max_batch) {
+  for (int i = 0; i < s->n; i++) {
+    dt_layer *l = s->layers[i];
+    size_t bytes = (size_t)(max_batch * shape_size(l->out)) * sizeof(float);
+    l->y = be->alloc(be, bytes);
+    l->dy = be->alloc(be, bytes);
+    if (l->ops->alloc) l->ops->alloc(l, be, max_batch);
+    alloc_seq(m, &l->body, be, max_batch);
+    alloc_seq(m, &l->shortcut, be, max_batch);
+  }
+}
+
+void model_alloc(dt_model *m, dt_backend *be, int64_t max_batch, uint64_t seed) {
+  m->be = be;
+  m->max_batch = max_batch;
+  m->params = be->alloc(be, (size_t)m->n_params * sizeof(float));
+  m->grads = be->alloc(be, (size_t)m->n_params * sizeof(float));
+  m->bufs = be->alloc(be, (size_t)(m->n_bufs ? m->n_bufs : 1) * sizeof(float));
+  m->input_x = be->alloc(be, (size_t)(max_batch * shape_size(m->input)) * sizeof(float));
+  alloc_seq(m, &m->top, be, max_batch);
+  float *hp = dt_calloc((size_t)(m->n_params ? m->n_params : 1), sizeof(float));
+  float *hb = dt_calloc((size_t)(m->n_bufs ? m->n_bufs : 1), sizeof(float));
+  for (int i = 0; i < m->n_all; i++) {
+    dt_layer *l = m->all[i];
+    /* each layer's stream is derived from the seed and its pre-order index */
+    if (l->ops->init) l->ops->init(l, hp, hb, dt_hash64(seed * 1000003ULL + (uint64_t)i + 1));
+  }
+  be->to_device(be, m->params, hp, (size_t)m->n_params * sizeof(float));
+  be->to_device(be, m->bufs, hb, (size_t)m->n_bufs * sizeof(float));
+  free(hp);
+  free(hb);
+}
+
+static void free_seq(dt_seq *s, dt_backend *be) {
+  for (int i = 0; i < s->n; i++) {
+    dt_layer *l = s->layers[i];
+    if (be) {
+      be->free(be, l->y);
+      be->free(be, l->dy);
+      if (l->ops->release) l->ops->release(l, be);
+    }
+    free_seq(&l->body, be);
+    free_seq(&l->shortcut, be);
+    free(l->priv);
+    free(l);
+  }
+  free(s->layers);
+  s->layers = NULL;
+  s->n = 0;
+}
+
+void model_free(dt_model *m) {
+  dt_backend *be = m->be;
+  if (be) {
+    be->free(be, m->params);
+    be->free(be, m->grads);
+    be->free(be, m->bufs);
+    be->free(be, m->input_x);
+  }
+  free_seq(&m->top, be);
+  free(m->all);
+  free(m->tensors);
+  memset(m, 0, sizeof *m);
+}
+
+int64_t model_flops(const dt_model *m) {
+  int64_t f = 0;
+  for (int i = 0; i < m->n_all; i++)
+    if (m->all[i]->ops->flops) f += m->all[i]->ops->flops(m->all[i]);
+  return f;
+}
+
+static void print_int(FILE *out, int64_t v, int width) {
+  char raw[32], buf[48];
+  snprintf(raw, sizeof raw, "%lld", (long long)v);
+  int len = (int)strlen(raw), k = 0;
+  for (int i = 0; i < len; i++) {
+    buf[k++] = raw[i];
+    if ((len - i - 1) % 3 == 0 && i != len - 1) buf[k++] = ',';
+  }
+  buf[k] = 0;
+  fprintf(out, "%*s", width, buf);
+}
+
+static void summary_seq(const dt_seq *s, FILE *out, int depth) {
+  for (int i = 0; i < s->n; i++) {
+    const dt_layer *l = s->layers[i];
+    char shape[64], label[96];
+    shape_text(l->out, shape, sizeof shape);
+    snprintf(label, sizeof label, "%*s%s", depth * 2, "", l->ops->kind);
+    int64_t own = 0;
+    for (int t = 0; t < l->n_tensors; t++)
+      if (!l->tensors[t].is_buffer) own += l->tensors[t].count;
+    fprintf(out, "  %-14s %-22s %-20s", l->name, label, shape);
+    print_int(out, own, 12);
+    fprintf(out, "\n");
+    if (l->body.n) {
+      summary_seq(&l->body, out, depth + 1);
+      summary_seq(&l->shortcut, out, depth + 1);
+    }
+  }
+}
+
+void model_summary(const dt_model *m, FILE *out) {
+  char in[64];
+  shape_text(m->input, in, sizeof in);
+  fprintf(out, "  %-14s %-22s %-20s %12s\n", "name", "layer", "output shape", "params");
+  fprintf(out, "  %-14s %-22s %-20s %12s\n", "", "input", in, "");
+  summary_seq(&m->top, out, 0);
+  fprintf(out, "  total parameters: ");
+  print_int(out, m->n_params, 0);
+  fprintf(out, " (%lld trainable tensors values; %lld batchnorm buffer values)\n", (long long)m->n_params,
+          (long long)m->n_bufs);
+  fprintf(out, "  forward FLOPs per sample: ");
+  print_int(out, model_flops(m), 0);
+  fprintf(out, " (%.2f MFLOP)\n", (double)model_flops(m) / 1e6);
+  fprintf(out, "  loss: %s", m->loss_kind == DT_LOSS_CROSS_ENTROPY ? "cross_entropy" : "mse");
+  if (m->loss_kind == DT_LOSS_CROSS_ENTROPY && m->label_smoothing > 0)
+    fprintf(out, " (label_smoothing %g)", m->label_smoothing);
+  fprintf(out, "\n");
+}
+
+void seq_forward(dt_seq *s, dt_pass *pass, const float *x) {
+  for (int i = 0; i < s->n; i++) {
+    dt_layer *l = s->layers[i];
+    l->ops->forward(l, pass, i == 0 ? x : s->layers[i - 1]->y);
+  }
+}
+
+void seq_backward(dt_seq *s, dt_pass *pass, const float *x, float *dx) {
+  for (int i = s->n - 1; i >= 0; i--) {
+    dt_layer *l = s->layers[i];
+    const float *xin = i == 0 ? x : s->layers[i - 1]->y;
+    float *dxin = i == 0 ? dx : s->layers[i - 1]->dy;
+    l->ops->backward(l, pass, xin, dxin);
+    if (pass->grads_ready && l->n_params) pass->grads_ready(pass->ctx, l->param_off);
+  }
+}
+
+void model_forward(dt_model *m, dt_pass *pass) { seq_forward(&m->top, pass, m->input_x); }
+void model_backward(dt_model *m, dt_pass *pass) { seq_backward(&m->top, pass, m->input_x, NULL); }
+float *model_logits(dt_model *m) { return m->top.layers[m->top.n - 1]->y; }
+float *model_dlogits(dt_model *m) { return m->top.layers[m->top.n - 1]->dy; }

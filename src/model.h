@@ -1,0 +1,145 @@
+/* model.h: the network as a list of layers (residual blocks nest two lists), its shapes, and the
+ * flat buffers: all parameters in one float buffer, all gradients in another, batchnorm running
+ * statistics in a third. Tensor names follow a PyTorch nn.Sequential of the same layers
+ * ("3.weight", "4.body.0.weight", "5.running_var"), which is the checkpoint/init_from layout.
+ * Owns: layers, their activation buffers and the flat buffers (backend memory). Borrows: config, backend. */
+#ifndef DT_MODEL_H
+#define DT_MODEL_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "backend.h"
+#include "config.h"
+
+/* Per-sample shape: (C,H,W); a vector of D is (D,1,1) with rank 1. */
+typedef struct {
+  int rank;
+  int64_t c, h, w;
+} dt_shape;
+
+static inline int64_t shape_size(dt_shape s) { return s.c * s.h * s.w; }
+void shape_text(dt_shape s, char *buf, size_t cap); /* "(32, 28, 28)" */
+
+/* Parameters of any layer kind; each kind declares the keys it accepts. */
+typedef struct {
+  int64_t out, kernel, stride, pad;
+  int bias, sync;
+  double momentum, eps, p, label_smoothing;
+  const dt_node *body, *shortcut;
+} dt_layer_args;
+
+/* A named tensor of a layer: in the flat params (is_buffer 0) or the flat buffers (1). */
+typedef struct {
+  char name[160];
+  int ndim;
+  int64_t dims[4];
+  int is_buffer;
+  int64_t offset; /* into the whole flat buffer */
+  int64_t count;
+} dt_tensor;
+
+typedef struct dt_layer dt_layer;
+typedef struct dt_pass dt_pass;
+typedef struct dt_seq dt_seq;
+typedef struct dt_model dt_model;
+
+typedef struct {
+  const char *kind;
+  const dt_key *keys; /* accepted parameters */
+  int n_keys;
+  /* Infers l->out from l->in and l->args; declares tensors. Returns 0 or st (exit 2). */
+  int (*setup)(dt_model *m, dt_layer *l, dt_status *st);
+  /* PyTorch's default initialisation of this layer's tensors (host copies of params/bufs). */
+  void (*init)(dt_layer *l, float *params, float *bufs, uint64_t seed);
+  /* Allocates private backend buffers for up to max_batch rows (after y/dy). */
+  void (*alloc)(dt_layer *l, dt_backend *be, int64_t max_batch);
+  void (*forward)(dt_layer *l, dt_pass *pass, const float *x);
+  /* Reads l->dy; overwrites dx (NULL: not needed) and adds into parameter gradients. */
+  void (*backward)(dt_layer *l, dt_pass *pass, const float *x, float *dx);
+  void (*release)(dt_layer *l, dt_backend *be);
+  int64_t (*flops)(const dt_layer *l); /* forward FLOPs per sample */
+} dt_layer_ops;
+
+struct dt_seq {
+  int n;
+  dt_layer **layers;
+};
+
+struct dt_layer {
+  const dt_layer_ops *ops;
+  dt_layer_args args;
+  char name[128];      /* PyTorch module path: "3", "4.body.0" */
+  char where[512];     /* config location, for messages */
+  int index;           /* pre-order index over all layers (dropout streams) */
+  dt_shape in, out;
+  int64_t n_params, param_off, n_bufs, buf_off;
+  dt_tensor tensors[4];
+  int n_tensors;
+  float *y, *dy;       /* (B, out) backend memory */
+  dt_seq body, shortcut; /* residual only */
+  void *priv;          /* per-kind state */
+};
+
+/* Everything a pass needs; the train loop fills it for each micro-step. */
+struct dt_pass {
+  dt_backend *be;
+  int64_t batch;        /* local rows */
+  int training;
+  double global_count;  /* rows in the global batch (sync batchnorm) */
+  uint64_t dropout_seed;
+  float *params, *grads, *bufs; /* flat, backend memory */
+  /* sync batchnorm: sums (n doubles, host) over all ranks in place; NULL: single process */
+  void (*allreduce_sum)(void *ctx, double *data, int n);
+  /* backward hook: every gradient at offset >= from is final for this pass */
+  void (*grads_ready)(void *ctx, int64_t from);
+  void *ctx;
+};
+
+struct dt_model {
+  dt_shape input;
+  dt_seq top;
+  dt_layer **all; /* every layer in pre-order (borrowed pointers) */
+  int n_all;
+  int loss_kind;
+  double label_smoothing;
+  int64_t n_outputs; /* logits per sample */
+  int64_t n_params, n_bufs;
+  dt_tensor *tensors; /* every tensor, in PyTorch state_dict order */
+  int n_tensors;
+  /* backend memory, after model_alloc */
+  dt_backend *be;
+  int64_t max_batch;
+  float *params, *grads, *bufs;
+  float *input_x; /* (B, input) */
+};
+
+/* Parses model.layers/loss, infers every shape. Returns 0 or st (exit 2 naming layer and shapes). */
+int model_build(dt_model *m, const dt_config *cfg, dt_status *st);
+/* Allocates flat buffers and activations for max_batch rows; initialises from seed. */
+void model_alloc(dt_model *m, dt_backend *be, int64_t max_batch, uint64_t seed);
+void model_free(dt_model *m);
+
+/* Prints the summary: each layer's output shape and parameters, totals, FLOPs per sample. */
+void model_summary(const dt_model *m, FILE *out);
+int64_t model_flops(const dt_model *m);
+
+/* Forward over pass->batch rows of m->input_x; logits end in the last layer's y. */
+void model_forward(dt_model *m, dt_pass *pass);
+/* Backward from the last layer's dy (set by the loss). */
+void model_backward(dt_model *m, dt_pass *pass);
+float *model_logits(dt_model *m);
+float *model_dlogits(dt_model *m);
+
+/* Sequence runners (used by residual). dx may be NULL. */
+void seq_forward(dt_seq *s, dt_pass *pass, const float *x);
+void seq_backward(dt_seq *s, dt_pass *pass, const float *x, float *dx);
+/* Builds a sequence from a YAML list; prefix names modules ("4.body."). */
+int seq_build(dt_model *m, dt_seq *s, const dt_node *list, dt_shape in, const char *prefix, const char *origin_what,
+              dt_status *st);
+
+/* Layer helpers for families. */
+void layer_add_tensor(dt_layer *l, const char *name, int is_buffer, int ndim, const int64_t *dims);
+void init_uniform(float *p, int64_t n, float bound, uint64_t seed);
+
+#endif
