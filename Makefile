@@ -1,7 +1,7 @@
 # ddp_train: `make run` and `make test` do all set-up on a fresh Debian machine.
 #   make            build ./ddp_train (with CUDA when nvcc is found; CUDA=0 for a CPU-only binary)
 #   make deps       install missing Debian packages (as root) or print the command
-#   make data       data/fashion_mnist.h5 from Debian's dataset-fashion-mnist
+#   make data       data/fashion_mnist.h5 from Debian's dataset-fashion-mnist, data/synthetic_cifar.h5
 #   make run        deps + build + data, then train configs/model.yaml on 2 ranks
 #   make test       deps + build + data, then the whole test suite
 #   make test-gpu   the GPU tests (on a machine with a GPU)
@@ -75,10 +75,13 @@ deps:
 	  fi; \
 	fi
 
-data: data/fashion_mnist.h5
+data: data/fashion_mnist.h5 data/synthetic_cifar.h5
 data/fashion_mnist.h5: scripts/make_fashion_mnist.py
 	mkdir -p data
 	$(PYTHON) scripts/make_fashion_mnist.py /usr/share/datasets/fashion-mnist $@
+data/synthetic_cifar.h5: scripts/make_synthetic.py
+	mkdir -p data
+	$(PYTHON) scripts/make_synthetic.py $@
 
 export OMPI_ALLOW_RUN_AS_ROOT=1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1

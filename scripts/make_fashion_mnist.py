@@ -1,6 +1,7 @@
 #!/usr/bin/python3
 """Converts the IDX files of Debian's dataset-fashion-mnist into one HDF5 file:
-/train/images (60000,1,28,28) uint8, /train/labels (60000,) uint8, /test/images, /test/labels.
+/train/images (60000,1,28,28) uint8, /train/labels (60000,) uint8, /test/images, /test/labels,
+and /train/images_flat, /test/images_flat (N,784) for vector models.
 usage: make_fashion_mnist.py SRC_DIR OUT.h5   (written under a temporary name, then renamed)"""
 import gzip
 import os
@@ -35,6 +36,8 @@ def main():
             labels = read_idx(os.path.join(src, f"{prefix}-labels-idx1-ubyte.gz"))
             f.create_dataset(f"/{split}/images", data=images[:, None, :, :], chunks=(1024, 1, 28, 28))
             f.create_dataset(f"/{split}/labels", data=labels)
+            # the same pixels as vectors, for models whose input is [784] (configs/mlp.yaml)
+            f.create_dataset(f"/{split}/images_flat", data=images.reshape(len(images), -1), chunks=(1024, 784))
     os.replace(tmp, out)
     print(f"wrote {out}")
 

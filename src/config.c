@@ -31,6 +31,8 @@ static const dt_key config_keys[] = {
     {"data.sharding", DT_KEY_ENUM, F(sharding), "global", NOB, "global|contiguous",
      "global: one permutation per epoch, each rank a slice of every global batch; contiguous: rank r "
      "reads only its 1/W of the rows"},
+    {"data.shuffle", DT_KEY_BOOL, F(shuffle), "true", NOB, NULL,
+     "shuffle the training rows every epoch (false: file order, as PyTorch's shuffle=False)"},
     {"data.drop_last", DT_KEY_BOOL, F(drop_last), "false", NOB, NULL, "drop the final partial global batch"},
     {"data.cache", DT_KEY_ENUM, F(cache), "auto", NOB, "auto|memory|none",
      "memory: load the rank's rows once; none: read each batch from the file; auto: memory when under 4 GiB"},
@@ -73,9 +75,9 @@ static const dt_key config_keys[] = {
     {"log.dir", DT_KEY_STRING, F(log_dir), "runs/latest", NOB, NULL, "where rank 0 writes metrics.jsonl"},
     {"log.every_steps", DT_KEY_INT, F(log_every_steps), "50", 1, BIG, NULL, "console and metrics line every N steps"},
     {"log.progress", DT_KEY_ENUM, F(progress), "auto", NOB, "auto|on|off",
-     "progress bar with ETA (auto: when stdout is a terminal)"},
+     "progress bar with ETA (auto: when stdout is a terminal and not under mpirun or Slurm)"},
     {"dist.comm", DT_KEY_ENUM, F(comm), "auto", NOB, "auto|mpi|nccl", "gradient communicator (auto: NCCL on GPUs, MPI on CPUs)"},
-    {"dist.bucket_mb", DT_KEY_FLOAT, F(bucket_mb), "25", 0.001, 4096, NULL,
+    {"dist.bucket_mb", DT_KEY_FLOAT, F(bucket_mb), "25", 1e-6, 4096, NULL,
      "gradient bucket size; each bucket's allreduce starts as soon as backward completes it"},
     {"dist.threads", DT_KEY_INT, F(threads), "0", 0, 1024, NULL,
      "CPU threads per rank (0: cores / ranks on the node)"},
@@ -246,7 +248,14 @@ void config_print_keys(FILE *out) {
       if (k->max >= 1e300) snprintf(bounds, sizeof bounds, ", >= %g", k->min);
       else snprintf(bounds, sizeof bounds, ", in [%g, %g]", k->min, k->max);
     }
-    fprintf(out, "| `%s` | %s%s | %s | %s |\n", k->path, keys_type_name(k), bounds,
-            k->deflt ? k->deflt : "(required)", k->doc);
+    /* enum choices are "a|b": escape the bars inside a Markdown table */
+    char type[256];
+    size_t t = 0;
+    for (const char *c = keys_type_name(k); *c && t < sizeof type - 3; c++) {
+      if (*c == '|') type[t++] = '\\';
+      type[t++] = *c;
+    }
+    type[t] = 0;
+    fprintf(out, "| `%s` | %s%s | %s | %s |\n", k->path, type, bounds, k->deflt ? k->deflt : "(required)", k->doc);
   }
 }

@@ -29,7 +29,7 @@ typedef struct {
   char *data_path, *train_x, *train_y, *val_x, *val_y;
   double scale;
   dt_list mean, std;
-  int sharding, drop_last, cache;
+  int sharding, drop_last, cache, shuffle;
   /* train */
   int64_t epochs, max_steps, batch_size, global_batch_size, grad_accum, seed, eval_every_steps;
   double clip_grad_norm;

@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+static const char *article(const char *noun) { return strchr("aeiou", noun[0]) ? "an" : "a"; }
+
 const char *keys_type_name(const dt_key *key) {
   switch (key->type) {
   case DT_KEY_INT: return "integer";
@@ -189,8 +191,8 @@ static int set_value(const dt_key *k, void *dst, const dt_node *node, const char
     list->n = 0;
     if (!node) return 0;
     if (node->kind != DT_NODE_SEQ)
-      return dt_fail(st, DT_EXIT_INPUT, "%s: %s%s: expected a %s, got %s", where, prefix, k->path,
-                     keys_type_name(k), node->kind == DT_NODE_MAP ? "a map" : node->scalar);
+      return dt_fail(st, DT_EXIT_INPUT, "%s: %s%s: expected %s %s, got %s", where, prefix, k->path,
+                     article(keys_type_name(k)), keys_type_name(k), node->kind == DT_NODE_MAP ? "a map" : node->scalar);
     if (node->n > DT_MAX_LIST)
       return dt_fail(st, DT_EXIT_INPUT, "%s: %s%s: at most %d items", where, prefix, k->path, DT_MAX_LIST);
     for (int i = 0; i < node->n; i++) {
@@ -213,8 +215,8 @@ static int set_value(const dt_key *k, void *dst, const dt_node *node, const char
   }
   if (!node) return 0;
   if (node->kind != DT_NODE_SCALAR)
-    return dt_fail(st, DT_EXIT_INPUT, "%s: %s%s: expected a %s, got a %s", where, prefix, k->path,
-                   keys_type_name(k), node->kind == DT_NODE_MAP ? "map" : "list");
+    return dt_fail(st, DT_EXIT_INPUT, "%s: %s%s: expected %s %s, got a %s", where, prefix, k->path,
+                   article(keys_type_name(k)), keys_type_name(k), node->kind == DT_NODE_MAP ? "map" : "list");
   const char *s = node->scalar;
   switch (k->type) {
   case DT_KEY_INT: {
@@ -298,9 +300,25 @@ static int walk(const dt_key *table, int n, void *dst, const dt_node *map, const
       if (walk(table, n, dst, v, path, prefix, what, seen, st)) return st->code;
       continue;
     }
+    /* candidates at the same depth under the same parent: keys, or section names */
+    char (*cbuf)[256] = dt_calloc((size_t)n, sizeof *cbuf);
     const char **cands = dt_malloc((size_t)n * sizeof *cands);
-    for (int j = 0; j < n; j++) cands[j] = table[j].path;
-    const char *near = keys_suggest(path, cands, n);
+    int nc = 0;
+    size_t blen = strlen(base);
+    for (int j = 0; j < n; j++) {
+      const char *p = table[j].path;
+      if (blen && (strncmp(p, base, blen) || p[blen] != '.')) continue;
+      const char *rest = p + blen + (blen ? 1 : 0);
+      const char *dot = strchr(rest, '.');
+      size_t len = dot ? (size_t)(dot - p) : strlen(p);
+      if (len >= sizeof cbuf[0]) continue;
+      memcpy(cbuf[nc], p, len);
+      cbuf[nc][len] = 0;
+      int dup = 0;
+      for (int q = 0; q < nc && !dup; q++) dup = !strcmp(cbuf[q], cbuf[nc]);
+      if (!dup) cands[nc] = cbuf[nc], nc++;
+    }
+    const char *near = keys_suggest(path, cands, nc);
     char where[512];
     if (map->key_line[i] > 0)
       snprintf(where, sizeof where, "%s:%d:%d", map->origin, map->key_line[i], map->key_col[i]);
@@ -312,6 +330,7 @@ static int walk(const dt_key *table, int n, void *dst, const dt_node *map, const
     else
       dt_fail(st, DT_EXIT_INPUT, "%s: unknown %s '%s%s'", where, what, prefix, path);
     free(cands);
+    free(cbuf);
     return st->code;
   }
   return 0;

@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <stdarg.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -30,7 +31,11 @@ int log_open(dt_log *lg, int enabled, const char *dir, int progress_mode, dt_sta
   memset(lg, 0, sizeof *lg);
   lg->enabled = enabled;
   if (!enabled) return 0;
-  lg->progress = progress_mode == DT_PROGRESS_ON || (progress_mode == DT_PROGRESS_AUTO && isatty(STDOUT_FILENO));
+  /* mpirun gives every rank a pty whatever its own stdout is (a file, a Slurm log), so auto
+   * draws the bar only for a terminal outside a launcher */
+  int launched = getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("SLURM_JOB_ID");
+  lg->progress = progress_mode == DT_PROGRESS_ON ||
+                 (progress_mode == DT_PROGRESS_AUTO && isatty(STDOUT_FILENO) && !launched);
   if (!dir[0]) return 0;
   snprintf(lg->path, sizeof lg->path, "%s/metrics.jsonl", dir);
   if (log_mkdirs(dir, st)) return st->code;

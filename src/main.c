@@ -163,7 +163,10 @@ int main(int argc, char **argv) {
     if (comm.rank == 0) {
       if (args.help) fputs(usage_text, stdout);
       if (args.version) print_version();
-      if (args.config_keys) config_print_keys(stdout);
+      if (args.config_keys) {
+        config_print_keys(stdout);
+        model_print_layer_keys(stdout);
+      }
     }
     goto done;
   }

@@ -204,6 +204,21 @@ void model_free(dt_model *m) {
   memset(m, 0, sizeof *m);
 }
 
+void model_print_layer_keys(FILE *out) {
+  fprintf(out, "\n| layer | parameters (type, default) |\n|---|---|\n");
+  for (int k = 0; k < N_LAYER_KINDS; k++) {
+    const dt_layer_ops *ops = layer_kinds[k];
+    fprintf(out, "| `%s` |", ops->kind);
+    if (!ops->n_keys) fprintf(out, " none");
+    for (int i = 0; i < ops->n_keys; i++) {
+      const dt_key *key = &ops->keys[i];
+      fprintf(out, "%s `%s` (%s, %s): %s", i ? ";" : "", key->path, keys_type_name(key),
+              key->deflt ? key->deflt : "required", key->doc);
+    }
+    fprintf(out, " |\n");
+  }
+}
+
 int64_t model_flops(const dt_model *m) {
   int64_t f = 0;
   for (int i = 0; i < m->n_all; i++)
@@ -250,8 +265,7 @@ void model_summary(const dt_model *m, FILE *out) {
   summary_seq(&m->top, out, 0);
   fprintf(out, "  total parameters: ");
   print_int(out, m->n_params, 0);
-  fprintf(out, " (%lld trainable tensors values; %lld batchnorm buffer values)\n", (long long)m->n_params,
-          (long long)m->n_bufs);
+  fprintf(out, " (plus %lld batchnorm running-statistics values)\n", (long long)m->n_bufs);
   fprintf(out, "  forward FLOPs per sample: ");
   print_int(out, model_flops(m), 0);
   fprintf(out, " (%.2f MFLOP)\n", (double)model_flops(m) / 1e6);

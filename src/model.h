@@ -120,6 +120,9 @@ int model_build(dt_model *m, const dt_config *cfg, dt_status *st);
 void model_alloc(dt_model *m, dt_backend *be, int64_t max_batch, uint64_t seed);
 void model_free(dt_model *m);
 
+/* Prints every layer kind with its parameters (Markdown), from the layers' own key tables. */
+void model_print_layer_keys(FILE *out);
+
 /* Prints the summary: each layer's output shape and parameters, totals, FLOPs per sample. */
 void model_summary(const dt_model *m, FILE *out);
 int64_t model_flops(const dt_model *m);

@@ -22,7 +22,7 @@ static int64_t share(const dt_sampler *s, int r) {
 }
 
 void sampler_init(dt_sampler *s, int64_t n, int world, int rank, int64_t global_batch, int contiguous,
-                  int drop_last, uint64_t seed) {
+                  int drop_last, int shuffle, uint64_t seed) {
   memset(s, 0, sizeof *s);
   s->n = n;
   s->world = world;
@@ -30,6 +30,7 @@ void sampler_init(dt_sampler *s, int64_t n, int world, int rank, int64_t global_
   s->global_batch = global_batch;
   s->contiguous = contiguous;
   s->drop_last = drop_last;
+  s->shuffle = shuffle;
   s->seed = seed;
   s->perm_epoch = -1;
   DT_ASSERT(global_batch >= 1 && world >= 1);
@@ -68,7 +69,7 @@ static void ensure_perm(dt_sampler *s, int64_t epoch) {
   for (int64_t i = 0; i < m; i++) s->perm[i] = s->own_lo + i;
   uint64_t key = dt_hash64(s->seed * 0x100000001b3ULL ^ dt_hash64((uint64_t)epoch + 0x5151));
   if (s->contiguous) key = dt_hash64(key ^ (uint64_t)(s->rank + 1));
-  sampler_shuffle(s->perm, m, key);
+  if (s->shuffle) sampler_shuffle(s->perm, m, key);
   s->perm_epoch = epoch;
 }
 

@@ -14,7 +14,7 @@ typedef struct {
   int64_t n;            /* rows in the dataset */
   int world, rank;
   int64_t global_batch; /* G */
-  int contiguous, drop_last;
+  int contiguous, drop_last, shuffle;
   uint64_t seed;
   /* derived */
   int64_t steps;        /* per epoch, same on every rank */
@@ -27,7 +27,7 @@ typedef struct {
 static inline int64_t split_lo(int64_t len, int world, int r) { return len * r / world; }
 
 void sampler_init(dt_sampler *s, int64_t n, int world, int rank, int64_t global_batch, int contiguous,
-                  int drop_last, uint64_t seed);
+                  int drop_last, int shuffle, uint64_t seed);
 void sampler_free(dt_sampler *s);
 
 /* Rows of (epoch, step) for this rank into idx (capacity: sampler_max_local); returns the count.

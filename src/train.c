@@ -70,8 +70,11 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, dt_t
   const int W = comm->size, leader = comm->rank == 0;
   const int64_t G = v->global_batch_size ? v->global_batch_size : v->batch_size * W;
   dt_sampler smp;
-  sampler_init(&smp, d->train.n, W, comm->rank, G, v->sharding == DT_SHARD_CONTIGUOUS, v->drop_last,
+  sampler_init(&smp, d->train.n, W, comm->rank, G, v->sharding == DT_SHARD_CONTIGUOUS, v->drop_last, v->shuffle,
                (uint64_t)v->seed);
+  if (v->sharding == DT_SHARD_CONTIGUOUS && G < W)
+    dt_fail(&st, DT_EXIT_INPUT, "data.sharding contiguous: the global batch (%lld) must be at least the number of "
+            "ranks (%d), or some ranks' rows would never be used", (long long)G, W);
   if (smp.steps == 0)
     dt_fail(&st, DT_EXIT_INPUT, "%s: the global batch (%lld) is larger than the %lld training rows and data.drop_last "
             "is true: no step to run", d->path, (long long)G, (long long)d->train.n);
@@ -198,8 +201,9 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, dt_t
       int eval_now = d->has_val && (end_of_epoch || (v->eval_every_steps && step % v->eval_every_steps == 0));
       if (v->max_steps && step >= v->max_steps) stop = 1;
       if (eval_now || (stop && d->has_val)) {
-        double vl, va;
+        double vl, va, t_eval = dt_now();
         train_evaluate(cfg, m, d, comm, &vl, &va, &st);
+        t_window += dt_now() - t_eval; /* throughput windows count training time only */
         if ((code = comm_agree(comm, &st))) break;
         res->final_val_loss = vl;
         res->final_val_acc = va;

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# CPU training throughput, ddp_train next to PyTorch in the same run, on the same machine and threads.
+# Cases: the default CNN at batch 256 and the MLP 784-1024-1024-10 at batch 1024, one process with
+# all cores (ddp_train: one rank, dist.threads = cores). ddp_train's figure is the median of its logged
+# windows after the first (warm-up) one; PyTorch's the median of 3 timed windows after warm-up.
+# Prints a Markdown table; `make bench` runs it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-/usr/bin/python3}
+THREADS=${THREADS:-$(nproc)}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+
+ours() { # config batch steps -> samples/s
+  local cfg=$1 batch=$2 steps=$3
+  ./ddp_train "$cfg" --set train.global_batch_size="$batch" --set train.max_steps=$((steps * 4)) \
+    --set log.every_steps="$steps" --set log.dir="$out/log" --set checkpoint.dir= --set data.val.x= \
+    --set dist.threads="$THREADS" --set optim.schedule.name=constant --set optim.lr=0.01 >/dev/null
+  "$PYTHON" - "$out/log/metrics.jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"samples_per_s"' in l]
+print(f"{statistics.median(r['samples_per_s'] for r in rows[1:]):.1f}")
+PY
+}
+
+printf '| case | ddp_train samples/s | PyTorch samples/s | ratio |\n|---|---|---|---|\n'
+while read -r name cfg batch steps; do
+  a=$(ours "$cfg" "$batch" "$steps")
+  b=$("$PYTHON" benchmarks/torch_train.py "$cfg" "$batch" "$steps" "$THREADS")
+  printf '| %s | %s | %s | %.2fx |\n' "$name" "$a" "$b" "$("$PYTHON" -c "print($a / $b)")"
+done <<'CASES'
+CNN_(configs/model.yaml)_batch_256 configs/model.yaml 256 10
+MLP_784-1024-1024-10_batch_1024 configs/mlp.yaml 1024 10
+CASES
+cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')
+torch=$("$PYTHON" -c 'import torch; print(torch.__version__)')
+echo
+echo "$(date -u +%Y-%m-%d), $cpu, $THREADS threads; $(./ddp_train --version | sed -n 5p | sed 's/^ *//'); PyTorch $torch"

@@ -1,0 +1,38 @@
+"""Runs the Python integration tests with unittest and prints one TAP line per test
+("ok - name", "not ok - name", "ok - name # SKIP reason") for tests/run.sh to count."""
+import os
+import sys
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+class TapResult(unittest.TestResult):
+    def addSuccess(self, test):
+        super().addSuccess(test)
+        print(f"ok - {test.id()}", flush=True)
+
+    def addFailure(self, test, err):
+        super().addFailure(test, err)
+        print(f"not ok - {test.id()}\n" + self._exc_info_to_string(err, test), flush=True)
+
+    def addError(self, test, err):
+        super().addError(test, err)
+        print(f"not ok - {test.id()}\n" + self._exc_info_to_string(err, test), flush=True)
+
+    def addSkip(self, test, reason):
+        super().addSkip(test, reason)
+        print(f"ok - {test.id()} # SKIP {reason}", flush=True)
+
+
+def main():
+    names = sys.argv[1:]
+    loader = unittest.TestLoader()
+    suite = unittest.TestSuite(loader.loadTestsFromName(n) for n in names)
+    result = TapResult()
+    suite.run(result)
+    return 0 if result.wasSuccessful() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

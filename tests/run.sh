@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Runs the whole suite: the cmocka unit tests, then the Python integration tests (mpirun, HDF5,
+# the PyTorch oracle). Every test prints one TAP line; the last line is
+# "N passed, N failed, N skipped". Exits nonzero on any failure.
+# DDP_TRAIN_GPU_TESTS=only runs only the GPU tests (make test-gpu).
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build/cpu}
+PYTHON=${PYTHON:-/usr/bin/python3}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+passed=0 failed=0 skipped=0
+
+count() { # reads TAP lines on stdin, echoes them, updates the counters through a temp file
+  local f=$1 line
+  while IFS= read -r line; do
+    printf '%s\n' "$line"
+    case "$line" in
+      "not ok"*) echo F >>"$f" ;;
+      "ok"*"# SKIP"*|"ok"*"# skip"*) echo S >>"$f" ;;
+      "ok"*) echo P >>"$f" ;;
+    esac
+  done
+}
+
+tally=$(mktemp)
+run_suite() { # name, command...
+  local name=$1 before after
+  shift
+  before=$(grep -c . "$tally")
+  echo "# $name"
+  "$@" 2>&1 | count "$tally"
+  local rc=${PIPESTATUS[0]}
+  after=$(grep -c . "$tally")
+  if [ "$rc" -ne 0 ] && ! tail -n $((after - before)) "$tally" | grep -q F; then
+    echo "not ok - $name exited $rc without reporting a failure"
+    echo F >>"$tally"
+  fi
+}
+
+if [ "${DDP_TRAIN_GPU_TESTS:-}" != only ]; then
+  for t in test_config test_sampler test_model test_ops test_optim; do
+    run_suite "$t" env CMOCKA_MESSAGE_OUTPUT=TAP "$BUILD/tests/$t"
+  done
+  for t in test_cli test_train test_torch_oracle; do
+    run_suite "$t" "$PYTHON" tests/pyrun.py "$t"
+  done
+fi
+
+passed=$(grep -c P "$tally")
+failed=$(grep -c F "$tally")
+skipped=$(grep -c S "$tally")
+rm -f "$tally"
+echo "$passed passed, $failed failed, $skipped skipped"
+[ "$failed" -eq 0 ]

@@ -1,0 +1,176 @@
+"""The CLI and start-up validation: --help/--version/--dry-run, and every bad input of the
+config and the data exiting 2 on all ranks with one message that names the problem."""
+import os
+import unittest
+
+import h5py
+import numpy as np
+
+from helpers import ROOT, TINY_CNN, Workdir, errors, run
+
+
+class DryRunAndInfo(unittest.TestCase):
+    def test_dry_run_on_three_ranks_prints_summary_once(self):
+        rc, out, err = run(["--dry-run", "configs/model.yaml"], np_=3)
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(out.count("total parameters: 870,826"), 1)
+        self.assertIn("conv2d", out)
+        self.assertIn("(64, 7, 7)", out)
+        self.assertIn("forward FLOPs per sample:", out)
+        self.assertIn("3 ranks", out)
+
+    def test_dry_run_resnet18_and_mlp(self):
+        rc, out, err = run(["--dry-run", "configs/resnet18_cifar.yaml"])
+        self.assertEqual(rc, 0, err)
+        self.assertIn("total parameters: 11,173,962", out)  # torchvision-style CIFAR ResNet-18, 10 classes
+        self.assertIn("(512, 4, 4)", out)
+        rc, out, err = run(["--dry-run", "configs/mlp.yaml"])
+        self.assertEqual(rc, 0, err)
+        self.assertIn("total parameters: 1,863,690", out)
+
+    def test_help_and_version(self):
+        rc, out, _ = run(["--help"])
+        self.assertEqual(rc, 0)
+        self.assertIn("usage: ddp_train", out)
+        self.assertIn("exit codes:", out)
+        rc, out, _ = run(["--version"])
+        self.assertEqual(rc, 0)
+        for lib in ("MPI:", "HDF5:", "libyaml:", "OpenBLAS:"):
+            self.assertIn(lib, out)
+
+    def test_config_keys_table_matches_docs(self):
+        rc, out, _ = run(["--config-keys"])
+        self.assertEqual(rc, 0)
+        with open(os.path.join(ROOT, "docs", "config-keys.md")) as f:
+            self.assertEqual(out, f.read(), "docs/config-keys.md is stale: run `make docs`")
+
+
+class UsageErrors(unittest.TestCase):
+    def check(self, args, needle, np_=1):
+        rc, out, err = run(args, np_=np_)
+        self.assertEqual(rc, 2, out + err)
+        lines = errors(err)
+        self.assertEqual(len(lines), 1, err)
+        self.assertIn(needle, lines[0])
+
+    def test_no_config(self):
+        self.check([], "no config given")
+
+    def test_unknown_option(self):
+        self.check(["--frobnicate", "configs/model.yaml"], "unknown option '--frobnicate'")
+
+    def test_bad_device(self):
+        self.check(["--device", "tpu", "configs/model.yaml"], "--device tpu: expected auto, cpu or cuda")
+
+    def test_config_typo_names_nearest_key(self):
+        self.check(["--dry-run", "configs/model.yaml", "--set", "optim.learning_rate=0.1"],
+                   "unknown key 'optim.learning_rate'; did you mean 'optim.lr'?", np_=2)
+
+    def test_config_file_typo_has_location(self):
+        w = Workdir()
+        try:
+            w.dataset()
+            cfg = w.config(TINY_CNN.replace("  seed: 3", "  sede: 3"))
+            self.check(["--dry-run", cfg], f"{cfg}:15:3: unknown key 'train.sede'; did you mean 'train.seed'?")
+        finally:
+            w.cleanup()
+
+
+class BadData(unittest.TestCase):
+    """Each bad input of the data exits 2 naming the file, the dataset and the index."""
+
+    def setUp(self):
+        self.w = Workdir()
+        self.data = self.w.dataset()
+        self.cfg = self.w.config(TINY_CNN)
+
+    def tearDown(self):
+        self.w.cleanup()
+
+    def check(self, needle, extra=(), np_=2):
+        rc, out, err = run(["--dry-run", self.cfg] + list(extra), np_=np_)
+        self.assertEqual(rc, 2, out + err)
+        lines = errors(err)
+        self.assertEqual(len(lines), 1, err)
+        self.assertIn(needle, lines[0])
+        return lines[0]
+
+    def rewrite(self, fn):
+        with h5py.File(self.data, "a") as f:
+            fn(f)
+
+    def test_missing_file(self):
+        self.check("/nonexistent.h5: data.path: cannot open: No such file or directory",
+                   ["--set", "data.path=/nonexistent.h5"])
+
+    def test_missing_dataset(self):
+        self.check(f"{self.data}: dataset '/train/pictures' (data.train.x) not found",
+                   ["--set", "data.train.x=/train/pictures"])
+
+    def test_length_mismatch(self):
+        def shrink(f):
+            y = f["train/labels"][:30]
+            del f["train/labels"]
+            f["train/labels"] = y
+        self.rewrite(shrink)
+        self.check("'/train/images' has 40 rows but '/train/labels' has shape (30,): x and y lengths differ")
+
+    def test_shape_mismatch(self):
+        self.check("has shape (40, 1, 6, 6), which does not match model.input (1, 8, 8)",
+                   ["--set", "model.input=[1, 8, 8]"])
+
+    def test_label_out_of_range_names_index(self):
+        def bad(f):
+            f["train/labels"][17] = 7
+        self.rewrite(bad)
+        self.check(f"{self.data}: '/train/labels'[17] = 7: label outside [0, 3)")
+
+    def test_corrupt_file(self):
+        with open(self.data, "r+b") as f:
+            f.seek(0)
+            f.write(b"\0" * 64)
+        self.check(f"{self.data}: data.path: not a readable HDF5 file")
+
+    def test_truncated_file(self):
+        size = os.path.getsize(self.data)
+        with open(self.data, "r+b") as f:
+            f.truncate(size // 3)
+        line = self.check(self.data)
+        self.assertRegex(line, "not a readable HDF5 file|cannot open HDF5 file|cannot read")
+
+    def test_wrong_element_type(self):
+        def ints(f):
+            x = f["train/images"][...].astype(np.int32)
+            del f["train/images"]
+            f["train/images"] = x
+        self.rewrite(ints)
+        self.check("element type must be uint8, float32 or float64")
+
+    def test_float_labels_for_cross_entropy(self):
+        def floats(f):
+            y = f["train/labels"][...].astype(np.float32)
+            del f["train/labels"]
+            f["train/labels"] = y
+        self.rewrite(floats)
+        self.check("cross_entropy needs integer class labels shaped (N,)")
+
+    def test_bad_input_on_one_rank_only_exits_2_everywhere(self):
+        """Contiguous sharding: only the last rank reads the bad label; all three exit 2, no hang."""
+        def bad(f):
+            f["train/labels"][39] = -1
+        self.rewrite(bad)
+        line = self.check("'/train/labels'[39] = -1: label outside [0, 3)",
+                          ["--set", "data.sharding=contiguous"], np_=3)
+        self.assertIn("on rank 2 (1 of 3 ranks failed)", line)
+
+    def test_config_differs_between_ranks(self):
+        rc, out, err = run([], mpmd=[["--dry-run", self.cfg, "--set", "train.seed=1"],
+                                     ["--dry-run", self.cfg, "--set", "train.seed=2"]])
+        self.assertEqual(rc, 2, out + err)
+        lines = errors(err)
+        self.assertEqual(len(lines), 1, err)
+        self.assertIn("the effective config differs between ranks: rank(s) 1 do not match rank 0", lines[0])
+
+
+if __name__ == "__main__":
+    unittest.main()

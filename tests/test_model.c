@@ -1,0 +1,166 @@
+/* test_model: shape inference, parameter counts and names (PyTorch's), FLOPs, and the model
+ * errors: unknown layers and parameters, shape mismatches naming the layer and both shapes. */
+#include "dt_test.h"
+
+#include "config.h"
+#include "model.h"
+
+static int build(const char *model_yaml, dt_config *cfg, dt_model *m, dt_status *st) {
+  char text[4096];
+  snprintf(text, sizeof text, "model:\n%sdata: {path: x.h5}\ntrain: {batch_size: 4}\n", model_yaml);
+  char *path = write_tmp(text);
+  memset(st, 0, sizeof *st);
+  memset(m, 0, sizeof *m);
+  int rc = config_load(cfg, path, NULL, 0, st);
+  if (!rc) rc = model_build(m, cfg, st);
+  unlink(path);
+  free(path);
+  return rc;
+}
+
+static int build_err(const char *model_yaml, dt_status *st) {
+  dt_config cfg;
+  dt_model m;
+  int rc = build(model_yaml, &cfg, &m, st);
+  model_free(&m);
+  config_free(&cfg);
+  return rc;
+}
+
+static void default_cnn_has_870826_parameters(void **state) {
+  (void)state;
+  dt_config cfg;
+  dt_status st = {0};
+  dt_model m;
+  memset(&m, 0, sizeof m);
+  assert_int_equal(config_load(&cfg, "configs/model.yaml", NULL, 0, &st), 0);
+  assert_int_equal(model_build(&m, &cfg, &st), 0);
+  assert_int_equal(m.n_params, 870826);
+  assert_int_equal(m.n_bufs, 2 * (32 + 32 + 64 + 64));
+  assert_int_equal(m.n_all, 19);
+  dt_shape s = m.all[6]->out; /* maxpool */
+  assert_int_equal(s.c, 32);
+  assert_int_equal(s.h, 14);
+  assert_int_equal(m.all[14]->out.c, 3136); /* flatten */
+  assert_int_equal(m.n_outputs, 10);
+  /* FLOPs by hand: convs 2*O*C*9*H*W, linears 2*in*out + out, bn 4/elem, relu 1/elem, pool k*k/out */
+  int64_t conv = 2 * (32 * 1 * 9 * 784 + 32 * 32 * 9 * 784 + 64 * 32 * 9 * 196 + 64 * 64 * 9 * 196);
+  int64_t lin = 2 * 3136 * 256 + 256 + 2 * 256 * 10 + 10;
+  int64_t bn = 4 * (2 * 32 * 784 + 2 * 64 * 196), relu = 2 * 32 * 784 + 2 * 64 * 196 + 256;
+  int64_t pool = 4 * (32 * 196 + 64 * 49), dropout = 256;
+  assert_int_equal(model_flops(&m), conv + lin + bn + relu + pool + dropout);
+  model_free(&m);
+  config_free(&cfg);
+}
+
+static void tensors_use_pytorch_names_layouts_and_order(void **state) {
+  (void)state;
+  dt_config cfg;
+  dt_model m;
+  dt_status st;
+  const char *yaml = "  input: [3, 8, 8]\n"
+                     "  layers:\n"
+                     "    - conv2d: {out: 4, kernel: 3, pad: 1}\n"
+                     "    - residual:\n"
+                     "        body: [{conv2d: {out: 6, kernel: 3, stride: 2, pad: 1, bias: false}}, {batchnorm: {}}]\n"
+                     "        shortcut: [{conv2d: {out: 6, kernel: 1, stride: 2}}]\n"
+                     "    - global_avgpool: {}\n"
+                     "    - linear: {out: 5}\n";
+  assert_int_equal(build(yaml, &cfg, &m, &st), 0);
+  const char *names[] = {"0.weight", "0.bias", "1.body.0.weight", "1.body.1.weight", "1.body.1.bias",
+                         "1.body.1.running_mean", "1.body.1.running_var", "1.shortcut.0.weight", "1.shortcut.0.bias",
+                         "3.weight", "3.bias"};
+  assert_int_equal(m.n_tensors, 11);
+  for (int i = 0; i < 11; i++) assert_string_equal(m.tensors[i].name, names[i]);
+  assert_int_equal(m.tensors[2].ndim, 4);
+  assert_int_equal(m.tensors[2].dims[0], 6);
+  assert_int_equal(m.tensors[2].dims[1], 4);
+  assert_int_equal(m.tensors[9].dims[0], 5);
+  assert_int_equal(m.tensors[9].dims[1], 6);
+  /* parameters are contiguous in this order; buffers separate */
+  int64_t off = 0;
+  for (int i = 0; i < 11; i++)
+    if (!m.tensors[i].is_buffer) {
+      assert_int_equal(m.tensors[i].offset, off);
+      off += m.tensors[i].count;
+    }
+  assert_int_equal(off, m.n_params);
+  assert_int_equal(m.n_params, (4 * 27 + 4) + 6 * 4 * 9 + 12 + (6 * 4 + 6) + (5 * 6 + 5));
+  dt_shape out = m.all[1]->out;
+  assert_int_equal(out.c, 6);
+  assert_int_equal(out.h, 4);
+  model_free(&m);
+  config_free(&cfg);
+}
+
+static void shape_errors_name_layer_and_shapes(void **state) {
+  (void)state;
+  dt_status st;
+  assert_int_equal(build_err("  input: [1, 4, 4]\n  layers: [{linear: {out: 3}}]\n", &st), DT_EXIT_INPUT);
+  assert_contains(st.msg, "layer 0 linear: expects a vector input, got (1, 4, 4) (add flatten before it)");
+  assert_int_equal(build_err("  input: [16]\n  layers: [{conv2d: {out: 3, kernel: 3}}]\n", &st), DT_EXIT_INPUT);
+  assert_contains(st.msg, "layer 0 conv2d: expects a (C, H, W) input, got (16)");
+  assert_int_equal(build_err("  input: [1, 4, 4]\n  layers: [{conv2d: {out: 3, kernel: 5}}, flatten]\n", &st),
+                   DT_EXIT_INPUT);
+  assert_contains(st.msg, "kernel 5 does not fit input (1, 4, 4)");
+  assert_int_equal(build_err("  input: [2, 4, 4]\n  layers:\n    - residual: {body: [{conv2d: {out: 3, kernel: 1}}]}\n"
+                             "    - flatten\n",
+                             &st),
+                   DT_EXIT_INPUT);
+  assert_contains(st.msg, "layer 0 residual: body gives (3, 4, 4) but the shortcut gives (2, 4, 4)");
+  assert_contains(st.msg, ":4:7:");
+  assert_int_equal(build_err("  input: [1, 4, 4]\n  layers: [{maxpool: {kernel: 8}}, flatten]\n", &st), DT_EXIT_INPUT);
+  assert_contains(st.msg, "kernel 8 is larger than the input (1, 4, 4)");
+  assert_int_equal(build_err("  input: [1, 4, 4]\n  layers: [relu]\n", &st), DT_EXIT_INPUT);
+  assert_contains(st.msg, "the last layer outputs (1, 4, 4); the loss needs a vector");
+  assert_int_equal(build_err("  input: [4]\n  layers: [{linear: {out: 1}}]\n", &st), DT_EXIT_INPUT);
+  assert_contains(st.msg, "cross_entropy needs at least 2 outputs");
+}
+
+static void unknown_layers_and_parameters_suggest(void **state) {
+  (void)state;
+  dt_status st;
+  assert_int_equal(build_err("  input: [1, 4, 4]\n  layers:\n    - conv2: {out: 3, kernel: 3}\n", &st), DT_EXIT_INPUT);
+  assert_contains(st.msg, ":4:7: model.layers[0]: unknown layer 'conv2'; did you mean 'conv2d'?");
+  assert_int_equal(build_err("  input: [1, 4, 4]\n  layers:\n    - conv2d: {out: 3, kernal: 3}\n", &st), DT_EXIT_INPUT);
+  assert_contains(st.msg, "unknown parameter 'model.layers[0] conv2d: kernal'; did you mean 'model.layers[0] conv2d: kernel'?");
+  assert_int_equal(build_err("  input: [1, 4, 4]\n  layers:\n    - conv2d: {kernel: 3}\n", &st), DT_EXIT_INPUT);
+  assert_contains(st.msg, "missing required parameter 'model.layers[0] conv2d: out'");
+  assert_int_equal(build_err("  input: [4]\n  layers:\n    - dropout: {p: 1.0}\n", &st), DT_EXIT_INPUT);
+  assert_contains(st.msg, "model.layers[0] dropout: p: expected a number in [0, 0.999], got '1.0'");
+  assert_int_equal(build_err("  input: [4]\n  layers: [{linear: {out: 2}}]\n  loss: crossentropy\n", &st), DT_EXIT_INPUT);
+  assert_contains(st.msg, "unknown loss 'crossentropy'; did you mean 'cross_entropy'?");
+  assert_int_equal(build_err("  input: [4]\n  layers: [{linear: {out: 2}, relu: {}}]\n", &st), DT_EXIT_INPUT);
+  assert_contains(st.msg, "a layer is a one-key map");
+  assert_int_equal(build_err("  input: [4]\n  layers: []\n", &st), DT_EXIT_INPUT);
+  assert_contains(st.msg, "model.layers: expected a non-empty list of layers");
+}
+
+static void losses_parse(void **state) {
+  (void)state;
+  dt_config cfg;
+  dt_model m;
+  dt_status st;
+  assert_int_equal(build("  input: [4]\n  layers: [{linear: {out: 3}}]\n  loss: {cross_entropy: {label_smoothing: 0.1}}\n",
+                         &cfg, &m, &st),
+                   0);
+  assert_int_equal(m.loss_kind, DT_LOSS_CROSS_ENTROPY);
+  assert_true(m.label_smoothing == 0.1);
+  model_free(&m);
+  config_free(&cfg);
+  assert_int_equal(build("  input: [4]\n  layers: [{linear: {out: 1}}]\n  loss: mse\n", &cfg, &m, &st), 0);
+  assert_int_equal(m.loss_kind, DT_LOSS_MSE);
+  model_free(&m);
+  config_free(&cfg);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(default_cnn_has_870826_parameters),
+      cmocka_unit_test(tensors_use_pytorch_names_layouts_and_order),
+      cmocka_unit_test(shape_errors_name_layer_and_shapes),
+      cmocka_unit_test(unknown_layers_and_parameters_suggest),
+      cmocka_unit_test(losses_parse),
+  };
+  return cmocka_run_group_tests_name("model", tests, NULL, NULL);
+}

@@ -1,0 +1,164 @@
+"""Training end to end on the CPU: the loss falls and the model learns, N-rank equivalence
+(np 1 against 2 and 3), synchronised batchnorm equivalence, and the metrics and model files."""
+import os
+import unittest
+
+import h5py
+import numpy as np
+
+from helpers import ROOT, TINY_CNN, Workdir, errors, run
+
+
+def final_params(path):
+    with h5py.File(path, "r") as f:
+        return {k: f["model"][k][...] for k in f["model"]}
+
+
+class Smoke(unittest.TestCase):
+    def test_loss_falls_and_accuracy_rises(self):
+        w = Workdir()
+        try:
+            w.dataset(n=96, n_val=48)
+            cfg = w.config(TINY_CNN)
+            rc, out, err = run([cfg, "--set", "train.epochs=15", "--set", "log.every_steps=12"], np_=2)
+            self.assertEqual(rc, 0, out + err)
+            m = w.metrics()
+            steps = [r for r in m if "loss" in r]
+            evals = [r for r in m if "val_acc" in r]
+            self.assertEqual(len(evals), 15)  # one per epoch
+            self.assertLess(steps[-1]["loss"], 0.5 * steps[0]["loss"])
+            self.assertGreater(evals[-1]["val_acc"], 0.9)
+            for key in ("step", "epoch", "loss", "lr", "samples_per_s", "step_ms", "data_ms", "comm_ms"):
+                self.assertIn(key, steps[0])
+            self.assertIn("best val_acc", out)
+            self.assertEqual(out.count("done:"), 1)  # rank 0 only
+            p = final_params(w.file("ckpt/final.h5"))
+            self.assertEqual(p["0.weight"].shape, (4, 1, 3, 3))
+            self.assertEqual(p["4.weight"].shape, (3, 36))
+        finally:
+            w.cleanup()
+
+    def test_fashion_mnist_subset_reaches_80_percent(self):
+        """4,000 Fashion-MNIST images, a small MLP, 5 epochs on 2 ranks: at least 80% on 1,000 test images."""
+        w = Workdir()
+        try:
+            src = os.path.join(ROOT, "data", "fashion_mnist.h5")
+            with h5py.File(src, "r") as f, h5py.File(w.file("fm.h5"), "w") as g:
+                g["train/images"] = f["train/images_flat"][:4000]
+                g["train/labels"] = f["train/labels"][:4000]
+                g["test/images"] = f["test/images_flat"][:1000]
+                g["test/labels"] = f["test/labels"][:1000]
+            cfg = w.config("""\
+                model:
+                  input: [784]
+                  layers: [{{linear: {{out: 128}}}}, relu, {{linear: {{out: 10}}}}]
+                data: {{path: {dir}/fm.h5, scale: 0.00392156862745098}}
+                train: {{epochs: 5, global_batch_size: 64, seed: 2}}
+                optim: {{name: adamw, lr: 0.002, weight_decay: 0.01, schedule: {{name: cosine, warmup_steps: 10}}}}
+                log: {{dir: {dir}/log, every_steps: 50}}
+                checkpoint: {{dir: ""}}
+                """)
+            rc, out, err = run([cfg], np_=2)
+            self.assertEqual(rc, 0, out + err)
+            acc = [r["val_acc"] for r in w.metrics() if "val_acc" in r]
+            self.assertEqual(len(acc), 5)
+            self.assertGreater(acc[-1], 0.80)
+        finally:
+            w.cleanup()
+
+    def test_max_steps_grad_accum_and_early_stopping(self):
+        w = Workdir()
+        try:
+            w.dataset(n=64)
+            cfg = w.config(TINY_CNN)
+            rc, out, err = run([cfg, "--set", "train.max_steps=3", "--set", "train.grad_accum=2"])
+            self.assertEqual(rc, 0, out + err)
+            self.assertEqual(max(r["step"] for r in w.metrics() if "loss" in r), 3)
+            self.assertIn("global batch 16", out)
+            rc, out, err = run([cfg, "--set", "train.epochs=30", "--set", "optim.lr=0",
+                                "--set", "train.early_stopping={metric: val_loss, patience: 2}"])
+            self.assertEqual(rc, 0, out + err)
+            self.assertIn("early stopping: val_loss has not improved for 2 evaluations", out)
+            self.assertEqual(len([r for r in w.metrics() if "val_loss" in r]), 3)
+        finally:
+            w.cleanup()
+
+    def test_nan_loss_exits_4(self):
+        w = Workdir()
+        try:
+            w.dataset(n=64)
+            cfg = w.config(TINY_CNN)
+            rc, out, err = run([cfg, "--set", "optim.lr=1e30"], np_=2)
+            self.assertEqual(rc, 4, out + err)
+            self.assertIn("non-finite", errors(err)[0])
+        finally:
+            w.cleanup()
+
+
+EQUIV = """\
+model:
+  input: [2, 5, 5]
+  layers:
+    - conv2d: {{out: 3, kernel: 3, pad: 1}}
+    - {act}: {{}}
+    - avgpool: {{kernel: 2}}
+    - flatten: {{}}
+    - linear: {{out: 8}}
+    - {norm}
+    - tanh: {{}}
+    - linear: {{out: 4}}
+  loss: {{cross_entropy: {{label_smoothing: 0.05}}}}
+data:
+  path: {dir}/data.h5
+  scale: 0.00392156862745098
+train:
+  epochs: 3
+  global_batch_size: 12
+  seed: 5
+  clip_grad_norm: 5.0
+optim: {{name: {optim}, lr: 0.05, momentum: 0.9, nesterov: true, weight_decay: 0.001,
+        schedule: {{name: onecycle, pct_start: 0.3}}}}
+log: {{dir: {dir}/log, every_steps: 1}}
+checkpoint: {{dir: {dir}/ckpt}}
+dist: {{bucket_mb: 0.0005}}
+"""
+
+
+class Equivalence(unittest.TestCase):
+    """With train.global_batch_size, world sizes differ only in the order of float sums."""
+
+    def compare(self, norm, optim="sgd", act="relu", sharding="global"):
+        w = Workdir()
+        try:
+            w.dataset(n=50, shape=(2, 5, 5), classes=4)  # 50 rows: the last global batch is partial
+            cfg = w.config(EQUIV, norm=norm, optim=optim, act=act)
+            runs = {}
+            for np_ in (1, 2, 3):
+                rc, out, err = run([cfg, "--set", f"data.sharding={sharding}"], np_=np_)
+                self.assertEqual(rc, 0, out + err)
+                losses = [r["loss"] for r in w.metrics() if "loss" in r]
+                self.assertEqual(len(losses), 15)
+                runs[np_] = (losses, final_params(w.file("ckpt/final.h5")))
+            ref_losses, ref = runs[1]
+            for np_ in (2, 3):
+                losses, params = runs[np_]
+                np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=f"losses, np {np_}")
+                for k in ref:
+                    np.testing.assert_allclose(params[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=f"{k}, np {np_}")
+            # and training did move the parameters
+            self.assertGreater(np.abs(ref["0.weight"]).sum(), 0)
+        finally:
+            w.cleanup()
+
+    def test_np1_np2_np3_equal(self):
+        self.compare("relu: {}")
+
+    def test_adamw_gelu_equal(self):
+        self.compare("sigmoid: {}", optim="adamw", act="gelu")
+
+    def test_sync_batchnorm_equal(self):
+        self.compare("batchnorm: {sync: true}")
+
+
+if __name__ == "__main__":
+    unittest.main()
