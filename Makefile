@@ -24,9 +24,9 @@ OPENBLAS_INC := /usr/include/x86_64-linux-gnu/openblas-openmp
 BUILD := build/$(if $(filter 1,$(CUDA)),cuda,cpu)
 PKG_CFLAGS = $(shell pkg-config --cflags ompi-c hdf5 yaml-0.1 2>/dev/null)
 PKG_LIBS = $(shell pkg-config --libs ompi-c hdf5 yaml-0.1 2>/dev/null)
-CFLAGS ?= -O2 -g
+CFLAGS ?= -O3 -g
 # format-truncation: messages are cut to bounded buffers on purpose
-CFLAGS += -std=gnu11 -Wall -Wextra -Werror -Wno-format-truncation -fopenmp -pthread $(PKG_CFLAGS) -I$(OPENBLAS_INC) -Isrc
+override CFLAGS += -std=gnu11 -Wall -Wextra -Werror -Wno-format-truncation -fopenmp -pthread $(PKG_CFLAGS) -I$(OPENBLAS_INC) -Isrc
 LDLIBS = $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -lgomp -lpthread -lm
 
 SRCS := common.c yaml_tree.c keys.c config.c model.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
@@ -34,7 +34,7 @@ SRCS := common.c yaml_tree.c keys.c config.c model.c layer_dense.c layer_conv.c 
         checkpoint.c log.c train.c
 ifeq ($(CUDA),1)
   SRCS += gpu_cuda.c
-  CFLAGS += -I$(CUDA_HOME)/include -DDT_WITH_CUDA=1
+  override CFLAGS += -I$(CUDA_HOME)/include -DDT_WITH_CUDA=1
   LDLIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudnn -lcublas -lcudart -lnccl
 else
   SRCS += gpu_none.c
@@ -44,7 +44,7 @@ OBJS := $(SRCS:%.c=$(BUILD)/%.o)
 TESTS := test_config test_sampler test_model test_ops test_optim
 TEST_BINS := $(TESTS:%=$(BUILD)/tests/%)
 
-.PHONY: all deps data run test test-gpu bench clean docs
+.PHONY: all deps data run test test-gpu bench clean docs ddp_train
 all: ddp_train
 
 ddp_train: $(BUILD)/ddp_train

@@ -157,30 +157,46 @@ static inline float gelu_grad(float x) {
   return cdf + x * pdf;
 }
 
+/* One loop per kind, so each vectorises without a branch per element. */
 static void act_fwd(int kind, int64_t n, const float *x, float *y) {
+  switch (kind) {
+  case DT_ACT_RELU:
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; i++) {
-    float v = x[i];
-    switch (kind) {
-    case DT_ACT_RELU: y[i] = v > 0 ? v : 0; break;
-    case DT_ACT_GELU: y[i] = gelu_f(v); break;
-    case DT_ACT_TANH: y[i] = tanhf(v); break;
-    default: y[i] = 1.0f / (1.0f + expf(-v)); break;
-    }
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] > 0 ? x[i] : 0.0f;
+    break;
+  case DT_ACT_GELU:
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) y[i] = gelu_f(x[i]);
+    break;
+  case DT_ACT_TANH:
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) y[i] = tanhf(x[i]);
+    break;
+  default:
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) y[i] = 1.0f / (1.0f + expf(-x[i]));
+    break;
   }
 }
 
 static void act_bwd(int kind, int64_t n, const float *x, const float *y, const float *dy, float *dx) {
+  switch (kind) {
+  case DT_ACT_RELU:
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; i++) {
-    float g;
-    switch (kind) {
-    case DT_ACT_RELU: g = x[i] > 0 ? 1.0f : 0.0f; break;
-    case DT_ACT_GELU: g = gelu_grad(x[i]); break;
-    case DT_ACT_TANH: g = 1.0f - y[i] * y[i]; break;
-    default: g = y[i] * (1.0f - y[i]); break;
-    }
-    dx[i] = g * dy[i];
+    for (int64_t i = 0; i < n; i++) dx[i] = x[i] > 0 ? dy[i] : 0.0f;
+    break;
+  case DT_ACT_GELU:
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) dx[i] = gelu_grad(x[i]) * dy[i];
+    break;
+  case DT_ACT_TANH:
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) dx[i] = (1.0f - y[i] * y[i]) * dy[i];
+    break;
+  default:
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) dx[i] = y[i] * (1.0f - y[i]) * dy[i];
+    break;
   }
 }
 
