@@ -162,7 +162,7 @@ static void act_fwd(int kind, int64_t n, const float *x, float *y) {
   switch (kind) {
   case DT_ACT_RELU:
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) y[i] = x[i] > 0 ? x[i] : 0.0f;
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] < 0 ? 0.0f : x[i]; /* NaN passes, as in PyTorch */
     break;
   case DT_ACT_GELU:
 #pragma omp parallel for schedule(static)
@@ -501,11 +501,9 @@ static void cpu_run(dt_backend *be, const dt_op *op) {
 static float *cpu_alloc(dt_backend *be, size_t bytes) {
   (void)be;
   float *p = NULL;
-  if (posix_memalign((void **)&p, 64, bytes ? bytes : 64)) {
-    char what[160];
-    snprintf(what, sizeof what, "out of host memory allocating %zu bytes for a backend buffer", bytes);
-    dt_abort(__FILE__, __LINE__, what);
-  }
+  if (posix_memalign((void **)&p, 64, bytes ? bytes : 64))
+    dt_die("out of host memory allocating %zu bytes (%.1f MiB) for model buffers; lower train.batch_size or "
+           "train.global_batch_size, or use more ranks", bytes, (double)bytes / 1048576.0);
   memset(p, 0, bytes);
   return p;
 }

@@ -1,12 +1,13 @@
 #include "checkpoint.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <hdf5.h>
-#include <libgen.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 static herr_t first_msg(unsigned n, const H5E_error2_t *e, void *ctx) {
@@ -22,45 +23,60 @@ static const char *h5_msg(char *buf) {
   return buf[0] ? buf : "unknown HDF5 error";
 }
 
-int ckpt_read_model(const char *path, const dt_model *m, float *params, float *bufs, dt_status *st) {
+static const char *opt_names[2][2] = {{"momentum_buffer", NULL}, {"exp_avg", "exp_avg_sq"}};
+
+/* Reads one float32 tensor with its shape checked. */
+static int read_tensor(hid_t f, const char *path, const char *group, const dt_tensor *t, float *dst, dt_status *st) {
+  char e[256], name[300];
+  snprintf(name, sizeof name, "%s/%s", group, t->name);
+  if (H5Lexists(f, group, H5P_DEFAULT) <= 0 || H5Lexists(f, name, H5P_DEFAULT) <= 0)
+    return dt_fail(st, DT_EXIT_INPUT, "%s: tensor '%s' (dataset %s) is missing", path, t->name, name);
+  hid_t ds = H5Dopen2(f, name, H5P_DEFAULT);
+  if (ds < 0) return dt_fail(st, DT_EXIT_INPUT, "%s: cannot open %s: %s", path, name, h5_msg(e));
+  hid_t sp = H5Dget_space(ds);
+  hsize_t dims[8];
+  int nd = H5Sget_simple_extent_ndims(sp);
+  int same = nd == t->ndim;
+  if (nd > 0 && nd <= 8) H5Sget_simple_extent_dims(sp, dims, NULL);
+  for (int k = 0; same && k < nd; k++) same = (int64_t)dims[k] == t->dims[k];
+  H5Sclose(sp);
+  int rc = 0;
+  if (!same) {
+    char want[96] = "(", got[96] = "(";
+    for (int k = 0; k < t->ndim; k++)
+      snprintf(want + strlen(want), sizeof want - strlen(want), "%s%lld", k ? ", " : "", (long long)t->dims[k]);
+    for (int k = 0; k < nd && k < 8; k++)
+      snprintf(got + strlen(got), sizeof got - strlen(got), "%s%llu", k ? ", " : "", (unsigned long long)dims[k]);
+    rc = dt_fail(st, DT_EXIT_INPUT, "%s: tensor '%s' has shape %s) but the model needs %s)", path, t->name, got, want);
+  } else if (H5Dread(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, dst) < 0) {
+    rc = dt_fail(st, DT_EXIT_INPUT, "%s: cannot read tensor '%s' (corrupt file: checksum or format error): %s", path,
+                 t->name, h5_msg(e));
+  }
+  H5Dclose(ds);
+  return rc;
+}
+
+static hid_t open_read(const char *path, const char *what, dt_status *st) {
   char e[256];
   H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
-  if (access(path, R_OK) != 0)
-    return dt_fail(st, DT_EXIT_INPUT, "%s: model.init_from: cannot open: %s", path, strerror(errno));
+  if (access(path, R_OK) != 0) {
+    dt_fail(st, DT_EXIT_INPUT, "%s: %s: cannot open: %s", path, what, strerror(errno));
+    return -1;
+  }
   hid_t f = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
-  if (f < 0) return dt_fail(st, DT_EXIT_INPUT, "%s: model.init_from: not a readable HDF5 file: %s", path, h5_msg(e));
-  int rc = 0;
-  for (int i = 0; i < m->n_tensors && !rc; i++) {
+  if (f < 0) dt_fail(st, DT_EXIT_INPUT, "%s: %s: not a readable HDF5 file (truncated or corrupt): %s", path, what, h5_msg(e));
+  return f;
+}
+
+int ckpt_read_model(const char *path, const dt_model *m, float *params, float *bufs, dt_status *st) {
+  hid_t f = open_read(path, "model.init_from", st);
+  if (f < 0) return st->code;
+  for (int i = 0; i < m->n_tensors && !st->code; i++) {
     const dt_tensor *t = &m->tensors[i];
-    char name[200];
-    snprintf(name, sizeof name, "/model/%s", t->name);
-    if (H5Lexists(f, "/model", H5P_DEFAULT) <= 0 || H5Lexists(f, name, H5P_DEFAULT) <= 0) {
-      rc = dt_fail(st, DT_EXIT_INPUT, "%s: tensor '%s' (dataset %s) is missing", path, t->name, name);
-      break;
-    }
-    hid_t ds = H5Dopen2(f, name, H5P_DEFAULT);
-    hid_t sp = H5Dget_space(ds);
-    hsize_t dims[8];
-    int nd = H5Sget_simple_extent_ndims(sp);
-    int same = nd == t->ndim;
-    if (nd > 0 && nd <= 8) H5Sget_simple_extent_dims(sp, dims, NULL);
-    for (int k = 0; same && k < nd; k++) same = (int64_t)dims[k] == t->dims[k];
-    H5Sclose(sp);
-    if (!same) {
-      char want[96] = "(", got[96] = "(";
-      for (int k = 0; k < t->ndim; k++)
-        snprintf(want + strlen(want), sizeof want - strlen(want), "%s%lld", k ? ", " : "", (long long)t->dims[k]);
-      for (int k = 0; k < nd && k < 8; k++)
-        snprintf(got + strlen(got), sizeof got - strlen(got), "%s%llu", k ? ", " : "", (unsigned long long)dims[k]);
-      rc = dt_fail(st, DT_EXIT_INPUT, "%s: tensor '%s' has shape %s) but the model needs %s)", path, t->name, got, want);
-    } else if (H5Dread(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT,
-                       (t->is_buffer ? bufs : params) + t->offset) < 0) {
-      rc = dt_fail(st, DT_EXIT_INPUT, "%s: cannot read tensor '%s' (corrupt file?): %s", path, t->name, h5_msg(e));
-    }
-    H5Dclose(ds);
+    read_tensor(f, path, "/model", t, (t->is_buffer ? bufs : params) + t->offset, st);
   }
   H5Fclose(f);
-  return rc;
+  return st->code;
 }
 
 static int fsync_path(const char *path, int dir) {
@@ -71,7 +87,7 @@ static int fsync_path(const char *path, int dir) {
   return rc;
 }
 
-static int write_attr_str(hid_t obj, const char *name, const char *value) {
+static int attr_str(hid_t obj, const char *name, const char *value) {
   hid_t t = H5Tcopy(H5T_C_S1);
   H5Tset_size(t, strlen(value) + 1);
   hid_t sp = H5Screate(H5S_SCALAR);
@@ -83,61 +99,274 @@ static int write_attr_str(hid_t obj, const char *name, const char *value) {
   return rc < 0 ? -1 : 0;
 }
 
-static int write_attr_i64(hid_t obj, const char *name, int64_t value) {
+static int attr_num(hid_t obj, const char *name, hid_t file_type, hid_t mem_type, const void *value) {
   hid_t sp = H5Screate(H5S_SCALAR);
-  hid_t a = H5Acreate2(obj, name, H5T_STD_I64LE, sp, H5P_DEFAULT, H5P_DEFAULT);
-  herr_t rc = a < 0 ? -1 : H5Awrite(a, H5T_NATIVE_INT64, &value);
+  hid_t a = H5Acreate2(obj, name, file_type, sp, H5P_DEFAULT, H5P_DEFAULT);
+  herr_t rc = a < 0 ? -1 : H5Awrite(a, mem_type, value);
   if (a >= 0) H5Aclose(a);
   H5Sclose(sp);
   return rc < 0 ? -1 : 0;
 }
 
-int ckpt_write_model(const char *path, const dt_model *m, const float *params, const float *bufs, const dt_config *cfg,
-                     int world, int64_t step, dt_status *st) {
-  char tmp[1200], e[256];
-  snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
-  H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
-  hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
-  H5Pset_libver_bounds(fapl, H5F_LIBVER_V110, H5F_LIBVER_LATEST); /* metadata checksums */
-  hid_t f = H5Fcreate(tmp, H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
-  H5Pclose(fapl);
-  if (f < 0) return dt_fail(st, DT_EXIT_IO, "%s: cannot create: %s (%s)", tmp, h5_msg(e), strerror(errno));
+static int write_group(hid_t f, const char *group, const dt_model *m, const float *params, const float *bufs,
+                       int params_only) {
+  hid_t g = H5Gcreate2(f, group, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+  if (g < 0) return -1;
   int bad = 0;
-  hid_t g = H5Gcreate2(f, "/model", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-  bad |= g < 0;
   for (int i = 0; i < m->n_tensors && !bad; i++) {
     const dt_tensor *t = &m->tensors[i];
+    if (params_only && t->is_buffer) continue;
     hsize_t dims[4];
     for (int k = 0; k < t->ndim; k++) dims[k] = (hsize_t)t->dims[k];
     hid_t sp = H5Screate_simple(t->ndim, dims, NULL);
     hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
     H5Pset_chunk(dcpl, t->ndim, dims);
-    H5Pset_fletcher32(dcpl); /* checksummed data, verified on read */
+    H5Pset_fletcher32(dcpl);
     hid_t ds = H5Dcreate2(g, t->name, H5T_IEEE_F32LE, sp, H5P_DEFAULT, dcpl, H5P_DEFAULT);
-    bad |= ds < 0 || H5Dwrite(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, (t->is_buffer ? bufs : params) + t->offset) < 0;
+    bad |= ds < 0 || H5Dwrite(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT,
+                              (t->is_buffer ? bufs : params) + t->offset) < 0;
     if (ds >= 0) H5Dclose(ds);
     H5Pclose(dcpl);
     H5Sclose(sp);
   }
-  if (g >= 0) H5Gclose(g);
+  H5Gclose(g);
+  return bad ? -1 : 0;
+}
+
+int ckpt_write(const char *path, const dt_model *m, const dt_ckpt_data *d, const dt_config *cfg, dt_status *st) {
+  char tmp[1200], e[256] = "";
+  snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
+  H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
+  hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
+  H5Pset_libver_bounds(fapl, H5F_LIBVER_V110, H5F_LIBVER_LATEST); /* checksummed metadata */
+  errno = 0;
+  hid_t f = H5Fcreate(tmp, H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
+  H5Pclose(fapl);
+  if (f < 0) {
+    int err = errno;
+    return dt_fail(st, DT_EXIT_IO, "%s: cannot create: %s%s%s", tmp, err ? strerror(err) : "", err ? "; " : "", h5_msg(e));
+  }
+  errno = 0;
+  int bad = write_group(f, "/model", m, d->params, d->bufs, 0);
+  const dt_train_state *ts = &d->ts;
+  if (!bad && d->opt_a) {
+    bad |= H5Gclose(H5Gcreate2(f, "/optim", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)) < 0;
+    char g[64];
+    snprintf(g, sizeof g, "/optim/%s", opt_names[ts->optim][0]);
+    bad |= write_group(f, g, m, d->opt_a, NULL, 1);
+    if (!bad && d->opt_b) {
+      snprintf(g, sizeof g, "/optim/%s", opt_names[ts->optim][1]);
+      bad |= write_group(f, g, m, d->opt_b, NULL, 1);
+    }
+  }
   if (!bad) {
     hid_t meta = H5Gcreate2(f, "/meta", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-    bad |= meta < 0 || write_attr_str(meta, "config", cfg->effective) || write_attr_str(meta, "version", DT_VERSION) ||
-           write_attr_i64(meta, "world_size", world) || write_attr_i64(meta, "step", step);
+    const char *optim = ts->optim == DT_OPTIM_SGD ? "sgd" : "adamw";
+    bad |= meta < 0 || attr_str(meta, "config", cfg->effective) || attr_str(meta, "version", DT_VERSION) ||
+           attr_str(meta, "optimizer", optim) ||
+           attr_num(meta, "world_size", H5T_STD_I64LE, H5T_NATIVE_INT64, &ts->world_size) ||
+           attr_num(meta, "step", H5T_STD_I64LE, H5T_NATIVE_INT64, &ts->step) ||
+           attr_num(meta, "epoch", H5T_STD_I64LE, H5T_NATIVE_INT64, &ts->epoch) ||
+           attr_num(meta, "micro", H5T_STD_I64LE, H5T_NATIVE_INT64, &ts->micro) ||
+           attr_num(meta, "global_batch", H5T_STD_I64LE, H5T_NATIVE_INT64, &ts->global_batch) ||
+           attr_num(meta, "seed", H5T_STD_U64LE, H5T_NATIVE_UINT64, &ts->seed) ||
+           attr_num(meta, "bad_evals", H5T_STD_I64LE, H5T_NATIVE_INT64, &ts->bad_evals) ||
+           attr_num(meta, "best_metric", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &ts->best_metric) ||
+           attr_num(meta, "best_val_acc", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &ts->best_val_acc);
     if (meta >= 0) H5Gclose(meta);
   }
+  int err = errno;
   if (bad) h5_msg(e);
-  if (H5Fclose(f) < 0) bad = 1;
+  if (H5Fclose(f) < 0) {
+    bad = 1;
+    if (!err) err = errno;
+    if (!e[0]) h5_msg(e);
+  }
+  if (!bad && fsync_path(tmp, 0)) bad = 1, err = errno;
   if (bad) {
     unlink(tmp);
-    return dt_fail(st, DT_EXIT_IO, "%s: writing failed: %s", path, e[0] ? e : strerror(errno));
+    return dt_fail(st, DT_EXIT_IO, "%s: writing the checkpoint failed: %s%s%s", path, err ? strerror(err) : "",
+                   err && e[0] ? "; " : "", e);
   }
   char dir[1200];
   dt_strlcpy(dir, path, sizeof dir);
-  if (fsync_path(tmp, 0) || rename(tmp, path) || fsync_path(dirname(dir), 1)) {
-    int err = errno;
+  char *slash = strrchr(dir, '/');
+  if (slash) *slash = 0;
+  else snprintf(dir, sizeof dir, ".");
+  if (rename(tmp, path) || fsync_path(dir, 1)) {
+    err = errno;
     unlink(tmp);
-    return dt_fail(st, DT_EXIT_IO, "%s: committing failed: %s", path, strerror(err));
+    return dt_fail(st, DT_EXIT_IO, "%s: committing the checkpoint failed: %s", path, strerror(err));
   }
   return 0;
+}
+
+/* Replaces dir/latest with name, atomically. */
+static int write_latest(const char *dir, const char *name, dt_status *st) {
+  char tmp[1200], path[1200];
+  snprintf(path, sizeof path, "%s/latest", dir);
+  snprintf(tmp, sizeof tmp, "%s/latest.tmp.%d", dir, (int)getpid());
+  FILE *f = fopen(tmp, "w");
+  int ok = f && fprintf(f, "%s\n", name) > 0;
+  if (f) ok = (fflush(f) == 0) && ok && fsync(fileno(f)) == 0;
+  int err = errno;
+  if (f && fclose(f) != 0) ok = 0, err = errno;
+  if (!ok || rename(tmp, path) || fsync_path(dir, 1)) {
+    if (ok) err = errno;
+    unlink(tmp);
+    return dt_fail(st, DT_EXIT_IO, "%s: updating the latest pointer failed: %s", path, strerror(err));
+  }
+  return 0;
+}
+
+static int64_t step_of(const char *name) {
+  long long s;
+  char tail[8];
+  if (sscanf(name, "step-%lld.h%7s", &s, tail) == 2 && !strcmp(tail, "5")) return s;
+  return -1;
+}
+
+static int cmp_desc(const void *a, const void *b) {
+  int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+  return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* Step numbers of dir's step files, newest first (caller frees). */
+static int64_t *list_steps(const char *dir, int *n) {
+  *n = 0;
+  DIR *dp = opendir(dir);
+  if (!dp) return NULL;
+  int cap = 16;
+  int64_t *steps = dt_malloc((size_t)cap * sizeof *steps);
+  struct dirent *de;
+  while ((de = readdir(dp))) {
+    int64_t s = step_of(de->d_name);
+    if (s < 0) continue;
+    if (*n == cap) steps = dt_realloc(steps, (size_t)(cap *= 2) * sizeof *steps);
+    steps[(*n)++] = s;
+  }
+  closedir(dp);
+  qsort(steps, (size_t)*n, sizeof *steps, cmp_desc);
+  return steps;
+}
+
+int ckpt_save_step(const char *dir, int64_t keep, const dt_model *m, const dt_ckpt_data *d, const dt_config *cfg,
+                   char *written, size_t cap, dt_status *st) {
+  char name[64], path[1200];
+  snprintf(name, sizeof name, "step-%08lld.h5", (long long)d->ts.step);
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  if (ckpt_write(path, m, d, cfg, st) || write_latest(dir, name, st)) return st->code;
+  dt_strlcpy(written, path, cap);
+  int n;
+  int64_t *steps = list_steps(dir, &n);
+  for (int i = (int)keep; i < n; i++) {
+    snprintf(path, sizeof path, "%s/step-%08lld.h5", dir, (long long)steps[i]);
+    unlink(path);
+  }
+  free(steps);
+  return 0;
+}
+
+static int read_attr(hid_t meta, const char *name, hid_t mem_type, void *out) {
+  if (H5Aexists(meta, name) <= 0) return -1;
+  hid_t a = H5Aopen(meta, name, H5P_DEFAULT);
+  herr_t rc = H5Aread(a, mem_type, out);
+  H5Aclose(a);
+  return rc < 0 ? -1 : 0;
+}
+
+static char *read_attr_str(hid_t meta, const char *name) {
+  if (H5Aexists(meta, name) <= 0) return NULL;
+  hid_t a = H5Aopen(meta, name, H5P_DEFAULT);
+  hid_t t = H5Aget_type(a);
+  size_t n = H5Tget_size(t);
+  char *buf = dt_calloc(n + 1, 1);
+  hid_t mt = H5Tcopy(H5T_C_S1);
+  H5Tset_size(mt, n);
+  if (H5Aread(a, mt, buf) < 0) buf[0] = 0;
+  H5Tclose(mt);
+  H5Tclose(t);
+  H5Aclose(a);
+  return buf;
+}
+
+int ckpt_read_meta(const char *path, dt_train_state *ts, char **config_text, dt_status *st) {
+  *config_text = NULL;
+  hid_t f = open_read(path, "checkpoint", st);
+  if (f < 0) return st->code;
+  hid_t meta = H5Lexists(f, "/meta", H5P_DEFAULT) > 0 ? H5Gopen2(f, "/meta", H5P_DEFAULT) : -1;
+  char *optim = NULL;
+  if (meta < 0 || read_attr(meta, "step", H5T_NATIVE_INT64, &ts->step) ||
+      read_attr(meta, "epoch", H5T_NATIVE_INT64, &ts->epoch) || read_attr(meta, "micro", H5T_NATIVE_INT64, &ts->micro) ||
+      read_attr(meta, "global_batch", H5T_NATIVE_INT64, &ts->global_batch) ||
+      read_attr(meta, "world_size", H5T_NATIVE_INT64, &ts->world_size) ||
+      read_attr(meta, "seed", H5T_NATIVE_UINT64, &ts->seed) ||
+      read_attr(meta, "bad_evals", H5T_NATIVE_INT64, &ts->bad_evals) ||
+      read_attr(meta, "best_metric", H5T_NATIVE_DOUBLE, &ts->best_metric) ||
+      read_attr(meta, "best_val_acc", H5T_NATIVE_DOUBLE, &ts->best_val_acc) ||
+      !(optim = read_attr_str(meta, "optimizer")) || !(*config_text = read_attr_str(meta, "config"))) {
+    char e[256];
+    dt_fail(st, DT_EXIT_INPUT, "%s: not a ddp_train checkpoint (the /meta attributes are missing or unreadable: %s)",
+            path, h5_msg(e));
+  }
+  if (!st->code) ts->optim = !strcmp(optim, "adamw") ? DT_OPTIM_ADAMW : DT_OPTIM_SGD;
+  free(optim);
+  if (meta >= 0) H5Gclose(meta);
+  H5Fclose(f);
+  if (st->code) {
+    free(*config_text);
+    *config_text = NULL;
+  }
+  return st->code;
+}
+
+int ckpt_load(const char *path, const dt_model *m, dt_ckpt_data *d, char **config_text, dt_status *st) {
+  if (ckpt_read_meta(path, &d->ts, config_text, st)) return st->code;
+  hid_t f = open_read(path, "checkpoint", st);
+  if (f < 0) return st->code;
+  dt_train_state *ts = &d->ts;
+  for (int i = 0; i < m->n_tensors && !st->code; i++) {
+    const dt_tensor *t = &m->tensors[i];
+    read_tensor(f, path, "/model", t, (t->is_buffer ? d->bufs : d->params) + t->offset, st);
+  }
+  for (int k = 0; k < 2 && !st->code; k++) {
+    float *dst = k == 0 ? d->opt_a : d->opt_b;
+    const char *state = opt_names[ts->optim][k];
+    if (!dst || !state) continue;
+    char g[64];
+    snprintf(g, sizeof g, "/optim/%s", state);
+    for (int i = 0; i < m->n_tensors && !st->code; i++)
+      if (!m->tensors[i].is_buffer) read_tensor(f, path, g, &m->tensors[i], dst + m->tensors[i].offset, st);
+  }
+  H5Fclose(f);
+  if (st->code) {
+    free(*config_text);
+    *config_text = NULL;
+  }
+  return st->code;
+}
+
+int ckpt_candidates(const char *dir, char names[][1024], int max) {
+  int count = 0;
+  char path[1200], line[512];
+  snprintf(path, sizeof path, "%s/latest", dir);
+  FILE *f = fopen(path, "r");
+  if (f) {
+    if (fgets(line, sizeof line, f)) {
+      line[strcspn(line, "\r\n")] = 0;
+      if (line[0] && count < max) snprintf(names[count++], 1024, "%s/%s", dir, line);
+    }
+    fclose(f);
+  }
+  int n;
+  int64_t *steps = list_steps(dir, &n);
+  for (int i = 0; i < n && count < max; i++) {
+    char p[1024];
+    snprintf(p, sizeof p, "%s/step-%08lld.h5", dir, (long long)steps[i]);
+    int dup = 0;
+    for (int j = 0; j < count && !dup; j++) dup = !strcmp(names[j], p);
+    if (!dup) snprintf(names[count++], 1024, "%s", p);
+  }
+  free(steps);
+  return count;
 }

@@ -1,21 +1,63 @@
-/* checkpoint.h: the HDF5 layout of a model's tensors, shared by model.init_from and the files
- * ddp_train writes. Group /model holds one float32 dataset per tensor, named as PyTorch's
- * state_dict keys of an nn.Sequential of the same layers ("0.weight", "4.body.1.running_var"),
- * shaped as PyTorch's tensors. Files are written under a temporary name, fsynced and renamed,
- * so a reader never sees a half-written file under the final name. */
+/* checkpoint.h: checkpoints and the model layout they share with model.init_from.
+ * A checkpoint is one HDF5 file written by rank 0:
+ *   /model/<name>                 float32 tensors named as PyTorch's state_dict keys of an
+ *                                 nn.Sequential of the same layers ("0.weight", "4.body.1.running_var")
+ *   /optim/<state>/<name>         optimizer state per parameter tensor, named as PyTorch's:
+ *                                 momentum_buffer (SGD), exp_avg and exp_avg_sq (AdamW)
+ *   /meta (attributes)            config (effective config text), version, world_size, step, epoch,
+ *                                 micro (next micro-batch of the epoch), global_batch, seed, optimizer,
+ *                                 best_metric, bad_evals, best_val_acc
+ * Datasets are chunked with Fletcher-32 checksums and the file uses HDF5's newer format with
+ * checksummed metadata; both are verified on load. Files are written as step-00000123.h5 under a
+ * temporary name, fsynced, renamed, the directory fsynced, then `latest` (a text file holding
+ * the name) is replaced the same way, and all but the newest checkpoint.keep are removed. */
 #ifndef DT_CHECKPOINT_H
 #define DT_CHECKPOINT_H
 
 #include "config.h"
 #include "model.h"
 
-/* Loads every tensor of m from path (host arrays params (n_params), bufs (n_bufs)).
- * Exit 2 naming the file and tensor on a missing tensor or a shape mismatch. */
+typedef struct {
+  int64_t step;         /* optimizer steps done */
+  int64_t epoch, micro; /* data position of the next micro-batch */
+  int64_t global_batch, world_size;
+  uint64_t seed;
+  int optim;            /* DT_OPTIM_* */
+  double best_metric;   /* early stopping */
+  int64_t bad_evals;
+  double best_val_acc;
+} dt_train_state;
+
+/* Host copies of everything a checkpoint holds. opt_a: momentum or exp_avg; opt_b: exp_avg_sq
+ * (NULL when the optimizer has none). */
+typedef struct {
+  float *params, *bufs, *opt_a, *opt_b;
+  dt_train_state ts;
+} dt_ckpt_data;
+
+/* Loads the /model tensors of path into params and bufs (model.init_from). Exit 2 naming the
+ * file and the tensor on a missing tensor or a shape mismatch. */
 int ckpt_read_model(const char *path, const dt_model *m, float *params, float *bufs, dt_status *st);
 
-/* Writes the /model tensors plus /meta attributes (config text, world size, step, version) atomically.
- * Exit 5 naming the path on any I/O failure. */
-int ckpt_write_model(const char *path, const dt_model *m, const float *params, const float *bufs, const dt_config *cfg,
-                     int world, int64_t step, dt_status *st);
+/* Writes a checkpoint to path atomically. Exit 5 naming the path on any failure, with any
+ * earlier file left as it was. */
+int ckpt_write(const char *path, const dt_model *m, const dt_ckpt_data *d, const dt_config *cfg, dt_status *st);
+
+/* Writes dir/step-<step>.h5, points dir/latest at it and keeps the newest `keep` step files. */
+int ckpt_save_step(const char *dir, int64_t keep, const dt_model *m, const dt_ckpt_data *d, const dt_config *cfg,
+                   char *written, size_t cap, dt_status *st);
+
+/* Reads only the /meta attributes: the training state and the stored config (caller frees).
+ * Exit 2 naming the file when it is unreadable or not a ddp_train checkpoint. */
+int ckpt_read_meta(const char *path, dt_train_state *ts, char **config_text, dt_status *st);
+
+/* Loads a checkpoint: tensors, optimizer state (when d->opt_a is set) and the training state;
+ * *config_text receives the stored config (caller frees). Exit 2 naming the file when it is
+ * missing, truncated, corrupt (checksums) or does not fit the model. */
+int ckpt_load(const char *path, const dt_model *m, dt_ckpt_data *d, char **config_text, dt_status *st);
+
+/* Candidate files for --resume auto, newest first: latest's target, then step files by step.
+ * Returns the count; names are written into names[i] (cap each). */
+int ckpt_candidates(const char *dir, char names[][1024], int max);
 
 #endif

@@ -1,4 +1,8 @@
 /* comm.h: everything that talks to MPI after start-up.
+ * - Every wait has a deadline (dist.timeout_s): each rank announces its arrival to rank 0, which
+ *   names the ranks not yet arrived in a warning at half the deadline; at the deadline a
+ *   diagnostic (which collective, which step, which ranks) is printed and the job is aborted
+ *   with exit code 3. A rank that dies is caught by mpirun, which ends the job.
  * - comm_agree: every rank brings its status; if any failed, the lowest failing rank prints its
  *   message once (naming itself when not every rank failed) and all return that code together.
  * - grad_sync: gradient averaging in buckets over the flat gradient buffer. Buckets are cut from
@@ -18,6 +22,13 @@ typedef struct {
   int local_rank, local_size; /* on this node (MPI_COMM_TYPE_SHARED) */
   MPI_Comm world, node;
   char host[256];
+  double timeout_s;           /* deadline of every wait (dist.timeout_s; 600 until the config is read) */
+  int64_t step;               /* the training step, for diagnostics (-1 at start-up) */
+  /* arrival tracking: rank 0 receives one message from each rank per wait */
+  int64_t seq, send_seq;
+  int64_t *arrived_seq;       /* rank 0: (size) */
+  MPI_Request *arrive_req;    /* rank 0: (size) */
+  MPI_Request send_req;
 } dt_comm;
 
 int comm_init(dt_comm *c, int *argc, char ***argv);
@@ -29,9 +40,21 @@ int comm_agree(dt_comm *c, const dt_status *st);
 /* Collective: exit-2 status naming the ranks whose hash differs from rank 0's. */
 int comm_check_same(dt_comm *c, uint64_t hash, const char *what, dt_status *st);
 
+/* Waits for reqs[0..n) under the deadline; `what` names the collective in diagnostics. */
+void comm_wait(dt_comm *c, MPI_Request *reqs, int n, const char *what);
+
 void comm_bcast(dt_comm *c, void *buf, size_t bytes, int root);
-void comm_allreduce_sum_f64(dt_comm *c, double *data, int n);
-double comm_allreduce_max_f64(dt_comm *c, double v);
+void comm_allreduce_sum_f64(dt_comm *c, double *data, int n, const char *what);
+
+/* The per-step agreement: one small all-gather of every rank's report. out gets the sums and
+ * whether any rank asked to stop; the return is the agreed exit code (0: all well), with the
+ * lowest failing rank's message printed once. */
+typedef struct {
+  double loss_sum, correct;
+  int32_t code; /* this rank's status code (st) */
+  int32_t stop; /* this rank got a signal or hit the time limit: the signal number, or -1 */
+} dt_step_report;
+int comm_step_agree(dt_comm *c, const dt_step_report *mine, const dt_status *st, dt_step_report *out);
 
 typedef struct {
   int64_t begin, end;
@@ -39,16 +62,24 @@ typedef struct {
   int started;
 } dt_bucket;
 
+/* Called on a bucket's range [begin, end) before it is sent: counts non-finite values, so a
+ * NaN is blamed on the rank that produced it. */
+typedef int64_t (*dt_check_fn)(void *ctx, int64_t begin, int64_t end);
+
 typedef struct {
   dt_comm *comm;
   float *grads; /* borrowed, host memory */
+  dt_check_fn check;
+  void *check_ctx;
+  int64_t nonfinite;  /* found by check since the last grad_sync_finish */
   int n_buckets;
   dt_bucket *buckets; /* buckets[0] is the last range of the buffer */
   int next;           /* first bucket not yet started */
   double wait_s;      /* time spent waiting in grad_sync_finish this step */
 } dt_grad_sync;
 
-void grad_sync_init(dt_grad_sync *g, dt_comm *c, float *grads, int64_t n, int64_t bucket_elems);
+void grad_sync_init(dt_grad_sync *g, dt_comm *c, float *grads, int64_t n, int64_t bucket_elems, dt_check_fn check,
+                    void *check_ctx);
 void grad_sync_free(dt_grad_sync *g);
 /* Backward hook: every gradient at offset >= from is final. Starts the buckets it completes. */
 void grad_sync_ready(dt_grad_sync *g, int64_t from);

@@ -30,18 +30,102 @@ int comm_init(dt_comm *c, int *argc, char ***argv) {
   MPI_CHECK(MPI_Comm_rank(c->node, &c->local_rank));
   MPI_CHECK(MPI_Comm_size(c->node, &c->local_size));
   if (gethostname(c->host, sizeof c->host - 1)) snprintf(c->host, sizeof c->host, "unknown");
+  c->timeout_s = 600;
+  c->step = -1;
+  c->send_req = MPI_REQUEST_NULL;
+  if (c->rank == 0) {
+    c->arrived_seq = dt_calloc((size_t)c->size, sizeof(int64_t));
+    c->arrive_req = dt_calloc((size_t)c->size, sizeof(MPI_Request));
+    for (int r = 0; r < c->size; r++) c->arrive_req[r] = MPI_REQUEST_NULL;
+  }
   return 0;
 }
 
 void comm_finalize(dt_comm *c) {
   if (c->node != MPI_COMM_NULL && c->node) MPI_Comm_free(&c->node);
+  free(c->arrived_seq);
+  free(c->arrive_req);
   MPI_Finalize();
+}
+
+enum { TAG_ARRIVE = 7001 };
+
+static void missing_ranks(const dt_comm *c, char *buf, size_t cap, int *count) {
+  size_t len = 0;
+  *count = 0;
+  buf[0] = 0;
+  for (int r = 1; r < c->size; r++) {
+    if (c->arrived_seq[r] >= c->seq) continue;
+    if (len < cap - 16) len += (size_t)snprintf(buf + len, cap - len, "%s%d", *count ? ", " : "", r);
+    (*count)++;
+  }
+}
+
+static void where_text(const dt_comm *c, char *buf, size_t cap) {
+  if (c->step >= 0) snprintf(buf, cap, "at step %lld", (long long)c->step);
+  else snprintf(buf, cap, "during start-up");
+}
+
+void comm_wait(dt_comm *c, MPI_Request *reqs, int n, const char *what) {
+  if (c->size == 1) {
+    MPI_CHECK(MPI_Waitall(n, reqs, MPI_STATUSES_IGNORE));
+    return;
+  }
+  c->seq++;
+  if (c->rank != 0) {
+    if (c->send_req != MPI_REQUEST_NULL) MPI_CHECK(MPI_Wait(&c->send_req, MPI_STATUS_IGNORE));
+    c->send_seq = c->seq;
+    MPI_CHECK(MPI_Isend(&c->send_seq, 1, MPI_INT64_T, 0, TAG_ARRIVE, c->world, &c->send_req));
+  } else {
+    for (int r = 1; r < c->size; r++)
+      MPI_CHECK(MPI_Irecv(&c->arrived_seq[r], 1, MPI_INT64_T, r, TAG_ARRIVE, c->world, &c->arrive_req[r]));
+  }
+  double t0 = dt_now(), warn_at = c->timeout_s / 2;
+  int warned = 0, spins = 0;
+  for (;;) {
+    int done = 0;
+    MPI_CHECK(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE));
+    if (c->rank == 0)
+      for (int r = 1; r < c->size; r++) {
+        int got = 0;
+        if (c->arrive_req[r] != MPI_REQUEST_NULL) MPI_CHECK(MPI_Test(&c->arrive_req[r], &got, MPI_STATUS_IGNORE));
+      }
+    if (done) break;
+    double waited = dt_now() - t0;
+    char at[64], missing[512] = "";
+    int n_missing = 0;
+    where_text(c, at, sizeof at);
+    if (c->rank == 0) missing_ranks(c, missing, sizeof missing, &n_missing);
+    if (!warned && waited > warn_at) {
+      warned = 1;
+      if (c->rank == 0 && n_missing)
+        fprintf(stderr, "ddp_train: warning: %s %s: waiting %.0f s for rank(s) %s (deadline dist.timeout_s = %.0f s)\n",
+                what, at, waited, missing, c->timeout_s);
+      fflush(stderr);
+    }
+    /* rank 0 knows who is missing: it reports first; the others give it a second */
+    if (waited > c->timeout_s + (c->rank == 0 ? 0 : 1)) {
+      if (c->rank == 0 && n_missing)
+        fprintf(stderr, "ddp_train: error: %s %s did not complete within dist.timeout_s = %.0f s: rank(s) %s never "
+                "arrived (%d of %d); aborting the job\n", what, at, c->timeout_s, missing, n_missing, c->size);
+      else
+        fprintf(stderr, "ddp_train: error: rank %d: %s %s did not complete within dist.timeout_s = %.0f s; aborting "
+                "the job\n", c->rank, what, at, c->timeout_s);
+      fflush(stderr);
+      MPI_Abort(c->world, DT_EXIT_PEER);
+    }
+    if (++spins > 100) usleep(spins > 1000 ? 1000 : 50);
+  }
+  /* every rank sent its arrival before joining, so these complete */
+  if (c->rank == 0) MPI_CHECK(MPI_Waitall(c->size - 1, c->arrive_req + 1, MPI_STATUSES_IGNORE));
 }
 
 int comm_agree(dt_comm *c, const dt_status *st) {
   int *codes = dt_calloc((size_t)c->size, sizeof(int));
   int mine = st->code;
-  MPI_CHECK(MPI_Allgather(&mine, 1, MPI_INT, codes, 1, MPI_INT, c->world));
+  MPI_Request req;
+  MPI_CHECK(MPI_Iallgather(&mine, 1, MPI_INT, codes, 1, MPI_INT, c->world, &req));
+  comm_wait(c, &req, 1, "status agreement");
   int first = -1, failed = 0;
   for (int r = 0; r < c->size; r++)
     if (codes[r]) {
@@ -64,7 +148,9 @@ int comm_agree(dt_comm *c, const dt_status *st) {
 int comm_check_same(dt_comm *c, uint64_t hash, const char *what, dt_status *st) {
   unsigned long long *all = dt_calloc((size_t)c->size, sizeof *all);
   unsigned long long mine = hash;
-  MPI_CHECK(MPI_Allgather(&mine, 1, MPI_UNSIGNED_LONG_LONG, all, 1, MPI_UNSIGNED_LONG_LONG, c->world));
+  MPI_Request req;
+  MPI_CHECK(MPI_Iallgather(&mine, 1, MPI_UNSIGNED_LONG_LONG, all, 1, MPI_UNSIGNED_LONG_LONG, c->world, &req));
+  comm_wait(c, &req, 1, "config check");
   char ranks[512] = "";
   size_t len = 0;
   int bad = 0;
@@ -86,27 +172,56 @@ void comm_bcast(dt_comm *c, void *buf, size_t bytes, int root) {
   char *p = buf;
   while (bytes) { /* MPI counts are int */
     int chunk = bytes > (1u << 30) ? (1 << 30) : (int)bytes;
-    MPI_CHECK(MPI_Bcast(p, chunk, MPI_BYTE, root, c->world));
+    MPI_Request req;
+    MPI_CHECK(MPI_Ibcast(p, chunk, MPI_BYTE, root, c->world, &req));
+    comm_wait(c, &req, 1, "broadcast");
     p += chunk;
     bytes -= (size_t)chunk;
   }
 }
 
-void comm_allreduce_sum_f64(dt_comm *c, double *data, int n) {
+void comm_allreduce_sum_f64(dt_comm *c, double *data, int n, const char *what) {
   if (c->size == 1) return;
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data, n, MPI_DOUBLE, MPI_SUM, c->world));
+  MPI_Request req;
+  MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, data, n, MPI_DOUBLE, MPI_SUM, c->world, &req));
+  comm_wait(c, &req, 1, what);
 }
 
-double comm_allreduce_max_f64(dt_comm *c, double v) {
-  double out = v;
-  if (c->size > 1) MPI_CHECK(MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_MAX, c->world));
-  return out;
+int comm_step_agree(dt_comm *c, const dt_step_report *mine, const dt_status *st, dt_step_report *out) {
+  dt_step_report *all = dt_calloc((size_t)c->size, sizeof *all);
+  MPI_Request req;
+  MPI_CHECK(MPI_Iallgather(mine, (int)sizeof *mine, MPI_BYTE, all, (int)sizeof *mine, MPI_BYTE, c->world, &req));
+  comm_wait(c, &req, 1, "step agreement");
+  memset(out, 0, sizeof *out);
+  int first = -1, failed = 0;
+  for (int r = 0; r < c->size; r++) {
+    out->loss_sum += all[r].loss_sum;
+    out->correct += all[r].correct;
+    if (all[r].stop && !out->stop) out->stop = all[r].stop;
+    if (all[r].code) {
+      if (first < 0) first = r;
+      failed++;
+    }
+  }
+  int code = first >= 0 ? all[first].code : 0;
+  out->code = code;
+  if (first == c->rank) {
+    if (failed == c->size || c->size == 1) fprintf(stderr, "ddp_train: error: %s\n", st->msg);
+    else
+      fprintf(stderr, "ddp_train: error: on rank %d (%d of %d ranks failed): %s\n", c->rank, failed, c->size, st->msg);
+    fflush(stderr);
+  }
+  free(all);
+  return code;
 }
 
-void grad_sync_init(dt_grad_sync *g, dt_comm *c, float *grads, int64_t n, int64_t bucket_elems) {
+void grad_sync_init(dt_grad_sync *g, dt_comm *c, float *grads, int64_t n, int64_t bucket_elems, dt_check_fn check,
+                    void *check_ctx) {
   memset(g, 0, sizeof *g);
   g->comm = c;
   g->grads = grads;
+  g->check = check;
+  g->check_ctx = check_ctx;
   if (bucket_elems < 1) bucket_elems = 1;
   g->n_buckets = (int)((n + bucket_elems - 1) / bucket_elems);
   g->buckets = dt_calloc((size_t)(g->n_buckets ? g->n_buckets : 1), sizeof *g->buckets);
@@ -125,12 +240,12 @@ void grad_sync_free(dt_grad_sync *g) {
 static void start_bucket(dt_grad_sync *g, dt_bucket *b) {
   int64_t count = b->end - b->begin;
   DT_ASSERT(count <= 0x7fffffff);
+  if (g->check) g->nonfinite += g->check(g->check_ctx, b->begin, b->end);
   MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, g->grads + b->begin, (int)count, MPI_FLOAT, MPI_SUM, g->comm->world, &b->req));
   b->started = 1;
 }
 
 void grad_sync_ready(dt_grad_sync *g, int64_t from) {
-  if (g->comm->size == 1) return;
   while (g->next < g->n_buckets && g->buckets[g->next].begin >= from) start_bucket(g, &g->buckets[g->next++]);
   /* Open MPI progresses non-blocking collectives inside MPI calls: poke the ones in flight. */
   for (int i = 0; i < g->next; i++) {
@@ -141,13 +256,16 @@ void grad_sync_ready(dt_grad_sync *g, int64_t from) {
 
 void grad_sync_finish(dt_grad_sync *g) {
   g->wait_s = 0;
-  if (g->comm->size == 1) return;
   double t0 = dt_now();
   while (g->next < g->n_buckets) start_bucket(g, &g->buckets[g->next++]);
+  MPI_Request *reqs = dt_malloc((size_t)(g->n_buckets ? g->n_buckets : 1) * sizeof *reqs);
+  for (int i = 0; i < g->n_buckets; i++) reqs[i] = g->buckets[i].req;
+  comm_wait(g->comm, reqs, g->n_buckets, "gradient allreduce");
   for (int i = 0; i < g->n_buckets; i++) {
-    MPI_CHECK(MPI_Wait(&g->buckets[i].req, MPI_STATUS_IGNORE));
+    g->buckets[i].req = MPI_REQUEST_NULL;
     g->buckets[i].started = 0;
   }
+  free(reqs);
   g->next = 0;
   g->wait_s = dt_now() - t0;
 }

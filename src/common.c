@@ -25,14 +25,29 @@ _Noreturn void dt_abort(const char *file, int line, const char *what) {
   if (up && !down) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   fprintf(stderr, "ddp_train: bug: rank %d: %s:%d: %s\n", rank, file, line, what);
   fflush(stderr);
-  if (up && !down) MPI_Abort(MPI_COMM_WORLD, 70);
+  if (up && !down) MPI_Abort(MPI_COMM_WORLD, DT_EXIT_ABORT);
   abort();
 }
 
+_Noreturn void dt_die(const char *fmt, ...) {
+  int up = 0, down = 0, rank = -1;
+  MPI_Initialized(&up);
+  MPI_Finalized(&down);
+  if (up && !down) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  char msg[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  fprintf(stderr, "ddp_train: error: rank %d: %s\n", rank, msg);
+  fflush(stderr);
+  if (up && !down) MPI_Abort(MPI_COMM_WORLD, DT_EXIT_ABORT);
+  exit(DT_EXIT_ABORT);
+}
+
 static _Noreturn void oom(size_t bytes) {
-  char what[128];
-  snprintf(what, sizeof what, "out of host memory allocating %zu bytes", bytes);
-  dt_abort(__FILE__, __LINE__, what);
+  dt_die("out of host memory allocating %zu bytes (%.1f MiB); lower train.batch_size or train.global_batch_size, "
+         "or use more ranks", bytes, (double)bytes / 1048576.0);
 }
 
 void *dt_malloc(size_t bytes) {

@@ -30,6 +30,11 @@ int dt_fail(dt_status *st, int code, const char *fmt, ...) __attribute__((format
 
 _Noreturn void dt_abort(const char *file, int line, const char *what);
 
+/* A resource failure that no rank can recover from (out of memory): prints
+ * "ddp_train: error: rank R: <message>" and aborts the job with code 70. */
+_Noreturn void dt_die(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+#define DT_EXIT_ABORT 70
+
 /* Always-on assert for bugs (not for input validation). */
 #define DT_ASSERT(cond)                                                   \
   do {                                                                    \

@@ -32,7 +32,7 @@ typedef struct {
   int sharding, drop_last, cache, shuffle;
   /* train */
   int64_t epochs, max_steps, batch_size, global_batch_size, grad_accum, seed, eval_every_steps;
-  double clip_grad_norm;
+  double clip_grad_norm, time_limit;
   int early_metric;
   int64_t early_patience;
   /* optim */
@@ -46,13 +46,15 @@ typedef struct {
   int64_t warmup_steps;
   /* checkpoint */
   char *ckpt_dir;
+  int64_t ckpt_every_steps, ckpt_every_epochs, ckpt_keep;
+  int ckpt_best;
   /* log */
   char *log_dir;
   int64_t log_every_steps;
   int progress;
   /* dist */
   int comm;
-  double bucket_mb;
+  double bucket_mb, timeout_s;
   int64_t threads;
 } dt_config_values;
 

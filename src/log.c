@@ -27,7 +27,7 @@ int log_mkdirs(const char *dir, dt_status *st) {
   return 0;
 }
 
-int log_open(dt_log *lg, int enabled, const char *dir, int progress_mode, dt_status *st) {
+int log_open(dt_log *lg, int enabled, const char *dir, int progress_mode, int append, dt_status *st) {
   memset(lg, 0, sizeof *lg);
   lg->enabled = enabled;
   if (!enabled) return 0;
@@ -39,7 +39,7 @@ int log_open(dt_log *lg, int enabled, const char *dir, int progress_mode, dt_sta
   if (!dir[0]) return 0;
   snprintf(lg->path, sizeof lg->path, "%s/metrics.jsonl", dir);
   if (log_mkdirs(dir, st)) return st->code;
-  lg->metrics = fopen(lg->path, "w");
+  lg->metrics = fopen(lg->path, append ? "a" : "w");
   if (!lg->metrics) return dt_fail(st, DT_EXIT_IO, "%s: cannot open for writing: %s", lg->path, strerror(errno));
   return 0;
 }

@@ -15,8 +15,8 @@ typedef struct {
   int bar_drawn;
 } dt_log;
 
-/* Opens dir/metrics.jsonl (creating dir). Exit 5 naming the path on failure. */
-int log_open(dt_log *lg, int enabled, const char *dir, int progress_mode, dt_status *st);
+/* Opens dir/metrics.jsonl (creating dir; appending when resuming). Exit 5 naming the path on failure. */
+int log_open(dt_log *lg, int enabled, const char *dir, int progress_mode, int append, dt_status *st);
 void log_close(dt_log *lg);
 /* mkdir -p; exit 5 naming the directory on failure. */
 int log_mkdirs(const char *dir, dt_status *st);

@@ -17,6 +17,8 @@
 #include "data.h"
 #include "gpu.h"
 #include "model.h"
+#include "fault.h"
+#include "signals.h"
 #include "train.h"
 
 static const char usage_text[] =
@@ -29,12 +31,15 @@ static const char usage_text[] =
     "  --set KEY=VALUE   override a config key (dotted path, repeatable), e.g. --set train.epochs=3\n"
     "  --dry-run         validate the config and the data, print the model summary, exit 0\n"
     "  --device DEV      auto, cpu or cuda (default auto: cpu in this version)\n"
+    "  --resume PATH     continue from a checkpoint file; `--resume auto` takes the newest good one in\n"
+    "                    checkpoint.dir (falling back past unreadable ones) or starts fresh when there is none\n"
     "  --config-keys     print every config key with its type, default and meaning (Markdown)\n"
     "  --version         print the versions of ddp_train and its libraries\n"
     "  --help            print this help\n"
     "\n"
     "exit codes: 0 success, 2 bad input (usage, config, data), 3 peer failure or collective timeout,\n"
-    "4 numerical failure (NaN/Inf), 5 I/O failure, 75 stopped by a signal or time limit after a checkpoint\n";
+    "4 numerical failure (NaN/Inf), 5 I/O failure, 75 stopped by a signal or time limit after a checkpoint,\n"
+    "70 aborted (out of memory, or a bug)\n";
 
 enum { DEV_AUTO, DEV_CPU, DEV_CUDA };
 
@@ -43,6 +48,7 @@ typedef struct {
   char **sets;
   int n_sets;
   int dry_run, help, version, config_keys, device;
+  const char *resume; /* NULL, "auto" or a path */
 } cli_args;
 
 static int parse_args(int argc, char **argv, cli_args *a, dt_status *st) {
@@ -65,6 +71,10 @@ static int parse_args(int argc, char **argv, cli_args *a, dt_status *st) {
       else if (!strcmp(val, "cpu")) a->device = DEV_CPU;
       else if (!strcmp(val, "cuda")) a->device = DEV_CUDA;
       else return dt_fail(st, DT_EXIT_INPUT, "--device %s: expected auto, cpu or cuda", val);
+    } else if (!strcmp(s, "--resume") || !strncmp(s, "--resume=", 9)) {
+      const char *val = s[8] == '=' ? s + 9 : (i + 1 < argc ? argv[++i] : NULL);
+      if (!val || !*val) return dt_fail(st, DT_EXIT_INPUT, "--resume needs a checkpoint path or auto");
+      a->resume = val;
     } else if (s[0] == '-' && s[1]) {
       return dt_fail(st, DT_EXIT_INPUT, "unknown option '%s'\n%s", s, usage_text);
     } else if (a->config) {
@@ -130,6 +140,109 @@ static int init_params(const dt_config *cfg, dt_model *m, dt_comm *comm) {
   return code;
 }
 
+/* Keys whose change makes a checkpoint unusable: the model, and what decides the data order
+ * and the optimizer state. Everything else may change on resume (README "Resuming"). */
+static const char *const frozen_keys[] = {"model.input", "model.layers", "model.loss", "optim.name", "train.seed",
+                                          "data.shuffle", "data.sharding", "data.drop_last", "train.grad_accum"};
+
+static const char *find_line(const char *text, const char *key, size_t *len) {
+  size_t k = strlen(key);
+  for (const char *p = text; p && *p;) {
+    const char *nl = strchr(p, '\n');
+    size_t n = nl ? (size_t)(nl - p) : strlen(p);
+    if (n > k && !strncmp(p, key, k) && p[k] == ':') {
+      *len = n;
+      return p;
+    }
+    p = nl ? nl + 1 : NULL;
+  }
+  return NULL;
+}
+
+static int check_compatible(const char *path, const char *stored, const dt_config *cfg, const dt_train_state *ts,
+                            int64_t global_batch, dt_status *st) {
+  for (size_t i = 0; i < sizeof frozen_keys / sizeof *frozen_keys; i++) {
+    size_t la = 0, lb = 0;
+    const char *a = find_line(stored, frozen_keys[i], &la), *b = find_line(cfg->effective, frozen_keys[i], &lb);
+    if (!a || !b || la != lb || strncmp(a, b, la))
+      return dt_fail(st, DT_EXIT_INPUT, "cannot resume from %s: %s differs\n  checkpoint: %.*s\n  config:     %.*s\n"
+                     "(README \"Resuming\" lists what may change)", path, frozen_keys[i], (int)la, a ? a : "(none)",
+                     (int)lb, b ? b : "(none)");
+  }
+  if (ts->global_batch != global_batch)
+    return dt_fail(st, DT_EXIT_INPUT, "cannot resume from %s: its global batch was %lld, this run's is %lld, so the "
+                   "data position cannot carry over; set train.global_batch_size to %lld", path,
+                   (long long)ts->global_batch, (long long)global_batch, (long long)ts->global_batch);
+  return 0;
+}
+
+/* Rank 0 finds and loads the checkpoint; every rank receives it. *resumed is 0 when --resume auto
+ * found nothing. The caller frees d's arrays. */
+static int load_resume(const cli_args *args, const dt_config *cfg, dt_model *m, dt_comm *comm, dt_ckpt_data *d,
+                       int *resumed) {
+  dt_status st = {0};
+  const dt_config_values *v = &cfg->v;
+  size_t pb = (size_t)(m->n_params ? m->n_params : 1) * sizeof(float);
+  d->params = dt_malloc(pb);
+  d->bufs = dt_malloc((size_t)(m->n_bufs ? m->n_bufs : 1) * sizeof(float));
+  if ((v->optim == DT_OPTIM_SGD && v->momentum > 0) || v->optim == DT_OPTIM_ADAMW) d->opt_a = dt_malloc(pb);
+  if (v->optim == DT_OPTIM_ADAMW) d->opt_b = dt_malloc(pb);
+  int64_t W = comm->size;
+  int64_t G = (v->global_batch_size ? v->global_batch_size : v->batch_size * W) * v->grad_accum;
+  int found = 0;
+  if (comm->rank == 0) {
+    char names[64][1024];
+    int n = 0;
+    int is_auto = !strcmp(args->resume, "auto");
+    if (is_auto) {
+      if (!v->ckpt_dir[0]) dt_fail(&st, DT_EXIT_INPUT, "--resume auto needs checkpoint.dir");
+      else n = ckpt_candidates(v->ckpt_dir, names, 64);
+    } else {
+      snprintf(names[0], sizeof names[0], "%s", args->resume);
+      n = 1;
+    }
+    for (int i = 0; i < n && !st.code && !found; i++) {
+      char *stored = NULL;
+      dt_status ls = {0};
+      /* the stored config first: a changed model is the user's error, not a reason to fall back */
+      if (!ckpt_read_meta(names[i], &d->ts, &stored, &ls) && check_compatible(names[i], stored, cfg, &d->ts, G, &st)) {
+        free(stored);
+        break;
+      }
+      free(stored);
+      stored = NULL;
+      if (!ls.code && !ckpt_load(names[i], m, d, &stored, &ls)) {
+        found = 1;
+        printf("resuming from %s%s\n", names[i], i ? " (the newest good checkpoint)" : "");
+      } else if (!is_auto) {
+        st = ls;
+      } else {
+        fprintf(stderr, "ddp_train: warning: %s%s\n", ls.msg, i + 1 < n ? "; falling back to an older checkpoint" : "");
+      }
+      free(stored);
+    }
+    if (is_auto && !found && !st.code) {
+      if (n) dt_fail(&st, DT_EXIT_INPUT, "--resume auto: none of the %d checkpoints in %s could be loaded", n, v->ckpt_dir);
+      else printf("no checkpoint in %s: starting from the beginning\n", v->ckpt_dir);
+    }
+    fflush(stdout);
+  }
+  int code = comm_agree(comm, &st);
+  if (code) return code;
+  comm_bcast(comm, &found, sizeof found, 0);
+  *resumed = found;
+  if (!found) return 0;
+  comm_bcast(comm, d->params, (size_t)m->n_params * sizeof(float), 0);
+  comm_bcast(comm, d->bufs, (size_t)m->n_bufs * sizeof(float), 0);
+  if (d->opt_a) comm_bcast(comm, d->opt_a, (size_t)m->n_params * sizeof(float), 0);
+  if (d->opt_b) comm_bcast(comm, d->opt_b, (size_t)m->n_params * sizeof(float), 0);
+  comm_bcast(comm, &d->ts, sizeof d->ts, 0);
+  dt_backend *be = m->be;
+  be->to_device(be, m->params, d->params, (size_t)m->n_params * sizeof(float));
+  be->to_device(be, m->bufs, d->bufs, (size_t)m->n_bufs * sizeof(float));
+  return 0;
+}
+
 static void print_data_summary(const dt_data *d, const dt_config *cfg, int world) {
   const dt_config_values *v = &cfg->v;
   int64_t G = v->global_batch_size ? v->global_batch_size : v->batch_size * world;
@@ -142,9 +255,13 @@ static void print_data_summary(const dt_data *d, const dt_config *cfg, int world
 }
 
 int main(int argc, char **argv) {
+  double t_launch = dt_now();
   dt_comm comm;
   comm_init(&comm, &argc, &argv);
+  signals_install();
   dt_status st = {0};
+  dt_train_opts opts = {.t_launch = t_launch};
+  dt_ckpt_data resume = {0};
   cli_args args;
   dt_config cfg;
   memset(&cfg, 0, sizeof cfg);
@@ -171,7 +288,9 @@ int main(int argc, char **argv) {
     goto done;
   }
   config_load(&cfg, args.config, args.sets, args.n_sets, &st);
+  if (!st.code) fault_parse(&opts.fault, getenv("DDP_TRAIN_FAULT"), &st);
   if ((code = comm_agree(&comm, &st))) goto done;
+  comm.timeout_s = cfg.v.timeout_s;
   comm_check_same(&comm, cfg.hash, "the effective config", &st);
   if ((code = comm_agree(&comm, &st))) goto done;
   model_build(&model, &cfg, &st);
@@ -201,11 +320,18 @@ int main(int argc, char **argv) {
   int64_t G = cfg.v.global_batch_size ? cfg.v.global_batch_size : cfg.v.batch_size * W;
   int64_t max_local = (G + W - 1) / W + 1;
   model_alloc(&model, be, max_local, (uint64_t)cfg.v.seed);
-  if ((code = init_params(&cfg, &model, &comm))) goto done;
+  int resumed = 0;
+  if (args.resume && (code = load_resume(&args, &cfg, &model, &comm, &resume, &resumed))) goto done;
+  if (!resumed && (code = init_params(&cfg, &model, &comm))) goto done;
+  opts.resume = resumed ? &resume : NULL;
   dt_train_result res;
-  code = train_run(&cfg, &model, &data, &comm, &res);
+  code = train_run(&cfg, &model, &data, &comm, &opts, &res);
 
 done:
+  free(resume.params);
+  free(resume.bufs);
+  free(resume.opt_a);
+  free(resume.opt_b);
   model_free(&model);
   data_close(&data);
   if (be) be->destroy(be);

@@ -1,26 +1,43 @@
 #include "train.h"
 
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "checkpoint.h"
 #include "layers.h"
 #include "log.h"
 #include "optim.h"
+#include "signals.h"
 
 typedef struct {
   dt_comm *comm;
   dt_grad_sync *gs;
+  dt_backend *be;
+  float *grads;
 } pass_ctx;
 
-static void ctx_allreduce(void *ctx, double *data, int n) { comm_allreduce_sum_f64(((pass_ctx *)ctx)->comm, data, n); }
+static void ctx_allreduce(void *ctx, double *data, int n) {
+  comm_allreduce_sum_f64(((pass_ctx *)ctx)->comm, data, n, "batchnorm statistics allreduce");
+}
 static void ctx_ready(void *ctx, int64_t from) { grad_sync_ready(((pass_ctx *)ctx)->gs, from); }
 
+/* Non-finite gradients in [begin, end), checked before the range is sent. */
+static int64_t ctx_check(void *ctx, int64_t begin, int64_t end) {
+  pass_ctx *c = ctx;
+  double sq;
+  int64_t bad = 0;
+  dt_op op = {.type = DT_OP_SUMSQ};
+  op.p.sumsq = (typeof(op.p.sumsq)){end - begin, c->grads + begin, &sq, &bad};
+  backend_run(c->be, &op);
+  return bad;
+}
+
 /* Raw host rows -> the model's input buffer, normalised per channel. */
-static void load_input(const dt_config *cfg, dt_model *m, const float *raw, int64_t rows, float *mean, float *std) {
+static void load_input(const dt_config *cfg, dt_model *m, const float *raw, int64_t rows) {
   const dt_config_values *v = &cfg->v;
+  float mean[DT_MAX_LIST], std[DT_MAX_LIST];
   for (int c = 0; c < v->mean.n; c++) mean[c] = (float)v->mean.v[c];
   for (int c = 0; c < v->std.n; c++) std[c] = (float)v->std.v[c];
   int64_t ch = m->input.rank == 3 ? m->input.c : 1;
@@ -38,14 +55,13 @@ void train_evaluate(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm
   int32_t *labels = dt_malloc((size_t)cap * sizeof(int32_t));
   float *targets = dt_malloc((size_t)(cap * m->n_outputs) * sizeof(float));
   int64_t *idx = dt_malloc((size_t)cap * sizeof(int64_t));
-  float mean[DT_MAX_LIST], std[DT_MAX_LIST];
   double sums[3] = {0, 0, (double)rows};
   dt_pass pass = {.be = m->be, .training = 0, .global_count = 1, .params = m->params, .grads = m->grads, .bufs = m->bufs};
   for (int64_t i = 0; i < rows && !st->code; i += cap) {
     int64_t n = rows - i < cap ? rows - i : cap;
     for (int64_t k = 0; k < n; k++) idx[k] = s->lo + i + k;
     if (data_gather(d, s, idx, n, x, labels, targets, st)) break;
-    load_input(cfg, m, x, n, mean, std);
+    load_input(cfg, m, x, n);
     pass.batch = n;
     model_forward(m, &pass);
     loss_compute(m, &pass, labels, targets, &sums[0], &sums[1]);
@@ -54,7 +70,7 @@ void train_evaluate(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm
   free(labels);
   free(targets);
   free(idx);
-  comm_allreduce_sum_f64(comm, sums, 3);
+  comm_allreduce_sum_f64(comm, sums, 3, "validation allreduce");
   *loss = sums[2] > 0 ? sums[0] / sums[2] : 0;
   *acc = m->loss_kind == DT_LOSS_CROSS_ENTROPY && sums[2] > 0 ? sums[1] / sums[2] : -1;
 }
@@ -63,7 +79,46 @@ static int improved(int metric, double value, double best) {
   return metric == DT_METRIC_VAL_LOSS ? value < best : value > best;
 }
 
-int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, dt_train_result *res) {
+/* Everything a checkpoint needs, copied to the host. */
+static void snapshot(const dt_model *m, const dt_optim *o, const dt_train_state *ts, dt_ckpt_data *d) {
+  dt_backend *be = m->be;
+  size_t pb = (size_t)m->n_params * sizeof(float);
+  be->to_host(be, d->params, m->params, pb);
+  be->to_host(be, d->bufs, m->bufs, (size_t)m->n_bufs * sizeof(float));
+  d->opt_a = d->opt_b = NULL;
+  if (o->mom || o->m) {
+    d->opt_a = d->params + m->n_params; /* the scratch holds room for both states after params */
+    be->to_host(be, d->opt_a, o->mom ? o->mom : o->m, pb);
+  }
+  if (o->v) {
+    d->opt_b = d->params + 2 * m->n_params;
+    be->to_host(be, d->opt_b, o->v, pb);
+  }
+  d->ts = *ts;
+}
+
+/* Rank 0 writes a step checkpoint (or best.h5); all ranks agree on the outcome. */
+static int save_checkpoint(const dt_config *cfg, const dt_model *m, const dt_optim *o, const dt_train_state *ts,
+                           dt_comm *comm, dt_ckpt_data *scratch, int best, dt_log *lg) {
+  dt_status st = {0};
+  if (comm->rank == 0) {
+    const dt_config_values *v = &cfg->v;
+    snapshot(m, o, ts, scratch);
+    char path[1200];
+    if (!log_mkdirs(v->ckpt_dir, &st)) {
+      if (best) {
+        snprintf(path, sizeof path, "%s/best.h5", v->ckpt_dir);
+        if (!ckpt_write(path, m, scratch, cfg, &st)) log_line(lg, "saved %s (best so far)", path);
+      } else if (!ckpt_save_step(v->ckpt_dir, v->ckpt_keep, m, scratch, cfg, path, sizeof path, &st)) {
+        log_line(lg, "saved %s", path);
+      }
+    }
+  }
+  return comm_agree(comm, &st);
+}
+
+int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, const dt_train_opts *opts,
+              dt_train_result *res) {
   const dt_config_values *v = &cfg->v;
   dt_status st = {0};
   memset(res, 0, sizeof *res);
@@ -79,7 +134,7 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, dt_t
     dt_fail(&st, DT_EXIT_INPUT, "%s: the global batch (%lld) is larger than the %lld training rows and data.drop_last "
             "is true: no step to run", d->path, (long long)G, (long long)d->train.n);
   dt_log lg;
-  log_open(&lg, leader, v->log_dir, v->progress, &st);
+  log_open(&lg, leader, v->log_dir, v->progress, opts->resume != NULL, &st);
   int code = comm_agree(comm, &st);
   if (code) {
     sampler_free(&smp);
@@ -94,38 +149,61 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, dt_t
   dt_optim opt;
   optim_init(&opt, v, be, m->n_params, total);
   dt_grad_sync gs;
-  grad_sync_init(&gs, comm, m->grads, m->n_params, (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float)));
-  pass_ctx ctx = {comm, &gs};
+  pass_ctx ctx = {comm, &gs, be, m->grads};
+  grad_sync_init(&gs, comm, m->grads, m->n_params, (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float)), ctx_check,
+                 &ctx);
+  dt_train_state ts = {.step = 0, .epoch = 0, .micro = 0, .global_batch = G * accum, .world_size = W,
+                       .seed = (uint64_t)v->seed, .optim = v->optim,
+                       .best_metric = v->early_metric == DT_METRIC_VAL_LOSS ? INFINITY : -INFINITY,
+                       .bad_evals = 0, .best_val_acc = -1};
+  if (opts->resume) {
+    ts = opts->resume->ts;
+    ts.world_size = W;
+    size_t pb = (size_t)m->n_params * sizeof(float);
+    if (opts->resume->opt_a && (opt.mom || opt.m)) be->to_device(be, opt.mom ? opt.mom : opt.m, opts->resume->opt_a, pb);
+    if (opts->resume->opt_b && opt.v) be->to_device(be, opt.v, opts->resume->opt_b, pb);
+    opt.step = ts.step;
+  }
+  /* host scratch for checkpoints: params, two optimizer states, buffers */
+  dt_ckpt_data scratch = {0};
+  if (leader && v->ckpt_dir[0]) {
+    scratch.params = dt_malloc((size_t)(3 * m->n_params + 1) * sizeof(float));
+    scratch.bufs = dt_malloc((size_t)(m->n_bufs + 1) * sizeof(float));
+  }
   dt_loader L;
-  loader_start(&L, d, &smp, m, 0, 0, v->epochs);
-  float mean[DT_MAX_LIST], std[DT_MAX_LIST];
+  loader_start(&L, d, &smp, m, ts.epoch, ts.micro, v->epochs);
 
+  if (opts->resume)
+    log_line(&lg, "resuming at step %lld (epoch %lld, batch %lld of %lld)", (long long)ts.step, (long long)ts.epoch + 1,
+             (long long)ts.micro, (long long)smp.steps);
   log_line(&lg, "training: %lld optimizer steps (%lld epochs x %lld), global batch %lld on %d rank%s, %s backend, "
            "%d thread%s per rank",
            (long long)total, (long long)v->epochs, (long long)opt_per_epoch, (long long)(G * accum), W, W > 1 ? "s" : "",
            be->name, be->threads, be->threads > 1 ? "s" : "");
 
   double t_start = dt_now(), t_window = t_start, win_data = 0, win_comm = 0, win_loss = 0;
-  int64_t win_samples = 0, win_steps = 0, step = 0;
-  double best_metric = v->early_metric == DT_METRIC_VAL_LOSS ? INFINITY : -INFINITY;
-  int64_t bad_evals = 0;
-  int stop = 0;
-  res->best_val_acc = -1;
+  int64_t win_samples = 0, win_steps = 0, run_samples = 0;
+  int stop = 0, stop_signal = 0;
+  res->best_val_acc = ts.best_val_acc;
+  if (ts.step >= total) stop = 1; /* nothing left: the final checkpoint is rewritten below */
 
-  for (int64_t epoch = 0; epoch < v->epochs && !stop && !code; epoch++) {
-    for (int64_t os = 0; os < opt_per_epoch && !stop && !code; os++) {
+  for (int64_t epoch = ts.epoch; epoch < v->epochs && !stop && !code; epoch++) {
+    for (int64_t os = (epoch == ts.epoch ? ts.micro / accum : 0); os < opt_per_epoch && !stop && !code; os++) {
+      comm->step = ts.step + 1;
+      int inject_nan = fault_fire(&opts->fault, comm->rank, ts.step + 1);
       int64_t micro0 = os * accum, k = smp.steps - micro0 < accum ? smp.steps - micro0 : accum;
       double count = 0;
       for (int64_t j = 0; j < k; j++) count += (double)sampler_count(&smp, micro0 + j);
       be->zero(be, m->grads, (size_t)m->n_params * sizeof(float));
-      double sums[3] = {0, 0, 0}; /* loss sum, correct, non-finite losses */
+      dt_step_report mine = {0}, all;
       double data_s = 0;
       for (int64_t j = 0; j < k && !st.code; j++) {
         double w0 = L.wait_s;
         dt_batch *b = loader_next(&L, &st);
         if (!b) break;
         data_s += L.wait_s - w0;
-        load_input(cfg, m, b->x, b->count, mean, std);
+        if (inject_nan && b->count) b->x[0] = NAN;
+        load_input(cfg, m, b->x, b->count);
         dt_pass pass = {.be = be,
                         .batch = b->count,
                         .training = 1,
@@ -141,22 +219,25 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, dt_t
         model_forward(m, &pass);
         double l = 0, c = 0;
         loss_compute(m, &pass, b->labels, b->targets, &l, &c);
-        if (!isfinite(l)) sums[2] += 1;
-        sums[0] += l;
-        sums[1] += c;
+        if (!isfinite(l))
+          dt_fail(&st, DT_EXIT_NUMERIC, "the loss became %s at step %lld (epoch %lld); lower optim.lr or "
+                  "set train.clip_grad_norm", isnan(l) ? "NaN" : "infinite", (long long)ts.step + 1, (long long)epoch + 1);
+        mine.loss_sum += l;
+        mine.correct += c;
         model_backward(m, &pass);
       }
-      /* a data error on one rank must not leave the others in a collective */
-      if ((code = comm_agree(comm, &st))) break;
+      /* every bucket is checked for NaN/Inf on this rank before it is sent */
+      gs.nonfinite = 0;
       grad_sync_finish(&gs);
-      comm_allreduce_sum_f64(comm, sums, 3);
-      if (sums[2] > 0) {
-        dt_status nan_st = {0};
-        dt_fail(&nan_st, DT_EXIT_NUMERIC, "the loss became non-finite at step %lld (epoch %lld); lower optim.lr or "
-                "set train.clip_grad_norm", (long long)step, (long long)epoch);
-        code = comm_agree(comm, &nan_st);
-        break;
-      }
+      if (gs.nonfinite && !st.code)
+        dt_fail(&st, DT_EXIT_NUMERIC, "%lld non-finite gradient values at step %lld (epoch %lld); lower "
+                "optim.lr or set train.clip_grad_norm", (long long)gs.nonfinite, (long long)ts.step + 1,
+                (long long)epoch + 1);
+      /* a signal or the time limit on any rank stops every rank at this same step */
+      int sig = signals_caught();
+      mine.stop = sig ? sig : (v->time_limit > 0 && dt_now() - opts->t_launch >= v->time_limit ? -1 : 0);
+      mine.code = st.code;
+      if ((code = comm_step_agree(comm, &mine, &st, &all))) break;
       if (v->clip_grad_norm > 0) {
         double sq = 0;
         int64_t bad = 0;
@@ -170,94 +251,104 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, dt_t
           backend_run(be, &sc);
         }
       }
-      double lr = schedule_lr(v, step, total);
+      double lr = schedule_lr(v, ts.step, total);
       optim_step(&opt, be, m->params, m->grads, lr);
-      step++;
-      double loss = sums[0] / count;
+      ts.step++;
+      ts.micro = micro0 + k;
+      ts.epoch = epoch;
+      if (ts.micro >= smp.steps) ts.epoch = epoch + 1, ts.micro = 0;
+      double loss = all.loss_sum / count;
       win_loss += loss;
       win_steps++;
       win_samples += (int64_t)count;
+      run_samples += (int64_t)count;
       win_data += data_s;
       win_comm += gs.wait_s;
       double now = dt_now();
-      log_progress(&lg, step, total, now - t_start, loss);
-      if (step % v->log_every_steps == 0 || step == total) {
+      log_progress(&lg, ts.step, total, now - t_start, loss);
+      if (ts.step % v->log_every_steps == 0 || ts.step == total) {
         double span = now - t_window, ms = 1e3 * span / (double)win_steps;
         double data_ms = 1e3 * win_data / (double)win_steps, comm_ms = 1e3 * win_comm / (double)win_steps;
         double sps = span > 0 ? (double)win_samples / span : 0, mean_loss = win_loss / (double)win_steps;
         log_line(&lg, "step %lld/%lld epoch %lld loss %.4f lr %.5f | %.0f samples/s | %.1f ms/step (compute %.1f, "
                  "data %.1f, comm %.1f)",
-                 (long long)step, (long long)total, (long long)epoch + 1, mean_loss, lr, sps, ms,
+                 (long long)ts.step, (long long)total, (long long)epoch + 1, mean_loss, lr, sps, ms,
                  ms - data_ms - comm_ms, data_ms, comm_ms);
         log_metrics(&lg, "\"step\": %lld, \"epoch\": %lld, \"loss\": %.6g, \"lr\": %.6g, \"samples_per_s\": %.1f, "
                     "\"step_ms\": %.3f, \"compute_ms\": %.3f, \"data_ms\": %.3f, \"comm_ms\": %.3f",
-                    (long long)step, (long long)epoch + 1, mean_loss, lr, sps, ms, ms - data_ms - comm_ms, data_ms,
+                    (long long)ts.step, (long long)epoch + 1, mean_loss, lr, sps, ms, ms - data_ms - comm_ms, data_ms,
                     comm_ms);
         t_window = now;
         win_loss = win_data = win_comm = 0;
         win_samples = win_steps = 0;
       }
+      if (all.stop) stop = 1, stop_signal = all.stop;
       int end_of_epoch = os == opt_per_epoch - 1;
-      int eval_now = d->has_val && (end_of_epoch || (v->eval_every_steps && step % v->eval_every_steps == 0));
-      if (v->max_steps && step >= v->max_steps) stop = 1;
-      if (eval_now || (stop && d->has_val)) {
+      if (v->max_steps && ts.step >= v->max_steps) stop = 1;
+      int eval_now = d->has_val && !stop_signal &&
+                     (end_of_epoch || (v->eval_every_steps && ts.step % v->eval_every_steps == 0) || stop);
+      int new_best = 0;
+      if (eval_now) {
         double vl, va, t_eval = dt_now();
         train_evaluate(cfg, m, d, comm, &vl, &va, &st);
         t_window += dt_now() - t_eval; /* throughput windows count training time only */
         if ((code = comm_agree(comm, &st))) break;
         res->final_val_loss = vl;
         res->final_val_acc = va;
-        if (va > res->best_val_acc) res->best_val_acc = va;
-        if (va >= 0)
-          log_line(&lg, "eval step %lld epoch %lld: val_loss %.4f val_acc %.4f", (long long)step, (long long)epoch + 1,
-                   vl, va);
-        else
-          log_line(&lg, "eval step %lld epoch %lld: val_mse %.6f", (long long)step, (long long)epoch + 1, vl);
-        if (va >= 0)
-          log_metrics(&lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.6g, \"val_acc\": %.6g", (long long)step,
+        if (va > ts.best_val_acc) ts.best_val_acc = va;
+        res->best_val_acc = ts.best_val_acc;
+        if (va >= 0) {
+          log_line(&lg, "eval step %lld epoch %lld: val_loss %.4f val_acc %.4f", (long long)ts.step,
+                   (long long)epoch + 1, vl, va);
+          log_metrics(&lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.6g, \"val_acc\": %.6g", (long long)ts.step,
                       (long long)epoch + 1, vl, va);
-        else
-          log_metrics(&lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.6g", (long long)step, (long long)epoch + 1,
-                      vl);
-        if (v->early_metric != DT_METRIC_NONE) {
-          double value = v->early_metric == DT_METRIC_VAL_LOSS ? vl : va;
-          if (improved(v->early_metric, value, best_metric)) {
-            best_metric = value;
-            bad_evals = 0;
-          } else if (++bad_evals >= v->early_patience) {
-            log_line(&lg, "early stopping: %s has not improved for %lld evaluations",
-                     v->early_metric == DT_METRIC_VAL_LOSS ? "val_loss" : "val_acc", (long long)bad_evals);
-            stop = 1;
-          }
+        } else {
+          log_line(&lg, "eval step %lld epoch %lld: val_mse %.6f", (long long)ts.step, (long long)epoch + 1, vl);
+          log_metrics(&lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.6g", (long long)ts.step,
+                      (long long)epoch + 1, vl);
         }
+        int metric = v->early_metric != DT_METRIC_NONE ? v->early_metric
+                     : va >= 0                         ? DT_METRIC_VAL_ACC
+                                                       : DT_METRIC_VAL_LOSS;
+        double value = metric == DT_METRIC_VAL_LOSS ? vl : va;
+        if (!isfinite(ts.best_metric) || improved(metric, value, ts.best_metric)) {
+          ts.best_metric = value;
+          ts.bad_evals = 0;
+          new_best = 1;
+        } else if (v->early_metric != DT_METRIC_NONE && ++ts.bad_evals >= v->early_patience) {
+          log_line(&lg, "early stopping: %s has not improved for %lld evaluations",
+                   v->early_metric == DT_METRIC_VAL_LOSS ? "val_loss" : "val_acc", (long long)ts.bad_evals);
+          stop = 1;
+        }
+      }
+      if (v->ckpt_dir[0]) {
+        if (new_best && v->ckpt_best && (code = save_checkpoint(cfg, m, &opt, &ts, comm, &scratch, 1, &lg))) break;
+        int periodic = (v->ckpt_every_steps && ts.step % v->ckpt_every_steps == 0) ||
+                       (end_of_epoch && v->ckpt_every_epochs && (epoch + 1) % v->ckpt_every_epochs == 0);
+        int last = stop || ts.step == total;
+        if ((periodic || last) && (code = save_checkpoint(cfg, m, &opt, &ts, comm, &scratch, 0, &lg))) break;
       }
     }
   }
   loader_stop(&L);
-  res->steps = step;
+  res->steps = ts.step;
   res->wall_s = dt_now() - t_start;
-  if (!code && v->ckpt_dir[0]) {
-    dt_status cst = {0};
+  if (!code && stop_signal) {
     if (leader) {
-      float *hp = dt_malloc((size_t)(m->n_params ? m->n_params : 1) * sizeof(float));
-      float *hb = dt_malloc((size_t)(m->n_bufs ? m->n_bufs : 1) * sizeof(float));
-      be->to_host(be, hp, m->params, (size_t)m->n_params * sizeof(float));
-      be->to_host(be, hb, m->bufs, (size_t)m->n_bufs * sizeof(float));
-      char path[1200];
-      snprintf(path, sizeof path, "%s/final.h5", v->ckpt_dir);
-      if (!log_mkdirs(v->ckpt_dir, &cst) && !ckpt_write_model(path, m, hp, hb, cfg, W, step, &cst))
-        log_line(&lg, "saved %s", path);
-      free(hp);
-      free(hb);
+      const char *why = stop_signal == SIGUSR1 ? "SIGUSR1" : stop_signal == SIGTERM ? "SIGTERM" : "train.time_limit";
+      fprintf(stderr, "ddp_train: stopped by %s at step %lld after saving a checkpoint%s; continue with --resume auto\n",
+              why, (long long)ts.step, v->ckpt_dir[0] ? "" : " (none: checkpoint.dir is empty)");
+      fflush(stderr);
     }
-    code = comm_agree(comm, &cst);
-  }
-  if (!code) {
-    log_line(&lg, "done: %lld steps in %.1f s, %.0f samples/s mean%s", (long long)step, res->wall_s,
-             res->wall_s > 0 ? (double)step * (double)(G * accum) / res->wall_s : 0.0, "");
+    code = DT_EXIT_STOPPED;
+  } else if (!code) {
+    log_line(&lg, "done: %lld steps in %.1f s, %.0f samples/s mean", (long long)ts.step, res->wall_s,
+             res->wall_s > 0 ? (double)run_samples / res->wall_s : 0.0);
     if (res->best_val_acc >= 0)
       log_line(&lg, "best val_acc %.4f, final val_acc %.4f", res->best_val_acc, res->final_val_acc);
   }
+  free(scratch.params);
+  free(scratch.bufs);
   optim_free(&opt, be);
   grad_sync_free(&gs);
   sampler_free(&smp);

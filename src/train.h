@@ -3,9 +3,11 @@
 #ifndef DT_TRAIN_H
 #define DT_TRAIN_H
 
+#include "checkpoint.h"
 #include "comm.h"
 #include "config.h"
 #include "data.h"
+#include "fault.h"
 #include "model.h"
 
 typedef struct {
@@ -14,9 +16,16 @@ typedef struct {
   double wall_s;
 } dt_train_result;
 
-/* Runs training to the end (epochs, max_steps or early stopping); returns 0 or an exit code
- * agreed by all ranks, with the message printed once. */
-int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, dt_train_result *res);
+typedef struct {
+  const dt_ckpt_data *resume; /* host state to continue from (NULL: fresh start) */
+  dt_fault fault;
+  double t_launch;            /* dt_now() at start-up, for train.time_limit */
+} dt_train_opts;
+
+/* Runs training to the end (epochs, max_steps, early stopping, or a stop request); returns 0
+ * or an exit code agreed by all ranks, with the message printed once. */
+int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, const dt_train_opts *opts,
+              dt_train_result *res);
 
 /* Evaluates the whole validation split across ranks: mean loss and accuracy (-1 for mse). */
 void train_evaluate(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, double *loss, double *acc,

@@ -76,6 +76,11 @@ class Workdir:
         with open(os.path.join(self.path, sub, "metrics.jsonl")) as f:
             return [json.loads(l) for l in f]
 
+    def latest(self, sub="ckpt"):
+        """The checkpoint the `latest` pointer of checkpoint.dir names."""
+        with open(os.path.join(self.path, sub, "latest")) as f:
+            return os.path.join(self.path, sub, f.read().strip())
+
     def cleanup(self):
         self.tmp.cleanup()
 

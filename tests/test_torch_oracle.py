@@ -78,7 +78,7 @@ class Oracle(unittest.TestCase):
             rc, out, err = run([w.file("cfg.yaml")], np_=1, timeout=300)
             self.assertEqual(rc, 0, out + err)
             ours = [r["loss"] for r in w.metrics() if "loss" in r]
-            with h5py.File(w.file("ckpt/final.h5"), "r") as f:
+            with h5py.File(w.latest(), "r") as f:
                 final = {k: f["model"][k][...] for k in f["model"]}
 
             # PyTorch, same data in file order, same normalisation and schedule

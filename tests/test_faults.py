@@ -1,0 +1,223 @@
+"""Checkpoints that never lose work and failures that end fast: exact resume, resume at another
+world size, corrupt-checkpoint fallback, a signal on one rank, the time limit, a crash, a kill -9,
+a hang, NaN, a full disk, and a changed model. Uses DDP_TRAIN_FAULT=kind@rank:step."""
+import os
+import signal
+import subprocess
+import time
+import unittest
+
+import h5py
+import numpy as np
+
+from helpers import BINARY, ENV, TINY_CNN, Workdir, errors, run
+
+
+def latest(w):
+    with open(w.file("ckpt/latest")) as f:
+        return w.file("ckpt/" + f.read().strip())
+
+
+def params(path):
+    with h5py.File(path, "r") as f:
+        return {k: f["model"][k][...] for k in f["model"]}
+
+
+def run_fault(args, fault, np_=2, timeout=60):
+    env = dict(ENV, DDP_TRAIN_FAULT=fault)
+    t0 = time.monotonic()
+    p = subprocess.run(["mpirun", "--oversubscribe", "-np", str(np_), BINARY] + args, capture_output=True, text=True,
+                       env=env, timeout=timeout)
+    return p.returncode, p.stdout, p.stderr, time.monotonic() - t0
+
+
+class Resume(unittest.TestCase):
+    def setUp(self):
+        self.w = Workdir()
+        self.w.dataset(n=64)
+        self.cfg = self.w.config(TINY_CNN)
+        self.args = [self.cfg, "--set", "train.epochs=3"]
+
+    def tearDown(self):
+        self.w.cleanup()
+
+    def test_signal_on_one_rank_then_resume_is_bit_exact(self):
+        rc, out, err = run(self.args, np_=2)
+        self.assertEqual(rc, 0, err)
+        full = params(latest(self.w))
+        os.rename(self.w.file("ckpt"), self.w.file("ckpt_full"))
+        rc, out, err, _ = run_fault(self.args, "signal@1:5")
+        self.assertEqual(rc, 75, out + err)
+        self.assertIn("stopped by SIGUSR1 at step 5 after saving a checkpoint", err)
+        self.assertTrue(latest(self.w).endswith("step-00000005.h5"))
+        with h5py.File(latest(self.w), "r") as f:  # loadable, with the documented layout
+            self.assertEqual(f["meta"].attrs["step"], 5)
+            self.assertEqual(f["meta"].attrs["world_size"], 2)
+            self.assertIn("momentum_buffer", f["optim"])
+            self.assertEqual(f["optim/momentum_buffer/0.weight"].shape, (4, 1, 3, 3))
+            self.assertIn("model.layers:", f["meta"].attrs["config"].decode())
+        rc, out, err = run(self.args + ["--resume", "auto"], np_=2)
+        self.assertEqual(rc, 0, err)
+        self.assertIn("resuming at step 5", out)
+        steps = [r["step"] for r in self.w.metrics() if "loss" in r]
+        self.assertEqual(steps, list(range(1, 25)))  # metrics.jsonl continues where it stopped
+        resumed = params(latest(self.w))
+        for k in full:
+            self.assertTrue(np.array_equal(full[k], resumed[k]), k)
+
+    def test_resume_at_another_world_size_continues_the_data(self):
+        rc, out, err = run(self.args, np_=2)
+        self.assertEqual(rc, 0, err)
+        full = params(latest(self.w))
+        os.rename(self.w.file("ckpt"), self.w.file("ckpt_full"))
+        rc, out, err, _ = run_fault(self.args, "signal@0:11")
+        self.assertEqual(rc, 75, out + err)
+        rc, out, err = run(self.args + ["--resume", "auto"], np_=3)
+        self.assertEqual(rc, 0, err)
+        self.assertIn("resuming at step 11 (epoch 2, batch 3 of 8)", out)
+        resumed = params(latest(self.w))
+        for k in full:
+            np.testing.assert_allclose(resumed[k], full[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+    def test_corrupt_newest_checkpoint_falls_back(self):
+        rc, out, err = run(self.args + ["--set", "checkpoint.every_steps=4", "--set", "train.max_steps=12"], np_=2)
+        self.assertEqual(rc, 0, err)
+        newest = latest(self.w)
+        self.assertTrue(newest.endswith("step-00000012.h5"))
+        self.assertEqual(sorted(os.listdir(self.w.file("ckpt"))),
+                         ["latest", "step-00000004.h5", "step-00000008.h5", "step-00000012.h5"])
+        with open(newest, "r+b") as f:
+            f.truncate(os.path.getsize(newest) // 2)
+        rc, out, err = run(self.args + ["--resume", "auto"], np_=2)
+        self.assertEqual(rc, 0, out + err)
+        self.assertIn(f"{newest}: checkpoint: not a readable HDF5 file (truncated or corrupt)", err)
+        self.assertIn("falling back to an older checkpoint", err)
+        self.assertIn("step-00000008.h5 (the newest good checkpoint)", out)
+        self.assertIn("resuming at step 8", out)
+        # an explicit path to the broken file is an error naming it
+        rc, out, err = run(self.args + ["--resume", newest], np_=2)
+        self.assertEqual(rc, 2, out + err)
+        self.assertIn(newest, errors(err)[0])
+
+    def test_keep_and_best(self):
+        rc, out, err = run(self.args + ["--set", "checkpoint.every_steps=2", "--set", "checkpoint.keep=2",
+                                        "--set", "checkpoint.best=true"], np_=1)
+        self.assertEqual(rc, 0, err)
+        names = sorted(os.listdir(self.w.file("ckpt")))
+        self.assertEqual(names, ["best.h5", "latest", "step-00000022.h5", "step-00000024.h5"])
+        with h5py.File(self.w.file("ckpt/best.h5"), "r") as f:
+            self.assertIn(f["meta"].attrs["step"], (8, 16, 24))
+            self.assertGreaterEqual(f["meta"].attrs["best_val_acc"], 0)
+
+    def test_changed_model_is_refused(self):
+        rc, out, err = run(self.args + ["--set", "train.max_steps=4"], np_=1)
+        self.assertEqual(rc, 0, err)
+        rc, out, err = run(self.args + ["--resume", "auto", "--set", "model.layers=[flatten, {linear: {out: 3}}]"])
+        self.assertEqual(rc, 2, out + err)
+        self.assertIn("model.layers differs", errors(err)[0])
+        rc, out, err = run(self.args + ["--resume", "auto", "--set", "train.global_batch_size=16"])
+        self.assertEqual(rc, 2, out + err)
+        self.assertIn("its global batch was 8, this run's is 16", errors(err)[0])
+        # an allowed change: the learning rate
+        rc, out, err = run(self.args + ["--resume", "auto", "--set", "optim.lr=0.05"])
+        self.assertEqual(rc, 0, out + err)
+
+    def test_resume_auto_without_checkpoint_starts_fresh(self):
+        rc, out, err = run(self.args + ["--resume", "auto", "--set", "train.max_steps=2"])
+        self.assertEqual(rc, 0, err)
+        self.assertIn("no checkpoint in", out)
+
+
+class StopsAndFailures(unittest.TestCase):
+    def setUp(self):
+        self.w = Workdir()
+        self.w.dataset(n=64)
+        self.cfg = self.w.config(TINY_CNN)
+
+    def tearDown(self):
+        self.w.cleanup()
+
+    def test_time_limit_checkpoints_and_exits_75(self):
+        rc, out, err = run([self.cfg, "--set", "train.epochs=100000", "--set", "train.time_limit=1s",
+                            "--set", "log.every_steps=100000", "--set", "data.val.x="], np_=2, timeout=60)
+        self.assertEqual(rc, 75, out + err)
+        self.assertIn("stopped by train.time_limit", err)
+        with h5py.File(latest(self.w), "r") as f:
+            self.assertGreater(f["meta"].attrs["step"], 0)
+
+    def test_crash_ends_the_job_within_10_s(self):
+        rc, out, err, took = run_fault([self.cfg, "--set", "train.epochs=1000"], "crash@1:3")
+        self.assertNotEqual(rc, 0)
+        self.assertLess(took, 10)
+
+    def test_exit_without_finalize_ends_the_job(self):
+        rc, out, err, took = run_fault([self.cfg, "--set", "train.epochs=1000"], "exit@0:3")
+        self.assertNotEqual(rc, 0)
+        self.assertLess(took, 10)
+
+    def test_kill_9_of_one_rank_ends_the_job_within_10_s(self):
+        args = ["mpirun", "--oversubscribe", "-np", "2", BINARY, self.cfg, "--set", "train.epochs=100000",
+                "--set", "log.every_steps=1000", "--set", "data.val.x="]
+        p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        try:
+            deadline = time.monotonic() + 30
+            while not os.path.exists(self.w.file("log/metrics.jsonl")) or os.path.getsize(self.w.file("log/metrics.jsonl")) == 0:
+                self.assertLess(time.monotonic(), deadline, "training did not start")
+                time.sleep(0.1)
+            pids = subprocess.run(["pgrep", "-f", f"^{BINARY} {self.cfg}"], capture_output=True, text=True).stdout.split()
+            self.assertEqual(len(pids), 2)
+            t0 = time.monotonic()
+            os.kill(int(pids[1]), signal.SIGKILL)
+            rc = p.wait(timeout=30)
+            self.assertLess(time.monotonic() - t0, 10)
+            self.assertNotEqual(rc, 0)
+        finally:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+
+    def test_hang_exits_3_naming_the_rank(self):
+        rc, out, err, took = run_fault([self.cfg, "--set", "train.epochs=1000", "--set", "dist.timeout_s=4"], "hang@1:3")
+        self.assertEqual(rc, 3, out + err)
+        self.assertLess(took, 4 + 6)
+        self.assertIn("at step 3: waiting 2 s for rank(s) 1", err)  # the warning at half the deadline
+        self.assertIn("did not complete within dist.timeout_s = 4 s: rank(s) 1 never arrived (1 of 2)", err)
+
+    def test_nan_exits_4_naming_the_rank_and_keeps_the_last_checkpoint(self):
+        rc, out, err, _ = run_fault([self.cfg, "--set", "checkpoint.every_steps=2"], "nan@1:6")
+        self.assertEqual(rc, 4, out + err)
+        line = errors(err)[0]
+        self.assertIn("on rank 1 (1 of 2 ranks failed)", line)
+        self.assertIn("step 6", line)
+        self.assertTrue(latest(self.w).endswith("step-00000004.h5"))
+        p = params(latest(self.w))
+        self.assertTrue(all(np.isfinite(v).all() for v in p.values()))
+
+    def test_bad_fault_spec_is_exit_2(self):
+        rc, out, err, _ = run_fault([self.cfg], "boom")
+        self.assertEqual(rc, 2)
+        self.assertIn("DDP_TRAIN_FAULT=boom: expected kind@rank:step", err)
+
+    def test_full_disk_exits_5_and_keeps_earlier_checkpoints(self):
+        mnt = self.w.file("small")
+        os.mkdir(mnt)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", mnt], capture_output=True).returncode:
+            self.skipTest("cannot mount a small tmpfs here (needs root)")
+        try:
+            rc, out, err = run([self.cfg, "--set", f"checkpoint.dir={mnt}", "--set", "checkpoint.every_steps=1",
+                                "--set", "checkpoint.keep=1000", "--set", "train.epochs=50"], np_=2)
+            self.assertEqual(rc, 5, out + err)
+            line = errors(err)[0]
+            self.assertIn(mnt, line)
+            self.assertIn("No space left on device", line)
+            with open(os.path.join(mnt, "latest")) as f:
+                good = os.path.join(mnt, f.read().strip())
+            p = params(good)  # the last committed checkpoint is intact
+            self.assertTrue(all(np.isfinite(v).all() for v in p.values()))
+            self.assertFalse([n for n in os.listdir(mnt) if ".tmp." in n])
+        finally:
+            subprocess.run(["umount", mnt])
+
+
+if __name__ == "__main__":
+    unittest.main()
