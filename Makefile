@@ -6,6 +6,7 @@
 #   make test       deps + build + data, then the whole test suite
 #   make test-gpu   the GPU tests (on a machine with a GPU)
 #   make bench      CPU throughput against PyTorch, same run
+#   make install    PREFIX=/usr/local: the binary, scripts, configs and the man page
 
 CUDA_HOME ?= /usr/local/cuda
 NVCC ?= $(CUDA_HOME)/bin/nvcc
@@ -17,7 +18,7 @@ PYTHON ?= /usr/bin/python3
 MPIRUN ?= mpirun
 
 DEB_PKGS := pkg-config libopenmpi-dev openmpi-bin libhdf5-dev hdf5-tools libyaml-dev libopenblas-openmp-dev \
-            dataset-fashion-mnist libcmocka-dev python3-numpy python3-h5py python3-torch python3-yaml
+            dataset-fashion-mnist libcmocka-dev python3-numpy python3-h5py python3-torch python3-yaml python3-matplotlib help2man slurmctld slurmd slurm-client
 OPENBLAS_DIR := /usr/lib/x86_64-linux-gnu/openblas-openmp
 OPENBLAS_INC := /usr/include/x86_64-linux-gnu/openblas-openmp
 
@@ -44,7 +45,8 @@ OBJS := $(SRCS:%.c=$(BUILD)/%.o)
 TESTS := test_config test_sampler test_model test_ops test_optim
 TEST_BINS := $(TESTS:%=$(BUILD)/tests/%)
 
-.PHONY: all deps data run test test-gpu bench clean docs ddp_train
+.PHONY: all deps data run test test-gpu bench clean docs ddp_train install
+PREFIX ?= /usr/local
 all: ddp_train
 
 ddp_train: $(BUILD)/ddp_train
@@ -103,6 +105,20 @@ bench: deps
 
 docs: ddp_train
 	./ddp_train --config-keys > docs/config-keys.md
+
+# the man page is generated from the same text as --help and --version
+$(BUILD)/ddp_train.1: $(BUILD)/ddp_train
+	help2man --no-info --no-discard-stderr --name="data-parallel neural-network trainer (MPI, HDF5, YAML)" \
+	  --section=1 --output=$@ $<
+
+install: ddp_train $(BUILD)/ddp_train.1
+	install -D -m 755 ddp_train $(DESTDIR)$(PREFIX)/bin/ddp_train
+	install -D -m 644 $(BUILD)/ddp_train.1 $(DESTDIR)$(PREFIX)/share/man/man1/ddp_train.1
+	install -d $(DESTDIR)$(PREFIX)/share/ddp_train/scripts/slurm $(DESTDIR)$(PREFIX)/share/ddp_train/configs
+	install -m 755 scripts/*.py $(DESTDIR)$(PREFIX)/share/ddp_train/scripts/
+	install -m 644 scripts/slurm/* $(DESTDIR)$(PREFIX)/share/ddp_train/scripts/slurm/
+	install -m 644 scripts/hostfile.example $(DESTDIR)$(PREFIX)/share/ddp_train/scripts/
+	install -m 644 configs/*.yaml $(DESTDIR)$(PREFIX)/share/ddp_train/configs/
 
 clean:
 	rm -rf build ddp_train

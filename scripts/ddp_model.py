@@ -108,6 +108,29 @@ def build_from_yaml(path):
         return build(yaml.safe_load(f)["model"])
 
 
+def config_from_checkpoint(path):
+    """The model section stored in a checkpoint's /meta config text (one `key: value` line per key,
+    the values in YAML flow style), as the dict build() takes."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        text = f["meta"].attrs["config"]
+    text = text.decode() if isinstance(text, bytes) else text
+    model = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(": ")
+        if key.startswith("model.") and key != "model.init_from":
+            model[key[len("model."):]] = yaml.safe_load(value)
+    return model
+
+
+def build_from_checkpoint(path):
+    """(module with the checkpoint's weights, loss function)."""
+    model, loss = build(config_from_checkpoint(path))
+    load_h5(model, path)
+    return model, loss
+
+
 def load_h5(model, path):
     """Loads /model/<name> datasets into the module's parameters and buffers."""
     import h5py

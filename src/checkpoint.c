@@ -346,6 +346,34 @@ int ckpt_load(const char *path, const dt_model *m, dt_ckpt_data *d, char **confi
   return st->code;
 }
 
+int ckpt_write_predictions(const char *path, const float *logits, const int32_t *labels, int64_t n, int64_t k,
+                           dt_status *st) {
+  char tmp[1200], e[256];
+  snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
+  H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
+  hid_t f = H5Fcreate(tmp, H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+  if (f < 0) return dt_fail(st, DT_EXIT_IO, "%s: cannot create: %s", tmp, h5_msg(e));
+  hsize_t dims[2] = {(hsize_t)n, (hsize_t)k};
+  hid_t sp = H5Screate_simple(2, dims, NULL);
+  hid_t ds = H5Dcreate2(f, "/logits", H5T_IEEE_F32LE, sp, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+  int bad = ds < 0 || (n && H5Dwrite(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, logits) < 0);
+  if (ds >= 0) H5Dclose(ds);
+  H5Sclose(sp);
+  if (!bad && labels) {
+    sp = H5Screate_simple(1, dims, NULL);
+    ds = H5Dcreate2(f, "/labels", H5T_STD_I32LE, sp, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+    bad = ds < 0 || (n && H5Dwrite(ds, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, labels) < 0);
+    if (ds >= 0) H5Dclose(ds);
+    H5Sclose(sp);
+  }
+  if (H5Fclose(f) < 0) bad = 1;
+  if (bad || fsync_path(tmp, 0) || rename(tmp, path)) {
+    unlink(tmp);
+    return dt_fail(st, DT_EXIT_IO, "%s: writing predictions failed: %s", path, h5_msg(e));
+  }
+  return 0;
+}
+
 int ckpt_candidates(const char *dir, char names[][1024], int max) {
   int count = 0;
   char path[1200], line[512];

@@ -56,6 +56,10 @@ int ckpt_read_meta(const char *path, dt_train_state *ts, char **config_text, dt_
  * missing, truncated, corrupt (checksums) or does not fit the model. */
 int ckpt_load(const char *path, const dt_model *m, dt_ckpt_data *d, char **config_text, dt_status *st);
 
+/* Writes /logits (n, k) float32 and /labels (n,) int32 (labels may be NULL) atomically. Exit 5. */
+int ckpt_write_predictions(const char *path, const float *logits, const int32_t *labels, int64_t n, int64_t k,
+                           dt_status *st);
+
 /* Candidate files for --resume auto, newest first: latest's target, then step files by step.
  * Returns the count; names are written into names[i] (cap each). */
 int ckpt_candidates(const char *dir, char names[][1024], int max);

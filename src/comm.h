@@ -44,6 +44,17 @@ int comm_check_same(dt_comm *c, uint64_t hash, const char *what, dt_status *st);
 void comm_wait(dt_comm *c, MPI_Request *reqs, int n, const char *what);
 
 void comm_bcast(dt_comm *c, void *buf, size_t bytes, int root);
+
+/* Rank 0 receives every rank's text (cap bytes each) in rank order into all (size * cap bytes,
+ * allocated by the caller on rank 0; NULL elsewhere). */
+void comm_gather_text(dt_comm *c, const char *text, size_t cap, char *all);
+
+/* Rank 0 receives every rank's rows (n_mine x width floats) in rank order into all (caller
+ * allocates total rows x width on rank 0). */
+void comm_gather_rows(dt_comm *c, const float *mine, int64_t n_mine, int64_t width, float *all);
+
+/* Every rank receives every rank's value. */
+void comm_allgather_f64(dt_comm *c, double mine, double *all, const char *what);
 void comm_allreduce_sum_f64(dt_comm *c, double *data, int n, const char *what);
 
 /* The per-step agreement: one small all-gather of every rank's report. out gets the sums and

@@ -180,6 +180,34 @@ void comm_bcast(dt_comm *c, void *buf, size_t bytes, int root) {
   }
 }
 
+void comm_gather_text(dt_comm *c, const char *text, size_t cap, char *all) {
+  char *mine = dt_calloc(cap, 1);
+  dt_strlcpy(mine, text, cap);
+  MPI_Request req;
+  MPI_CHECK(MPI_Igather(mine, (int)cap, MPI_CHAR, all, (int)cap, MPI_CHAR, 0, c->world, &req));
+  comm_wait(c, &req, 1, "gather");
+  free(mine);
+}
+
+void comm_gather_rows(dt_comm *c, const float *mine, int64_t n_mine, int64_t width, float *all) {
+  int *counts = dt_calloc((size_t)c->size, sizeof(int)), *displs = dt_calloc((size_t)c->size, sizeof(int));
+  int count = (int)(n_mine * width);
+  MPI_Request req;
+  MPI_CHECK(MPI_Igather(&count, 1, MPI_INT, counts, 1, MPI_INT, 0, c->world, &req));
+  comm_wait(c, &req, 1, "gather of row counts");
+  for (int r = 1; r < c->size; r++) displs[r] = displs[r - 1] + counts[r - 1];
+  MPI_CHECK(MPI_Igatherv(mine, count, MPI_FLOAT, all, counts, displs, MPI_FLOAT, 0, c->world, &req));
+  comm_wait(c, &req, 1, "gather of rows");
+  free(counts);
+  free(displs);
+}
+
+void comm_allgather_f64(dt_comm *c, double mine, double *all, const char *what) {
+  MPI_Request req;
+  MPI_CHECK(MPI_Iallgather(&mine, 1, MPI_DOUBLE, all, 1, MPI_DOUBLE, c->world, &req));
+  comm_wait(c, &req, 1, what);
+}
+
 void comm_allreduce_sum_f64(dt_comm *c, double *data, int n, const char *what) {
   if (c->size == 1) return;
   MPI_Request req;

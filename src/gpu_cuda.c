@@ -32,3 +32,22 @@ void gpu_versions(char *buf, size_t cap) {
            (rt % 1000) / 10, drv ? "" : "none ", drv / 1000, (drv % 1000) / 10, cudnn / 10000, (cudnn % 10000) / 100,
            cudnn % 100, cublas, cublas_minor, nccl / 10000, (nccl % 10000) / 100, nccl % 100);
 }
+
+void gpu_describe(int i, char *buf, size_t cap, size_t *free_bytes) {
+  struct cudaDeviceProp p;
+  *free_bytes = 0;
+  cudaError_t rc = cudaGetDeviceProperties(&p, i);
+  if (rc != cudaSuccess) {
+    snprintf(buf, cap, "GPU %d: cudaGetDeviceProperties: %s", i, cudaGetErrorString(rc));
+    return;
+  }
+  size_t free_b = 0, total_b = p.totalGlobalMem;
+  int prev = 0;
+  cudaGetDevice(&prev);
+  if (cudaSetDevice(i) == cudaSuccess && cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) *free_bytes = free_b;
+  cudaSetDevice(prev);
+  char bus[32] = "";
+  cudaDeviceGetPCIBusId(bus, sizeof bus, i);
+  snprintf(buf, cap, "GPU %d: %s, %.1f GiB total, %.1f GiB free, compute capability %d.%d, PCI %s", i, p.name,
+           (double)total_b / 1073741824.0, (double)free_b / 1073741824.0, p.major, p.minor, bus);
+}

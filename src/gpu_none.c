@@ -9,3 +9,9 @@ int gpu_count(char *why, size_t cap) {
 }
 
 void gpu_versions(char *buf, size_t cap) { snprintf(buf, cap, "CUDA: not built in"); }
+
+void gpu_describe(int i, char *buf, size_t cap, size_t *free_bytes) {
+  (void)i;
+  snprintf(buf, cap, "none");
+  *free_bytes = 0;
+}

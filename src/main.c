@@ -33,6 +33,8 @@ static const char usage_text[] =
     "  --device DEV      auto, cpu or cuda (default auto: cpu in this version)\n"
     "  --resume PATH     continue from a checkpoint file; `--resume auto` takes the newest good one in\n"
     "                    checkpoint.dir (falling back past unreadable ones) or starts fresh when there is none\n"
+    "  --predict OUT.h5  write the validation logits of the model (from --resume or model.init_from) and exit\n"
+    "  --info            print each node's host, GPUs, library versions and communicator, then exit\n"
     "  --config-keys     print every config key with its type, default and meaning (Markdown)\n"
     "  --version         print the versions of ddp_train and its libraries\n"
     "  --help            print this help\n"
@@ -47,8 +49,9 @@ typedef struct {
   const char *config;
   char **sets;
   int n_sets;
-  int dry_run, help, version, config_keys, device;
-  const char *resume; /* NULL, "auto" or a path */
+  int dry_run, help, version, config_keys, device, info;
+  const char *resume;  /* NULL, "auto" or a path */
+  const char *predict; /* NULL or the output path */
 } cli_args;
 
 static int parse_args(int argc, char **argv, cli_args *a, dt_status *st) {
@@ -60,6 +63,7 @@ static int parse_args(int argc, char **argv, cli_args *a, dt_status *st) {
     else if (!strcmp(s, "--version")) a->version = 1;
     else if (!strcmp(s, "--dry-run")) a->dry_run = 1;
     else if (!strcmp(s, "--config-keys")) a->config_keys = 1;
+    else if (!strcmp(s, "--info")) a->info = 1;
     else if (!strcmp(s, "--set") || !strncmp(s, "--set=", 6)) {
       const char *val = s[5] == '=' ? s + 6 : (i + 1 < argc ? argv[++i] : NULL);
       if (!val) return dt_fail(st, DT_EXIT_INPUT, "--set needs KEY=VALUE\n%s", usage_text);
@@ -71,6 +75,10 @@ static int parse_args(int argc, char **argv, cli_args *a, dt_status *st) {
       else if (!strcmp(val, "cpu")) a->device = DEV_CPU;
       else if (!strcmp(val, "cuda")) a->device = DEV_CUDA;
       else return dt_fail(st, DT_EXIT_INPUT, "--device %s: expected auto, cpu or cuda", val);
+    } else if (!strcmp(s, "--predict") || !strncmp(s, "--predict=", 10)) {
+      const char *val = s[9] == '=' ? s + 10 : (i + 1 < argc ? argv[++i] : NULL);
+      if (!val || !*val) return dt_fail(st, DT_EXIT_INPUT, "--predict needs an output path");
+      a->predict = val;
     } else if (!strcmp(s, "--resume") || !strncmp(s, "--resume=", 9)) {
       const char *val = s[8] == '=' ? s + 9 : (i + 1 < argc ? argv[++i] : NULL);
       if (!val || !*val) return dt_fail(st, DT_EXIT_INPUT, "--resume needs a checkpoint path or auto");
@@ -83,9 +91,53 @@ static int parse_args(int argc, char **argv, cli_args *a, dt_status *st) {
       a->config = s;
     }
   }
-  if (!a->help && !a->version && !a->config_keys && !a->config)
+  if (!a->help && !a->version && !a->config_keys && !a->info && !a->config)
     return dt_fail(st, DT_EXIT_INPUT, "no config given\n%s", usage_text);
   return 0;
+}
+
+static void library_versions(char *buf, size_t cap) {
+  char mpi[MPI_MAX_LIBRARY_VERSION_STRING];
+  int len = 0;
+  MPI_Get_library_version(mpi, &len);
+  mpi[strcspn(mpi, ",\n")] = 0;
+  unsigned maj, min, rel;
+  H5get_libversion(&maj, &min, &rel);
+  char gpu[512];
+  gpu_versions(gpu, sizeof gpu);
+  snprintf(buf, cap, "%s, HDF5 %u.%u.%u, libyaml %s; %s", mpi, maj, min, rel, yaml_get_version_string(), gpu);
+}
+
+/* --info: one block per node, gathered to rank 0, so a node with a missing GPU shows before training. */
+static void print_info(dt_comm *comm) {
+  enum { CAP = 4096 };
+  char text[CAP] = "";
+  if (comm->local_rank == 0) {
+    char why[256] = "", versions[1024];
+    int n = gpu_count(why, sizeof why);
+    library_versions(versions, sizeof versions);
+    size_t len = (size_t)snprintf(text, CAP, "node %s: %d rank%s (world ranks from %d)\n  %s\n", comm->host,
+                                  comm->local_size, comm->local_size > 1 ? "s" : "", comm->rank, versions);
+    if (n == 0) len += (size_t)snprintf(text + len, CAP - len, "  GPUs: none (%s)\n", why);
+    for (int i = 0; i < n && len < CAP; i++) {
+      char line[512];
+      size_t free_b;
+      gpu_describe(i, line, sizeof line, &free_b);
+      len += (size_t)snprintf(text + len, CAP - len, "  %s\n", line);
+    }
+    const char *cm = n >= comm->local_size ? "nccl once the CUDA backend is built in; this version trains on the CPU over MPI"
+                                           : "mpi (the CPU backend)";
+    snprintf(text + len, CAP - len, "  communicator for dist.comm auto: %s\n", cm);
+  }
+  char *all = comm->rank == 0 ? dt_calloc((size_t)comm->size, CAP) : NULL;
+  comm_gather_text(comm, text, CAP, all);
+  if (comm->rank == 0) {
+    printf("ddp_train %s: %d rank%s\n", DT_VERSION, comm->size, comm->size > 1 ? "s" : "");
+    for (int r = 0; r < comm->size; r++)
+      if (all[(size_t)r * CAP]) fputs(all + (size_t)r * CAP, stdout);
+    fflush(stdout);
+  }
+  free(all);
 }
 
 static void print_version(void) {
@@ -243,6 +295,40 @@ static int load_resume(const cli_args *args, const dt_config *cfg, dt_model *m, 
   return 0;
 }
 
+static double mib(size_t b) { return (double)b / 1048576.0; }
+
+/* --dry-run: the memory a rank needs against what it has (its GPU's free memory when there is
+ * one, else the host's available memory shared by the ranks on the node). */
+static void check_memory(const dt_config *cfg, const dt_model *m, const dt_comm *comm, dt_status *st) {
+  const dt_config_values *v = &cfg->v;
+  int64_t W = comm->size, G = v->global_batch_size ? v->global_batch_size : v->batch_size * W;
+  int64_t rows = (G + W - 1) / W + 1;
+  int states = v->optim == DT_OPTIM_ADAMW ? 2 : v->momentum > 0 ? 1 : 0;
+  dt_memory mem = model_memory(m, rows, states, pick_threads(cfg, comm));
+  char why[256];
+  size_t have = 0;
+  const char *where;
+  char gpu_line[512];
+  if (gpu_count(why, sizeof why) > comm->local_rank) {
+    gpu_describe(comm->local_rank, gpu_line, sizeof gpu_line, &have);
+    where = "free on this rank's GPU";
+  } else {
+    long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    have = pages > 0 && page > 0 ? (size_t)pages * (size_t)page / (size_t)comm->local_size : 0;
+    where = "of available host memory per rank on this node";
+  }
+  if (comm->rank == 0) {
+    printf("memory per rank at %lld rows: %.1f MiB = parameters %.1f + gradients %.1f + optimizer %.1f + buffers %.1f"
+           " + activations %.1f + workspace %.1f; %.0f MiB %s\n",
+           (long long)rows, mib(mem.total), mib(mem.params), mib(mem.grads), mib(mem.optim), mib(mem.buffers),
+           mib(mem.activations), mib(mem.workspace), mib(have), where);
+    fflush(stdout);
+  }
+  if (have && mem.total > have)
+    dt_fail(st, DT_EXIT_INPUT, "the batch does not fit: a rank needs %.1f MiB but has %.1f MiB %s; lower "
+            "train.batch_size or train.global_batch_size, or use more ranks", mib(mem.total), mib(have), where);
+}
+
 static void print_data_summary(const dt_data *d, const dt_config *cfg, int world) {
   const dt_config_values *v = &cfg->v;
   int64_t G = v->global_batch_size ? v->global_batch_size : v->batch_size * world;
@@ -276,6 +362,10 @@ int main(int argc, char **argv) {
 
   parse_args(argc, argv, &args, &st);
   if ((code = comm_agree(&comm, &st))) goto done;
+  if (args.info) {
+    print_info(&comm);
+    goto done;
+  }
   if (args.help || args.version || args.config_keys) {
     if (comm.rank == 0) {
       if (args.help) fputs(usage_text, stdout);
@@ -313,6 +403,8 @@ int main(int argc, char **argv) {
       model_summary(&model, stdout);
       fflush(stdout);
     }
+    check_memory(&cfg, &model, &comm, &st);
+    code = comm_agree(&comm, &st);
     goto done;
   }
   be = backend_cpu_create(pick_threads(&cfg, &comm));
@@ -324,6 +416,10 @@ int main(int argc, char **argv) {
   if (args.resume && (code = load_resume(&args, &cfg, &model, &comm, &resume, &resumed))) goto done;
   if (!resumed && (code = init_params(&cfg, &model, &comm))) goto done;
   opts.resume = resumed ? &resume : NULL;
+  if (args.predict) {
+    code = train_predict(&cfg, &model, &data, &comm, args.predict);
+    goto done;
+  }
   dt_train_result res;
   code = train_run(&cfg, &model, &data, &comm, &opts, &res);
 

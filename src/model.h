@@ -120,6 +120,12 @@ int model_build(dt_model *m, const dt_config *cfg, dt_status *st);
 void model_alloc(dt_model *m, dt_backend *be, int64_t max_batch, uint64_t seed);
 void model_free(dt_model *m);
 
+/* Memory one rank needs, in bytes, by part, for `batch` rows per rank. */
+typedef struct {
+  size_t params, grads, optim, buffers, activations, workspace, total;
+} dt_memory;
+dt_memory model_memory(const dt_model *m, int64_t batch, int optim_states, int threads);
+
 /* Prints every layer kind with its parameters (Markdown), from the layers' own key tables. */
 void model_print_layer_keys(FILE *out);
 

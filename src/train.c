@@ -47,15 +47,16 @@ static void load_input(const dt_config *cfg, dt_model *m, const float *raw, int6
   backend_run(m->be, &op);
 }
 
-void train_evaluate(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, double *loss, double *acc,
-                    dt_status *st) {
+/* Forward over this rank's validation rows; sums[0..1] get loss and hits; logits (rows, K) and
+ * labels are kept when given (host). */
+static void eval_rows(const dt_config *cfg, dt_model *m, dt_data *d, double *sums, float *logits, int32_t *all_labels,
+                      dt_status *st) {
   dt_split *s = &d->val;
   int64_t rows = s->hi - s->lo, cap = m->max_batch;
   float *x = dt_malloc((size_t)(cap * shape_size(m->input)) * sizeof(float));
   int32_t *labels = dt_malloc((size_t)cap * sizeof(int32_t));
   float *targets = dt_malloc((size_t)(cap * m->n_outputs) * sizeof(float));
   int64_t *idx = dt_malloc((size_t)cap * sizeof(int64_t));
-  double sums[3] = {0, 0, (double)rows};
   dt_pass pass = {.be = m->be, .training = 0, .global_count = 1, .params = m->params, .grads = m->grads, .bufs = m->bufs};
   for (int64_t i = 0; i < rows && !st->code; i += cap) {
     int64_t n = rows - i < cap ? rows - i : cap;
@@ -65,14 +66,91 @@ void train_evaluate(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm
     pass.batch = n;
     model_forward(m, &pass);
     loss_compute(m, &pass, labels, targets, &sums[0], &sums[1]);
+    if (logits)
+      m->be->to_host(m->be, logits + i * m->n_outputs, model_logits(m), (size_t)(n * m->n_outputs) * sizeof(float));
+    if (all_labels && s->y_k == 0) memcpy(all_labels + i, labels, (size_t)n * sizeof(int32_t));
   }
   free(x);
   free(labels);
   free(targets);
   free(idx);
+}
+
+void train_evaluate(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, double *loss, double *acc,
+                    dt_status *st) {
+  int64_t rows = d->val.hi - d->val.lo;
+  double sums[3] = {0, 0, (double)rows};
+  eval_rows(cfg, m, d, sums, NULL, NULL, st);
   comm_allreduce_sum_f64(comm, sums, 3, "validation allreduce");
   *loss = sums[2] > 0 ? sums[0] / sums[2] : 0;
   *acc = m->loss_kind == DT_LOSS_CROSS_ENTROPY && sums[2] > 0 ? sums[1] / sums[2] : -1;
+}
+
+/* Collective at log steps: every rank's mean compute time per step. Returns the slowest rank and
+ * fills min/max/median; prints a straggler line when W > 1. */
+static void straggler_line(dt_comm *comm, dt_log *lg, double compute_ms, double *min_ms, double *max_ms, int *slow) {
+  int W = comm->size;
+  double *all = dt_malloc((size_t)W * sizeof(double)), *sorted = dt_malloc((size_t)W * sizeof(double));
+  comm_allgather_f64(comm, compute_ms, all, "straggler report");
+  int lo = 0, hi = 0;
+  for (int r = 0; r < W; r++) {
+    if (all[r] < all[lo]) lo = r;
+    if (all[r] > all[hi]) hi = r;
+    sorted[r] = all[r];
+  }
+  for (int i = 1; i < W; i++) /* insertion sort: W values once per log line */
+    for (int j = i; j > 0 && sorted[j] < sorted[j - 1]; j--) {
+      double t = sorted[j];
+      sorted[j] = sorted[j - 1];
+      sorted[j - 1] = t;
+    }
+  double median = W % 2 ? sorted[W / 2] : 0.5 * (sorted[W / 2 - 1] + sorted[W / 2]);
+  *min_ms = all[lo];
+  *max_ms = all[hi];
+  *slow = median > 0 && all[hi] > 1.1 * median ? hi : -1;
+  if (W > 1) {
+    if (*slow >= 0)
+      log_line(lg, "straggler: rank %d computes %.1f ms/step, %.0f%% over the median %.1f (fastest: rank %d, %.1f)", hi,
+               all[hi], 100.0 * (all[hi] / median - 1.0), median, lo, all[lo]);
+    else
+      log_line(lg, "ranks: compute %.1f to %.1f ms/step (slowest rank %d, fastest rank %d)", all[lo], all[hi], hi, lo);
+  }
+  free(all);
+  free(sorted);
+}
+
+int train_predict(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, const char *path) {
+  dt_status st = {0};
+  if (!d->has_val) dt_fail(&st, DT_EXIT_INPUT, "--predict: there is no validation split (data.val.x is empty)");
+  int code = comm_agree(comm, &st);
+  if (code) return code;
+  int64_t rows = d->val.hi - d->val.lo, k = m->n_outputs, n = d->val.n;
+  float *logits = dt_malloc((size_t)(rows * k + 1) * sizeof(float));
+  float *labels_f = dt_malloc((size_t)(rows + 1) * sizeof(float));
+  int32_t *labels = dt_malloc((size_t)(rows + 1) * sizeof(int32_t));
+  double sums[2] = {0, 0};
+  eval_rows(cfg, m, d, sums, logits, labels, &st);
+  if ((code = comm_agree(comm, &st))) goto out;
+  for (int64_t i = 0; i < rows; i++) labels_f[i] = (float)labels[i]; /* exact for class indices */
+  float *all = comm->rank == 0 ? dt_malloc((size_t)(n * k + 1) * sizeof(float)) : NULL;
+  float *all_labels = comm->rank == 0 ? dt_malloc((size_t)(n + 1) * sizeof(float)) : NULL;
+  comm_gather_rows(comm, logits, rows, k, all);
+  comm_gather_rows(comm, labels_f, rows, 1, all_labels);
+  if (comm->rank == 0) {
+    int32_t *li = dt_malloc((size_t)(n + 1) * sizeof(int32_t));
+    for (int64_t i = 0; i < n; i++) li[i] = (int32_t)all_labels[i];
+    if (!ckpt_write_predictions(path, all, m->loss_kind == DT_LOSS_CROSS_ENTROPY ? li : NULL, n, k, &st))
+      printf("wrote the logits of %lld validation rows to %s\n", (long long)n, path);
+    free(li);
+  }
+  free(all);
+  free(all_labels);
+  code = comm_agree(comm, &st);
+out:
+  free(logits);
+  free(labels_f);
+  free(labels);
+  return code;
 }
 
 static int improved(int metric, double value, double best) {
@@ -270,14 +348,18 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, cons
         double span = now - t_window, ms = 1e3 * span / (double)win_steps;
         double data_ms = 1e3 * win_data / (double)win_steps, comm_ms = 1e3 * win_comm / (double)win_steps;
         double sps = span > 0 ? (double)win_samples / span : 0, mean_loss = win_loss / (double)win_steps;
+        double min_ms, max_ms;
+        int slow;
+        straggler_line(comm, &lg, ms - data_ms - comm_ms, &min_ms, &max_ms, &slow);
         log_line(&lg, "step %lld/%lld epoch %lld loss %.4f lr %.5f | %.0f samples/s | %.1f ms/step (compute %.1f, "
                  "data %.1f, comm %.1f)",
                  (long long)ts.step, (long long)total, (long long)epoch + 1, mean_loss, lr, sps, ms,
                  ms - data_ms - comm_ms, data_ms, comm_ms);
         log_metrics(&lg, "\"step\": %lld, \"epoch\": %lld, \"loss\": %.6g, \"lr\": %.6g, \"samples_per_s\": %.1f, "
-                    "\"step_ms\": %.3f, \"compute_ms\": %.3f, \"data_ms\": %.3f, \"comm_ms\": %.3f",
+                    "\"step_ms\": %.3f, \"compute_ms\": %.3f, \"data_ms\": %.3f, \"comm_ms\": %.3f, "
+                    "\"compute_ms_min\": %.3f, \"compute_ms_max\": %.3f, \"straggler_rank\": %d",
                     (long long)ts.step, (long long)epoch + 1, mean_loss, lr, sps, ms, ms - data_ms - comm_ms, data_ms,
-                    comm_ms);
+                    comm_ms, min_ms, max_ms, slow);
         t_window = now;
         win_loss = win_data = win_comm = 0;
         win_samples = win_steps = 0;

@@ -31,4 +31,8 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, cons
 void train_evaluate(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, double *loss, double *acc,
                     dt_status *st);
 
+/* Writes the logits of the whole validation split (gathered to rank 0, in file order) and its
+ * labels to path; collective. Returns the agreed exit code. */
+int train_predict(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, const char *path);
+
 #endif

@@ -41,7 +41,7 @@ if [ "${DDP_TRAIN_GPU_TESTS:-}" != only ]; then
   for t in test_config test_sampler test_model test_ops test_optim; do
     run_suite "$t" env CMOCKA_MESSAGE_OUTPUT=TAP "$BUILD/tests/$t"
   done
-  for t in test_cli test_train test_torch_oracle test_faults; do
+  for t in test_cli test_train test_torch_oracle test_faults test_export test_slurm; do
     run_suite "$t" "$PYTHON" tests/pyrun.py "$t"
   done
 fi

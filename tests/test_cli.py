@@ -1,12 +1,14 @@
 """The CLI and start-up validation: --help/--version/--dry-run, and every bad input of the
 config and the data exiting 2 on all ranks with one message that names the problem."""
 import os
+import subprocess
+import tempfile
 import unittest
 
 import h5py
 import numpy as np
 
-from helpers import ROOT, TINY_CNN, Workdir, errors, run
+from helpers import ENV, ROOT, TINY_CNN, Workdir, errors, run
 
 
 class DryRunAndInfo(unittest.TestCase):
@@ -27,6 +29,38 @@ class DryRunAndInfo(unittest.TestCase):
         rc, out, err = run(["--dry-run", "configs/mlp.yaml"])
         self.assertEqual(rc, 0, err)
         self.assertIn("total parameters: 1,863,690", out)
+
+    def test_info_reports_each_node(self):
+        rc, out, err = run(["--info"], np_=2)
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(out.count("node "), 1)  # one node, two ranks
+        self.assertIn("2 ranks", out)
+        self.assertIn("HDF5 ", out)
+        self.assertRegex(out, r"GPUs: none|GPU 0: ")
+        self.assertIn("communicator for dist.comm auto:", out)
+
+    def test_dry_run_memory_estimate(self):
+        rc, out, err = run(["--dry-run", "configs/model.yaml"], np_=2)
+        self.assertEqual(rc, 0, err)
+        self.assertRegex(out, r"memory per rank at 129 rows: [0-9.]+ MiB = parameters 3.3 \+ gradients 3.3 \+ "
+                              r"optimizer 3.3 .* activations [0-9.]+ .*MiB (free on this rank's GPU|of available host)")
+        rc, out, err = run(["--dry-run", "configs/resnet18_cifar.yaml", "--set", "train.global_batch_size=2000000"])
+        self.assertEqual(rc, 2, out + err)
+        self.assertIn("the batch does not fit: a rank needs", errors(err)[0])
+
+    def test_make_install_with_man_page(self):
+        with tempfile.TemporaryDirectory() as prefix:
+            p = subprocess.run(["make", "-s", "install", f"PREFIX={prefix}"], cwd=ROOT, capture_output=True, text=True)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            for f in ("bin/ddp_train", "share/man/man1/ddp_train.1", "share/ddp_train/scripts/export_torch.py",
+                      "share/ddp_train/scripts/slurm/ddp_train.sbatch", "share/ddp_train/configs/model.yaml"):
+                self.assertTrue(os.path.exists(os.path.join(prefix, f)), f)
+            with open(os.path.join(prefix, "share/man/man1/ddp_train.1")) as f:
+                man = f.read()
+            self.assertIn("\\-\\-resume", man)  # generated from the --help text
+            self.assertIn("exit codes", man)
+            rc = subprocess.run([os.path.join(prefix, "bin/ddp_train"), "--version"], capture_output=True, env=ENV)
+            self.assertEqual(rc.returncode, 0)
 
     def test_help_and_version(self):
         rc, out, _ = run(["--help"])

@@ -1,0 +1,157 @@
+"""The Slurm batch script under a real single-node Slurm (Debian's slurm-wlm), configured and
+started by the test on localhost with auth/none: a job completes, and a job that gets
+`scancel --batch --signal=USR1` checkpoints, exits 75, requeues itself and finishes from the
+checkpoint. Skipped (with the reason) where the Slurm daemons cannot start."""
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import unittest
+
+from helpers import ENV, ROOT, TINY_CNN, Workdir
+
+SCRIPT = os.path.join(ROOT, "scripts", "slurm", "ddp_train.sbatch")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Slurm(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.skip = None
+        if not (shutil.which("slurmctld") and shutil.which("slurmd") and shutil.which("sbatch")):
+            cls.skip = "slurmctld, slurmd or sbatch not installed"
+            return
+        cls.dir = tempfile.mkdtemp(prefix="ddp_slurm_")
+        d = cls.dir
+        for sub in ("state", "spool", "logs"):
+            os.mkdir(os.path.join(d, sub))
+        host = socket.gethostname().split(".")[0]
+        conf = os.path.join(d, "slurm.conf")
+        with open(conf, "w") as f:
+            f.write(f"""ClusterName=ddptest
+SlurmctldHost={host}(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/none
+CredType=cred/none
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.pid
+SlurmctldLogFile={d}/logs/slurmctld.log
+SlurmdLogFile={d}/logs/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+MpiDefault=none
+JobRequeue=1
+ReturnToService=2
+InactiveLimit=0
+KillWait=5
+NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+""")
+        cls.env = dict(ENV, SLURM_CONF=conf)
+        for daemon in ("slurmctld", "slurmd"):
+            p = subprocess.run([daemon, "-f", conf], env=cls.env, capture_output=True, text=True)
+            if p.returncode:
+                cls.skip = f"{daemon} did not start: {p.stderr.strip()[-300:]}"
+                return
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            state = subprocess.run(["sinfo", "-h", "-o", "%t"], env=cls.env, capture_output=True, text=True).stdout
+            if state.strip() in ("idle", "mix"):
+                return
+            time.sleep(0.5)
+        with open(os.path.join(d, "logs", "slurmd.log")) as f:
+            cls.skip = "the Slurm node did not become idle: " + f.read()[-300:]
+
+    @classmethod
+    def tearDownClass(cls):
+        if not hasattr(cls, "env"):
+            return
+        subprocess.run(["scancel", "-u", "root"], env=cls.env, capture_output=True)
+        for pidfile in ("slurmd.pid", "slurmctld.pid"):
+            try:
+                with open(os.path.join(cls.dir, pidfile)) as f:
+                    os.kill(int(f.read()), 15)
+            except (OSError, ValueError):
+                pass
+        time.sleep(1)
+        shutil.rmtree(cls.dir, ignore_errors=True)
+
+    def setUp(self):
+        if self.skip:
+            self.skipTest(self.skip)
+        self.w = Workdir()
+        self.w.dataset(n=64)
+        self.cfg = self.w.config(TINY_CNN)
+
+    def tearDown(self):
+        self.w.cleanup()
+
+    def sbatch(self, *args):
+        p = subprocess.run(["sbatch", "--parsable", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0",
+                            f"--output={self.w.file('job-%j.out')}", SCRIPT, self.cfg] + list(args),
+                           env=self.env, capture_output=True, text=True, cwd=ROOT)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        return p.stdout.strip().split(";")[0]
+
+    def state(self, job):
+        out = subprocess.run(["scontrol", "show", "job", job], env=self.env, capture_output=True, text=True).stdout
+        return out.split("JobState=")[1].split()[0] if "JobState=" in out else "GONE"
+
+    def wait_for(self, job, states, timeout=90):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            s = self.state(job)
+            if s in states:
+                return s
+            time.sleep(0.5)
+        self.fail(f"job {job} still {self.state(job)} after {timeout} s")
+
+    def log(self, job):
+        with open(self.w.file(f"job-{job}.out")) as f:
+            return f.read()
+
+    def test_batch_job_completes(self):
+        job = self.sbatch("--set", "train.epochs=2")
+        self.assertEqual(self.wait_for(job, ("COMPLETED", "FAILED", "CANCELLED")), "COMPLETED", self.log(job))
+        log = self.log(job)
+        self.assertIn("done: 16 steps", log)
+        self.assertIn("ddp_train exited 0", log)
+        self.assertTrue(os.path.exists(self.w.latest()))
+
+    def test_usr1_checkpoints_requeues_and_finishes(self):
+        job = self.sbatch("--set", "train.epochs=1500", "--set", "log.every_steps=1000", "--set", "data.val.x=")
+        metrics = self.w.file("log/metrics.jsonl")
+        deadline = time.monotonic() + 60
+        while not (os.path.exists(metrics) and os.path.getsize(metrics)):
+            self.assertLess(time.monotonic(), deadline, self.log(job) if os.path.exists(self.w.file(f"job-{job}.out")) else "")
+            time.sleep(0.2)
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=self.env, check=True)
+        self.wait_for(job, ("PENDING",), timeout=60)
+        # a requeued job waits for its BeginTime (about 2 minutes); let it start now
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=self.env, check=True)
+        self.assertEqual(self.wait_for(job, ("COMPLETED", "FAILED", "CANCELLED")), "COMPLETED", self.log(job))
+        log = self.log(job)
+        self.assertIn("ddp_train: stopped by SIGUSR1", log)
+        self.assertIn("requeueing job", log)
+        self.assertIn("resuming at step", log)
+        self.assertIn("done: 12000 steps", log)
+        self.assertIn("ddp_train exited 0", log)
+
+
+if __name__ == "__main__":
+    unittest.main()
