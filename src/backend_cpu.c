@@ -227,6 +227,7 @@ static void cpu_run(dt_backend *be, const dt_op *op) {
       double acc = 0;
       for (int64_t b = 0; b < q->b; b++) {
         const float *dy = q->dy + (b * q->c + c) * q->s;
+#pragma omp simd reduction(+ : acc)
         for (int64_t s = 0; s < q->s; s++) acc += dy[s];
       }
       q->db[c] += (float)acc;
@@ -248,6 +249,8 @@ static void cpu_run(dt_backend *be, const dt_op *op) {
       double s1 = 0, s2 = 0;
       for (int64_t b = 0; b < q->b; b++) {
         const float *x = q->x + (b * q->c + c) * q->s;
+        /* simd reductions vectorise (a fixed order for a given build, so results are repeatable) */
+#pragma omp simd reduction(+ : s1, s2)
         for (int64_t s = 0; s < q->s; s++) {
           s1 += x[s];
           s2 += (double)x[s] * x[s];
@@ -278,6 +281,7 @@ static void cpu_run(dt_backend *be, const dt_op *op) {
       float m = q->mean[c], is = q->invstd[c];
       for (int64_t b = 0; b < q->b; b++) {
         const float *x = q->x + (b * q->c + c) * q->s, *dy = q->dy + (b * q->c + c) * q->s;
+#pragma omp simd reduction(+ : s1, s2)
         for (int64_t s = 0; s < q->s; s++) {
           s1 += dy[s];
           s2 += (double)dy[s] * ((x[s] - m) * is);
