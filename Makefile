@@ -32,7 +32,7 @@ LDLIBS = $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -lg
 
 SRCS := common.c yaml_tree.c keys.c config.c model.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
         layer_activation.c layer_residual.c layer_loss.c backend_cpu.c comm_mpi.c sampler.c data_hdf5.c optim.c \
-        checkpoint.c log.c train.c signals.c fault.c
+        checkpoint.c log.c train.c signals.c fault.c h5util.c
 ifeq ($(CUDA),1)
   SRCS += gpu_cuda.c
   override CFLAGS += -I$(CUDA_HOME)/include -DDT_WITH_CUDA=1

@@ -1,4 +1,5 @@
 #include "checkpoint.h"
+#include "h5util.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -10,19 +11,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static herr_t first_msg(unsigned n, const H5E_error2_t *e, void *ctx) {
-  char *buf = ctx;
-  if (n == 0 && e->desc) snprintf(buf, 256, "%s", e->desc);
-  return 0;
-}
-
-static const char *h5_msg(char *buf) {
-  buf[0] = 0;
-  H5Ewalk2(H5E_DEFAULT, H5E_WALK_DOWNWARD, first_msg, buf);
-  H5Eclear2(H5E_DEFAULT);
-  return buf[0] ? buf : "unknown HDF5 error";
-}
-
 static const char *opt_names[2][2] = {{"momentum_buffer", NULL}, {"exp_avg", "exp_avg_sq"}};
 
 /* Reads one float32 tensor with its shape checked. */
@@ -32,7 +20,7 @@ static int read_tensor(hid_t f, const char *path, const char *group, const dt_te
   if (H5Lexists(f, group, H5P_DEFAULT) <= 0 || H5Lexists(f, name, H5P_DEFAULT) <= 0)
     return dt_fail(st, DT_EXIT_INPUT, "%s: tensor '%s' (dataset %s) is missing", path, t->name, name);
   hid_t ds = H5Dopen2(f, name, H5P_DEFAULT);
-  if (ds < 0) return dt_fail(st, DT_EXIT_INPUT, "%s: cannot open %s: %s", path, name, h5_msg(e));
+  if (ds < 0) return dt_fail(st, DT_EXIT_INPUT, "%s: cannot open %s: %s", path, name, h5_error_text(e, sizeof e));
   hid_t sp = H5Dget_space(ds);
   hsize_t dims[8];
   int nd = H5Sget_simple_extent_ndims(sp);
@@ -50,7 +38,7 @@ static int read_tensor(hid_t f, const char *path, const char *group, const dt_te
     rc = dt_fail(st, DT_EXIT_INPUT, "%s: tensor '%s' has shape %s) but the model needs %s)", path, t->name, got, want);
   } else if (H5Dread(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, dst) < 0) {
     rc = dt_fail(st, DT_EXIT_INPUT, "%s: cannot read tensor '%s' (corrupt file: checksum or format error): %s", path,
-                 t->name, h5_msg(e));
+                 t->name, h5_error_text(e, sizeof e));
   }
   H5Dclose(ds);
   return rc;
@@ -58,13 +46,13 @@ static int read_tensor(hid_t f, const char *path, const char *group, const dt_te
 
 static hid_t open_read(const char *path, const char *what, dt_status *st) {
   char e[256];
-  H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
+  h5_quiet();
   if (access(path, R_OK) != 0) {
     dt_fail(st, DT_EXIT_INPUT, "%s: %s: cannot open: %s", path, what, strerror(errno));
     return -1;
   }
   hid_t f = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
-  if (f < 0) dt_fail(st, DT_EXIT_INPUT, "%s: %s: not a readable HDF5 file (truncated or corrupt): %s", path, what, h5_msg(e));
+  if (f < 0) dt_fail(st, DT_EXIT_INPUT, "%s: %s: not a readable HDF5 file (truncated or corrupt): %s", path, what, h5_error_text(e, sizeof e));
   return f;
 }
 
@@ -136,7 +124,7 @@ static int write_group(hid_t f, const char *group, const dt_model *m, const floa
 int ckpt_write(const char *path, const dt_model *m, const dt_ckpt_data *d, const dt_config *cfg, dt_status *st) {
   char tmp[1200], e[256] = "";
   snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
-  H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
+  h5_quiet();
   hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
   H5Pset_libver_bounds(fapl, H5F_LIBVER_V110, H5F_LIBVER_LATEST); /* checksummed metadata */
   errno = 0;
@@ -144,7 +132,7 @@ int ckpt_write(const char *path, const dt_model *m, const dt_ckpt_data *d, const
   H5Pclose(fapl);
   if (f < 0) {
     int err = errno;
-    return dt_fail(st, DT_EXIT_IO, "%s: cannot create: %s%s%s", tmp, err ? strerror(err) : "", err ? "; " : "", h5_msg(e));
+    return dt_fail(st, DT_EXIT_IO, "%s: cannot create: %s%s%s", tmp, err ? strerror(err) : "", err ? "; " : "", h5_error_text(e, sizeof e));
   }
   errno = 0;
   int bad = write_group(f, "/model", m, d->params, d->bufs, 0);
@@ -176,11 +164,11 @@ int ckpt_write(const char *path, const dt_model *m, const dt_ckpt_data *d, const
     if (meta >= 0) H5Gclose(meta);
   }
   int err = errno;
-  if (bad) h5_msg(e);
+  if (bad) h5_error_text(e, sizeof e);
   if (H5Fclose(f) < 0) {
     bad = 1;
     if (!err) err = errno;
-    if (!e[0]) h5_msg(e);
+    if (!e[0]) h5_error_text(e, sizeof e);
   }
   if (!bad && fsync_path(tmp, 0)) bad = 1, err = errno;
   if (bad) {
@@ -307,7 +295,7 @@ int ckpt_read_meta(const char *path, dt_train_state *ts, char **config_text, dt_
       !(optim = read_attr_str(meta, "optimizer")) || !(*config_text = read_attr_str(meta, "config"))) {
     char e[256];
     dt_fail(st, DT_EXIT_INPUT, "%s: not a ddp_train checkpoint (the /meta attributes are missing or unreadable: %s)",
-            path, h5_msg(e));
+            path, h5_error_text(e, sizeof e));
   }
   if (!st->code) ts->optim = !strcmp(optim, "adamw") ? DT_OPTIM_ADAMW : DT_OPTIM_SGD;
   free(optim);
@@ -350,9 +338,9 @@ int ckpt_write_predictions(const char *path, const float *logits, const int32_t 
                            dt_status *st) {
   char tmp[1200], e[256];
   snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
-  H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
+  h5_quiet();
   hid_t f = H5Fcreate(tmp, H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
-  if (f < 0) return dt_fail(st, DT_EXIT_IO, "%s: cannot create: %s", tmp, h5_msg(e));
+  if (f < 0) return dt_fail(st, DT_EXIT_IO, "%s: cannot create: %s", tmp, h5_error_text(e, sizeof e));
   hsize_t dims[2] = {(hsize_t)n, (hsize_t)k};
   hid_t sp = H5Screate_simple(2, dims, NULL);
   hid_t ds = H5Dcreate2(f, "/logits", H5T_IEEE_F32LE, sp, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
@@ -369,7 +357,7 @@ int ckpt_write_predictions(const char *path, const float *logits, const int32_t 
   if (H5Fclose(f) < 0) bad = 1;
   if (bad || fsync_path(tmp, 0) || rename(tmp, path)) {
     unlink(tmp);
-    return dt_fail(st, DT_EXIT_IO, "%s: writing predictions failed: %s", path, h5_msg(e));
+    return dt_fail(st, DT_EXIT_IO, "%s: writing predictions failed: %s", path, h5_error_text(e, sizeof e));
   }
   return 0;
 }

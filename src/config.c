@@ -255,11 +255,8 @@ void config_print_keys(FILE *out) {
   fprintf(out, "| key | type | default | meaning |\n|---|---|---|---|\n");
   for (int i = 0; i < N_CONFIG_KEYS; i++) {
     const dt_key *k = &config_keys[i];
-    char bounds[96] = "";
-    if (k->min <= k->max) {
-      if (k->max >= 1e300) snprintf(bounds, sizeof bounds, ", >= %g", k->min);
-      else snprintf(bounds, sizeof bounds, ", in [%g, %g]", k->min, k->max);
-    }
+    char bounds[96];
+    keys_bounds_text(k, bounds, sizeof bounds);
     /* enum choices are "a|b": escape the bars inside a Markdown table */
     char type[256];
     size_t t = 0;

@@ -5,29 +5,7 @@
 #include <sys/stat.h>
 
 #include "data.h"
-
-/* The innermost messages of HDF5's error stack, for our own messages. */
-typedef struct {
-  char *buf;
-  size_t cap, len;
-} h5_msgs;
-
-static herr_t collect(unsigned n, const H5E_error2_t *e, void *ctx) {
-  h5_msgs *m = ctx;
-  if (n > 2 || !e->desc) return 0;
-  m->len += (size_t)snprintf(m->buf + m->len, m->cap - m->len, "%s%s", m->len ? "; " : "", e->desc);
-  if (m->len >= m->cap) m->len = m->cap - 1;
-  return 0;
-}
-
-static const char *h5_error(char *buf, size_t cap) {
-  h5_msgs m = {buf, cap, 0};
-  buf[0] = 0;
-  H5Ewalk2(H5E_DEFAULT, H5E_WALK_DOWNWARD, collect, &m);
-  H5Eclear2(H5E_DEFAULT);
-  if (!buf[0]) snprintf(buf, cap, "unknown HDF5 error");
-  return buf;
-}
+#include "h5util.h"
 
 static void dims_text(int nd, const hsize_t *dims, char *buf, size_t cap) {
   size_t len = (size_t)snprintf(buf, cap, "(");
@@ -51,7 +29,7 @@ static hid_t open_dset(dt_data *d, const char *name, const char *key, dt_status 
       htri_t ok = H5Lexists(d->file, part, H5P_DEFAULT);
       if (ok <= 0) {
         char e[512] = "";
-        if (ok < 0) h5_error(e, sizeof e);
+        if (ok < 0) h5_error_text(e, sizeof e);
         dt_fail(st, DT_EXIT_INPUT, "%s: dataset '%s' (%s) not found%s%s", d->path, name, key, ok < 0 ? ": " : "", e);
         return -1;
       }
@@ -62,7 +40,7 @@ static hid_t open_dset(dt_data *d, const char *name, const char *key, dt_status 
   hid_t ds = H5Dopen2(d->file, name, H5P_DEFAULT);
   if (ds < 0) {
     char e[512];
-    dt_fail(st, DT_EXIT_INPUT, "%s: cannot open dataset '%s' (%s): %s", d->path, name, key, h5_error(e, sizeof e));
+    dt_fail(st, DT_EXIT_INPUT, "%s: cannot open dataset '%s' (%s): %s", d->path, name, key, h5_error_text(e, sizeof e));
   }
   return ds;
 }
@@ -187,7 +165,7 @@ static int open_split(dt_data *d, dt_split *s, const char *xkey, const char *yke
     s->labels = dt_malloc((size_t)(rows ? rows : 1) * sizeof(int32_t));
     if (rows && read_rows(dy, H5T_NATIVE_INT32, s->lo, s->hi, 1, s->labels)) {
       rc = dt_fail(st, DT_EXIT_INPUT, "%s: cannot read '%s' (corrupt or unreadable file?): %s", d->path, s->y_name,
-                   h5_error(e, sizeof e));
+                   h5_error_text(e, sizeof e));
       goto out;
     }
     for (int64_t i = 0; i < rows; i++)
@@ -201,7 +179,7 @@ static int open_split(dt_data *d, dt_split *s, const char *xkey, const char *yke
     s->targets = dt_malloc((size_t)(rows * s->y_k + 1) * sizeof(float));
     if (rows && read_rows(dy, H5T_NATIVE_FLOAT, s->lo, s->hi, s->y_k, s->targets)) {
       rc = dt_fail(st, DT_EXIT_INPUT, "%s: cannot read '%s' (corrupt or unreadable file?): %s", d->path, s->y_name,
-                   h5_error(e, sizeof e));
+                   h5_error_text(e, sizeof e));
       goto out;
     }
   }
@@ -212,7 +190,7 @@ static int open_split(dt_data *d, dt_split *s, const char *xkey, const char *yke
     hid_t mt = s->x_type == DT_X_U8 ? H5T_NATIVE_UINT8 : s->x_type == DT_X_F32 ? H5T_NATIVE_FLOAT : H5T_NATIVE_DOUBLE;
     if (rows && read_rows(dx, mt, s->lo, s->hi, s->row_elems, s->x)) {
       rc = dt_fail(st, DT_EXIT_INPUT, "%s: cannot read '%s' (corrupt or unreadable file?): %s", d->path, s->x_name,
-                   h5_error(e, sizeof e));
+                   h5_error_text(e, sizeof e));
       goto out;
     }
     d->cached = 1;
@@ -232,21 +210,21 @@ int data_open(dt_data *d, const dt_config *cfg, const dt_model *m, int world, in
   d->train.dset_x = d->val.dset_x = -1;
   const dt_config_values *v = &cfg->v;
   dt_strlcpy(d->path, v->data_path, sizeof d->path);
-  H5Eset_auto2(H5E_DEFAULT, NULL, NULL); /* we report HDF5 errors ourselves */
+  h5_quiet();
   struct stat sb;
   if (stat(d->path, &sb) != 0)
     return dt_fail(st, DT_EXIT_INPUT, "%s: data.path: cannot open: %s%s", d->path, strerror(errno),
                    errno == ENOENT ? " (for Fashion-MNIST, run `make data`)" : "");
   if (H5Fis_hdf5(d->path) <= 0) {
     char e[512];
-    h5_error(e, sizeof e);
+    h5_error_text(e, sizeof e);
     return dt_fail(st, DT_EXIT_INPUT, "%s: data.path: not a readable HDF5 file (corrupt or another format): %s",
                    d->path, e);
   }
   d->file = H5Fopen(d->path, H5F_ACC_RDONLY, H5P_DEFAULT);
   if (d->file < 0) {
     char e[512];
-    h5_error(e, sizeof e);
+    h5_error_text(e, sizeof e);
     int lock = strstr(e, "lock") != NULL;
     return dt_fail(st, DT_EXIT_INPUT, "%s: cannot open HDF5 file: %s%s", d->path, e,
                    lock ? " (the file is locked; on shared filesystems set HDF5_USE_FILE_LOCKING=FALSE)" : "");
@@ -311,7 +289,7 @@ int data_gather(dt_data *d, dt_split *s, const int64_t *idx, int64_t n, float *x
         char e[512];
         if (tmp != row) free(tmp);
         return dt_fail(st, DT_EXIT_IO, "%s: reading '%s'[%lld] failed: %s", d->path, s->x_name, (long long)r,
-                       h5_error(e, sizeof e));
+                       h5_error_text(e, sizeof e));
       }
       convert_row(s, tmp, x + i * s->row_elems);
     }

@@ -167,7 +167,7 @@ static void enum_name(const char *choices, int idx, char *out, size_t cap) {
 
 static int bounded(const dt_key *k) { return k->min <= k->max; }
 
-static void bounds_text(const dt_key *k, char *buf, size_t cap) {
+void keys_bounds_text(const dt_key *k, char *buf, size_t cap) {
   if (!bounded(k))
     buf[0] = 0;
   else if (k->max >= 1e300)
@@ -179,7 +179,7 @@ static void bounds_text(const dt_key *k, char *buf, size_t cap) {
 static int set_value(const dt_key *k, void *dst, const dt_node *node, const char *prefix, dt_status *st) {
   char where[512], bt[96];
   char *field = (char *)dst + k->offset;
-  bounds_text(k, bt, sizeof bt);
+  keys_bounds_text(k, bt, sizeof bt);
   if (node) yaml_where(node, where, sizeof where);
   else snprintf(where, sizeof where, "default");
   if (k->type == DT_KEY_NODE) {

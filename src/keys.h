@@ -52,6 +52,9 @@ void keys_free(const dt_key *table, int n, void *dst);
 void keys_dump(const dt_key *table, int n, const void *src, const char *prefix, char **out, size_t *len,
                size_t *cap);
 
+/* " >= 0" or " in [0, 1]" for bounded INT/FLOAT keys, "" otherwise. */
+void keys_bounds_text(const dt_key *key, char *buf, size_t cap);
+
 /* Name of a key type for docs and messages. */
 const char *keys_type_name(const dt_key *key);
 
