@@ -122,8 +122,15 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubsc
         self.fail(f"job {job} still {self.state(job)} after {timeout} s")
 
     def log(self, job):
-        with open(self.w.file(f"job-{job}.out")) as f:
-            return f.read()
+        """The job's output, and the daemons' last lines for diagnosis."""
+        text = ""
+        for name in (self.w.file(f"job-{job}.out"), os.path.join(self.dir, "logs", "slurmctld.log"),
+                     os.path.join(self.dir, "logs", "slurmd.log")):
+            if os.path.exists(name):
+                with open(name) as f:
+                    lines = [l for l in f if not l.startswith(("step ", "straggler", "ranks:", "saved"))]
+                text += f"--- {name}\n" + "".join(lines[-25:])
+        return text
 
     def test_batch_job_completes(self):
         job = self.sbatch("--set", "train.epochs=2")
@@ -134,7 +141,8 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubsc
         self.assertTrue(os.path.exists(self.w.latest()))
 
     def test_usr1_checkpoints_requeues_and_finishes(self):
-        job = self.sbatch("--set", "train.epochs=1500", "--set", "log.every_steps=1000", "--set", "data.val.x=")
+        job = self.sbatch("--set", "train.epochs=1500", "--set", "log.every_steps=1000", "--set", "data.val.x=",
+                          "--set", "checkpoint.every_epochs=0")
         metrics = self.w.file("log/metrics.jsonl")
         deadline = time.monotonic() + 60
         while not (os.path.exists(metrics) and os.path.getsize(metrics)):
@@ -142,7 +150,13 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubsc
             time.sleep(0.2)
         subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=self.env, check=True)
         self.wait_for(job, ("PENDING",), timeout=60)
-        # a requeued job waits for its BeginTime (about 2 minutes); let it start now
+        # a requeued job waits for its BeginTime (about 2 minutes) once the old run has fully ended;
+        # then let it start now
+        deadline = time.monotonic() + 60
+        while subprocess.run(["squeue", "-h", "-j", job, "-o", "%r"], env=self.env, capture_output=True,
+                             text=True).stdout.strip() != "BeginTime":
+            self.assertLess(time.monotonic(), deadline, self.log(job))
+            time.sleep(0.5)
         subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=self.env, check=True)
         self.assertEqual(self.wait_for(job, ("COMPLETED", "FAILED", "CANCELLED")), "COMPLETED", self.log(job))
         log = self.log(job)
