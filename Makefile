@@ -4,7 +4,6 @@
 #   make data       data/fashion_mnist.h5 from Debian's dataset-fashion-mnist, data/synthetic_cifar.h5
 #   make run        deps + build + data, then train configs/model.yaml on 2 ranks
 #   make test       deps + build + data, then the whole test suite
-#   make test-gpu   the GPU tests (on a machine with a GPU)
 #   make bench      CPU throughput against PyTorch, same run
 #   make install    PREFIX=/usr/local: the binary, scripts, configs and the man page
 
@@ -45,7 +44,7 @@ OBJS := $(SRCS:%.c=$(BUILD)/%.o)
 TESTS := test_config test_sampler test_model test_ops test_optim
 TEST_BINS := $(TESTS:%=$(BUILD)/tests/%)
 
-.PHONY: all deps data run test test-gpu bench clean docs ddp_train install
+.PHONY: all deps data run test bench clean docs ddp_train install
 PREFIX ?= /usr/local
 all: ddp_train
 
@@ -95,9 +94,6 @@ run: deps
 test: deps
 	$(MAKE) ddp_train data $(TEST_BINS)
 	BUILD=$(BUILD) PYTHON=$(PYTHON) bash tests/run.sh
-
-test-gpu: ddp_train
-	BUILD=$(BUILD) PYTHON=$(PYTHON) DDP_TRAIN_GPU_TESTS=only bash tests/run.sh
 
 bench: deps
 	$(MAKE) ddp_train data

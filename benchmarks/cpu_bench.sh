@@ -25,13 +25,13 @@ PY
 }
 
 printf '| case | ddp_train samples/s | PyTorch samples/s | ratio |\n|---|---|---|---|\n'
-while read -r name cfg batch steps; do
+while IFS='|' read -r name cfg batch steps; do
   a=$(ours "$cfg" "$batch" "$steps")
   b=$("$PYTHON" benchmarks/torch_train.py "$cfg" "$batch" "$steps" "$THREADS")
   printf '| %s | %s | %s | %.2fx |\n' "$name" "$a" "$b" "$("$PYTHON" -c "print($a / $b)")"
 done <<'CASES'
-CNN_(configs/model.yaml)_batch_256 configs/model.yaml 256 10
-MLP_784-1024-1024-10_batch_1024 configs/mlp.yaml 1024 10
+default CNN (configs/model.yaml), batch 256|configs/model.yaml|256|10
+MLP 784-1024-1024-10, batch 1024|configs/mlp.yaml|1024|10
 CASES
 cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')
 torch=$("$PYTHON" -c 'import torch; print(torch.__version__)')

@@ -10,17 +10,17 @@
 #include "backend.h"
 
 const char *const dt_op_names[DT_OP_COUNT] = {
-    "gemm",       "bias_add",     "bias_grad",    "conv_fwd",     "conv_bwd_data", "conv_bwd_filter",
-    "bn_stats",   "bn_apply",     "bn_bwd_stats", "bn_bwd_apply", "act_fwd",       "act_bwd",
-    "pool_fwd",   "pool_bwd",     "dropout_fwd",  "dropout_bwd",  "add",           "loss",
-    "sgd",        "adamw",        "scale",        "sumsq",        "input"};
+    "gemm",     "bias_add", "bias_grad",    "conv_fwd",     "conv_bwd_data", "conv_bwd_filter",
+    "bn_stats", "bn_apply", "bn_bwd_stats", "bn_bwd_apply", "act_fwd",       "act_bwd",
+    "pool_fwd", "pool_bwd", "dropout_fwd",  "dropout_bwd",  "add",           "loss",
+    "sgd",      "adamw",    "scale",        "sumsq",        "input"};
 _Static_assert(sizeof dt_op_names / sizeof *dt_op_names == DT_OP_COUNT, "dt_op_names must name every op");
 
 /* Per-thread workspaces, grown on first use at each new shape (the first steps). */
 typedef struct {
-  float **col;        /* [threads] im2col of one sample (C*K*K, Ho*Wo) */
+  float **col; /* [threads] im2col of one sample (C*K*K, Ho*Wo) */
   size_t col_bytes;
-  float **dw;         /* [threads] private filter gradients (O, C*K*K) */
+  float **dw; /* [threads] private filter gradients (O, C*K*K) */
   size_t dw_bytes;
   int threads;
 } cpu_impl;
@@ -63,7 +63,8 @@ static void im2col(const dt_conv_geom *g, const float *x, float *col) {
         }
         const float *xr = xc + ih * g->w + kw - g->pad;
         for (int64_t ow = 0; ow < lo; ow++) row[ow] = 0.0f;
-        if (g->stride == 1) memcpy(row + lo, xr + lo, (size_t)(hi - lo) * sizeof(float));
+        if (g->stride == 1)
+          memcpy(row + lo, xr + lo, (size_t)(hi - lo) * sizeof(float));
         else
           for (int64_t ow = lo; ow < hi; ow++) row[ow] = xr[ow * g->stride];
         for (int64_t ow = hi; ow < g->wo; ow++) row[ow] = 0.0f;
@@ -150,7 +151,9 @@ static void conv_bwd_filter(cpu_impl *im, const dt_conv_geom *g, const float *x,
   }
 }
 
-static inline float gelu_f(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
+static inline float gelu_f(float x) {
+  return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+}
 static inline float gelu_grad(float x) {
   float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
   float pdf = 0.39894228040143268f * expf(-0.5f * x * x);
@@ -160,345 +163,349 @@ static inline float gelu_grad(float x) {
 /* One loop per kind, so each vectorises without a branch per element. */
 static void act_fwd(int kind, int64_t n, const float *x, float *y) {
   switch (kind) {
-  case DT_ACT_RELU:
+    case DT_ACT_RELU:
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) y[i] = x[i] < 0 ? 0.0f : x[i]; /* NaN passes, as in PyTorch */
-    break;
-  case DT_ACT_GELU:
+      for (int64_t i = 0; i < n; i++) y[i] = x[i] < 0 ? 0.0f : x[i]; /* NaN passes, as in PyTorch */
+      break;
+    case DT_ACT_GELU:
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) y[i] = gelu_f(x[i]);
-    break;
-  case DT_ACT_TANH:
+      for (int64_t i = 0; i < n; i++) y[i] = gelu_f(x[i]);
+      break;
+    case DT_ACT_TANH:
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) y[i] = tanhf(x[i]);
-    break;
-  default:
+      for (int64_t i = 0; i < n; i++) y[i] = tanhf(x[i]);
+      break;
+    default:
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) y[i] = 1.0f / (1.0f + expf(-x[i]));
-    break;
+      for (int64_t i = 0; i < n; i++) y[i] = 1.0f / (1.0f + expf(-x[i]));
+      break;
   }
 }
 
 static void act_bwd(int kind, int64_t n, const float *x, const float *y, const float *dy, float *dx) {
   switch (kind) {
-  case DT_ACT_RELU:
+    case DT_ACT_RELU:
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) dx[i] = x[i] > 0 ? dy[i] : 0.0f;
-    break;
-  case DT_ACT_GELU:
+      for (int64_t i = 0; i < n; i++) dx[i] = x[i] > 0 ? dy[i] : 0.0f;
+      break;
+    case DT_ACT_GELU:
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) dx[i] = gelu_grad(x[i]) * dy[i];
-    break;
-  case DT_ACT_TANH:
+      for (int64_t i = 0; i < n; i++) dx[i] = gelu_grad(x[i]) * dy[i];
+      break;
+    case DT_ACT_TANH:
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) dx[i] = (1.0f - y[i] * y[i]) * dy[i];
-    break;
-  default:
+      for (int64_t i = 0; i < n; i++) dx[i] = (1.0f - y[i] * y[i]) * dy[i];
+      break;
+    default:
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) dx[i] = y[i] * (1.0f - y[i]) * dy[i];
-    break;
+      for (int64_t i = 0; i < n; i++) dx[i] = y[i] * (1.0f - y[i]) * dy[i];
+      break;
   }
 }
 
 static void cpu_run(dt_backend *be, const dt_op *op) {
   cpu_impl *im = be->impl;
   switch (op->type) {
-  case DT_OP_GEMM: {
-    const typeof(op->p.gemm) *q = &op->p.gemm;
-    int lda = (int)(q->trans_a ? q->m : q->k), ldb = (int)(q->trans_b ? q->k : q->n);
-    cblas_sgemm(CblasRowMajor, q->trans_a ? CblasTrans : CblasNoTrans, q->trans_b ? CblasTrans : CblasNoTrans,
-                (int)q->m, (int)q->n, (int)q->k, q->alpha, q->a, lda, q->b, ldb, q->beta, q->c, (int)q->n);
-    break;
-  }
-  case DT_OP_BIAS_ADD: {
-    const typeof(op->p.bias_add) *q = &op->p.bias_add;
+    case DT_OP_GEMM: {
+      const typeof(op->p.gemm) *q = &op->p.gemm;
+      int lda = (int)(q->trans_a ? q->m : q->k), ldb = (int)(q->trans_b ? q->k : q->n);
+      cblas_sgemm(CblasRowMajor, q->trans_a ? CblasTrans : CblasNoTrans, q->trans_b ? CblasTrans : CblasNoTrans,
+                  (int)q->m, (int)q->n, (int)q->k, q->alpha, q->a, lda, q->b, ldb, q->beta, q->c, (int)q->n);
+      break;
+    }
+    case DT_OP_BIAS_ADD: {
+      const typeof(op->p.bias_add) *q = &op->p.bias_add;
 #pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t b = 0; b < q->b; b++)
-      for (int64_t c = 0; c < q->c; c++) {
-        float *y = q->y + (b * q->c + c) * q->s, bias = q->bias[c];
-        for (int64_t s = 0; s < q->s; s++) y[s] += bias;
-      }
-    break;
-  }
-  case DT_OP_BIAS_GRAD: {
-    const typeof(op->p.bias_grad) *q = &op->p.bias_grad;
+      for (int64_t b = 0; b < q->b; b++)
+        for (int64_t c = 0; c < q->c; c++) {
+          float *y = q->y + (b * q->c + c) * q->s, bias = q->bias[c];
+          for (int64_t s = 0; s < q->s; s++) y[s] += bias;
+        }
+      break;
+    }
+    case DT_OP_BIAS_GRAD: {
+      const typeof(op->p.bias_grad) *q = &op->p.bias_grad;
 #pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < q->c; c++) {
-      double acc = 0;
-      for (int64_t b = 0; b < q->b; b++) {
-        const float *dy = q->dy + (b * q->c + c) * q->s;
+      for (int64_t c = 0; c < q->c; c++) {
+        double acc = 0;
+        for (int64_t b = 0; b < q->b; b++) {
+          const float *dy = q->dy + (b * q->c + c) * q->s;
 #pragma omp simd reduction(+ : acc)
-        for (int64_t s = 0; s < q->s; s++) acc += dy[s];
+          for (int64_t s = 0; s < q->s; s++) acc += dy[s];
+        }
+        q->db[c] += (float)acc;
       }
-      q->db[c] += (float)acc;
+      break;
     }
-    break;
-  }
-  case DT_OP_CONV_FWD: conv_fwd(im, &op->p.conv_fwd.g, op->p.conv_fwd.x, op->p.conv_fwd.w, op->p.conv_fwd.y); break;
-  case DT_OP_CONV_BWD_DATA:
-    conv_bwd_data(im, &op->p.conv_bwd_data.g, op->p.conv_bwd_data.dy, op->p.conv_bwd_data.w, op->p.conv_bwd_data.dx);
-    break;
-  case DT_OP_CONV_BWD_FILTER:
-    conv_bwd_filter(im, &op->p.conv_bwd_filter.g, op->p.conv_bwd_filter.x, op->p.conv_bwd_filter.dy,
-                    op->p.conv_bwd_filter.dw);
-    break;
-  case DT_OP_BN_STATS: {
-    const typeof(op->p.bn_stats) *q = &op->p.bn_stats;
+    case DT_OP_CONV_FWD: conv_fwd(im, &op->p.conv_fwd.g, op->p.conv_fwd.x, op->p.conv_fwd.w, op->p.conv_fwd.y); break;
+    case DT_OP_CONV_BWD_DATA:
+      conv_bwd_data(im, &op->p.conv_bwd_data.g, op->p.conv_bwd_data.dy, op->p.conv_bwd_data.w, op->p.conv_bwd_data.dx);
+      break;
+    case DT_OP_CONV_BWD_FILTER:
+      conv_bwd_filter(im, &op->p.conv_bwd_filter.g, op->p.conv_bwd_filter.x, op->p.conv_bwd_filter.dy,
+                      op->p.conv_bwd_filter.dw);
+      break;
+    case DT_OP_BN_STATS: {
+      const typeof(op->p.bn_stats) *q = &op->p.bn_stats;
 #pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < q->c; c++) {
-      double s1 = 0, s2 = 0;
-      for (int64_t b = 0; b < q->b; b++) {
-        const float *x = q->x + (b * q->c + c) * q->s;
-        /* simd reductions vectorise (a fixed order for a given build, so results are repeatable) */
+      for (int64_t c = 0; c < q->c; c++) {
+        double s1 = 0, s2 = 0;
+        for (int64_t b = 0; b < q->b; b++) {
+          const float *x = q->x + (b * q->c + c) * q->s;
+          /* simd reductions vectorise (a fixed order for a given build, so results are repeatable) */
 #pragma omp simd reduction(+ : s1, s2)
-        for (int64_t s = 0; s < q->s; s++) {
-          s1 += x[s];
-          s2 += (double)x[s] * x[s];
-        }
-      }
-      q->sum[c] = s1;
-      q->sumsq[c] = s2;
-    }
-    break;
-  }
-  case DT_OP_BN_APPLY: {
-    const typeof(op->p.bn_apply) *q = &op->p.bn_apply;
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t b = 0; b < q->b; b++)
-      for (int64_t c = 0; c < q->c; c++) {
-        const float *x = q->x + (b * q->c + c) * q->s;
-        float *y = q->y + (b * q->c + c) * q->s;
-        float a = q->invstd[c] * q->gamma[c], m = q->mean[c], beta = q->beta[c];
-        for (int64_t s = 0; s < q->s; s++) y[s] = (x[s] - m) * a + beta;
-      }
-    break;
-  }
-  case DT_OP_BN_BWD_STATS: {
-    const typeof(op->p.bn_bwd_stats) *q = &op->p.bn_bwd_stats;
-#pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < q->c; c++) {
-      double s1 = 0, s2 = 0;
-      float m = q->mean[c], is = q->invstd[c];
-      for (int64_t b = 0; b < q->b; b++) {
-        const float *x = q->x + (b * q->c + c) * q->s, *dy = q->dy + (b * q->c + c) * q->s;
-#pragma omp simd reduction(+ : s1, s2)
-        for (int64_t s = 0; s < q->s; s++) {
-          s1 += dy[s];
-          s2 += (double)dy[s] * ((x[s] - m) * is);
-        }
-      }
-      q->sum_dy[c] = s1;
-      q->sum_dy_xhat[c] = s2;
-    }
-    break;
-  }
-  case DT_OP_BN_BWD_APPLY: {
-    const typeof(op->p.bn_bwd_apply) *q = &op->p.bn_bwd_apply;
-    /* dx = gamma*invstd * (dy - mean(dy) - xhat * mean(dy*xhat)), means over the global count */
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t b = 0; b < q->b; b++)
-      for (int64_t c = 0; c < q->c; c++) {
-        const float *x = q->x + (b * q->c + c) * q->s, *dy = q->dy + (b * q->c + c) * q->s;
-        float *dx = q->dx + (b * q->c + c) * q->s;
-        float m = q->mean[c], is = q->invstd[c], gi = q->gamma[c] * is;
-        float mdy = (float)(q->sum_dy[c] / q->count), mdyx = (float)(q->sum_dy_xhat[c] / q->count);
-        for (int64_t s = 0; s < q->s; s++) {
-          float xhat = (x[s] - m) * is;
-          dx[s] = gi * (dy[s] - mdy - xhat * mdyx);
-        }
-      }
-    if (q->dgamma)
-      for (int64_t c = 0; c < q->c; c++) {
-        q->dgamma[c] += (float)q->sum_dy_xhat[c];
-        q->dbeta[c] += (float)q->sum_dy[c];
-      }
-    break;
-  }
-  case DT_OP_ACT_FWD: act_fwd(op->p.act_fwd.kind, op->p.act_fwd.n, op->p.act_fwd.x, op->p.act_fwd.y); break;
-  case DT_OP_ACT_BWD:
-    act_bwd(op->p.act_bwd.kind, op->p.act_bwd.n, op->p.act_bwd.x, op->p.act_bwd.y, op->p.act_bwd.dy, op->p.act_bwd.dx);
-    break;
-  case DT_OP_POOL_FWD: {
-    const typeof(op->p.pool_fwd) *q = &op->p.pool_fwd;
-    float inv = 1.0f / (float)(q->k * q->k);
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t b = 0; b < q->b; b++)
-      for (int64_t c = 0; c < q->c; c++) {
-        const float *x = q->x + (b * q->c + c) * q->h * q->w;
-        float *y = q->y + (b * q->c + c) * q->ho * q->wo;
-        int32_t *am = q->argmax ? q->argmax + (b * q->c + c) * q->ho * q->wo : NULL;
-        for (int64_t oh = 0; oh < q->ho; oh++)
-          for (int64_t ow = 0; ow < q->wo; ow++) {
-            float best = -INFINITY, acc = 0;
-            int32_t where = 0;
-            for (int64_t i = 0; i < q->k; i++)
-              for (int64_t j = 0; j < q->k; j++) {
-                int64_t idx = (oh * q->stride + i) * q->w + ow * q->stride + j;
-                float v = x[idx];
-                acc += v;
-                if (v > best || (isnan(v) && !isnan(best))) {
-                  best = v;
-                  where = (int32_t)idx;
-                }
-              }
-            if (q->kind == DT_POOL_MAX) {
-              y[oh * q->wo + ow] = best;
-              am[oh * q->wo + ow] = where;
-            } else {
-              y[oh * q->wo + ow] = acc * inv;
-            }
+          for (int64_t s = 0; s < q->s; s++) {
+            s1 += x[s];
+            s2 += (double)x[s] * x[s];
           }
+        }
+        q->sum[c] = s1;
+        q->sumsq[c] = s2;
       }
-    break;
-  }
-  case DT_OP_POOL_BWD: {
-    const typeof(op->p.pool_bwd) *q = &op->p.pool_bwd;
-    float inv = 1.0f / (float)(q->k * q->k);
+      break;
+    }
+    case DT_OP_BN_APPLY: {
+      const typeof(op->p.bn_apply) *q = &op->p.bn_apply;
 #pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t b = 0; b < q->b; b++)
+      for (int64_t b = 0; b < q->b; b++)
+        for (int64_t c = 0; c < q->c; c++) {
+          const float *x = q->x + (b * q->c + c) * q->s;
+          float *y = q->y + (b * q->c + c) * q->s;
+          float a = q->invstd[c] * q->gamma[c], m = q->mean[c], beta = q->beta[c];
+          for (int64_t s = 0; s < q->s; s++) y[s] = (x[s] - m) * a + beta;
+        }
+      break;
+    }
+    case DT_OP_BN_BWD_STATS: {
+      const typeof(op->p.bn_bwd_stats) *q = &op->p.bn_bwd_stats;
+#pragma omp parallel for schedule(static)
       for (int64_t c = 0; c < q->c; c++) {
-        float *dx = q->dx + (b * q->c + c) * q->h * q->w;
-        const float *dy = q->dy + (b * q->c + c) * q->ho * q->wo;
-        memset(dx, 0, (size_t)(q->h * q->w) * sizeof(float));
-        if (q->kind == DT_POOL_MAX) {
-          const int32_t *am = q->argmax + (b * q->c + c) * q->ho * q->wo;
-          for (int64_t i = 0; i < q->ho * q->wo; i++) dx[am[i]] += dy[i];
-        } else {
+        double s1 = 0, s2 = 0;
+        float m = q->mean[c], is = q->invstd[c];
+        for (int64_t b = 0; b < q->b; b++) {
+          const float *x = q->x + (b * q->c + c) * q->s, *dy = q->dy + (b * q->c + c) * q->s;
+#pragma omp simd reduction(+ : s1, s2)
+          for (int64_t s = 0; s < q->s; s++) {
+            s1 += dy[s];
+            s2 += (double)dy[s] * ((x[s] - m) * is);
+          }
+        }
+        q->sum_dy[c] = s1;
+        q->sum_dy_xhat[c] = s2;
+      }
+      break;
+    }
+    case DT_OP_BN_BWD_APPLY: {
+      const typeof(op->p.bn_bwd_apply) *q = &op->p.bn_bwd_apply;
+      /* dx = gamma*invstd * (dy - mean(dy) - xhat * mean(dy*xhat)), means over the global count */
+#pragma omp parallel for collapse(2) schedule(static)
+      for (int64_t b = 0; b < q->b; b++)
+        for (int64_t c = 0; c < q->c; c++) {
+          const float *x = q->x + (b * q->c + c) * q->s, *dy = q->dy + (b * q->c + c) * q->s;
+          float *dx = q->dx + (b * q->c + c) * q->s;
+          float m = q->mean[c], is = q->invstd[c], gi = q->gamma[c] * is;
+          float mdy = (float)(q->sum_dy[c] / q->count), mdyx = (float)(q->sum_dy_xhat[c] / q->count);
+          for (int64_t s = 0; s < q->s; s++) {
+            float xhat = (x[s] - m) * is;
+            dx[s] = gi * (dy[s] - mdy - xhat * mdyx);
+          }
+        }
+      if (q->dgamma)
+        for (int64_t c = 0; c < q->c; c++) {
+          q->dgamma[c] += (float)q->sum_dy_xhat[c];
+          q->dbeta[c] += (float)q->sum_dy[c];
+        }
+      break;
+    }
+    case DT_OP_ACT_FWD: act_fwd(op->p.act_fwd.kind, op->p.act_fwd.n, op->p.act_fwd.x, op->p.act_fwd.y); break;
+    case DT_OP_ACT_BWD:
+      act_bwd(op->p.act_bwd.kind, op->p.act_bwd.n, op->p.act_bwd.x, op->p.act_bwd.y, op->p.act_bwd.dy,
+              op->p.act_bwd.dx);
+      break;
+    case DT_OP_POOL_FWD: {
+      const typeof(op->p.pool_fwd) *q = &op->p.pool_fwd;
+      float inv = 1.0f / (float)(q->k * q->k);
+#pragma omp parallel for collapse(2) schedule(static)
+      for (int64_t b = 0; b < q->b; b++)
+        for (int64_t c = 0; c < q->c; c++) {
+          const float *x = q->x + (b * q->c + c) * q->h * q->w;
+          float *y = q->y + (b * q->c + c) * q->ho * q->wo;
+          int32_t *am = q->argmax ? q->argmax + (b * q->c + c) * q->ho * q->wo : NULL;
           for (int64_t oh = 0; oh < q->ho; oh++)
             for (int64_t ow = 0; ow < q->wo; ow++) {
-              float g = dy[oh * q->wo + ow] * inv;
+              float best = -INFINITY, acc = 0;
+              int32_t where = 0;
               for (int64_t i = 0; i < q->k; i++)
-                for (int64_t j = 0; j < q->k; j++) dx[(oh * q->stride + i) * q->w + ow * q->stride + j] += g;
+                for (int64_t j = 0; j < q->k; j++) {
+                  int64_t idx = (oh * q->stride + i) * q->w + ow * q->stride + j;
+                  float v = x[idx];
+                  acc += v;
+                  if (v > best || (isnan(v) && !isnan(best))) {
+                    best = v;
+                    where = (int32_t)idx;
+                  }
+                }
+              if (q->kind == DT_POOL_MAX) {
+                y[oh * q->wo + ow] = best;
+                am[oh * q->wo + ow] = where;
+              } else {
+                y[oh * q->wo + ow] = acc * inv;
+              }
             }
         }
-      }
-    break;
-  }
-  case DT_OP_DROPOUT_FWD: {
-    const typeof(op->p.dropout_fwd) *q = &op->p.dropout_fwd;
-    float keep = 1.0f / (1.0f - q->p);
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < q->n; i++) q->y[i] = dt_hash_uniform(q->seed, (uint64_t)i) >= q->p ? q->x[i] * keep : 0.0f;
-    break;
-  }
-  case DT_OP_DROPOUT_BWD: {
-    const typeof(op->p.dropout_bwd) *q = &op->p.dropout_bwd;
-    float keep = 1.0f / (1.0f - q->p);
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < q->n; i++)
-      q->dx[i] = dt_hash_uniform(q->seed, (uint64_t)i) >= q->p ? q->dy[i] * keep : 0.0f;
-    break;
-  }
-  case DT_OP_ADD: {
-    const typeof(op->p.add) *q = &op->p.add;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < q->n; i++) q->y[i] = q->a[i] + q->b[i];
-    break;
-  }
-  case DT_OP_LOSS: {
-    const typeof(op->p.loss) *q = &op->p.loss;
-    double total = 0, hits = 0;
-#pragma omp parallel for reduction(+ : total, hits) schedule(static)
-    for (int64_t b = 0; b < q->b; b++) {
-      const float *z = q->logits + b * q->k;
-      float *dz = q->dlogits + b * q->k;
-      if (q->kind == DT_LOSS_CROSS_ENTROPY) {
-        float mx = z[0];
-        int64_t arg = 0;
-        for (int64_t j = 1; j < q->k; j++)
-          if (z[j] > mx) mx = z[j], arg = j;
-        double se = 0;
-        for (int64_t j = 0; j < q->k; j++) se += exp((double)(z[j] - mx));
-        double lse = mx + log(se);
-        int32_t y = q->labels[b];
-        double eps = q->label_smoothing, off = eps / (double)q->k, l = 0;
-        for (int64_t j = 0; j < q->k; j++) {
-          double t = off + (j == y ? 1.0 - eps : 0.0);
-          double lp = (double)z[j] - lse;
-          l -= t * lp;
-          dz[j] = (float)((exp(lp) - t) * q->weight);
-        }
-        total += l;
-        hits += arg == y;
-      } else {
-        const float *t = q->targets + b * q->k;
-        double l = 0;
-        for (int64_t j = 0; j < q->k; j++) {
-          double d = (double)z[j] - t[j];
-          l += d * d;
-          dz[j] = (float)(2.0 * d / (double)q->k * q->weight);
-        }
-        total += l / (double)q->k;
-      }
+      break;
     }
-    *q->loss_sum = total;
-    *q->correct = hits;
-    break;
-  }
-  case DT_OP_SGD: {
-    const typeof(op->p.sgd) *q = &op->p.sgd;
-    /* PyTorch's SGD: g += wd*p; buf = momentum*buf + g (buf = g at first); nesterov: g += momentum*buf */
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < q->n; i++) {
-      float g = q->grad[i] + q->weight_decay * q->param[i];
-      if (q->momentum > 0) {
-        float buf = q->first ? g : q->momentum * q->mom[i] + g;
-        q->mom[i] = buf;
-        g = q->nesterov ? g + q->momentum * buf : buf;
-      }
-      q->param[i] -= q->lr * g;
-    }
-    break;
-  }
-  case DT_OP_ADAMW: {
-    const typeof(op->p.adamw) *q = &op->p.adamw;
-    double bc1 = 1.0 - pow(q->beta1, (double)q->step), bc2 = 1.0 - pow(q->beta2, (double)q->step);
-    float step_size = (float)(q->lr / bc1);
-    float bc2_sqrt = (float)sqrt(bc2);
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < q->n; i++) {
-      float g = q->grad[i];
-      q->param[i] *= 1.0f - q->lr * q->weight_decay;
-      q->m[i] = q->beta1 * q->m[i] + (1.0f - q->beta1) * g;
-      q->v[i] = q->beta2 * q->v[i] + (1.0f - q->beta2) * g * g;
-      float denom = sqrtf(q->v[i]) / bc2_sqrt + q->eps;
-      q->param[i] -= step_size * q->m[i] / denom;
-    }
-    break;
-  }
-  case DT_OP_SCALE: {
-    const typeof(op->p.scale) *q = &op->p.scale;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < q->n; i++) q->x[i] *= q->alpha;
-    break;
-  }
-  case DT_OP_SUMSQ: {
-    const typeof(op->p.sumsq) *q = &op->p.sumsq;
-    double acc = 0;
-    int64_t bad = 0;
-#pragma omp parallel for reduction(+ : acc, bad) schedule(static)
-    for (int64_t i = 0; i < q->n; i++) {
-      float v = q->x[i];
-      if (!isfinite(v)) bad++;
-      else acc += (double)v * v;
-    }
-    *q->sumsq = acc;
-    *q->nonfinite = bad;
-    break;
-  }
-  case DT_OP_INPUT: {
-    const typeof(op->p.input) *q = &op->p.input;
+    case DT_OP_POOL_BWD: {
+      const typeof(op->p.pool_bwd) *q = &op->p.pool_bwd;
+      float inv = 1.0f / (float)(q->k * q->k);
 #pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t b = 0; b < q->b; b++)
-      for (int64_t c = 0; c < q->c; c++) {
-        const float *r = q->raw + (b * q->c + c) * q->s;
-        float *x = q->x + (b * q->c + c) * q->s;
-        float m = q->mean ? q->mean[c] : 0.0f, inv = q->std ? 1.0f / q->std[c] : 1.0f;
-        for (int64_t s = 0; s < q->s; s++) x[s] = (r[s] * q->scale - m) * inv;
+      for (int64_t b = 0; b < q->b; b++)
+        for (int64_t c = 0; c < q->c; c++) {
+          float *dx = q->dx + (b * q->c + c) * q->h * q->w;
+          const float *dy = q->dy + (b * q->c + c) * q->ho * q->wo;
+          memset(dx, 0, (size_t)(q->h * q->w) * sizeof(float));
+          if (q->kind == DT_POOL_MAX) {
+            const int32_t *am = q->argmax + (b * q->c + c) * q->ho * q->wo;
+            for (int64_t i = 0; i < q->ho * q->wo; i++) dx[am[i]] += dy[i];
+          } else {
+            for (int64_t oh = 0; oh < q->ho; oh++)
+              for (int64_t ow = 0; ow < q->wo; ow++) {
+                float g = dy[oh * q->wo + ow] * inv;
+                for (int64_t i = 0; i < q->k; i++)
+                  for (int64_t j = 0; j < q->k; j++) dx[(oh * q->stride + i) * q->w + ow * q->stride + j] += g;
+              }
+          }
+        }
+      break;
+    }
+    case DT_OP_DROPOUT_FWD: {
+      const typeof(op->p.dropout_fwd) *q = &op->p.dropout_fwd;
+      float keep = 1.0f / (1.0f - q->p);
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < q->n; i++)
+        q->y[i] = dt_hash_uniform(q->seed, (uint64_t)i) >= q->p ? q->x[i] * keep : 0.0f;
+      break;
+    }
+    case DT_OP_DROPOUT_BWD: {
+      const typeof(op->p.dropout_bwd) *q = &op->p.dropout_bwd;
+      float keep = 1.0f / (1.0f - q->p);
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < q->n; i++)
+        q->dx[i] = dt_hash_uniform(q->seed, (uint64_t)i) >= q->p ? q->dy[i] * keep : 0.0f;
+      break;
+    }
+    case DT_OP_ADD: {
+      const typeof(op->p.add) *q = &op->p.add;
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < q->n; i++) q->y[i] = q->a[i] + q->b[i];
+      break;
+    }
+    case DT_OP_LOSS: {
+      const typeof(op->p.loss) *q = &op->p.loss;
+      double total = 0, hits = 0;
+#pragma omp parallel for reduction(+ : total, hits) schedule(static)
+      for (int64_t b = 0; b < q->b; b++) {
+        const float *z = q->logits + b * q->k;
+        float *dz = q->dlogits + b * q->k;
+        if (q->kind == DT_LOSS_CROSS_ENTROPY) {
+          float mx = z[0];
+          int64_t arg = 0;
+          for (int64_t j = 1; j < q->k; j++)
+            if (z[j] > mx) mx = z[j], arg = j;
+          double se = 0;
+          for (int64_t j = 0; j < q->k; j++) se += exp((double)(z[j] - mx));
+          double lse = mx + log(se);
+          int32_t y = q->labels[b];
+          double eps = q->label_smoothing, off = eps / (double)q->k, l = 0;
+          for (int64_t j = 0; j < q->k; j++) {
+            double t = off + (j == y ? 1.0 - eps : 0.0);
+            double lp = (double)z[j] - lse;
+            l -= t * lp;
+            dz[j] = (float)((exp(lp) - t) * q->weight);
+          }
+          total += l;
+          hits += arg == y;
+        } else {
+          const float *t = q->targets + b * q->k;
+          double l = 0;
+          for (int64_t j = 0; j < q->k; j++) {
+            double d = (double)z[j] - t[j];
+            l += d * d;
+            dz[j] = (float)(2.0 * d / (double)q->k * q->weight);
+          }
+          total += l / (double)q->k;
+        }
       }
-    break;
-  }
-  case DT_OP_COUNT: DT_ASSERT(0);
+      *q->loss_sum = total;
+      *q->correct = hits;
+      break;
+    }
+    case DT_OP_SGD: {
+      const typeof(op->p.sgd) *q = &op->p.sgd;
+      /* PyTorch's SGD: g += wd*p; buf = momentum*buf + g (buf = g at first); nesterov: g += momentum*buf */
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < q->n; i++) {
+        float g = q->grad[i] + q->weight_decay * q->param[i];
+        if (q->momentum > 0) {
+          float buf = q->first ? g : q->momentum * q->mom[i] + g;
+          q->mom[i] = buf;
+          g = q->nesterov ? g + q->momentum * buf : buf;
+        }
+        q->param[i] -= q->lr * g;
+      }
+      break;
+    }
+    case DT_OP_ADAMW: {
+      const typeof(op->p.adamw) *q = &op->p.adamw;
+      double bc1 = 1.0 - pow(q->beta1, (double)q->step), bc2 = 1.0 - pow(q->beta2, (double)q->step);
+      float step_size = (float)(q->lr / bc1);
+      float bc2_sqrt = (float)sqrt(bc2);
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < q->n; i++) {
+        float g = q->grad[i];
+        q->param[i] *= 1.0f - q->lr * q->weight_decay;
+        q->m[i] = q->beta1 * q->m[i] + (1.0f - q->beta1) * g;
+        q->v[i] = q->beta2 * q->v[i] + (1.0f - q->beta2) * g * g;
+        float denom = sqrtf(q->v[i]) / bc2_sqrt + q->eps;
+        q->param[i] -= step_size * q->m[i] / denom;
+      }
+      break;
+    }
+    case DT_OP_SCALE: {
+      const typeof(op->p.scale) *q = &op->p.scale;
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < q->n; i++) q->x[i] *= q->alpha;
+      break;
+    }
+    case DT_OP_SUMSQ: {
+      const typeof(op->p.sumsq) *q = &op->p.sumsq;
+      double acc = 0;
+      int64_t bad = 0;
+#pragma omp parallel for reduction(+ : acc, bad) schedule(static)
+      for (int64_t i = 0; i < q->n; i++) {
+        float v = q->x[i];
+        if (!isfinite(v))
+          bad++;
+        else
+          acc += (double)v * v;
+      }
+      *q->sumsq = acc;
+      *q->nonfinite = bad;
+      break;
+    }
+    case DT_OP_INPUT: {
+      const typeof(op->p.input) *q = &op->p.input;
+#pragma omp parallel for collapse(2) schedule(static)
+      for (int64_t b = 0; b < q->b; b++)
+        for (int64_t c = 0; c < q->c; c++) {
+          const float *r = q->raw + (b * q->c + c) * q->s;
+          float *x = q->x + (b * q->c + c) * q->s;
+          float m = q->mean ? q->mean[c] : 0.0f, inv = q->std ? 1.0f / q->std[c] : 1.0f;
+          for (int64_t s = 0; s < q->s; s++) x[s] = (r[s] * q->scale - m) * inv;
+        }
+      break;
+    }
+    case DT_OP_COUNT: DT_ASSERT(0);
   }
 }
 
@@ -506,8 +513,10 @@ static float *cpu_alloc(dt_backend *be, size_t bytes) {
   (void)be;
   float *p = NULL;
   if (posix_memalign((void **)&p, 64, bytes ? bytes : 64))
-    dt_die("out of host memory allocating %zu bytes (%.1f MiB) for model buffers; lower train.batch_size or "
-           "train.global_batch_size, or use more ranks", bytes, (double)bytes / 1048576.0);
+    dt_die(
+        "out of host memory allocating %zu bytes (%.1f MiB) for model buffers; lower train.batch_size or "
+        "train.global_batch_size, or use more ranks",
+        bytes, (double)bytes / 1048576.0);
   memset(p, 0, bytes);
   return p;
 }
@@ -527,7 +536,9 @@ static void cpu_zero(dt_backend *be, void *p, size_t bytes) {
   memset(p, 0, bytes);
 }
 
-static void cpu_sync(dt_backend *be) { (void)be; }
+static void cpu_sync(dt_backend *be) {
+  (void)be;
+}
 
 static void cpu_destroy(dt_backend *be) {
   cpu_impl *im = be->impl;

@@ -52,7 +52,9 @@ static hid_t open_read(const char *path, const char *what, dt_status *st) {
     return -1;
   }
   hid_t f = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
-  if (f < 0) dt_fail(st, DT_EXIT_INPUT, "%s: %s: not a readable HDF5 file (truncated or corrupt): %s", path, what, h5_error_text(e, sizeof e));
+  if (f < 0)
+    dt_fail(st, DT_EXIT_INPUT, "%s: %s: not a readable HDF5 file (truncated or corrupt): %s", path, what,
+            h5_error_text(e, sizeof e));
   return f;
 }
 
@@ -132,7 +134,8 @@ int ckpt_write(const char *path, const dt_model *m, const dt_ckpt_data *d, const
   H5Pclose(fapl);
   if (f < 0) {
     int err = errno;
-    return dt_fail(st, DT_EXIT_IO, "%s: cannot create: %s%s%s", tmp, err ? strerror(err) : "", err ? "; " : "", h5_error_text(e, sizeof e));
+    return dt_fail(st, DT_EXIT_IO, "%s: cannot create: %s%s%s", tmp, err ? strerror(err) : "", err ? "; " : "",
+                   h5_error_text(e, sizeof e));
   }
   errno = 0;
   int bad = write_group(f, "/model", m, d->params, d->bufs, 0);
@@ -179,8 +182,10 @@ int ckpt_write(const char *path, const dt_model *m, const dt_ckpt_data *d, const
   char dir[1200];
   dt_strlcpy(dir, path, sizeof dir);
   char *slash = strrchr(dir, '/');
-  if (slash) *slash = 0;
-  else snprintf(dir, sizeof dir, ".");
+  if (slash)
+    *slash = 0;
+  else
+    snprintf(dir, sizeof dir, ".");
   if (rename(tmp, path) || fsync_path(dir, 1)) {
     err = errno;
     unlink(tmp);
@@ -285,7 +290,8 @@ int ckpt_read_meta(const char *path, dt_train_state *ts, char **config_text, dt_
   hid_t meta = H5Lexists(f, "/meta", H5P_DEFAULT) > 0 ? H5Gopen2(f, "/meta", H5P_DEFAULT) : -1;
   char *optim = NULL;
   if (meta < 0 || read_attr(meta, "step", H5T_NATIVE_INT64, &ts->step) ||
-      read_attr(meta, "epoch", H5T_NATIVE_INT64, &ts->epoch) || read_attr(meta, "micro", H5T_NATIVE_INT64, &ts->micro) ||
+      read_attr(meta, "epoch", H5T_NATIVE_INT64, &ts->epoch) ||
+      read_attr(meta, "micro", H5T_NATIVE_INT64, &ts->micro) ||
       read_attr(meta, "global_batch", H5T_NATIVE_INT64, &ts->global_batch) ||
       read_attr(meta, "world_size", H5T_NATIVE_INT64, &ts->world_size) ||
       read_attr(meta, "seed", H5T_NATIVE_UINT64, &ts->seed) ||

@@ -22,8 +22,8 @@ typedef struct {
   int64_t epoch, micro; /* data position of the next micro-batch */
   int64_t global_batch, world_size;
   uint64_t seed;
-  int optim;            /* DT_OPTIM_* */
-  double best_metric;   /* early stopping */
+  int optim;          /* DT_OPTIM_* */
+  double best_metric; /* early stopping */
   int64_t bad_evals;
   double best_val_acc;
 } dt_train_state;

@@ -22,12 +22,12 @@ typedef struct {
   int local_rank, local_size; /* on this node (MPI_COMM_TYPE_SHARED) */
   MPI_Comm world, node;
   char host[256];
-  double timeout_s;           /* deadline of every wait (dist.timeout_s; 600 until the config is read) */
-  int64_t step;               /* the training step, for diagnostics (-1 at start-up) */
+  double timeout_s; /* deadline of every wait (dist.timeout_s; 600 until the config is read) */
+  int64_t step;     /* the training step, for diagnostics (-1 at start-up) */
   /* arrival tracking: rank 0 receives one message from each rank per wait */
   int64_t seq, send_seq;
-  int64_t *arrived_seq;       /* rank 0: (size) */
-  MPI_Request *arrive_req;    /* rank 0: (size) */
+  int64_t *arrived_seq;    /* rank 0: (size) */
+  MPI_Request *arrive_req; /* rank 0: (size) */
   MPI_Request send_req;
 } dt_comm;
 
@@ -82,7 +82,7 @@ typedef struct {
   float *grads; /* borrowed, host memory */
   dt_check_fn check;
   void *check_ctx;
-  int64_t nonfinite;  /* found by check since the last grad_sync_finish */
+  int64_t nonfinite; /* found by check since the last grad_sync_finish */
   int n_buckets;
   dt_bucket *buckets; /* buckets[0] is the last range of the buffer */
   int next;           /* first bucket not yet started */

@@ -5,17 +5,17 @@
 
 #include "comm.h"
 
-#define MPI_CHECK(call)                                                  \
-  do {                                                                   \
-    int rc_ = (call);                                                    \
-    if (rc_ != MPI_SUCCESS) {                                            \
-      char msg_[MPI_MAX_ERROR_STRING + 64];                              \
-      int len_ = 0;                                                      \
-      MPI_Error_string(rc_, msg_, &len_);                                \
-      char what_[MPI_MAX_ERROR_STRING + 128];                            \
-      snprintf(what_, sizeof what_, "%s failed: %s", #call, msg_);       \
-      dt_abort(__FILE__, __LINE__, what_);                               \
-    }                                                                    \
+#define MPI_CHECK(call)                                            \
+  do {                                                             \
+    int rc_ = (call);                                              \
+    if (rc_ != MPI_SUCCESS) {                                      \
+      char msg_[MPI_MAX_ERROR_STRING + 64];                        \
+      int len_ = 0;                                                \
+      MPI_Error_string(rc_, msg_, &len_);                          \
+      char what_[MPI_MAX_ERROR_STRING + 128];                      \
+      snprintf(what_, sizeof what_, "%s failed: %s", #call, msg_); \
+      dt_abort(__FILE__, __LINE__, what_);                         \
+    }                                                              \
   } while (0)
 
 int comm_init(dt_comm *c, int *argc, char ***argv) {
@@ -62,8 +62,10 @@ static void missing_ranks(const dt_comm *c, char *buf, size_t cap, int *count) {
 }
 
 static void where_text(const dt_comm *c, char *buf, size_t cap) {
-  if (c->step >= 0) snprintf(buf, cap, "at step %lld", (long long)c->step);
-  else snprintf(buf, cap, "during start-up");
+  if (c->step >= 0)
+    snprintf(buf, cap, "at step %lld", (long long)c->step);
+  else
+    snprintf(buf, cap, "during start-up");
 }
 
 void comm_wait(dt_comm *c, MPI_Request *reqs, int n, const char *what) {
@@ -106,11 +108,15 @@ void comm_wait(dt_comm *c, MPI_Request *reqs, int n, const char *what) {
     /* rank 0 knows who is missing: it reports first; the others give it a second */
     if (waited > c->timeout_s + (c->rank == 0 ? 0 : 1)) {
       if (c->rank == 0 && n_missing)
-        fprintf(stderr, "ddp_train: error: %s %s did not complete within dist.timeout_s = %.0f s: rank(s) %s never "
-                "arrived (%d of %d); aborting the job\n", what, at, c->timeout_s, missing, n_missing, c->size);
+        fprintf(stderr,
+                "ddp_train: error: %s %s did not complete within dist.timeout_s = %.0f s: rank(s) %s never "
+                "arrived (%d of %d); aborting the job\n",
+                what, at, c->timeout_s, missing, n_missing, c->size);
       else
-        fprintf(stderr, "ddp_train: error: rank %d: %s %s did not complete within dist.timeout_s = %.0f s; aborting "
-                "the job\n", c->rank, what, at, c->timeout_s);
+        fprintf(stderr,
+                "ddp_train: error: rank %d: %s %s did not complete within dist.timeout_s = %.0f s; aborting "
+                "the job\n",
+                c->rank, what, at, c->timeout_s);
       fflush(stderr);
       MPI_Abort(c->world, DT_EXIT_PEER);
     }
@@ -137,8 +143,7 @@ int comm_agree(dt_comm *c, const dt_status *st) {
     if (failed == c->size || c->size == 1)
       fprintf(stderr, "ddp_train: error: %s\n", st->msg);
     else
-      fprintf(stderr, "ddp_train: error: on rank %d (%d of %d ranks failed): %s\n", c->rank, failed, c->size,
-              st->msg);
+      fprintf(stderr, "ddp_train: error: on rank %d (%d of %d ranks failed): %s\n", c->rank, failed, c->size, st->msg);
     fflush(stderr);
   }
   free(codes);
@@ -234,7 +239,8 @@ int comm_step_agree(dt_comm *c, const dt_step_report *mine, const dt_status *st,
   int code = first >= 0 ? all[first].code : 0;
   out->code = code;
   if (first == c->rank) {
-    if (failed == c->size || c->size == 1) fprintf(stderr, "ddp_train: error: %s\n", st->msg);
+    if (failed == c->size || c->size == 1)
+      fprintf(stderr, "ddp_train: error: %s\n", st->msg);
     else
       fprintf(stderr, "ddp_train: error: on rank %d (%d of %d ranks failed): %s\n", c->rank, failed, c->size, st->msg);
     fflush(stderr);

@@ -46,8 +46,10 @@ _Noreturn void dt_die(const char *fmt, ...) {
 }
 
 static _Noreturn void oom(size_t bytes) {
-  dt_die("out of host memory allocating %zu bytes (%.1f MiB); lower train.batch_size or train.global_batch_size, "
-         "or use more ranks", bytes, (double)bytes / 1048576.0);
+  dt_die(
+      "out of host memory allocating %zu bytes (%.1f MiB); lower train.batch_size or train.global_batch_size, "
+      "or use more ranks",
+      bytes, (double)bytes / 1048576.0);
 }
 
 void *dt_malloc(size_t bytes) {

@@ -36,8 +36,8 @@ _Noreturn void dt_die(const char *fmt, ...) __attribute__((format(printf, 1, 2))
 #define DT_EXIT_ABORT 70
 
 /* Always-on assert for bugs (not for input validation). */
-#define DT_ASSERT(cond)                                                   \
-  do {                                                                    \
+#define DT_ASSERT(cond)                                                    \
+  do {                                                                     \
     if (!(cond)) dt_abort(__FILE__, __LINE__, "assertion failed: " #cond); \
   } while (0)
 

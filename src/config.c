@@ -26,7 +26,8 @@ static const dt_key config_keys[] = {
     {"data.val.x", DT_KEY_STRING, F(val_x), "/test/images", NOB, NULL, "validation inputs; empty string: none"},
     {"data.val.y", DT_KEY_STRING, F(val_y), "/test/labels", NOB, NULL, "validation targets"},
     {"data.scale", DT_KEY_FLOAT, F(scale), "1.0", NOB, NULL, "inputs are multiplied by this first (1/255 for bytes)"},
-    {"data.mean", DT_KEY_FLOATS, F(mean), "[]", NOB, NULL, "per-channel mean subtracted after scaling (one per channel)"},
+    {"data.mean", DT_KEY_FLOATS, F(mean), "[]", NOB, NULL,
+     "per-channel mean subtracted after scaling (one per channel)"},
     {"data.std", DT_KEY_FLOATS, F(std), "[]", 1e-12, BIG, NULL, "per-channel std divided by after the mean"},
     {"data.sharding", DT_KEY_ENUM, F(sharding), "global", NOB, "global|contiguous",
      "global: one permutation per epoch, each rank a slice of every global batch; contiguous: rank r "
@@ -37,7 +38,8 @@ static const dt_key config_keys[] = {
     {"data.cache", DT_KEY_ENUM, F(cache), "auto", NOB, "auto|memory|none",
      "memory: load the rank's rows once; none: read each batch from the file; auto: memory when under 4 GiB"},
     {"train.epochs", DT_KEY_INT, F(epochs), "1", 1, BIG, NULL, "passes over the training set"},
-    {"train.max_steps", DT_KEY_INT, F(max_steps), "0", 0, BIG, NULL, "stop after this many optimizer steps (0: no limit)"},
+    {"train.max_steps", DT_KEY_INT, F(max_steps), "0", 0, BIG, NULL,
+     "stop after this many optimizer steps (0: no limit)"},
     {"train.batch_size", DT_KEY_INT, F(batch_size), "0", 0, BIG, NULL,
      "per-rank batch (PyTorch's convention); global batch = batch_size x world size"},
     {"train.global_batch_size", DT_KEY_INT, F(global_batch_size), "0", 0, BIG, NULL,
@@ -86,13 +88,13 @@ static const dt_key config_keys[] = {
     {"log.every_steps", DT_KEY_INT, F(log_every_steps), "50", 1, BIG, NULL, "console and metrics line every N steps"},
     {"log.progress", DT_KEY_ENUM, F(progress), "auto", NOB, "auto|on|off",
      "progress bar with ETA (auto: when stdout is a terminal and not under mpirun or Slurm)"},
-    {"dist.comm", DT_KEY_ENUM, F(comm), "auto", NOB, "auto|mpi|nccl", "gradient communicator (auto: NCCL on GPUs, MPI on CPUs)"},
+    {"dist.comm", DT_KEY_ENUM, F(comm), "auto", NOB, "auto|mpi|nccl",
+     "gradient communicator (auto: NCCL on GPUs, MPI on CPUs)"},
     {"dist.bucket_mb", DT_KEY_FLOAT, F(bucket_mb), "25", 1e-6, 4096, NULL,
      "gradient bucket size; each bucket's allreduce starts as soon as backward completes it"},
     {"dist.timeout_s", DT_KEY_FLOAT, F(timeout_s), "600", 1, BIG, NULL,
      "deadline of every collective: a warning naming the missing ranks at half of it, exit 3 at it"},
-    {"dist.threads", DT_KEY_INT, F(threads), "0", 0, 1024, NULL,
-     "CPU threads per rank (0: cores / ranks on the node)"},
+    {"dist.threads", DT_KEY_INT, F(threads), "0", 0, 1024, NULL, "CPU threads per rank (0: cores / ranks on the node)"},
 };
 #define N_CONFIG_KEYS ((int)(sizeof config_keys / sizeof *config_keys))
 
@@ -192,15 +194,15 @@ static int check_cross(dt_config *cfg, dt_status *st) {
     return dt_fail(st, DT_EXIT_INPUT, "%s: set train.batch_size (per rank) or train.global_batch_size (total)",
                    cfg->path);
   if (v->input.n < 1 || v->input.n > 3)
-    return dt_fail(st, DT_EXIT_INPUT, "%s: model.input: expected [C,H,W], [H,W] or [D], got %d numbers",
-                   cfg->path, v->input.n);
+    return dt_fail(st, DT_EXIT_INPUT, "%s: model.input: expected [C,H,W], [H,W] or [D], got %d numbers", cfg->path,
+                   v->input.n);
   int channels = v->input.n == 3 ? (int)v->input.v[0] : 1;
   if (v->mean.n && v->mean.n != channels)
-    return dt_fail(st, DT_EXIT_INPUT, "%s: data.mean has %d values but the input has %d channels", cfg->path,
-                   v->mean.n, channels);
+    return dt_fail(st, DT_EXIT_INPUT, "%s: data.mean has %d values but the input has %d channels", cfg->path, v->mean.n,
+                   channels);
   if (v->std.n && v->std.n != channels)
-    return dt_fail(st, DT_EXIT_INPUT, "%s: data.std has %d values but the input has %d channels", cfg->path,
-                   v->std.n, channels);
+    return dt_fail(st, DT_EXIT_INPUT, "%s: data.std has %d values but the input has %d channels", cfg->path, v->std.n,
+                   channels);
   if (v->betas.n != 2) return dt_fail(st, DT_EXIT_INPUT, "%s: optim.betas: expected two numbers", cfg->path);
   if (v->nesterov && v->momentum <= 0)
     return dt_fail(st, DT_EXIT_INPUT, "%s: optim.nesterov needs optim.momentum > 0", cfg->path);

@@ -21,9 +21,9 @@ enum { DT_PROGRESS_AUTO, DT_PROGRESS_ON, DT_PROGRESS_OFF };
 
 typedef struct {
   /* model */
-  dt_list input;            /* (C,H,W), (H,W) or (D) */
-  const dt_node *layers;    /* borrowed from tree */
-  const dt_node *loss;      /* borrowed from tree */
+  dt_list input;         /* (C,H,W), (H,W) or (D) */
+  const dt_node *layers; /* borrowed from tree */
+  const dt_node *loss;   /* borrowed from tree */
   char *init_from;
   /* data */
   char *data_path, *train_x, *train_y, *val_x, *val_y;
@@ -60,8 +60,8 @@ typedef struct {
 
 typedef struct {
   dt_config_values v;
-  dt_node *tree;   /* owned */
-  char *path;      /* owned: the config file's path (origin of node locations) */
+  dt_node *tree;      /* owned */
+  char *path;         /* owned: the config file's path (origin of node locations) */
   char **set_origins; /* owned: "--set KEY" strings, origins of --set nodes */
   int n_set;
   char *effective; /* owned: canonical text of every effective value (hashed, logged, checkpointed) */

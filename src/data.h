@@ -24,11 +24,11 @@ typedef struct {
   int64_t n, row_elems;
   int x_type;
   size_t x_elem;
-  int64_t y_k;         /* targets per row (mse); 0 for class labels */
-  int64_t lo, hi;      /* rows held by this rank */
-  void *x;             /* rows [lo, hi) in the file's type; NULL: read per batch */
-  int32_t *labels;     /* rows [lo, hi) (cross_entropy) */
-  float *targets;      /* rows [lo, hi) x y_k (mse) */
+  int64_t y_k;     /* targets per row (mse); 0 for class labels */
+  int64_t lo, hi;  /* rows held by this rank */
+  void *x;         /* rows [lo, hi) in the file's type; NULL: read per batch */
+  int32_t *labels; /* rows [lo, hi) (cross_entropy) */
+  float *targets;  /* rows [lo, hi) x y_k (mse) */
   hid_t dset_x;
 } dt_split;
 
@@ -72,8 +72,8 @@ typedef struct {
   pthread_t thread;
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  dt_status st;   /* first error seen by the thread */
-  double wait_s;  /* time the consumer waited in loader_next since the last reset */
+  dt_status st;  /* first error seen by the thread */
+  double wait_s; /* time the consumer waited in loader_next since the last reset */
 } dt_loader;
 
 void loader_start(dt_loader *L, dt_data *d, dt_sampler *s, const dt_model *m, int64_t start_epoch, int64_t start_step,

@@ -9,7 +9,8 @@
 
 static void dims_text(int nd, const hsize_t *dims, char *buf, size_t cap) {
   size_t len = (size_t)snprintf(buf, cap, "(");
-  for (int i = 0; i < nd; i++) len += (size_t)snprintf(buf + len, cap - len, "%s%llu", i ? ", " : "", (unsigned long long)dims[i]);
+  for (int i = 0; i < nd; i++)
+    len += (size_t)snprintf(buf + len, cap - len, "%s%llu", i ? ", " : "", (unsigned long long)dims[i]);
   snprintf(buf + len, cap - len, "%s)", nd == 1 ? "," : "");
 }
 
@@ -74,8 +75,10 @@ static int read_rows(hid_t ds, hid_t mem_type, int64_t lo, int64_t hi, int64_t r
 static int shape_matches(int nd, const hsize_t *dims, const dt_shape *in) {
   int64_t want[3];
   int nw = 0;
-  if (in->rank == 1) want[nw++] = in->c;
-  else want[0] = in->c, want[1] = in->h, want[2] = in->w, nw = 3;
+  if (in->rank == 1)
+    want[nw++] = in->c;
+  else
+    want[0] = in->c, want[1] = in->h, want[2] = in->w, nw = 3;
   int a = 1, b = 0;
   while (a < nd - 1 && dims[a] == 1 && nd - a > nw - b) a++;
   while (b < nw - 1 && want[b] == 1 && nw - b > nd - a) b++;
@@ -99,8 +102,9 @@ static int open_split(dt_data *d, dt_split *s, const char *xkey, const char *yke
   int xn = get_dims(dx, xd, 8), yn = get_dims(dy, yd, 8);
   int rc = 0;
   if (xn < 2) {
-    rc = dt_fail(st, DT_EXIT_INPUT, "%s: dataset '%s' (%s): expected (N, C, H, W), (N, H, W) or (N, D), got %d dimensions",
-                 d->path, s->x_name, xkey, xn);
+    rc = dt_fail(st, DT_EXIT_INPUT,
+                 "%s: dataset '%s' (%s): expected (N, C, H, W), (N, H, W) or (N, D), got %d dimensions", d->path,
+                 s->x_name, xkey, xn);
     goto out;
   }
   dims_text(xn, xd, dt, sizeof dt);
@@ -118,9 +122,12 @@ static int open_split(dt_data *d, dt_split *s, const char *xkey, const char *yke
   size_t sz = H5Tget_size(t);
   H5T_sign_t sign = cls == H5T_INTEGER ? H5Tget_sign(t) : H5T_SGN_NONE;
   H5Tclose(t);
-  if (cls == H5T_INTEGER && sz == 1 && sign == H5T_SGN_NONE) s->x_type = DT_X_U8, s->x_elem = 1;
-  else if (cls == H5T_FLOAT && sz == 4) s->x_type = DT_X_F32, s->x_elem = 4;
-  else if (cls == H5T_FLOAT && sz == 8) s->x_type = DT_X_F64, s->x_elem = 8;
+  if (cls == H5T_INTEGER && sz == 1 && sign == H5T_SGN_NONE)
+    s->x_type = DT_X_U8, s->x_elem = 1;
+  else if (cls == H5T_FLOAT && sz == 4)
+    s->x_type = DT_X_F32, s->x_elem = 4;
+  else if (cls == H5T_FLOAT && sz == 8)
+    s->x_type = DT_X_F64, s->x_elem = 8;
   else {
     rc = dt_fail(st, DT_EXIT_INPUT, "%s: dataset '%s' (%s): element type must be uint8, float32 or float64", d->path,
                  s->x_name, xkey);
@@ -276,8 +283,10 @@ static void convert_row(const dt_split *s, const void *src, float *dst) {
 int data_gather(dt_data *d, dt_split *s, const int64_t *idx, int64_t n, float *x, int32_t *labels, float *targets,
                 dt_status *st) {
   unsigned char row[8 * 4096];
-  void *tmp = s->x ? NULL : (s->row_elems * (int64_t)s->x_elem <= (int64_t)sizeof row ? (void *)row
-                                                                                        : dt_malloc((size_t)s->row_elems * s->x_elem));
+  void *tmp =
+      s->x ? NULL
+           : (s->row_elems * (int64_t)s->x_elem <= (int64_t)sizeof row ? (void *)row
+                                                                       : dt_malloc((size_t)s->row_elems * s->x_elem));
   hid_t mt = s->x_type == DT_X_U8 ? H5T_NATIVE_UINT8 : s->x_type == DT_X_F32 ? H5T_NATIVE_FLOAT : H5T_NATIVE_DOUBLE;
   for (int64_t i = 0; i < n; i++) {
     int64_t r = idx[i];
@@ -293,8 +302,10 @@ int data_gather(dt_data *d, dt_split *s, const int64_t *idx, int64_t n, float *x
       }
       convert_row(s, tmp, x + i * s->row_elems);
     }
-    if (s->y_k == 0) labels[i] = s->labels[r - s->lo];
-    else memcpy(targets + i * s->y_k, s->targets + (r - s->lo) * s->y_k, (size_t)s->y_k * sizeof(float));
+    if (s->y_k == 0)
+      labels[i] = s->labels[r - s->lo];
+    else
+      memcpy(targets + i * s->y_k, s->targets + (r - s->lo) * s->y_k, (size_t)s->y_k * sizeof(float));
   }
   if (tmp && tmp != row) free(tmp);
   return 0;

@@ -24,7 +24,8 @@ int fault_parse(dt_fault *f, const char *text, dt_status *st) {
       f->step = step;
       return 0;
     }
-  return dt_fail(st, DT_EXIT_INPUT, "DDP_TRAIN_FAULT=%s: unknown kind '%s' (crash, hang, nan, signal, exit)", text, kind);
+  return dt_fail(st, DT_EXIT_INPUT, "DDP_TRAIN_FAULT=%s: unknown kind '%s' (crash, hang, nan, signal, exit)", text,
+                 kind);
 }
 
 int fault_fire(const dt_fault *f, int rank, int64_t step) {
@@ -32,19 +33,19 @@ int fault_fire(const dt_fault *f, int rank, int64_t step) {
   fprintf(stderr, "ddp_train: fault injection: rank %d step %lld\n", rank, (long long)step);
   fflush(stderr);
   switch (f->kind) {
-  case DT_FAULT_CRASH: {
-    struct rlimit none = {0, 0};
-    setrlimit(RLIMIT_CORE, &none);
-    signal(SIGSEGV, SIG_DFL);
-    raise(SIGSEGV);
-    break;
-  }
-  case DT_FAULT_HANG:
-    for (;;) pause();
-  case DT_FAULT_SIGNAL: raise(SIGUSR1); break;
-  case DT_FAULT_EXIT: _exit(1);
-  case DT_FAULT_NAN: return 1;
-  case DT_FAULT_NONE: break;
+    case DT_FAULT_CRASH: {
+      struct rlimit none = {0, 0};
+      setrlimit(RLIMIT_CORE, &none);
+      signal(SIGSEGV, SIG_DFL);
+      raise(SIGSEGV);
+      break;
+    }
+    case DT_FAULT_HANG:
+      for (;;) pause();
+    case DT_FAULT_SIGNAL: raise(SIGUSR1); break;
+    case DT_FAULT_EXIT: _exit(1);
+    case DT_FAULT_NAN: return 1;
+    case DT_FAULT_NONE: break;
   }
   return 0;
 }

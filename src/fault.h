@@ -10,7 +10,14 @@
 
 #include "common.h"
 
-typedef enum { DT_FAULT_NONE, DT_FAULT_CRASH, DT_FAULT_HANG, DT_FAULT_NAN, DT_FAULT_SIGNAL, DT_FAULT_EXIT } dt_fault_kind;
+typedef enum {
+  DT_FAULT_NONE,
+  DT_FAULT_CRASH,
+  DT_FAULT_HANG,
+  DT_FAULT_NAN,
+  DT_FAULT_SIGNAL,
+  DT_FAULT_EXIT
+} dt_fault_kind;
 
 typedef struct {
   dt_fault_kind kind;

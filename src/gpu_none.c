@@ -8,7 +8,9 @@ int gpu_count(char *why, size_t cap) {
   return 0;
 }
 
-void gpu_versions(char *buf, size_t cap) { snprintf(buf, cap, "CUDA: not built in"); }
+void gpu_versions(char *buf, size_t cap) {
+  snprintf(buf, cap, "CUDA: not built in");
+}
 
 void gpu_describe(int i, char *buf, size_t cap, size_t *free_bytes) {
   (void)i;

@@ -25,4 +25,6 @@ const char *h5_error_text(char *buf, size_t cap) {
   return buf;
 }
 
-void h5_quiet(void) { H5Eset_auto2(H5E_DEFAULT, NULL, NULL); }
+void h5_quiet(void) {
+  H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
+}

@@ -7,19 +7,21 @@
 #include <stdlib.h>
 #include <string.h>
 
-static const char *article(const char *noun) { return strchr("aeiou", noun[0]) ? "an" : "a"; }
+static const char *article(const char *noun) {
+  return strchr("aeiou", noun[0]) ? "an" : "a";
+}
 
 const char *keys_type_name(const dt_key *key) {
   switch (key->type) {
-  case DT_KEY_INT: return "integer";
-  case DT_KEY_FLOAT: return "number";
-  case DT_KEY_BOOL: return "boolean";
-  case DT_KEY_STRING: return "string";
-  case DT_KEY_ENUM: return key->choices;
-  case DT_KEY_INTS: return "list of integers";
-  case DT_KEY_FLOATS: return "list of numbers";
-  case DT_KEY_DURATION: return "duration";
-  case DT_KEY_NODE: return "YAML";
+    case DT_KEY_INT: return "integer";
+    case DT_KEY_FLOAT: return "number";
+    case DT_KEY_BOOL: return "boolean";
+    case DT_KEY_STRING: return "string";
+    case DT_KEY_ENUM: return key->choices;
+    case DT_KEY_INTS: return "list of integers";
+    case DT_KEY_FLOATS: return "list of numbers";
+    case DT_KEY_DURATION: return "duration";
+    case DT_KEY_NODE: return "YAML";
   }
   return "?";
 }
@@ -128,11 +130,11 @@ static int parse_duration(const char *s, double *v) {
     if (end == p || errno || num < 0) return 0;
     double unit = 0;
     switch (*end) {
-    case 'd': unit = 86400; break;
-    case 'h': unit = 3600; break;
-    case 'm': unit = 60; break;
-    case 's': unit = 1; break;
-    default: return 0;
+      case 'd': unit = 86400; break;
+      case 'h': unit = 3600; break;
+      case 'm': unit = 60; break;
+      case 's': unit = 1; break;
+      default: return 0;
     }
     total += num * unit;
     p = end + 1;
@@ -165,7 +167,9 @@ static void enum_name(const char *choices, int idx, char *out, size_t cap) {
   out[len] = 0;
 }
 
-static int bounded(const dt_key *k) { return k->min <= k->max; }
+static int bounded(const dt_key *k) {
+  return k->min <= k->max;
+}
 
 void keys_bounds_text(const dt_key *k, char *buf, size_t cap) {
   if (!bounded(k))
@@ -180,8 +184,10 @@ static int set_value(const dt_key *k, void *dst, const dt_node *node, const char
   char where[512], bt[96];
   char *field = (char *)dst + k->offset;
   keys_bounds_text(k, bt, sizeof bt);
-  if (node) yaml_where(node, where, sizeof where);
-  else snprintf(where, sizeof where, "default");
+  if (node)
+    yaml_where(node, where, sizeof where);
+  else
+    snprintf(where, sizeof where, "default");
   if (k->type == DT_KEY_NODE) {
     *(const dt_node **)field = node;
     return 0;
@@ -199,14 +205,14 @@ static int set_value(const dt_key *k, void *dst, const dt_node *node, const char
       const dt_node *it = node->items[i];
       double v;
       int64_t iv;
-      int ok = it->kind == DT_NODE_SCALAR &&
-               (k->type == DT_KEY_INTS ? (parse_int(it->scalar, &iv) && ((v = (double)iv), 1))
-                                       : parse_float(it->scalar, &v));
+      int ok =
+          it->kind == DT_NODE_SCALAR && (k->type == DT_KEY_INTS ? (parse_int(it->scalar, &iv) && ((v = (double)iv), 1))
+                                                                : parse_float(it->scalar, &v));
       if (ok && bounded(k) && (v < k->min || v > k->max)) ok = 0;
       if (!ok) {
         char w2[512];
-        return dt_fail(st, DT_EXIT_INPUT, "%s: %s%s[%d]: expected %s%s, got %s", yaml_where(it, w2, sizeof w2),
-                       prefix, k->path, i, k->type == DT_KEY_INTS ? "an integer" : "a number", bt,
+        return dt_fail(st, DT_EXIT_INPUT, "%s: %s%s[%d]: expected %s%s, got %s", yaml_where(it, w2, sizeof w2), prefix,
+                       k->path, i, k->type == DT_KEY_INTS ? "an integer" : "a number", bt,
                        it->kind == DT_NODE_SCALAR ? it->scalar : "a collection");
       }
       list->v[list->n++] = v;
@@ -219,48 +225,48 @@ static int set_value(const dt_key *k, void *dst, const dt_node *node, const char
                    article(keys_type_name(k)), keys_type_name(k), node->kind == DT_NODE_MAP ? "map" : "list");
   const char *s = node->scalar;
   switch (k->type) {
-  case DT_KEY_INT: {
-    int64_t v;
-    if (!parse_int(s, &v) || (bounded(k) && (v < k->min || v > k->max)))
-      return dt_fail(st, DT_EXIT_INPUT, "%s: %s%s: expected an integer%s, got '%s'", where, prefix, k->path, bt, s);
-    *(int64_t *)field = v;
-    return 0;
-  }
-  case DT_KEY_FLOAT: {
-    double v;
-    if (!parse_float(s, &v) || (bounded(k) && (v < k->min || v > k->max)))
-      return dt_fail(st, DT_EXIT_INPUT, "%s: %s%s: expected a number%s, got '%s'", where, prefix, k->path, bt, s);
-    *(double *)field = v;
-    return 0;
-  }
-  case DT_KEY_DURATION: {
-    double v;
-    if (!parse_duration(s, &v))
-      return dt_fail(st, DT_EXIT_INPUT, "%s: %s%s: expected a duration such as 3h50m, 90m or 45s, got '%s'", where,
-                     prefix, k->path, s);
-    *(double *)field = v;
-    return 0;
-  }
-  case DT_KEY_BOOL: {
-    int v;
-    if (!parse_bool(s, &v))
-      return dt_fail(st, DT_EXIT_INPUT, "%s: %s%s: expected true or false, got '%s'", where, prefix, k->path, s);
-    *(int *)field = v;
-    return 0;
-  }
-  case DT_KEY_STRING:
-    free(*(char **)field);
-    *(char **)field = dt_strdup(s);
-    return 0;
-  case DT_KEY_ENUM: {
-    int idx = enum_index(k->choices, s);
-    if (idx < 0)
-      return dt_fail(st, DT_EXIT_INPUT, "%s: %s%s: expected one of %s, got '%s'", where, prefix, k->path,
-                     k->choices, s);
-    *(int *)field = idx;
-    return 0;
-  }
-  default: DT_ASSERT(0);
+    case DT_KEY_INT: {
+      int64_t v;
+      if (!parse_int(s, &v) || (bounded(k) && (v < k->min || v > k->max)))
+        return dt_fail(st, DT_EXIT_INPUT, "%s: %s%s: expected an integer%s, got '%s'", where, prefix, k->path, bt, s);
+      *(int64_t *)field = v;
+      return 0;
+    }
+    case DT_KEY_FLOAT: {
+      double v;
+      if (!parse_float(s, &v) || (bounded(k) && (v < k->min || v > k->max)))
+        return dt_fail(st, DT_EXIT_INPUT, "%s: %s%s: expected a number%s, got '%s'", where, prefix, k->path, bt, s);
+      *(double *)field = v;
+      return 0;
+    }
+    case DT_KEY_DURATION: {
+      double v;
+      if (!parse_duration(s, &v))
+        return dt_fail(st, DT_EXIT_INPUT, "%s: %s%s: expected a duration such as 3h50m, 90m or 45s, got '%s'", where,
+                       prefix, k->path, s);
+      *(double *)field = v;
+      return 0;
+    }
+    case DT_KEY_BOOL: {
+      int v;
+      if (!parse_bool(s, &v))
+        return dt_fail(st, DT_EXIT_INPUT, "%s: %s%s: expected true or false, got '%s'", where, prefix, k->path, s);
+      *(int *)field = v;
+      return 0;
+    }
+    case DT_KEY_STRING:
+      free(*(char **)field);
+      *(char **)field = dt_strdup(s);
+      return 0;
+    case DT_KEY_ENUM: {
+      int idx = enum_index(k->choices, s);
+      if (idx < 0)
+        return dt_fail(st, DT_EXIT_INPUT, "%s: %s%s: expected one of %s, got '%s'", where, prefix, k->path, k->choices,
+                       s);
+      *(int *)field = idx;
+      return 0;
+    }
+    default: DT_ASSERT(0);
   }
   return 0;
 }
@@ -301,7 +307,7 @@ static int walk(const dt_key *table, int n, void *dst, const dt_node *map, const
       continue;
     }
     /* candidates at the same depth under the same parent: keys, or section names */
-    char (*cbuf)[256] = dt_calloc((size_t)n, sizeof *cbuf);
+    char(*cbuf)[256] = dt_calloc((size_t)n, sizeof *cbuf);
     const char **cands = dt_malloc((size_t)n * sizeof *cands);
     int nc = 0;
     size_t blen = strlen(base);
@@ -390,49 +396,48 @@ void keys_free(const dt_key *table, int n, void *dst) {
   }
 }
 
-void keys_dump(const dt_key *table, int n, const void *src, const char *prefix, char **out, size_t *len,
-               size_t *cap) {
+void keys_dump(const dt_key *table, int n, const void *src, const char *prefix, char **out, size_t *len, size_t *cap) {
   for (int i = 0; i < n; i++) {
     const dt_key *k = &table[i];
     const char *field = (const char *)src + k->offset;
     char val[1024] = "";
     size_t vl = 0;
     switch (k->type) {
-    case DT_KEY_INT: snprintf(val, sizeof val, "%lld", (long long)*(const int64_t *)field); break;
-    case DT_KEY_FLOAT:
-    case DT_KEY_DURATION: snprintf(val, sizeof val, "%.17g", *(const double *)field); break;
-    case DT_KEY_BOOL: snprintf(val, sizeof val, "%s", *(const int *)field ? "true" : "false"); break;
-    case DT_KEY_STRING: {
-      const char *s = *(char *const *)field;
-      snprintf(val, sizeof val, "\"%s\"", s ? s : "");
-      break;
-    }
-    case DT_KEY_ENUM: enum_name(k->choices, *(const int *)field, val, sizeof val); break;
-    case DT_KEY_INTS:
-    case DT_KEY_FLOATS: {
-      const dt_list *l = (const dt_list *)field;
-      vl += (size_t)snprintf(val + vl, sizeof val - vl, "[");
-      for (int j = 0; j < l->n; j++)
-        vl += (size_t)snprintf(val + vl, sizeof val - vl, "%s%.17g", j ? ", " : "", l->v[j]);
-      snprintf(val + vl, sizeof val - vl, "]");
-      break;
-    }
-    case DT_KEY_NODE: {
-      const dt_node *node = *(const dt_node *const *)field;
-      char *flow = NULL;
-      size_t fl = 0, fc = 0;
-      yaml_emit_flow(node, &flow, &fl, &fc);
-      char line[256];
-      snprintf(line, sizeof line, "%s%s: ", prefix, k->path);
-      size_t need = strlen(line) + fl + 2;
-      if (*len + need + 1 > *cap) {
-        *cap = (*len + need + 1) * 2;
-        *out = dt_realloc(*out, *cap);
+      case DT_KEY_INT: snprintf(val, sizeof val, "%lld", (long long)*(const int64_t *)field); break;
+      case DT_KEY_FLOAT:
+      case DT_KEY_DURATION: snprintf(val, sizeof val, "%.17g", *(const double *)field); break;
+      case DT_KEY_BOOL: snprintf(val, sizeof val, "%s", *(const int *)field ? "true" : "false"); break;
+      case DT_KEY_STRING: {
+        const char *s = *(char *const *)field;
+        snprintf(val, sizeof val, "\"%s\"", s ? s : "");
+        break;
       }
-      *len += (size_t)snprintf(*out + *len, *cap - *len, "%s%s\n", line, flow);
-      free(flow);
-      continue;
-    }
+      case DT_KEY_ENUM: enum_name(k->choices, *(const int *)field, val, sizeof val); break;
+      case DT_KEY_INTS:
+      case DT_KEY_FLOATS: {
+        const dt_list *l = (const dt_list *)field;
+        vl += (size_t)snprintf(val + vl, sizeof val - vl, "[");
+        for (int j = 0; j < l->n; j++)
+          vl += (size_t)snprintf(val + vl, sizeof val - vl, "%s%.17g", j ? ", " : "", l->v[j]);
+        snprintf(val + vl, sizeof val - vl, "]");
+        break;
+      }
+      case DT_KEY_NODE: {
+        const dt_node *node = *(const dt_node *const *)field;
+        char *flow = NULL;
+        size_t fl = 0, fc = 0;
+        yaml_emit_flow(node, &flow, &fl, &fc);
+        char line[256];
+        snprintf(line, sizeof line, "%s%s: ", prefix, k->path);
+        size_t need = strlen(line) + fl + 2;
+        if (*len + need + 1 > *cap) {
+          *cap = (*len + need + 1) * 2;
+          *out = dt_realloc(*out, *cap);
+        }
+        *len += (size_t)snprintf(*out + *len, *cap - *len, "%s%s\n", line, flow);
+        free(flow);
+        continue;
+      }
     }
     size_t need = strlen(prefix) + strlen(k->path) + strlen(val) + 4;
     if (*len + need + 1 > *cap) {

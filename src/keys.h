@@ -31,7 +31,7 @@ typedef enum {
 } dt_key_type;
 
 typedef struct {
-  const char *path;    /* dotted, relative to the map given to keys_read */
+  const char *path; /* dotted, relative to the map given to keys_read */
   dt_key_type type;
   size_t offset;       /* offsetof in the target struct */
   const char *deflt;   /* default as YAML text; NULL: required */
@@ -49,8 +49,7 @@ int keys_read(const dt_key *table, int n, void *dst, const dt_node *map, const c
 void keys_free(const dt_key *table, int n, void *dst);
 
 /* Appends "path: value\n" for every key (the effective values, canonical text). */
-void keys_dump(const dt_key *table, int n, const void *src, const char *prefix, char **out, size_t *len,
-               size_t *cap);
+void keys_dump(const dt_key *table, int n, const void *src, const char *prefix, char **out, size_t *len, size_t *cap);
 
 /* " >= 0" or " in [0, 1]" for bounded INT/FLOAT keys, "" otherwise. */
 void keys_bounds_text(const dt_key *key, char *buf, size_t cap);

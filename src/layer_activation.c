@@ -31,11 +31,13 @@ static void act_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) 
   backend_run(pass->be, &op);
 }
 
-static int64_t act_flops(const dt_layer *l) { return shape_size(l->in); }
+static int64_t act_flops(const dt_layer *l) {
+  return shape_size(l->in);
+}
 
-#define ACTIVATION(var, name)                                                                             \
-  const dt_layer_ops var = {.kind = name, .setup = same_setup, .forward = act_forward,                     \
-                            .backward = act_backward, .flops = act_flops}
+#define ACTIVATION(var, name) \
+  const dt_layer_ops var = {  \
+      .kind = name, .setup = same_setup, .forward = act_forward, .backward = act_backward, .flops = act_flops}
 ACTIVATION(dt_layer_relu, "relu");
 ACTIVATION(dt_layer_gelu, "gelu");
 ACTIVATION(dt_layer_tanh, "tanh");
@@ -75,8 +77,13 @@ static void dropout_backward(dt_layer *l, dt_pass *pass, const float *x, float *
   backend_run(pass->be, &op);
 }
 
-const dt_layer_ops dt_layer_dropout = {.kind = "dropout", .keys = dropout_keys, .n_keys = 1, .setup = same_setup,
-                                       .forward = dropout_forward, .backward = dropout_backward, .flops = act_flops};
+const dt_layer_ops dt_layer_dropout = {.kind = "dropout",
+                                       .keys = dropout_keys,
+                                       .n_keys = 1,
+                                       .setup = same_setup,
+                                       .forward = dropout_forward,
+                                       .backward = dropout_backward,
+                                       .flops = act_flops};
 
 static int flatten_setup(dt_model *m, dt_layer *l, dt_status *st) {
   (void)m;
@@ -95,5 +102,5 @@ static void flatten_backward(dt_layer *l, dt_pass *pass, const float *x, float *
   if (dx) pass->be->to_device(pass->be, dx, l->dy, (size_t)(pass->batch * shape_size(l->in)) * sizeof(float));
 }
 
-const dt_layer_ops dt_layer_flatten = {.kind = "flatten", .setup = flatten_setup, .forward = flatten_forward,
-                                       .backward = flatten_backward};
+const dt_layer_ops dt_layer_flatten = {
+    .kind = "flatten", .setup = flatten_setup, .forward = flatten_forward, .backward = flatten_backward};

@@ -15,8 +15,8 @@ static const dt_key conv_keys[] = {
 };
 
 static dt_conv_geom geom(const dt_layer *l, int64_t batch) {
-  return (dt_conv_geom){batch, l->in.c, l->in.h, l->in.w, l->args.out, l->args.kernel, l->args.stride,
-                        l->args.pad, l->out.h, l->out.w};
+  return (dt_conv_geom){batch,          l->in.c,        l->in.h,     l->in.w,  l->args.out,
+                        l->args.kernel, l->args.stride, l->args.pad, l->out.h, l->out.w};
 }
 
 static int conv_setup(dt_model *m, dt_layer *l, dt_status *st) {
@@ -54,8 +54,7 @@ static void conv_forward(dt_layer *l, dt_pass *pass, const float *x) {
   backend_run(pass->be, &op);
   if (l->args.bias) {
     dt_op b = {.type = DT_OP_BIAS_ADD};
-    b.p.bias_add = (typeof(b.p.bias_add)){pass->batch, l->args.out, l->out.h * l->out.w, l->y,
-                                          w + l->tensors[0].count};
+    b.p.bias_add = (typeof(b.p.bias_add)){pass->batch, l->args.out, l->out.h * l->out.w, l->y, w + l->tensors[0].count};
     backend_run(pass->be, &b);
   }
 }
@@ -71,8 +70,8 @@ static void conv_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx)
   backend_run(pass->be, &op);
   if (l->args.bias) {
     dt_op b = {.type = DT_OP_BIAS_GRAD};
-    b.p.bias_grad = (typeof(b.p.bias_grad)){pass->batch, l->args.out, l->out.h * l->out.w, l->dy,
-                                            dw + l->tensors[0].count};
+    b.p.bias_grad =
+        (typeof(b.p.bias_grad)){pass->batch, l->args.out, l->out.h * l->out.w, l->dy, dw + l->tensors[0].count};
     backend_run(pass->be, &b);
   }
   if (dx) {
@@ -90,6 +89,11 @@ static int64_t conv_flops(const dt_layer *l) {
   return 2 * outs * l->in.c * l->args.kernel * l->args.kernel + (l->args.bias ? outs : 0);
 }
 
-const dt_layer_ops dt_layer_conv2d = {
-    .kind = "conv2d", .keys = conv_keys, .n_keys = 5, .setup = conv_setup, .init = conv_init,
-    .forward = conv_forward, .backward = conv_backward, .flops = conv_flops};
+const dt_layer_ops dt_layer_conv2d = {.kind = "conv2d",
+                                      .keys = conv_keys,
+                                      .n_keys = 5,
+                                      .setup = conv_setup,
+                                      .init = conv_init,
+                                      .forward = conv_forward,
+                                      .backward = conv_backward,
+                                      .flops = conv_flops};

@@ -64,8 +64,15 @@ static void linear_backward(dt_layer *l, dt_pass *pass, const float *x, float *d
   }
 }
 
-static int64_t linear_flops(const dt_layer *l) { return 2 * l->in.c * l->args.out + (l->args.bias ? l->args.out : 0); }
+static int64_t linear_flops(const dt_layer *l) {
+  return 2 * l->in.c * l->args.out + (l->args.bias ? l->args.out : 0);
+}
 
-const dt_layer_ops dt_layer_linear = {
-    .kind = "linear", .keys = linear_keys, .n_keys = 2, .setup = linear_setup, .init = linear_init,
-    .forward = linear_forward, .backward = linear_backward, .flops = linear_flops};
+const dt_layer_ops dt_layer_linear = {.kind = "linear",
+                                      .keys = linear_keys,
+                                      .n_keys = 2,
+                                      .setup = linear_setup,
+                                      .init = linear_init,
+                                      .forward = linear_forward,
+                                      .backward = linear_backward,
+                                      .flops = linear_flops};

@@ -16,14 +16,19 @@ int loss_parse(dt_model *m, const dt_node *node, dt_status *st) {
   char where[512];
   const char *name;
   const dt_node *params = NULL;
-  if (!node) name = "cross_entropy";
-  else if (node->kind == DT_NODE_SCALAR) name = node->scalar;
-  else if (node->kind == DT_NODE_MAP && node->n == 1) name = node->keys[0], params = node->items[0];
+  if (!node)
+    name = "cross_entropy";
+  else if (node->kind == DT_NODE_SCALAR)
+    name = node->scalar;
+  else if (node->kind == DT_NODE_MAP && node->n == 1)
+    name = node->keys[0], params = node->items[0];
   else
     return dt_fail(st, DT_EXIT_INPUT, "%s: model.loss: expected cross_entropy, mse or a one-key map",
                    yaml_where(node, where, sizeof where));
-  if (node) yaml_where(node, where, sizeof where);
-  else snprintf(where, sizeof where, "default");
+  if (node)
+    yaml_where(node, where, sizeof where);
+  else
+    snprintf(where, sizeof where, "default");
   dt_layer_args args;
   memset(&args, 0, sizeof args);
   if (!strcmp(name, "cross_entropy")) {
@@ -47,9 +52,17 @@ void loss_compute(dt_model *m, dt_pass *pass, const int32_t *labels, const float
   double l = 0, c = 0;
   if (pass->batch > 0) {
     dt_op op = {.type = DT_OP_LOSS};
-    op.p.loss = (typeof(op.p.loss)){m->loss_kind, pass->batch, m->n_outputs, (float)m->label_smoothing,
-                                    1.0 / pass->global_count, model_logits(m), labels, targets,
-                                    model_dlogits(m), &l, &c};
+    op.p.loss = (typeof(op.p.loss)){m->loss_kind,
+                                    pass->batch,
+                                    m->n_outputs,
+                                    (float)m->label_smoothing,
+                                    1.0 / pass->global_count,
+                                    model_logits(m),
+                                    labels,
+                                    targets,
+                                    model_dlogits(m),
+                                    &l,
+                                    &c};
     backend_run(pass->be, &op);
   }
   *loss_sum += l;

@@ -17,11 +17,11 @@ static const dt_key bn_keys[] = {
 };
 
 typedef struct {
-  float *mean, *invstd;     /* (C) backend memory: what forward used */
-  double *sums;             /* host (3C): sum, sumsq, count | sum_dy, sum_dy_xhat */
-  double *dev_sums;         /* (2C) backend memory for the stats ops */
-  float *host_f;            /* host (4C) scratch */
-  double count;             /* rows*spatial behind the last forward's statistics */
+  float *mean, *invstd; /* (C) backend memory: what forward used */
+  double *sums;         /* host (3C): sum, sumsq, count | sum_dy, sum_dy_xhat */
+  double *dev_sums;     /* (2C) backend memory for the stats ops */
+  float *host_f;        /* host (4C) scratch */
+  double count;         /* rows*spatial behind the last forward's statistics */
 } bn_state;
 
 static int bn_setup(dt_model *m, dt_layer *l, dt_status *st) {
@@ -69,7 +69,9 @@ static void bn_release(dt_layer *l, dt_backend *be) {
   free(s->host_f);
 }
 
-static int64_t spatial(const dt_layer *l) { return l->in.h * l->in.w; }
+static int64_t spatial(const dt_layer *l) {
+  return l->in.h * l->in.w;
+}
 
 static void bn_forward(dt_layer *l, dt_pass *pass, const float *x) {
   bn_state *s = l->priv;
@@ -82,8 +84,11 @@ static void bn_forward(dt_layer *l, dt_pass *pass, const float *x) {
   if (pass->training) {
     dt_op op = {.type = DT_OP_BN_STATS};
     op.p.bn_stats = (typeof(op.p.bn_stats)){pass->batch, c, spatial(l), x, s->dev_sums, s->dev_sums + c};
-    if (pass->batch > 0) backend_run(be, &op);
-    else memset(s->sums, 0, (size_t)(2 * c) * sizeof(double)), be->to_device(be, s->dev_sums, s->sums, (size_t)(2 * c) * sizeof(double));
+    if (pass->batch > 0)
+      backend_run(be, &op);
+    else
+      memset(s->sums, 0, (size_t)(2 * c) * sizeof(double)),
+          be->to_device(be, s->dev_sums, s->sums, (size_t)(2 * c) * sizeof(double));
     be->to_host(be, s->sums, s->dev_sums, (size_t)(2 * c) * sizeof(double));
     s->sums[2 * c] = (double)(pass->batch * spatial(l));
     if (l->args.sync && pass->allreduce_sum) pass->allreduce_sum(pass->ctx, s->sums, (int)(2 * c + 1));
@@ -123,8 +128,8 @@ static void bn_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
   dt_backend *be = pass->be;
   int64_t c = l->in.c;
   dt_op op = {.type = DT_OP_BN_BWD_STATS};
-  op.p.bn_bwd_stats =
-      (typeof(op.p.bn_bwd_stats)){pass->batch, c, spatial(l), x, l->dy, s->mean, s->invstd, s->dev_sums, s->dev_sums + c};
+  op.p.bn_bwd_stats = (typeof(op.p.bn_bwd_stats)){pass->batch, c,           spatial(l),     x, l->dy, s->mean,
+                                                  s->invstd,   s->dev_sums, s->dev_sums + c};
   if (pass->batch > 0) {
     backend_run(be, &op);
     be->to_host(be, s->sums, s->dev_sums, (size_t)(2 * c) * sizeof(double));
@@ -147,14 +152,34 @@ static void bn_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
   if (!dx || pass->batch == 0) return;
   be->to_device(be, s->dev_sums, s->sums, (size_t)(2 * c) * sizeof(double));
   dt_op ap = {.type = DT_OP_BN_BWD_APPLY};
-  ap.p.bn_bwd_apply = (typeof(ap.p.bn_bwd_apply)){pass->batch, c, spatial(l), s->count, x, l->dy, s->mean, s->invstd,
-                                                  pass->params + l->tensors[0].offset, s->dev_sums, s->dev_sums + c,
-                                                  dx, NULL, NULL};
+  ap.p.bn_bwd_apply = (typeof(ap.p.bn_bwd_apply)){pass->batch,
+                                                  c,
+                                                  spatial(l),
+                                                  s->count,
+                                                  x,
+                                                  l->dy,
+                                                  s->mean,
+                                                  s->invstd,
+                                                  pass->params + l->tensors[0].offset,
+                                                  s->dev_sums,
+                                                  s->dev_sums + c,
+                                                  dx,
+                                                  NULL,
+                                                  NULL};
   backend_run(be, &ap);
 }
 
-static int64_t bn_flops(const dt_layer *l) { return 4 * shape_size(l->in); }
+static int64_t bn_flops(const dt_layer *l) {
+  return 4 * shape_size(l->in);
+}
 
-const dt_layer_ops dt_layer_batchnorm = {
-    .kind = "batchnorm", .keys = bn_keys, .n_keys = 3, .setup = bn_setup, .init = bn_init, .alloc = bn_alloc,
-    .forward = bn_forward, .backward = bn_backward, .release = bn_release, .flops = bn_flops};
+const dt_layer_ops dt_layer_batchnorm = {.kind = "batchnorm",
+                                         .keys = bn_keys,
+                                         .n_keys = 3,
+                                         .setup = bn_setup,
+                                         .init = bn_init,
+                                         .alloc = bn_alloc,
+                                         .forward = bn_forward,
+                                         .backward = bn_backward,
+                                         .release = bn_release,
+                                         .flops = bn_flops};

@@ -34,7 +34,8 @@ static int pool_setup(dt_model *m, dt_layer *l, dt_status *st) {
 
 static void pool_alloc(dt_layer *l, dt_backend *be, int64_t max_batch) {
   pool_state *s = dt_calloc(1, sizeof *s);
-  if (l->ops == &dt_layer_maxpool) s->argmax = (int32_t *)be->alloc(be, (size_t)(max_batch * shape_size(l->out)) * sizeof(int32_t));
+  if (l->ops == &dt_layer_maxpool)
+    s->argmax = (int32_t *)be->alloc(be, (size_t)(max_batch * shape_size(l->out)) * sizeof(int32_t));
   if (l->ops == &dt_layer_global_avgpool) {
     int64_t hw = l->in.h * l->in.w;
     float *h = dt_malloc((size_t)hw * sizeof(float));
@@ -57,8 +58,17 @@ static void pool_forward(dt_layer *l, dt_pass *pass, const float *x) {
   pool_state *s = l->priv;
   dt_op op = {.type = DT_OP_POOL_FWD};
   op.p.pool_fwd = (typeof(op.p.pool_fwd)){l->ops == &dt_layer_maxpool ? DT_POOL_MAX : DT_POOL_AVG,
-                                          pass->batch, l->in.c, l->in.h, l->in.w, l->args.kernel, l->args.stride,
-                                          l->out.h, l->out.w, x, l->y, s->argmax};
+                                          pass->batch,
+                                          l->in.c,
+                                          l->in.h,
+                                          l->in.w,
+                                          l->args.kernel,
+                                          l->args.stride,
+                                          l->out.h,
+                                          l->out.w,
+                                          x,
+                                          l->y,
+                                          s->argmax};
   backend_run(pass->be, &op);
 }
 
@@ -68,19 +78,42 @@ static void pool_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx)
   pool_state *s = l->priv;
   dt_op op = {.type = DT_OP_POOL_BWD};
   op.p.pool_bwd = (typeof(op.p.pool_bwd)){l->ops == &dt_layer_maxpool ? DT_POOL_MAX : DT_POOL_AVG,
-                                          pass->batch, l->in.c, l->in.h, l->in.w, l->args.kernel, l->args.stride,
-                                          l->out.h, l->out.w, l->dy, s->argmax, dx};
+                                          pass->batch,
+                                          l->in.c,
+                                          l->in.h,
+                                          l->in.w,
+                                          l->args.kernel,
+                                          l->args.stride,
+                                          l->out.h,
+                                          l->out.w,
+                                          l->dy,
+                                          s->argmax,
+                                          dx};
   backend_run(pass->be, &op);
 }
 
-static int64_t pool_flops(const dt_layer *l) { return shape_size(l->out) * l->args.kernel * l->args.kernel; }
+static int64_t pool_flops(const dt_layer *l) {
+  return shape_size(l->out) * l->args.kernel * l->args.kernel;
+}
 
-const dt_layer_ops dt_layer_maxpool = {
-    .kind = "maxpool", .keys = pool_keys, .n_keys = 2, .setup = pool_setup, .alloc = pool_alloc,
-    .forward = pool_forward, .backward = pool_backward, .release = pool_release, .flops = pool_flops};
-const dt_layer_ops dt_layer_avgpool = {
-    .kind = "avgpool", .keys = pool_keys, .n_keys = 2, .setup = pool_setup, .alloc = pool_alloc,
-    .forward = pool_forward, .backward = pool_backward, .release = pool_release, .flops = pool_flops};
+const dt_layer_ops dt_layer_maxpool = {.kind = "maxpool",
+                                       .keys = pool_keys,
+                                       .n_keys = 2,
+                                       .setup = pool_setup,
+                                       .alloc = pool_alloc,
+                                       .forward = pool_forward,
+                                       .backward = pool_backward,
+                                       .release = pool_release,
+                                       .flops = pool_flops};
+const dt_layer_ops dt_layer_avgpool = {.kind = "avgpool",
+                                       .keys = pool_keys,
+                                       .n_keys = 2,
+                                       .setup = pool_setup,
+                                       .alloc = pool_alloc,
+                                       .forward = pool_forward,
+                                       .backward = pool_backward,
+                                       .release = pool_release,
+                                       .flops = pool_flops};
 
 static int gap_setup(dt_model *m, dt_layer *l, dt_status *st) {
   (void)m;
@@ -111,8 +144,16 @@ static void gap_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) 
   backend_run(pass->be, &op);
 }
 
-static int64_t gap_flops(const dt_layer *l) { return shape_size(l->in); }
+static int64_t gap_flops(const dt_layer *l) {
+  return shape_size(l->in);
+}
 
-const dt_layer_ops dt_layer_global_avgpool = {
-    .kind = "global_avgpool", .keys = NULL, .n_keys = 0, .setup = gap_setup, .alloc = pool_alloc,
-    .forward = gap_forward, .backward = gap_backward, .release = pool_release, .flops = gap_flops};
+const dt_layer_ops dt_layer_global_avgpool = {.kind = "global_avgpool",
+                                              .keys = NULL,
+                                              .n_keys = 0,
+                                              .setup = gap_setup,
+                                              .alloc = pool_alloc,
+                                              .forward = gap_forward,
+                                              .backward = gap_backward,
+                                              .release = pool_release,
+                                              .flops = gap_flops};

@@ -80,9 +80,16 @@ static void residual_backward(dt_layer *l, dt_pass *pass, const float *x, float 
   backend_run(pass->be, &op);
 }
 
-static int64_t residual_flops(const dt_layer *l) { return shape_size(l->out); }
+static int64_t residual_flops(const dt_layer *l) {
+  return shape_size(l->out);
+}
 
-const dt_layer_ops dt_layer_residual = {
-    .kind = "residual", .keys = residual_keys, .n_keys = 2, .setup = residual_setup, .alloc = residual_alloc,
-    .forward = residual_forward, .backward = residual_backward, .release = residual_release,
-    .flops = residual_flops};
+const dt_layer_ops dt_layer_residual = {.kind = "residual",
+                                        .keys = residual_keys,
+                                        .n_keys = 2,
+                                        .setup = residual_setup,
+                                        .alloc = residual_alloc,
+                                        .forward = residual_forward,
+                                        .backward = residual_backward,
+                                        .release = residual_release,
+                                        .flops = residual_flops};

@@ -4,19 +4,19 @@
 
 #include "model.h"
 
-extern const dt_layer_ops dt_layer_linear;        /* layer_dense.c */
-extern const dt_layer_ops dt_layer_conv2d;        /* layer_conv.c */
-extern const dt_layer_ops dt_layer_batchnorm;     /* layer_norm.c */
-extern const dt_layer_ops dt_layer_maxpool;       /* layer_pool.c */
+extern const dt_layer_ops dt_layer_linear;    /* layer_dense.c */
+extern const dt_layer_ops dt_layer_conv2d;    /* layer_conv.c */
+extern const dt_layer_ops dt_layer_batchnorm; /* layer_norm.c */
+extern const dt_layer_ops dt_layer_maxpool;   /* layer_pool.c */
 extern const dt_layer_ops dt_layer_avgpool;
 extern const dt_layer_ops dt_layer_global_avgpool;
-extern const dt_layer_ops dt_layer_relu;          /* layer_activation.c */
+extern const dt_layer_ops dt_layer_relu; /* layer_activation.c */
 extern const dt_layer_ops dt_layer_gelu;
 extern const dt_layer_ops dt_layer_tanh;
 extern const dt_layer_ops dt_layer_sigmoid;
 extern const dt_layer_ops dt_layer_dropout;
 extern const dt_layer_ops dt_layer_flatten;
-extern const dt_layer_ops dt_layer_residual;      /* layer_residual.c */
+extern const dt_layer_ops dt_layer_residual; /* layer_residual.c */
 
 /* layer_loss.c: parses model.loss (a name or a one-key map) */
 int loss_parse(dt_model *m, const dt_node *node, dt_status *st);

@@ -34,8 +34,8 @@ int log_open(dt_log *lg, int enabled, const char *dir, int progress_mode, int ap
   /* mpirun gives every rank a pty whatever its own stdout is (a file, a Slurm log), so auto
    * draws the bar only for a terminal outside a launcher */
   int launched = getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("SLURM_JOB_ID");
-  lg->progress = progress_mode == DT_PROGRESS_ON ||
-                 (progress_mode == DT_PROGRESS_AUTO && isatty(STDOUT_FILENO) && !launched);
+  lg->progress =
+      progress_mode == DT_PROGRESS_ON || (progress_mode == DT_PROGRESS_AUTO && isatty(STDOUT_FILENO) && !launched);
   if (!dir[0]) return 0;
   snprintf(lg->path, sizeof lg->path, "%s/metrics.jsonl", dir);
   if (log_mkdirs(dir, st)) return st->code;

@@ -59,11 +59,16 @@ static int parse_args(int argc, char **argv, cli_args *a, dt_status *st) {
   a->sets = dt_calloc((size_t)argc + 1, sizeof(char *));
   for (int i = 1; i < argc; i++) {
     const char *s = argv[i];
-    if (!strcmp(s, "--help") || !strcmp(s, "-h")) a->help = 1;
-    else if (!strcmp(s, "--version")) a->version = 1;
-    else if (!strcmp(s, "--dry-run")) a->dry_run = 1;
-    else if (!strcmp(s, "--config-keys")) a->config_keys = 1;
-    else if (!strcmp(s, "--info")) a->info = 1;
+    if (!strcmp(s, "--help") || !strcmp(s, "-h"))
+      a->help = 1;
+    else if (!strcmp(s, "--version"))
+      a->version = 1;
+    else if (!strcmp(s, "--dry-run"))
+      a->dry_run = 1;
+    else if (!strcmp(s, "--config-keys"))
+      a->config_keys = 1;
+    else if (!strcmp(s, "--info"))
+      a->info = 1;
     else if (!strcmp(s, "--set") || !strncmp(s, "--set=", 6)) {
       const char *val = s[5] == '=' ? s + 6 : (i + 1 < argc ? argv[++i] : NULL);
       if (!val) return dt_fail(st, DT_EXIT_INPUT, "--set needs KEY=VALUE\n%s", usage_text);
@@ -71,10 +76,14 @@ static int parse_args(int argc, char **argv, cli_args *a, dt_status *st) {
     } else if (!strcmp(s, "--device") || !strncmp(s, "--device=", 9)) {
       const char *val = s[8] == '=' ? s + 9 : (i + 1 < argc ? argv[++i] : NULL);
       if (!val) return dt_fail(st, DT_EXIT_INPUT, "--device needs auto, cpu or cuda");
-      if (!strcmp(val, "auto")) a->device = DEV_AUTO;
-      else if (!strcmp(val, "cpu")) a->device = DEV_CPU;
-      else if (!strcmp(val, "cuda")) a->device = DEV_CUDA;
-      else return dt_fail(st, DT_EXIT_INPUT, "--device %s: expected auto, cpu or cuda", val);
+      if (!strcmp(val, "auto"))
+        a->device = DEV_AUTO;
+      else if (!strcmp(val, "cpu"))
+        a->device = DEV_CPU;
+      else if (!strcmp(val, "cuda"))
+        a->device = DEV_CUDA;
+      else
+        return dt_fail(st, DT_EXIT_INPUT, "--device %s: expected auto, cpu or cuda", val);
     } else if (!strcmp(s, "--predict") || !strncmp(s, "--predict=", 10)) {
       const char *val = s[9] == '=' ? s + 10 : (i + 1 < argc ? argv[++i] : NULL);
       if (!val || !*val) return dt_fail(st, DT_EXIT_INPUT, "--predict needs an output path");
@@ -125,8 +134,9 @@ static void print_info(dt_comm *comm) {
       gpu_describe(i, line, sizeof line, &free_b);
       len += (size_t)snprintf(text + len, CAP - len, "  %s\n", line);
     }
-    const char *cm = n >= comm->local_size ? "nccl once the CUDA backend is built in; this version trains on the CPU over MPI"
-                                           : "mpi (the CPU backend)";
+    const char *cm = n >= comm->local_size
+                         ? "nccl once the CUDA backend is built in; this version trains on the CPU over MPI"
+                         : "mpi (the CPU backend)";
     snprintf(text + len, CAP - len, "  communicator for dist.comm auto: %s\n", cm);
   }
   char *all = comm->rank == 0 ? dt_calloc((size_t)comm->size, CAP) : NULL;
@@ -194,8 +204,9 @@ static int init_params(const dt_config *cfg, dt_model *m, dt_comm *comm) {
 
 /* Keys whose change makes a checkpoint unusable: the model, and what decides the data order
  * and the optimizer state. Everything else may change on resume (README "Resuming"). */
-static const char *const frozen_keys[] = {"model.input", "model.layers", "model.loss", "optim.name", "train.seed",
-                                          "data.shuffle", "data.sharding", "data.drop_last", "train.grad_accum"};
+static const char *const frozen_keys[] = {"model.input",   "model.layers",   "model.loss",
+                                          "optim.name",    "train.seed",     "data.shuffle",
+                                          "data.sharding", "data.drop_last", "train.grad_accum"};
 
 static const char *find_line(const char *text, const char *key, size_t *len) {
   size_t k = strlen(key);
@@ -217,14 +228,16 @@ static int check_compatible(const char *path, const char *stored, const dt_confi
     size_t la = 0, lb = 0;
     const char *a = find_line(stored, frozen_keys[i], &la), *b = find_line(cfg->effective, frozen_keys[i], &lb);
     if (!a || !b || la != lb || strncmp(a, b, la))
-      return dt_fail(st, DT_EXIT_INPUT, "cannot resume from %s: %s differs\n  checkpoint: %.*s\n  config:     %.*s\n"
-                     "(README \"Resuming\" lists what may change)", path, frozen_keys[i], (int)la, a ? a : "(none)",
-                     (int)lb, b ? b : "(none)");
+      return dt_fail(st, DT_EXIT_INPUT,
+                     "cannot resume from %s: %s differs\n  checkpoint: %.*s\n  config:     %.*s\n"
+                     "(README \"Resuming\" lists what may change)",
+                     path, frozen_keys[i], (int)la, a ? a : "(none)", (int)lb, b ? b : "(none)");
   }
   if (ts->global_batch != global_batch)
-    return dt_fail(st, DT_EXIT_INPUT, "cannot resume from %s: its global batch was %lld, this run's is %lld, so the "
-                   "data position cannot carry over; set train.global_batch_size to %lld", path,
-                   (long long)ts->global_batch, (long long)global_batch, (long long)ts->global_batch);
+    return dt_fail(st, DT_EXIT_INPUT,
+                   "cannot resume from %s: its global batch was %lld, this run's is %lld, so the "
+                   "data position cannot carry over; set train.global_batch_size to %lld",
+                   path, (long long)ts->global_batch, (long long)global_batch, (long long)ts->global_batch);
   return 0;
 }
 
@@ -247,8 +260,10 @@ static int load_resume(const cli_args *args, const dt_config *cfg, dt_model *m, 
     int n = 0;
     int is_auto = !strcmp(args->resume, "auto");
     if (is_auto) {
-      if (!v->ckpt_dir[0]) dt_fail(&st, DT_EXIT_INPUT, "--resume auto needs checkpoint.dir");
-      else n = ckpt_candidates(v->ckpt_dir, names, 64);
+      if (!v->ckpt_dir[0])
+        dt_fail(&st, DT_EXIT_INPUT, "--resume auto needs checkpoint.dir");
+      else
+        n = ckpt_candidates(v->ckpt_dir, names, 64);
     } else {
       snprintf(names[0], sizeof names[0], "%s", args->resume);
       n = 1;
@@ -274,8 +289,10 @@ static int load_resume(const cli_args *args, const dt_config *cfg, dt_model *m, 
       free(stored);
     }
     if (is_auto && !found && !st.code) {
-      if (n) dt_fail(&st, DT_EXIT_INPUT, "--resume auto: none of the %d checkpoints in %s could be loaded", n, v->ckpt_dir);
-      else printf("no checkpoint in %s: starting from the beginning\n", v->ckpt_dir);
+      if (n)
+        dt_fail(&st, DT_EXIT_INPUT, "--resume auto: none of the %d checkpoints in %s could be loaded", n, v->ckpt_dir);
+      else
+        printf("no checkpoint in %s: starting from the beginning\n", v->ckpt_dir);
     }
     fflush(stdout);
   }
@@ -295,7 +312,9 @@ static int load_resume(const cli_args *args, const dt_config *cfg, dt_model *m, 
   return 0;
 }
 
-static double mib(size_t b) { return (double)b / 1048576.0; }
+static double mib(size_t b) {
+  return (double)b / 1048576.0;
+}
 
 /* --dry-run: the memory a rank needs against what it has (its GPU's free memory when there is
  * one, else the host's available memory shared by the ranks on the node). */
@@ -318,23 +337,28 @@ static void check_memory(const dt_config *cfg, const dt_model *m, const dt_comm 
     where = "of available host memory per rank on this node";
   }
   if (comm->rank == 0) {
-    printf("memory per rank at %lld rows: %.1f MiB = parameters %.1f + gradients %.1f + optimizer %.1f + buffers %.1f"
-           " + activations %.1f + workspace %.1f; %.0f MiB %s\n",
-           (long long)rows, mib(mem.total), mib(mem.params), mib(mem.grads), mib(mem.optim), mib(mem.buffers),
-           mib(mem.activations), mib(mem.workspace), mib(have), where);
+    printf(
+        "memory per rank at %lld rows: %.1f MiB = parameters %.1f + gradients %.1f + optimizer %.1f + buffers %.1f"
+        " + activations %.1f + workspace %.1f; %.0f MiB %s\n",
+        (long long)rows, mib(mem.total), mib(mem.params), mib(mem.grads), mib(mem.optim), mib(mem.buffers),
+        mib(mem.activations), mib(mem.workspace), mib(have), where);
     fflush(stdout);
   }
   if (have && mem.total > have)
-    dt_fail(st, DT_EXIT_INPUT, "the batch does not fit: a rank needs %.1f MiB but has %.1f MiB %s; lower "
-            "train.batch_size or train.global_batch_size, or use more ranks", mib(mem.total), mib(have), where);
+    dt_fail(st, DT_EXIT_INPUT,
+            "the batch does not fit: a rank needs %.1f MiB but has %.1f MiB %s; lower "
+            "train.batch_size or train.global_batch_size, or use more ranks",
+            mib(mem.total), mib(have), where);
 }
 
 static void print_data_summary(const dt_data *d, const dt_config *cfg, int world) {
   const dt_config_values *v = &cfg->v;
   int64_t G = v->global_batch_size ? v->global_batch_size : v->batch_size * world;
   printf("data: %s: train %lld rows ('%s', '%s'), ", d->path, (long long)d->train.n, d->train.x_name, d->train.y_name);
-  if (d->has_val) printf("val %lld rows ('%s', '%s')\n", (long long)d->val.n, d->val.x_name, d->val.y_name);
-  else printf("no validation split\n");
+  if (d->has_val)
+    printf("val %lld rows ('%s', '%s')\n", (long long)d->val.n, d->val.x_name, d->val.y_name);
+  else
+    printf("no validation split\n");
   printf("batch: global %lld = %d rank%s x %s%lld, %s sharding\n", (long long)G, world, world > 1 ? "s" : "",
          v->global_batch_size && G % world ? "~" : "", (long long)(G / world),
          v->sharding == DT_SHARD_GLOBAL ? "global" : "contiguous");
@@ -388,8 +412,10 @@ int main(int argc, char **argv) {
   if (args.device == DEV_CUDA) {
     char why[256] = "";
     int n = gpu_count(why, sizeof why);
-    if (n == 0) dt_fail(&st, DT_EXIT_INPUT, "--device cuda: %s; use --device cpu", why);
-    else dt_fail(&st, DT_EXIT_INPUT, "--device cuda: the CUDA backend is not part of this version yet; use --device cpu");
+    if (n == 0)
+      dt_fail(&st, DT_EXIT_INPUT, "--device cuda: %s; use --device cpu", why);
+    else
+      dt_fail(&st, DT_EXIT_INPUT, "--device cuda: the CUDA backend is not part of this version yet; use --device cpu");
   }
   if ((code = comm_agree(&comm, &st))) goto done;
   data_open(&data, &cfg, &model, comm.size, comm.rank, &st);

@@ -8,14 +8,16 @@
 #include "layers.h"
 
 static const dt_layer_ops *const layer_kinds[] = {
-    &dt_layer_linear, &dt_layer_conv2d, &dt_layer_batchnorm, &dt_layer_maxpool, &dt_layer_avgpool,
-    &dt_layer_global_avgpool, &dt_layer_relu, &dt_layer_gelu, &dt_layer_tanh, &dt_layer_sigmoid,
-    &dt_layer_dropout, &dt_layer_flatten, &dt_layer_residual};
+    &dt_layer_linear,         &dt_layer_conv2d,  &dt_layer_batchnorm, &dt_layer_maxpool, &dt_layer_avgpool,
+    &dt_layer_global_avgpool, &dt_layer_relu,    &dt_layer_gelu,      &dt_layer_tanh,    &dt_layer_sigmoid,
+    &dt_layer_dropout,        &dt_layer_flatten, &dt_layer_residual};
 #define N_LAYER_KINDS ((int)(sizeof layer_kinds / sizeof *layer_kinds))
 
 void shape_text(dt_shape s, char *buf, size_t cap) {
-  if (s.rank == 1) snprintf(buf, cap, "(%lld)", (long long)s.c);
-  else snprintf(buf, cap, "(%lld, %lld, %lld)", (long long)s.c, (long long)s.h, (long long)s.w);
+  if (s.rank == 1)
+    snprintf(buf, cap, "(%lld)", (long long)s.c);
+  else
+    snprintf(buf, cap, "(%lld, %lld, %lld)", (long long)s.c, (long long)s.h, (long long)s.w);
 }
 
 void layer_add_tensor(dt_layer *l, const char *name, int is_buffer, int ndim, const int64_t *dims) {
@@ -50,8 +52,7 @@ int seq_build(dt_model *m, dt_seq *s, const dt_node *list, dt_shape in, const ch
               dt_status *st) {
   char where[512];
   if (list->kind != DT_NODE_SEQ)
-    return dt_fail(st, DT_EXIT_INPUT, "%s: %s: expected a list of layers", yaml_where(list, where, sizeof where),
-                   what);
+    return dt_fail(st, DT_EXIT_INPUT, "%s: %s: expected a list of layers", yaml_where(list, where, sizeof where), what);
   s->n = 0;
   s->layers = dt_calloc((size_t)(list->n > 0 ? list->n : 1), sizeof *s->layers);
   dt_shape cur = in;
@@ -65,8 +66,8 @@ int seq_build(dt_model *m, dt_seq *s, const dt_node *list, dt_shape in, const ch
     } else if (item->kind == DT_NODE_MAP && item->n == 1) {
       kind = item->keys[0];
       params = item->items[0];
-      if (params->kind == DT_NODE_SCALAR && (!strcmp(params->scalar, "") || !strcmp(params->scalar, "null") ||
-                                             !strcmp(params->scalar, "~")))
+      if (params->kind == DT_NODE_SCALAR &&
+          (!strcmp(params->scalar, "") || !strcmp(params->scalar, "null") || !strcmp(params->scalar, "~")))
         params = NULL;
     } else {
       return dt_fail(st, DT_EXIT_INPUT, "%s: %s[%d]: a layer is a one-key map such as `- relu: {}`", where, what, i);
@@ -119,9 +120,12 @@ static void layout(dt_model *m) {
 int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
   memset(m, 0, sizeof *m);
   const dt_list *in = &cfg->v.input;
-  if (in->n == 3) m->input = (dt_shape){3, (int64_t)in->v[0], (int64_t)in->v[1], (int64_t)in->v[2]};
-  else if (in->n == 2) m->input = (dt_shape){3, 1, (int64_t)in->v[0], (int64_t)in->v[1]};
-  else m->input = (dt_shape){1, (int64_t)in->v[0], 1, 1};
+  if (in->n == 3)
+    m->input = (dt_shape){3, (int64_t)in->v[0], (int64_t)in->v[1], (int64_t)in->v[2]};
+  else if (in->n == 2)
+    m->input = (dt_shape){3, 1, (int64_t)in->v[0], (int64_t)in->v[1]};
+  else
+    m->input = (dt_shape){1, (int64_t)in->v[0], 1, 1};
   if (seq_build(m, &m->top, cfg->v.layers, m->input, "", "model.layers", st)) return st->code;
   if (loss_parse(m, cfg->v.loss, st)) return st->code;
   dt_shape out = m->top.layers[m->top.n - 1]->out;
@@ -231,7 +235,7 @@ dt_memory model_memory(const dt_model *m, int64_t batch, int optim_states, int t
   size_t per_row = (size_t)shape_size(m->input), col = 0, dw = 0;
   for (int i = 0; i < m->n_all; i++) {
     const dt_layer *l = m->all[i];
-    per_row += 2 * (size_t)shape_size(l->out); /* y, dy */
+    per_row += 2 * (size_t)shape_size(l->out);                              /* y, dy */
     if (l->ops == &dt_layer_maxpool) per_row += (size_t)shape_size(l->out); /* argmax, int32 */
     if (l->ops == &dt_layer_residual) per_row += (size_t)shape_size(l->in);
     if (l->ops == &dt_layer_conv2d) {
@@ -319,7 +323,15 @@ void seq_backward(dt_seq *s, dt_pass *pass, const float *x, float *dx) {
   }
 }
 
-void model_forward(dt_model *m, dt_pass *pass) { seq_forward(&m->top, pass, m->input_x); }
-void model_backward(dt_model *m, dt_pass *pass) { seq_backward(&m->top, pass, m->input_x, NULL); }
-float *model_logits(dt_model *m) { return m->top.layers[m->top.n - 1]->y; }
-float *model_dlogits(dt_model *m) { return m->top.layers[m->top.n - 1]->dy; }
+void model_forward(dt_model *m, dt_pass *pass) {
+  seq_forward(&m->top, pass, m->input_x);
+}
+void model_backward(dt_model *m, dt_pass *pass) {
+  seq_backward(&m->top, pass, m->input_x, NULL);
+}
+float *model_logits(dt_model *m) {
+  return m->top.layers[m->top.n - 1]->y;
+}
+float *model_dlogits(dt_model *m) {
+  return m->top.layers[m->top.n - 1]->dy;
+}

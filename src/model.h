@@ -18,7 +18,9 @@ typedef struct {
   int64_t c, h, w;
 } dt_shape;
 
-static inline int64_t shape_size(dt_shape s) { return s.c * s.h * s.w; }
+static inline int64_t shape_size(dt_shape s) {
+  return s.c * s.h * s.w;
+}
 void shape_text(dt_shape s, char *buf, size_t cap); /* "(32, 28, 28)" */
 
 /* Parameters of any layer kind; each kind declares the keys it accepts. */
@@ -69,24 +71,24 @@ struct dt_seq {
 struct dt_layer {
   const dt_layer_ops *ops;
   dt_layer_args args;
-  char name[128];      /* PyTorch module path: "3", "4.body.0" */
-  char where[512];     /* config location, for messages */
-  int index;           /* pre-order index over all layers (dropout streams) */
+  char name[128];  /* PyTorch module path: "3", "4.body.0" */
+  char where[512]; /* config location, for messages */
+  int index;       /* pre-order index over all layers (dropout streams) */
   dt_shape in, out;
   int64_t n_params, param_off, n_bufs, buf_off;
   dt_tensor tensors[4];
   int n_tensors;
-  float *y, *dy;       /* (B, out) backend memory */
+  float *y, *dy;         /* (B, out) backend memory */
   dt_seq body, shortcut; /* residual only */
-  void *priv;          /* per-kind state */
+  void *priv;            /* per-kind state */
 };
 
 /* Everything a pass needs; the train loop fills it for each micro-step. */
 struct dt_pass {
   dt_backend *be;
-  int64_t batch;        /* local rows */
+  int64_t batch; /* local rows */
   int training;
-  double global_count;  /* rows in the global batch (sync batchnorm) */
+  double global_count; /* rows in the global batch (sync batchnorm) */
   uint64_t dropout_seed;
   float *params, *grads, *bufs; /* flat, backend memory */
   /* sync batchnorm: sums (n doubles, host) over all ranks in place; NULL: single process */

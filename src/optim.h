@@ -11,9 +11,9 @@ typedef struct {
   const dt_config_values *cfg; /* borrowed */
   int64_t total_steps;
   int64_t n;
-  float *mom;    /* SGD momentum (n) */
-  float *m, *v;  /* AdamW moments (n) */
-  int64_t step;  /* optimizer steps taken */
+  float *mom;   /* SGD momentum (n) */
+  float *m, *v; /* AdamW moments (n) */
+  int64_t step; /* optimizer steps taken */
 } dt_optim;
 
 double schedule_lr(const dt_config_values *cfg, int64_t t, int64_t total);

@@ -16,13 +16,15 @@ void sampler_shuffle(int64_t *perm, int64_t n, uint64_t key) {
   }
 }
 
-static int64_t own_rows(const dt_sampler *s, int r) { return split_lo(s->n, s->world, r + 1) - split_lo(s->n, s->world, r); }
+static int64_t own_rows(const dt_sampler *s, int r) {
+  return split_lo(s->n, s->world, r + 1) - split_lo(s->n, s->world, r);
+}
 static int64_t share(const dt_sampler *s, int r) {
   return split_lo(s->global_batch, s->world, r + 1) - split_lo(s->global_batch, s->world, r);
 }
 
-void sampler_init(dt_sampler *s, int64_t n, int world, int rank, int64_t global_batch, int contiguous,
-                  int drop_last, int shuffle, uint64_t seed) {
+void sampler_init(dt_sampler *s, int64_t n, int world, int rank, int64_t global_batch, int contiguous, int drop_last,
+                  int shuffle, uint64_t seed) {
   memset(s, 0, sizeof *s);
   s->n = n;
   s->world = world;

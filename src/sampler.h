@@ -11,23 +11,25 @@
 #include <stdint.h>
 
 typedef struct {
-  int64_t n;            /* rows in the dataset */
+  int64_t n; /* rows in the dataset */
   int world, rank;
   int64_t global_batch; /* G */
   int contiguous, drop_last, shuffle;
   uint64_t seed;
   /* derived */
-  int64_t steps;        /* per epoch, same on every rank */
+  int64_t steps;          /* per epoch, same on every rank */
   int64_t own_lo, own_hi; /* contiguous: this rank's rows */
-  int64_t *perm;        /* owned: the current epoch's order (global: N; contiguous: own rows) */
+  int64_t *perm;          /* owned: the current epoch's order (global: N; contiguous: own rows) */
   int64_t perm_epoch;
 } dt_sampler;
 
 /* share of G that rank r takes in contiguous mode / of a slice of len rows in global mode */
-static inline int64_t split_lo(int64_t len, int world, int r) { return len * r / world; }
+static inline int64_t split_lo(int64_t len, int world, int r) {
+  return len * r / world;
+}
 
-void sampler_init(dt_sampler *s, int64_t n, int world, int rank, int64_t global_batch, int contiguous,
-                  int drop_last, int shuffle, uint64_t seed);
+void sampler_init(dt_sampler *s, int64_t n, int world, int rank, int64_t global_batch, int contiguous, int drop_last,
+                  int shuffle, uint64_t seed);
 void sampler_free(dt_sampler *s);
 
 /* Rows of (epoch, step) for this rank into idx (capacity: sampler_max_local); returns the count.

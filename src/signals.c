@@ -5,7 +5,9 @@
 
 static volatile sig_atomic_t caught_signal;
 
-static void on_signal(int sig) { caught_signal = sig; }
+static void on_signal(int sig) {
+  caught_signal = sig;
+}
 
 void signals_install(void) {
   struct sigaction sa;
@@ -17,4 +19,6 @@ void signals_install(void) {
   sigaction(SIGTERM, &sa, NULL);
 }
 
-int signals_caught(void) { return caught_signal; }
+int signals_caught(void) {
+  return caught_signal;
+}

@@ -21,7 +21,9 @@ typedef struct {
 static void ctx_allreduce(void *ctx, double *data, int n) {
   comm_allreduce_sum_f64(((pass_ctx *)ctx)->comm, data, n, "batchnorm statistics allreduce");
 }
-static void ctx_ready(void *ctx, int64_t from) { grad_sync_ready(((pass_ctx *)ctx)->gs, from); }
+static void ctx_ready(void *ctx, int64_t from) {
+  grad_sync_ready(((pass_ctx *)ctx)->gs, from);
+}
 
 /* Non-finite gradients in [begin, end), checked before the range is sent. */
 static int64_t ctx_check(void *ctx, int64_t begin, int64_t end) {
@@ -42,8 +44,9 @@ static void load_input(const dt_config *cfg, dt_model *m, const float *raw, int6
   for (int c = 0; c < v->std.n; c++) std[c] = (float)v->std.v[c];
   int64_t ch = m->input.rank == 3 ? m->input.c : 1;
   dt_op op = {.type = DT_OP_INPUT};
-  op.p.input = (typeof(op.p.input)){rows, ch, shape_size(m->input) / ch, (float)v->scale,
-                                    v->mean.n ? mean : NULL, v->std.n ? std : NULL, raw, m->input_x};
+  op.p.input = (typeof(op.p.input)){
+      rows, ch,        shape_size(m->input) / ch, (float)v->scale, v->mean.n ? mean : NULL, v->std.n ? std : NULL,
+      raw,  m->input_x};
   backend_run(m->be, &op);
 }
 
@@ -57,7 +60,8 @@ static void eval_rows(const dt_config *cfg, dt_model *m, dt_data *d, double *sum
   int32_t *labels = dt_malloc((size_t)cap * sizeof(int32_t));
   float *targets = dt_malloc((size_t)(cap * m->n_outputs) * sizeof(float));
   int64_t *idx = dt_malloc((size_t)cap * sizeof(int64_t));
-  dt_pass pass = {.be = m->be, .training = 0, .global_count = 1, .params = m->params, .grads = m->grads, .bufs = m->bufs};
+  dt_pass pass = {
+      .be = m->be, .training = 0, .global_count = 1, .params = m->params, .grads = m->grads, .bufs = m->bufs};
   for (int64_t i = 0; i < rows && !st->code; i += cap) {
     int64_t n = rows - i < cap ? rows - i : cap;
     for (int64_t k = 0; k < n; k++) idx[k] = s->lo + i + k;
@@ -206,11 +210,15 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, cons
   sampler_init(&smp, d->train.n, W, comm->rank, G, v->sharding == DT_SHARD_CONTIGUOUS, v->drop_last, v->shuffle,
                (uint64_t)v->seed);
   if (v->sharding == DT_SHARD_CONTIGUOUS && G < W)
-    dt_fail(&st, DT_EXIT_INPUT, "data.sharding contiguous: the global batch (%lld) must be at least the number of "
-            "ranks (%d), or some ranks' rows would never be used", (long long)G, W);
+    dt_fail(&st, DT_EXIT_INPUT,
+            "data.sharding contiguous: the global batch (%lld) must be at least the number of "
+            "ranks (%d), or some ranks' rows would never be used",
+            (long long)G, W);
   if (smp.steps == 0)
-    dt_fail(&st, DT_EXIT_INPUT, "%s: the global batch (%lld) is larger than the %lld training rows and data.drop_last "
-            "is true: no step to run", d->path, (long long)G, (long long)d->train.n);
+    dt_fail(&st, DT_EXIT_INPUT,
+            "%s: the global batch (%lld) is larger than the %lld training rows and data.drop_last "
+            "is true: no step to run",
+            d->path, (long long)G, (long long)d->train.n);
   dt_log lg;
   log_open(&lg, leader, v->log_dir, v->progress, opts->resume != NULL, &st);
   int code = comm_agree(comm, &st);
@@ -230,15 +238,22 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, cons
   pass_ctx ctx = {comm, &gs, be, m->grads};
   grad_sync_init(&gs, comm, m->grads, m->n_params, (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float)), ctx_check,
                  &ctx);
-  dt_train_state ts = {.step = 0, .epoch = 0, .micro = 0, .global_batch = G * accum, .world_size = W,
-                       .seed = (uint64_t)v->seed, .optim = v->optim,
+  dt_train_state ts = {.step = 0,
+                       .epoch = 0,
+                       .micro = 0,
+                       .global_batch = G * accum,
+                       .world_size = W,
+                       .seed = (uint64_t)v->seed,
+                       .optim = v->optim,
                        .best_metric = v->early_metric == DT_METRIC_VAL_LOSS ? INFINITY : -INFINITY,
-                       .bad_evals = 0, .best_val_acc = -1};
+                       .bad_evals = 0,
+                       .best_val_acc = -1};
   if (opts->resume) {
     ts = opts->resume->ts;
     ts.world_size = W;
     size_t pb = (size_t)m->n_params * sizeof(float);
-    if (opts->resume->opt_a && (opt.mom || opt.m)) be->to_device(be, opt.mom ? opt.mom : opt.m, opts->resume->opt_a, pb);
+    if (opts->resume->opt_a && (opt.mom || opt.m))
+      be->to_device(be, opt.mom ? opt.mom : opt.m, opts->resume->opt_a, pb);
     if (opts->resume->opt_b && opt.v) be->to_device(be, opt.v, opts->resume->opt_b, pb);
     opt.step = ts.step;
   }
@@ -254,10 +269,11 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, cons
   if (opts->resume)
     log_line(&lg, "resuming at step %lld (epoch %lld, batch %lld of %lld)", (long long)ts.step, (long long)ts.epoch + 1,
              (long long)ts.micro, (long long)smp.steps);
-  log_line(&lg, "training: %lld optimizer steps (%lld epochs x %lld), global batch %lld on %d rank%s, %s backend, "
+  log_line(&lg,
+           "training: %lld optimizer steps (%lld epochs x %lld), global batch %lld on %d rank%s, %s backend, "
            "%d thread%s per rank",
-           (long long)total, (long long)v->epochs, (long long)opt_per_epoch, (long long)(G * accum), W, W > 1 ? "s" : "",
-           be->name, be->threads, be->threads > 1 ? "s" : "");
+           (long long)total, (long long)v->epochs, (long long)opt_per_epoch, (long long)(G * accum), W,
+           W > 1 ? "s" : "", be->name, be->threads, be->threads > 1 ? "s" : "");
 
   double t_start = dt_now(), t_window = t_start, win_data = 0, win_comm = 0, win_loss = 0;
   int64_t win_samples = 0, win_steps = 0, run_samples = 0;
@@ -282,24 +298,27 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, cons
         data_s += L.wait_s - w0;
         if (inject_nan && b->count) b->x[0] = NAN;
         load_input(cfg, m, b->x, b->count);
-        dt_pass pass = {.be = be,
-                        .batch = b->count,
-                        .training = 1,
-                        .global_count = count,
-                        .dropout_seed = dt_hash64(((uint64_t)v->seed << 32) ^ (uint64_t)(epoch * smp.steps + micro0 + j) ^
-                                                  ((uint64_t)comm->rank << 52)),
-                        .params = m->params,
-                        .grads = m->grads,
-                        .bufs = m->bufs,
-                        .allreduce_sum = ctx_allreduce,
-                        .grads_ready = j == k - 1 ? ctx_ready : NULL,
-                        .ctx = &ctx};
+        dt_pass pass = {
+            .be = be,
+            .batch = b->count,
+            .training = 1,
+            .global_count = count,
+            .dropout_seed = dt_hash64(((uint64_t)v->seed << 32) ^ (uint64_t)(epoch * smp.steps + micro0 + j) ^
+                                      ((uint64_t)comm->rank << 52)),
+            .params = m->params,
+            .grads = m->grads,
+            .bufs = m->bufs,
+            .allreduce_sum = ctx_allreduce,
+            .grads_ready = j == k - 1 ? ctx_ready : NULL,
+            .ctx = &ctx};
         model_forward(m, &pass);
         double l = 0, c = 0;
         loss_compute(m, &pass, b->labels, b->targets, &l, &c);
         if (!isfinite(l))
-          dt_fail(&st, DT_EXIT_NUMERIC, "the loss became %s at step %lld (epoch %lld); lower optim.lr or "
-                  "set train.clip_grad_norm", isnan(l) ? "NaN" : "infinite", (long long)ts.step + 1, (long long)epoch + 1);
+          dt_fail(&st, DT_EXIT_NUMERIC,
+                  "the loss became %s at step %lld (epoch %lld); lower optim.lr or "
+                  "set train.clip_grad_norm",
+                  isnan(l) ? "NaN" : "infinite", (long long)ts.step + 1, (long long)epoch + 1);
         mine.loss_sum += l;
         mine.correct += c;
         model_backward(m, &pass);
@@ -308,9 +327,10 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, cons
       gs.nonfinite = 0;
       grad_sync_finish(&gs);
       if (gs.nonfinite && !st.code)
-        dt_fail(&st, DT_EXIT_NUMERIC, "%lld non-finite gradient values at step %lld (epoch %lld); lower "
-                "optim.lr or set train.clip_grad_norm", (long long)gs.nonfinite, (long long)ts.step + 1,
-                (long long)epoch + 1);
+        dt_fail(&st, DT_EXIT_NUMERIC,
+                "%lld non-finite gradient values at step %lld (epoch %lld); lower "
+                "optim.lr or set train.clip_grad_norm",
+                (long long)gs.nonfinite, (long long)ts.step + 1, (long long)epoch + 1);
       /* a signal or the time limit on any rank stops every rank at this same step */
       int sig = signals_caught();
       mine.stop = sig ? sig : (v->time_limit > 0 && dt_now() - opts->t_launch >= v->time_limit ? -1 : 0);
@@ -351,11 +371,13 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, cons
         double min_ms, max_ms;
         int slow;
         straggler_line(comm, &lg, ms - data_ms - comm_ms, &min_ms, &max_ms, &slow);
-        log_line(&lg, "step %lld/%lld epoch %lld loss %.4f lr %.5f | %.0f samples/s | %.1f ms/step (compute %.1f, "
+        log_line(&lg,
+                 "step %lld/%lld epoch %lld loss %.4f lr %.5f | %.0f samples/s | %.1f ms/step (compute %.1f, "
                  "data %.1f, comm %.1f)",
                  (long long)ts.step, (long long)total, (long long)epoch + 1, mean_loss, lr, sps, ms,
                  ms - data_ms - comm_ms, data_ms, comm_ms);
-        log_metrics(&lg, "\"step\": %lld, \"epoch\": %lld, \"loss\": %.6g, \"lr\": %.6g, \"samples_per_s\": %.1f, "
+        log_metrics(&lg,
+                    "\"step\": %lld, \"epoch\": %lld, \"loss\": %.6g, \"lr\": %.6g, \"samples_per_s\": %.1f, "
                     "\"step_ms\": %.3f, \"compute_ms\": %.3f, \"data_ms\": %.3f, \"comm_ms\": %.3f, "
                     "\"compute_ms_min\": %.3f, \"compute_ms_max\": %.3f, \"straggler_rank\": %d",
                     (long long)ts.step, (long long)epoch + 1, mean_loss, lr, sps, ms, ms - data_ms - comm_ms, data_ms,
@@ -418,8 +440,9 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, cons
   if (!code && stop_signal) {
     if (leader) {
       const char *why = stop_signal == SIGUSR1 ? "SIGUSR1" : stop_signal == SIGTERM ? "SIGTERM" : "train.time_limit";
-      fprintf(stderr, "ddp_train: stopped by %s at step %lld after saving a checkpoint%s; continue with --resume auto\n",
-              why, (long long)ts.step, v->ckpt_dir[0] ? "" : " (none: checkpoint.dir is empty)");
+      fprintf(stderr,
+              "ddp_train: stopped by %s at step %lld after saving a checkpoint%s; continue with --resume auto\n", why,
+              (long long)ts.step, v->ckpt_dir[0] ? "" : " (none: checkpoint.dir is empty)");
       fflush(stderr);
     }
     code = DT_EXIT_STOPPED;

@@ -19,7 +19,7 @@ typedef struct {
 typedef struct {
   const dt_ckpt_data *resume; /* host state to continue from (NULL: fresh start) */
   dt_fault fault;
-  double t_launch;            /* dt_now() at start-up, for train.time_limit */
+  double t_launch; /* dt_now() at start-up, for train.time_limit */
 } dt_train_opts;
 
 /* Runs training to the end (epochs, max_steps, early stopping, or a stop request); returns 0

@@ -16,7 +16,9 @@ static dt_node *node_new(dt_node_kind kind, const char *origin, const yaml_mark_
   return n;
 }
 
-dt_node *yaml_new_map(const char *origin) { return node_new(DT_NODE_MAP, origin, NULL); }
+dt_node *yaml_new_map(const char *origin) {
+  return node_new(DT_NODE_MAP, origin, NULL);
+}
 
 void yaml_tree_free(dt_node *node) {
   if (!node) return;
@@ -77,90 +79,90 @@ static dt_node *parse_node(yaml_parser_t *p, yaml_event_t *ev, const char *origi
 static int next_event(yaml_parser_t *p, yaml_event_t *ev, const char *origin, dt_status *st) {
   if (yaml_parser_parse(p, ev)) return 1;
   dt_fail(st, DT_EXIT_INPUT, "%s:%zu:%zu: YAML syntax error: %s%s%s", origin, p->problem_mark.line + 1,
-          p->problem_mark.column + 1, p->problem ? p->problem : "unknown problem",
-          p->context ? " " : "", p->context ? p->context : "");
+          p->problem_mark.column + 1, p->problem ? p->problem : "unknown problem", p->context ? " " : "",
+          p->context ? p->context : "");
   return 0;
 }
 
 static dt_node *parse_node(yaml_parser_t *p, yaml_event_t *ev, const char *origin, dt_status *st) {
   switch (ev->type) {
-  case YAML_SCALAR_EVENT: {
-    dt_node *n = node_new(DT_NODE_SCALAR, origin, &ev->start_mark);
-    n->scalar = dt_strdup((const char *)ev->data.scalar.value);
-    n->quoted = ev->data.scalar.style == YAML_SINGLE_QUOTED_SCALAR_STYLE ||
-                ev->data.scalar.style == YAML_DOUBLE_QUOTED_SCALAR_STYLE;
-    yaml_event_delete(ev);
-    return n;
-  }
-  case YAML_SEQUENCE_START_EVENT: {
-    dt_node *n = node_new(DT_NODE_SEQ, origin, &ev->start_mark);
-    yaml_event_delete(ev);
-    for (;;) {
-      yaml_event_t child;
-      if (!next_event(p, &child, origin, st)) goto fail_seq;
-      if (child.type == YAML_SEQUENCE_END_EVENT) {
-        yaml_event_delete(&child);
-        return n;
-      }
-      dt_node *item = parse_node(p, &child, origin, st);
-      if (!item) goto fail_seq;
-      n->items = dt_realloc(n->items, (size_t)(n->n + 1) * sizeof *n->items);
-      n->items[n->n++] = item;
+    case YAML_SCALAR_EVENT: {
+      dt_node *n = node_new(DT_NODE_SCALAR, origin, &ev->start_mark);
+      n->scalar = dt_strdup((const char *)ev->data.scalar.value);
+      n->quoted = ev->data.scalar.style == YAML_SINGLE_QUOTED_SCALAR_STYLE ||
+                  ev->data.scalar.style == YAML_DOUBLE_QUOTED_SCALAR_STYLE;
+      yaml_event_delete(ev);
+      return n;
     }
-  fail_seq:
-    yaml_tree_free(n);
-    return NULL;
-  }
-  case YAML_MAPPING_START_EVENT: {
-    dt_node *n = node_new(DT_NODE_MAP, origin, &ev->start_mark);
-    yaml_event_delete(ev);
-    for (;;) {
-      yaml_event_t kev;
-      if (!next_event(p, &kev, origin, st)) goto fail_map;
-      if (kev.type == YAML_MAPPING_END_EVENT) {
-        yaml_event_delete(&kev);
-        return n;
+    case YAML_SEQUENCE_START_EVENT: {
+      dt_node *n = node_new(DT_NODE_SEQ, origin, &ev->start_mark);
+      yaml_event_delete(ev);
+      for (;;) {
+        yaml_event_t child;
+        if (!next_event(p, &child, origin, st)) goto fail_seq;
+        if (child.type == YAML_SEQUENCE_END_EVENT) {
+          yaml_event_delete(&child);
+          return n;
+        }
+        dt_node *item = parse_node(p, &child, origin, st);
+        if (!item) goto fail_seq;
+        n->items = dt_realloc(n->items, (size_t)(n->n + 1) * sizeof *n->items);
+        n->items[n->n++] = item;
       }
-      if (kev.type != YAML_SCALAR_EVENT) {
-        dt_fail(st, DT_EXIT_INPUT, "%s:%zu:%zu: a map key must be a plain scalar", origin,
-                kev.start_mark.line + 1, kev.start_mark.column + 1);
-        yaml_event_delete(&kev);
-        goto fail_map;
-      }
-      char *key = dt_strdup((const char *)kev.data.scalar.value);
-      int kl = (int)kev.start_mark.line + 1, kc = (int)kev.start_mark.column + 1;
-      yaml_event_delete(&kev);
-      if (yaml_map_get(n, key)) {
-        dt_fail(st, DT_EXIT_INPUT, "%s:%d:%d: duplicate key '%s'", origin, kl, kc, key);
-        free(key);
-        goto fail_map;
-      }
-      yaml_event_t vev;
-      if (!next_event(p, &vev, origin, st)) {
-        free(key);
-        goto fail_map;
-      }
-      dt_node *value = parse_node(p, &vev, origin, st);
-      if (!value) {
-        free(key);
-        goto fail_map;
-      }
-      map_push(n, key, kl, kc, value);
+    fail_seq:
+      yaml_tree_free(n);
+      return NULL;
     }
-  fail_map:
-    yaml_tree_free(n);
-    return NULL;
-  }
-  case YAML_ALIAS_EVENT:
-    dt_fail(st, DT_EXIT_INPUT, "%s:%zu:%zu: YAML aliases are not supported", origin, ev->start_mark.line + 1,
-            ev->start_mark.column + 1);
-    yaml_event_delete(ev);
-    return NULL;
-  default:
-    dt_fail(st, DT_EXIT_INPUT, "%s:%zu:%zu: unexpected YAML event", origin, ev->start_mark.line + 1,
-            ev->start_mark.column + 1);
-    yaml_event_delete(ev);
-    return NULL;
+    case YAML_MAPPING_START_EVENT: {
+      dt_node *n = node_new(DT_NODE_MAP, origin, &ev->start_mark);
+      yaml_event_delete(ev);
+      for (;;) {
+        yaml_event_t kev;
+        if (!next_event(p, &kev, origin, st)) goto fail_map;
+        if (kev.type == YAML_MAPPING_END_EVENT) {
+          yaml_event_delete(&kev);
+          return n;
+        }
+        if (kev.type != YAML_SCALAR_EVENT) {
+          dt_fail(st, DT_EXIT_INPUT, "%s:%zu:%zu: a map key must be a plain scalar", origin, kev.start_mark.line + 1,
+                  kev.start_mark.column + 1);
+          yaml_event_delete(&kev);
+          goto fail_map;
+        }
+        char *key = dt_strdup((const char *)kev.data.scalar.value);
+        int kl = (int)kev.start_mark.line + 1, kc = (int)kev.start_mark.column + 1;
+        yaml_event_delete(&kev);
+        if (yaml_map_get(n, key)) {
+          dt_fail(st, DT_EXIT_INPUT, "%s:%d:%d: duplicate key '%s'", origin, kl, kc, key);
+          free(key);
+          goto fail_map;
+        }
+        yaml_event_t vev;
+        if (!next_event(p, &vev, origin, st)) {
+          free(key);
+          goto fail_map;
+        }
+        dt_node *value = parse_node(p, &vev, origin, st);
+        if (!value) {
+          free(key);
+          goto fail_map;
+        }
+        map_push(n, key, kl, kc, value);
+      }
+    fail_map:
+      yaml_tree_free(n);
+      return NULL;
+    }
+    case YAML_ALIAS_EVENT:
+      dt_fail(st, DT_EXIT_INPUT, "%s:%zu:%zu: YAML aliases are not supported", origin, ev->start_mark.line + 1,
+              ev->start_mark.column + 1);
+      yaml_event_delete(ev);
+      return NULL;
+    default:
+      dt_fail(st, DT_EXIT_INPUT, "%s:%zu:%zu: unexpected YAML event", origin, ev->start_mark.line + 1,
+              ev->start_mark.column + 1);
+      yaml_event_delete(ev);
+      return NULL;
   }
 }
 
@@ -221,28 +223,28 @@ void yaml_emit_flow(const dt_node *node, char **out, size_t *len, size_t *cap) {
     return;
   }
   switch (node->kind) {
-  case DT_NODE_SCALAR:
-    if (node->quoted) append(out, len, cap, "\"");
-    append(out, len, cap, node->scalar);
-    if (node->quoted) append(out, len, cap, "\"");
-    break;
-  case DT_NODE_SEQ:
-    append(out, len, cap, "[");
-    for (int i = 0; i < node->n; i++) {
-      if (i) append(out, len, cap, ", ");
-      yaml_emit_flow(node->items[i], out, len, cap);
-    }
-    append(out, len, cap, "]");
-    break;
-  case DT_NODE_MAP:
-    append(out, len, cap, "{");
-    for (int i = 0; i < node->n; i++) {
-      if (i) append(out, len, cap, ", ");
-      append(out, len, cap, node->keys[i]);
-      append(out, len, cap, ": ");
-      yaml_emit_flow(node->items[i], out, len, cap);
-    }
-    append(out, len, cap, "}");
-    break;
+    case DT_NODE_SCALAR:
+      if (node->quoted) append(out, len, cap, "\"");
+      append(out, len, cap, node->scalar);
+      if (node->quoted) append(out, len, cap, "\"");
+      break;
+    case DT_NODE_SEQ:
+      append(out, len, cap, "[");
+      for (int i = 0; i < node->n; i++) {
+        if (i) append(out, len, cap, ", ");
+        yaml_emit_flow(node->items[i], out, len, cap);
+      }
+      append(out, len, cap, "]");
+      break;
+    case DT_NODE_MAP:
+      append(out, len, cap, "{");
+      for (int i = 0; i < node->n; i++) {
+        if (i) append(out, len, cap, ", ");
+        append(out, len, cap, node->keys[i]);
+        append(out, len, cap, ": ");
+        yaml_emit_flow(node->items[i], out, len, cap);
+      }
+      append(out, len, cap, "}");
+      break;
   }
 }

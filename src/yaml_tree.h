@@ -9,11 +9,11 @@ typedef enum { DT_NODE_SCALAR, DT_NODE_SEQ, DT_NODE_MAP } dt_node_kind;
 
 typedef struct dt_node {
   dt_node_kind kind;
-  const char *origin; /* borrowed: file name or "--set KEY"; lives as long as the tree's owner */
-  int line, col;      /* 1-based; 0 when the node came from --set */
-  char *scalar;       /* SCALAR only (owned) */
-  int quoted;         /* SCALAR was quoted: always a string */
-  int n;              /* SEQ/MAP: number of children */
+  const char *origin;     /* borrowed: file name or "--set KEY"; lives as long as the tree's owner */
+  int line, col;          /* 1-based; 0 when the node came from --set */
+  char *scalar;           /* SCALAR only (owned) */
+  int quoted;             /* SCALAR was quoted: always a string */
+  int n;                  /* SEQ/MAP: number of children */
   struct dt_node **items; /* SEQ: items; MAP: values (owned) */
   char **keys;            /* MAP: keys (owned) */
   int *key_line, *key_col;

@@ -25,10 +25,10 @@ static inline char *write_tmp(const char *text) {
   return path;
 }
 
-#define assert_contains(haystack, needle)                                                   \
-  do {                                                                                      \
-    const char *h_ = (haystack), *n_ = (needle);                                            \
-    if (!strstr(h_, n_)) fail_msg("expected \"%s\" in message:\n  %s", n_, h_);             \
+#define assert_contains(haystack, needle)                                       \
+  do {                                                                          \
+    const char *h_ = (haystack), *n_ = (needle);                                \
+    if (!strstr(h_, n_)) fail_msg("expected \"%s\" in message:\n  %s", n_, h_); \
   } while (0)
 
 #endif

@@ -2,7 +2,6 @@
 # Runs the whole suite: the cmocka unit tests, then the Python integration tests (mpirun, HDF5,
 # the PyTorch oracle). Every test prints one TAP line; the last line is
 # "N passed, N failed, N skipped". Exits nonzero on any failure.
-# DDP_TRAIN_GPU_TESTS=only runs only the GPU tests (make test-gpu).
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build/cpu}
@@ -37,14 +36,12 @@ run_suite() { # name, command...
   fi
 }
 
-if [ "${DDP_TRAIN_GPU_TESTS:-}" != only ]; then
-  for t in test_config test_sampler test_model test_ops test_optim; do
-    run_suite "$t" env CMOCKA_MESSAGE_OUTPUT=TAP "$BUILD/tests/$t"
-  done
-  for t in test_cli test_train test_torch_oracle test_faults test_export test_slurm; do
-    run_suite "$t" "$PYTHON" tests/pyrun.py "$t"
-  done
-fi
+for t in test_config test_sampler test_model test_ops test_optim; do
+  run_suite "$t" env CMOCKA_MESSAGE_OUTPUT=TAP "$BUILD/tests/$t"
+done
+for t in test_cli test_train test_torch_oracle test_faults test_export test_slurm; do
+  run_suite "$t" "$PYTHON" tests/pyrun.py "$t"
+done
 
 passed=$(grep -c P "$tally")
 failed=$(grep -c F "$tally")

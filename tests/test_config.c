@@ -5,15 +5,15 @@
 #include "config.h"
 #include "model.h"
 
-#define BASE                                 \
-  "model:\n"                                 \
-  "  input: [1, 4, 4]\n"                     \
-  "  layers:\n"                              \
-  "    - flatten: {}\n"                      \
-  "    - linear: {out: 3}\n"                 \
-  "data:\n"                                  \
-  "  path: /nonexistent.h5\n"                \
-  "train:\n"                                 \
+#define BASE                  \
+  "model:\n"                  \
+  "  input: [1, 4, 4]\n"      \
+  "  layers:\n"               \
+  "    - flatten: {}\n"       \
+  "    - linear: {out: 3}\n"  \
+  "data:\n"                   \
+  "  path: /nonexistent.h5\n" \
+  "train:\n"                  \
   "  batch_size: 8\n"
 
 /* Loads text (+ sets); returns the status code and leaves the message in st. */
@@ -42,7 +42,7 @@ static void valid_config_has_values_and_defaults(void **state) {
   assert_int_equal((int)cfg.v.input.v[1], 4);
   assert_true(cfg.v.lr == 0.25);
   assert_true(cfg.v.betas.v[0] == 0.8);
-  assert_int_equal(cfg.v.epochs, 1);          /* default */
+  assert_int_equal(cfg.v.epochs, 1); /* default */
   assert_int_equal(cfg.v.sharding, DT_SHARD_GLOBAL);
   assert_string_equal(cfg.v.train_x, "/train/images");
   assert_true(cfg.v.bucket_mb == 25);

@@ -58,18 +58,27 @@ static void tensors_use_pytorch_names_layouts_and_order(void **state) {
   dt_config cfg;
   dt_model m;
   dt_status st;
-  const char *yaml = "  input: [3, 8, 8]\n"
-                     "  layers:\n"
-                     "    - conv2d: {out: 4, kernel: 3, pad: 1}\n"
-                     "    - residual:\n"
-                     "        body: [{conv2d: {out: 6, kernel: 3, stride: 2, pad: 1, bias: false}}, {batchnorm: {}}]\n"
-                     "        shortcut: [{conv2d: {out: 6, kernel: 1, stride: 2}}]\n"
-                     "    - global_avgpool: {}\n"
-                     "    - linear: {out: 5}\n";
+  const char *yaml =
+      "  input: [3, 8, 8]\n"
+      "  layers:\n"
+      "    - conv2d: {out: 4, kernel: 3, pad: 1}\n"
+      "    - residual:\n"
+      "        body: [{conv2d: {out: 6, kernel: 3, stride: 2, pad: 1, bias: false}}, {batchnorm: {}}]\n"
+      "        shortcut: [{conv2d: {out: 6, kernel: 1, stride: 2}}]\n"
+      "    - global_avgpool: {}\n"
+      "    - linear: {out: 5}\n";
   assert_int_equal(build(yaml, &cfg, &m, &st), 0);
-  const char *names[] = {"0.weight", "0.bias", "1.body.0.weight", "1.body.1.weight", "1.body.1.bias",
-                         "1.body.1.running_mean", "1.body.1.running_var", "1.shortcut.0.weight", "1.shortcut.0.bias",
-                         "3.weight", "3.bias"};
+  const char *names[] = {"0.weight",
+                         "0.bias",
+                         "1.body.0.weight",
+                         "1.body.1.weight",
+                         "1.body.1.bias",
+                         "1.body.1.running_mean",
+                         "1.body.1.running_var",
+                         "1.shortcut.0.weight",
+                         "1.shortcut.0.bias",
+                         "3.weight",
+                         "3.bias"};
   assert_int_equal(m.n_tensors, 11);
   for (int i = 0; i < 11; i++) assert_string_equal(m.tensors[i].name, names[i]);
   assert_int_equal(m.tensors[2].ndim, 4);
@@ -123,12 +132,14 @@ static void unknown_layers_and_parameters_suggest(void **state) {
   assert_int_equal(build_err("  input: [1, 4, 4]\n  layers:\n    - conv2: {out: 3, kernel: 3}\n", &st), DT_EXIT_INPUT);
   assert_contains(st.msg, ":4:7: model.layers[0]: unknown layer 'conv2'; did you mean 'conv2d'?");
   assert_int_equal(build_err("  input: [1, 4, 4]\n  layers:\n    - conv2d: {out: 3, kernal: 3}\n", &st), DT_EXIT_INPUT);
-  assert_contains(st.msg, "unknown parameter 'model.layers[0] conv2d: kernal'; did you mean 'model.layers[0] conv2d: kernel'?");
+  assert_contains(st.msg,
+                  "unknown parameter 'model.layers[0] conv2d: kernal'; did you mean 'model.layers[0] conv2d: kernel'?");
   assert_int_equal(build_err("  input: [1, 4, 4]\n  layers:\n    - conv2d: {kernel: 3}\n", &st), DT_EXIT_INPUT);
   assert_contains(st.msg, "missing required parameter 'model.layers[0] conv2d: out'");
   assert_int_equal(build_err("  input: [4]\n  layers:\n    - dropout: {p: 1.0}\n", &st), DT_EXIT_INPUT);
   assert_contains(st.msg, "model.layers[0] dropout: p: expected a number in [0, 0.999], got '1.0'");
-  assert_int_equal(build_err("  input: [4]\n  layers: [{linear: {out: 2}}]\n  loss: crossentropy\n", &st), DT_EXIT_INPUT);
+  assert_int_equal(build_err("  input: [4]\n  layers: [{linear: {out: 2}}]\n  loss: crossentropy\n", &st),
+                   DT_EXIT_INPUT);
   assert_contains(st.msg, "unknown loss 'crossentropy'; did you mean 'cross_entropy'?");
   assert_int_equal(build_err("  input: [4]\n  layers: [{linear: {out: 2}, relu: {}}]\n", &st), DT_EXIT_INPUT);
   assert_contains(st.msg, "a layer is a one-key map");
@@ -141,9 +152,10 @@ static void losses_parse(void **state) {
   dt_config cfg;
   dt_model m;
   dt_status st;
-  assert_int_equal(build("  input: [4]\n  layers: [{linear: {out: 3}}]\n  loss: {cross_entropy: {label_smoothing: 0.1}}\n",
-                         &cfg, &m, &st),
-                   0);
+  assert_int_equal(
+      build("  input: [4]\n  layers: [{linear: {out: 3}}]\n  loss: {cross_entropy: {label_smoothing: 0.1}}\n", &cfg, &m,
+            &st),
+      0);
   assert_int_equal(m.loss_kind, DT_LOSS_CROSS_ENTROPY);
   assert_true(m.label_smoothing == 0.1);
   model_free(&m);

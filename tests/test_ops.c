@@ -54,8 +54,14 @@ static void teardown(fixture *f) {
 }
 
 static dt_pass make_pass(fixture *f) {
-  return (dt_pass){.be = f->be, .batch = f->batch, .training = 1, .global_count = (double)f->batch,
-                   .dropout_seed = 99, .params = f->m.params, .grads = f->m.grads, .bufs = f->m.bufs};
+  return (dt_pass){.be = f->be,
+                   .batch = f->batch,
+                   .training = 1,
+                   .global_count = (double)f->batch,
+                   .dropout_seed = 99,
+                   .params = f->m.params,
+                   .grads = f->m.grads,
+                   .bufs = f->m.bufs};
 }
 
 static double loss_of(fixture *f) {
@@ -123,9 +129,10 @@ static void linear_grads(void **s) {
 static void conv2d_grads(void **s) {
   (void)s;
   grad_check("  input: [2, 5, 5]\n  layers: [{conv2d: {out: 3, kernel: 3, pad: 1}}, flatten]\n  loss: mse\n", 2);
-  grad_check("  input: [2, 6, 5]\n  layers: [{conv2d: {out: 3, kernel: 3, stride: 2, pad: 1, bias: false}}, flatten]\n"
-             "  loss: mse\n",
-             2);
+  grad_check(
+      "  input: [2, 6, 5]\n  layers: [{conv2d: {out: 3, kernel: 3, stride: 2, pad: 1, bias: false}}, flatten]\n"
+      "  loss: mse\n",
+      2);
   grad_check("  input: [1, 5, 5]\n  layers: [{conv2d: {out: 2, kernel: 2, stride: 1}}, flatten]\n  loss: mse\n", 3);
 }
 
@@ -161,16 +168,18 @@ static void dropout_and_flatten_grads(void **s) {
 
 static void residual_grads(void **s) {
   (void)s;
-  grad_check("  input: [2, 4, 4]\n  layers:\n"
-             "    - residual: {body: [{conv2d: {out: 2, kernel: 3, pad: 1, bias: false}}, {batchnorm: {}}, relu]}\n"
-             "    - flatten\n  loss: mse\n",
-             3);
-  grad_check("  input: [2, 4, 4]\n  layers:\n"
-             "    - residual:\n"
-             "        body: [{conv2d: {out: 3, kernel: 3, stride: 2, pad: 1}}, tanh]\n"
-             "        shortcut: [{conv2d: {out: 3, kernel: 1, stride: 2}}]\n"
-             "    - flatten\n  loss: mse\n",
-             2);
+  grad_check(
+      "  input: [2, 4, 4]\n  layers:\n"
+      "    - residual: {body: [{conv2d: {out: 2, kernel: 3, pad: 1, bias: false}}, {batchnorm: {}}, relu]}\n"
+      "    - flatten\n  loss: mse\n",
+      3);
+  grad_check(
+      "  input: [2, 4, 4]\n  layers:\n"
+      "    - residual:\n"
+      "        body: [{conv2d: {out: 3, kernel: 3, stride: 2, pad: 1}}, tanh]\n"
+      "        shortcut: [{conv2d: {out: 3, kernel: 1, stride: 2}}]\n"
+      "    - flatten\n  loss: mse\n",
+      2);
 }
 
 static void loss_grads(void **s) {
@@ -184,7 +193,9 @@ static void loss_grads(void **s) {
 static void loss_values_by_hand(void **s) {
   (void)s;
   fixture f;
-  setup(&f, "  input: [2]\n  layers: [{linear: {out: 2, bias: false}}]\n  loss: {cross_entropy: {label_smoothing: 0.1}}\n", 1);
+  setup(&f,
+        "  input: [2]\n  layers: [{linear: {out: 2, bias: false}}]\n  loss: {cross_entropy: {label_smoothing: 0.1}}\n",
+        1);
   /* W = I, x = (1, 0): logits (1, 0); label 0 */
   f.m.params[0] = 1, f.m.params[1] = 0, f.m.params[2] = 0, f.m.params[3] = 1;
   f.m.input_x[0] = 1, f.m.input_x[1] = 0;
@@ -203,9 +214,9 @@ static void loss_values_by_hand(void **s) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(linear_grads),   cmocka_unit_test(conv2d_grads),  cmocka_unit_test(batchnorm_grads),
+      cmocka_unit_test(linear_grads),     cmocka_unit_test(conv2d_grads),  cmocka_unit_test(batchnorm_grads),
       cmocka_unit_test(activation_grads), cmocka_unit_test(pooling_grads), cmocka_unit_test(dropout_and_flatten_grads),
-      cmocka_unit_test(residual_grads), cmocka_unit_test(loss_grads),    cmocka_unit_test(loss_values_by_hand),
+      cmocka_unit_test(residual_grads),   cmocka_unit_test(loss_grads),    cmocka_unit_test(loss_values_by_hand),
   };
   return cmocka_run_group_tests_name("ops", tests, NULL, NULL);
 }

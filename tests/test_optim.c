@@ -19,8 +19,11 @@ static dt_config_values base(void) {
   return c;
 }
 
-#define assert_near(a, b, tol) \
-  do { double a_ = (a), b_ = (b); if (fabs(a_ - b_) > (tol)) fail_msg("%.9g != %.9g", a_, b_); } while (0)
+#define assert_near(a, b, tol)                                   \
+  do {                                                           \
+    double a_ = (a), b_ = (b);                                   \
+    if (fabs(a_ - b_) > (tol)) fail_msg("%.9g != %.9g", a_, b_); \
+  } while (0)
 
 static void sgd_nesterov_with_weight_decay(void **s) {
   (void)s;

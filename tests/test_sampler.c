@@ -48,8 +48,9 @@ static void every_sample_exactly_once_per_epoch(void **state) {
           int64_t used = run_epoch(n, world, G, contiguous, 0, 3, seen);
           assert_int_equal(used, n);
           for (int64_t i = 0; i < n; i++)
-            if (seen[i] != 1) fail_msg("n=%lld W=%d G=%lld contiguous=%d: row %lld used %d times", (long long)n, world,
-                                       (long long)G, contiguous, (long long)i, seen[i]);
+            if (seen[i] != 1)
+              fail_msg("n=%lld W=%d G=%lld contiguous=%d: row %lld used %d times", (long long)n, world, (long long)G,
+                       contiguous, (long long)i, seen[i]);
           free(seen);
         }
 }
