@@ -4,6 +4,7 @@
 #   make data       data/fashion_mnist.h5 from Debian's dataset-fashion-mnist, data/synthetic_cifar.h5
 #   make run        deps + build + data, then train configs/model.yaml on 2 ranks
 #   make test       deps + build + data, then the whole test suite
+#   make test-gpu   the GPU tests only (CUDA against CPU, op by op and in training; skipped without a GPU)
 #   make bench      CPU throughput against PyTorch, same run
 #   make install    PREFIX=/usr/local: the binary, scripts, configs and the man page
 
@@ -32,19 +33,22 @@ LDLIBS = $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -lg
 SRCS := common.c yaml_tree.c keys.c config.c model.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
         layer_activation.c layer_residual.c layer_loss.c backend_cpu.c comm_mpi.c sampler.c data_hdf5.c optim.c \
         checkpoint.c log.c train.c signals.c fault.c h5util.c
+CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=compute_90
+NVCCFLAGS ?= -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra,-Werror
 ifeq ($(CUDA),1)
-  SRCS += gpu_cuda.c
-  override CFLAGS += -I$(CUDA_HOME)/include -DDT_WITH_CUDA=1
-  LDLIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudnn -lcublas -lcudart -lnccl
+  SRCS += gpu_cuda.c backend_cuda.c
+  override CFLAGS += -I$(CUDA_HOME)/include -Ikernels -DDT_WITH_CUDA=1
+  LDLIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudnn -lcublas -lcudart -lnccl -lstdc++
+  KERNEL_OBJS := $(patsubst kernels/%.cu,$(BUILD)/kernels/%.o,$(wildcard kernels/*.cu))
 else
   SRCS += gpu_none.c
 endif
-OBJS := $(SRCS:%.c=$(BUILD)/%.o)
+OBJS := $(SRCS:%.c=$(BUILD)/%.o) $(KERNEL_OBJS)
 
-TESTS := test_config test_sampler test_model test_ops test_optim
+TESTS := test_config test_sampler test_model test_ops test_optim $(if $(filter 1,$(CUDA)),test_gpu)
 TEST_BINS := $(TESTS:%=$(BUILD)/tests/%)
 
-.PHONY: all deps data run test bench clean docs ddp_train install
+.PHONY: all deps data run test test-gpu bench clean docs ddp_train install
 PREFIX ?= /usr/local
 all: ddp_train
 
@@ -59,6 +63,10 @@ $(BUILD)/%.o: src/%.c src/*.h | $(BUILD)/tests
 
 $(BUILD)/tests/%: tests/%.c $(OBJS) tests/*.h | $(BUILD)/tests
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(OBJS) $(LDLIBS) -lcmocka
+
+$(BUILD)/kernels/%.o: kernels/%.cu kernels/*.h kernels/*.cuh
+	@mkdir -p $(BUILD)/kernels
+	$(NVCC) $(NVCCFLAGS) -Ikernels -c -o $@ $<
 
 $(BUILD)/tests:
 	mkdir -p $@
@@ -94,6 +102,10 @@ run: deps
 test: deps
 	$(MAKE) ddp_train data $(TEST_BINS)
 	BUILD=$(BUILD) PYTHON=$(PYTHON) bash tests/run.sh
+
+test-gpu: deps
+	$(MAKE) ddp_train data $(TEST_BINS)
+	BUILD=$(BUILD) PYTHON=$(PYTHON) DDP_TRAIN_SUITES="test_gpu test_gpu_train" bash tests/run.sh
 
 bench: deps
 	$(MAKE) ddp_train data

@@ -214,6 +214,7 @@ struct dt_backend {
   void (*sync)(dt_backend *be);
   void (*destroy)(dt_backend *be);
   int threads;
+  int host_memory; /* buffers are host memory (CPU): MPI can use them directly */
   void *impl;
 };
 
@@ -223,6 +224,9 @@ static inline void backend_run(dt_backend *be, const dt_op *op) {
 
 /* CPU backend with `threads` threads for BLAS and loops. Caller owns; destroy frees. */
 dt_backend *backend_cpu_create(int threads);
+
+/* CUDA backend on visible device `device` (backend_cuda.c; only in CUDA builds). */
+dt_backend *backend_cuda_create(int device);
 
 /* Counter-based hash to a uniform float in [0,1): the same on every backend. */
 static inline uint64_t dt_hash64(uint64_t x) {

@@ -571,6 +571,7 @@ dt_backend *backend_cpu_create(int threads) {
                      .sync = cpu_sync,
                      .destroy = cpu_destroy,
                      .threads = threads,
+                     .host_memory = 1,
                      .impl = im};
   return be;
 }

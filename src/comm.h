@@ -15,6 +15,7 @@
 #include <mpi.h>
 #include <stdint.h>
 
+#include "backend.h"
 #include "common.h"
 
 typedef struct {
@@ -79,7 +80,9 @@ typedef int64_t (*dt_check_fn)(void *ctx, int64_t begin, int64_t end);
 
 typedef struct {
   dt_comm *comm;
-  float *grads; /* borrowed, host memory */
+  dt_backend *be; /* borrowed: copies device buckets through `staging` when not host memory */
+  float *grads;   /* borrowed, backend memory */
+  float *staging; /* owned: host copy of the buffer (NULL for host backends) */
   dt_check_fn check;
   void *check_ctx;
   int64_t nonfinite; /* found by check since the last grad_sync_finish */
@@ -89,8 +92,8 @@ typedef struct {
   double wait_s;      /* time spent waiting in grad_sync_finish this step */
 } dt_grad_sync;
 
-void grad_sync_init(dt_grad_sync *g, dt_comm *c, float *grads, int64_t n, int64_t bucket_elems, dt_check_fn check,
-                    void *check_ctx);
+void grad_sync_init(dt_grad_sync *g, dt_comm *c, dt_backend *be, float *grads, int64_t n, int64_t bucket_elems,
+                    dt_check_fn check, void *check_ctx);
 void grad_sync_free(dt_grad_sync *g);
 /* Backward hook: every gradient at offset >= from is final. Starts the buckets it completes. */
 void grad_sync_ready(dt_grad_sync *g, int64_t from);

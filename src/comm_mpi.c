@@ -249,11 +249,13 @@ int comm_step_agree(dt_comm *c, const dt_step_report *mine, const dt_status *st,
   return code;
 }
 
-void grad_sync_init(dt_grad_sync *g, dt_comm *c, float *grads, int64_t n, int64_t bucket_elems, dt_check_fn check,
-                    void *check_ctx) {
+void grad_sync_init(dt_grad_sync *g, dt_comm *c, dt_backend *be, float *grads, int64_t n, int64_t bucket_elems,
+                    dt_check_fn check, void *check_ctx) {
   memset(g, 0, sizeof *g);
   g->comm = c;
+  g->be = be;
   g->grads = grads;
+  if (!be->host_memory && c->size > 1) g->staging = dt_malloc((size_t)(n ? n : 1) * sizeof(float));
   g->check = check;
   g->check_ctx = check_ctx;
   if (bucket_elems < 1) bucket_elems = 1;
@@ -268,6 +270,7 @@ void grad_sync_init(dt_grad_sync *g, dt_comm *c, float *grads, int64_t n, int64_
 
 void grad_sync_free(dt_grad_sync *g) {
   free(g->buckets);
+  free(g->staging);
   memset(g, 0, sizeof *g);
 }
 
@@ -275,7 +278,12 @@ static void start_bucket(dt_grad_sync *g, dt_bucket *b) {
   int64_t count = b->end - b->begin;
   DT_ASSERT(count <= 0x7fffffff);
   if (g->check) g->nonfinite += g->check(g->check_ctx, b->begin, b->end);
-  MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, g->grads + b->begin, (int)count, MPI_FLOAT, MPI_SUM, g->comm->world, &b->req));
+  float *buf = g->grads + b->begin;
+  if (g->staging) { /* device gradients go through host memory */
+    g->be->to_host(g->be, g->staging + b->begin, buf, (size_t)count * sizeof(float));
+    buf = g->staging + b->begin;
+  }
+  MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, MPI_FLOAT, MPI_SUM, g->comm->world, &b->req));
   b->started = 1;
 }
 
@@ -295,6 +303,8 @@ void grad_sync_finish(dt_grad_sync *g) {
   MPI_Request *reqs = dt_malloc((size_t)(g->n_buckets ? g->n_buckets : 1) * sizeof *reqs);
   for (int i = 0; i < g->n_buckets; i++) reqs[i] = g->buckets[i].req;
   comm_wait(g->comm, reqs, g->n_buckets, "gradient allreduce");
+  if (g->staging && g->n_buckets)
+    g->be->to_device(g->be, g->grads, g->staging, (size_t)g->buckets[0].end * sizeof(float));
   for (int i = 0; i < g->n_buckets; i++) {
     g->buckets[i].req = MPI_REQUEST_NULL;
     g->buckets[i].started = 0;

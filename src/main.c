@@ -30,7 +30,7 @@ static const char usage_text[] =
     "options:\n"
     "  --set KEY=VALUE   override a config key (dotted path, repeatable), e.g. --set train.epochs=3\n"
     "  --dry-run         validate the config and the data, print the model summary, exit 0\n"
-    "  --device DEV      auto, cpu or cuda (default auto: cpu in this version)\n"
+    "  --device DEV      auto, cpu or cuda (auto: cpu until the CUDA backend is validated on a GPU)\n"
     "  --resume PATH     continue from a checkpoint file; `--resume auto` takes the newest good one in\n"
     "                    checkpoint.dir (falling back past unreadable ones) or starts fresh when there is none\n"
     "  --predict OUT.h5  write the validation logits of the model (from --resume or model.init_from) and exit\n"
@@ -180,6 +180,50 @@ static int pick_threads(const dt_config *cfg, const dt_comm *c) {
   if (share < 1) share = 1;
   return mine < share ? mine : share;
 }
+
+/* The GPU this rank uses (-1: the CPU backend). --device auto stays on the CPU until the CUDA
+ * backend has been validated on a GPU (README "Status"); --device cuda opts in. Rank i of a node
+ * uses visible GPU i; with dist.comm mpi several ranks may share one GPU. */
+static int select_device(const cli_args *a, const dt_config *cfg, const dt_comm *comm, dt_status *st) {
+  if (a->device != DEV_CUDA) return -1;
+  char why[256] = "";
+  int n = gpu_count(why, sizeof why);
+  if (n == 0) {
+    dt_fail(st, DT_EXIT_INPUT, "--device cuda: %s; use --device cpu", why);
+    return -1;
+  }
+  if (cfg->v.comm == DT_COMM_NCCL) {
+    if (comm->local_size > n)
+      dt_fail(st, DT_EXIT_INPUT,
+              "dist.comm nccl: %d ranks on node %s but %d visible GPU%s, and NCCL refuses two ranks "
+              "on one GPU; start at most %d ranks per node, or set dist.comm: mpi to share GPUs",
+              comm->local_size, comm->host, n, n > 1 ? "s" : "", n);
+    else
+      dt_fail(st, DT_EXIT_INPUT,
+              "dist.comm nccl: the NCCL communicator is not built yet; set dist.comm: mpi (or auto)");
+    return -1;
+  }
+  return comm->local_rank % n;
+}
+
+#ifdef DT_WITH_CUDA
+/* Rank 0 prints rank, host, GPU and PCI bus id of every rank. */
+static void print_device_table(dt_comm *comm, int gpu) {
+  enum { CAP = 600 };
+  char line[CAP], desc[512];
+  size_t free_b;
+  gpu_describe(gpu, desc, sizeof desc, &free_b);
+  snprintf(line, CAP, "  rank %-4d %-20s %s\n", comm->rank, comm->host, desc);
+  char *all = comm->rank == 0 ? dt_calloc((size_t)comm->size, CAP) : NULL;
+  comm_gather_text(comm, line, CAP, all);
+  if (comm->rank == 0) {
+    printf("devices:\n");
+    for (int r = 0; r < comm->size; r++) fputs(all + (size_t)r * CAP, stdout);
+    fflush(stdout);
+  }
+  free(all);
+}
+#endif
 
 /* Rank 0's parameters (from init_from or the seed) become everyone's. */
 static int init_params(const dt_config *cfg, dt_model *m, dt_comm *comm) {
@@ -409,14 +453,7 @@ int main(int argc, char **argv) {
   if ((code = comm_agree(&comm, &st))) goto done;
   model_build(&model, &cfg, &st);
   if ((code = comm_agree(&comm, &st))) goto done;
-  if (args.device == DEV_CUDA) {
-    char why[256] = "";
-    int n = gpu_count(why, sizeof why);
-    if (n == 0)
-      dt_fail(&st, DT_EXIT_INPUT, "--device cuda: %s; use --device cpu", why);
-    else
-      dt_fail(&st, DT_EXIT_INPUT, "--device cuda: the CUDA backend is not part of this version yet; use --device cpu");
-  }
+  int gpu = select_device(&args, &cfg, &comm, &st);
   if ((code = comm_agree(&comm, &st))) goto done;
   data_open(&data, &cfg, &model, comm.size, comm.rank, &st);
   if ((code = comm_agree(&comm, &st))) goto done;
@@ -433,7 +470,13 @@ int main(int argc, char **argv) {
     code = comm_agree(&comm, &st);
     goto done;
   }
-  be = backend_cpu_create(pick_threads(&cfg, &comm));
+#ifdef DT_WITH_CUDA
+  if (gpu >= 0) {
+    print_device_table(&comm, gpu);
+    be = backend_cuda_create(gpu);
+  }
+#endif
+  if (!be) be = backend_cpu_create(pick_threads(&cfg, &comm));
   int64_t W = comm.size;
   int64_t G = cfg.v.global_batch_size ? cfg.v.global_batch_size : cfg.v.batch_size * W;
   int64_t max_local = (G + W - 1) / W + 1;

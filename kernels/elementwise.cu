@@ -1,0 +1,119 @@
+// elementwise.cu: bias, activations, dropout, add, scale, sum of squares, input conversion.
+#include <math.h>
+
+#include "common.cuh"
+#include "kernels.h"
+
+enum { ACT_RELU, ACT_GELU, ACT_TANH, ACT_SIGMOID };  // backend.h's DT_ACT_*
+
+__global__ void bias_add_kernel(float *y, const float *bias, int64_t n, int64_t c, int64_t sp) {
+  GRID_STRIDE(i, n) y[i] += bias[(i / sp) % c];
+}
+
+// One block per channel: db[c] += sum over (b, s) of dy.
+__global__ void bias_grad_kernel(const float *dy, float *db, int64_t b, int64_t c, int64_t sp) {
+  int64_t ch = blockIdx.x;
+  double acc = 0;
+  for (int64_t i = threadIdx.x; i < b * sp; i += blockDim.x) acc += dy[(i / sp) * c * sp + ch * sp + i % sp];
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) db[ch] += (float)acc;
+}
+
+__device__ __forceinline__ float gelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
+__device__ __forceinline__ float gelu_grad(float x) {
+  return 0.5f * (1.0f + erff(x * 0.70710678118654752f)) + x * 0.39894228040143268f * expf(-0.5f * x * x);
+}
+
+__global__ void act_fwd_kernel(int kind, const float *x, float *y, int64_t n) {
+  GRID_STRIDE(i, n) {
+    float v = x[i];
+    y[i] = kind == ACT_RELU ? (v < 0 ? 0.0f : v)  // NaN passes, as in PyTorch
+           : kind == ACT_GELU ? gelu(v)
+           : kind == ACT_TANH ? tanhf(v)
+                              : 1.0f / (1.0f + expf(-v));
+  }
+}
+
+__global__ void act_bwd_kernel(int kind, const float *x, const float *y, const float *dy, float *dx, int64_t n) {
+  GRID_STRIDE(i, n) {
+    float g = kind == ACT_RELU ? (x[i] > 0 ? 1.0f : 0.0f)
+              : kind == ACT_GELU ? gelu_grad(x[i])
+              : kind == ACT_TANH ? 1.0f - y[i] * y[i]
+                                 : y[i] * (1.0f - y[i]);
+    dx[i] = g * dy[i];
+  }
+}
+
+__global__ void dropout_kernel(const float *x, float *y, int64_t n, float p, float keep, uint64_t seed) {
+  GRID_STRIDE(i, n) y[i] = d_hash_uniform(seed, (uint64_t)i) >= p ? x[i] * keep : 0.0f;
+}
+
+__global__ void add_kernel(const float *a, const float *b, float *y, int64_t n) { GRID_STRIDE(i, n) y[i] = a[i] + b[i]; }
+
+__global__ void scale_kernel(float *x, float alpha, int64_t n) { GRID_STRIDE(i, n) x[i] *= alpha; }
+
+__global__ void sumsq_kernel(const float *x, int64_t n, double *out) {
+  double acc = 0, bad = 0;
+  GRID_STRIDE(i, n) {
+    float v = x[i];
+    if (isfinite(v)) acc += (double)v * v;
+    else bad += 1;
+  }
+  acc = block_sum(acc);
+  bad = block_sum(bad);
+  if (threadIdx.x == 0) {
+    atomicAdd(&out[0], acc);
+    atomicAdd(&out[1], bad);
+  }
+}
+
+__global__ void input_kernel(const float *raw, float *x, int64_t n, int64_t c, int64_t sp, float scale,
+                             const float *mean, const float *std) {
+  GRID_STRIDE(i, n) {
+    int64_t ch = (i / sp) % c;
+    float m = mean ? mean[ch] : 0.0f, inv = std ? 1.0f / std[ch] : 1.0f;
+    x[i] = (raw[i] * scale - m) * inv;
+  }
+}
+
+extern "C" {
+
+void k_bias_add(cudaStream_t s, float *y, const float *bias, int64_t b, int64_t c, int64_t sp) {
+  bias_add_kernel<<<blocks_for(b * c * sp), kThreads, 0, s>>>(y, bias, b * c * sp, c, sp);
+}
+
+void k_bias_grad(cudaStream_t s, const float *dy, float *db, int64_t b, int64_t c, int64_t sp) {
+  bias_grad_kernel<<<(unsigned)c, kThreads, 0, s>>>(dy, db, b, c, sp);
+}
+
+void k_act_fwd(cudaStream_t s, int kind, const float *x, float *y, int64_t n) {
+  act_fwd_kernel<<<blocks_for(n), kThreads, 0, s>>>(kind, x, y, n);
+}
+
+void k_act_bwd(cudaStream_t s, int kind, const float *x, const float *y, const float *dy, float *dx, int64_t n) {
+  act_bwd_kernel<<<blocks_for(n), kThreads, 0, s>>>(kind, x, y, dy, dx, n);
+}
+
+void k_dropout(cudaStream_t s, const float *x, float *y, int64_t n, float p, uint64_t seed) {
+  dropout_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, y, n, p, 1.0f / (1.0f - p), seed);
+}
+
+void k_add(cudaStream_t s, const float *a, const float *b, float *y, int64_t n) {
+  add_kernel<<<blocks_for(n), kThreads, 0, s>>>(a, b, y, n);
+}
+
+void k_scale(cudaStream_t s, float *x, float alpha, int64_t n) { scale_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, alpha, n); }
+
+void k_sumsq(cudaStream_t s, const float *x, int64_t n, double *out) {
+  cudaMemsetAsync(out, 0, 2 * sizeof(double), s);
+  unsigned blocks = blocks_for(n);
+  if (blocks > 1024) blocks = 1024;
+  sumsq_kernel<<<blocks, kThreads, 0, s>>>(x, n, out);
+}
+
+void k_input(cudaStream_t s, const float *raw, float *x, int64_t b, int64_t c, int64_t sp, float scale,
+             const float *mean, const float *std) {
+  input_kernel<<<blocks_for(b * c * sp), kThreads, 0, s>>>(raw, x, b * c * sp, c, sp, scale, mean, std);
+}
+
+}  // extern "C"

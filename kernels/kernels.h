@@ -1,0 +1,58 @@
+/* kernels.h: C entry points of the CUDA kernels (kernels/ *.cu files), called by backend_cuda.c.
+ * Every pointer is device memory unless named host_*; every call is asynchronous on `stream`.
+ * Shapes follow backend.h's op comments. */
+#ifndef DT_KERNELS_H
+#define DT_KERNELS_H
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* elementwise.cu */
+void k_bias_add(cudaStream_t s, float *y, const float *bias, int64_t b, int64_t c, int64_t sp);
+void k_bias_grad(cudaStream_t s, const float *dy, float *db, int64_t b, int64_t c, int64_t sp);
+void k_act_fwd(cudaStream_t s, int kind, const float *x, float *y, int64_t n);
+void k_act_bwd(cudaStream_t s, int kind, const float *x, const float *y, const float *dy, float *dx, int64_t n);
+void k_dropout(cudaStream_t s, const float *x, float *y, int64_t n, float p, uint64_t seed);
+void k_add(cudaStream_t s, const float *a, const float *b, float *y, int64_t n);
+void k_scale(cudaStream_t s, float *x, float alpha, int64_t n);
+/* out[0] = sum x^2 (double), out[1] = count of non-finite values (as double); out zeroed first */
+void k_sumsq(cudaStream_t s, const float *x, int64_t n, double *out);
+void k_input(cudaStream_t s, const float *raw, float *x, int64_t b, int64_t c, int64_t sp, float scale,
+             const float *mean, const float *std);
+
+/* optim.cu: one pass over the flat parameter buffer */
+void k_sgd(cudaStream_t s, float *p, const float *g, float *mom, int64_t n, float lr, float momentum, float wd,
+           int nesterov, int first);
+void k_adamw(cudaStream_t s, float *p, const float *g, float *m, float *v, int64_t n, float lr, float b1, float b2,
+             float eps, float wd, float step_size, float bc2_sqrt);
+
+/* norm.cu: batchnorm over (B, C, S) per channel */
+void k_bn_stats(cudaStream_t s, const float *x, int64_t b, int64_t c, int64_t sp, double *sum, double *sumsq);
+void k_bn_apply(cudaStream_t s, const float *x, float *y, int64_t b, int64_t c, int64_t sp, const float *mean,
+                const float *invstd, const float *gamma, const float *beta);
+void k_bn_bwd_stats(cudaStream_t s, const float *x, const float *dy, int64_t b, int64_t c, int64_t sp,
+                    const float *mean, const float *invstd, double *sum_dy, double *sum_dy_xhat);
+void k_bn_bwd_apply(cudaStream_t s, const float *x, const float *dy, float *dx, int64_t b, int64_t c, int64_t sp,
+                    double count, const float *mean, const float *invstd, const float *gamma, const double *sum_dy,
+                    const double *sum_dy_xhat);
+
+/* pool.cu: max (argmax kept) and average pooling, NCHW, no padding */
+void k_pool_fwd(cudaStream_t s, int kind, const float *x, float *y, int32_t *argmax, int64_t b, int64_t c, int64_t h,
+                int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo);
+void k_pool_bwd(cudaStream_t s, int kind, const float *dy, const int32_t *argmax, float *dx, int64_t b, int64_t c,
+                int64_t h, int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo);
+
+/* loss.cu: per-sample losses summed into out[0], hits into out[1] (doubles, zeroed first);
+ * dlogits weighted by `weight` (1 / global count) */
+void k_loss(cudaStream_t s, int kind, const float *logits, const int32_t *labels, const float *targets, float *dlogits,
+            int64_t b, int64_t k, float label_smoothing, double weight, double *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

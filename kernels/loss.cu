@@ -1,0 +1,62 @@
+// loss.cu: softmax cross-entropy (label smoothing) and mean squared error, one block per sample,
+// fused with their gradient; per-sample losses and hits accumulate into out[0], out[1] (doubles).
+#include <math.h>
+
+#include "common.cuh"
+#include "kernels.h"
+
+enum { LOSS_CE, LOSS_MSE };  // backend.h's DT_LOSS_*
+
+__global__ void loss_kernel(int kind, const float *logits, const int32_t *labels, const float *targets, float *dz,
+                            int64_t k, float ls, double weight, double *out) {
+  int64_t b = blockIdx.x;
+  const float *z = logits + b * k;
+  float *d = dz + b * k;
+  __shared__ float s_max;
+  __shared__ int s_arg;
+  if (kind == LOSS_CE) {
+    if (threadIdx.x == 0) {  // k is small (classes): one thread finds the max and its index
+      float mx = z[0];
+      int arg = 0;
+      for (int64_t j = 1; j < k; j++)
+        if (z[j] > mx) mx = z[j], arg = (int)j;
+      s_max = mx;
+      s_arg = arg;
+    }
+    __syncthreads();
+    double se = 0;
+    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) se += exp((double)(z[j] - s_max));
+    se = block_sum(se);
+    __shared__ double s_lse;
+    if (threadIdx.x == 0) s_lse = s_max + log(se);
+    __syncthreads();
+    int32_t y = labels[b];
+    double off = (double)ls / (double)k, loss = 0;
+    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
+      double t = off + (j == y ? 1.0 - ls : 0.0), lp = (double)z[j] - s_lse;
+      loss -= t * lp;
+      d[j] = (float)((exp(lp) - t) * weight);
+    }
+    loss = block_sum(loss);
+    if (threadIdx.x == 0) {
+      atomicAdd(&out[0], loss);
+      atomicAdd(&out[1], s_arg == y ? 1.0 : 0.0);
+    }
+  } else {
+    const float *t = targets + b * k;
+    double loss = 0;
+    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
+      double diff = (double)z[j] - t[j];
+      loss += diff * diff;
+      d[j] = (float)(2.0 * diff / (double)k * weight);
+    }
+    loss = block_sum(loss);
+    if (threadIdx.x == 0) atomicAdd(&out[0], loss / (double)k);
+  }
+}
+
+extern "C" void k_loss(cudaStream_t s, int kind, const float *logits, const int32_t *labels, const float *targets,
+                       float *dlogits, int64_t b, int64_t k, float label_smoothing, double weight, double *out) {
+  cudaMemsetAsync(out, 0, 2 * sizeof(double), s);
+  if (b > 0) loss_kernel<<<(unsigned)b, 128, 0, s>>>(kind, logits, labels, targets, dlogits, k, label_smoothing, weight, out);
+}

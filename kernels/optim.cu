@@ -1,0 +1,41 @@
+// optim.cu: SGD and AdamW over the flat parameter buffer, PyTorch's update rules (as backend_cpu.c).
+#include "common.cuh"
+#include "kernels.h"
+
+__global__ void sgd_kernel(float *p, const float *g, float *mom, int64_t n, float lr, float momentum, float wd,
+                           int nesterov, int first) {
+  GRID_STRIDE(i, n) {
+    float d = g[i] + wd * p[i];
+    if (momentum > 0) {
+      float buf = first ? d : momentum * mom[i] + d;
+      mom[i] = buf;
+      d = nesterov ? d + momentum * buf : buf;
+    }
+    p[i] -= lr * d;
+  }
+}
+
+__global__ void adamw_kernel(float *p, const float *g, float *m, float *v, int64_t n, float lr, float b1, float b2,
+                             float eps, float wd, float step_size, float bc2_sqrt) {
+  GRID_STRIDE(i, n) {
+    float gi = g[i];
+    p[i] *= 1.0f - lr * wd;
+    m[i] = b1 * m[i] + (1.0f - b1) * gi;
+    v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
+    p[i] -= step_size * m[i] / (sqrtf(v[i]) / bc2_sqrt + eps);
+  }
+}
+
+extern "C" {
+
+void k_sgd(cudaStream_t s, float *p, const float *g, float *mom, int64_t n, float lr, float momentum, float wd,
+           int nesterov, int first) {
+  sgd_kernel<<<blocks_for(n), kThreads, 0, s>>>(p, g, mom, n, lr, momentum, wd, nesterov, first);
+}
+
+void k_adamw(cudaStream_t s, float *p, const float *g, float *m, float *v, int64_t n, float lr, float b1, float b2,
+             float eps, float wd, float step_size, float bc2_sqrt) {
+  adamw_kernel<<<blocks_for(n), kThreads, 0, s>>>(p, g, m, v, n, lr, b1, b2, eps, wd, step_size, bc2_sqrt);
+}
+
+}  // extern "C"

@@ -1,0 +1,70 @@
+// pool.cu: max and average pooling, NCHW, no padding (floor), as backend_cpu.c.
+#include <math.h>
+
+#include "common.cuh"
+#include "kernels.h"
+
+enum { POOL_MAX, POOL_AVG };  // backend.h's DT_POOL_*
+
+__global__ void pool_fwd_kernel(int kind, const float *x, float *y, int32_t *argmax, int64_t n, int64_t h, int64_t w,
+                                int64_t k, int64_t stride, int64_t ho, int64_t wo) {
+  GRID_STRIDE(i, n) {
+    int64_t ow = i % wo, oh = (i / wo) % ho, plane = i / (wo * ho);
+    const float *xp = x + plane * h * w;
+    float best = -INFINITY, acc = 0;
+    int32_t where = 0;
+    for (int64_t a = 0; a < k; a++)
+      for (int64_t b = 0; b < k; b++) {
+        int64_t idx = (oh * stride + a) * w + ow * stride + b;
+        float v = xp[idx];
+        acc += v;
+        if (v > best || (isnan(v) && !isnan(best))) best = v, where = (int32_t)idx;
+      }
+    if (kind == POOL_MAX) {
+      y[i] = best;
+      argmax[i] = where;
+    } else {
+      y[i] = acc / (float)(k * k);
+    }
+  }
+}
+
+// One thread per input element gathers from the windows that cover it: no atomics.
+__global__ void pool_bwd_kernel(int kind, const float *dy, const int32_t *argmax, float *dx, int64_t n, int64_t h,
+                                int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo) {
+  GRID_STRIDE(i, n) {
+    int64_t ix = i % w, iy = (i / w) % h, plane = i / (w * h);
+    int64_t oh0 = iy >= k ? (iy - k) / stride + 1 : 0, ow0 = ix >= k ? (ix - k) / stride + 1 : 0;
+    int64_t oh1 = iy / stride, ow1 = ix / stride;
+    if (oh1 >= ho) oh1 = ho - 1;
+    if (ow1 >= wo) ow1 = wo - 1;
+    float g = 0;
+    for (int64_t oh = oh0; oh <= oh1; oh++)
+      for (int64_t ow = ow0; ow <= ow1; ow++) {
+        if (iy < oh * stride || iy >= oh * stride + k || ix < ow * stride || ix >= ow * stride + k) continue;
+        int64_t o = plane * ho * wo + oh * wo + ow;
+        if (kind == POOL_MAX) {
+          if (argmax[o] == (int32_t)(iy * w + ix)) g += dy[o];
+        } else {
+          g += dy[o] / (float)(k * k);
+        }
+      }
+    dx[i] = g;
+  }
+}
+
+extern "C" {
+
+void k_pool_fwd(cudaStream_t s, int kind, const float *x, float *y, int32_t *argmax, int64_t b, int64_t c, int64_t h,
+                int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo) {
+  int64_t n = b * c * ho * wo;
+  pool_fwd_kernel<<<blocks_for(n), kThreads, 0, s>>>(kind, x, y, argmax, n, h, w, k, stride, ho, wo);
+}
+
+void k_pool_bwd(cudaStream_t s, int kind, const float *dy, const int32_t *argmax, float *dx, int64_t b, int64_t c,
+                int64_t h, int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo) {
+  int64_t n = b * c * h * w;
+  pool_bwd_kernel<<<blocks_for(n), kThreads, 0, s>>>(kind, dy, argmax, dx, n, h, w, k, stride, ho, wo);
+}
+
+}  // extern "C"
