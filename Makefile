@@ -36,7 +36,7 @@ SRCS := common.c yaml_tree.c keys.c config.c model.c layer_dense.c layer_conv.c 
 CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=compute_90
 NVCCFLAGS ?= -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra,-Werror
 ifeq ($(CUDA),1)
-  SRCS += gpu_cuda.c backend_cuda.c
+  SRCS += gpu_cuda.c backend_cuda.c comm_nccl.c
   override CFLAGS += -I$(CUDA_HOME)/include -Ikernels -DDT_WITH_CUDA=1
   LDLIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudnn -lcublas -lcudart -lnccl -lstdc++
   KERNEL_OBJS := $(patsubst kernels/%.cu,$(BUILD)/kernels/%.o,$(wildcard kernels/*.cu))

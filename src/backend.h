@@ -215,6 +215,7 @@ struct dt_backend {
   void (*destroy)(dt_backend *be);
   int threads;
   int host_memory; /* buffers are host memory (CPU): MPI can use them directly */
+  void *stream;    /* the backend's work queue for device collectives (a cudaStream_t); NULL on the CPU */
   void *impl;
 };
 

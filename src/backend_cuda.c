@@ -372,6 +372,7 @@ dt_backend *backend_cuda_create(int device) {
                      .destroy = cuda_destroy,
                      .threads = 1,
                      .host_memory = 0,
+                     .stream = im->stream,
                      .impl = im};
   return be;
 }

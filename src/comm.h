@@ -78,8 +78,17 @@ typedef struct {
  * NaN is blamed on the rank that produced it. */
 typedef int64_t (*dt_check_fn)(void *ctx, int64_t begin, int64_t end);
 
+/* A device collective library that sums gradient ranges over the ranks in place (NCCL,
+ * comm_nccl.c). Without one, buckets go through MPI. */
+typedef struct {
+  void (*start)(void *ctx, float *buf, int64_t count); /* queue the sum of buf[0..count) */
+  void (*finish)(void *ctx, const char *what);         /* wait for all queued sums, under the deadline */
+  void *ctx;
+} dt_device_reduce;
+
 typedef struct {
   dt_comm *comm;
+  const dt_device_reduce *dev; /* borrowed: NULL for MPI */
   dt_backend *be; /* borrowed: copies device buckets through `staging` when not host memory */
   float *grads;   /* borrowed, backend memory */
   float *staging; /* owned: host copy of the buffer (NULL for host backends) */
@@ -92,8 +101,17 @@ typedef struct {
   double wait_s;      /* time spent waiting in grad_sync_finish this step */
 } dt_grad_sync;
 
-void grad_sync_init(dt_grad_sync *g, dt_comm *c, dt_backend *be, float *grads, int64_t n, int64_t bucket_elems,
-                    dt_check_fn check, void *check_ctx);
+void grad_sync_init(dt_grad_sync *g, dt_comm *c, const dt_device_reduce *dev, dt_backend *be, float *grads,
+                    int64_t n, int64_t bucket_elems, dt_check_fn check, void *check_ctx);
+
+/* comm_nccl.c (CUDA builds): an NCCL communicator over the ranks of c, its unique id sent by MPI
+ * from rank 0, initialised non-blocking under c's deadline. Sums run on a communication stream
+ * that waits (CUDA events) for `compute_stream`'s work queued before each start. NULL with st
+ * set (exit 3) when NCCL fails to initialise. */
+typedef struct dt_nccl dt_nccl;
+dt_nccl *nccl_create(dt_comm *c, void *compute_stream, dt_status *st);
+const dt_device_reduce *nccl_reducer(dt_nccl *n);
+void nccl_destroy(dt_nccl *n);
 void grad_sync_free(dt_grad_sync *g);
 /* Backward hook: every gradient at offset >= from is final. Starts the buckets it completes. */
 void grad_sync_ready(dt_grad_sync *g, int64_t from);

@@ -249,13 +249,14 @@ int comm_step_agree(dt_comm *c, const dt_step_report *mine, const dt_status *st,
   return code;
 }
 
-void grad_sync_init(dt_grad_sync *g, dt_comm *c, dt_backend *be, float *grads, int64_t n, int64_t bucket_elems,
-                    dt_check_fn check, void *check_ctx) {
+void grad_sync_init(dt_grad_sync *g, dt_comm *c, const dt_device_reduce *dev, dt_backend *be, float *grads, int64_t n,
+                    int64_t bucket_elems, dt_check_fn check, void *check_ctx) {
   memset(g, 0, sizeof *g);
   g->comm = c;
+  g->dev = dev;
   g->be = be;
   g->grads = grads;
-  if (!be->host_memory && c->size > 1) g->staging = dt_malloc((size_t)(n ? n : 1) * sizeof(float));
+  if (!dev && !be->host_memory && c->size > 1) g->staging = dt_malloc((size_t)(n ? n : 1) * sizeof(float));
   g->check = check;
   g->check_ctx = check_ctx;
   if (bucket_elems < 1) bucket_elems = 1;
@@ -278,6 +279,11 @@ static void start_bucket(dt_grad_sync *g, dt_bucket *b) {
   int64_t count = b->end - b->begin;
   DT_ASSERT(count <= 0x7fffffff);
   if (g->check) g->nonfinite += g->check(g->check_ctx, b->begin, b->end);
+  b->started = 1;
+  if (g->dev) {
+    g->dev->start(g->dev->ctx, g->grads + b->begin, count);
+    return;
+  }
   float *buf = g->grads + b->begin;
   if (g->staging) { /* device gradients go through host memory */
     g->be->to_host(g->be, g->staging + b->begin, buf, (size_t)count * sizeof(float));
@@ -289,6 +295,7 @@ static void start_bucket(dt_grad_sync *g, dt_bucket *b) {
 
 void grad_sync_ready(dt_grad_sync *g, int64_t from) {
   while (g->next < g->n_buckets && g->buckets[g->next].begin >= from) start_bucket(g, &g->buckets[g->next++]);
+  if (g->dev) return;
   /* Open MPI progresses non-blocking collectives inside MPI calls: poke the ones in flight. */
   for (int i = 0; i < g->next; i++) {
     int done = 0;
@@ -300,6 +307,13 @@ void grad_sync_finish(dt_grad_sync *g) {
   g->wait_s = 0;
   double t0 = dt_now();
   while (g->next < g->n_buckets) start_bucket(g, &g->buckets[g->next++]);
+  if (g->dev) {
+    g->dev->finish(g->dev->ctx, "gradient allreduce (NCCL)");
+    for (int i = 0; i < g->n_buckets; i++) g->buckets[i].started = 0;
+    g->next = 0;
+    g->wait_s = dt_now() - t0;
+    return;
+  }
   MPI_Request *reqs = dt_malloc((size_t)(g->n_buckets ? g->n_buckets : 1) * sizeof *reqs);
   for (int i = 0; i < g->n_buckets; i++) reqs[i] = g->buckets[i].req;
   comm_wait(g->comm, reqs, g->n_buckets, "gradient allreduce");

@@ -426,6 +426,7 @@ int main(int argc, char **argv) {
   data.file = -1;
   data.train.dset_x = data.val.dset_x = -1;
   dt_backend *be = NULL;
+  dt_nccl *nccl = NULL;
   int code = 0;
 
   parse_args(argc, argv, &args, &st);
@@ -474,7 +475,16 @@ int main(int argc, char **argv) {
   if (gpu >= 0) {
     print_device_table(&comm, gpu);
     be = backend_cuda_create(gpu);
+    /* auto: NCCL when every rank has a GPU of its own; mpi: through host memory */
+    int n_gpus = gpu_count((char[256]){0}, 256);
+    if (cfg.v.comm == DT_COMM_NCCL || (cfg.v.comm == DT_COMM_AUTO && comm.local_size <= n_gpus)) {
+      nccl = nccl_create(&comm, be->stream, &st);
+      if ((code = comm_agree(&comm, &st))) goto done;
+      opts.dev = nccl_reducer(nccl);
+    }
   }
+#else
+  (void)gpu; /* without CUDA, select_device has already refused --device cuda */
 #endif
   if (!be) be = backend_cpu_create(pick_threads(&cfg, &comm));
   int64_t W = comm.size;
@@ -493,6 +503,10 @@ int main(int argc, char **argv) {
   code = train_run(&cfg, &model, &data, &comm, &opts, &res);
 
 done:
+#ifdef DT_WITH_CUDA
+  nccl_destroy(nccl);
+#endif
+  (void)nccl;
   free(resume.params);
   free(resume.bufs);
   free(resume.opt_a);

@@ -236,8 +236,8 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, cons
   optim_init(&opt, v, be, m->n_params, total);
   dt_grad_sync gs;
   pass_ctx ctx = {comm, &gs, be, m->grads};
-  grad_sync_init(&gs, comm, be, m->grads, m->n_params, (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float)), ctx_check,
-                 &ctx);
+  grad_sync_init(&gs, comm, opts->dev, be, m->grads, m->n_params, (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float)),
+                 ctx_check, &ctx);
   dt_train_state ts = {.step = 0,
                        .epoch = 0,
                        .micro = 0,

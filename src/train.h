@@ -20,6 +20,7 @@ typedef struct {
   const dt_ckpt_data *resume; /* host state to continue from (NULL: fresh start) */
   dt_fault fault;
   double t_launch; /* dt_now() at start-up, for train.time_limit */
+  const dt_device_reduce *dev; /* gradient sums on the device (NCCL); NULL: MPI */
 } dt_train_opts;
 
 /* Runs training to the end (epochs, max_steps, early stopping, or a stop request); returns 0

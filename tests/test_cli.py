@@ -96,6 +96,15 @@ class UsageErrors(unittest.TestCase):
     def test_bad_device(self):
         self.check(["--device", "tpu", "configs/model.yaml"], "--device tpu: expected auto, cpu or cuda")
 
+    def test_device_cuda_without_a_gpu(self):
+        rc, out, err = run(["--device", "cuda", "--dry-run", "configs/model.yaml"], np_=2)
+        if "GPU 0:" in run(["--info"])[1]:
+            self.skipTest("a GPU is visible here")
+        self.assertEqual(rc, 2, out + err)
+        lines = errors(err)
+        self.assertEqual(len(lines), 1, err)
+        self.assertRegex(lines[0], r"--device cuda: .*(cudaGetDeviceCount|built without CUDA|no CUDA device).*use --device cpu")
+
     def test_config_typo_names_nearest_key(self):
         self.check(["--dry-run", "configs/model.yaml", "--set", "optim.learning_rate=0.1"],
                    "unknown key 'optim.learning_rate'; did you mean 'optim.lr'?", np_=2)

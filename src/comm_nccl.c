@@ -1,0 +1,140 @@
+/* comm_nccl.c: gradient sums over NCCL. Rank 0 makes the unique id, MPI broadcasts it, and each
+ * rank joins with ncclCommInitRankConfig in non-blocking mode, so that every wait can poll
+ * ncclCommGetAsyncError and give up at dist.timeout_s with ncclCommAbort instead of hanging.
+ * Sums run on their own stream; a CUDA event makes each wait for the backward work queued before
+ * it, and a second event makes the compute stream wait for the sums (the optimizer step). */
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "comm.h"
+
+#define CUDA_CHECK(call)                                                       \
+  do {                                                                         \
+    cudaError_t e_ = (call);                                                   \
+    if (e_ != cudaSuccess) {                                                   \
+      char w_[512];                                                            \
+      snprintf(w_, sizeof w_, "%s failed: %s", #call, cudaGetErrorString(e_)); \
+      dt_abort(__FILE__, __LINE__, w_);                                        \
+    }                                                                          \
+  } while (0)
+
+struct dt_nccl {
+  dt_comm *mpi; /* borrowed: rank, size, deadline, step for diagnostics */
+  ncclComm_t comm;
+  cudaStream_t compute, comm_stream;
+  cudaEvent_t ready, done;
+  dt_device_reduce reducer;
+};
+
+/* Polls the communicator until its last operation is issued; a failure or the deadline aborts
+ * the communicator and the job (exit 3), naming the call. */
+static void settle(dt_nccl *n, const char *what) {
+  double t0 = dt_now();
+  for (;;) {
+    ncclResult_t state;
+    ncclResult_t rc = ncclCommGetAsyncError(n->comm, &state);
+    if (rc == ncclSuccess && state == ncclSuccess) return;
+    if (rc != ncclSuccess || (state != ncclInProgress)) {
+      fprintf(stderr, "ddp_train: error: rank %d: %s at step %lld failed: %s; aborting the job\n", n->mpi->rank, what,
+              (long long)n->mpi->step, ncclGetErrorString(rc != ncclSuccess ? rc : state));
+      ncclCommAbort(n->comm);
+      MPI_Abort(n->mpi->world, DT_EXIT_PEER);
+    }
+    if (dt_now() - t0 > n->mpi->timeout_s) {
+      fprintf(stderr,
+              "ddp_train: error: rank %d: %s at step %lld did not complete within dist.timeout_s = %.0f s; "
+              "aborting the job\n",
+              n->mpi->rank, what, (long long)n->mpi->step, n->mpi->timeout_s);
+      ncclCommAbort(n->comm);
+      MPI_Abort(n->mpi->world, DT_EXIT_PEER);
+    }
+    usleep(100);
+  }
+}
+
+static void nccl_start(void *ctx, float *buf, int64_t count) {
+  dt_nccl *n = ctx;
+  CUDA_CHECK(cudaEventRecord(n->ready, n->compute));
+  CUDA_CHECK(cudaStreamWaitEvent(n->comm_stream, n->ready, 0));
+  ncclResult_t rc = ncclAllReduce(buf, buf, (size_t)count, ncclFloat, ncclSum, n->comm, n->comm_stream);
+  if (rc != ncclSuccess && rc != ncclInProgress) {
+    fprintf(stderr, "ddp_train: error: rank %d: ncclAllReduce of %lld values failed: %s\n", n->mpi->rank,
+            (long long)count, ncclGetErrorString(rc));
+    ncclCommAbort(n->comm);
+    MPI_Abort(n->mpi->world, DT_EXIT_PEER);
+  }
+  settle(n, "ncclAllReduce");
+}
+
+static void nccl_finish(void *ctx, const char *what) {
+  dt_nccl *n = ctx;
+  CUDA_CHECK(cudaEventRecord(n->done, n->comm_stream));
+  CUDA_CHECK(cudaStreamWaitEvent(n->compute, n->done, 0));
+  double t0 = dt_now();
+  for (;;) {
+    cudaError_t q = cudaEventQuery(n->done);
+    if (q == cudaSuccess) return;
+    if (q != cudaErrorNotReady) CUDA_CHECK(q);
+    settle(n, what); /* a peer's failure surfaces here as an asynchronous error */
+    if (dt_now() - t0 > n->mpi->timeout_s) {
+      fprintf(stderr,
+              "ddp_train: error: rank %d: %s at step %lld did not complete within dist.timeout_s = %.0f s; "
+              "aborting the job\n",
+              n->mpi->rank, what, (long long)n->mpi->step, n->mpi->timeout_s);
+      ncclCommAbort(n->comm);
+      MPI_Abort(n->mpi->world, DT_EXIT_PEER);
+    }
+    usleep(50);
+  }
+}
+
+dt_nccl *nccl_create(dt_comm *c, void *compute_stream, dt_status *st) {
+  ncclUniqueId id;
+  memset(&id, 0, sizeof id);
+  ncclResult_t rc = ncclSuccess;
+  if (c->rank == 0) rc = ncclGetUniqueId(&id);
+  int ok = rc == ncclSuccess, all_ok = ok;
+  comm_bcast(c, &all_ok, sizeof all_ok, 0);
+  if (!all_ok) {
+    dt_fail(st, DT_EXIT_PEER, "ncclGetUniqueId failed on rank 0: %s", ncclGetErrorString(rc));
+    return NULL;
+  }
+  comm_bcast(c, &id, sizeof id, 0);
+  dt_nccl *n = dt_calloc(1, sizeof *n);
+  n->mpi = c;
+  n->compute = (cudaStream_t)compute_stream;
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  rc = ncclCommInitRankConfig(&n->comm, c->size, id, c->rank, &config);
+  if (rc != ncclSuccess && rc != ncclInProgress) {
+    dt_fail(st, DT_EXIT_PEER, "ncclCommInitRankConfig failed: %s", ncclGetErrorString(rc));
+    free(n);
+    return NULL;
+  }
+  settle(n, "ncclCommInitRankConfig");
+  CUDA_CHECK(cudaStreamCreateWithFlags(&n->comm_stream, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaEventCreateWithFlags(&n->ready, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventCreateWithFlags(&n->done, cudaEventDisableTiming));
+  n->reducer = (dt_device_reduce){nccl_start, nccl_finish, n};
+  return n;
+}
+
+const dt_device_reduce *nccl_reducer(dt_nccl *n) {
+  return &n->reducer;
+}
+
+void nccl_destroy(dt_nccl *n) {
+  if (!n) return;
+  cudaStreamSynchronize(n->comm_stream);
+  ncclCommFinalize(n->comm);
+  settle(n, "ncclCommFinalize");
+  ncclCommDestroy(n->comm);
+  cudaEventDestroy(n->ready);
+  cudaEventDestroy(n->done);
+  cudaStreamDestroy(n->comm_stream);
+  free(n);
+}
