@@ -38,7 +38,7 @@ NVCCFLAGS ?= -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra,-Werror
 ifeq ($(CUDA),1)
   SRCS += gpu_cuda.c backend_cuda.c comm_nccl.c
   override CFLAGS += -I$(CUDA_HOME)/include -Ikernels -DDT_WITH_CUDA=1
-  LDLIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudnn -lcublas -lcudart -lnccl -lstdc++
+  LDLIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudnn -lcublas -lcudart -lnccl -lstdc++ -ldl
   KERNEL_OBJS := $(patsubst kernels/%.cu,$(BUILD)/kernels/%.o,$(wildcard kernels/*.cu))
 else
   SRCS += gpu_none.c

@@ -14,4 +14,14 @@ void gpu_versions(char *buf, size_t cap);
  * *free_bytes receives the free memory (0 when unknown). */
 void gpu_describe(int i, char *buf, size_t cap, size_t *free_bytes);
 
+/* NVML readings of one GPU; valid is 0 when NVML is missing or the call failed. */
+typedef struct {
+  int valid;
+  double mem_used_mib, mem_peak_mib, util_pct, power_w, temp_c;
+} dt_gpu_reading;
+
+/* Reads visible device i through NVML (loaded at run time). peak_mib carries the running
+ * maximum of used memory between calls (caller-owned). */
+void gpu_read(int i, double *peak_mib, dt_gpu_reading *r);
+
 #endif

@@ -3,7 +3,9 @@
 #include <cuda_runtime.h>
 #include <cudnn.h>
 #include <nccl.h>
+#include <dlfcn.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "gpu.h"
 
@@ -50,4 +52,69 @@ void gpu_describe(int i, char *buf, size_t cap, size_t *free_bytes) {
   cudaDeviceGetPCIBusId(bus, sizeof bus, i);
   snprintf(buf, cap, "GPU %d: %s, %.1f GiB total, %.1f GiB free, compute capability %d.%d, PCI %s", i, p.name,
            (double)total_b / 1073741824.0, (double)free_b / 1073741824.0, p.major, p.minor, bus);
+}
+
+/* NVML through dlopen: the driver ships libnvidia-ml.so.1, the toolkit here has no nvml.h.
+ * The few types and entry points used, as NVML declares them. */
+typedef struct nvml_device *nvml_device_t;
+typedef struct {
+  unsigned long long total, free, used;
+} nvml_memory_t;
+typedef struct {
+  unsigned int gpu, memory;
+} nvml_utilization_t;
+
+typedef struct {
+  void *lib;
+  int (*init)(void);
+  int (*by_pci)(const char *, nvml_device_t *);
+  int (*memory)(nvml_device_t, nvml_memory_t *);
+  int (*utilization)(nvml_device_t, nvml_utilization_t *);
+  int (*power)(nvml_device_t, unsigned int *);
+  int (*temperature)(nvml_device_t, int, unsigned int *);
+} nvml_api;
+
+/* Loads NVML once per call site's need; returns NULL when it is not there. The handle is kept
+ * for the process (NVML has no per-call state worth freeing). */
+static const nvml_api *nvml(void) {
+  static nvml_api api; /* loaded once; read-only afterwards */
+  static int tried;
+  if (tried) return api.lib ? &api : NULL;
+  tried = 1;
+  api.lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!api.lib) return NULL;
+  *(void **)&api.init = dlsym(api.lib, "nvmlInit_v2");
+  *(void **)&api.by_pci = dlsym(api.lib, "nvmlDeviceGetHandleByPciBusId_v2");
+  *(void **)&api.memory = dlsym(api.lib, "nvmlDeviceGetMemoryInfo");
+  *(void **)&api.utilization = dlsym(api.lib, "nvmlDeviceGetUtilizationRates");
+  *(void **)&api.power = dlsym(api.lib, "nvmlDeviceGetPowerUsage");
+  *(void **)&api.temperature = dlsym(api.lib, "nvmlDeviceGetTemperature");
+  if (!api.init || !api.by_pci || !api.memory || !api.utilization || !api.power || !api.temperature ||
+      api.init() != 0) {
+    dlclose(api.lib);
+    api.lib = NULL;
+    return NULL;
+  }
+  return &api;
+}
+
+void gpu_read(int i, double *peak_mib, dt_gpu_reading *r) {
+  memset(r, 0, sizeof *r);
+  const nvml_api *api = nvml();
+  char bus[32] = "";
+  nvml_device_t dev;
+  if (!api || cudaDeviceGetPCIBusId(bus, sizeof bus, i) != cudaSuccess || api->by_pci(bus, &dev) != 0) return;
+  nvml_memory_t mem;
+  nvml_utilization_t util;
+  unsigned int mw = 0, temp = 0;
+  if (api->memory(dev, &mem) || api->utilization(dev, &util) || api->power(dev, &mw) ||
+      api->temperature(dev, 0 /* NVML_TEMPERATURE_GPU */, &temp))
+    return;
+  r->valid = 1;
+  r->mem_used_mib = (double)mem.used / 1048576.0;
+  if (r->mem_used_mib > *peak_mib) *peak_mib = r->mem_used_mib;
+  r->mem_peak_mib = *peak_mib;
+  r->util_pct = util.gpu;
+  r->power_w = mw / 1000.0;
+  r->temp_c = temp;
 }

@@ -414,7 +414,7 @@ int main(int argc, char **argv) {
   comm_init(&comm, &argc, &argv);
   signals_install();
   dt_status st = {0};
-  dt_train_opts opts = {.t_launch = t_launch};
+  dt_train_opts opts = {.t_launch = t_launch, .gpu = -1};
   dt_ckpt_data resume = {0};
   cli_args args;
   dt_config cfg;
@@ -475,6 +475,7 @@ int main(int argc, char **argv) {
   if (gpu >= 0) {
     print_device_table(&comm, gpu);
     be = backend_cuda_create(gpu);
+    opts.gpu = gpu;
     /* auto: NCCL when every rank has a GPU of its own; mpi: through host memory */
     int n_gpus = gpu_count((char[256]){0}, 256);
     if (cfg.v.comm == DT_COMM_NCCL || (cfg.v.comm == DT_COMM_AUTO && comm.local_size <= n_gpus)) {

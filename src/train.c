@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gpu.h"
 #include "layers.h"
 #include "log.h"
 #include "optim.h"
@@ -157,6 +158,33 @@ out:
   return code;
 }
 
+/* Collective at log steps on GPU runs: every rank's NVML reading, written by rank 0 into the
+ * metrics line as "gpu": [{rank, mem_used_mib, mem_peak_mib, util_pct, power_w, temp_c}, ...]. */
+static void gpu_metrics(dt_comm *comm, int gpu, double *peak, char *json, size_t cap) {
+  enum { CAP = 160 };
+  dt_gpu_reading r;
+  gpu_read(gpu, peak, &r);
+  char mine[CAP] = "";
+  if (r.valid)
+    snprintf(mine, CAP,
+             "{\"rank\": %d, \"mem_used_mib\": %.0f, \"mem_peak_mib\": %.0f, \"util_pct\": %.0f, "
+             "\"power_w\": %.0f, \"temp_c\": %.0f}",
+             comm->rank, r.mem_used_mib, r.mem_peak_mib, r.util_pct, r.power_w, r.temp_c);
+  char *all = comm->rank == 0 ? dt_calloc((size_t)comm->size, CAP) : NULL;
+  comm_gather_text(comm, mine, CAP, all);
+  json[0] = 0;
+  if (comm->rank == 0) {
+    size_t len = (size_t)snprintf(json, cap, ", \"gpu\": [");
+    int any = 0;
+    for (int k = 0; k < comm->size && len < cap; k++)
+      if (all[(size_t)k * CAP])
+        len += (size_t)snprintf(json + len, cap - len, "%s%s", any++ ? ", " : "", all + (size_t)k * CAP);
+    if (len < cap) snprintf(json + len, cap - len, "]");
+    if (!any) json[0] = 0;
+  }
+  free(all);
+}
+
 static int improved(int metric, double value, double best) {
   return metric == DT_METRIC_VAL_LOSS ? value < best : value > best;
 }
@@ -277,6 +305,7 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, cons
 
   double t_start = dt_now(), t_window = t_start, win_data = 0, win_comm = 0, win_loss = 0;
   int64_t win_samples = 0, win_steps = 0, run_samples = 0;
+  double gpu_peak_mib = 0;
   int stop = 0, stop_signal = 0;
   res->best_val_acc = ts.best_val_acc;
   if (ts.step >= total) stop = 1; /* nothing left: the final checkpoint is rewritten below */
@@ -371,6 +400,8 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, cons
         double min_ms, max_ms;
         int slow;
         straggler_line(comm, &lg, ms - data_ms - comm_ms, &min_ms, &max_ms, &slow);
+        char gpu_json[8192] = "";
+        if (opts->gpu >= 0) gpu_metrics(comm, opts->gpu, &gpu_peak_mib, gpu_json, sizeof gpu_json);
         log_line(&lg,
                  "step %lld/%lld epoch %lld loss %.4f lr %.5f | %.0f samples/s | %.1f ms/step (compute %.1f, "
                  "data %.1f, comm %.1f)",
@@ -379,9 +410,9 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, cons
         log_metrics(&lg,
                     "\"step\": %lld, \"epoch\": %lld, \"loss\": %.6g, \"lr\": %.6g, \"samples_per_s\": %.1f, "
                     "\"step_ms\": %.3f, \"compute_ms\": %.3f, \"data_ms\": %.3f, \"comm_ms\": %.3f, "
-                    "\"compute_ms_min\": %.3f, \"compute_ms_max\": %.3f, \"straggler_rank\": %d",
+                    "\"compute_ms_min\": %.3f, \"compute_ms_max\": %.3f, \"straggler_rank\": %d%s",
                     (long long)ts.step, (long long)epoch + 1, mean_loss, lr, sps, ms, ms - data_ms - comm_ms, data_ms,
-                    comm_ms, min_ms, max_ms, slow);
+                    comm_ms, min_ms, max_ms, slow, gpu_json);
         t_window = now;
         win_loss = win_data = win_comm = 0;
         win_samples = win_steps = 0;

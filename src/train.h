@@ -21,6 +21,7 @@ typedef struct {
   dt_fault fault;
   double t_launch; /* dt_now() at start-up, for train.time_limit */
   const dt_device_reduce *dev; /* gradient sums on the device (NCCL); NULL: MPI */
+  int gpu;                     /* this rank's visible GPU for monitoring; -1 on the CPU */
 } dt_train_opts;
 
 /* Runs training to the end (epochs, max_steps, early stopping, or a stop request); returns 0

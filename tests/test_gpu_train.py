@@ -35,6 +35,11 @@ class GpuTraining(unittest.TestCase):
             cpu = self.losses(w, ["--device", "cpu"], sub="cpu")
             gpu = self.losses(w, ["--device", "cuda"], sub="gpu")
             self.assertEqual(len(gpu), 50)
+            reading = [r for r in w.metrics("gpu") if "loss" in r][-1]["gpu"][0]  # NVML, per rank
+            self.assertEqual(reading["rank"], 0)
+            self.assertGreater(reading["mem_peak_mib"], 0)
+            for key in ("mem_used_mib", "util_pct", "power_w", "temp_c"):
+                self.assertIn(key, reading)
             # float rounding differs (cuDNN's algorithms, reduction orders) and grows over 50 steps
             np.testing.assert_allclose(gpu, cpu, rtol=2e-3)
         finally:
