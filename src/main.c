@@ -134,9 +134,9 @@ static void print_info(dt_comm *comm) {
       gpu_describe(i, line, sizeof line, &free_b);
       len += (size_t)snprintf(text + len, CAP - len, "  %s\n", line);
     }
-    const char *cm = n >= comm->local_size
-                         ? "nccl once the CUDA backend is built in; this version trains on the CPU over MPI"
-                         : "mpi (the CPU backend)";
+    const char *cm = n >= comm->local_size ? "nccl with --device cuda (a GPU per rank); mpi with the CPU backend"
+                     : n > 0               ? "mpi (fewer GPUs than ranks: --device cuda shares them)"
+                                           : "mpi (the CPU backend)";
     snprintf(text + len, CAP - len, "  communicator for dist.comm auto: %s\n", cm);
   }
   char *all = comm->rank == 0 ? dt_calloc((size_t)comm->size, CAP) : NULL;
