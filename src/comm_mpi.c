@@ -126,6 +126,16 @@ void comm_wait(dt_comm *c, MPI_Request *reqs, int n, const char *what) {
   if (c->rank == 0) MPI_CHECK(MPI_Waitall(c->size - 1, c->arrive_req + 1, MPI_STATUSES_IGNORE));
 }
 
+/* The lowest failing rank prints its message once, naming itself when not every rank failed. */
+static void print_failure(const dt_comm *c, int first, int failed, const dt_status *st) {
+  if (first != c->rank) return;
+  if (failed == c->size || c->size == 1)
+    fprintf(stderr, "ddp_train: error: %s\n", st->msg);
+  else
+    fprintf(stderr, "ddp_train: error: on rank %d (%d of %d ranks failed): %s\n", c->rank, failed, c->size, st->msg);
+  fflush(stderr);
+}
+
 int comm_agree(dt_comm *c, const dt_status *st) {
   int *codes = dt_calloc((size_t)c->size, sizeof(int));
   int mine = st->code;
@@ -139,13 +149,7 @@ int comm_agree(dt_comm *c, const dt_status *st) {
       failed++;
     }
   int code = first >= 0 ? codes[first] : 0;
-  if (first == c->rank) {
-    if (failed == c->size || c->size == 1)
-      fprintf(stderr, "ddp_train: error: %s\n", st->msg);
-    else
-      fprintf(stderr, "ddp_train: error: on rank %d (%d of %d ranks failed): %s\n", c->rank, failed, c->size, st->msg);
-    fflush(stderr);
-  }
+  print_failure(c, first, failed, st);
   free(codes);
   return code;
 }
@@ -238,13 +242,7 @@ int comm_step_agree(dt_comm *c, const dt_step_report *mine, const dt_status *st,
   }
   int code = first >= 0 ? all[first].code : 0;
   out->code = code;
-  if (first == c->rank) {
-    if (failed == c->size || c->size == 1)
-      fprintf(stderr, "ddp_train: error: %s\n", st->msg);
-    else
-      fprintf(stderr, "ddp_train: error: on rank %d (%d of %d ranks failed): %s\n", c->rank, failed, c->size, st->msg);
-    fflush(stderr);
-  }
+  print_failure(c, first, failed, st);
   free(all);
   return code;
 }

@@ -30,6 +30,22 @@ struct dt_nccl {
   dt_device_reduce reducer;
 };
 
+/* Prints why, aborts the communicator (so no rank stays inside NCCL) and the job (exit 3). */
+static _Noreturn void give_up(dt_nccl *n, const char *what, const char *why) {
+  fprintf(stderr, "ddp_train: error: rank %d: %s at step %lld %s; aborting the job\n", n->mpi->rank, what,
+          (long long)n->mpi->step, why);
+  fflush(stderr);
+  ncclCommAbort(n->comm);
+  MPI_Abort(n->mpi->world, DT_EXIT_PEER);
+  abort();
+}
+
+static _Noreturn void timed_out(dt_nccl *n, const char *what) {
+  char why[128];
+  snprintf(why, sizeof why, "did not complete within dist.timeout_s = %.0f s", n->mpi->timeout_s);
+  give_up(n, what, why);
+}
+
 /* Polls the communicator until its last operation is issued; a failure or the deadline aborts
  * the communicator and the job (exit 3), naming the call. */
 static void settle(dt_nccl *n, const char *what) {
@@ -38,20 +54,12 @@ static void settle(dt_nccl *n, const char *what) {
     ncclResult_t state;
     ncclResult_t rc = ncclCommGetAsyncError(n->comm, &state);
     if (rc == ncclSuccess && state == ncclSuccess) return;
-    if (rc != ncclSuccess || (state != ncclInProgress)) {
-      fprintf(stderr, "ddp_train: error: rank %d: %s at step %lld failed: %s; aborting the job\n", n->mpi->rank, what,
-              (long long)n->mpi->step, ncclGetErrorString(rc != ncclSuccess ? rc : state));
-      ncclCommAbort(n->comm);
-      MPI_Abort(n->mpi->world, DT_EXIT_PEER);
+    if (rc != ncclSuccess || state != ncclInProgress) {
+      char why[256];
+      snprintf(why, sizeof why, "failed: %s", ncclGetErrorString(rc != ncclSuccess ? rc : state));
+      give_up(n, what, why);
     }
-    if (dt_now() - t0 > n->mpi->timeout_s) {
-      fprintf(stderr,
-              "ddp_train: error: rank %d: %s at step %lld did not complete within dist.timeout_s = %.0f s; "
-              "aborting the job\n",
-              n->mpi->rank, what, (long long)n->mpi->step, n->mpi->timeout_s);
-      ncclCommAbort(n->comm);
-      MPI_Abort(n->mpi->world, DT_EXIT_PEER);
-    }
+    if (dt_now() - t0 > n->mpi->timeout_s) timed_out(n, what);
     usleep(100);
   }
 }
@@ -62,10 +70,9 @@ static void nccl_start(void *ctx, float *buf, int64_t count) {
   CUDA_CHECK(cudaStreamWaitEvent(n->comm_stream, n->ready, 0));
   ncclResult_t rc = ncclAllReduce(buf, buf, (size_t)count, ncclFloat, ncclSum, n->comm, n->comm_stream);
   if (rc != ncclSuccess && rc != ncclInProgress) {
-    fprintf(stderr, "ddp_train: error: rank %d: ncclAllReduce of %lld values failed: %s\n", n->mpi->rank,
-            (long long)count, ncclGetErrorString(rc));
-    ncclCommAbort(n->comm);
-    MPI_Abort(n->mpi->world, DT_EXIT_PEER);
+    char why[256];
+    snprintf(why, sizeof why, "failed for %lld values: %s", (long long)count, ncclGetErrorString(rc));
+    give_up(n, "ncclAllReduce", why);
   }
   settle(n, "ncclAllReduce");
 }
@@ -80,14 +87,7 @@ static void nccl_finish(void *ctx, const char *what) {
     if (q == cudaSuccess) return;
     if (q != cudaErrorNotReady) CUDA_CHECK(q);
     settle(n, what); /* a peer's failure surfaces here as an asynchronous error */
-    if (dt_now() - t0 > n->mpi->timeout_s) {
-      fprintf(stderr,
-              "ddp_train: error: rank %d: %s at step %lld did not complete within dist.timeout_s = %.0f s; "
-              "aborting the job\n",
-              n->mpi->rank, what, (long long)n->mpi->step, n->mpi->timeout_s);
-      ncclCommAbort(n->comm);
-      MPI_Abort(n->mpi->world, DT_EXIT_PEER);
-    }
+    if (dt_now() - t0 > n->mpi->timeout_s) timed_out(n, what);
     usleep(50);
   }
 }
