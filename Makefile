@@ -64,9 +64,9 @@ $(BUILD)/%.o: src/%.c src/*.h | $(BUILD)/tests
 $(BUILD)/tests/%: tests/%.c $(OBJS) tests/*.h | $(BUILD)/tests
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(OBJS) $(LDLIBS) -lcmocka
 
-$(BUILD)/kernels/%.o: kernels/%.cu kernels/*.h kernels/*.cuh
+$(BUILD)/kernels/%.o: kernels/%.cu kernels/*.h kernels/*.cuh src/hash.h
 	@mkdir -p $(BUILD)/kernels
-	$(NVCC) $(NVCCFLAGS) -Ikernels -c -o $@ $<
+	$(NVCC) $(NVCCFLAGS) -Ikernels -Isrc -c -o $@ $<
 
 $(BUILD)/tests:
 	mkdir -p $@

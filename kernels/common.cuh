@@ -11,17 +11,7 @@ static inline unsigned blocks_for(int64_t n) {
 
 #define GRID_STRIDE(i, n) for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); i += (int64_t)blockDim.x * gridDim.x)
 
-__device__ __forceinline__ uint64_t d_hash64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-// Same as dt_hash_uniform: the dropout masks are identical on CPU and GPU.
-__device__ __forceinline__ float d_hash_uniform(uint64_t seed, uint64_t i) {
-  return (float)(d_hash64(seed ^ d_hash64(i)) >> 40) * (1.0f / 16777216.0f);
-}
+#include "hash.h"  // dt_hash_uniform: the same dropout masks as the CPU
 
 // Block-wide sum of a double; result valid in thread 0.
 __device__ __forceinline__ double block_sum(double v) {

@@ -45,7 +45,7 @@ __global__ void act_bwd_kernel(int kind, const float *x, const float *y, const f
 }
 
 __global__ void dropout_kernel(const float *x, float *y, int64_t n, float p, float keep, uint64_t seed) {
-  GRID_STRIDE(i, n) y[i] = d_hash_uniform(seed, (uint64_t)i) >= p ? x[i] * keep : 0.0f;
+  GRID_STRIDE(i, n) y[i] = dt_hash_uniform(seed, (uint64_t)i) >= p ? x[i] * keep : 0.0f;
 }
 
 __global__ void add_kernel(const float *a, const float *b, float *y, int64_t n) { GRID_STRIDE(i, n) y[i] = a[i] + b[i]; }

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "common.h"
+#include "hash.h"
 
 typedef enum {
   DT_OP_GEMM,            /* C(m,n) = alpha op(A) op(B) + beta C; row-major */
@@ -228,16 +229,5 @@ dt_backend *backend_cpu_create(int threads);
 
 /* CUDA backend on visible device `device` (backend_cuda.c; only in CUDA builds). */
 dt_backend *backend_cuda_create(int device);
-
-/* Counter-based hash to a uniform float in [0,1): the same on every backend. */
-static inline uint64_t dt_hash64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-static inline float dt_hash_uniform(uint64_t seed, uint64_t i) {
-  return (float)(dt_hash64(seed ^ dt_hash64(i)) >> 40) * (1.0f / 16777216.0f);
-}
 
 #endif

@@ -96,24 +96,12 @@ static int64_t pool_flops(const dt_layer *l) {
   return shape_size(l->out) * l->args.kernel * l->args.kernel;
 }
 
-const dt_layer_ops dt_layer_maxpool = {.kind = "maxpool",
-                                       .keys = pool_keys,
-                                       .n_keys = 2,
-                                       .setup = pool_setup,
-                                       .alloc = pool_alloc,
-                                       .forward = pool_forward,
-                                       .backward = pool_backward,
-                                       .release = pool_release,
-                                       .flops = pool_flops};
-const dt_layer_ops dt_layer_avgpool = {.kind = "avgpool",
-                                       .keys = pool_keys,
-                                       .n_keys = 2,
-                                       .setup = pool_setup,
-                                       .alloc = pool_alloc,
-                                       .forward = pool_forward,
-                                       .backward = pool_backward,
-                                       .release = pool_release,
-                                       .flops = pool_flops};
+#define POOL_LAYER(var, name)                                                                                  \
+  const dt_layer_ops var = {.kind = name,           .keys = pool_keys,        .n_keys = 2,                       \
+                            .setup = pool_setup,    .alloc = pool_alloc,      .forward = pool_forward,           \
+                            .backward = pool_backward, .release = pool_release, .flops = pool_flops}
+POOL_LAYER(dt_layer_maxpool, "maxpool");
+POOL_LAYER(dt_layer_avgpool, "avgpool");
 
 static int gap_setup(dt_model *m, dt_layer *l, dt_status *st) {
   (void)m;
