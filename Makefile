@@ -43,10 +43,22 @@ ifeq ($(CUDA),1)
 else
   SRCS += gpu_none.c
 endif
-OBJS := $(SRCS:%.c=$(BUILD)/%.o) $(KERNEL_OBJS)
+HOST_OBJS := $(SRCS:%.c=$(BUILD)/%.o)
+OBJS := $(HOST_OBJS) $(KERNEL_OBJS)
+
+# The GPU stand-in (tests/gpusim): the CUDA variant of ddp_train built from the same sources, with
+# kernels/*.cu compiled by the host C++ compiler and the CUDA runtime, cuBLAS, cuDNN, NCCL and NVML
+# implemented on the CPU in build/sim/libgpusim.so. Only test builds link it.
+SIM := build/sim
+SIM_CXXFLAGS := -O2 -g -std=c++17 -fPIC -pthread -Wall -Wextra -Werror -I$(CUDA_HOME)/include -I$(OPENBLAS_INC) -Itests/gpusim
+SIM_LIB_OBJS := $(patsubst tests/gpusim/%.cc,$(SIM)/gpusim/%.o,$(wildcard tests/gpusim/*.cc))
+SIM_KERNEL_OBJS := $(patsubst kernels/%.cu,$(SIM)/kernels/%.o,$(wildcard kernels/*.cu))
+SIM_HEADERS := $(wildcard tests/gpusim/*.h)
+SIM_LDLIBS = $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -lgomp -lpthread -lm -L$(SIM) -lgpusim -lstdc++
+SIM_BINS := $(SIM)/ddp_train $(SIM)/tests/test_gpu $(SIM)/tests/test_gpusim $(SIM)/tests/test_gpusim_nccl
 
 TESTS := test_config test_sampler test_model test_ops test_optim $(if $(filter 1,$(CUDA)),test_gpu)
-TEST_BINS := $(TESTS:%=$(BUILD)/tests/%)
+TEST_BINS := $(TESTS:%=$(BUILD)/tests/%) $(if $(filter 1,$(CUDA)),$(SIM_BINS))
 
 .PHONY: all deps data run test test-gpu bench clean docs ddp_train install
 PREFIX ?= /usr/local
@@ -70,6 +82,38 @@ $(BUILD)/kernels/%.o: kernels/%.cu kernels/*.h kernels/*.cuh src/hash.h
 
 $(BUILD)/tests:
 	mkdir -p $@
+
+$(SIM)/gpusim/%.o: tests/gpusim/%.cc $(SIM_HEADERS)
+	@mkdir -p $(SIM)/gpusim
+	$(CXX) $(SIM_CXXFLAGS) -c -o $@ $<
+
+$(SIM)/libgpusim.so: $(SIM_LIB_OBJS)
+	$(CXX) -shared -Wl,--no-undefined -o $@ $^ -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -lpthread -lrt
+
+$(SIM)/libnvidia-ml.so.1: tests/gpusim/nvml.c $(SIM)/libgpusim.so
+	$(CC) -O2 -g -fPIC -shared -Wall -Wextra -Werror -Wl,--no-undefined -o $@ $< -L$(SIM) -lgpusim
+
+# kernels/*.cu as C++ against the device-emulation header
+$(SIM)/kernels/%.o: kernels/%.cu kernels/*.h kernels/*.cuh src/hash.h $(SIM_HEADERS)
+	@mkdir -p $(SIM)/kernels
+	$(CXX) -x c++ $(SIM_CXXFLAGS) -include tests/gpusim/gpusim_device.h -Ikernels -Isrc -c -o $@ $<
+
+$(SIM)/ddp_train: $(HOST_OBJS) $(SIM_KERNEL_OBJS) $(BUILD)/main.o $(SIM)/libgpusim.so $(SIM)/libnvidia-ml.so.1
+	$(CC) $(CFLAGS) -o $@ $(HOST_OBJS) $(SIM_KERNEL_OBJS) $(BUILD)/main.o $(SIM_LDLIBS) -Wl,-rpath,'$$ORIGIN'
+
+$(SIM)/tests/test_gpu: tests/test_gpu.c $(HOST_OBJS) $(SIM_KERNEL_OBJS) tests/*.h $(SIM)/libgpusim.so $(SIM)/libnvidia-ml.so.1
+	@mkdir -p $(SIM)/tests
+	$(CC) $(CFLAGS) -Itests -o $@ $< $(HOST_OBJS) $(SIM_KERNEL_OBJS) $(SIM_LDLIBS) -lcmocka -Wl,-rpath,'$$ORIGIN/..'
+
+# the stand-in's own checks: deliberately broken kernels and call sequences beside correct ones
+$(SIM)/tests/test_gpusim: tests/gpusim/test_gpusim.cu kernels/common.cuh $(SIM_HEADERS) $(SIM)/libgpusim.so
+	@mkdir -p $(SIM)/tests
+	$(CXX) -x c++ $(SIM_CXXFLAGS) -include tests/gpusim/gpusim_device.h -Ikernels -Isrc -o $@ $< \
+	  -L$(SIM) -lgpusim -lcmocka -Wl,-rpath,'$$ORIGIN/..'
+
+$(SIM)/tests/test_gpusim_nccl: tests/gpusim/test_gpusim_nccl.c $(SIM_HEADERS) $(SIM)/libgpusim.so
+	@mkdir -p $(SIM)/tests
+	$(CC) $(CFLAGS) -I$(CUDA_HOME)/include -o $@ $< $(PKG_LIBS) -L$(SIM) -lgpusim -Wl,-rpath,'$$ORIGIN/..'
 
 deps:
 	@missing=""; for p in $(DEB_PKGS); do \

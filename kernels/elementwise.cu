@@ -79,41 +79,41 @@ __global__ void input_kernel(const float *raw, float *x, int64_t n, int64_t c, i
 extern "C" {
 
 void k_bias_add(cudaStream_t s, float *y, const float *bias, int64_t b, int64_t c, int64_t sp) {
-  bias_add_kernel<<<blocks_for(b * c * sp), kThreads, 0, s>>>(y, bias, b * c * sp, c, sp);
+  LAUNCH(bias_add_kernel, blocks_for(b * c * sp), kThreads, 0, s)(y, bias, b * c * sp, c, sp);
 }
 
 void k_bias_grad(cudaStream_t s, const float *dy, float *db, int64_t b, int64_t c, int64_t sp) {
-  bias_grad_kernel<<<(unsigned)c, kThreads, 0, s>>>(dy, db, b, c, sp);
+  LAUNCH(bias_grad_kernel, (unsigned)c, kThreads, 0, s)(dy, db, b, c, sp);
 }
 
 void k_act_fwd(cudaStream_t s, int kind, const float *x, float *y, int64_t n) {
-  act_fwd_kernel<<<blocks_for(n), kThreads, 0, s>>>(kind, x, y, n);
+  LAUNCH(act_fwd_kernel, blocks_for(n), kThreads, 0, s)(kind, x, y, n);
 }
 
 void k_act_bwd(cudaStream_t s, int kind, const float *x, const float *y, const float *dy, float *dx, int64_t n) {
-  act_bwd_kernel<<<blocks_for(n), kThreads, 0, s>>>(kind, x, y, dy, dx, n);
+  LAUNCH(act_bwd_kernel, blocks_for(n), kThreads, 0, s)(kind, x, y, dy, dx, n);
 }
 
 void k_dropout(cudaStream_t s, const float *x, float *y, int64_t n, float p, uint64_t seed) {
-  dropout_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, y, n, p, 1.0f / (1.0f - p), seed);
+  LAUNCH(dropout_kernel, blocks_for(n), kThreads, 0, s)(x, y, n, p, 1.0f / (1.0f - p), seed);
 }
 
 void k_add(cudaStream_t s, const float *a, const float *b, float *y, int64_t n) {
-  add_kernel<<<blocks_for(n), kThreads, 0, s>>>(a, b, y, n);
+  LAUNCH(add_kernel, blocks_for(n), kThreads, 0, s)(a, b, y, n);
 }
 
-void k_scale(cudaStream_t s, float *x, float alpha, int64_t n) { scale_kernel<<<blocks_for(n), kThreads, 0, s>>>(x, alpha, n); }
+void k_scale(cudaStream_t s, float *x, float alpha, int64_t n) { LAUNCH(scale_kernel, blocks_for(n), kThreads, 0, s)(x, alpha, n); }
 
 void k_sumsq(cudaStream_t s, const float *x, int64_t n, double *out) {
   cudaMemsetAsync(out, 0, 2 * sizeof(double), s);
   unsigned blocks = blocks_for(n);
   if (blocks > 1024) blocks = 1024;
-  sumsq_kernel<<<blocks, kThreads, 0, s>>>(x, n, out);
+  LAUNCH(sumsq_kernel, blocks, kThreads, 0, s)(x, n, out);
 }
 
 void k_input(cudaStream_t s, const float *raw, float *x, int64_t b, int64_t c, int64_t sp, float scale,
              const float *mean, const float *std) {
-  input_kernel<<<blocks_for(b * c * sp), kThreads, 0, s>>>(raw, x, b * c * sp, c, sp, scale, mean, std);
+  LAUNCH(input_kernel, blocks_for(b * c * sp), kThreads, 0, s)(raw, x, b * c * sp, c, sp, scale, mean, std);
 }
 
 }  // extern "C"

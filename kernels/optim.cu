@@ -30,12 +30,12 @@ extern "C" {
 
 void k_sgd(cudaStream_t s, float *p, const float *g, float *mom, int64_t n, float lr, float momentum, float wd,
            int nesterov, int first) {
-  sgd_kernel<<<blocks_for(n), kThreads, 0, s>>>(p, g, mom, n, lr, momentum, wd, nesterov, first);
+  LAUNCH(sgd_kernel, blocks_for(n), kThreads, 0, s)(p, g, mom, n, lr, momentum, wd, nesterov, first);
 }
 
 void k_adamw(cudaStream_t s, float *p, const float *g, float *m, float *v, int64_t n, float lr, float b1, float b2,
              float eps, float wd, float step_size, float bc2_sqrt) {
-  adamw_kernel<<<blocks_for(n), kThreads, 0, s>>>(p, g, m, v, n, lr, b1, b2, eps, wd, step_size, bc2_sqrt);
+  LAUNCH(adamw_kernel, blocks_for(n), kThreads, 0, s)(p, g, m, v, n, lr, b1, b2, eps, wd, step_size, bc2_sqrt);
 }
 
 }  // extern "C"

@@ -1,0 +1,195 @@
+// gpusim.h: the internals of the GPU stand-in (tests/gpusim/README.md), shared by its pieces:
+// core.cc (configuration, devices, device memory, the fault handler), exec.cc (threads, blocks,
+// warps, kernel launches), runtime.cc (streams, events, copies: the CUDA runtime API),
+// cublas.cc, cudnn.cc, nccl.cc. Nothing here is seen by the code under test, which includes only
+// the toolkit's own headers (and, for kernels, gpusim_device.h).
+//
+// The model: a process sees GPUSIM_DEVICES stand-in devices. Device memory is a reserved
+// address range that host code can never touch: every allocation sits between guard pages, is
+// mapped readable only while queued device work executes, and is never reused after cudaFree.
+// Queued work (kernels, copies, library calls, collectives) runs on the calling host thread and
+// only when the programming model says it has run: a stream, event or device synchronisation, a
+// blocking copy, or a wait between streams. Every entry point holds one process-wide lock.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace gpusim {
+
+// A bug in the program under test that the stand-in caught: prints "gpusim: error: ..." with the
+// process id and the MPI rank (when launched by mpirun) and aborts the process.
+[[noreturn]] void fatal(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+// A warning that does not stop the program.
+void warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+// Serialises every entry point (recursive: library calls nest).
+struct ApiLock {
+  ApiLock();
+  ~ApiLock();
+};
+
+// ---- configuration (core.cc), read once from the environment --------------------------------
+struct Config {
+  int devices;           // GPUSIM_DEVICES (default 1): devices this process sees
+  int visible[64];       // physical index of each visible device (CUDA_VISIBLE_DEVICES)
+  size_t memory_bytes;   // GPUSIM_MEMORY_MIB (default 81559): capacity per device
+  uint64_t seed;         // GPUSIM_SEED (default 1): block, thread and completion orders
+  const char *nccl_fault;  // GPUSIM_NCCL_FAULT: "init@RANK" or "hang@RANK" (tests)
+  int rank;              // OMPI_COMM_WORLD_RANK or -1, for messages
+};
+const Config &config();
+
+// A small deterministic generator (splitmix64), seeded from GPUSIM_SEED and a stream id.
+struct Rng {
+  uint64_t s;
+  explicit Rng(uint64_t seed) : s(seed) {}
+  uint64_t next() {
+    uint64_t z = (s += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+  uint32_t below(uint32_t n) { return (uint32_t)(next() % n); }
+  // a UniformRandomBitGenerator, for std::shuffle
+  using result_type = uint64_t;
+  static constexpr uint64_t min() { return 0; }
+  static constexpr uint64_t max() { return ~0ull; }
+  uint64_t operator()() { return next(); }
+};
+uint64_t next_seed();  // a fresh seed for the next launch, queue or poll sequence
+
+// ---- devices and contexts (core.cc) ----------------------------------------------------------
+struct Stream;
+struct Device {
+  int index;        // visible index
+  int physical;     // index before CUDA_VISIBLE_DEVICES
+  bool context;     // the primary context exists
+  size_t used;      // bytes of live allocations
+  size_t peak;
+  double busy_s;    // seconds spent executing its work (NVML utilisation)
+  Stream *legacy;   // the legacy default stream (created with the context)
+  std::vector<Stream *> streams;  // every stream of the device, including destroyed ones with work
+};
+Device *device(int index);  // nullptr when out of range
+// The calling thread's current device; makes its primary context (the CUDA 12+ behaviour).
+// A process that has made a context on one device and makes one on another is a fatal error.
+Device *current_device();
+int current_index();
+void set_current_index(int index);
+void make_context(Device *d);
+void pci_bus_id(int index, char *buf, size_t cap);  // "0000:1b:00.0"
+
+// ---- device memory (core.cc) -----------------------------------------------------------------
+struct Allocation {
+  uintptr_t base;     // what cudaMalloc returned (256-byte aligned)
+  size_t size;        // requested bytes
+  uintptr_t lo, hi;   // its mapped pages [lo, hi), with a guard page on each side
+  int device;
+  uint64_t serial;    // allocation number, for messages
+  bool live;
+};
+void *device_alloc(Device *d, size_t bytes);  // nullptr when the device is full
+bool device_free(void *p);                    // false: not the base of a live allocation
+// The allocation containing p (live or freed), or nullptr; p may be one past the end.
+const Allocation *find_allocation(const void *p);
+bool in_device_region(const void *p);
+// Checks that [p, p + bytes) lies inside one live allocation (of device `dev` unless -1).
+const Allocation *device_range(const void *p, size_t bytes, int dev = -1);
+// Describes an address for messages: "byte 12 past the end of allocation #3 (400 bytes)".
+std::string describe_address(const void *p);
+
+// Device memory is readable and writable only inside this window (nested).
+void open_device_memory();
+void close_device_memory();
+// Verifies the guard bytes around an allocation after work that used it.
+void check_guards(const Allocation *a, const char *after_what);
+
+// Pinned host memory (cudaMallocHost): plain host memory the copies treat as page-locked.
+bool is_pinned(const void *p, size_t bytes);
+void pinned_add(void *p, size_t bytes);
+bool pinned_remove(void *p);
+
+// ---- streams and queued work (runtime.cc) ----------------------------------------------------
+struct Op {
+  virtual ~Op() {}
+  // Executes the work; false when it cannot finish yet (a collective waiting for its peers):
+  // it is called again later. Device memory is accessible while it runs.
+  virtual bool run() = 0;
+  std::string what;                  // "kernel bias_add_kernel (elementwise.cu:95)"
+  std::vector<const Allocation *> uses;  // device allocations it reads or writes
+};
+
+struct Stream {
+  Device *dev;
+  bool blocking;     // synchronises with the legacy stream (not cudaStreamNonBlocking)
+  bool legacy;
+  bool destroyed;
+  bool running;      // being executed (a cycle of waits shows as re-entry)
+  uint64_t enqueued, completed;  // ops so far
+  std::deque<std::unique_ptr<Op>> queue;
+  Rng rng;
+  Stream() : dev(nullptr), blocking(true), legacy(false), destroyed(false), running(false), enqueued(0),
+             completed(0), rng(0) {}
+};
+
+// Resolves a stream handle (0, cudaStreamLegacy, cudaStreamPerThread or a created stream);
+// nullptr for an unknown or destroyed handle.
+Stream *stream_of(cudaStream_t s);
+// Queues op on s (ordering it after the legacy stream's work, or the other way round, as CUDA does).
+void enqueue(Stream *s, std::unique_ptr<Op> op);
+// Runs s up to op number `until` (without waiting); true when reached.
+bool progress(Stream *s, uint64_t until);
+// Runs s up to `until`, waiting for blocked work (collectives) as long as it takes.
+void drain(Stream *s, uint64_t until, const char *why);
+// Any queued, unfinished work that uses allocation a (for cudaFree); nullptr if none.
+const Op *pending_user(const Allocation *a);
+
+// An op from a function (library calls).
+struct FnOp : Op {
+  std::function<void()> fn;
+  bool run() override {
+    fn();
+    return true;
+  }
+};
+
+// The runtime's per-thread last error (cudaGetLastError).
+cudaError_t set_error(cudaError_t e);
+
+// ---- kernels (exec.cc) -----------------------------------------------------------------------
+// What the device emulation header passes to a launch (see gpusim_device.h).
+}  // namespace gpusim
+
+#include "gpusim_launch.h"
+
+namespace gpusim {
+// Runs one kernel launch to the end: every block, every thread (called from its op).
+void run_kernel(const gpusim_launch_desc *d, void *task);
+// The kernel currently executing, for the fault handler: a line naming kernel, block and thread.
+bool describe_running_kernel(char *buf, size_t cap);
+// Registers the device-shared (static __shared__) section of the program under test.
+void register_static_shared(char *lo, char *hi);
+size_t static_shared_bytes();
+// The opt-in dynamic shared memory limit a kernel has (cudaFuncSetAttribute).
+int max_dynamic_shared(const void *fn);
+void set_max_dynamic_shared(const void *fn, int bytes);
+
+// ---- libraries ----------------------------------------------------------------------------
+// TF32: round a float to 10 explicit mantissa bits (nearest, ties away), as tensor cores read it.
+float to_tf32(float x);
+// IEEE binary16 and bfloat16, rounded to nearest even.
+float half_to_float(uint16_t h);
+uint16_t float_to_half(float f);
+float bf16_to_float(uint16_t b);
+uint16_t float_to_bf16(float f);
+
+}  // namespace gpusim

@@ -1,0 +1,189 @@
+// gpusim_device.h: compiles CUDA kernels (kernels/*.cu) with the host C++ compiler for the GPU
+// stand-in. Force-included (g++ -include) before each kernel file; the kernels themselves are
+// unchanged CUDA, written with the two forms both compilers accept (kernels/common.cuh):
+//   LAUNCH(kernel, grid, block, smem, stream)(args...)   instead of kernel<<<...>>>(args...)
+//   DYNAMIC_SHARED(T, name);                             instead of extern __shared__ T name[];
+// Each CUDA thread runs as a fiber of the executor (exec.cc); __syncthreads and the warp
+// intrinsics are real barriers between them, in an order that varies with GPUSIM_SEED.
+// Anything CUDA offers that is not defined here fails to compile: nothing is silently a no-op.
+#pragma once
+
+// Before cuda_runtime.h: its host-compiler fallbacks only apply to what is still undefined.
+#define __global__
+#define __device__
+#define __host__
+// Static shared memory: one copy per program (blocks run one at a time), in a section of its
+// own so the executor can size it against the 48 KiB limit and poison it before every block.
+// (GCC keeps a section either shared between files or not: device functions in headers that
+// declare __shared__ variables must be static, which is good practice for headers anyway.)
+#define __shared__ static __attribute__((section("gpusim_shared"), aligned(16)))
+
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "gpusim_launch.h"
+
+#define threadIdx (static_cast<const uint3 &>(gpusim_now.thread_idx))
+#define blockIdx (static_cast<const uint3 &>(gpusim_now.block_idx))
+#define blockDim (static_cast<const dim3 &>(gpusim_now.block_dim))
+#define gridDim (static_cast<const dim3 &>(gpusim_now.grid_dim))
+#define warpSize 32
+
+#define DYNAMIC_SHARED(T, name) T *name = static_cast<T *>(gpusim_dynamic_shared())
+
+// Registers this program's static shared section once (weak: a program may have none).
+extern "C" __attribute__((weak)) char __start_gpusim_shared[], __stop_gpusim_shared[];
+namespace {
+struct gpusim_shared_registration {
+  gpusim_shared_registration() { gpusim_register_static_shared(__start_gpusim_shared, __stop_gpusim_shared); }
+};
+static gpusim_shared_registration gpusim_shared_registered;
+}  // namespace
+
+static inline void __syncthreads() { gpusim_syncthreads(); }
+static inline int __syncthreads_count(int p) { return gpusim_syncthreads_vote(0, p); }
+static inline int __syncthreads_and(int p) { return gpusim_syncthreads_vote(1, p); }
+static inline int __syncthreads_or(int p) { return gpusim_syncthreads_vote(2, p); }
+static inline void __syncwarp(unsigned mask = 0xffffffffu) { gpusim_warp_op(GPUSIM_WARP_SYNC, mask, 0, 0, 0, 32); }
+// Fences order memory between threads; blocks and threads run one at a time here.
+static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+static inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+
+namespace gpusim_detail {
+template <class T>
+inline uint64_t bits(T v) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value, "shuffles move up to 8 bytes");
+  uint64_t b = 0;
+  memcpy(&b, &v, sizeof v);
+  return b;
+}
+template <class T>
+inline T from_bits(uint64_t b) {
+  T v;
+  memcpy(&v, &b, sizeof v);
+  return v;
+}
+template <class T>
+inline T shfl(int kind, unsigned mask, T v, int arg, int width) {
+  return from_bits<T>(gpusim_warp_op(kind, mask, bits(v), (int)sizeof(T), arg, width));
+}
+}  // namespace gpusim_detail
+
+template <class T>
+static inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
+  return gpusim_detail::shfl(GPUSIM_SHFL_IDX, mask, v, src, width);
+}
+template <class T>
+static inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+  return gpusim_detail::shfl(GPUSIM_SHFL_UP, mask, v, (int)delta, width);
+}
+template <class T>
+static inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+  return gpusim_detail::shfl(GPUSIM_SHFL_DOWN, mask, v, (int)delta, width);
+}
+template <class T>
+static inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+  return gpusim_detail::shfl(GPUSIM_SHFL_XOR, mask, v, lane_mask, width);
+}
+static inline int __all_sync(unsigned mask, int p) { return (int)gpusim_warp_op(GPUSIM_VOTE_ALL, mask, p != 0, 4, 0, 32); }
+static inline int __any_sync(unsigned mask, int p) { return (int)gpusim_warp_op(GPUSIM_VOTE_ANY, mask, p != 0, 4, 0, 32); }
+static inline unsigned __ballot_sync(unsigned mask, int p) {
+  return (unsigned)gpusim_warp_op(GPUSIM_VOTE_BALLOT, mask, p != 0, 4, 0, 32);
+}
+
+// Atomics: the threads of the stand-in never run at the same moment, so each is a checked
+// read-modify-write of device or shared memory.
+#define GPUSIM_ATOMIC(name, T, expr)                   \
+  static inline T name(T *p, T v) {                    \
+    gpusim_check_atomic(p, sizeof(T), #name);          \
+    T old = *p;                                        \
+    *p = (expr);                                       \
+    return old;                                        \
+  }
+GPUSIM_ATOMIC(atomicAdd, int, old + v)
+GPUSIM_ATOMIC(atomicAdd, unsigned, old + v)
+GPUSIM_ATOMIC(atomicAdd, unsigned long long, old + v)
+GPUSIM_ATOMIC(atomicAdd, float, old + v)
+GPUSIM_ATOMIC(atomicAdd, double, old + v)
+GPUSIM_ATOMIC(atomicSub, int, old - v)
+GPUSIM_ATOMIC(atomicSub, unsigned, old - v)
+GPUSIM_ATOMIC(atomicMax, int, old > v ? old : v)
+GPUSIM_ATOMIC(atomicMax, unsigned, old > v ? old : v)
+GPUSIM_ATOMIC(atomicMin, int, old < v ? old : v)
+GPUSIM_ATOMIC(atomicMin, unsigned, old < v ? old : v)
+GPUSIM_ATOMIC(atomicExch, int, v)
+GPUSIM_ATOMIC(atomicExch, unsigned, v)
+GPUSIM_ATOMIC(atomicExch, float, v)
+#undef GPUSIM_ATOMIC
+template <class T>
+static inline T atomicCAS(T *p, T compare, T v) {
+  gpusim_check_atomic(p, sizeof(T), "atomicCAS");
+  T old = *p;
+  if (old == compare) *p = v;
+  return old;
+}
+
+namespace gpusim {
+
+// The launch of one kernel: its arguments converted to the kernel's parameter types, run once
+// per thread. Kernel is a template argument so that its body inlines into run_thread.
+template <class F, F Kernel>
+struct Task;
+template <class... P, void (*Kernel)(P...)>
+struct Task<void (*)(P...), Kernel> {
+  std::tuple<std::decay_t<P>...> args;
+  static void run_thread(void *t) { std::apply(Kernel, static_cast<Task *>(t)->args); }
+  static void destroy(void *t) { delete static_cast<Task *>(t); }
+};
+
+template <class F, F Kernel>
+struct Launcher;
+template <class... P, void (*Kernel)(P...)>
+struct Launcher<void (*)(P...), Kernel> {
+  gpusim_launch_desc d;
+  Launcher(const char *name, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const char *file, int line) {
+    d = gpusim_launch_desc();
+    d.name = name;
+    d.file = file;
+    d.line = line;
+    d.fn = reinterpret_cast<const void *>(Kernel);
+    d.grid = grid;
+    d.block = block;
+    d.smem = smem;
+    d.stream = stream;
+  }
+  template <class... A>
+  void operator()(A &&...a) {
+    static_assert(sizeof...(A) == sizeof...(P), "a kernel launch passes every parameter");
+    static_assert(sizeof...(P) <= GPUSIM_MAX_ARGS, "too many kernel parameters");
+    using T = Task<void (*)(P...), Kernel>;
+    T *task = new T{std::tuple<std::decay_t<P>...>(std::forward<A>(a)...)};
+    d.n_args = (int)sizeof...(P);
+    describe(task->args, std::index_sequence_for<P...>{});
+    d.run_thread = &T::run_thread;
+    d.destroy = &T::destroy;
+    gpusim_launch(&d, task);
+  }
+
+ private:
+  template <class Tuple, size_t... I>
+  void describe(const Tuple &t, std::index_sequence<I...>) {
+    (note(I, std::get<I>(t)), ...);
+  }
+  template <class V>
+  void note(size_t i, const V &v) {
+    d.is_pointer[i] = std::is_pointer<V>::value;
+    if constexpr (std::is_pointer<V>::value) d.pointer[i] = static_cast<const void *>(v);
+  }
+};
+
+}  // namespace gpusim
+
+#define LAUNCH(kernel, grid, block, smem, stream) \
+  ::gpusim::Launcher<decltype(&kernel), &kernel>(#kernel, (grid), (block), (smem), (stream), __FILE__, __LINE__)

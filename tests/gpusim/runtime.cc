@@ -1,0 +1,593 @@
+// runtime.cc: the CUDA runtime API on the stand-in: devices, memory, streams, events, copies.
+// Semantics follow the CUDA Runtime API documentation and promise no more than it does:
+// - work queued on a stream runs only when a stream, event or device synchronisation, a blocking
+//   copy or a cross-stream wait requires it; a query may find it done after a few polls;
+// - cudaMemcpyAsync between device and pageable host memory "might be synchronous": here it never
+//   is, so the host buffer is read or written when the copy executes, not when it is queued;
+// - the legacy default stream waits for every blocking stream and the other way round;
+// - cudaFree while queued work still uses the allocation is an error, not an implicit sync.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <set>
+
+#include "gpusim.h"
+
+namespace gpusim {
+namespace {
+
+thread_local cudaError_t last_error = cudaSuccess;
+
+struct Event {
+  Stream *stream = nullptr;
+  uint64_t seq = 0;
+  bool recorded = false;
+  int polls = 0, delay = 1;
+};
+
+struct Registry {
+  std::set<Stream *> streams;  // live created streams
+  std::set<Event *> events;
+};
+
+Registry &reg() {
+  static Registry r;  // handles this process has handed out
+  return r;
+}
+
+double now_s() {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+cudaError_t ret(cudaError_t e) {
+  if (e != cudaSuccess) last_error = e;
+  return e;
+}
+
+struct WaitOp : Op {
+  Stream *target;
+  uint64_t seq;
+  WaitOp(Stream *t, uint64_t s) : target(t), seq(s) { what = "a wait for another stream"; }
+  bool run() override { return progress(target, seq); }
+};
+
+struct CopyOp : Op {
+  void *dst;
+  const void *src;
+  size_t bytes;
+  bool run() override {
+    memcpy(dst, src, bytes);
+    return true;
+  }
+};
+
+struct SetOp : Op {
+  void *dst;
+  int value;
+  size_t bytes;
+  bool run() override {
+    memset(dst, value, bytes);
+    return true;
+  }
+};
+
+Event *event_of(cudaEvent_t e) {
+  Event *ev = reinterpret_cast<Event *>(e);
+  return reg().events.count(ev) ? ev : nullptr;
+}
+
+// Queues a copy after checking both sides; kind as the caller gave it.
+cudaError_t queue_copy(Stream *s, void *dst, const void *src, size_t bytes, cudaMemcpyKind kind, const char *api) {
+  if (!bytes) return cudaSuccess;
+  bool dst_dev = in_device_region(dst), src_dev = in_device_region(src);
+  switch (kind) {
+    case cudaMemcpyHostToDevice:
+      if (src_dev || !dst_dev) return ret(cudaErrorInvalidValue);
+      break;
+    case cudaMemcpyDeviceToHost:
+      if (!src_dev || dst_dev) return ret(cudaErrorInvalidValue);
+      break;
+    case cudaMemcpyDeviceToDevice:
+      if (!src_dev || !dst_dev) return ret(cudaErrorInvalidValue);
+      break;
+    case cudaMemcpyHostToHost:
+      if (src_dev || dst_dev) return ret(cudaErrorInvalidValue);
+      break;
+    case cudaMemcpyDefault: break;
+    default: return ret(cudaErrorInvalidMemcpyDirection);
+  }
+  std::unique_ptr<CopyOp> op(new CopyOp);
+  for (int side = 0; side < 2; side++) {
+    const void *p = side ? src : dst;
+    if (!in_device_region(p)) continue;
+    const Allocation *a = device_range(p, bytes);
+    if (!a)
+      fatal("%s of %zu bytes: the %s range starts at %p, %s, and must lie inside one live allocation", api, bytes,
+            side ? "source" : "destination", p, describe_address(p).c_str());
+    op->uses.push_back(a);
+  }
+  op->dst = dst;
+  op->src = src;
+  op->bytes = bytes;
+  char what[128];
+  snprintf(what, sizeof what, "%s of %zu bytes", api, bytes);
+  op->what = what;
+  if (!dst_dev && !src_dev) {  // host to host: fully synchronous
+    drain(s, s->enqueued, api);
+    memcpy(dst, src, bytes);
+    return cudaSuccess;
+  }
+  enqueue(s, std::move(op));
+  return cudaSuccess;
+}
+
+void fill_properties(cudaDeviceProp *p, int i) {
+  memset(p, 0, sizeof *p);
+  snprintf(p->name, sizeof p->name, "gpusim H100 80GB HBM3 (CPU stand-in)");
+  for (int k = 0; k < 16; k++) p->uuid.bytes[k] = (char)(0x60 + k + 16 * i);
+  p->totalGlobalMem = config().memory_bytes;
+  p->sharedMemPerBlock = 48 << 10;
+  p->sharedMemPerBlockOptin = 227 << 10;
+  p->sharedMemPerMultiprocessor = 228 << 10;
+  p->reservedSharedMemPerBlock = 1 << 10;
+  p->regsPerBlock = 65536;
+  p->regsPerMultiprocessor = 65536;
+  p->warpSize = 32;
+  p->memPitch = (size_t)1 << 31;
+  p->maxThreadsPerBlock = 1024;
+  p->maxThreadsDim[0] = 1024, p->maxThreadsDim[1] = 1024, p->maxThreadsDim[2] = 64;
+  p->maxGridSize[0] = 0x7fffffff, p->maxGridSize[1] = 65535, p->maxGridSize[2] = 65535;
+  p->totalConstMem = 64 << 10;
+  p->major = 9;
+  p->minor = 0;
+  p->multiProcessorCount = 132;
+  p->maxThreadsPerMultiProcessor = 2048;
+  p->maxBlocksPerMultiProcessor = 32;
+  p->concurrentKernels = 1;
+  p->ECCEnabled = 1;
+  char bus[32];
+  pci_bus_id(i, bus, sizeof bus);
+  unsigned dom = 0, b = 0, dev = 0;
+  sscanf(bus, "%x:%x:%x", &dom, &b, &dev);
+  p->pciDomainID = (int)dom;
+  p->pciBusID = (int)b;
+  p->pciDeviceID = (int)dev;
+  p->asyncEngineCount = 3;
+  p->unifiedAddressing = 1;
+  p->memoryBusWidth = 5120;
+  p->l2CacheSize = 50 << 20;
+  p->managedMemory = 1;
+  p->canMapHostMemory = 1;
+  p->streamPrioritiesSupported = 1;
+  p->cooperativeLaunch = 1;
+  p->clusterLaunch = 1;
+}
+
+}  // namespace
+
+cudaError_t set_error(cudaError_t e) {
+  return ret(e);
+}
+
+Stream *stream_of(cudaStream_t h) {
+  if (h == nullptr || h == cudaStreamLegacy || h == cudaStreamPerThread) {
+    Device *d = current_device();
+    return d ? d->legacy : nullptr;
+  }
+  Stream *s = reinterpret_cast<Stream *>(h);
+  return reg().streams.count(s) ? s : nullptr;
+}
+
+void enqueue(Stream *s, std::unique_ptr<Op> op) {
+  Device *d = s->dev;
+  if (s->legacy) {
+    for (Stream *o : d->streams)
+      if (o != s && o->blocking && o->completed < o->enqueued) {
+        s->queue.emplace_back(new WaitOp(o, o->enqueued));
+        s->enqueued++;
+      }
+  } else if (s->blocking && d->legacy->completed < d->legacy->enqueued) {
+    s->queue.emplace_back(new WaitOp(d->legacy, d->legacy->enqueued));
+    s->enqueued++;
+  }
+  s->queue.push_back(std::move(op));
+  s->enqueued++;
+}
+
+bool progress(Stream *s, uint64_t until) {
+  if (s->completed >= until) return true;
+  if (s->running)
+    fatal("streams wait for each other in a cycle (cudaStreamWaitEvent on events recorded after the waits): "
+          "this work can never run");
+  s->running = true;
+  open_device_memory();
+  double t0 = now_s();
+  while (s->completed < until && !s->queue.empty()) {
+    Op *op = s->queue.front().get();
+    if (!op->run()) break;
+    for (const Allocation *a : op->uses) check_guards(a, op->what.c_str());
+    s->queue.pop_front();
+    s->completed++;
+  }
+  s->dev->busy_s += now_s() - t0;
+  close_device_memory();
+  s->running = false;
+  return s->completed >= until;
+}
+
+void drain(Stream *s, uint64_t until, const char *why) {
+  double t0 = now_s(), warned = 0;
+  useconds_t nap = 20;
+  while (!progress(s, until)) {
+    usleep(nap);
+    if (nap < 2000) nap *= 2;
+    double waited = now_s() - t0;
+    if (waited - warned > 60) {
+      warned = waited;
+      warn("%s has waited %.0f s for queued work that cannot finish (a collective whose peers have not joined)", why,
+           waited);
+    }
+  }
+}
+
+const Op *pending_user(const Allocation *a) {
+  for (int i = 0; Device *d = device(i); i++)
+    for (Stream *s : d->streams)
+      for (auto &op : s->queue)
+        for (const Allocation *u : op->uses)
+          if (u == a) return op.get();
+  return nullptr;
+}
+
+}  // namespace gpusim
+
+using namespace gpusim;
+
+extern "C" {
+
+const char *cudaGetErrorName(cudaError_t e) {
+  switch (e) {
+#define N(x) \
+  case x: return #x;
+    N(cudaSuccess)
+    N(cudaErrorInvalidValue)
+    N(cudaErrorMemoryAllocation)
+    N(cudaErrorInitializationError)
+    N(cudaErrorInvalidConfiguration)
+    N(cudaErrorInvalidDevice)
+    N(cudaErrorInvalidMemcpyDirection)
+    N(cudaErrorInvalidResourceHandle)
+    N(cudaErrorNotReady)
+    N(cudaErrorNoDevice)
+    N(cudaErrorIllegalAddress)
+    N(cudaErrorDevicesUnavailable)
+    N(cudaErrorInvalidDevicePointer)
+#undef N
+    default: return "cudaErrorUnknown";
+  }
+}
+
+const char *cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInitializationError: return "initialization error";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorInvalidMemcpyDirection: return "invalid copy direction for memcpy";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorNotReady: return "device not ready";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
+    case cudaErrorDevicesUnavailable: return "CUDA-capable device(s) is/are busy or unavailable";
+    default: return "unrecognized error code";
+  }
+}
+
+cudaError_t cudaGetLastError(void) {
+  cudaError_t e = last_error;
+  last_error = cudaSuccess;
+  return e;
+}
+
+cudaError_t cudaPeekAtLastError(void) {
+  return last_error;
+}
+
+cudaError_t cudaRuntimeGetVersion(int *v) {
+  *v = CUDART_VERSION;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDriverGetVersion(int *v) {
+  *v = CUDART_VERSION;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDeviceCount(int *n) {
+  ApiLock lock;
+  *n = config().devices;
+  return *n ? cudaSuccess : ret(cudaErrorNoDevice);
+}
+
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int i) {
+  ApiLock lock;
+  if (!device(i)) return ret(cudaErrorInvalidDevice);
+  fill_properties(p, i);
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int i) {
+  ApiLock lock;
+  if (!device(i)) return ret(cudaErrorInvalidDevice);
+  cudaDeviceProp p;
+  fill_properties(&p, i);
+  switch (attr) {
+    case cudaDevAttrMaxThreadsPerBlock: *value = p.maxThreadsPerBlock; break;
+    case cudaDevAttrMaxSharedMemoryPerBlock: *value = (int)p.sharedMemPerBlock; break;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = (int)p.sharedMemPerBlockOptin; break;
+    case cudaDevAttrMultiProcessorCount: *value = p.multiProcessorCount; break;
+    case cudaDevAttrComputeCapabilityMajor: *value = p.major; break;
+    case cudaDevAttrComputeCapabilityMinor: *value = p.minor; break;
+    case cudaDevAttrWarpSize: *value = p.warpSize; break;
+    default: return ret(cudaErrorInvalidValue);
+  }
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetPCIBusId(char *buf, int len, int i) {
+  ApiLock lock;
+  if (!device(i)) return ret(cudaErrorInvalidDevice);
+  if (len < 13) return ret(cudaErrorInvalidValue);
+  pci_bus_id(i, buf, (size_t)len);
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int *i) {
+  ApiLock lock;
+  *i = current_index();
+  return cudaSuccess;
+}
+
+// Since CUDA 12 cudaSetDevice initialises the device's primary context at once.
+cudaError_t cudaSetDevice(int i) {
+  ApiLock lock;
+  Device *d = device(i);
+  if (!d) return ret(config().devices ? cudaErrorInvalidDevice : cudaErrorNoDevice);
+  set_current_index(i);
+  make_context(d);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total) {
+  ApiLock lock;
+  Device *d = current_device();
+  if (!d) return ret(cudaErrorNoDevice);
+  *total = config().memory_bytes;
+  *free_b = d->used < *total ? *total - d->used : 0;
+  return cudaSuccess;
+}
+
+cudaError_t cudaMalloc(void **p, size_t bytes) {
+  ApiLock lock;
+  Device *d = current_device();
+  if (!d) return ret(cudaErrorNoDevice);
+  if (!p) return ret(cudaErrorInvalidValue);
+  if (!bytes) {
+    *p = nullptr;
+    return cudaSuccess;
+  }
+  *p = device_alloc(d, bytes);
+  return *p ? cudaSuccess : ret(cudaErrorMemoryAllocation);
+}
+
+cudaError_t cudaFree(void *p) {
+  ApiLock lock;
+  if (!p) return cudaSuccess;
+  const Allocation *a = find_allocation(p);
+  if (!a || !a->live || a->base != (uintptr_t)p) return ret(cudaErrorInvalidValue);
+  if (const Op *user = pending_user(a))
+    fatal("cudaFree(%p) of allocation #%llu (%zu bytes) while queued, unfinished work still uses it: %s; "
+          "synchronize the stream (or wait for an event recorded after that work) before freeing",
+          p, (unsigned long long)a->serial, a->size, user->what.c_str());
+  device_free(p);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMallocHost(void **p, size_t bytes) {
+  ApiLock lock;
+  current_device();
+  if (posix_memalign(p, 4096, bytes ? bytes : 1)) return ret(cudaErrorMemoryAllocation);
+  pinned_add(*p, bytes);
+  return cudaSuccess;
+}
+
+cudaError_t cudaFreeHost(void *p) {
+  ApiLock lock;
+  if (!p) return cudaSuccess;
+  if (!pinned_remove(p)) return ret(cudaErrorInvalidValue);
+  free(p);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind, cudaStream_t h) {
+  ApiLock lock;
+  Stream *s = stream_of(h);
+  if (!s) return ret(cudaErrorInvalidResourceHandle);
+  return queue_copy(s, dst, src, bytes, kind, "cudaMemcpyAsync");
+}
+
+// Blocking: queued on the legacy stream (after every blocking stream's work) and run to the end.
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind) {
+  ApiLock lock;
+  Stream *s = stream_of(nullptr);
+  if (!s) return ret(cudaErrorNoDevice);
+  cudaError_t e = queue_copy(s, dst, src, bytes, kind, "cudaMemcpy");
+  if (e == cudaSuccess) drain(s, s->enqueued, "cudaMemcpy");
+  return e;
+}
+
+cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t h) {
+  ApiLock lock;
+  Stream *s = stream_of(h);
+  if (!s) return ret(cudaErrorInvalidResourceHandle);
+  if (!bytes) return cudaSuccess;
+  const Allocation *a = device_range(p, bytes, s->dev->index);
+  if (!a)
+    fatal("cudaMemsetAsync of %zu bytes at %p, %s: the range must lie inside one live allocation of device %d", bytes,
+          p, describe_address(p).c_str(), s->dev->index);
+  std::unique_ptr<SetOp> op(new SetOp);
+  op->dst = p;
+  op->value = value;
+  op->bytes = bytes;
+  op->uses.push_back(a);
+  op->what = "cudaMemsetAsync";
+  enqueue(s, std::move(op));
+  return cudaSuccess;
+}
+
+// Asynchronous with respect to the host (the documentation says so for device memory).
+cudaError_t cudaMemset(void *p, int value, size_t bytes) {
+  return cudaMemsetAsync(p, value, bytes, nullptr);
+}
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *h, unsigned flags) {
+  ApiLock lock;
+  Device *d = current_device();
+  if (!d) return ret(cudaErrorNoDevice);
+  if (flags & ~(unsigned)cudaStreamNonBlocking) return ret(cudaErrorInvalidValue);
+  Stream *s = new Stream;
+  s->dev = d;
+  s->blocking = !(flags & cudaStreamNonBlocking);
+  s->rng = Rng(next_seed());
+  d->streams.push_back(s);
+  reg().streams.insert(s);
+  *h = reinterpret_cast<cudaStream_t>(s);
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreate(cudaStream_t *h) {
+  return cudaStreamCreateWithFlags(h, cudaStreamDefault);
+}
+
+// The handle dies at once; queued work still runs when something waits for it (or at a device
+// synchronisation), as the documentation promises.
+cudaError_t cudaStreamDestroy(cudaStream_t h) {
+  ApiLock lock;
+  Stream *s = stream_of(h);
+  if (!s || s->legacy) return ret(cudaErrorInvalidResourceHandle);
+  reg().streams.erase(s);
+  s->destroyed = true;
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t h) {
+  ApiLock lock;
+  Stream *s = stream_of(h);
+  if (!s) return ret(cudaErrorInvalidResourceHandle);
+  drain(s, s->enqueued, "cudaStreamSynchronize");
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamQuery(cudaStream_t h) {
+  ApiLock lock;
+  Stream *s = stream_of(h);
+  if (!s) return ret(cudaErrorInvalidResourceHandle);
+  if (s->completed >= s->enqueued) return cudaSuccess;
+  // the device works in the background: the queue is found done after a few polls
+  if (s->rng.below(3) == 0 && progress(s, s->enqueued)) return cudaSuccess;
+  return cudaErrorNotReady;
+}
+
+cudaError_t cudaDeviceSynchronize(void) {
+  ApiLock lock;
+  Device *d = current_device();
+  if (!d) return ret(cudaErrorNoDevice);
+  for (size_t i = 0; i < d->streams.size(); i++) drain(d->streams[i], d->streams[i]->enqueued, "cudaDeviceSynchronize");
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *h, unsigned flags) {
+  ApiLock lock;
+  if (!current_device()) return ret(cudaErrorNoDevice);
+  if (flags & ~(unsigned)(cudaEventBlockingSync | cudaEventDisableTiming | cudaEventInterprocess))
+    return ret(cudaErrorInvalidValue);
+  Event *e = new Event;
+  reg().events.insert(e);
+  *h = reinterpret_cast<cudaEvent_t>(e);
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventCreate(cudaEvent_t *h) {
+  return cudaEventCreateWithFlags(h, cudaEventDefault);
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t h, cudaStream_t sh) {
+  ApiLock lock;
+  Event *e = event_of(h);
+  Stream *s = stream_of(sh);
+  if (!e || !s) return ret(cudaErrorInvalidResourceHandle);
+  e->stream = s;
+  e->seq = s->enqueued;
+  e->recorded = true;
+  e->polls = 0;
+  e->delay = 1 + (int)s->rng.below(3);
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventQuery(cudaEvent_t h) {
+  ApiLock lock;
+  Event *e = event_of(h);
+  if (!e) return ret(cudaErrorInvalidResourceHandle);
+  if (!e->recorded || e->stream->completed >= e->seq) return cudaSuccess;
+  if (++e->polls >= e->delay && progress(e->stream, e->seq)) return cudaSuccess;
+  return cudaErrorNotReady;
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t h) {
+  ApiLock lock;
+  Event *e = event_of(h);
+  if (!e) return ret(cudaErrorInvalidResourceHandle);
+  if (e->recorded) drain(e->stream, e->seq, "cudaEventSynchronize");
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventDestroy(cudaEvent_t h) {
+  ApiLock lock;
+  Event *e = event_of(h);
+  if (!e) return ret(cudaErrorInvalidResourceHandle);
+  reg().events.erase(e);
+  delete e;
+  return cudaSuccess;
+}
+
+// Later work on `sh` waits for the work queued before the event's most recent record.
+cudaError_t cudaStreamWaitEvent(cudaStream_t sh, cudaEvent_t h, unsigned flags) {
+  ApiLock lock;
+  Stream *s = stream_of(sh);
+  Event *e = event_of(h);
+  if (!s || !e) return ret(cudaErrorInvalidResourceHandle);
+  if (flags & ~(unsigned)cudaEventWaitExternal) return ret(cudaErrorInvalidValue);
+  if (!e->recorded || e->stream == s) return cudaSuccess;
+  enqueue(s, std::unique_ptr<Op>(new WaitOp(e->stream, e->seq)));
+  return cudaSuccess;
+}
+
+cudaError_t cudaFuncSetAttribute(const void *fn, cudaFuncAttribute attr, int value) {
+  ApiLock lock;
+  if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize) {
+    if (value < 0 || (size_t)value + static_shared_bytes() > (227u << 10)) return ret(cudaErrorInvalidValue);
+    set_max_dynamic_shared(fn, value);
+    return cudaSuccess;
+  }
+  if (attr == cudaFuncAttributePreferredSharedMemoryCarveout) return cudaSuccess;
+  return ret(cudaErrorInvalidValue);
+}
+
+}  // extern "C"
