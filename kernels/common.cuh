@@ -14,15 +14,41 @@
 #endif
 
 static const int kThreads = 256;
+// Grid-stride kernels get at most this many blocks: two waves of 256-thread blocks on an H100
+// (132 SMs x 8 resident blocks), so each thread handles several elements once tensors are large.
+static const int64_t kMaxBlocks = 2048;
 
 static inline unsigned blocks_for(int64_t n) {
   int64_t b = (n + kThreads - 1) / kThreads;
-  return (unsigned)(b < 1 ? 1 : (b > 65535 * 16 ? 65535 * 16 : b));
+  return (unsigned)(b < 1 ? 1 : (b > kMaxBlocks ? kMaxBlocks : b));
 }
 
 #define GRID_STRIDE(i, n) for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); i += (int64_t)blockDim.x * gridDim.x)
 
 #include "hash.h"  // dt_hash_uniform: the same dropout masks as the CPU
+
+// Division by a divisor fixed at launch, without a divide instruction (64-bit division is
+// emulated on GPUs): q = umulhi(n, mul) >> shift for 0 <= n < 2^31 (Granlund-Montgomery, as in
+// CUTLASS's FastDivmod). Launchers build it on the host; element counts stay below 2^31.
+typedef struct {
+  uint32_t d, mul, shift;
+} fast_div;
+
+static inline fast_div make_fast_div(int64_t d) {
+  fast_div f = {(uint32_t)d, 0, 0};
+  if (d > 1) {
+    uint32_t log2_ceil = 0;
+    while ((1ull << log2_ceil) < (uint64_t)d) log2_ceil++;
+    uint32_t p = 31 + log2_ceil;
+    f.mul = (uint32_t)(((1ull << p) + (uint64_t)d - 1) / (uint64_t)d);
+    f.shift = p - 32;
+  }
+  return f;
+}
+
+static __device__ __forceinline__ uint32_t div_by(uint32_t n, fast_div f) {
+  return f.d == 1 ? n : __umulhi(n, f.mul) >> f.shift;
+}
 
 // Sum of v over the lanes [0, lanes) of a warp; the result is valid in lane 0. Lanes that do not
 // exist (a partial last warp) are neither named in the mask nor read.
@@ -47,4 +73,16 @@ static __device__ __forceinline__ double block_sum(double v) {
   if (warp == 0) v = warp_sum(lane < warps ? warp_sums[lane] : 0.0, (int)blockDim.x < 32 ? (int)blockDim.x : 32);
   __syncthreads();
   return v;
+}
+
+// Channel of element i of a (B, C, S) tensor.
+static __device__ __forceinline__ uint32_t channel_of(int64_t i, fast_div c, fast_div sp) {
+  uint32_t plane = div_by((uint32_t)i, sp);
+  return plane - div_by(plane, c) * c.d;
+}
+
+// Offset of element i of channel ch's (B, S) slice in a (B, C, S) tensor.
+static __device__ __forceinline__ int64_t channel_offset(int64_t i, int64_t ch, int64_t c, fast_div sp) {
+  uint32_t bi = div_by((uint32_t)i, sp);
+  return ((int64_t)bi * c + ch) * sp.d + (i - (int64_t)bi * sp.d);
 }

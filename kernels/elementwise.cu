@@ -6,15 +6,15 @@
 
 enum { ACT_RELU, ACT_GELU, ACT_TANH, ACT_SIGMOID };  // backend.h's DT_ACT_*
 
-__global__ void bias_add_kernel(float *y, const float *bias, int64_t n, int64_t c, int64_t sp) {
-  GRID_STRIDE(i, n) y[i] += bias[(i / sp) % c];
+__global__ void bias_add_kernel(float *y, const float *bias, int64_t n, fast_div c, fast_div sp) {
+  GRID_STRIDE(i, n) y[i] += bias[channel_of(i, c, sp)];
 }
 
 // One block per channel: db[c] += sum over (b, s) of dy.
-__global__ void bias_grad_kernel(const float *dy, float *db, int64_t b, int64_t c, int64_t sp) {
+__global__ void bias_grad_kernel(const float *dy, float *db, int64_t b, int64_t c, fast_div sp) {
   int64_t ch = blockIdx.x;
   double acc = 0;
-  for (int64_t i = threadIdx.x; i < b * sp; i += blockDim.x) acc += dy[(i / sp) * c * sp + ch * sp + i % sp];
+  for (int64_t i = threadIdx.x; i < b * sp.d; i += blockDim.x) acc += dy[channel_offset(i, ch, c, sp)];
   acc = block_sum(acc);
   if (threadIdx.x == 0) db[ch] += (float)acc;
 }
@@ -67,10 +67,10 @@ __global__ void sumsq_kernel(const float *x, int64_t n, double *out) {
   }
 }
 
-__global__ void input_kernel(const float *raw, float *x, int64_t n, int64_t c, int64_t sp, float scale,
+__global__ void input_kernel(const float *raw, float *x, int64_t n, fast_div c, fast_div sp, float scale,
                              const float *mean, const float *std) {
   GRID_STRIDE(i, n) {
-    int64_t ch = (i / sp) % c;
+    uint32_t ch = channel_of(i, c, sp);
     float m = mean ? mean[ch] : 0.0f, inv = std ? 1.0f / std[ch] : 1.0f;
     x[i] = (raw[i] * scale - m) * inv;
   }
@@ -79,11 +79,11 @@ __global__ void input_kernel(const float *raw, float *x, int64_t n, int64_t c, i
 extern "C" {
 
 void k_bias_add(cudaStream_t s, float *y, const float *bias, int64_t b, int64_t c, int64_t sp) {
-  LAUNCH(bias_add_kernel, blocks_for(b * c * sp), kThreads, 0, s)(y, bias, b * c * sp, c, sp);
+  LAUNCH(bias_add_kernel, blocks_for(b * c * sp), kThreads, 0, s)(y, bias, b * c * sp, make_fast_div(c), make_fast_div(sp));
 }
 
 void k_bias_grad(cudaStream_t s, const float *dy, float *db, int64_t b, int64_t c, int64_t sp) {
-  LAUNCH(bias_grad_kernel, (unsigned)c, kThreads, 0, s)(dy, db, b, c, sp);
+  LAUNCH(bias_grad_kernel, (unsigned)c, kThreads, 0, s)(dy, db, b, c, make_fast_div(sp));
 }
 
 void k_act_fwd(cudaStream_t s, int kind, const float *x, float *y, int64_t n) {
@@ -107,13 +107,13 @@ void k_scale(cudaStream_t s, float *x, float alpha, int64_t n) { LAUNCH(scale_ke
 void k_sumsq(cudaStream_t s, const float *x, int64_t n, double *out) {
   cudaMemsetAsync(out, 0, 2 * sizeof(double), s);
   unsigned blocks = blocks_for(n);
-  if (blocks > 1024) blocks = 1024;
+  if (blocks > 256) blocks = 256;  // each block ends in two atomics: keep them few
   LAUNCH(sumsq_kernel, blocks, kThreads, 0, s)(x, n, out);
 }
 
 void k_input(cudaStream_t s, const float *raw, float *x, int64_t b, int64_t c, int64_t sp, float scale,
              const float *mean, const float *std) {
-  LAUNCH(input_kernel, blocks_for(b * c * sp), kThreads, 0, s)(raw, x, b * c * sp, c, sp, scale, mean, std);
+  LAUNCH(input_kernel, blocks_for(b * c * sp), kThreads, 0, s)(raw, x, b * c * sp, make_fast_div(c), make_fast_div(sp), scale, mean, std);
 }
 
 }  // extern "C"

@@ -7,9 +7,10 @@
 enum { POOL_MAX, POOL_AVG };  // backend.h's DT_POOL_*
 
 __global__ void pool_fwd_kernel(int kind, const float *x, float *y, int32_t *argmax, int64_t n, int64_t h, int64_t w,
-                                int64_t k, int64_t stride, int64_t ho, int64_t wo) {
+                                int64_t k, int64_t stride, fast_div ho, fast_div wo) {
   GRID_STRIDE(i, n) {
-    int64_t ow = i % wo, oh = (i / wo) % ho, plane = i / (wo * ho);
+    uint32_t row = div_by((uint32_t)i, wo), plane = div_by(row, ho);
+    int64_t ow = i - (int64_t)row * wo.d, oh = row - plane * ho.d;
     const float *xp = x + plane * h * w;
     float best = -INFINITY, acc = 0;
     int32_t where = 0;
@@ -30,21 +31,23 @@ __global__ void pool_fwd_kernel(int kind, const float *x, float *y, int32_t *arg
 }
 
 // One thread per input element gathers from the windows that cover it: no atomics.
-__global__ void pool_bwd_kernel(int kind, const float *dy, const int32_t *argmax, float *dx, int64_t n, int64_t h,
-                                int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo) {
+__global__ void pool_bwd_kernel(int kind, const float *dy, const int32_t *argmax, float *dx, int64_t n, fast_div h,
+                                fast_div w, int k, int stride, int ho, int wo) {
   GRID_STRIDE(i, n) {
-    int64_t ix = i % w, iy = (i / w) % h, plane = i / (w * h);
-    int64_t oh0 = iy >= k ? (iy - k) / stride + 1 : 0, ow0 = ix >= k ? (ix - k) / stride + 1 : 0;
-    int64_t oh1 = iy / stride, ow1 = ix / stride;
+    uint32_t row = div_by((uint32_t)i, w), plane = div_by(row, h);
+    int ix = (int)(i - (int64_t)row * w.d), iy = (int)(row - plane * h.d);
+    // window sizes and strides are small: 32-bit arithmetic
+    int oh0 = iy >= k ? (iy - k) / stride + 1 : 0, ow0 = ix >= k ? (ix - k) / stride + 1 : 0;
+    int oh1 = iy / stride, ow1 = ix / stride;
     if (oh1 >= ho) oh1 = ho - 1;
     if (ow1 >= wo) ow1 = wo - 1;
     float g = 0;
-    for (int64_t oh = oh0; oh <= oh1; oh++)
-      for (int64_t ow = ow0; ow <= ow1; ow++) {
+    for (int oh = oh0; oh <= oh1; oh++)
+      for (int ow = ow0; ow <= ow1; ow++) {
         if (iy < oh * stride || iy >= oh * stride + k || ix < ow * stride || ix >= ow * stride + k) continue;
-        int64_t o = plane * ho * wo + oh * wo + ow;
+        int64_t o = (int64_t)plane * ho * wo + oh * wo + ow;
         if (kind == POOL_MAX) {
-          if (argmax[o] == (int32_t)(iy * w + ix)) g += dy[o];
+          if (argmax[o] == (int32_t)(iy * (int)w.d + ix)) g += dy[o];
         } else {
           g += dy[o] / (float)(k * k);
         }
@@ -58,13 +61,15 @@ extern "C" {
 void k_pool_fwd(cudaStream_t s, int kind, const float *x, float *y, int32_t *argmax, int64_t b, int64_t c, int64_t h,
                 int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo) {
   int64_t n = b * c * ho * wo;
-  LAUNCH(pool_fwd_kernel, blocks_for(n), kThreads, 0, s)(kind, x, y, argmax, n, h, w, k, stride, ho, wo);
+  LAUNCH(pool_fwd_kernel, blocks_for(n), kThreads, 0, s)(kind, x, y, argmax, n, h, w, k, stride, make_fast_div(ho),
+                                                        make_fast_div(wo));
 }
 
 void k_pool_bwd(cudaStream_t s, int kind, const float *dy, const int32_t *argmax, float *dx, int64_t b, int64_t c,
                 int64_t h, int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo) {
   int64_t n = b * c * h * w;
-  LAUNCH(pool_bwd_kernel, blocks_for(n), kThreads, 0, s)(kind, dy, argmax, dx, n, h, w, k, stride, ho, wo);
+  LAUNCH(pool_bwd_kernel, blocks_for(n), kThreads, 0, s)(kind, dy, argmax, dx, n, make_fast_div(h), make_fast_div(w),
+                                                        (int)k, (int)stride, (int)ho, (int)wo);
 }
 
 }  // extern "C"

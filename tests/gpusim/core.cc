@@ -7,6 +7,7 @@
 // pages are readable and writable only while queued work executes; at any other moment a host
 // access faults and the handler below names the allocation. Freed pages are released and never
 // handed out again, so a late use faults too.
+#include <cblas.h>
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
@@ -38,6 +39,7 @@ struct Core {
   std::map<uintptr_t, Allocation *> by_lo;  // every allocation ever made, by its first page
   uint64_t serial = 0;
   int open_depth = 0;
+  std::vector<Allocation *> opened;  // made accessible in the current execution window
   // devices
   std::vector<Device> devices;
   int context_device = -1;  // the device this process made its first context on
@@ -127,6 +129,9 @@ void init_locked() {
   c.region_hi = c.region_lo + kRegionBytes;
   c.next = c.region_lo + (uintptr_t)c.page;
   install_handler();
+  // the stand-in is one executor: its library calls (cuBLAS, cuDNN) use one BLAS thread, so that
+  // several ranks on a machine do not oversubscribe its cores
+  openblas_set_num_threads(1);
   c.ready = true;
 }
 
@@ -154,13 +159,8 @@ Allocation *containing(uintptr_t a) {
   return nullptr;
 }
 
-void set_access(int prot) {
-  Core &c = core();
-  for (auto &kv : c.by_lo) {
-    Allocation *a = kv.second;
-    if (a->live && mprotect((void *)a->lo, a->hi - a->lo, prot))
-      fatal("mprotect of device memory failed: %s", strerror(errno));
-  }
+void protect(Allocation *a, int prot) {
+  if (mprotect((void *)a->lo, a->hi - a->lo, prot)) fatal("mprotect of device memory failed: %s", strerror(errno));
 }
 
 bool guards_intact(const Allocation *a, size_t *bad_offset) {
@@ -184,8 +184,11 @@ void on_fault(int sig, siginfo_t *info, void *uctx) {
   if (a >= c.region_lo && a < c.region_hi) {
     char kernel[512];
     std::string what = describe_address(info->si_addr);
+    Allocation *al = containing(a);
+    bool elsewhere = al && al->live && a >= al->base && a < al->base + al->size;  // a live allocation not granted
     if (c.open_depth > 0 && describe_running_kernel(kernel, sizeof kernel))
-      fatal("%s accessed %p, %s", kernel, info->si_addr, what.c_str());
+      fatal("%s accessed %p, %s%s", kernel, info->si_addr, what.c_str(),
+            elsewhere ? ", which none of its pointer arguments points into" : "");
     if (c.open_depth > 0)
       fatal("queued device work accessed %p, %s", info->si_addr, what.c_str());
     fatal("host code dereferenced device memory at %p, %s: device memory is only reachable from kernels and "
@@ -372,12 +375,13 @@ void *device_alloc(Device *d, size_t bytes) {
   a->device = d->index;
   a->serial = ++c.serial;
   a->live = true;
+  a->open = false;
   c.next = a->hi + page;  // the next allocation starts after a guard page
   if (mprotect((void *)a->lo, span, PROT_READ | PROT_WRITE)) fatal("mprotect failed: %s", strerror(errno));
   memset((void *)a->lo, kGuardByte, a->base - a->lo);
   memset((void *)a->base, 0xff, bytes);  // cudaMalloc does not clear: uninitialised floats read as NaN
   memset((void *)(a->base + bytes), kGuardByte, a->hi - a->base - bytes);
-  if (c.open_depth == 0 && mprotect((void *)a->lo, span, PROT_NONE)) fatal("mprotect failed: %s", strerror(errno));
+  if (mprotect((void *)a->lo, span, PROT_NONE)) fatal("mprotect failed: %s", strerror(errno));
   c.by_lo[a->lo] = a;
   d->used += bytes;
   if (d->used > d->peak) d->peak = d->used;
@@ -387,9 +391,8 @@ void *device_alloc(Device *d, size_t bytes) {
 bool device_free(void *p) {
   Allocation *a = containing((uintptr_t)p);
   if (!a || !a->live || a->base != (uintptr_t)p) return false;
-  open_device_memory();
+  protect(a, PROT_READ);
   check_guards(a, "cudaFree");
-  close_device_memory();
   a->live = false;
   madvise((void *)a->lo, a->hi - a->lo, MADV_DONTNEED);
   if (mprotect((void *)a->lo, a->hi - a->lo, PROT_NONE)) fatal("mprotect failed: %s", strerror(errno));
@@ -443,13 +446,26 @@ std::string describe_address(const void *p) {
 }
 
 void open_device_memory() {
+  core().open_depth++;
+}
+
+void grant(const Allocation *a) {
   Core &c = core();
-  if (c.open_depth++ == 0) set_access(PROT_READ | PROT_WRITE);
+  Allocation *al = const_cast<Allocation *>(a);
+  if (c.open_depth == 0 || !al || !al->live || al->open) return;
+  protect(al, PROT_READ | PROT_WRITE);
+  al->open = true;
+  c.opened.push_back(al);
 }
 
 void close_device_memory() {
   Core &c = core();
-  if (--c.open_depth == 0) set_access(PROT_NONE);
+  if (--c.open_depth > 0) return;
+  for (Allocation *a : c.opened) {
+    a->open = false;
+    if (a->live) protect(a, PROT_NONE);
+  }
+  c.opened.clear();
 }
 
 void check_guards(const Allocation *a, const char *after_what) {

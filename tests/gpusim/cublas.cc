@@ -101,15 +101,28 @@ void run_gemm(const Gemm &g) {
   double alpha = g.alpha, beta = g.beta;
   if (g.alpha_dev) alpha = g.f64 ? *(const double *)g.alpha_dev : *(const float *)g.alpha_dev;
   if (g.beta_dev) beta = g.f64 ? *(const double *)g.beta_dev : *(const float *)g.beta_dev;
+  CBLAS_TRANSPOSE ta = g.ta == CUBLAS_OP_N ? CblasNoTrans : CblasTrans, tb = g.tb == CUBLAS_OP_N ? CblasNoTrans : CblasTrans;
   int ar = g.ta == CUBLAS_OP_N ? g.m : g.k, ac = g.ta == CUBLAS_OP_N ? g.k : g.m;
   int br = g.tb == CUBLAS_OP_N ? g.k : g.n, bc = g.tb == CUBLAS_OP_N ? g.n : g.k;
-  std::vector<double> A((size_t)ar * ac), B((size_t)br * bc), C((size_t)g.m * g.n);
-  std::vector<float> Af, Bf, Cf;
+  bool plain = g.at == CUDA_R_32F && g.bt == CUDA_R_32F && g.ct == CUDA_R_32F && g.reduce == EXACT && !g.f64;
+  static std::vector<float> A, B, C;  // scratch, reused (work runs one op at a time)
   for (int bi = 0; bi < g.batch; bi++) {
     const char *a = (const char *)g.a + (size_t)bi * g.sa * type_size(g.at);
     const char *b = (const char *)g.b + (size_t)bi * g.sb * type_size(g.bt);
     char *c = (char *)g.c + (size_t)bi * g.sc * type_size(g.ct);
-    // gather the operands densely, reduced as the compute type allows
+    if (beta == 0)  // C is not read: it may hold anything, even NaN
+      for (int j = 0; j < g.n; j++)
+        for (int i = 0; i < g.m; i++) store(c, g.ct, (size_t)j * g.ldc + i, 0.0);
+    if (plain) {  // FP32 in, FP32 out, FP32 accumulation
+      if (g.k)
+        cblas_sgemm(CblasColMajor, ta, tb, g.m, g.n, g.k, (float)alpha, (const float *)a, g.lda, (const float *)b, g.ldb,
+                    (float)beta, (float *)c, g.ldc);
+      else if (beta != 1)
+        for (int j = 0; j < g.n; j++)
+          for (int i = 0; i < g.m; i++) ((float *)c)[(size_t)j * g.ldc + i] *= (float)beta;
+      continue;
+    }
+    // other types: gather the operands densely, reduced as the compute type allows
     auto reduce = [&](double v) -> double {
       switch (g.reduce) {
         case TF32: return to_tf32((float)v);
@@ -118,32 +131,30 @@ void run_gemm(const Gemm &g) {
         default: return v;
       }
     };
+    std::vector<double> Ad((size_t)ar * ac), Bd((size_t)br * bc), Cd((size_t)g.m * g.n, 0.0);
     for (int j = 0; j < ac; j++)
-      for (int i = 0; i < ar; i++) A[(size_t)j * ar + i] = reduce(load(a, g.at, (size_t)j * g.lda + i));
+      for (int i = 0; i < ar; i++) Ad[(size_t)j * ar + i] = reduce(load(a, g.at, (size_t)j * g.lda + i));
     for (int j = 0; j < bc; j++)
-      for (int i = 0; i < br; i++) B[(size_t)j * br + i] = reduce(load(b, g.bt, (size_t)j * g.ldb + i));
-    CBLAS_TRANSPOSE ta = g.ta == CUBLAS_OP_N ? CblasNoTrans : CblasTrans, tb = g.tb == CUBLAS_OP_N ? CblasNoTrans : CblasTrans;
+      for (int i = 0; i < br; i++) Bd[(size_t)j * br + i] = reduce(load(b, g.bt, (size_t)j * g.ldb + i));
     if (g.f64) {
-      if (g.k) cblas_dgemm(CblasColMajor, ta, tb, g.m, g.n, g.k, 1.0, A.data(), ar ? ar : 1, B.data(), br ? br : 1, 0.0,
-                           C.data(), g.m ? g.m : 1);
-      else std::fill(C.begin(), C.end(), 0.0);
+      if (g.k) cblas_dgemm(CblasColMajor, ta, tb, g.m, g.n, g.k, 1.0, Ad.data(), ar ? ar : 1, Bd.data(), br ? br : 1, 0.0,
+                           Cd.data(), g.m ? g.m : 1);
     } else {  // FP32 accumulation, as the device does
-      Af.assign(A.begin(), A.end());
-      Bf.assign(B.begin(), B.end());
-      Cf.assign(C.size(), 0.0f);
-      if (g.k) cblas_sgemm(CblasColMajor, ta, tb, g.m, g.n, g.k, 1.0f, Af.data(), ar ? ar : 1, Bf.data(), br ? br : 1,
-                           0.0f, Cf.data(), g.m ? g.m : 1);
-      C.assign(Cf.begin(), Cf.end());
+      A.assign(Ad.begin(), Ad.end());
+      B.assign(Bd.begin(), Bd.end());
+      C.assign(Cd.size(), 0.0f);
+      if (g.k) cblas_sgemm(CblasColMajor, ta, tb, g.m, g.n, g.k, 1.0f, A.data(), ar ? ar : 1, B.data(), br ? br : 1,
+                           0.0f, C.data(), g.m ? g.m : 1);
+      Cd.assign(C.begin(), C.end());
     }
-    // C = alpha AB + beta C; beta == 0 does not read C (it may hold anything, even NaN)
     for (int j = 0; j < g.n; j++)
       for (int i = 0; i < g.m; i++) {
         size_t at = (size_t)j * g.ldc + i;
-        double v = alpha * C[(size_t)j * g.m + i];
+        double v;
         if (g.f64) {
-          if (beta != 0) v += beta * load(c, g.ct, at);
+          v = alpha * Cd[(size_t)j * g.m + i] + (beta != 0 ? beta * load(c, g.ct, at) : 0.0);
         } else {
-          float vf = (float)alpha * (float)C[(size_t)j * g.m + i];
+          float vf = (float)alpha * (float)Cd[(size_t)j * g.m + i];
           if (beta != 0) vf += (float)beta * (float)load(c, g.ct, at);
           v = vf;
         }

@@ -235,60 +235,94 @@ size_t filter_index(const Conv &cv, int k, int c, int r, int s) {
   return (((size_t)k * f.c + c) * f.h + r) * f.w + s;
 }
 
+// Scratch reused between calls (queued work runs one op at a time).
+struct Scratch {
+  std::vector<float> W, col, Y, dx, acc;
+};
+
 void run_conv(const Conv &cv) {
+  static Scratch sc;
   const Geom &g = cv.g;
   const int crs = g.c * g.r * g.s, pq = g.p * g.q;
-  bool round = tf32(&cv.cv);
+  const bool round = tf32(&cv.cv);
   auto rd = [&](float v) { return round ? to_tf32(v) : v; };
-  // W as (K, CRS)
-  std::vector<float> W((size_t)g.k * crs);
-  for (int k = 0; k < g.k; k++)
-    for (int c = 0; c < g.c; c++)
-      for (int r = 0; r < g.r; r++)
-        for (int s = 0; s < g.s; s++)
-          W[(size_t)k * crs + (c * g.r + r) * g.s + s] = cv.dir == BWD_FILTER ? 0.0f : rd(cv.wp[filter_index(cv, k, c, r, s)]);
-  std::vector<float> col((size_t)crs * pq), Y((size_t)g.k * pq), acc;
   const cudnnTensorStruct &x = cv.x, &y = cv.y;
+  const int u = cv.cv.u, v = cv.cv.v, ph = cv.cv.pad_h, pw = cv.cv.pad_w, dh = cv.cv.dil_h, dw = cv.cv.dil_w;
+  std::vector<float> &W = sc.W, &col = sc.col, &Y = sc.Y;
+  W.resize((size_t)g.k * crs);
+  col.resize((size_t)crs * pq);
+  Y.resize((size_t)g.k * pq);
+  // W as (K, CRS)
+  if (cv.dir != BWD_FILTER)
+    for (int k = 0; k < g.k; k++)
+      for (int c = 0; c < g.c; c++)
+        for (int r = 0; r < g.r; r++)
+          for (int s = 0; s < g.s; s++) W[(size_t)k * crs + (c * g.r + r) * g.s + s] = rd(cv.wp[filter_index(cv, k, c, r, s)]);
   // col(CRS, PQ) of image n: x at (p*u - pad + r*dil, q*v - pad + s*dil), 0 outside
+  const bool unit_w = v == 1 && x.sw == 1 && !round;  // rows copy as they are
   auto im2col = [&](int n) {
+    const float *xn = cv.xp + (size_t)n * x.sn;
+    float *row = col.data();
     for (int c = 0; c < g.c; c++)
       for (int r = 0; r < g.r; r++)
         for (int s = 0; s < g.s; s++) {
-          float *row = &col[(size_t)((c * g.r + r) * g.s + s) * pq];
-          for (int p = 0; p < g.p; p++) {
-            int ih = p * cv.cv.u - cv.cv.pad_h + r * cv.cv.dil_h;
-            for (int q = 0; q < g.q; q++) {
-              int iw = q * cv.cv.v - cv.cv.pad_w + s * cv.cv.dil_w;
-              bool in = ih >= 0 && ih < g.h && iw >= 0 && iw < g.w;
-              row[p * g.q + q] =
-                  in ? rd(cv.xp[(size_t)n * x.sn + (size_t)c * x.sc + (size_t)ih * x.sh + (size_t)iw * x.sw]) : 0.0f;
+          int iw0 = s * dw - pw;
+          // the q range whose input column is inside the image
+          int q0 = iw0 >= 0 ? 0 : (-iw0 + v - 1) / v, q1 = (g.w - iw0 + v - 1) / v;
+          if (q1 > g.q) q1 = g.q;
+          if (q0 > q1) q0 = q1;
+          for (int p = 0; p < g.p; p++, row += g.q) {
+            int ih = p * u - ph + r * dh;
+            if (ih < 0 || ih >= g.h) {
+              memset(row, 0, (size_t)g.q * sizeof(float));
+              continue;
             }
+            const float *xr = xn + (size_t)c * x.sc + (size_t)ih * x.sh;
+            for (int q = 0; q < q0; q++) row[q] = 0.0f;
+            if (unit_w)
+              memcpy(row + q0, xr + iw0 + q0, (size_t)(q1 - q0) * sizeof(float));
+            else
+              for (int q = q0; q < q1; q++) row[q] = rd(xr[(size_t)(iw0 + q * v) * x.sw]);
+            for (int q = q1; q < g.q; q++) row[q] = 0.0f;
           }
         }
   };
-  auto y_at = [&](int n, int k, int pqi) -> size_t {
-    return (size_t)n * y.sn + (size_t)k * y.sc + (size_t)(pqi / g.q) * y.sh + (size_t)(pqi % g.q) * y.sw;
+  // dY (K, PQ) of image n, gathered from its strides
+  auto gather_y = [&](int n) {
+    float *o = Y.data();
+    for (int k = 0; k < g.k; k++)
+      for (int p = 0; p < g.p; p++, o += g.q) {
+        const float *yr = cv.yp + (size_t)n * y.sn + (size_t)k * y.sc + (size_t)p * y.sh;
+        if (y.sw == 1 && !round)
+          memcpy(o, yr, (size_t)g.q * sizeof(float));
+        else
+          for (int q = 0; q < g.q; q++) o[q] = rd(yr[(size_t)q * y.sw]);
+      }
   };
   Rng rng(cv.seed);
+  const float alpha = cv.alpha, beta = cv.beta;
   if (cv.dir == FWD) {
     for (int n = 0; n < g.n; n++) {
       im2col(n);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g.k, pq, crs, 1.0f, W.data(), crs, col.data(), pq, 0.0f,
                   Y.data(), pq);
+      const float *in = Y.data();
       for (int k = 0; k < g.k; k++)
-        for (int i = 0; i < pq; i++) {
-          float *o = &cv.out[y_at(n, k, i)];
-          float v = cv.alpha * Y[(size_t)k * pq + i];
-          *o = cv.beta != 0 ? v + cv.beta * *o : v;  // beta 0: y is not read
+        for (int p = 0; p < g.p; p++) {
+          float *o = cv.out + (size_t)n * y.sn + (size_t)k * y.sc + (size_t)p * y.sh;
+          for (int q = 0; q < g.q; q++, in++) {
+            float val = alpha * *in;
+            o[(size_t)q * y.sw] = beta != 0 ? val + beta * o[(size_t)q * y.sw] : val;  // beta 0: y is not read
+          }
         }
     }
   } else if (cv.dir == BWD_DATA) {
-    std::vector<float> dx((size_t)g.c * g.h * g.w);
+    std::vector<float> &dx = sc.dx;
+    dx.resize((size_t)g.c * g.h * g.w);
     std::vector<int> offs((size_t)g.r * g.s);
     for (int i = 0; i < g.r * g.s; i++) offs[(size_t)i] = i;
     for (int n = 0; n < g.n; n++) {
-      for (int k = 0; k < g.k; k++)
-        for (int i = 0; i < pq; i++) Y[(size_t)k * pq + i] = rd(cv.yp[y_at(n, k, i)]);
+      gather_y(n);
       // dcol(CRS, PQ) = W^T dY
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, crs, pq, g.k, 1.0f, W.data(), crs, Y.data(), pq, 0.0f,
                   col.data(), pq);
@@ -298,22 +332,23 @@ void run_conv(const Conv &cv) {
         for (int o : offs) {
           int r = o / g.s, s = o % g.s;
           const float *row = &col[(size_t)((c * g.r + r) * g.s + s) * pq];
-          for (int p = 0; p < g.p; p++) {
-            int ih = p * cv.cv.u - cv.cv.pad_h + r * cv.cv.dil_h;
+          for (int p = 0; p < g.p; p++, row += g.q) {
+            int ih = p * u - ph + r * dh;
             if (ih < 0 || ih >= g.h) continue;
-            for (int q = 0; q < g.q; q++) {
-              int iw = q * cv.cv.v - cv.cv.pad_w + s * cv.cv.dil_w;
-              if (iw >= 0 && iw < g.w) dx[((size_t)c * g.h + ih) * g.w + iw] += row[p * g.q + q];
-            }
+            float *d = &dx[((size_t)c * g.h + ih) * g.w];
+            for (int q = 0, iw = s * dw - pw; q < g.q; q++, iw += v)
+              if (iw >= 0 && iw < g.w) d[iw] += row[q];
           }
         }
+      const float *in = dx.data();
       for (int c = 0; c < g.c; c++)
-        for (int ih = 0; ih < g.h; ih++)
-          for (int iw = 0; iw < g.w; iw++) {
-            float *o = &cv.out[(size_t)n * x.sn + (size_t)c * x.sc + (size_t)ih * x.sh + (size_t)iw * x.sw];
-            float v = cv.alpha * dx[((size_t)c * g.h + ih) * g.w + iw];
-            *o = cv.beta != 0 ? v + cv.beta * *o : v;
+        for (int ih = 0; ih < g.h; ih++) {
+          float *o = cv.out + (size_t)n * x.sn + (size_t)c * x.sc + (size_t)ih * x.sh;
+          for (int iw = 0; iw < g.w; iw++, in++) {
+            float val = alpha * *in;
+            o[(size_t)iw * x.sw] = beta != 0 ? val + beta * o[(size_t)iw * x.sw] : val;
           }
+        }
     }
   } else {
     // dW(K, CRS) = sum over images of dY(K, PQ) col(CRS, PQ)^T, images summed in a fixed order
@@ -321,11 +356,11 @@ void run_conv(const Conv &cv) {
     std::vector<int> order((size_t)g.n);
     for (int n = 0; n < g.n; n++) order[(size_t)n] = n;
     if (!cv.deterministic) std::shuffle(order.begin(), order.end(), rng);
+    std::vector<float> &acc = sc.acc;
     acc.assign((size_t)g.k * crs, 0.0f);
     for (int n : order) {
       im2col(n);
-      for (int k = 0; k < g.k; k++)
-        for (int i = 0; i < pq; i++) Y[(size_t)k * pq + i] = rd(cv.yp[y_at(n, k, i)]);
+      gather_y(n);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, g.k, crs, pq, 1.0f, Y.data(), pq, col.data(), pq, 1.0f,
                   acc.data(), crs);
     }
@@ -334,8 +369,8 @@ void run_conv(const Conv &cv) {
         for (int r = 0; r < g.r; r++)
           for (int s = 0; s < g.s; s++) {
             float *o = &cv.out[filter_index(cv, k, c, r, s)];
-            float v = cv.alpha * acc[(size_t)k * crs + (c * g.r + r) * g.s + s];
-            *o = cv.beta != 0 ? v + cv.beta * *o : v;
+            float val = alpha * acc[(size_t)k * crs + (c * g.r + r) * g.s + s];
+            *o = beta != 0 ? val + beta * *o : val;
           }
   }
 }

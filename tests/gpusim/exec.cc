@@ -9,6 +9,7 @@
 // Threads that never wait cost no fiber of their own: a runner fiber starts the next thread as
 // soon as the previous one returns, and only a thread that parks at a barrier keeps its fiber.
 #include <errno.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -42,9 +43,10 @@ extern "C" void gpusim_fiber_switch(void **save_sp, void *new_sp);
 extern "C" void gpusim_fiber_entry();
 
 #if defined(__x86_64__)
-// Saves the callee-saved registers, the SSE and x87 control words on the current stack, stores
-// the stack pointer in *save_sp and continues on new_sp. A new fiber's stack is prepared so that
-// the first switch "returns" into gpusim_fiber_entry, which calls r12(r13).
+// Saves the callee-saved registers on the current stack, stores the stack pointer in *save_sp and
+// continues on new_sp. (The SSE and x87 control words are not switched: nothing here changes
+// them.) A new fiber's stack is prepared so that the first switch "returns" into
+// gpusim_fiber_entry, which calls r12(r13).
 asm(R"(
   .text
   .globl gpusim_fiber_switch
@@ -56,14 +58,8 @@ gpusim_fiber_switch:
   pushq %r13
   pushq %r14
   pushq %r15
-  subq $16, %rsp
-  stmxcsr 8(%rsp)
-  fnstcw (%rsp)
   movq %rsp, (%rdi)
   movq %rsi, %rsp
-  ldmxcsr 8(%rsp)
-  fldcw (%rsp)
-  addq $16, %rsp
   popq %r15
   popq %r14
   popq %r13
@@ -132,18 +128,28 @@ struct Block {
   uint3 idx;
   int n = 0;  // threads
   SimThread th[1024];
-  int order[1024];
-  int next = 0;  // order[next] is the next thread to start
+  int next = 0;          // threads started so far
+  int cursor = 0;        // the last thread started: threads start in the order c, c+a, c+2a, ... (mod n)
+  int stride = 1;        // a, coprime to n
   int done = 0, at_barrier = 0, at_warp = 0;
   unsigned warp_dirty = 0;  // warps where a lane parked or exited since the last look
+  unsigned warp_arrived[32];  // per warp: lanes waiting in a warp operation
+  unsigned warp_done[32];     // per warp: lanes that have exited
   SimThread *running = nullptr;
+  Fiber *fiber = nullptr;  // the fiber running now
   Ctx sched;
   Rng rng{0};
   char *dyn = nullptr;
 };
 
+struct Profile {
+  uint64_t launches = 0, threads = 0;
+  double seconds = 0;
+};
+
 struct Executor {
   Block block;
+  std::map<std::string, Profile> profile;  // GPUSIM_PROFILE: per kernel
   bool active = false;
   std::vector<Fiber *> fibers;
   std::vector<Fiber *> idle;
@@ -152,9 +158,9 @@ struct Executor {
   std::map<const void *, int> max_dynamic;  // cudaFuncAttributeMaxDynamicSharedMemorySize
 };
 
-Executor &ex() {
-  static Executor e;  // the one executor of this process (work runs under the API lock)
-  return e;
+Executor the_executor;  // the one executor of this process (work runs under the API lock)
+inline Executor &ex() {
+  return the_executor;
 }
 
 void runner_main(void *arg);
@@ -167,9 +173,13 @@ Fiber *new_fiber() {
   if (m == MAP_FAILED) fatal("cannot map a %zu-byte thread stack: %s", f->map_size, strerror(errno));
   f->map = (char *)m;
   if (mprotect(f->map, (size_t)page, PROT_NONE)) fatal("mprotect of a stack guard failed: %s", strerror(errno));
-  char *top = f->map + f->map_size;  // 16-byte aligned
+  // stack tops at different offsets within a page, or every fiber's hot frames would compete for
+  // the same cache sets
+  size_t colour = (ex().fibers.size() * 17 % 61) * 64;
+  char *top = f->map + f->map_size - colour;  // 16-byte aligned
   uint64_t *sp = (uint64_t *)top;
-  // see gpusim_fiber_switch: [fcw, mxcsr] r15 r14 r13 r12 rbx rbp ret
+  // see gpusim_fiber_switch: r15 r14 r13 r12 rbx rbp ret; after the pops and the ret the stack
+  // pointer is top, 16-byte aligned as a call needs
   *--sp = (uint64_t)(uintptr_t)&gpusim_fiber_entry;
   *--sp = 0;                          // rbp
   *--sp = 0;                          // rbx
@@ -177,16 +187,9 @@ Fiber *new_fiber() {
   *--sp = (uint64_t)(uintptr_t)f;     // r13
   *--sp = 0;                          // r14
   *--sp = 0;                          // r15
-  uint32_t mxcsr;
-  uint16_t fcw;
-  __asm__ volatile("stmxcsr %0" : "=m"(mxcsr));
-  __asm__ volatile("fnstcw %0" : "=m"(fcw));
-  *--sp = mxcsr;
-  *--sp = fcw;
-  // after the pops and the ret the stack pointer is top: 16-byte aligned for the call
   f->ctx.sp = sp;
   f->ctx.stack_lo = f->map + page;
-  f->ctx.stack_size = kFiberStack;
+  f->ctx.stack_size = kFiberStack - colour;
   ex().fibers.push_back(f);
   return f;
 }
@@ -218,14 +221,22 @@ void runner_main(void *arg) {
   for (;;) {
     Block *b = &ex().block;
     while (b->next < b->n) {
-      SimThread *t = &b->th[b->order[b->next++]];
-      t->state = RUNNING;
-      t->fiber = f;
-      set_now(b, t);
+      b->next++;
+      b->cursor += b->stride;
+      if (b->cursor >= b->n) b->cursor -= b->n;
+      int i = b->cursor;
+      SimThread *t = &b->th[i];
+      const dim3 &bd = b->d->block;
+      b->running = t;
+      b->fiber = f;
+      gpusim_now.thread_idx = bd.y == 1 && bd.z == 1
+                                  ? uint3{(unsigned)i, 0, 0}
+                                  : uint3{(unsigned)(i % bd.x), (unsigned)(i / bd.x % bd.y), (unsigned)(i / (bd.x * bd.y))};
       b->d->run_thread(b->task);
       t->state = DONE;
       b->done++;
-      b->warp_dirty |= 1u << warp_of(b, t);
+      b->warp_done[i >> 5] |= 1u << (i & 31);
+      if (b->at_warp) b->warp_dirty |= 1u << (i >> 5);  // a lane that exits no longer holds its warp back
       b->running = nullptr;
     }
     f->idle = true;
@@ -234,9 +245,11 @@ void runner_main(void *arg) {
   }
 }
 
-// The running thread waits: back to the scheduler until released.
+// The running thread waits: back to the scheduler until released. It keeps its fiber.
 void park(Block *b, SimThread *t) {
-  Fiber *f = t->fiber;
+  Fiber *f = b->fiber;
+  t->fiber = f;
+  t->idx = gpusim_now.thread_idx;
   b->running = nullptr;
   switch_to(&f->ctx, &b->sched);
   // resumed by the scheduler, which has set gpusim_now
@@ -245,6 +258,7 @@ void park(Block *b, SimThread *t) {
 void resume(Block *b, SimThread *t) {
   t->state = RUNNING;
   set_now(b, t);
+  b->fiber = t->fiber;
   switch_to(&b->sched, &t->fiber->ctx);
 }
 
@@ -274,20 +288,20 @@ std::string where(const Block *b) {
 unsigned warp_group_ready(Block *b, int w, unsigned *group_mask) {
   int base = w * 32;
   int lanes = b->n - base < 32 ? b->n - base : 32;
-  for (int l = 0; l < lanes; l++) {
+  unsigned exist = lanes >= 32 ? ~0u : (1u << lanes) - 1u, arrived = b->warp_arrived[w];
+  for (unsigned todo = arrived; todo;) {
+    int l = __builtin_ctz(todo);
     SimThread *t = &b->th[base + l];
-    if (t->state != AT_WARP) continue;
-    unsigned mask = t->mask, arrived = 0;
-    bool ready = true;
-    for (int k = 0; k < 32; k++) {
-      if (!(mask >> k & 1)) continue;
-      if (k >= lanes) continue;  // no such thread: the block size is not a multiple of 32
+    unsigned mask = t->mask, group = arrived & mask;
+    if (!(mask >> l & 1))
+      fatal("%s: lane %d of warp %d called %s with mask 0x%08x, which does not name the lane itself",
+            where(b).c_str(), l, w, op_name(t->kind), mask);
+    todo &= ~group;  // lanes with another mask form another group
+    unsigned required = mask & exist & ~b->warp_done[w];  // lanes that exist and have not exited
+    if (required & ~arrived) continue;                    // someone named has not arrived yet
+    for (unsigned g = group; g; g &= g - 1) {
+      int k = __builtin_ctz(g);
       SimThread *o = &b->th[base + k];
-      if (o->state == DONE) continue;
-      if (o->state != AT_WARP) {
-        ready = false;
-        continue;
-      }
       if (o->mask != mask)
         fatal("%s: lanes %d and %d of warp %d wait in %s with masks 0x%08x and 0x%08x: every lane a mask names "
               "must make the same call with the same mask",
@@ -295,15 +309,9 @@ unsigned warp_group_ready(Block *b, int w, unsigned *group_mask) {
       if (o->kind != t->kind)
         fatal("%s: warp %d: lane %d called %s and lane %d called %s with the same mask 0x%08x", where(b).c_str(), w,
               l, op_name(t->kind), k, op_name(o->kind), mask);
-      arrived |= 1u << k;
     }
-    if (!(mask >> l & 1))
-      fatal("%s: lane %d of warp %d called %s with mask 0x%08x, which does not name the lane itself",
-            where(b).c_str(), l, w, op_name(t->kind), mask);
-    if (ready) {
-      *group_mask = mask;
-      return arrived;
-    }
+    *group_mask = mask;
+    return group;
   }
   return 0;
 }
@@ -368,6 +376,7 @@ void release_warp(Block *b, int w, unsigned group) {
     lanes[j] = tmp;
   }
   b->at_warp -= m;
+  b->warp_arrived[w] &= ~group;
   for (int i = 0; i < m; i++) b->th[base + lanes[i]].state = RUNNING;
   for (int i = 0; i < m; i++) resume(b, &b->th[base + lanes[i]]);
 }
@@ -426,20 +435,13 @@ void run_block(Block *b) {
   Executor &e = ex();
   b->next = b->done = b->at_barrier = b->at_warp = 0;
   b->warp_dirty = 0;
-  const dim3 bd = b->d->block;
   for (int i = 0; i < b->n; i++) {
-    SimThread *t = &b->th[i];
-    t->idx = uint3{(unsigned)(i % bd.x), (unsigned)(i / bd.x % bd.y), (unsigned)(i / (bd.x * bd.y))};
-    t->state = UNSTARTED;
-    t->fiber = nullptr;
-    t->vote = -1;
-    b->order[i] = i;
+    b->th[i].state = UNSTARTED;
+    b->th[i].vote = -1;
   }
-  for (int i = b->n - 1; i > 0; i--) {
-    int j = (int)b->rng.below((uint32_t)i + 1), tmp = b->order[i];
-    b->order[i] = b->order[j];
-    b->order[j] = tmp;
-  }
+  memset(b->warp_arrived, 0, sizeof b->warp_arrived);
+  memset(b->warp_done, 0, sizeof b->warp_done);
+  b->cursor = (int)b->rng.below((uint32_t)b->n);  // where this block's walk starts
   // shared memory starts out as garbage on a GPU: make reads before writes visible
   if (e.shared_hi > e.shared_lo) memset(e.shared_lo, 0xff, (size_t)(e.shared_hi - e.shared_lo));
   if (b->d->smem) memset(b->dyn, 0xff, b->d->smem);
@@ -531,8 +533,29 @@ void set_max_dynamic_shared(const void *fn, int bytes) {
   ex().max_dynamic[fn] = bytes;
 }
 
+namespace {
+
+double now_s() {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+void print_profile() {
+  Executor &e = ex();
+  fprintf(stderr, "gpusim profile (pid %d): kernel, launches, threads, seconds, ns per thread\n", (int)getpid());
+  for (auto &kv : e.profile)
+    fprintf(stderr, "  %-28s %8llu %12llu %8.3f %6.1f\n", kv.first.c_str(), (unsigned long long)kv.second.launches,
+            (unsigned long long)kv.second.threads, kv.second.seconds,
+            kv.second.threads ? 1e9 * kv.second.seconds / (double)kv.second.threads : 0.0);
+}
+
+}  // namespace
+
 void run_kernel(const gpusim_launch_desc *d, void *task) {
   Executor &e = ex();
+  static bool profiling = getenv("GPUSIM_PROFILE") && atexit(print_profile) == 0;
+  double t0 = profiling ? now_s() : 0;
   Block *b = &e.block;
   b->d = d;
   b->task = task;
@@ -543,30 +566,39 @@ void run_kernel(const gpusim_launch_desc *d, void *task) {
   gpusim_now.block_dim = d->block;
   gpusim_now.grid_dim = d->grid;
   e.active = true;
-  // blocks in the order i -> (a i + c) mod G, a coprime to G: a different order per launch
-  uint64_t G = grid_size(d->grid), a = 1, c = 0;
-  if (G > 1) {
-    for (int tries = 0; tries < 64; tries++) {
-      uint64_t cand = 1 + b->rng.next() % (G - 1), x = cand, y = G;
+  // threads start in a seeded order: an affine walk i -> i + a (mod n), a coprime to n
+  b->stride = 1;
+  if (b->n > 2)
+    for (int tries = 0; tries < 16; tries++) {
+      int a = 1 + (int)b->rng.below((uint32_t)b->n - 1), x = a, y = b->n;
       while (y) {
-        uint64_t r = x % y;
+        int r = x % y;
         x = y;
         y = r;
       }
       if (x == 1) {
-        a = cand;
+        b->stride = a;
         break;
       }
     }
-    c = b->rng.next() % G;
-  }
+  // blocks run one after another from a seeded starting block, forwards or backwards: the order
+  // of any two neighbours varies with the seed, and memory is still walked in streams (a shuffled
+  // order defeats the CPU's prefetchers and costs several times the time)
+  uint64_t G = grid_size(d->grid), start = G > 1 ? b->rng.next() % G : 0;
+  bool backwards = b->rng.next() & 1;
   for (uint64_t i = 0; i < G; i++) {
-    uint64_t k = (uint64_t)(((unsigned __int128)a * i + c) % G);
+    uint64_t k = (start + (backwards ? G - i : i)) % G;
     b->idx = uint3{(unsigned)(k % d->grid.x), (unsigned)(k / d->grid.x % d->grid.y),
                    (unsigned)(k / ((uint64_t)d->grid.x * d->grid.y))};
     run_block(b);
   }
   e.active = false;
+  if (profiling) {
+    Profile &p = e.profile[d->name];
+    p.launches++;
+    p.threads += G * (uint64_t)b->n;
+    p.seconds += now_s() - t0;
+  }
 }
 
 bool describe_running_kernel(char *buf, size_t cap) {
@@ -618,7 +650,9 @@ extern "C" uint64_t gpusim_warp_op(int kind, unsigned mask, uint64_t value, int 
   t->arg = arg;
   t->width = width;
   b->at_warp++;
-  b->warp_dirty |= 1u << warp_of(b, t);
+  int w = warp_of(b, t);
+  b->warp_arrived[w] |= 1u << ((t - b->th) & 31);
+  b->warp_dirty |= 1u << w;
   park(b, t);
   return t->result;
 }

@@ -58,7 +58,7 @@ struct Rng {
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
     return z ^ (z >> 31);
   }
-  uint32_t below(uint32_t n) { return (uint32_t)(next() % n); }
+  uint32_t below(uint32_t n) { return (uint32_t)(((next() >> 32) * n) >> 32); }  // in [0, n)
   // a UniformRandomBitGenerator, for std::shuffle
   using result_type = uint64_t;
   static constexpr uint64_t min() { return 0; }
@@ -96,6 +96,7 @@ struct Allocation {
   int device;
   uint64_t serial;    // allocation number, for messages
   bool live;
+  bool open;          // accessible now (granted to the executing work)
 };
 void *device_alloc(Device *d, size_t bytes);  // nullptr when the device is full
 bool device_free(void *p);                    // false: not the base of a live allocation
@@ -107,8 +108,10 @@ const Allocation *device_range(const void *p, size_t bytes, int dev = -1);
 // Describes an address for messages: "byte 12 past the end of allocation #3 (400 bytes)".
 std::string describe_address(const void *p);
 
-// Device memory is readable and writable only inside this window (nested).
+// Device memory is reachable only inside an execution window (nested), and there only the
+// allocations granted to the work that runs: the ones an op declared in its `uses`.
 void open_device_memory();
+void grant(const Allocation *a);
 void close_device_memory();
 // Verifies the guard bytes around an allocation after work that used it.
 void check_guards(const Allocation *a, const char *after_what);

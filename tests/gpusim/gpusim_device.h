@@ -51,6 +51,9 @@ static inline int __syncthreads_count(int p) { return gpusim_syncthreads_vote(0,
 static inline int __syncthreads_and(int p) { return gpusim_syncthreads_vote(1, p); }
 static inline int __syncthreads_or(int p) { return gpusim_syncthreads_vote(2, p); }
 static inline void __syncwarp(unsigned mask = 0xffffffffu) { gpusim_warp_op(GPUSIM_WARP_SYNC, mask, 0, 0, 0, 32); }
+static inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
+static inline long long __mul64hi(long long a, long long b) { return (long long)(((__int128)a * b) >> 64); }
+
 // Fences order memory between threads; blocks and threads run one at a time here.
 static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 static inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }

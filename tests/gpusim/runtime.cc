@@ -209,6 +209,7 @@ bool progress(Stream *s, uint64_t until) {
   double t0 = now_s();
   while (s->completed < until && !s->queue.empty()) {
     Op *op = s->queue.front().get();
+    for (const Allocation *a : op->uses) grant(a);
     if (!op->run()) break;
     for (const Allocation *a : op->uses) check_guards(a, op->what.c_str());
     s->queue.pop_front();
