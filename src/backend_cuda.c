@@ -1,8 +1,12 @@
 /* backend_cuda.c: the op interface on one GPU. GEMM through cuBLAS, convolutions through cuDNN
- * (the algorithm chosen once per shape from cuDNN's heuristics, within a workspace limit, with
- * no per-run benchmarking), everything else through kernels/ (kernels.h). All work is queued on
- * one stream; host outputs (loss sums, sums of squares) are read back synchronously.
- * FP32 only, TF32 off: results follow the CPU reference to float rounding. */
+ * (the algorithm chosen once per shape from cuDNN's heuristics: deterministic, FP32 FMA math, within
+ * a workspace limit, with no per-run benchmarking), everything else through kernels/ (kernels.h).
+ * All work is queued on one stream; host outputs (loss sums, sums of squares) are read back
+ * synchronously. Host inputs (input rows, labels, targets, mean/std) are copied into one pinned
+ * staging buffer and sent in one transfer, so the caller's buffers may change as soon as an op
+ * returns. FP32 only, TF32 off: results follow the CPU reference to float rounding.
+ * Checked on the CPU stand-in (tests/gpusim) in every `make test`; see the README for what only
+ * a real GPU can show. */
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <cudnn.h>
@@ -67,22 +71,78 @@ typedef struct {
   int n_plans;
   void *workspace;
   size_t workspace_bytes;
-  double *out;   /* (2) device: loss and sumsq results */
-  void *staging; /* device copies of host inputs: raw rows, labels, targets, mean, std */
-  size_t staging_bytes;
+  double *out;        /* (2) device: loss and sumsq results */
+  void *stage_host;   /* pinned host staging for host inputs */
+  size_t stage_host_bytes;
+  void *stage_dev;    /* their device copy */
+  size_t stage_dev_bytes;
+  cudaEvent_t staged; /* recorded after the last copy out of stage_host */
 } cuda_impl;
 
-static void *grow_device(void **buf, size_t *have, size_t need) {
-  if (need > *have) {
-    if (*buf) CUDA_CHECK(cudaFree(*buf));
-    if (cudaMalloc(buf, need) != cudaSuccess)
-      dt_die(
-          "out of GPU memory allocating %zu bytes (%.1f MiB) of workspace; lower train.batch_size or "
-          "train.global_batch_size",
-          need, (double)need / 1048576.0);
-    *have = need;
+static _Noreturn void out_of_memory(const cuda_impl *im, size_t need, const char *what) {
+  size_t free_b = 0, total_b = 0;
+  cudaGetLastError(); /* the failed allocation's error is reported here, not by the next check */
+  cudaMemGetInfo(&free_b, &total_b);
+  dt_die(
+      "out of GPU memory on device %d allocating %zu bytes (%.1f MiB) of %s (%.1f MiB free of %.1f); lower "
+      "train.batch_size or train.global_batch_size, or use more ranks",
+      im->device, need, (double)need / 1048576.0, what, (double)free_b / 1048576.0, (double)total_b / 1048576.0);
+}
+
+/* Grows a device buffer to `need` bytes. Work queued earlier may still use the old buffer, so the
+ * stream is drained before it is freed (cudaFree does not promise to wait for it). */
+static void *grow_device(cuda_impl *im, void **buf, size_t *have, size_t need, const char *what) {
+  if (need <= *have) return *buf;
+  if (*buf) {
+    CUDA_CHECK(cudaStreamSynchronize(im->stream));
+    CUDA_CHECK(cudaFree(*buf));
+    *buf = NULL;
+    *have = 0;
   }
+  if (cudaMalloc(buf, need) != cudaSuccess) out_of_memory(im, need, what);
+  *have = need;
   return *buf;
+}
+
+static size_t align256(size_t n) {
+  return (n + 255) & ~(size_t)255;
+}
+
+/* Copies n host pieces (NULL: absent) to the device in one transfer on the stream; dev[i] gets
+ * each piece's device address. The pieces may be reused as soon as this returns. */
+static void stage(cuda_impl *im, int n, const void *const *host, const size_t *bytes, const void **dev) {
+  size_t off[4], total = 0;
+  DT_ASSERT(n <= 4);
+  for (int i = 0; i < n; i++) {
+    off[i] = total;
+    total += host[i] ? align256(bytes[i]) : 0;
+  }
+  if (!total) total = 256;
+  /* the previous transfer out of the pinned buffer must be done before it is overwritten */
+  CUDA_CHECK(cudaEventSynchronize(im->staged));
+  if (total > im->stage_host_bytes) {
+    CUDA_CHECK(cudaFreeHost(im->stage_host));
+    im->stage_host = NULL;
+    if (cudaMallocHost(&im->stage_host, total) != cudaSuccess) {
+      cudaGetLastError();
+      dt_die("out of pinned host memory allocating %zu bytes of input staging", total);
+    }
+    im->stage_host_bytes = total;
+  }
+  char *d = grow_device(im, &im->stage_dev, &im->stage_dev_bytes, total, "input staging");
+  for (int i = 0; i < n; i++) {
+    dev[i] = host[i] ? d + off[i] : NULL;
+    if (host[i] && bytes[i]) memcpy((char *)im->stage_host + off[i], host[i], bytes[i]);
+  }
+  CUDA_CHECK(cudaMemcpyAsync(d, im->stage_host, total, cudaMemcpyHostToDevice, im->stream));
+  CUDA_CHECK(cudaEventRecord(im->staged, im->stream));
+}
+
+static _Noreturn void no_algorithm(const dt_conv_geom *g, const char *pass) {
+  dt_die("cuDNN offers no deterministic FP32 (FMA) %s algorithm within %zu MiB for the convolution of (%lld, %lld, %lld, "
+         "%lld) by (%lld, %lld, %lld, %lld), stride %lld, pad %lld",
+         pass, workspace_limit >> 20, (long long)g->b, (long long)g->c, (long long)g->h, (long long)g->w,
+         (long long)g->o, (long long)g->c, (long long)g->k, (long long)g->k, (long long)g->stride, (long long)g->pad);
 }
 
 static conv_plan *plan_for(cuda_impl *im, const dt_conv_geom *g) {
@@ -114,36 +174,43 @@ static conv_plan *plan_for(cuda_impl *im, const dt_conv_geom *g) {
   cudnnConvolutionBwdFilterAlgoPerf_t bf[8];
   int nf = 0;
   CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(im->dnn, p->x, p->y, p->conv, p->w, 8, &nf, bf));
-  /* the first (fastest by the heuristics) that succeeds within the workspace limit */
+  /* The first (fastest by the heuristics) that runs, is deterministic (bit-identical resume and
+   * N-rank equivalence need the same sums on every run) and uses FP32 FMA math (no TF32), within
+   * the workspace limit. The workspace is what cuDNN says the algorithm needs. */
+  size_t ws = 0;
   int i;
-  for (i = 0; i < n && (fwd[i].status != CUDNN_STATUS_SUCCESS || fwd[i].memory > workspace_limit); i++) {
-  }
-  DT_ASSERT(i < n);
+  for (i = 0; i < n; i++)
+    if (fwd[i].status == CUDNN_STATUS_SUCCESS && fwd[i].determinism == CUDNN_DETERMINISTIC &&
+        fwd[i].mathType == CUDNN_FMA_MATH &&
+        cudnnGetConvolutionForwardWorkspaceSize(im->dnn, p->x, p->w, p->conv, p->y, fwd[i].algo, &ws) ==
+            CUDNN_STATUS_SUCCESS &&
+        ws <= workspace_limit)
+      break;
+  if (i == n) no_algorithm(g, "forward");
   p->fwd = fwd[i].algo;
-  p->ws_bytes = fwd[i].memory;
-  for (i = 0; i < nd && (bd[i].status != CUDNN_STATUS_SUCCESS || bd[i].memory > workspace_limit); i++) {
-  }
-  DT_ASSERT(i < nd);
+  p->ws_bytes = ws;
+  for (i = 0; i < nd; i++)
+    if (bd[i].status == CUDNN_STATUS_SUCCESS && bd[i].determinism == CUDNN_DETERMINISTIC &&
+        bd[i].mathType == CUDNN_FMA_MATH &&
+        cudnnGetConvolutionBackwardDataWorkspaceSize(im->dnn, p->w, p->y, p->conv, p->x, bd[i].algo, &ws) ==
+            CUDNN_STATUS_SUCCESS &&
+        ws <= workspace_limit)
+      break;
+  if (i == nd) no_algorithm(g, "backward data");
   p->bwd_data = bd[i].algo;
-  if (bd[i].memory > p->ws_bytes) p->ws_bytes = bd[i].memory;
-  for (i = 0; i < nf && (bf[i].status != CUDNN_STATUS_SUCCESS || bf[i].memory > workspace_limit); i++) {
-  }
-  DT_ASSERT(i < nf);
+  if (ws > p->ws_bytes) p->ws_bytes = ws;
+  for (i = 0; i < nf; i++)
+    if (bf[i].status == CUDNN_STATUS_SUCCESS && bf[i].determinism == CUDNN_DETERMINISTIC &&
+        bf[i].mathType == CUDNN_FMA_MATH &&
+        cudnnGetConvolutionBackwardFilterWorkspaceSize(im->dnn, p->x, p->y, p->conv, p->w, bf[i].algo, &ws) ==
+            CUDNN_STATUS_SUCCESS &&
+        ws <= workspace_limit)
+      break;
+  if (i == nf) no_algorithm(g, "backward filter");
   p->bwd_filter = bf[i].algo;
-  if (bf[i].memory > p->ws_bytes) p->ws_bytes = bf[i].memory;
-  grow_device(&im->workspace, &im->workspace_bytes, p->ws_bytes ? p->ws_bytes : 1);
+  if (ws > p->ws_bytes) p->ws_bytes = ws;
+  grow_device(im, &im->workspace, &im->workspace_bytes, p->ws_bytes ? p->ws_bytes : 1, "cuDNN workspace");
   return p;
-}
-
-/* Host bytes to the device staging area at offset; returns the device pointer. */
-static void *stage(cuda_impl *im, const void *host, size_t bytes, size_t offset) {
-  char *base = grow_device(&im->staging, &im->staging_bytes, offset + bytes + 256);
-  if (bytes) CUDA_CHECK(cudaMemcpyAsync(base + offset, host, bytes, cudaMemcpyHostToDevice, im->stream));
-  return base + offset;
-}
-
-static size_t align256(size_t n) {
-  return (n + 255) & ~(size_t)255;
 }
 
 static void cuda_run(dt_backend *be, const dt_op *op) {
@@ -153,11 +220,13 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
   switch (op->type) {
     case DT_OP_GEMM: {
       const typeof(op->p.gemm) *q = &op->p.gemm;
-      /* row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T */
-      int lda = (int)(q->trans_a ? q->m : q->k), ldb = (int)(q->trans_b ? q->k : q->n);
+      if (!q->m || !q->n) break; /* a rank with no rows this batch */
+      /* row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T; a leading dimension is at
+       * least 1 even when k is 0 */
+      int64_t lda = q->trans_a ? q->m : q->k, ldb = q->trans_b ? q->k : q->n;
       CUBLAS_CHECK(cublasSgemm(im->blas, q->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, q->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-                               (int)q->n, (int)q->m, (int)q->k, &q->alpha, q->b, ldb, q->a, lda, &q->beta, q->c,
-                               (int)q->n));
+                               (int)q->n, (int)q->m, (int)q->k, &q->alpha, q->b, (int)(ldb > 1 ? ldb : 1), q->a,
+                               (int)(lda > 1 ? lda : 1), &q->beta, q->c, (int)q->n));
       break;
     }
     case DT_OP_BIAS_ADD: {
@@ -171,12 +240,14 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
       break;
     }
     case DT_OP_CONV_FWD: {
+      if (!op->p.conv_fwd.g.b) break; /* cuDNN refuses zero-sized tensors */
       conv_plan *p = plan_for(im, &op->p.conv_fwd.g);
       CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, op->p.conv_fwd.x, p->w, op->p.conv_fwd.w, p->conv,
                                           p->fwd, im->workspace, im->workspace_bytes, &zero, p->y, op->p.conv_fwd.y));
       break;
     }
     case DT_OP_CONV_BWD_DATA: {
+      if (!op->p.conv_bwd_data.g.b) break;
       conv_plan *p = plan_for(im, &op->p.conv_bwd_data.g);
       CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, op->p.conv_bwd_data.w, p->y, op->p.conv_bwd_data.dy,
                                                p->conv, p->bwd_data, im->workspace, im->workspace_bytes, &zero, p->x,
@@ -184,6 +255,7 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
       break;
     }
     case DT_OP_CONV_BWD_FILTER: { /* adds into dw (beta = 1) */
+      if (!op->p.conv_bwd_filter.g.b) break;
       conv_plan *p = plan_for(im, &op->p.conv_bwd_filter.g);
       CUDNN_CHECK(cudnnConvolutionBackwardFilter(im->dnn, &one, p->x, op->p.conv_bwd_filter.x, p->y,
                                                  op->p.conv_bwd_filter.dy, p->conv, p->bwd_filter, im->workspace,
@@ -242,10 +314,10 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
     case DT_OP_LOSS: {
       const typeof(op->p.loss) *q = &op->p.loss;
       /* labels and targets come from the host loader */
-      const int32_t *labels = q->labels ? stage(im, q->labels, (size_t)q->b * sizeof(int32_t), 0) : NULL;
-      const float *targets =
-          q->targets ? stage(im, q->targets, (size_t)(q->b * q->k) * sizeof(float), align256((size_t)q->b * 4)) : NULL;
-      k_loss(s, q->kind, q->logits, labels, targets, q->dlogits, q->b, q->k, q->label_smoothing, q->weight, im->out);
+      const void *in[2] = {q->labels, q->targets}, *dev[2];
+      size_t bytes[2] = {(size_t)q->b * sizeof(int32_t), (size_t)(q->b * q->k) * sizeof(float)};
+      stage(im, 2, in, bytes, dev);
+      k_loss(s, q->kind, q->logits, dev[0], dev[1], q->dlogits, q->b, q->k, q->label_smoothing, q->weight, im->out);
       double host[2];
       CUDA_CHECK(cudaMemcpyAsync(host, im->out, sizeof host, cudaMemcpyDeviceToHost, s));
       CUDA_CHECK(cudaStreamSynchronize(s));
@@ -278,12 +350,12 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
     }
     case DT_OP_INPUT: {
       const typeof(op->p.input) *q = &op->p.input;
-      size_t raw_bytes = (size_t)(q->b * q->c * q->s) * sizeof(float), off = align256(raw_bytes);
-      const float *raw = stage(im, q->raw, raw_bytes, 0);
-      const float *mean = q->mean ? stage(im, q->mean, (size_t)q->c * sizeof(float), off) : NULL;
-      const float *std =
-          q->std ? stage(im, q->std, (size_t)q->c * sizeof(float), off + 256 + align256((size_t)q->c * 4)) : NULL;
-      k_input(s, raw, q->x, q->b, q->c, q->s, q->scale, mean, std);
+      /* raw rows from the loader, mean and std from the caller's stack: staged together */
+      const void *in[3] = {q->raw, q->mean, q->std}, *dev[3];
+      size_t bytes[3] = {(size_t)(q->b * q->c * q->s) * sizeof(float), (size_t)q->c * sizeof(float),
+                         (size_t)q->c * sizeof(float)};
+      stage(im, 3, in, bytes, dev);
+      k_input(s, dev[0], q->x, q->b, q->c, q->s, q->scale, dev[1], dev[2]);
       break;
     }
     case DT_OP_COUNT: DT_ASSERT(0);
@@ -294,21 +366,17 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
 static float *cuda_alloc(dt_backend *be, size_t bytes) {
   cuda_impl *im = be->impl;
   void *p = NULL;
-  if (cudaMalloc(&p, bytes ? bytes : 256) != cudaSuccess) {
-    size_t free_b = 0, total_b = 0;
-    cudaMemGetInfo(&free_b, &total_b);
-    dt_die(
-        "out of GPU memory on device %d allocating %zu bytes (%.1f MiB, %.1f MiB free of %.1f); lower "
-        "train.batch_size or train.global_batch_size, or use more ranks",
-        im->device, bytes, (double)bytes / 1048576.0, (double)free_b / 1048576.0, (double)total_b / 1048576.0);
-  }
+  if (cudaMalloc(&p, bytes ? bytes : 256) != cudaSuccess) out_of_memory(im, bytes, "model buffers");
   CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, im->stream));
   return p;
 }
 
+/* Buffers are freed at shut-down, after work that may still use them: drain the stream first. */
 static void cuda_free(dt_backend *be, void *p) {
-  (void)be;
-  if (p) CUDA_CHECK(cudaFree(p));
+  cuda_impl *im = be->impl;
+  if (!p) return;
+  CUDA_CHECK(cudaStreamSynchronize(im->stream));
+  CUDA_CHECK(cudaFree(p));
 }
 
 /* cudaMemcpyDefault: host or device on either side (unified addressing). Synchronous with the
@@ -340,7 +408,9 @@ static void cuda_destroy(dt_backend *be) {
     cudnnDestroyConvolutionDescriptor(im->plans[i].conv);
   }
   cudaFree(im->workspace);
-  cudaFree(im->staging);
+  cudaFree(im->stage_dev);
+  cudaFreeHost(im->stage_host);
+  cudaEventDestroy(im->staged);
   cudaFree(im->out);
   cudnnDestroy(im->dnn);
   cublasDestroy(im->blas);
@@ -361,6 +431,7 @@ dt_backend *backend_cuda_create(int device) {
   CUDNN_CHECK(cudnnCreate(&im->dnn));
   CUDNN_CHECK(cudnnSetStream(im->dnn, im->stream));
   CUDA_CHECK(cudaMalloc((void **)&im->out, 2 * sizeof(double)));
+  CUDA_CHECK(cudaEventCreateWithFlags(&im->staged, cudaEventDisableTiming));
   *be = (dt_backend){.name = "cuda",
                      .run = cuda_run,
                      .alloc = cuda_alloc,
