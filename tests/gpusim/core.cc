@@ -211,6 +211,10 @@ void on_fault(int sig, siginfo_t *info, void *uctx) {
 
 }  // namespace
 
+void reinstall_fault_handler() {
+  install_handler();
+}
+
 const Config &config() {
   ApiLock lock;
   return core().cfg;
@@ -240,9 +244,10 @@ void warn(const char *fmt, ...) {
   va_end(ap);
 }
 
+// Hashed, not seed * constant + counter: that made seed s+1's stream seed s's shifted by one.
 uint64_t next_seed() {
   Core &c = core();
-  return c.cfg.seed * 0x9e3779b97f4a7c15ULL + ++c.seeds;
+  return Rng(Rng(c.cfg.seed).next() ^ ++c.seeds).next();
 }
 
 float to_tf32(float x) {
@@ -512,4 +517,11 @@ extern "C" int gpusim_device_reading(const char *bus, size_t *total, size_t *use
     return 0;
   }
   return -1;
+}
+
+// Puts the stand-in's fault handler back in front (a test harness that installs its own SIGSEGV
+// handler per test, as cmocka does, would otherwise take device-memory faults for itself).
+extern "C" void gpusim_install_fault_handler(void) {
+  gpusim::ApiLock lock;
+  gpusim::reinstall_fault_handler();
 }

@@ -47,6 +47,7 @@ struct Config {
   int rank;              // OMPI_COMM_WORLD_RANK or -1, for messages
 };
 const Config &config();
+void reinstall_fault_handler();
 
 // A small deterministic generator (splitmix64), seeded from GPUSIM_SEED and a stream id.
 struct Rng {
@@ -138,10 +139,11 @@ struct Stream {
   bool destroyed;
   bool running;      // being executed (a cycle of waits shows as re-entry)
   uint64_t enqueued, completed;  // ops so far
+  int polls;                     // cudaStreamQuery calls since it last reported done
   std::deque<std::unique_ptr<Op>> queue;
   Rng rng;
   Stream() : dev(nullptr), blocking(true), legacy(false), destroyed(false), running(false), enqueued(0),
-             completed(0), rng(0) {}
+             completed(0), polls(0), rng(0) {}
 };
 
 // Resolves a stream handle (0, cudaStreamLegacy, cudaStreamPerThread or a created stream);

@@ -33,7 +33,7 @@
 #define blockIdx (static_cast<const uint3 &>(gpusim_now.block_idx))
 #define blockDim (static_cast<const dim3 &>(gpusim_now.block_dim))
 #define gridDim (static_cast<const dim3 &>(gpusim_now.grid_dim))
-#define warpSize 32
+static const int warpSize = 32;
 
 #define DYNAMIC_SHARED(T, name) T *name = static_cast<T *>(gpusim_dynamic_shared())
 

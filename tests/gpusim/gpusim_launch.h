@@ -55,6 +55,8 @@ uint64_t gpusim_warp_op(int kind, unsigned mask, uint64_t value, int size, int a
 void gpusim_check_atomic(const void *p, size_t bytes, const char *what);
 /* The dynamic shared memory of the running block. */
 void *gpusim_dynamic_shared(void);
+/* Puts the stand-in's device-memory fault handler back in front of any installed since. */
+void gpusim_install_fault_handler(void);
 /* Registers the program's static __shared__ section (done once per kernel file). */
 void gpusim_register_static_shared(char *lo, char *hi);
 

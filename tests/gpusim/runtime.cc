@@ -501,8 +501,12 @@ cudaError_t cudaStreamQuery(cudaStream_t h) {
   Stream *s = stream_of(h);
   if (!s) return ret(cudaErrorInvalidResourceHandle);
   if (s->completed >= s->enqueued) return cudaSuccess;
-  // the device works in the background: the queue is found done after a few polls
-  if (s->rng.below(3) == 0 && progress(s, s->enqueued)) return cudaSuccess;
+  // the device works in the background: queued work is found done after a few polls, never at
+  // the first one
+  if (++s->polls >= 2 + (int)s->rng.below(3) && progress(s, s->enqueued)) {
+    s->polls = 0;
+    return cudaSuccess;
+  }
   return cudaErrorNotReady;
 }
 
@@ -538,7 +542,7 @@ cudaError_t cudaEventRecord(cudaEvent_t h, cudaStream_t sh) {
   e->seq = s->enqueued;
   e->recorded = true;
   e->polls = 0;
-  e->delay = 1 + (int)s->rng.below(3);
+  e->delay = 2 + (int)s->rng.below(3);  // "not ready" at least once
   return cudaSuccess;
 }
 

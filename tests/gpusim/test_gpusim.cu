@@ -1,0 +1,925 @@
+// test_gpusim: the GPU stand-in's own checks (tests/gpusim/README.md). Each check pairs a
+// deliberately broken kernel or call sequence, which the stand-in must flag (an error code, a
+// visibly wrong result, or the process aborting with a message), with a correct one that must
+// pass. Compiled like kernels/*.cu: by the host C++ compiler against gpusim_device.h.
+// Death checks run in a forked child whose stderr is captured. Run with GPUSIM_DEVICES=2.
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cublas_v2.h>
+#include <cudnn.h>
+
+#include <string>
+#include <vector>
+
+extern "C" {
+#include <cmocka.h>
+}
+
+#include "common.cuh"
+
+#define CUDA_OK(call)                                                                                 \
+  do {                                                                                                \
+    cudaError_t e_ = (call);                                                                          \
+    if (e_ != cudaSuccess) fail_msg("%s: %s (%s)", #call, cudaGetErrorName(e_), cudaGetErrorString(e_)); \
+  } while (0)
+
+// ---- helpers ------------------------------------------------------------------------------------
+
+template <class T>
+static T *device_array(size_t n) {
+  void *p = nullptr;
+  CUDA_OK(cudaMalloc(&p, n * sizeof(T)));
+  return static_cast<T *>(p);
+}
+
+template <class T>
+static T *device_copy(const std::vector<T> &h) {
+  T *d = device_array<T>(h.size());
+  CUDA_OK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+template <class T>
+static std::vector<T> host_copy(const T *d, size_t n) {
+  std::vector<T> h(n);
+  CUDA_OK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// Runs fn in a child; passes when the child dies abnormally with `needle` in what it printed.
+static void expect_death(void (*fn)(), const char *needle) {
+  int fds[2];
+  if (pipe(fds)) fail_msg("pipe failed");
+  fflush(stdout);
+  fflush(stderr);
+  pid_t pid = fork();
+  if (pid == 0) {
+    close(fds[0]);
+    dup2(fds[1], 2);
+    gpusim_install_fault_handler();  // cmocka's per-test handler would catch the faults first
+    fn();
+    _exit(0);  // survived: the stand-in did not flag it
+  }
+  close(fds[1]);
+  std::string text;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fds[0], buf, sizeof buf)) > 0) text.append(buf, (size_t)n);
+  close(fds[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0)
+    fail_msg("expected the stand-in to stop the program with \"%s\"; it ran on. It printed:\n%s", needle, text.c_str());
+  if (text.find(needle) == std::string::npos)
+    fail_msg("expected \"%s\" in the stand-in's message; got:\n%s", needle, text.c_str());
+}
+
+// Runs this test binary again with `arg` under GPUSIM_SEED=seed; returns what it printed.
+static std::string run_self(const char *arg, int seed) {
+  char cmd[256];
+  snprintf(cmd, sizeof cmd, "GPUSIM_SEED=%d /proc/%d/exe %s", seed, (int)getpid(), arg);
+  FILE *p = popen(cmd, "r");
+  if (!p) fail_msg("popen failed");
+  std::string out;
+  char buf[256];
+  while (fgets(buf, sizeof buf, p)) out += buf;
+  if (pclose(p) != 0) fail_msg("%s failed", cmd);
+  return out;
+}
+
+// ---- threads ------------------------------------------------------------------------------------
+
+__global__ void builtins_kernel(int *out) {
+  int block = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  int thread = (threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x;
+  int linear = block * blockDim.x * blockDim.y * blockDim.z + thread;
+  out[linear] = (int)(blockIdx.x + 10 * blockIdx.y + 100 * blockIdx.z + 1000 * threadIdx.x + 10000 * threadIdx.y +
+                      100000 * threadIdx.z);
+  if (linear == 0) out[2 * 3 * 2 * 4 * 2 * 3] = (int)(gridDim.x * 100 + gridDim.y * 10 + gridDim.z);
+}
+
+static void builtins_follow_the_launch(void **) {
+  dim3 grid(2, 3, 2), block(4, 2, 3);
+  int n = 2 * 3 * 2 * 4 * 2 * 3;
+  int *d = device_array<int>((size_t)n + 1);
+  LAUNCH(builtins_kernel, grid, block, 0, 0)(d);
+  CUDA_OK(cudaGetLastError());
+  std::vector<int> h = host_copy(d, (size_t)n + 1);
+  for (int bz = 0; bz < 2; bz++)
+    for (int by = 0; by < 3; by++)
+      for (int bx = 0; bx < 2; bx++)
+        for (int tz = 0; tz < 3; tz++)
+          for (int ty = 0; ty < 2; ty++)
+            for (int tx = 0; tx < 4; tx++) {
+              int linear = (((bz * 3 + by) * 2 + bx) * 3 + tz) * 8 + ty * 4 + tx;
+              assert_int_equal(h[(size_t)linear], bx + 10 * by + 100 * bz + 1000 * tx + 10000 * ty + 100000 * tz);
+            }
+  assert_int_equal(h[(size_t)n], 232);
+  CUDA_OK(cudaFree(d));
+}
+
+// Each thread reads its neighbour's value from shared memory: correct only after the barrier.
+__global__ void neighbour_kernel(int *out, int sync) {
+  __shared__ int s[128];
+  s[threadIdx.x] = (int)threadIdx.x + 1;
+  if (sync) __syncthreads();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = s[(threadIdx.x + 1) % blockDim.x];
+}
+
+// Prints a checksum of the neighbour kernel's results (run through run_self under a seed).
+static int print_neighbour_checksum(int sync) {
+  int *d = device_array<int>(64 * 128);
+  LAUNCH(neighbour_kernel, 64, 128, 0, 0)(d, sync);
+  std::vector<int> h = host_copy(d, 64 * 128);
+  unsigned long long sum = 0;
+  for (size_t i = 0; i < h.size(); i++) sum = sum * 1000003ull + (unsigned)h[i];
+  printf("%llx\n", sum);
+  return 0;
+}
+
+static void syncthreads_is_a_barrier_and_a_missing_one_shows(void **) {
+  // with the barrier: right, and the same under any seed
+  int *d = device_array<int>(64 * 128);
+  LAUNCH(neighbour_kernel, 64, 128, 0, 0)(d, 1);
+  std::vector<int> h = host_copy(d, 64 * 128);
+  for (int i = 0; i < 64 * 128; i++) assert_int_equal(h[(size_t)i], (i + 1) % 128 + 1);
+  CUDA_OK(cudaFree(d));
+  assert_string_equal(run_self("--neighbour-sync", 1).c_str(), run_self("--neighbour-sync", 2).c_str());
+  // without it: the result depends on the order threads run in, which follows the seed
+  std::string a = run_self("--neighbour-race", 1), b = run_self("--neighbour-race", 2), a2 = run_self("--neighbour-race", 1);
+  assert_string_equal(a.c_str(), a2.c_str());  // one seed, one result: reproducible
+  if (a == b) fail_msg("a missing __syncthreads gave the same result under GPUSIM_SEED 1 and 2");
+}
+
+__global__ void divergent_barrier_kernel(int *out, int skip) {
+  if ((int)threadIdx.x < skip) return;  // some threads leave before the barrier
+  __syncthreads();
+  out[threadIdx.x] = 1;
+}
+
+static void launch_divergent_barrier() {
+  int *d = device_array<int>(64);
+  LAUNCH(divergent_barrier_kernel, 1, 64, 0, 0)(d, 16);
+  cudaDeviceSynchronize();
+}
+
+static void a_barrier_some_threads_skip_is_reported(void **) {
+  int *d = device_array<int>(64);
+  LAUNCH(divergent_barrier_kernel, 1, 64, 0, 0)(d, 0);  // every thread reaches it: fine
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaFree(d));
+  expect_death(launch_divergent_barrier, "undefined behaviour in CUDA");
+}
+
+// ---- shared memory ------------------------------------------------------------------------------
+
+__global__ void block_count_kernel(float *out) {
+  __shared__ float count;
+  if (threadIdx.x == 0) count = 0;
+  __syncthreads();
+  atomicAdd(&count, 1.0f);
+  __syncthreads();
+  if (threadIdx.x == 0) out[blockIdx.x] = count;
+}
+
+__global__ void uninitialised_shared_kernel(float *out) {
+  __shared__ float never_written[4];
+  out[threadIdx.x] = never_written[threadIdx.x];
+}
+
+static void static_shared_memory_is_per_block_and_starts_as_garbage(void **) {
+  float *d = device_array<float>(16);
+  LAUNCH(block_count_kernel, 16, 96, 0, 0)(d);
+  std::vector<float> h = host_copy(d, 16);
+  for (float v : h) assert_true(v == 96.0f);  // each block counted its own threads only
+  LAUNCH(uninitialised_shared_kernel, 1, 4, 0, 0)(d);
+  h = host_copy(d, 4);
+  for (int i = 0; i < 4; i++) assert_true(isnan(h[(size_t)i]));  // garbage, made visible
+  CUDA_OK(cudaFree(d));
+}
+
+__global__ void reverse_kernel(float *out) {
+  DYNAMIC_SHARED(float, buf);
+  buf[threadIdx.x] = (float)threadIdx.x;
+  __syncthreads();
+  out[threadIdx.x] = buf[blockDim.x - 1 - threadIdx.x];
+}
+
+static void dynamic_shared_memory_and_its_limits(void **) {
+  float *d = device_array<float>(256);
+  LAUNCH(reverse_kernel, 1, 256, 256 * sizeof(float), 0)(d);
+  CUDA_OK(cudaGetLastError());
+  std::vector<float> h = host_copy(d, 256);
+  for (int i = 0; i < 256; i++) assert_true(h[(size_t)i] == (float)(255 - i));
+  // over 48 KiB needs the kernel's opt-in, up to 227 KiB
+  LAUNCH(reverse_kernel, 1, 256, (48 << 10) + 4, 0)(d);
+  assert_int_equal(cudaGetLastError(), cudaErrorInvalidValue);
+  CUDA_OK(cudaFuncSetAttribute((const void *)reverse_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 100 << 10));
+  LAUNCH(reverse_kernel, 1, 256, (48 << 10) + 4, 0)(d);
+  CUDA_OK(cudaGetLastError());
+  assert_int_equal(cudaFuncSetAttribute((const void *)reverse_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        228 << 10),
+                   cudaErrorInvalidValue);
+  cudaGetLastError();
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaFree(d));
+}
+
+// ---- warps --------------------------------------------------------------------------------------
+
+__global__ void shuffle_kernel(int *out) {
+  int lane = threadIdx.x & 31, v = (int)threadIdx.x;
+  int *o = out + threadIdx.x * 8;
+  o[0] = __shfl_down_sync(0xffffffffu, v, 3);
+  o[1] = __shfl_up_sync(0xffffffffu, v, 5);
+  o[2] = __shfl_xor_sync(0xffffffffu, v, 6);
+  o[3] = __shfl_sync(0xffffffffu, v, 7);
+  o[4] = __shfl_down_sync(0xffffffffu, v, 2, 8);  // within segments of 8 lanes
+  o[5] = (int)__ballot_sync(0xffffffffu, lane % 3 == 0);
+  o[6] = __all_sync(0xffffffffu, lane < 31);
+  o[7] = __any_sync(0xffffffffu, lane == 30);
+}
+
+static void warp_shuffles_and_votes(void **) {
+  int *d = device_array<int>(64 * 8);
+  LAUNCH(shuffle_kernel, 1, 64, 0, 0)(d);
+  std::vector<int> h = host_copy(d, 64 * 8);
+  unsigned ballot = 0;
+  for (int l = 0; l < 32; l++) ballot |= (l % 3 == 0) << l;
+  for (int t = 0; t < 64; t++) {
+    int lane = t & 31, base = t - lane;
+    const int *o = &h[(size_t)t * 8];
+    assert_int_equal(o[0], lane + 3 < 32 ? t + 3 : t);
+    assert_int_equal(o[1], lane >= 5 ? t - 5 : t);
+    assert_int_equal(o[2], base + (lane ^ 6));
+    assert_int_equal(o[3], base + 7);
+    assert_int_equal(o[4], (lane & 7) + 2 < 8 ? t + 2 : t);
+    assert_int_equal((unsigned)o[5], ballot);
+    assert_int_equal(o[6], 0);
+    assert_int_equal(o[7], 1);
+  }
+  CUDA_OK(cudaFree(d));
+}
+
+// Reading a lane that does not take part (here: does not exist) gives an undefined value.
+__global__ void shuffle_missing_lane_kernel(float *out) {
+  out[threadIdx.x] = __shfl_down_sync(0xffffffffu, 1.0f, 16);
+}
+
+__global__ void mask_without_self_kernel(float *out) {
+  out[threadIdx.x] = __shfl_down_sync(0x1u, 1.0f, 1);  // lanes other than 0 name only lane 0
+}
+
+static void launch_mask_without_self() {
+  float *d = device_array<float>(32);
+  LAUNCH(mask_without_self_kernel, 1, 32, 0, 0)(d);
+  cudaDeviceSynchronize();
+}
+
+static void undefined_warp_reads_show_and_bad_masks_are_reported(void **) {
+  float *d = device_array<float>(48);
+  LAUNCH(shuffle_missing_lane_kernel, 1, 48, 0, 0)(d);  // the second warp has 16 lanes
+  std::vector<float> h = host_copy(d, 48);
+  for (int t = 0; t < 32; t++) assert_true(h[(size_t)t] == 1.0f);
+  for (int t = 32; t < 48; t++) assert_true(isnan(h[(size_t)t]));  // lanes 48..63 do not exist
+  CUDA_OK(cudaFree(d));
+  expect_death(launch_mask_without_self, "does not name the lane itself");
+}
+
+// block_sum as it was before the stand-in: it assumed blockDim.x a multiple of 32.
+static __device__ double block_sum_full_warps_only(double v) {
+  __shared__ double warp_sums[32];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  v = threadIdx.x < (blockDim.x >> 5) ? warp_sums[lane] : 0.0;
+  if (warp == 0)
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  __syncthreads();
+  return v;
+}
+
+__global__ void block_sum_kernel(double *out, int old) {
+  double v = (double)(threadIdx.x + 1);
+  v = old ? block_sum_full_warps_only(v) : block_sum(v);
+  if (threadIdx.x == 0) out[blockIdx.x] = v;
+}
+
+static void block_sum_works_for_any_block_size(void **) {
+  double *d = device_array<double>(4);
+  for (int threads : {1, 20, 32, 33, 100, 256, 1000}) {
+    LAUNCH(block_sum_kernel, 4, threads, 0, 0)(d, 0);
+    std::vector<double> h = host_copy(d, 4);
+    for (double v : h) assert_true(v == threads * (threads + 1) / 2.0);
+  }
+  // the old version was right for full warps only: the stand-in shows it
+  LAUNCH(block_sum_kernel, 4, 256, 0, 0)(d, 1);
+  assert_true(host_copy(d, 4)[0] == 256 * 257 / 2.0);
+  LAUNCH(block_sum_kernel, 4, 100, 0, 0)(d, 1);
+  double broken = host_copy(d, 4)[0];
+  if (broken == 100 * 101 / 2.0) fail_msg("the full-warps-only block sum gave the right sum for 100 threads");
+  CUDA_OK(cudaFree(d));
+}
+
+// ---- atomics ------------------------------------------------------------------------------------
+
+__global__ void count_kernel(float *total) {
+  atomicAdd(total, 1.0f);
+}
+
+__global__ void host_atomic_kernel(unsigned long long address) {
+  atomicAdd(reinterpret_cast<float *>(address), 1.0f);
+}
+
+static float host_counter;
+static void launch_host_atomic() {
+  LAUNCH(host_atomic_kernel, 1, 1, 0, 0)((unsigned long long)(uintptr_t)&host_counter);
+  cudaDeviceSynchronize();
+}
+
+static void atomics_add_up_and_must_target_device_memory(void **) {
+  float *d = device_array<float>(1);
+  CUDA_OK(cudaMemset(d, 0, sizeof(float)));
+  LAUNCH(count_kernel, 100, 128, 0, 0)(d);
+  assert_true(host_copy(d, 1)[0] == 12800.0f);
+  CUDA_OK(cudaFree(d));
+  expect_death(launch_host_atomic, "neither device nor shared memory");
+}
+
+// ---- launch limits ------------------------------------------------------------------------------
+
+__global__ void noop_kernel(int *out) {
+  if (out && threadIdx.x == 0 && blockIdx.x == 0) out[0] = 1;
+}
+
+static void launch_limits_are_checked(void **) {
+  LAUNCH(noop_kernel, 1, 1024, 0, 0)(nullptr);
+  CUDA_OK(cudaGetLastError());
+  LAUNCH(noop_kernel, 1, 1025, 0, 0)(nullptr);
+  assert_int_equal(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  LAUNCH(noop_kernel, 1, dim3(1, 1, 65), 0, 0)(nullptr);
+  assert_int_equal(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  LAUNCH(noop_kernel, dim3(1, 65536), 1, 0, 0)(nullptr);
+  assert_int_equal(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  LAUNCH(noop_kernel, dim3(1u << 31), 1, 0, 0)(nullptr);
+  assert_int_equal(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  LAUNCH(noop_kernel, 0, 32, 0, 0)(nullptr);
+  assert_int_equal(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  CUDA_OK(cudaDeviceSynchronize());
+}
+
+// ---- device memory ------------------------------------------------------------------------------
+
+static void host_reads_device_memory() {
+  float *d = device_array<float>(4);
+  volatile float x = d[1];
+  (void)x;
+}
+
+static void host_reads_freed_memory() {
+  float *d = device_array<float>(4);
+  cudaFree(d);
+  volatile float x = d[0];
+  (void)x;
+}
+
+static void host_cannot_touch_device_memory(void **) {
+  expect_death(host_reads_device_memory, "host code dereferenced device memory");
+  expect_death(host_reads_freed_memory, "freed allocation");
+}
+
+__global__ void write_at_kernel(float *y, long long at) {
+  y[at] = 1.0f;
+}
+
+static void write_one_past_the_end() {
+  float *d = device_array<float>(10);
+  LAUNCH(write_at_kernel, 1, 1, 0, 0)(d, 10);
+  cudaDeviceSynchronize();
+}
+
+static void write_far_past_the_end() {
+  float *d = device_array<float>(10);
+  LAUNCH(write_at_kernel, 1, 1, 0, 0)(d, 4000);
+  cudaDeviceSynchronize();
+}
+
+static void write_before_the_start() {
+  float *d = device_array<float>(10);
+  LAUNCH(write_at_kernel, 1, 1, 0, 0)(d, -1);
+  cudaDeviceSynchronize();
+}
+
+static void kernels_are_bounds_checked(void **) {
+  float *d = device_array<float>(10);
+  LAUNCH(write_at_kernel, 1, 1, 0, 0)(d, 9);  // the last element: fine
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaFree(d));
+  expect_death(write_one_past_the_end, "past the end of it");
+  expect_death(write_before_the_start, "before it");
+  expect_death(write_far_past_the_end, "write_at_kernel");
+}
+
+static void pass_host_pointer() {
+  static float host[4];
+  LAUNCH(write_at_kernel, 1, 1, 0, 0)(host, 0);
+}
+
+static void pass_freed_pointer() {
+  float *d = device_array<float>(4);
+  cudaFree(d);
+  LAUNCH(write_at_kernel, 1, 1, 0, 0)(d, 0);
+}
+
+__global__ void smuggled_pointer_kernel(float *mine, unsigned long long other) {
+  mine[0] = reinterpret_cast<float *>(other)[0];
+}
+
+static void touch_unpassed_allocation() {
+  float *a = device_array<float>(4), *b = device_array<float>(4);
+  LAUNCH(smuggled_pointer_kernel, 1, 1, 0, 0)(a, (unsigned long long)(uintptr_t)b);
+  cudaDeviceSynchronize();
+}
+
+static void kernel_pointers_must_be_live_device_memory(void **) {
+  float *a = device_array<float>(4);
+  LAUNCH(smuggled_pointer_kernel, 1, 1, 0, 0)(a, (unsigned long long)(uintptr_t)a);  // its own argument: fine
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaFree(a));
+  expect_death(pass_host_pointer, "must be device memory");
+  expect_death(pass_freed_pointer, "freed allocation");
+  expect_death(touch_unpassed_allocation, "none of its pointer arguments points into");
+}
+
+// ---- streams ------------------------------------------------------------------------------------
+
+__global__ void fill_kernel(float *y, float v, int n) {
+  GRID_STRIDE(i, n) y[i] = v;
+}
+
+static void free_while_queued() {
+  float *d = device_array<float>(1024);
+  cudaStream_t s;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  LAUNCH(fill_kernel, 4, 256, 0, s)(d, 1.0f, 1024);
+  cudaFree(d);  // the kernel has not run yet
+}
+
+static void copies_run_only_when_synchronised(void **) {
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  float *d = device_array<float>(4);
+  LAUNCH(fill_kernel, 1, 4, 0, s)(d, 7.0f, 4);
+  float h[4] = {1, 1, 1, 1};
+  CUDA_OK(cudaMemcpyAsync(h, d, sizeof h, cudaMemcpyDeviceToHost, s));
+  assert_true(h[0] == 1.0f);  // read before a sync: stale
+  CUDA_OK(cudaStreamSynchronize(s));
+  assert_true(h[0] == 7.0f);
+  // a pageable host buffer changed after an async copy was queued: the copy may read it late
+  float src[4] = {2, 2, 2, 2};
+  CUDA_OK(cudaMemcpyAsync(d, src, sizeof src, cudaMemcpyHostToDevice, s));
+  src[0] = 5.0f;
+  CUDA_OK(cudaStreamSynchronize(s));
+  assert_true(host_copy(d, 4)[0] == 5.0f);
+  // freeing what queued work still uses is an error; after a sync it is fine
+  LAUNCH(fill_kernel, 1, 4, 0, s)(d, 3.0f, 4);
+  CUDA_OK(cudaStreamSynchronize(s));
+  CUDA_OK(cudaFree(d));
+  CUDA_OK(cudaStreamDestroy(s));
+  expect_death(free_while_queued, "while queued, unfinished work still uses it");
+}
+
+static void streams_are_ordered_only_by_events(void **) {
+  cudaStream_t s1, s2;
+  CUDA_OK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  float *d = device_array<float>(256);
+  CUDA_OK(cudaMemset(d, 0, 256 * sizeof(float)));
+  CUDA_OK(cudaDeviceSynchronize());
+  float h[256];
+  // no ordering between the streams: the copy on s2 runs before the kernel on s1
+  LAUNCH(fill_kernel, 1, 256, 0, s1)(d, 5.0f, 256);
+  CUDA_OK(cudaMemcpyAsync(h, d, sizeof h, cudaMemcpyDeviceToHost, s2));
+  CUDA_OK(cudaStreamSynchronize(s2));
+  assert_true(h[0] == 0.0f);
+  CUDA_OK(cudaStreamSynchronize(s1));
+  // an event recorded on s1 and waited for on s2 orders them
+  cudaEvent_t ev;
+  CUDA_OK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  LAUNCH(fill_kernel, 1, 256, 0, s1)(d, 6.0f, 256);
+  CUDA_OK(cudaEventRecord(ev, s1));
+  CUDA_OK(cudaStreamWaitEvent(s2, ev, 0));
+  CUDA_OK(cudaMemcpyAsync(h, d, sizeof h, cudaMemcpyDeviceToHost, s2));
+  CUDA_OK(cudaStreamSynchronize(s2));
+  assert_true(h[0] == 6.0f && h[255] == 6.0f);
+  // queries answer "not ready" until the device gets to it, then success
+  LAUNCH(fill_kernel, 1, 256, 0, s1)(d, 8.0f, 256);
+  CUDA_OK(cudaEventRecord(ev, s1));
+  int not_ready = 0;
+  cudaError_t q;
+  while ((q = cudaEventQuery(ev)) == cudaErrorNotReady) not_ready++;
+  CUDA_OK(q);
+  assert_true(not_ready >= 1);
+  assert_true(host_copy(d, 1)[0] == 8.0f);
+  // the legacy default stream waits for blocking streams, not for non-blocking ones
+  cudaStream_t blocking;
+  CUDA_OK(cudaStreamCreate(&blocking));
+  LAUNCH(fill_kernel, 1, 256, 0, blocking)(d, 9.0f, 256);
+  assert_true(host_copy(d, 1)[0] == 9.0f);  // cudaMemcpy is on the legacy stream
+  LAUNCH(fill_kernel, 1, 256, 0, s1)(d, 10.0f, 256);
+  assert_true(host_copy(d, 1)[0] == 9.0f);  // s1 is non-blocking: not waited for
+  CUDA_OK(cudaDeviceSynchronize());
+  assert_true(host_copy(d, 1)[0] == 10.0f);
+  CUDA_OK(cudaEventDestroy(ev));
+  CUDA_OK(cudaStreamDestroy(s1));
+  CUDA_OK(cudaStreamDestroy(s2));
+  CUDA_OK(cudaStreamDestroy(blocking));
+  CUDA_OK(cudaFree(d));
+}
+
+// ---- cuBLAS -------------------------------------------------------------------------------------
+
+#define BLAS_OK(call)                                                                                   \
+  do {                                                                                                  \
+    cublasStatus_t s_ = (call);                                                                         \
+    if (s_ != CUBLAS_STATUS_SUCCESS) fail_msg("%s: %s", #call, cublasGetStatusString(s_));             \
+  } while (0)
+
+static float pseudo(int i, int salt) {
+  return (float)((i * 7919 + salt * 104729) % 2003) / 1001.0f - 1.0f;
+}
+
+// C (m x n, column-major, ld ldc) = alpha op(A) op(B) + beta C, in double.
+static void gemm_reference(bool ta, bool tb, int m, int n, int k, double alpha, const std::vector<float> &A, int lda,
+                           const std::vector<float> &B, int ldb, double beta, std::vector<double> &C, int ldc) {
+  for (int j = 0; j < n; j++)
+    for (int i = 0; i < m; i++) {
+      double s = 0;
+      for (int p = 0; p < k; p++)
+        s += (double)(ta ? A[(size_t)i * lda + p] : A[(size_t)p * lda + i]) *
+             (double)(tb ? B[(size_t)p * ldb + j] : B[(size_t)j * ldb + p]);
+      C[(size_t)j * ldc + i] = alpha * s + (beta != 0 ? beta * C[(size_t)j * ldc + i] : 0);
+    }
+}
+
+static double max_rel(const std::vector<float> &got, const std::vector<double> &want) {
+  double worst = 0, scale = 1e-30;
+  for (size_t i = 0; i < want.size(); i++) scale = fmax(scale, fabs(want[i]));
+  for (size_t i = 0; i < want.size(); i++) worst = fmax(worst, fabs(got[i] - want[i]) / scale);
+  return worst;
+}
+
+static void cublas_gemm_follows_column_major_rules(void **) {
+  cublasHandle_t h;
+  BLAS_OK(cublasCreate(&h));
+  BLAS_OK(cublasSetMathMode(h, CUBLAS_PEDANTIC_MATH));
+  int m = 5, n = 4, k = 3;
+  for (int ta = 0; ta < 2; ta++)
+    for (int tb = 0; tb < 2; tb++) {
+      int lda = (ta ? k : m) + 2, ldb = (tb ? n : k) + 1, ldc = m + 3;
+      std::vector<float> A((size_t)lda * (ta ? m : k)), B((size_t)ldb * (tb ? k : n)), C((size_t)ldc * n);
+      for (size_t i = 0; i < A.size(); i++) A[i] = pseudo((int)i, 1);
+      for (size_t i = 0; i < B.size(); i++) B[i] = pseudo((int)i, 2);
+      for (size_t i = 0; i < C.size(); i++) C[i] = pseudo((int)i, 3);
+      std::vector<double> want(C.begin(), C.end());
+      gemm_reference(ta, tb, m, n, k, 0.5, A, lda, B, ldb, 2.0, want, ldc);
+      float *dA = device_copy(A), *dB = device_copy(B), *dC = device_copy(C);
+      float alpha = 0.5f, beta = 2.0f;
+      BLAS_OK(cublasSgemm(h, ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb ? CUBLAS_OP_T : CUBLAS_OP_N, m, n, k, &alpha, dA, lda,
+                          dB, ldb, &beta, dC, ldc));
+      std::vector<float> got = host_copy(dC, C.size());
+      for (int j = 0; j < n; j++)  // the padding rows between columns stay as they were
+        for (int i = m; i < ldc; i++) assert_true(got[(size_t)j * ldc + i] == C[(size_t)j * ldc + i]);
+      if (max_rel(got, want) > 1e-6) fail_msg("gemm ta %d tb %d: error %g", ta, tb, max_rel(got, want));
+      // beta 0: C is not read, so NaN there does not matter
+      CUDA_OK(cudaMemset(dC, 0xff, C.size() * sizeof(float)));
+      beta = 0;
+      BLAS_OK(cublasSgemm(h, ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb ? CUBLAS_OP_T : CUBLAS_OP_N, m, n, k, &alpha, dA, lda,
+                          dB, ldb, &beta, dC, ldc));
+      got = host_copy(dC, C.size());
+      for (int j = 0; j < n; j++)
+        for (int i = 0; i < m; i++) assert_false(isnan(got[(size_t)j * ldc + i]));
+      cudaFree(dA), cudaFree(dB), cudaFree(dC);
+    }
+  // a leading dimension smaller than the rows is invalid
+  float one = 1, zero = 0;
+  float *d = device_array<float>(64);
+  assert_int_equal(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, d, 3, d, 4, &zero, d, 4),
+                   CUBLAS_STATUS_INVALID_VALUE);
+  // strided batches: three independent products
+  std::vector<float> A(3 * 16), B(3 * 16), C(3 * 16, 0.0f);
+  for (size_t i = 0; i < A.size(); i++) A[i] = pseudo((int)i, 4), B[i] = pseudo((int)i, 5);
+  float *dA = device_copy(A), *dB = device_copy(B), *dC = device_copy(C);
+  BLAS_OK(cublasSgemmStridedBatched(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, dA, 4, 16, dB, 4, 16, &zero, dC, 4, 16, 3));
+  std::vector<float> got = host_copy(dC, C.size());
+  for (int b = 0; b < 3; b++) {
+    std::vector<float> Ab(A.begin() + b * 16, A.begin() + b * 16 + 16), Bb(B.begin() + b * 16, B.begin() + b * 16 + 16);
+    std::vector<double> want(16, 0.0);
+    gemm_reference(false, false, 4, 4, 4, 1.0, Ab, 4, Bb, 4, 0.0, want, 4);
+    std::vector<float> gb(got.begin() + b * 16, got.begin() + b * 16 + 16);
+    assert_true(max_rel(gb, want) < 1e-6);
+  }
+  cudaFree(dA), cudaFree(dB), cudaFree(dC), cudaFree(d);
+  BLAS_OK(cublasDestroy(h));
+}
+
+static void device_alpha_in_host_mode() {
+  cublasHandle_t h;
+  cublasCreate(&h);
+  float *d = device_array<float>(16);
+  cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 1, d, d, 4, d, 1, d, d, 4);
+}
+
+static void cublas_math_modes_types_and_pointer_modes(void **) {
+  cublasHandle_t h;
+  BLAS_OK(cublasCreate(&h));
+  int m = 16, n = 16, k = 64;
+  std::vector<float> A((size_t)m * k), B((size_t)k * n), C((size_t)m * n, 0.0f);
+  for (size_t i = 0; i < A.size(); i++) A[i] = 1.0f + pseudo((int)i, 6) * 1e-3f;
+  for (size_t i = 0; i < B.size(); i++) B[i] = 1.0f + pseudo((int)i, 7) * 1e-3f;
+  std::vector<double> want(C.size(), 0.0);
+  gemm_reference(false, false, m, n, k, 1.0, A, m, B, k, 0.0, want, m);
+  float *dA = device_copy(A), *dB = device_copy(B), *dC = device_copy(C), one = 1, zero = 0;
+  // FP32 stays FP32 unless TF32 is allowed, which reads the inputs with 10 mantissa bits
+  BLAS_OK(cublasSetMathMode(h, CUBLAS_PEDANTIC_MATH));
+  BLAS_OK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, &one, dA, m, dB, k, &zero, dC, m));
+  double pedantic = max_rel(host_copy(dC, C.size()), want);
+  BLAS_OK(cublasSetMathMode(h, CUBLAS_TF32_TENSOR_OP_MATH));
+  BLAS_OK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, &one, dA, m, dB, k, &zero, dC, m));
+  double tf32 = max_rel(host_copy(dC, C.size()), want);
+  if (!(pedantic < 1e-6 && tf32 > 1e-5)) fail_msg("pedantic error %g, TF32 error %g", pedantic, tf32);
+  // GemmEx: half inputs, float output, float compute
+  std::vector<uint16_t> Ah(A.size()), Bh(B.size());
+  for (size_t i = 0; i < A.size(); i++) {
+    float a = A[i], b = B[i];  // 1 + small: round to half on the host the simple way (truncate)
+    uint32_t ua, ub;
+    memcpy(&ua, &a, 4), memcpy(&ub, &b, 4);
+    Ah[i] = (uint16_t)(((ua >> 16) & 0x8000) | ((((ua >> 23) & 0xff) - 112) << 10) | ((ua >> 13) & 0x3ff));
+    Bh[i] = (uint16_t)(((ub >> 16) & 0x8000) | ((((ub >> 23) & 0xff) - 112) << 10) | ((ub >> 13) & 0x3ff));
+  }
+  uint16_t *dAh = device_copy(Ah), *dBh = device_copy(Bh);
+  BLAS_OK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, &one, dAh, CUDA_R_16F, m, dBh, CUDA_R_16F, k, &zero, dC,
+                       CUDA_R_32F, m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  double half = max_rel(host_copy(dC, C.size()), want);
+  if (!(half > 1e-5 && half < 1e-2)) fail_msg("half-input GEMM error %g", half);
+  assert_int_equal(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, &one, dAh, CUDA_R_16F, m, dB, CUDA_R_32F, k,
+                                &zero, dC, CUDA_R_32F, m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                   CUBLAS_STATUS_NOT_SUPPORTED);  // mixed input types
+  // device pointer mode reads alpha and beta from device memory when the work runs
+  BLAS_OK(cublasSetMathMode(h, CUBLAS_PEDANTIC_MATH));
+  BLAS_OK(cublasSetPointerMode(h, CUBLAS_POINTER_MODE_DEVICE));
+  float *scalars = device_copy(std::vector<float>{2.0f, 0.0f});
+  BLAS_OK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, scalars, dA, m, dB, k, scalars + 1, dC, m));
+  std::vector<float> got = host_copy(dC, C.size());
+  for (double &w : want) w *= 2;
+  assert_true(max_rel(got, want) < 1e-6);
+  cudaFree(dA), cudaFree(dB), cudaFree(dC), cudaFree(dAh), cudaFree(dBh), cudaFree(scalars);
+  BLAS_OK(cublasDestroy(h));
+  expect_death(device_alpha_in_host_mode, "CUBLAS_POINTER_MODE_HOST");
+}
+
+// ---- cuDNN --------------------------------------------------------------------------------------
+
+#define DNN_OK(call)                                                                                 \
+  do {                                                                                               \
+    cudnnStatus_t s_ = (call);                                                                       \
+    if (s_ != CUDNN_STATUS_SUCCESS) fail_msg("%s: %s", #call, cudnnGetErrorString(s_));             \
+  } while (0)
+
+struct ConvCase {
+  int n, c, h, w, k, r, pad, stride;
+  bool nhwc;
+};
+
+// Offsets of x (n, c, h, w) and of the filter (k, c, r, s) in either layout.
+static size_t x_at(const ConvCase &t, int n, int c, int h, int w, int H, int W, int C) {
+  return t.nhwc ? (((size_t)n * H + h) * W + w) * C + c : (((size_t)n * C + c) * H + h) * W + w;
+}
+
+static void cudnn_convolutions_match_direct_loops(void **) {
+  cudnnHandle_t h;
+  DNN_OK(cudnnCreate(&h));
+  ConvCase cases[] = {{2, 3, 7, 6, 4, 3, 1, 2, false}, {3, 2, 5, 5, 3, 3, 1, 1, true}};
+  for (const ConvCase &t : cases) {
+    int P = (t.h + 2 * t.pad - t.r) / t.stride + 1, Q = (t.w + 2 * t.pad - t.r) / t.stride + 1;
+    cudnnTensorFormat_t fmt = t.nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
+    cudnnTensorDescriptor_t xd, yd;
+    cudnnFilterDescriptor_t wd;
+    cudnnConvolutionDescriptor_t cd;
+    DNN_OK(cudnnCreateTensorDescriptor(&xd));
+    DNN_OK(cudnnCreateTensorDescriptor(&yd));
+    DNN_OK(cudnnCreateFilterDescriptor(&wd));
+    DNN_OK(cudnnCreateConvolutionDescriptor(&cd));
+    DNN_OK(cudnnSetTensor4dDescriptor(xd, fmt, CUDNN_DATA_FLOAT, t.n, t.c, t.h, t.w));
+    DNN_OK(cudnnSetTensor4dDescriptor(yd, fmt, CUDNN_DATA_FLOAT, t.n, t.k, P, Q));
+    DNN_OK(cudnnSetFilter4dDescriptor(wd, CUDNN_DATA_FLOAT, fmt, t.k, t.c, t.r, t.r));
+    DNN_OK(cudnnSetConvolution2dDescriptor(cd, t.pad, t.pad, t.stride, t.stride, 1, 1, CUDNN_CROSS_CORRELATION,
+                                           CUDNN_DATA_FLOAT));
+    DNN_OK(cudnnSetConvolutionMathType(cd, CUDNN_FMA_MATH));
+    size_t nx = (size_t)t.n * t.c * t.h * t.w, ny = (size_t)t.n * t.k * P * Q, nw = (size_t)t.k * t.c * t.r * t.r;
+    std::vector<float> X(nx), Wt(nw), Y(ny), DY(ny);
+    for (size_t i = 0; i < nx; i++) X[i] = pseudo((int)i, 8);
+    for (size_t i = 0; i < nw; i++) Wt[i] = pseudo((int)i, 9);
+    for (size_t i = 0; i < ny; i++) Y[i] = pseudo((int)i, 10), DY[i] = pseudo((int)i, 11);
+    // direct loops in double
+    std::vector<double> y_ref(ny), dx_ref(nx, 0.0), dw_ref(nw, 0.0);
+    for (int n = 0; n < t.n; n++)
+      for (int k = 0; k < t.k; k++)
+        for (int p = 0; p < P; p++)
+          for (int q = 0; q < Q; q++) {
+            double s = 0;
+            size_t yi = x_at(t, n, k, p, q, P, Q, t.k);
+            for (int c = 0; c < t.c; c++)
+              for (int r = 0; r < t.r; r++)
+                for (int u = 0; u < t.r; u++) {
+                  int ih = p * t.stride - t.pad + r, iw = q * t.stride - t.pad + u;
+                  if (ih < 0 || iw < 0 || ih >= t.h || iw >= t.w) continue;
+                  size_t xi = x_at(t, n, c, ih, iw, t.h, t.w, t.c), wi = x_at(t, k, c, r, u, t.r, t.r, t.c);
+                  s += (double)X[xi] * Wt[wi];
+                  dx_ref[xi] += (double)DY[yi] * Wt[wi];
+                  dw_ref[wi] += (double)DY[yi] * X[xi];
+                }
+            y_ref[yi] = 2.0 * s + 0.5 * Y[yi];  // alpha 2, beta 0.5
+          }
+    for (size_t i = 0; i < nw; i++) dw_ref[i] += Wt[i];  // backward filter adds (beta 1) into w
+    float *dX = device_copy(X), *dW = device_copy(Wt), *dY = device_copy(Y), *dDY = device_copy(DY);
+    float *dDX = device_array<float>(nx);
+    void *ws = device_array<char>(64 << 20);
+    float two = 2, half = 0.5f, one = 1, zero = 0;
+    DNN_OK(cudnnConvolutionForward(h, &two, xd, dX, wd, dW, cd, CUDNN_CONVOLUTION_FWD_ALGO_GEMM, ws, 64 << 20, &half,
+                                   yd, dY));
+    DNN_OK(cudnnConvolutionBackwardData(h, &one, wd, dW, yd, dDY, cd, CUDNN_CONVOLUTION_BWD_DATA_ALGO_1, ws, 64 << 20,
+                                        &zero, xd, dDX));
+    DNN_OK(cudnnConvolutionBackwardFilter(h, &one, xd, dX, yd, dDY, cd, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1, ws,
+                                          64 << 20, &one, wd, dW));
+    double e1 = max_rel(host_copy(dY, ny), y_ref), e2 = max_rel(host_copy(dDX, nx), dx_ref),
+           e3 = max_rel(host_copy(dW, nw), dw_ref);
+    if (e1 > 1e-6 || e2 > 1e-6 || e3 > 1e-6)
+      fail_msg("%s: forward %g, backward data %g, backward filter %g", t.nhwc ? "NHWC" : "NCHW", e1, e2, e3);
+    cudaFree(dX), cudaFree(dW), cudaFree(dY), cudaFree(dDY), cudaFree(dDX), cudaFree(ws);
+    cudnnDestroyTensorDescriptor(xd), cudnnDestroyTensorDescriptor(yd);
+    cudnnDestroyFilterDescriptor(wd), cudnnDestroyConvolutionDescriptor(cd);
+  }
+  DNN_OK(cudnnDestroy(h));
+}
+
+static void cudnn_algorithms_workspaces_math_and_determinism(void **) {
+  cudnnHandle_t h;
+  DNN_OK(cudnnCreate(&h));
+  cudnnTensorDescriptor_t xd, yd;
+  cudnnFilterDescriptor_t wd;
+  cudnnConvolutionDescriptor_t cd;
+  DNN_OK(cudnnCreateTensorDescriptor(&xd));
+  DNN_OK(cudnnCreateTensorDescriptor(&yd));
+  DNN_OK(cudnnCreateFilterDescriptor(&wd));
+  DNN_OK(cudnnCreateConvolutionDescriptor(&cd));
+  // a zero-sized tensor is a bad parameter, as in cuDNN
+  assert_int_equal(cudnnSetTensor4dDescriptor(xd, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, 0, 3, 8, 8),
+                   CUDNN_STATUS_BAD_PARAM);
+  DNN_OK(cudnnSetTensor4dDescriptor(xd, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, 8, 16, 12, 12));
+  DNN_OK(cudnnSetTensor4dDescriptor(yd, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, 8, 16, 12, 12));
+  DNN_OK(cudnnSetFilter4dDescriptor(wd, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW, 16, 16, 3, 3));
+  DNN_OK(cudnnSetConvolution2dDescriptor(cd, 1, 1, 1, 1, 1, 1, CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
+  DNN_OK(cudnnSetConvolutionMathType(cd, CUDNN_FMA_MATH));
+  // the heuristics list several algorithms with their workspace sizes, as the size queries give
+  cudnnConvolutionFwdAlgoPerf_t perf[8];
+  int count = 0, with_workspace = 0;
+  DNN_OK(cudnnGetConvolutionForwardAlgorithm_v7(h, xd, wd, cd, yd, 8, &count, perf));
+  assert_true(count >= 3);
+  for (int i = 0; i < count; i++) {
+    if (perf[i].status != CUDNN_STATUS_SUCCESS) continue;
+    size_t ws = 0;
+    DNN_OK(cudnnGetConvolutionForwardWorkspaceSize(h, xd, wd, cd, yd, perf[i].algo, &ws));
+    assert_int_equal(ws, perf[i].memory);
+    assert_int_equal(perf[i].mathType, CUDNN_FMA_MATH);
+    with_workspace += ws > 0;
+  }
+  assert_true(with_workspace >= 1);
+  size_t need = 0;
+  DNN_OK(cudnnGetConvolutionForwardWorkspaceSize(h, xd, wd, cd, yd, CUDNN_CONVOLUTION_FWD_ALGO_GEMM, &need));
+  assert_true(need > 0);
+  size_t nx = 8 * 16 * 12 * 12, nw = 16 * 16 * 9;
+  std::vector<float> X(nx), Wt(nw);
+  for (size_t i = 0; i < nx; i++) X[i] = 1.0f + pseudo((int)i, 12) * 1e-3f;
+  for (size_t i = 0; i < nw; i++) Wt[i] = 1.0f + pseudo((int)i, 13) * 1e-3f;
+  float *dX = device_copy(X), *dW = device_copy(Wt), *dY = device_array<float>(nx), *dW2 = device_array<float>(nw);
+  char *ws = device_array<char>(need);
+  float one = 1, zero = 0;
+  // a workspace one byte short is refused
+  assert_int_equal(cudnnConvolutionForward(h, &one, xd, dX, wd, dW, cd, CUDNN_CONVOLUTION_FWD_ALGO_GEMM, ws, need - 1,
+                                           &zero, yd, dY),
+                   CUDNN_STATUS_BAD_PARAM);
+  // the math type decides the numerics: FMA is FP32, the default reads TF32 on this "H100"
+  DNN_OK(cudnnConvolutionForward(h, &one, xd, dX, wd, dW, cd, CUDNN_CONVOLUTION_FWD_ALGO_GEMM, ws, need, &zero, yd, dY));
+  std::vector<float> fma = host_copy(dY, nx);
+  DNN_OK(cudnnSetConvolutionMathType(cd, CUDNN_DEFAULT_MATH));
+  DNN_OK(cudnnConvolutionForward(h, &one, xd, dX, wd, dW, cd, CUDNN_CONVOLUTION_FWD_ALGO_GEMM, ws, need, &zero, yd, dY));
+  std::vector<float> tf32 = host_copy(dY, nx);
+  std::vector<double> fma_d(fma.begin(), fma.end());
+  if (max_rel(tf32, fma_d) < 1e-5) fail_msg("CUDNN_DEFAULT_MATH gave FP32 results: no TF32 rounding");
+  DNN_OK(cudnnSetConvolutionMathType(cd, CUDNN_FMA_MATH));
+  // non-deterministic algorithms sum in a different order on each call; deterministic ones do not
+  size_t ws0 = 0, ws1 = 0;
+  DNN_OK(cudnnGetConvolutionBackwardFilterWorkspaceSize(h, xd, yd, cd, wd, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0, &ws0));
+  DNN_OK(cudnnGetConvolutionBackwardFilterWorkspaceSize(h, xd, yd, cd, wd, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1, &ws1));
+  char *big = device_array<char>(ws0 > ws1 ? ws0 : ws1);
+  std::vector<float> runs[4];
+  for (int i = 0; i < 4; i++) {
+    cudnnConvolutionBwdFilterAlgo_t a = i < 2 ? CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0 : CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1;
+    DNN_OK(cudnnConvolutionBackwardFilter(h, &one, xd, dX, yd, dX, cd, a, big, ws0 > ws1 ? ws0 : ws1, &zero, wd, dW2));
+    runs[i] = host_copy(dW2, nw);
+  }
+  assert_true(memcmp(runs[2].data(), runs[3].data(), nw * sizeof(float)) == 0);
+  if (memcmp(runs[0].data(), runs[1].data(), nw * sizeof(float)) == 0)
+    fail_msg("CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0 (non-deterministic) gave identical bits twice");
+  cudaFree(dX), cudaFree(dW), cudaFree(dY), cudaFree(dW2), cudaFree(ws), cudaFree(big);
+  cudnnDestroyTensorDescriptor(xd), cudnnDestroyTensorDescriptor(yd);
+  cudnnDestroyFilterDescriptor(wd), cudnnDestroyConvolutionDescriptor(cd);
+  DNN_OK(cudnnDestroy(h));
+}
+
+// ---- devices ------------------------------------------------------------------------------------
+
+static void second_context() {
+  void *p;
+  cudaSetDevice(0);
+  cudaMalloc(&p, 16);
+  cudaSetDevice(1);  // a context on another device
+}
+
+static void devices_are_h100_like_and_one_per_process(void **) {
+  int n = 0;
+  CUDA_OK(cudaGetDeviceCount(&n));
+  const char *want = getenv("GPUSIM_DEVICES");
+  assert_int_equal(n, want ? atoi(want) : 1);
+  if (n < 2) skip();
+  cudaDeviceProp p;
+  CUDA_OK(cudaGetDeviceProperties(&p, 1));  // no context needed
+  assert_int_equal(p.major, 9);
+  assert_int_equal(p.maxThreadsPerBlock, 1024);
+  assert_int_equal(p.warpSize, 32);
+  assert_int_equal(p.sharedMemPerBlock, 48 << 10);
+  assert_int_equal(p.sharedMemPerBlockOptin, 227 << 10);
+  assert_true(p.totalGlobalMem > ((size_t)79 << 30));
+  char a[32], b[32];
+  CUDA_OK(cudaDeviceGetPCIBusId(a, sizeof a, 0));
+  CUDA_OK(cudaDeviceGetPCIBusId(b, sizeof b, 1));
+  assert_string_not_equal(a, b);
+  expect_death(second_context, "made a CUDA context on device 1 after making one on device 0");
+}
+
+// ---- the kernels' helpers -----------------------------------------------------------------------
+
+static void fast_division_matches_division(void **) {
+  uint64_t x = 88172645463325252ull;
+  auto next = [&]() {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    return x;
+  };
+  const uint32_t divisors[] = {1, 2, 3, 5, 7, 10, 28, 49, 64, 255, 784, 1000, 65535, 65537, 1u << 20, 0x7fffffffu};
+  for (uint32_t d : divisors) {
+    fast_div f = make_fast_div(d);
+    for (int i = 0; i < 20000; i++) {
+      uint32_t n = i < 100 ? (uint32_t)i : i < 200 ? 0x7fffffffu - (uint32_t)(i - 100) : (uint32_t)(next() & 0x7fffffffu);
+      if (div_by(n, f) != n / d) fail_msg("%u / %u: fast %u, exact %u", n, d, div_by(n, f), n / d);
+    }
+  }
+}
+
+int main(int argc, char **argv) {
+  if (argc > 1 && !strcmp(argv[1], "--neighbour-sync")) return print_neighbour_checksum(1);
+  if (argc > 1 && !strcmp(argv[1], "--neighbour-race")) return print_neighbour_checksum(0);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(builtins_follow_the_launch),
+      cmocka_unit_test(syncthreads_is_a_barrier_and_a_missing_one_shows),
+      cmocka_unit_test(a_barrier_some_threads_skip_is_reported),
+      cmocka_unit_test(static_shared_memory_is_per_block_and_starts_as_garbage),
+      cmocka_unit_test(dynamic_shared_memory_and_its_limits),
+      cmocka_unit_test(warp_shuffles_and_votes),
+      cmocka_unit_test(undefined_warp_reads_show_and_bad_masks_are_reported),
+      cmocka_unit_test(block_sum_works_for_any_block_size),
+      cmocka_unit_test(atomics_add_up_and_must_target_device_memory),
+      cmocka_unit_test(launch_limits_are_checked),
+      cmocka_unit_test(host_cannot_touch_device_memory),
+      cmocka_unit_test(kernels_are_bounds_checked),
+      cmocka_unit_test(kernel_pointers_must_be_live_device_memory),
+      cmocka_unit_test(copies_run_only_when_synchronised),
+      cmocka_unit_test(streams_are_ordered_only_by_events),
+      cmocka_unit_test(cublas_gemm_follows_column_major_rules),
+      cmocka_unit_test(cublas_math_modes_types_and_pointer_modes),
+      cmocka_unit_test(cudnn_convolutions_match_direct_loops),
+      cmocka_unit_test(cudnn_algorithms_workspaces_math_and_determinism),
+      cmocka_unit_test(devices_are_h100_like_and_one_per_process),
+      cmocka_unit_test(fast_division_matches_division),
+  };
+  return cmocka_run_group_tests_name("gpusim", tests, NULL, NULL);
+}
