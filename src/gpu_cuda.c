@@ -35,25 +35,6 @@ void gpu_versions(char *buf, size_t cap) {
            cudnn % 100, cublas, cublas_minor, nccl / 10000, (nccl % 10000) / 100, nccl % 100);
 }
 
-void gpu_describe(int i, char *buf, size_t cap, size_t *free_bytes) {
-  struct cudaDeviceProp p;
-  *free_bytes = 0;
-  cudaError_t rc = cudaGetDeviceProperties(&p, i);
-  if (rc != cudaSuccess) {
-    snprintf(buf, cap, "GPU %d: cudaGetDeviceProperties: %s", i, cudaGetErrorString(rc));
-    return;
-  }
-  size_t free_b = 0, total_b = p.totalGlobalMem;
-  int prev = 0;
-  cudaGetDevice(&prev);
-  if (cudaSetDevice(i) == cudaSuccess && cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) *free_bytes = free_b;
-  cudaSetDevice(prev);
-  char bus[32] = "";
-  cudaDeviceGetPCIBusId(bus, sizeof bus, i);
-  snprintf(buf, cap, "GPU %d: %s, %.1f GiB total, %.1f GiB free, compute capability %d.%d, PCI %s", i, p.name,
-           (double)total_b / 1073741824.0, (double)free_b / 1073741824.0, p.major, p.minor, bus);
-}
-
 /* NVML through dlopen: the driver ships libnvidia-ml.so.1, the toolkit here has no nvml.h.
  * The few types and entry points used, as NVML declares them. */
 typedef struct nvml_device *nvml_device_t;
@@ -96,6 +77,30 @@ static const nvml_api *nvml(void) {
     return NULL;
   }
   return &api;
+}
+
+/* One line about device i without making a CUDA context on it (a context costs hundreds of MiB
+ * on that GPU and fails in exclusive-process mode): properties and the bus id need none, and the
+ * free memory comes from NVML, which is per device and makes no context either. */
+void gpu_describe(int i, char *buf, size_t cap, size_t *free_bytes) {
+  struct cudaDeviceProp p;
+  *free_bytes = 0;
+  cudaError_t rc = cudaGetDeviceProperties(&p, i);
+  if (rc != cudaSuccess) {
+    snprintf(buf, cap, "GPU %d: cudaGetDeviceProperties: %s", i, cudaGetErrorString(rc));
+    return;
+  }
+  char bus[32] = "", free_text[64] = "free memory unknown (no NVML)";
+  cudaDeviceGetPCIBusId(bus, sizeof bus, i);
+  const nvml_api *api = nvml();
+  nvml_device_t dev;
+  nvml_memory_t mem;
+  if (api && bus[0] && !api->by_pci(bus, &dev) && !api->memory(dev, &mem)) {
+    *free_bytes = (size_t)mem.free;
+    snprintf(free_text, sizeof free_text, "%.1f GiB free", (double)mem.free / 1073741824.0);
+  }
+  snprintf(buf, cap, "GPU %d: %s, %.1f GiB total, %s, compute capability %d.%d, PCI %s", i, p.name,
+           (double)p.totalGlobalMem / 1073741824.0, free_text, p.major, p.minor, bus);
 }
 
 void gpu_read(int i, double *peak_mib, dt_gpu_reading *r) {
