@@ -46,6 +46,11 @@ void comm_wait(dt_comm *c, MPI_Request *reqs, int n, const char *what);
 
 void comm_bcast(dt_comm *c, void *buf, size_t bytes, int root);
 
+/* For a wait outside MPI (NCCL's initialisation): a rank that fails tells every other rank, and
+ * comm_failed_peer (never blocking) returns the first rank that did so, or -1. */
+void comm_announce_failure(dt_comm *c);
+int comm_failed_peer(dt_comm *c);
+
 /* Rank 0 receives every rank's text (cap bytes each) in rank order into all (size * cap bytes,
  * allocated by the caller on rank 0; NULL elsewhere). */
 void comm_gather_text(dt_comm *c, const char *text, size_t cap, char *all);
@@ -106,8 +111,9 @@ void grad_sync_init(dt_grad_sync *g, dt_comm *c, const dt_device_reduce *dev, dt
 
 /* comm_nccl.c (CUDA builds): an NCCL communicator over the ranks of c, its unique id sent by MPI
  * from rank 0, initialised non-blocking under c's deadline. Sums run on a communication stream
- * that waits (CUDA events) for `compute_stream`'s work queued before each start. NULL with st
- * set (exit 3) when NCCL fails to initialise. */
+ * that waits (CUDA events) for `compute_stream`'s work queued before each start. NULL when NCCL
+ * fails to initialise: on the rank that failed st is set (exit 3) and the others are told at
+ * once, so they stop waiting (their st stays clear; the caller's comm_agree reports the failure). */
 typedef struct dt_nccl dt_nccl;
 dt_nccl *nccl_create(dt_comm *c, void *compute_stream, dt_status *st);
 const dt_device_reduce *nccl_reducer(dt_nccl *n);

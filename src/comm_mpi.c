@@ -41,14 +41,35 @@ int comm_init(dt_comm *c, int *argc, char ***argv) {
   return 0;
 }
 
+int comm_failed_peer(dt_comm *c);
+
 void comm_finalize(dt_comm *c) {
+  while (comm_failed_peer(c) >= 0) {
+  } /* announcements that arrived after their receiver stopped listening */
   if (c->node != MPI_COMM_NULL && c->node) MPI_Comm_free(&c->node);
   free(c->arrived_seq);
   free(c->arrive_req);
   MPI_Finalize();
 }
 
-enum { TAG_ARRIVE = 7001 };
+enum { TAG_ARRIVE = 7001, TAG_FAILED = 7002 };
+
+void comm_announce_failure(dt_comm *c) {
+  for (int r = 0; r < c->size; r++) {
+    if (r == c->rank) continue;
+    MPI_Request req; /* c->rank outlives the send; nobody needs to wait for it */
+    MPI_CHECK(MPI_Isend(&c->rank, 1, MPI_INT, r, TAG_FAILED, c->world, &req));
+    MPI_CHECK(MPI_Request_free(&req));
+  }
+}
+
+int comm_failed_peer(dt_comm *c) {
+  int flag = 0, who = -1;
+  MPI_Status st;
+  MPI_CHECK(MPI_Iprobe(MPI_ANY_SOURCE, TAG_FAILED, c->world, &flag, &st));
+  if (flag) MPI_CHECK(MPI_Recv(&who, 1, MPI_INT, st.MPI_SOURCE, TAG_FAILED, c->world, MPI_STATUS_IGNORE));
+  return who;
+}
 
 static void missing_ranks(const dt_comm *c, char *buf, size_t cap, int *count) {
   size_t len = 0;

@@ -92,6 +92,39 @@ static void nccl_finish(void *ctx, const char *what) {
   }
 }
 
+/* Joins the communicator: polls ncclCommGetAsyncError until the non-blocking initialisation is
+ * done, a peer announces that its own failed, or the deadline passes. Returns 0 when joined. */
+static int join(dt_nccl *n, ncclResult_t rc, dt_status *st) {
+  dt_comm *c = n->mpi;
+  double t0 = dt_now();
+  while (rc == ncclSuccess || rc == ncclInProgress) {
+    ncclResult_t state = ncclInProgress;
+    rc = ncclCommGetAsyncError(n->comm, &state);
+    if (rc != ncclSuccess) break;
+    if (state == ncclSuccess) return 0;
+    if (state != ncclInProgress) {
+      rc = state;
+      break;
+    }
+    int peer = comm_failed_peer(c);
+    if (peer >= 0) { /* that rank reports why; this one leaves quietly */
+      ncclCommAbort(n->comm);
+      return -1;
+    }
+    if (dt_now() - t0 > c->timeout_s) {
+      dt_fail(st, DT_EXIT_PEER, "ncclCommInitRankConfig did not complete within dist.timeout_s = %.0f s", c->timeout_s);
+      break;
+    }
+    usleep(100);
+  }
+  const char *detail = n->comm ? ncclGetLastError(n->comm) : "";
+  dt_fail(st, DT_EXIT_PEER, "NCCL initialisation failed: %s%s%s", ncclGetErrorString(rc), detail[0] ? ": " : "",
+          detail);
+  comm_announce_failure(c);
+  if (n->comm) ncclCommAbort(n->comm);
+  return -1;
+}
+
 dt_nccl *nccl_create(dt_comm *c, void *compute_stream, dt_status *st) {
   ncclUniqueId id;
   memset(&id, 0, sizeof id);
@@ -110,12 +143,10 @@ dt_nccl *nccl_create(dt_comm *c, void *compute_stream, dt_status *st) {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   rc = ncclCommInitRankConfig(&n->comm, c->size, id, c->rank, &config);
-  if (rc != ncclSuccess && rc != ncclInProgress) {
-    dt_fail(st, DT_EXIT_PEER, "ncclCommInitRankConfig failed: %s", ncclGetErrorString(rc));
+  if (join(n, rc, st)) {
     free(n);
     return NULL;
   }
-  settle(n, "ncclCommInitRankConfig");
   CUDA_CHECK(cudaStreamCreateWithFlags(&n->comm_stream, cudaStreamNonBlocking));
   CUDA_CHECK(cudaEventCreateWithFlags(&n->ready, cudaEventDisableTiming));
   CUDA_CHECK(cudaEventCreateWithFlags(&n->done, cudaEventDisableTiming));

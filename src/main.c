@@ -192,15 +192,11 @@ static int select_device(const cli_args *a, const dt_config *cfg, const dt_comm 
     dt_fail(st, DT_EXIT_INPUT, "--device cuda: %s; use --device cpu", why);
     return -1;
   }
-  if (cfg->v.comm == DT_COMM_NCCL) {
-    if (comm->local_size > n)
-      dt_fail(st, DT_EXIT_INPUT,
-              "dist.comm nccl: %d ranks on node %s but %d visible GPU%s, and NCCL refuses two ranks "
-              "on one GPU; start at most %d ranks per node, or set dist.comm: mpi to share GPUs",
-              comm->local_size, comm->host, n, n > 1 ? "s" : "", n);
-    else
-      dt_fail(st, DT_EXIT_INPUT,
-              "dist.comm nccl: the NCCL communicator is not built yet; set dist.comm: mpi (or auto)");
+  if (cfg->v.comm == DT_COMM_NCCL && comm->local_size > n) {
+    dt_fail(st, DT_EXIT_INPUT,
+            "dist.comm nccl: %d ranks on node %s but %d visible GPU%s, and NCCL refuses two ranks "
+            "on one GPU; start at most %d ranks per node, or set dist.comm: mpi to share GPUs",
+            comm->local_size, comm->host, n, n > 1 ? "s" : "", n);
     return -1;
   }
   return comm->local_rank % n;
@@ -476,13 +472,20 @@ int main(int argc, char **argv) {
     print_device_table(&comm, gpu);
     be = backend_cuda_create(gpu);
     opts.gpu = gpu;
-    /* auto: NCCL when every rank has a GPU of its own; mpi: through host memory */
+    /* NCCL when every rank of every node has a GPU of its own (or dist.comm nccl); MPI through
+     * host memory otherwise. All ranks must make the same choice, or NCCL's collectives on some
+     * would wait forever for MPI's on the others: the nodes' answers are summed. */
     int n_gpus = gpu_count((char[256]){0}, 256);
-    if (cfg.v.comm == DT_COMM_NCCL || (cfg.v.comm == DT_COMM_AUTO && comm.local_size <= n_gpus)) {
+    double can = cfg.v.comm == DT_COMM_NCCL || (cfg.v.comm == DT_COMM_AUTO && comm.local_size <= n_gpus);
+    comm_allreduce_sum_f64(&comm, &can, 1, "communicator choice");
+    if (can == comm.size) {
       nccl = nccl_create(&comm, be->stream, &st);
       if ((code = comm_agree(&comm, &st))) goto done;
       opts.dev = nccl_reducer(nccl);
     }
+    if (comm.rank == 0)
+      printf("gradients: %s\n", nccl ? "NCCL" : cfg.v.comm == DT_COMM_MPI ? "MPI through host memory (dist.comm mpi)"
+                                        : "MPI through host memory (dist.comm auto: some node has fewer GPUs than ranks)");
   }
 #else
   (void)gpu; /* without CUDA, select_device has already refused --device cuda */
