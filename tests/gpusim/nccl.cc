@@ -53,7 +53,7 @@ struct Slot {  // one rank's announcement and its current round, in shared memor
 };
 
 struct Segment {
-  uint32_t nranks;
+  uint32_t nranks;  // set by the first rank to map it; the others must agree
   Slot slots[1];  // [nranks], then nranks data areas of kSlotBytes
 };
 
@@ -165,7 +165,9 @@ struct State {
     return (char *)seg + (sizeof(Segment) + sizeof(Slot) * (size_t)nranks + 4095) / 4096 * 4096 + kSlotBytes * (size_t)r;
   }
   ~State() {
-    if (seg) munmap(seg, seg_bytes);
+    if (!seg) return;
+    munmap(seg, seg_bytes);
+    shm_unlink(name);  // usually done at join already (ENOENT then); not when joining failed
   }
   void set_failed(ncclResult_t e, const std::string &why) {
     if (phase == FAILED || phase == ABORTED) return;
@@ -508,6 +510,17 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t *out, int nranks, ncclUniqueId id
   close(fd);
   if (m == MAP_FAILED) return fail(ncclSystemError, "mmap %s: %s", st->name, strerror(errno));
   st->seg = (Segment *)m;
+  uint32_t expected = 0;
+  if (!__atomic_compare_exchange_n(&st->seg->nranks, &expected, (uint32_t)nranks, false, __ATOMIC_ACQ_REL,
+                                   __ATOMIC_ACQUIRE) &&
+      expected != (uint32_t)nranks) {
+    ncclComm *c = new ncclComm;
+    c->st = st;
+    *out = c;
+    st->set_failed(ncclInvalidUsage, "ranks disagree on the communicator size: " + std::to_string(expected) +
+                                         " and " + std::to_string(nranks));
+    return blocking ? ncclInvalidUsage : ncclInProgress;
+  }
   Slot *me = st->slot(rank);
   me->pid = (int32_t)getpid();
   me->device = d->index;
