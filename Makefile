@@ -4,7 +4,7 @@
 #   make data       data/fashion_mnist.h5 from Debian's dataset-fashion-mnist, data/synthetic_cifar.h5
 #   make run        deps + build + data, then train configs/model.yaml on 2 ranks
 #   make test       deps + build + data, then the whole test suite
-#   make test-gpu   the GPU tests only (CUDA against CPU, op by op and in training; skipped without a GPU)
+#   make test-gpu   the GPU suites on real GPUs (make test runs them on the CPU stand-in, tests/gpusim)
 #   make bench      CPU throughput against PyTorch, same run
 #   make install    PREFIX=/usr/local: the binary, scripts, configs and the man page
 
@@ -143,13 +143,15 @@ run: deps
 	$(MAKE) ddp_train data
 	$(MPIRUN) --oversubscribe -np $(NP) ./ddp_train configs/model.yaml
 
+# with CUDA, the GPU suites run on the stand-in (build/sim); test-gpu runs them on real GPUs
 test: deps
 	$(MAKE) ddp_train data $(TEST_BINS)
-	BUILD=$(BUILD) PYTHON=$(PYTHON) bash tests/run.sh
+	BUILD=$(BUILD) PYTHON=$(PYTHON) $(if $(filter 1,$(CUDA)),SIM=$(SIM) DDP_TRAIN_GPU_BINARY=$(SIM)/ddp_train) \
+	  bash tests/run.sh
 
 test-gpu: deps
-	$(MAKE) ddp_train data $(TEST_BINS)
-	BUILD=$(BUILD) PYTHON=$(PYTHON) DDP_TRAIN_SUITES="test_gpu test_gpu_train" bash tests/run.sh
+	$(MAKE) ddp_train data $(TESTS:%=$(BUILD)/tests/%)
+	BUILD=$(BUILD) PYTHON=$(PYTHON) DDP_TRAIN_SUITES="test_gpu test_gpu_train test_gpu_faults" bash tests/run.sh
 
 bench: deps
 	$(MAKE) ddp_train data

@@ -14,18 +14,37 @@ BINARY = os.path.join(ROOT, "ddp_train")
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
            OMPI_MCA_rmaps_base_oversubscribe="1")
 
+# The binary the GPU suites run: ./ddp_train on a GPU machine (make test-gpu), the CUDA variant
+# built against the CPU stand-in in `make test` (build/sim/ddp_train, tests/gpusim).
+GPU_BINARY = os.path.abspath(os.environ.get("DDP_TRAIN_GPU_BINARY", BINARY))
 
-def run(args, np_=1, timeout=120, cwd=None, mpmd=None):
+
+def run(args, np_=1, timeout=120, cwd=None, mpmd=None, binary=BINARY, env=None):
     """Runs ddp_train on np_ ranks; returns (exit code, stdout, stderr).
-    mpmd: a list of per-rank argument lists instead (mpirun's ':' syntax)."""
+    mpmd: a list of per-rank argument lists instead (mpirun's ':' syntax); an item may be a pair
+    (variables, arguments) to set environment variables for that rank only.
+    env: extra environment variables for every rank."""
     cmd = ["mpirun", "--oversubscribe"]
     if mpmd:
-        for i, a in enumerate(mpmd):
-            cmd += ([":"] if i else []) + ["-np", "1", BINARY] + a
+        for i, item in enumerate(mpmd):
+            rank_env, args_ = item if isinstance(item, tuple) else ({}, item)
+            prefix = ["env"] + [f"{k}={v}" for k, v in rank_env.items()] if rank_env else []
+            cmd += ([":"] if i else []) + ["-np", "1"] + prefix + [binary] + args_
     else:
-        cmd += ["-np", str(np_), BINARY] + args
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT, env=ENV)
+        cmd += ["-np", str(np_), binary] + args
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT,
+                       env=dict(ENV, **(env or {})))
     return p.returncode, p.stdout, p.stderr
+
+
+def gpu_setup(devices):
+    """(environment, GPUs visible, is the stand-in) for GPU runs that want `devices` GPUs: the
+    stand-in is given that many; real hardware has what it has."""
+    env = {"GPUSIM_DEVICES": str(devices)}
+    p = subprocess.run(["mpirun", "-np", "1", GPU_BINARY, "--info"], capture_output=True, text=True,
+                       env=dict(ENV, **env), cwd=ROOT)
+    visible = p.stdout.count("  GPU ")
+    return env, visible, "CPU stand-in" in p.stdout
 
 
 def errors(text):

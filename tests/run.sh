@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Runs the whole suite: the cmocka unit tests, then the Python integration tests (mpirun, HDF5,
-# the PyTorch oracle). Every test prints one TAP line; the last line is
-# "N passed, N failed, N skipped". Exits nonzero on any failure.
-# DDP_TRAIN_SUITES="test_gpu test_gpu_train" runs only those suites (make test-gpu).
+# Runs the whole suite: the cmocka unit tests, the GPU stand-in's own checks (when SIM names its
+# build, build/sim), then the Python integration tests (mpirun, HDF5, the PyTorch oracle). Every
+# test prints one TAP line; the last line is "N passed, N failed, N skipped". Exits nonzero on any
+# failure. The GPU suites run DDP_TRAIN_GPU_BINARY: the stand-in's ddp_train in `make test`,
+# ./ddp_train on real GPUs in `make test-gpu` (which sets DDP_TRAIN_SUITES to the GPU suites).
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build/cpu}
@@ -40,9 +41,21 @@ run_suite() { # name, command...
 
 for t in test_config test_sampler test_model test_ops test_optim test_gpu; do
   [ -x "$BUILD/tests/$t" ] || continue # test_gpu exists in CUDA builds only
+  [ "$t" = test_gpu ] && [ -n "${SIM:-}" ] && continue # it runs on the stand-in below
   run_suite "$t" env CMOCKA_MESSAGE_OUTPUT=TAP "$BUILD/tests/$t"
 done
-for t in test_cli test_train test_torch_oracle test_faults test_export test_slurm test_gpu_train; do
+# The CUDA path on the CPU stand-in (tests/gpusim): the stand-in's own checks, NCCL across
+# processes (a device each, then two ranks on one device), and the op-by-op GPU test.
+if [ -n "${SIM:-}" ]; then
+  nccl_checks() {
+    mpirun --oversubscribe -np 3 -x GPUSIM_DEVICES=3 "$SIM/tests/test_gpusim_nccl" &&
+      mpirun --oversubscribe -np 2 -x GPUSIM_DEVICES=1 "$SIM/tests/test_gpusim_nccl"
+  }
+  run_suite gpusim env GPUSIM_DEVICES=2 CMOCKA_MESSAGE_OUTPUT=TAP "$SIM/tests/test_gpusim"
+  run_suite gpusim_nccl nccl_checks
+  run_suite test_gpu_on_gpusim env GPUSIM_DEVICES=1 CMOCKA_MESSAGE_OUTPUT=TAP "$SIM/tests/test_gpu"
+fi
+for t in test_cli test_train test_torch_oracle test_faults test_export test_slurm test_gpu_train test_gpu_faults; do
   run_suite "$t" "$PYTHON" tests/pyrun.py "$t"
 done
 

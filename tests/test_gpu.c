@@ -101,7 +101,11 @@ static void check_model(const char *model_yaml, int64_t batch) {
   compare("parameter gradients", cpu, c.m.grads, gpu, g.m.grads, c.m.n_params, model_yaml);
   compare("input gradient", cpu, dx[0], gpu, dx[1], nin, model_yaml);
   if (c.m.n_bufs) compare("batchnorm running statistics", cpu, c.m.bufs, gpu, g.m.bufs, c.m.n_bufs, model_yaml);
-  /* one SGD (momentum, Nesterov) and one AdamW step over the flat buffers */
+  /* one SGD (momentum, Nesterov) and one AdamW step over the flat buffers, from the same
+   * gradients on both (just compared): a gradient that is zero in exact arithmetic (a conv bias
+   * before batchnorm) is rounding noise of about 1e-8, of different sign on each backend, and
+   * AdamW's first step moves a parameter by about lr * sign(grad) whatever its size */
+  gpu->to_device(gpu, g.m.grads, c.m.grads, (size_t)c.m.n_params * sizeof(float));
   for (int opt = 0; opt < 2; opt++) {
     dt_optim o[2];
     dt_config_values v = c.cfg.v;
@@ -160,11 +164,691 @@ GPU_TEST(
                 "    - global_avgpool\n    - {batchnorm: {}}\n    - {linear: {out: 2}}\n  loss: mse\n",
                 7))
 
+/* ---- op by op ------------------------------------------------------------------------------
+ * Every op of dt_op_type runs on both backends with the same random inputs; outputs must agree
+ * to a relative error of 1e-5 (norm-wise) and host outputs (loss sums, hits, sums of squares,
+ * non-finite counts) too. Each op runs on a normal batch, on an uneven one (buffers allocated for
+ * 7 rows, the op run on 5: the last, partial batch of an epoch) and on zero rows: elements past
+ * the rows the op was given, and parameter gradients that are added into when there are no rows,
+ * must keep their initial values on both backends. */
+
+enum { OT_F32, OT_F64, OT_I32 };
+
+/* One buffer on both backends, [0] the CPU and [1] CUDA, with a host copy of its initial contents. */
+typedef struct {
+  void *p[2];
+  void *init;
+  int64_t n;
+  int type;
+} dbuf;
+
+enum { OT_MAX_BUFS = 256 };
+static struct {
+  dt_backend *be[2];
+  dbuf bufs[OT_MAX_BUFS];
+  int n_bufs;
+  uint64_t seed;
+  dt_op_type op;
+  char kase[160];
+} ot;
+static int ot_covered[DT_OP_COUNT];
+
+static size_t ot_size(int type) {
+  return type == OT_F64 ? sizeof(double) : type == OT_I32 ? sizeof(int32_t) : sizeof(float);
+}
+
+static void ot_end(void) {
+  for (int i = 0; i < ot.n_bufs; i++) {
+    for (int s = 0; s < 2; s++) ot.be[s]->free(ot.be[s], ot.bufs[i].p[s]);
+    free(ot.bufs[i].init);
+  }
+  for (int s = 0; s < 2; s++)
+    if (ot.be[s]) ot.be[s]->destroy(ot.be[s]);
+  memset(&ot, 0, sizeof ot);
+}
+
+static void ot_begin(void) {
+  if (ot.be[0]) ot_end(); /* what a failed test left behind */
+  ot.be[0] = backend_cpu_create(1);
+  ot.be[1] = backend_cuda_create(0);
+  ot.seed = 1000;
+}
+
+/* Names the op and case that the following checks report. */
+static void ot_case(dt_op_type op, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void ot_case(dt_op_type op, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(ot.kase, sizeof ot.kase, fmt, ap);
+  va_end(ap);
+  ot.op = op;
+  ot_covered[op] = 1;
+}
+
+/* A buffer of n elements on both backends holding `host` (copied; NULL: zeros). */
+static dbuf ot_buf(int type, const void *host, int64_t n) {
+  size_t bytes = (size_t)n * ot_size(type);
+  if (ot.n_bufs == OT_MAX_BUFS) fail_msg("op tests: more than %d buffers in one test", OT_MAX_BUFS);
+  dbuf b = {.init = calloc(1, bytes + 8), .n = n, .type = type};
+  if (host) memcpy(b.init, host, bytes);
+  for (int s = 0; s < 2; s++) {
+    b.p[s] = ot.be[s]->alloc(ot.be[s], bytes);
+    ot.be[s]->to_device(ot.be[s], b.p[s], b.init, bytes);
+  }
+  ot.bufs[ot.n_bufs++] = b;
+  return b;
+}
+
+/* n random floats in [lo, hi), a fresh stream per call; the host array lives until ot_end. */
+static float *ot_host_rand(int64_t n, float lo, float hi) {
+  float *h = calloc((size_t)n + 1, sizeof(float));
+  uint64_t seed = ot.seed++;
+  for (int64_t i = 0; i < n; i++) h[i] = lo + (hi - lo) * dt_hash_uniform(seed, (uint64_t)i);
+  return h;
+}
+
+static dbuf ot_rand(int64_t n, float lo, float hi) {
+  float *h = ot_host_rand(n, lo, hi);
+  dbuf b = ot_buf(OT_F32, h, n);
+  free(h);
+  return b;
+}
+
+static dbuf ot_rand_d(int64_t n, double lo, double hi) {
+  double *h = calloc((size_t)n + 1, sizeof(double));
+  uint64_t seed = ot.seed++;
+  for (int64_t i = 0; i < n; i++) h[i] = lo + (hi - lo) * (double)dt_hash_uniform(seed, (uint64_t)i);
+  dbuf b = ot_buf(OT_F64, h, n);
+  free(h);
+  return b;
+}
+
+static double ot_elem(int type, const void *p, int64_t i) {
+  return type == OT_F64 ? ((const double *)p)[i] : type == OT_I32 ? ((const int32_t *)p)[i] : ((const float *)p)[i];
+}
+
+/* Compares buffer b of both backends: CPU and CUDA agree (relative error <= 1e-5 norm-wise for
+ * floats, exactly for int32), and elements [written, n) still hold their initial values on both. */
+static void ot_check(const char *what, dbuf b, int64_t written) {
+  size_t es = ot_size(b.type), bytes = (size_t)b.n * es;
+  void *h[2];
+  for (int s = 0; s < 2; s++) {
+    h[s] = malloc(bytes + 8);
+    ot.be[s]->to_host(ot.be[s], h[s], b.p[s], bytes);
+  }
+  const char *op = dt_op_names[ot.op];
+  double d = 0, na = 0, worst = -1;
+  int64_t at = -1;
+  for (int64_t i = 0; i < b.n; i++) {
+    double c = ot_elem(b.type, h[0], i), g = ot_elem(b.type, h[1], i), e = fabs(c - g);
+    d += (c - g) * (c - g);
+    na += c * c;
+    if (!(e <= worst)) worst = e, at = i; /* NaN counts as the worst */
+  }
+  double err = sqrt(d) / (sqrt(na) > 1e-6 ? sqrt(na) : 1e-6);
+  double tol = b.type == OT_I32 ? 0.0 : 1e-5;
+  char first[200] = "";
+  if (at >= 0)
+    snprintf(first, sizeof first, "; largest difference at element %lld of %lld: CPU %.9g, CUDA %.9g", (long long)at,
+             (long long)b.n, ot_elem(b.type, h[0], at), ot_elem(b.type, h[1], at));
+  if (!(err <= tol)) {
+    free(h[0]);
+    free(h[1]);
+    fail_msg("op %s [%s]: %s differs between CUDA and CPU: relative error %.3g%s", op, ot.kase, what, err, first);
+  }
+  for (int s = 0; s < 2; s++)
+    for (int64_t i = written < 0 ? 0 : written; i < b.n; i++)
+      if (memcmp((char *)h[s] + i * es, (char *)b.init + i * es, es)) {
+        double was = ot_elem(b.type, b.init, i), now = ot_elem(b.type, h[s], i);
+        free(h[0]);
+        free(h[1]);
+        fail_msg("op %s [%s]: %s element %lld changed on %s (%.9g -> %.9g), past the %lld elements the op was given",
+                 op, ot.kase, what, (long long)i, s ? "CUDA" : "CPU", was, now, (long long)written);
+      }
+  free(h[0]);
+  free(h[1]);
+}
+
+/* Host outputs: equal within a relative tol (0: exactly). */
+static void ot_check_host(const char *what, double cpu, double gpu, double tol) {
+  double e = fabs(cpu - gpu), scale = fabs(cpu) > 1e-12 ? fabs(cpu) : 1e-12;
+  if (!(tol == 0 ? cpu == gpu : e / scale <= tol))
+    fail_msg("op %s [%s]: host output %s: CPU %.12g, CUDA %.12g", dt_op_names[ot.op], ot.kase, what, cpu, gpu);
+}
+
+/* The ops of one case run on both backends: BOTH { dt_op op = ...; F(buf) ...; RUN(op); } */
+#define BOTH for (int s_ = 0; s_ < 2; s_++)
+#define F(b) ((float *)(b).p[s_])
+#define D(b) ((double *)(b).p[s_])
+#define I(b) ((int32_t *)(b).p[s_])
+#define RUN(op) backend_run(ot.be[s_], &(op))
+
+/* The batch cases: buffers for `cap` rows, the op run on `rows`. */
+static const struct {
+  const char *name;
+  int64_t cap, rows;
+} ot_rows[] = {{"normal, 6 rows", 6, 6}, {"uneven, 5 of 7 rows", 7, 5}, {"zero rows of 7", 7, 0}};
+enum { OT_N_ROWS = sizeof ot_rows / sizeof *ot_rows };
+
+#define FOR_ROWS(r)                               \
+  for (int r##_i = 0; r##_i < OT_N_ROWS; r##_i++) \
+    for (int64_t cap = ot_rows[r##_i].cap, rows = ot_rows[r##_i].rows, r = 1; r; r = 0)
+#define ROWS_NAME(r) ot_rows[r##_i].name
+
+/* GEMM as the linear layer uses it (forward, weight gradient with k = batch, input gradient), as
+ * global average pooling uses it, and with alpha, beta and every transpose combination. */
+static void ops_gemm(void) {
+  const int64_t in = 9, out = 4, C = 3, HW = 5;
+  FOR_ROWS(r) {
+    dbuf x = ot_rand(cap * in, -1, 1), w = ot_rand(out * in, -1, 1), y = ot_rand(cap * out, -1, 1);
+    dbuf dy = ot_rand(cap * out, -1, 1), dw = ot_rand(out * in, -1, 1), dx = ot_rand(cap * in, -1, 1);
+    ot_case(DT_OP_GEMM, "linear forward, %s", ROWS_NAME(r));
+    BOTH {
+      dt_op op = {.type = DT_OP_GEMM};
+      op.p.gemm = (typeof(op.p.gemm)){0, 1, rows, out, in, 1.0f, 0.0f, F(x), F(w), F(y)};
+      RUN(op);
+    }
+    ot_check("y", y, rows * out);
+    ot_case(DT_OP_GEMM, "linear weight gradient (k = batch), %s", ROWS_NAME(r));
+    BOTH {
+      dt_op op = {.type = DT_OP_GEMM};
+      op.p.gemm = (typeof(op.p.gemm)){1, 0, out, in, rows, 1.0f, 1.0f, F(dy), F(x), F(dw)};
+      RUN(op);
+    }
+    ot_check("dw (added into)", dw, rows ? dw.n : 0);
+    ot_case(DT_OP_GEMM, "linear input gradient, %s", ROWS_NAME(r));
+    BOTH {
+      dt_op op = {.type = DT_OP_GEMM};
+      op.p.gemm = (typeof(op.p.gemm)){0, 0, rows, in, out, 1.0f, 0.0f, F(dy), F(w), F(dx)};
+      RUN(op);
+    }
+    ot_check("dx", dx, rows * in);
+    /* k = batch with beta 0.5: no rows leaves C = beta C */
+    ot_case(DT_OP_GEMM, "weight gradient with beta 0.5 (k = batch), %s", ROWS_NAME(r));
+    dbuf c2 = ot_rand(out * in, -1, 1);
+    BOTH {
+      dt_op op = {.type = DT_OP_GEMM};
+      op.p.gemm = (typeof(op.p.gemm)){1, 0, out, in, rows, 0.5f, 0.5f, F(dy), F(x), F(c2)};
+      RUN(op);
+    }
+    ot_check("C", c2, c2.n);
+    if (!rows) {
+      float *h = malloc((size_t)c2.n * sizeof(float));
+      ot.be[1]->to_host(ot.be[1], h, c2.p[1], (size_t)c2.n * sizeof(float));
+      for (int64_t i = 0; i < c2.n; i++)
+        if (h[i] != 0.5f * ((float *)c2.init)[i]) {
+          double got = h[i], want = 0.5f * ((float *)c2.init)[i];
+          free(h);
+          fail_msg("op gemm [%s]: C[%lld] = %.9g on CUDA, expected beta*C = %.9g", ot.kase, (long long)i, got, want);
+        }
+      free(h);
+    }
+    /* global average pooling: y(B*C, 1) = x(B*C, HW) ones(HW, 1); dx(B*C, HW) = dy(B*C, 1) ones(1, HW) */
+    dbuf px = ot_rand(cap * C * HW, -1, 1), ones = ot_rand(HW, 0.2f, 0.2f), py = ot_rand(cap * C, -1, 1);
+    dbuf pdx = ot_rand(cap * C * HW, -1, 1);
+    ot_case(DT_OP_GEMM, "global average pool forward and backward (n = 1, k = 1), %s", ROWS_NAME(r));
+    BOTH {
+      dt_op op = {.type = DT_OP_GEMM};
+      op.p.gemm = (typeof(op.p.gemm)){0, 0, rows * C, 1, HW, 1.0f, 0.0f, F(px), F(ones), F(py)};
+      RUN(op);
+      op.p.gemm = (typeof(op.p.gemm)){0, 0, rows * C, HW, 1, 1.0f, 0.0f, F(py), F(ones), F(pdx)};
+      RUN(op);
+    }
+    ot_check("y", py, rows * C);
+    ot_check("dx", pdx, rows * C * HW);
+    /* alpha 0.7, beta 0.3, every transpose combination; m = batch */
+    for (int ta = 0; ta < 2; ta++)
+      for (int tb = 0; tb < 2; tb++) {
+        const int64_t k = 6, n = 5;
+        dbuf a = ot_rand(cap * k, -1, 1), b = ot_rand(k * n, -1, 1), c = ot_rand(cap * n, -1, 1);
+        ot_case(DT_OP_GEMM, "trans_a %d, trans_b %d, alpha 0.7, beta 0.3, %s", ta, tb, ROWS_NAME(r));
+        BOTH {
+          dt_op op = {.type = DT_OP_GEMM};
+          op.p.gemm = (typeof(op.p.gemm)){ta, tb, rows, n, k, 0.7f, 0.3f, F(a), F(b), F(c)};
+          RUN(op);
+        }
+        ot_check("C", c, rows * n);
+      }
+  }
+}
+
+static void ops_bias(void) {
+  const int64_t C = 5;
+  const int64_t spatial[] = {1, 6};
+  FOR_ROWS(r) {
+    for (int si = 0; si < 2; si++) {
+      int64_t S = spatial[si];
+      dbuf y = ot_rand(cap * C * S, -1, 1), bias = ot_rand(C, -1, 1), dy = ot_rand(cap * C * S, -1, 1);
+      dbuf db = ot_rand(C, -1, 1);
+      ot_case(DT_OP_BIAS_ADD, "spatial %lld, %s", (long long)S, ROWS_NAME(r));
+      BOTH {
+        dt_op op = {.type = DT_OP_BIAS_ADD};
+        op.p.bias_add = (typeof(op.p.bias_add)){rows, C, S, F(y), F(bias)};
+        RUN(op);
+      }
+      ot_check("y", y, rows * C * S);
+      ot_case(DT_OP_BIAS_GRAD, "spatial %lld, %s", (long long)S, ROWS_NAME(r));
+      BOTH {
+        dt_op op = {.type = DT_OP_BIAS_GRAD};
+        op.p.bias_grad = (typeof(op.p.bias_grad)){rows, C, S, F(dy), F(db)};
+        RUN(op);
+      }
+      ot_check("db (added into)", db, rows ? C : 0);
+    }
+  }
+}
+
+static dt_conv_geom conv_geom(int64_t b, int64_t c, int64_t h, int64_t w, int64_t o, int64_t k, int64_t stride,
+                              int64_t pad) {
+  return (dt_conv_geom){b, c, h, w, o, k, stride, pad, (h + 2 * pad - k) / stride + 1, (w + 2 * pad - k) / stride + 1};
+}
+
+static void ops_conv(void) {
+  /* (c, h, w, o, k, stride, pad) */
+  const int64_t geoms[][7] = {{3, 8, 8, 4, 3, 2, 1}, {2, 7, 6, 3, 3, 1, 1}, {3, 6, 6, 5, 1, 2, 0}};
+  FOR_ROWS(r) {
+    for (size_t gi = 0; gi < sizeof geoms / sizeof *geoms; gi++) {
+      const int64_t *q = geoms[gi];
+      dt_conv_geom g = conv_geom(rows, q[0], q[1], q[2], q[3], q[4], q[5], q[6]);
+      int64_t xs = g.c * g.h * g.w, ys = g.o * g.ho * g.wo, ws = g.o * g.c * g.k * g.k;
+      dbuf x = ot_rand(cap * xs, -1, 1), w = ot_rand(ws, -1, 1), y = ot_rand(cap * ys, -1, 1);
+      dbuf dy = ot_rand(cap * ys, -1, 1), dx = ot_rand(cap * xs, -1, 1), dw = ot_rand(ws, -1, 1);
+      char geo[96];
+      snprintf(geo, sizeof geo, "(%lld,%lld,%lld) by %lldx%lld to %lld, stride %lld, pad %lld", (long long)g.c,
+               (long long)g.h, (long long)g.w, (long long)g.k, (long long)g.k, (long long)g.o, (long long)g.stride,
+               (long long)g.pad);
+      ot_case(DT_OP_CONV_FWD, "%s, %s", geo, ROWS_NAME(r));
+      BOTH {
+        dt_op op = {.type = DT_OP_CONV_FWD};
+        op.p.conv_fwd = (typeof(op.p.conv_fwd)){g, F(x), F(w), F(y)};
+        RUN(op);
+      }
+      ot_check("y", y, rows * ys);
+      ot_case(DT_OP_CONV_BWD_DATA, "%s, %s", geo, ROWS_NAME(r));
+      BOTH {
+        dt_op op = {.type = DT_OP_CONV_BWD_DATA};
+        op.p.conv_bwd_data = (typeof(op.p.conv_bwd_data)){g, F(dy), F(w), F(dx)};
+        RUN(op);
+      }
+      ot_check("dx", dx, rows * xs);
+      ot_case(DT_OP_CONV_BWD_FILTER, "%s, %s", geo, ROWS_NAME(r));
+      BOTH {
+        dt_op op = {.type = DT_OP_CONV_BWD_FILTER};
+        op.p.conv_bwd_filter = (typeof(op.p.conv_bwd_filter)){g, F(x), F(dy), F(dw)};
+        RUN(op);
+      }
+      ot_check("dw (added into)", dw, rows ? ws : 0);
+    }
+  }
+}
+
+static void ops_batchnorm(void) {
+  const int64_t C = 3;
+  const int64_t spatial[] = {4, 1};
+  FOR_ROWS(r) {
+    for (int si = 0; si < 2; si++) {
+      int64_t S = spatial[si], n = cap * C * S;
+      dbuf x = ot_rand(n, -2, 3), dy = ot_rand(n, -1, 1), y = ot_rand(n, -1, 1), dx = ot_rand(n, -1, 1);
+      dbuf mean = ot_rand(C, -0.5f, 0.5f), invstd = ot_rand(C, 0.5f, 2.0f), gamma = ot_rand(C, 0.5f, 1.5f);
+      dbuf beta = ot_rand(C, -0.5f, 0.5f);
+      dbuf sum = ot_rand_d(C, -9, 9), sumsq = ot_rand_d(C, -9, 9), sdy = ot_rand_d(C, -9, 9),
+           sdyx = ot_rand_d(C, -9, 9);
+      dbuf gsdy = ot_rand_d(C, -3, 3), gsdyx = ot_rand_d(C, -3, 3); /* global sums for bn_bwd_apply */
+      ot_case(DT_OP_BN_STATS, "spatial %lld, %s", (long long)S, ROWS_NAME(r));
+      BOTH {
+        dt_op op = {.type = DT_OP_BN_STATS};
+        op.p.bn_stats = (typeof(op.p.bn_stats)){rows, C, S, F(x), D(sum), D(sumsq)};
+        RUN(op);
+      }
+      ot_check("sum", sum, C);
+      ot_check("sumsq", sumsq, C);
+      ot_case(DT_OP_BN_APPLY, "spatial %lld, %s", (long long)S, ROWS_NAME(r));
+      BOTH {
+        dt_op op = {.type = DT_OP_BN_APPLY};
+        op.p.bn_apply = (typeof(op.p.bn_apply)){rows, C, S, F(x), F(mean), F(invstd), F(gamma), F(beta), F(y)};
+        RUN(op);
+      }
+      ot_check("y", y, rows * C * S);
+      ot_case(DT_OP_BN_BWD_STATS, "spatial %lld, %s", (long long)S, ROWS_NAME(r));
+      BOTH {
+        dt_op op = {.type = DT_OP_BN_BWD_STATS};
+        op.p.bn_bwd_stats = (typeof(op.p.bn_bwd_stats)){rows, C, S, F(x), F(dy), F(mean), F(invstd), D(sdy), D(sdyx)};
+        RUN(op);
+      }
+      ot_check("sum_dy", sdy, C);
+      ot_check("sum_dy_xhat", sdyx, C);
+      ot_case(DT_OP_BN_BWD_APPLY, "spatial %lld, %s", (long long)S, ROWS_NAME(r));
+      BOTH {
+        dt_op op = {.type = DT_OP_BN_BWD_APPLY};
+        op.p.bn_bwd_apply = (typeof(op.p.bn_bwd_apply)){
+            rows,  C,    S,   (double)(2 * cap * S), F(x), F(dy), F(mean), F(invstd), F(gamma), D(gsdy), D(gsdyx),
+            F(dx), NULL, NULL};
+        RUN(op);
+      }
+      ot_check("dx", dx, rows * C * S);
+    }
+  }
+}
+
+static void ops_activation(void) {
+  static const char *const kinds[] = {"relu", "gelu", "tanh", "sigmoid"};
+  const int64_t feat = 10;
+  FOR_ROWS(r) {
+    for (int kind = 0; kind < 4; kind++) {
+      int64_t n = rows * feat;
+      dbuf x = ot_rand(cap * feat, -3, 3), y = ot_rand(cap * feat, -1, 1), dy = ot_rand(cap * feat, -1, 1);
+      dbuf yin = ot_rand(cap * feat, 0.05f, 0.95f), dx = ot_rand(cap * feat, -1, 1);
+      ot_case(DT_OP_ACT_FWD, "%s, %s", kinds[kind], ROWS_NAME(r));
+      BOTH {
+        dt_op op = {.type = DT_OP_ACT_FWD};
+        op.p.act_fwd = (typeof(op.p.act_fwd)){kind, n, F(x), F(y)};
+        RUN(op);
+      }
+      ot_check("y", y, n);
+      ot_case(DT_OP_ACT_BWD, "%s, %s", kinds[kind], ROWS_NAME(r));
+      BOTH {
+        dt_op op = {.type = DT_OP_ACT_BWD};
+        op.p.act_bwd = (typeof(op.p.act_bwd)){kind, n, F(x), F(yin), F(dy), F(dx)};
+        RUN(op);
+      }
+      ot_check("dx", dx, n);
+    }
+  }
+}
+
+static void ops_pool(void) {
+  /* (c, h, w, k, stride): disjoint windows, overlapping windows with a cut-off edge, stride 1 */
+  const int64_t geoms[][5] = {{2, 8, 8, 2, 2}, {3, 7, 6, 3, 2}, {1, 5, 5, 2, 1}};
+  FOR_ROWS(r) {
+    for (size_t gi = 0; gi < sizeof geoms / sizeof *geoms; gi++)
+      for (int kind = DT_POOL_MAX; kind <= DT_POOL_AVG; kind++) {
+        const int64_t *q = geoms[gi], c = q[0], h = q[1], w = q[2], k = q[3], st = q[4];
+        int64_t ho = (h - k) / st + 1, wo = (w - k) / st + 1, xs = c * h * w, ys = c * ho * wo;
+        dbuf x = ot_rand(cap * xs, -1, 1), y = ot_rand(cap * ys, -1, 1), dy = ot_rand(cap * ys, -1, 1);
+        dbuf dx = ot_rand(cap * xs, -1, 1);
+        int32_t *am0 = malloc((size_t)(cap * ys + 1) * sizeof(int32_t));
+        for (int64_t i = 0; i < cap * ys; i++) am0[i] = (int32_t)(1000 + i);
+        dbuf am = ot_buf(OT_I32, am0, cap * ys);
+        free(am0);
+        const char *kn = kind == DT_POOL_MAX ? "max" : "avg";
+        ot_case(DT_OP_POOL_FWD, "%s, (%lld,%lld,%lld) k %lld stride %lld, %s", kn, (long long)c, (long long)h,
+                (long long)w, (long long)k, (long long)st, ROWS_NAME(r));
+        BOTH {
+          dt_op op = {.type = DT_OP_POOL_FWD};
+          op.p.pool_fwd = (typeof(op.p.pool_fwd)){kind, rows, c,  h,    w,    k,
+                                                  st,   ho,   wo, F(x), F(y), kind == DT_POOL_MAX ? I(am) : NULL};
+          RUN(op);
+        }
+        ot_check("y", y, rows * ys);
+        ot_check("argmax", am, kind == DT_POOL_MAX ? rows * ys : 0);
+        ot_case(DT_OP_POOL_BWD, "%s, (%lld,%lld,%lld) k %lld stride %lld, %s", kn, (long long)c, (long long)h,
+                (long long)w, (long long)k, (long long)st, ROWS_NAME(r));
+        BOTH {
+          dt_op op = {.type = DT_OP_POOL_BWD};
+          op.p.pool_bwd = (typeof(op.p.pool_bwd)){
+              kind, rows, c, h, w, k, st, ho, wo, F(dy), kind == DT_POOL_MAX ? I(am) : NULL, F(dx)};
+          RUN(op);
+        }
+        ot_check("dx", dx, rows * xs);
+      }
+  }
+}
+
+/* The masks must be identical: the same elements dropped on both. */
+static void ot_check_mask(const char *what, dbuf b, int64_t n) {
+  float *h[2];
+  for (int s = 0; s < 2; s++) {
+    h[s] = malloc((size_t)(b.n + 1) * sizeof(float));
+    ot.be[s]->to_host(ot.be[s], h[s], b.p[s], (size_t)b.n * sizeof(float));
+  }
+  int64_t dropped = 0, bad = -1;
+  for (int64_t i = 0; i < n; i++) {
+    dropped += h[0][i] == 0.0f;
+    if ((h[0][i] == 0.0f) != (h[1][i] == 0.0f) && bad < 0) bad = i;
+  }
+  free(h[0]);
+  free(h[1]);
+  if (bad >= 0)
+    fail_msg("op %s [%s]: %s: the dropout masks differ at element %lld", dt_op_names[ot.op], ot.kase, what,
+             (long long)bad);
+  if (n >= 40 && (dropped == 0 || dropped == n))
+    fail_msg("op %s [%s]: %s: %lld of %lld dropped (p = 0.3)", dt_op_names[ot.op], ot.kase, what, (long long)dropped,
+             (long long)n);
+}
+
+static void ops_dropout(void) {
+  const int64_t feat = 16;
+  const uint64_t seeds[] = {11, 0xfedcba9876543210ull};
+  FOR_ROWS(r) {
+    for (int si = 0; si < 2; si++) {
+      int64_t n = rows * feat;
+      /* inputs away from zero, so that a zero output means a dropped element */
+      dbuf x = ot_rand(cap * feat, 0.5f, 2.0f), y = ot_rand(cap * feat, -1, 1), dy = ot_rand(cap * feat, -2, -0.5f);
+      dbuf dx = ot_rand(cap * feat, -1, 1);
+      ot_case(DT_OP_DROPOUT_FWD, "p 0.3, seed %#llx, %s", (unsigned long long)seeds[si], ROWS_NAME(r));
+      BOTH {
+        dt_op op = {.type = DT_OP_DROPOUT_FWD};
+        op.p.dropout_fwd = (typeof(op.p.dropout_fwd)){n, 0.3f, seeds[si], F(x), F(y)};
+        RUN(op);
+      }
+      ot_check("y", y, n);
+      ot_check_mask("y", y, n);
+      ot_case(DT_OP_DROPOUT_BWD, "p 0.3, seed %#llx, %s", (unsigned long long)seeds[si], ROWS_NAME(r));
+      BOTH {
+        dt_op op = {.type = DT_OP_DROPOUT_BWD};
+        op.p.dropout_bwd = (typeof(op.p.dropout_bwd)){n, 0.3f, seeds[si], F(dy), F(dx)};
+        RUN(op);
+      }
+      ot_check("dx", dx, n);
+      ot_check_mask("dx", dx, n);
+    }
+  }
+}
+
+static void ops_elementwise(void) {
+  const int64_t feat = 12;
+  FOR_ROWS(r) {
+    int64_t n = rows * feat;
+    dbuf a = ot_rand(cap * feat, -1, 1), b = ot_rand(cap * feat, -1, 1), y = ot_rand(cap * feat, -1, 1);
+    dbuf x = ot_rand(cap * feat, -1, 1);
+    ot_case(DT_OP_ADD, "%s", ROWS_NAME(r));
+    BOTH {
+      dt_op op = {.type = DT_OP_ADD};
+      op.p.add = (typeof(op.p.add)){n, F(a), F(b), F(y)};
+      RUN(op);
+    }
+    ot_check("y", y, n);
+    ot_case(DT_OP_SCALE, "alpha -0.37, %s", ROWS_NAME(r));
+    BOTH {
+      dt_op op = {.type = DT_OP_SCALE};
+      op.p.scale = (typeof(op.p.scale)){n, -0.37f, F(x)};
+      RUN(op);
+    }
+    ot_check("x", x, n);
+  }
+}
+
+static void ops_sumsq(void) {
+  const int64_t feat = 12;
+  FOR_ROWS(r) {
+    int64_t n = rows * feat;
+    float *h = ot_host_rand(cap * feat, -1, 1);
+    if (n >= 4) h[1] = NAN, h[3] = INFINITY;
+    if (n < cap * feat) h[n] = -INFINITY; /* past n: not counted */
+    dbuf x = ot_buf(OT_F32, h, cap * feat);
+    free(h);
+    double sum[2] = {-1, -1};
+    int64_t bad[2] = {-1, -1};
+    ot_case(DT_OP_SUMSQ, "a NaN and an Inf among the values, %s", ROWS_NAME(r));
+    BOTH {
+      dt_op op = {.type = DT_OP_SUMSQ};
+      op.p.sumsq = (typeof(op.p.sumsq)){n, F(x), &sum[s_], &bad[s_]};
+      RUN(op);
+    }
+    ot_check_host("sumsq", sum[0], sum[1], 1e-5);
+    ot_check_host("nonfinite", (double)bad[0], (double)bad[1], 0);
+    if (bad[1] != (n ? 2 : 0))
+      fail_msg("op sumsq [%s]: %lld non-finite values counted, expected %d", ot.kase, (long long)bad[1], n ? 2 : 0);
+  }
+}
+
+static void ops_loss(void) {
+  const int64_t K = 5;
+  FOR_ROWS(r) {
+    for (int kind = DT_LOSS_CROSS_ENTROPY; kind <= DT_LOSS_MSE; kind++) {
+      float *hz = ot_host_rand(cap * K, -2, 2), *targets = ot_host_rand(cap * K, 0, 1);
+      int32_t *labels = calloc((size_t)cap + 1, sizeof(int32_t));
+      for (int64_t b = 0; b < cap; b++) { /* even rows predicted right, odd rows at random */
+        int32_t arg = 0;
+        for (int32_t j = 1; j < K; j++)
+          if (hz[b * K + j] > hz[b * K + arg]) arg = j;
+        labels[b] = b % 2 ? (int32_t)(dt_hash64((uint64_t)b + 77) % (uint64_t)K) : arg;
+      }
+      dbuf z = ot_buf(OT_F32, hz, cap * K), dz = ot_rand(cap * K, -1, 1);
+      double loss[2] = {-7, -7}, hits[2] = {-7, -7};
+      ot_case(DT_OP_LOSS, "%s, %s", kind == DT_LOSS_MSE ? "mse" : "cross entropy, label smoothing 0.1", ROWS_NAME(r));
+      BOTH {
+        dt_op op = {.type = DT_OP_LOSS};
+        op.p.loss = (typeof(op.p.loss)){kind,
+                                        rows,
+                                        K,
+                                        kind == DT_LOSS_MSE ? 0.0f : 0.1f,
+                                        1.0 / (double)(2 * cap),
+                                        F(z),
+                                        kind == DT_LOSS_MSE ? NULL : labels,
+                                        kind == DT_LOSS_MSE ? targets : NULL,
+                                        F(dz),
+                                        &loss[s_],
+                                        &hits[s_]};
+        RUN(op);
+      }
+      free(hz);
+      free(targets);
+      free(labels);
+      ot_check_host("loss_sum", loss[0], loss[1], 1e-5);
+      ot_check_host("correct", hits[0], hits[1], 0);
+      if (kind == DT_LOSS_CROSS_ENTROPY && hits[1] < (double)((rows + 1) / 2))
+        fail_msg("op loss [%s]: %g correct, at least %lld expected", ot.kase, hits[1], (long long)((rows + 1) / 2));
+      if (!rows && (loss[1] != 0 || hits[1] != 0))
+        fail_msg("op loss [%s]: no rows gave loss %g, correct %g on CUDA", ot.kase, loss[1], hits[1]);
+      ot_check("dlogits", dz, rows * K);
+    }
+  }
+}
+
+/* The optimizer ops run over a flat range: n is the "batch" (zero: nothing to update). */
+static void ops_optim(void) {
+  const int64_t sizes[][2] = {{300, 300}, {70, 50}, {70, 0}}; /* (allocated, n) */
+  for (int zi = 0; zi < 3; zi++) {
+    int64_t cap = sizes[zi][0], n = sizes[zi][1];
+    const char *nm = zi == 0 ? "normal" : zi == 1 ? "uneven, 50 of 70" : "zero of 70";
+    /* (momentum, nesterov, first) */
+    const float sgd[][3] = {{0.9f, 0, 1}, {0.9f, 0, 0}, {0.9f, 1, 1}, {0.9f, 1, 0}, {0, 0, 1}};
+    for (int si = 0; si < 5; si++) {
+      float mom = sgd[si][0];
+      int nesterov = (int)sgd[si][1], first = (int)sgd[si][2];
+      dbuf p = ot_rand(cap, -1, 1), g = ot_rand(cap, -1, 1), m = ot_rand(cap, -1, 1);
+      ot_case(DT_OP_SGD, "momentum %g, nesterov %d, first %d, weight decay 0.01, %s", mom, nesterov, first, nm);
+      BOTH {
+        dt_op op = {.type = DT_OP_SGD};
+        op.p.sgd = (typeof(op.p.sgd)){n, 0.1f, mom, 0.01f, nesterov, first, F(p), F(g), mom > 0 ? F(m) : NULL};
+        RUN(op);
+      }
+      ot_check("param", p, n);
+      ot_check("momentum buffer", m, mom > 0 ? n : 0);
+    }
+    for (int64_t step = 1; step <= 3; step += 2) {
+      dbuf p = ot_rand(cap, -1, 1), g = ot_rand(cap, -1, 1), m = ot_rand(cap, -0.1f, 0.1f);
+      dbuf v = ot_rand(cap, 0, 0.01f);
+      ot_case(DT_OP_ADAMW, "step %lld, weight decay 0.01, %s", (long long)step, nm);
+      BOTH {
+        dt_op op = {.type = DT_OP_ADAMW};
+        op.p.adamw = (typeof(op.p.adamw)){n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, step, F(p), F(g), F(m), F(v)};
+        RUN(op);
+      }
+      ot_check("param", p, n);
+      ot_check("m", m, n);
+      ot_check("v", v, n);
+    }
+  }
+}
+
+/* Queues DT_OP_INPUT with mean and std on this function's stack, as train.c's load_input does;
+ * they are gone (overwritten) by the time the queued work runs. */
+static __attribute__((noinline)) void input_from_stack(dt_backend *be, int64_t b, int64_t s, int with_stats,
+                                                       const float *raw, float *x) {
+  float mean[3] = {0.2860f, 0.4218f, 0.5071f}, std[3] = {0.3530f, 0.2420f, 0.2865f};
+  dt_op op = {.type = DT_OP_INPUT};
+  op.p.input = (typeof(op.p.input)){b, 3, s, 1.0f / 255.0f, with_stats ? mean : NULL, with_stats ? std : NULL, raw, x};
+  backend_run(be, &op);
+}
+
+/* Overwrites the stack below the caller with garbage. */
+static __attribute__((noinline)) void scribble_stack(void) {
+  volatile float junk[8192];
+  for (int i = 0; i < 8192; i++) junk[i] = (float)(i % 3 ? -1e30 : NAN);
+  (void)junk[0];
+}
+
+static void ops_input(void) {
+  const int64_t S = 20;
+  FOR_ROWS(r) {
+    int64_t n = cap * 3 * S;
+    float *raw = ot_host_rand(n, 0, 256);
+    for (int64_t i = 0; i < n; i++) raw[i] = floorf(raw[i]);
+    dbuf x1 = ot_rand(n, -1, 1), x2 = ot_rand(n, -1, 1);
+    ot_case(DT_OP_INPUT, "mean and std (C = 3) from a stack that is then overwritten, and none, %s", ROWS_NAME(r));
+    for (int s = 0; s < 2; s++) {
+      /* both queued before anything synchronises; raw and the stack change before the read-back */
+      input_from_stack(ot.be[s], rows, S, 1, raw, x1.p[s]);
+      input_from_stack(ot.be[s], rows, S, 0, raw, x2.p[s]);
+      scribble_stack();
+    }
+    for (int64_t i = 0; i < n; i++) raw[i] = NAN;
+    free(raw);
+    ot_check("x (with mean and std)", x1, rows * 3 * S);
+    ot_check("x (no mean and std)", x2, rows * 3 * S);
+  }
+}
+
+GPU_TEST(cuda_op_gemm, (ot_begin(), ops_gemm(), ot_end()))
+GPU_TEST(cuda_op_bias, (ot_begin(), ops_bias(), ot_end()))
+GPU_TEST(cuda_op_conv, (ot_begin(), ops_conv(), ot_end()))
+GPU_TEST(cuda_op_batchnorm, (ot_begin(), ops_batchnorm(), ot_end()))
+GPU_TEST(cuda_op_activation, (ot_begin(), ops_activation(), ot_end()))
+GPU_TEST(cuda_op_pool, (ot_begin(), ops_pool(), ot_end()))
+GPU_TEST(cuda_op_dropout, (ot_begin(), ops_dropout(), ot_end()))
+GPU_TEST(cuda_op_add_scale, (ot_begin(), ops_elementwise(), ot_end()))
+GPU_TEST(cuda_op_loss, (ot_begin(), ops_loss(), ot_end()))
+GPU_TEST(cuda_op_sgd_adamw, (ot_begin(), ops_optim(), ot_end()))
+GPU_TEST(cuda_op_sumsq, (ot_begin(), ops_sumsq(), ot_end()))
+GPU_TEST(cuda_op_input, (ot_begin(), ops_input(), ot_end()))
+
+/* Every op of dt_op_type has been through the tests above (run after them). */
+static void every_op_covered(void) {
+  for (int i = 0; i < DT_OP_COUNT; i++)
+    if (!ot_covered[i]) fail_msg("op %s has no op-level CUDA test (or its test stopped before it)", dt_op_names[i]);
+}
+GPU_TEST(cuda_op_every_op_tested, every_op_covered())
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(cuda_conv_batchnorm_pool_linear),
       cmocka_unit_test(cuda_activations_dropout_avgpool),
       cmocka_unit_test(cuda_residual_global_pool_mse),
+      cmocka_unit_test(cuda_op_gemm),
+      cmocka_unit_test(cuda_op_bias),
+      cmocka_unit_test(cuda_op_conv),
+      cmocka_unit_test(cuda_op_batchnorm),
+      cmocka_unit_test(cuda_op_activation),
+      cmocka_unit_test(cuda_op_pool),
+      cmocka_unit_test(cuda_op_dropout),
+      cmocka_unit_test(cuda_op_add_scale),
+      cmocka_unit_test(cuda_op_loss),
+      cmocka_unit_test(cuda_op_sgd_adamw),
+      cmocka_unit_test(cuda_op_sumsq),
+      cmocka_unit_test(cuda_op_input),
+      cmocka_unit_test(cuda_op_every_op_tested),
   };
   return cmocka_run_group_tests_name("gpu", tests, NULL, NULL);
 }

@@ -1,0 +1,100 @@
+"""Failures on the CUDA path, over NCCL: a NaN exits 4, a hung rank exits 3 at the deadline,
+SIGUSR1 exits 75 after a checkpoint and the resumed run is bit-identical to an uninterrupted one,
+and an NCCL initialisation failure on one rank ends the job at once. In `make test` on the CPU
+stand-in (tests/gpusim); `make test-gpu` runs them on real GPUs (two are needed)."""
+import time
+import unittest
+
+import h5py
+import numpy as np
+
+from helpers import GPU_BINARY, Workdir, errors, gpu_setup, run
+
+ENV2, VISIBLE2, SIM = gpu_setup(2)
+
+GPU_CNN = """\
+model:
+  input: [1, 6, 6]
+  layers:
+    - conv2d: {{out: 4, kernel: 3, pad: 1, bias: false}}
+    - batchnorm: {{}}
+    - relu
+    - maxpool: {{kernel: 2}}
+    - flatten
+    - linear: {{out: 8}}
+    - dropout: {{p: 0.2}}
+    - linear: {{out: 3}}
+data:
+  path: {dir}/data.h5
+  scale: 0.00392156862745098
+train: {{epochs: 3, global_batch_size: 8, seed: 3}}
+optim: {{name: sgd, lr: 0.1, momentum: 0.9}}
+log: {{dir: {dir}/log, every_steps: 1}}
+checkpoint: {{dir: {dir}/ckpt}}
+dist: {{comm: nccl}}
+"""
+
+
+def params(path):
+    with h5py.File(path, "r") as f:
+        return {k: f["model"][k][...] for k in f["model"]}
+
+
+@unittest.skipUnless(VISIBLE2 >= 2, "fewer than 2 GPUs visible (NCCL needs one per rank)")
+class GpuFaults(unittest.TestCase):
+    def setUp(self):
+        self.w = Workdir()
+        self.w.dataset(n=64)
+        self.args = [self.w.config(GPU_CNN), "--device", "cuda"]
+
+    def tearDown(self):
+        self.w.cleanup()
+
+    def run_gpu(self, extra, fault=None, env=None, timeout=120):
+        e = dict(ENV2, **(env or {}))
+        if fault:
+            e["DDP_TRAIN_FAULT"] = fault
+        t0 = time.monotonic()
+        rc, out, err = run(self.args + extra, np_=2, timeout=timeout, binary=GPU_BINARY, env=e)
+        return rc, out, err, time.monotonic() - t0
+
+    def test_nan_exits_4_naming_the_rank_and_keeps_the_last_checkpoint(self):
+        rc, out, err, _ = self.run_gpu(["--set", "checkpoint.every_steps=2"], fault="nan@1:3")
+        self.assertEqual(rc, 4, out + err)
+        self.assertIn("on rank 1", errors(err)[0])
+        self.assertTrue(self.w.latest().endswith("step-00000002.h5"))
+
+    def test_a_hung_rank_exits_3_at_the_deadline(self):
+        rc, out, err, took = self.run_gpu(["--set", "dist.timeout_s=4"], fault="hang@1:3")
+        self.assertEqual(rc, 3, out + err)
+        self.assertIn("gradient allreduce (NCCL) at step 3", err)
+        self.assertIn("dist.timeout_s = 4 s", err)
+        self.assertLess(took, 30)
+
+    def test_sigusr1_checkpoints_exits_75_and_resume_is_bit_exact(self):
+        rc, out, err, _ = self.run_gpu([])
+        self.assertEqual(rc, 0, out + err)
+        full = params(self.w.latest())
+        self.w.cleanup()
+        self.setUp()
+        rc, out, err, _ = self.run_gpu([], fault="signal@1:5")
+        self.assertEqual(rc, 75, out + err)
+        self.assertIn("stopped by SIGUSR1 at step 5 after saving a checkpoint", err)
+        self.assertTrue(self.w.latest().endswith("step-00000005.h5"))
+        rc, out, err, _ = self.run_gpu(["--resume", "auto"])
+        self.assertEqual(rc, 0, out + err)
+        self.assertIn("resuming at step 5", out)
+        resumed = params(self.w.latest())
+        for k in full:
+            self.assertTrue(np.array_equal(full[k], resumed[k]), k)
+
+    @unittest.skipUnless(SIM, "needs the stand-in's fault injection (GPUSIM_NCCL_FAULT)")
+    def test_an_nccl_init_failure_on_one_rank_ends_the_job_at_once(self):
+        rc, out, err, took = self.run_gpu(["--set", "dist.timeout_s=60"], env={"GPUSIM_NCCL_FAULT": "init@1"})
+        self.assertEqual(rc, 3, out + err)
+        self.assertIn("on rank 1 (1 of 2 ranks failed): NCCL initialisation failed", errors(err)[0])
+        self.assertLess(took, 30)  # not the 60 s deadline
+
+
+if __name__ == "__main__":
+    unittest.main()
