@@ -23,7 +23,8 @@ static inline unsigned blocks_for(int64_t n) {
   return (unsigned)(b < 1 ? 1 : (b > kMaxBlocks ? kMaxBlocks : b));
 }
 
-#define GRID_STRIDE(i, n) for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); i += (int64_t)blockDim.x * gridDim.x)
+#define GRID_STRIDE(i, n) \
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); i += (int64_t)blockDim.x * gridDim.x)
 
 #include "hash.h"  // dt_hash_uniform: the same dropout masks as the CPU
 

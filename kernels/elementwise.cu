@@ -19,7 +19,9 @@ __global__ void bias_grad_kernel(const float *dy, float *db, int64_t b, int64_t 
   if (threadIdx.x == 0) db[ch] += (float)acc;
 }
 
-__device__ __forceinline__ float gelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
+__device__ __forceinline__ float gelu(float x) {
+  return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+}
 __device__ __forceinline__ float gelu_grad(float x) {
   return 0.5f * (1.0f + erff(x * 0.70710678118654752f)) + x * 0.39894228040143268f * expf(-0.5f * x * x);
 }
@@ -27,7 +29,7 @@ __device__ __forceinline__ float gelu_grad(float x) {
 __global__ void act_fwd_kernel(int kind, const float *x, float *y, int64_t n) {
   GRID_STRIDE(i, n) {
     float v = x[i];
-    y[i] = kind == ACT_RELU ? (v < 0 ? 0.0f : v)  // NaN passes, as in PyTorch
+    y[i] = kind == ACT_RELU   ? (v < 0 ? 0.0f : v)  // NaN passes, as in PyTorch
            : kind == ACT_GELU ? gelu(v)
            : kind == ACT_TANH ? tanhf(v)
                               : 1.0f / (1.0f + expf(-v));
@@ -36,7 +38,7 @@ __global__ void act_fwd_kernel(int kind, const float *x, float *y, int64_t n) {
 
 __global__ void act_bwd_kernel(int kind, const float *x, const float *y, const float *dy, float *dx, int64_t n) {
   GRID_STRIDE(i, n) {
-    float g = kind == ACT_RELU ? (x[i] > 0 ? 1.0f : 0.0f)
+    float g = kind == ACT_RELU   ? (x[i] > 0 ? 1.0f : 0.0f)
               : kind == ACT_GELU ? gelu_grad(x[i])
               : kind == ACT_TANH ? 1.0f - y[i] * y[i]
                                  : y[i] * (1.0f - y[i]);
@@ -48,16 +50,22 @@ __global__ void dropout_kernel(const float *x, float *y, int64_t n, float p, flo
   GRID_STRIDE(i, n) y[i] = dt_hash_uniform(seed, (uint64_t)i) >= p ? x[i] * keep : 0.0f;
 }
 
-__global__ void add_kernel(const float *a, const float *b, float *y, int64_t n) { GRID_STRIDE(i, n) y[i] = a[i] + b[i]; }
+__global__ void add_kernel(const float *a, const float *b, float *y, int64_t n) {
+  GRID_STRIDE(i, n) y[i] = a[i] + b[i];
+}
 
-__global__ void scale_kernel(float *x, float alpha, int64_t n) { GRID_STRIDE(i, n) x[i] *= alpha; }
+__global__ void scale_kernel(float *x, float alpha, int64_t n) {
+  GRID_STRIDE(i, n) x[i] *= alpha;
+}
 
 __global__ void sumsq_kernel(const float *x, int64_t n, double *out) {
   double acc = 0, bad = 0;
   GRID_STRIDE(i, n) {
     float v = x[i];
-    if (isfinite(v)) acc += (double)v * v;
-    else bad += 1;
+    if (isfinite(v))
+      acc += (double)v * v;
+    else
+      bad += 1;
   }
   acc = block_sum(acc);
   bad = block_sum(bad);
@@ -79,7 +87,8 @@ __global__ void input_kernel(const float *raw, float *x, int64_t n, fast_div c, 
 extern "C" {
 
 void k_bias_add(cudaStream_t s, float *y, const float *bias, int64_t b, int64_t c, int64_t sp) {
-  LAUNCH(bias_add_kernel, blocks_for(b * c * sp), kThreads, 0, s)(y, bias, b * c * sp, make_fast_div(c), make_fast_div(sp));
+  LAUNCH(bias_add_kernel, blocks_for(b * c * sp), kThreads, 0, s)
+  (y, bias, b * c * sp, make_fast_div(c), make_fast_div(sp));
 }
 
 void k_bias_grad(cudaStream_t s, const float *dy, float *db, int64_t b, int64_t c, int64_t sp) {
@@ -102,7 +111,9 @@ void k_add(cudaStream_t s, const float *a, const float *b, float *y, int64_t n) 
   LAUNCH(add_kernel, blocks_for(n), kThreads, 0, s)(a, b, y, n);
 }
 
-void k_scale(cudaStream_t s, float *x, float alpha, int64_t n) { LAUNCH(scale_kernel, blocks_for(n), kThreads, 0, s)(x, alpha, n); }
+void k_scale(cudaStream_t s, float *x, float alpha, int64_t n) {
+  LAUNCH(scale_kernel, blocks_for(n), kThreads, 0, s)(x, alpha, n);
+}
 
 void k_sumsq(cudaStream_t s, const float *x, int64_t n, double *out) {
   cudaMemsetAsync(out, 0, 2 * sizeof(double), s);
@@ -113,7 +124,8 @@ void k_sumsq(cudaStream_t s, const float *x, int64_t n, double *out) {
 
 void k_input(cudaStream_t s, const float *raw, float *x, int64_t b, int64_t c, int64_t sp, float scale,
              const float *mean, const float *std) {
-  LAUNCH(input_kernel, blocks_for(b * c * sp), kThreads, 0, s)(raw, x, b * c * sp, make_fast_div(c), make_fast_div(sp), scale, mean, std);
+  LAUNCH(input_kernel, blocks_for(b * c * sp), kThreads, 0, s)
+  (raw, x, b * c * sp, make_fast_div(c), make_fast_div(sp), scale, mean, std);
 }
 
 }  // extern "C"

@@ -58,5 +58,7 @@ __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels
 extern "C" void k_loss(cudaStream_t s, int kind, const float *logits, const int32_t *labels, const float *targets,
                        float *dlogits, int64_t b, int64_t k, float label_smoothing, double weight, double *out) {
   cudaMemsetAsync(out, 0, 2 * sizeof(double), s);
-  if (b > 0) LAUNCH(loss_kernel, (unsigned)b, 128, 0, s)(kind, logits, labels, targets, dlogits, k, label_smoothing, weight, out);
+  if (b > 0)
+    LAUNCH(loss_kernel, (unsigned)b, 128, 0, s)
+    (kind, logits, labels, targets, dlogits, k, label_smoothing, weight, out);
 }

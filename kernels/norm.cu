@@ -57,19 +57,21 @@ void k_bn_stats(cudaStream_t s, const float *x, int64_t b, int64_t c, int64_t sp
 
 void k_bn_apply(cudaStream_t s, const float *x, float *y, int64_t b, int64_t c, int64_t sp, const float *mean,
                 const float *invstd, const float *gamma, const float *beta) {
-  LAUNCH(bn_apply_kernel, blocks_for(b * c * sp), kThreads, 0, s)(x, y, b * c * sp, make_fast_div(c), make_fast_div(sp), mean, invstd, gamma, beta);
+  LAUNCH(bn_apply_kernel, blocks_for(b * c * sp), kThreads, 0, s)
+  (x, y, b * c * sp, make_fast_div(c), make_fast_div(sp), mean, invstd, gamma, beta);
 }
 
 void k_bn_bwd_stats(cudaStream_t s, const float *x, const float *dy, int64_t b, int64_t c, int64_t sp,
                     const float *mean, const float *invstd, double *sum_dy, double *sum_dy_xhat) {
-  LAUNCH(bn_bwd_stats_kernel, (unsigned)c, kThreads, 0, s)(x, dy, b, c, make_fast_div(sp), mean, invstd, sum_dy, sum_dy_xhat);
+  LAUNCH(bn_bwd_stats_kernel, (unsigned)c, kThreads, 0, s)
+  (x, dy, b, c, make_fast_div(sp), mean, invstd, sum_dy, sum_dy_xhat);
 }
 
 void k_bn_bwd_apply(cudaStream_t s, const float *x, const float *dy, float *dx, int64_t b, int64_t c, int64_t sp,
                     double count, const float *mean, const float *invstd, const float *gamma, const double *sum_dy,
                     const double *sum_dy_xhat) {
-  LAUNCH(bn_bwd_apply_kernel, blocks_for(b * c * sp), kThreads, 0, s)(x, dy, dx, b * c * sp, make_fast_div(c), make_fast_div(sp), count, mean, invstd,
-                                                                   gamma, sum_dy, sum_dy_xhat);
+  LAUNCH(bn_bwd_apply_kernel, blocks_for(b * c * sp), kThreads, 0, s)
+  (x, dy, dx, b * c * sp, make_fast_div(c), make_fast_div(sp), count, mean, invstd, gamma, sum_dy, sum_dy_xhat);
 }
 
 }  // extern "C"

@@ -61,15 +61,15 @@ extern "C" {
 void k_pool_fwd(cudaStream_t s, int kind, const float *x, float *y, int32_t *argmax, int64_t b, int64_t c, int64_t h,
                 int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo) {
   int64_t n = b * c * ho * wo;
-  LAUNCH(pool_fwd_kernel, blocks_for(n), kThreads, 0, s)(kind, x, y, argmax, n, h, w, k, stride, make_fast_div(ho),
-                                                        make_fast_div(wo));
+  LAUNCH(pool_fwd_kernel, blocks_for(n), kThreads, 0, s)
+  (kind, x, y, argmax, n, h, w, k, stride, make_fast_div(ho), make_fast_div(wo));
 }
 
 void k_pool_bwd(cudaStream_t s, int kind, const float *dy, const int32_t *argmax, float *dx, int64_t b, int64_t c,
                 int64_t h, int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo) {
   int64_t n = b * c * h * w;
-  LAUNCH(pool_bwd_kernel, blocks_for(n), kThreads, 0, s)(kind, dy, argmax, dx, n, make_fast_div(h), make_fast_div(w),
-                                                        (int)k, (int)stride, (int)ho, (int)wo);
+  LAUNCH(pool_bwd_kernel, blocks_for(n), kThreads, 0, s)
+  (kind, dy, argmax, dx, n, make_fast_div(h), make_fast_div(w), (int)k, (int)stride, (int)ho, (int)wo);
 }
 
 }  // extern "C"

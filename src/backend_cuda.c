@@ -71,10 +71,10 @@ typedef struct {
   int n_plans;
   void *workspace;
   size_t workspace_bytes;
-  double *out;        /* (2) device: loss and sumsq results */
-  void *stage_host;   /* pinned host staging for host inputs */
+  double *out;      /* (2) device: loss and sumsq results */
+  void *stage_host; /* pinned host staging for host inputs */
   size_t stage_host_bytes;
-  void *stage_dev;    /* their device copy */
+  void *stage_dev; /* their device copy */
   size_t stage_dev_bytes;
   cudaEvent_t staged; /* recorded after the last copy out of stage_host */
 } cuda_impl;
@@ -139,10 +139,11 @@ static void stage(cuda_impl *im, int n, const void *const *host, const size_t *b
 }
 
 static _Noreturn void no_algorithm(const dt_conv_geom *g, const char *pass) {
-  dt_die("cuDNN offers no deterministic FP32 (FMA) %s algorithm within %zu MiB for the convolution of (%lld, %lld, %lld, "
-         "%lld) by (%lld, %lld, %lld, %lld), stride %lld, pad %lld",
-         pass, workspace_limit >> 20, (long long)g->b, (long long)g->c, (long long)g->h, (long long)g->w,
-         (long long)g->o, (long long)g->c, (long long)g->k, (long long)g->k, (long long)g->stride, (long long)g->pad);
+  dt_die(
+      "cuDNN offers no deterministic FP32 (FMA) %s algorithm within %zu MiB for the convolution of (%lld, %lld, %lld, "
+      "%lld) by (%lld, %lld, %lld, %lld), stride %lld, pad %lld",
+      pass, workspace_limit >> 20, (long long)g->b, (long long)g->c, (long long)g->h, (long long)g->w, (long long)g->o,
+      (long long)g->c, (long long)g->k, (long long)g->k, (long long)g->stride, (long long)g->pad);
 }
 
 static conv_plan *plan_for(cuda_impl *im, const dt_conv_geom *g) {

@@ -94,9 +94,9 @@ typedef struct {
 typedef struct {
   dt_comm *comm;
   const dt_device_reduce *dev; /* borrowed: NULL for MPI */
-  dt_backend *be; /* borrowed: copies device buckets through `staging` when not host memory */
-  float *grads;   /* borrowed, backend memory */
-  float *staging; /* owned: host copy of the buffer (NULL for host backends) */
+  dt_backend *be;              /* borrowed: copies device buckets through `staging` when not host memory */
+  float *grads;                /* borrowed, backend memory */
+  float *staging;              /* owned: host copy of the buffer (NULL for host backends) */
   dt_check_fn check;
   void *check_ctx;
   int64_t nonfinite; /* found by check since the last grad_sync_finish */
@@ -106,8 +106,8 @@ typedef struct {
   double wait_s;      /* time spent waiting in grad_sync_finish this step */
 } dt_grad_sync;
 
-void grad_sync_init(dt_grad_sync *g, dt_comm *c, const dt_device_reduce *dev, dt_backend *be, float *grads,
-                    int64_t n, int64_t bucket_elems, dt_check_fn check, void *check_ctx);
+void grad_sync_init(dt_grad_sync *g, dt_comm *c, const dt_device_reduce *dev, dt_backend *be, float *grads, int64_t n,
+                    int64_t bucket_elems, dt_check_fn check, void *check_ctx);
 
 /* comm_nccl.c (CUDA builds): an NCCL communicator over the ranks of c, its unique id sent by MPI
  * from rank 0, initialised non-blocking under c's deadline. Sums run on a communication stream

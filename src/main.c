@@ -484,8 +484,10 @@ int main(int argc, char **argv) {
       opts.dev = nccl_reducer(nccl);
     }
     if (comm.rank == 0)
-      printf("gradients: %s\n", nccl ? "NCCL" : cfg.v.comm == DT_COMM_MPI ? "MPI through host memory (dist.comm mpi)"
-                                        : "MPI through host memory (dist.comm auto: some node has fewer GPUs than ranks)");
+      printf("gradients: %s\n", nccl ? "NCCL"
+                                : cfg.v.comm == DT_COMM_MPI
+                                    ? "MPI through host memory (dist.comm mpi)"
+                                    : "MPI through host memory (dist.comm auto: some node has fewer GPUs than ranks)");
   }
 #else
   (void)gpu; /* without CUDA, select_device has already refused --device cuda */

@@ -42,7 +42,7 @@ struct Core {
   std::vector<Allocation *> opened;  // made accessible in the current execution window
   // devices
   std::vector<Device> devices;
-  int context_device = -1;  // the device this process made its first context on
+  int context_device = -1;             // the device this process made its first context on
   std::map<uintptr_t, size_t> pinned;  // cudaMallocHost blocks
   uint64_t seeds = 0;
   struct sigaction previous_segv, previous_bus;
@@ -123,8 +123,8 @@ void init_locked() {
     d.legacy = nullptr;
   }
   void *r = mmap(nullptr, kRegionBytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (r == MAP_FAILED) fatal("cannot reserve %zu bytes of address space for device memory: %s", kRegionBytes,
-                             strerror(errno));
+  if (r == MAP_FAILED)
+    fatal("cannot reserve %zu bytes of address space for device memory: %s", kRegionBytes, strerror(errno));
   c.region_lo = (uintptr_t)r;
   c.region_hi = c.region_lo + kRegionBytes;
   c.next = c.region_lo + (uintptr_t)c.page;
@@ -189,11 +189,11 @@ void on_fault(int sig, siginfo_t *info, void *uctx) {
     if (c.open_depth > 0 && describe_running_kernel(kernel, sizeof kernel))
       fatal("%s accessed %p, %s%s", kernel, info->si_addr, what.c_str(),
             elsewhere ? ", which none of its pointer arguments points into" : "");
-    if (c.open_depth > 0)
-      fatal("queued device work accessed %p, %s", info->si_addr, what.c_str());
-    fatal("host code dereferenced device memory at %p, %s: device memory is only reachable from kernels and "
-          "through cudaMemcpy",
-          info->si_addr, what.c_str());
+    if (c.open_depth > 0) fatal("queued device work accessed %p, %s", info->si_addr, what.c_str());
+    fatal(
+        "host code dereferenced device memory at %p, %s: device memory is only reachable from kernels and "
+        "through cudaMemcpy",
+        info->si_addr, what.c_str());
   }
   // not ours: hand the fault to whoever handled it before, or to the default action
   struct sigaction *prev = sig == SIGSEGV ? &c.previous_segv : &c.previous_bus;
@@ -293,7 +293,8 @@ uint16_t float_to_half(float f) {  // round to nearest even
   if (exp <= 0) {
     if (exp < -10) return (uint16_t)sign;
     man |= 0x800000;
-    uint32_t shift = (uint32_t)(14 - exp), half = man >> shift, rem = man & ((1u << shift) - 1), mid = 1u << (shift - 1);
+    uint32_t shift = (uint32_t)(14 - exp), half = man >> shift, rem = man & ((1u << shift) - 1),
+             mid = 1u << (shift - 1);
     if (rem > mid || (rem == mid && (half & 1))) half++;
     return (uint16_t)(sign | half);
   }
@@ -342,10 +343,11 @@ void make_context(Device *d) {
   Core &c = core();
   if (d->context) return;
   if (c.context_device >= 0 && c.context_device != d->index)
-    fatal("this process made a CUDA context on device %d after making one on device %d: a rank must touch only the "
-          "GPU it selected (each extra context costs hundreds of MiB on that GPU, and exclusive-process mode "
-          "refuses it)",
-          d->index, c.context_device);
+    fatal(
+        "this process made a CUDA context on device %d after making one on device %d: a rank must touch only the "
+        "GPU it selected (each extra context costs hundreds of MiB on that GPU, and exclusive-process mode "
+        "refuses it)",
+        d->index, c.context_device);
   c.context_device = d->index;
   d->context = true;
   d->used += (size_t)500 << 20;  // what a primary context takes, as nvidia-smi shows it
@@ -482,7 +484,8 @@ void check_guards(const Allocation *a, const char *after_what) {
     if (*p != kGuardByte) break;
   if ((uintptr_t)p >= a->base) before = false;
   fatal("%s wrote outside allocation #%llu (%zu bytes on device %d): %zu bytes %s it", after_what,
-        (unsigned long long)a->serial, a->size, a->device, before ? off : off + 1, before ? "before" : "past the end of");
+        (unsigned long long)a->serial, a->size, a->device, before ? off : off + 1,
+        before ? "before" : "past the end of");
 }
 
 bool is_pinned(const void *p, size_t bytes) {

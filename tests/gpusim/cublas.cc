@@ -91,9 +91,10 @@ const Allocation *check_matrix(const char *api, const char *name, const void *p,
   n += (size_t)(batch - 1) * (size_t)stride;
   const Allocation *a = device_range(p, n * type_size(t), dev);
   if (!a)
-    fatal("%s: matrix %s (%d x %d, ld %d%s) at %p, %s, does not lie inside one live allocation of device %d: cuBLAS "
-          "would read or write out of bounds",
-          api, name, rows, cols, ld, batch > 1 ? ", batched" : "", p, describe_address(p).c_str(), dev);
+    fatal(
+        "%s: matrix %s (%d x %d, ld %d%s) at %p, %s, does not lie inside one live allocation of device %d: cuBLAS "
+        "would read or write out of bounds",
+        api, name, rows, cols, ld, batch > 1 ? ", batched" : "", p, describe_address(p).c_str(), dev);
   return a;
 }
 
@@ -101,7 +102,8 @@ void run_gemm(const Gemm &g) {
   double alpha = g.alpha, beta = g.beta;
   if (g.alpha_dev) alpha = g.f64 ? *(const double *)g.alpha_dev : *(const float *)g.alpha_dev;
   if (g.beta_dev) beta = g.f64 ? *(const double *)g.beta_dev : *(const float *)g.beta_dev;
-  CBLAS_TRANSPOSE ta = g.ta == CUBLAS_OP_N ? CblasNoTrans : CblasTrans, tb = g.tb == CUBLAS_OP_N ? CblasNoTrans : CblasTrans;
+  CBLAS_TRANSPOSE ta = g.ta == CUBLAS_OP_N ? CblasNoTrans : CblasTrans,
+                  tb = g.tb == CUBLAS_OP_N ? CblasNoTrans : CblasTrans;
   int ar = g.ta == CUBLAS_OP_N ? g.m : g.k, ac = g.ta == CUBLAS_OP_N ? g.k : g.m;
   int br = g.tb == CUBLAS_OP_N ? g.k : g.n, bc = g.tb == CUBLAS_OP_N ? g.n : g.k;
   bool plain = g.at == CUDA_R_32F && g.bt == CUDA_R_32F && g.ct == CUDA_R_32F && g.reduce == EXACT && !g.f64;
@@ -115,8 +117,8 @@ void run_gemm(const Gemm &g) {
         for (int i = 0; i < g.m; i++) store(c, g.ct, (size_t)j * g.ldc + i, 0.0);
     if (plain) {  // FP32 in, FP32 out, FP32 accumulation
       if (g.k)
-        cblas_sgemm(CblasColMajor, ta, tb, g.m, g.n, g.k, (float)alpha, (const float *)a, g.lda, (const float *)b, g.ldb,
-                    (float)beta, (float *)c, g.ldc);
+        cblas_sgemm(CblasColMajor, ta, tb, g.m, g.n, g.k, (float)alpha, (const float *)a, g.lda, (const float *)b,
+                    g.ldb, (float)beta, (float *)c, g.ldc);
       else if (beta != 1)
         for (int j = 0; j < g.n; j++)
           for (int i = 0; i < g.m; i++) ((float *)c)[(size_t)j * g.ldc + i] *= (float)beta;
@@ -137,14 +139,16 @@ void run_gemm(const Gemm &g) {
     for (int j = 0; j < bc; j++)
       for (int i = 0; i < br; i++) Bd[(size_t)j * br + i] = reduce(load(b, g.bt, (size_t)j * g.ldb + i));
     if (g.f64) {
-      if (g.k) cblas_dgemm(CblasColMajor, ta, tb, g.m, g.n, g.k, 1.0, Ad.data(), ar ? ar : 1, Bd.data(), br ? br : 1, 0.0,
-                           Cd.data(), g.m ? g.m : 1);
+      if (g.k)
+        cblas_dgemm(CblasColMajor, ta, tb, g.m, g.n, g.k, 1.0, Ad.data(), ar ? ar : 1, Bd.data(), br ? br : 1, 0.0,
+                    Cd.data(), g.m ? g.m : 1);
     } else {  // FP32 accumulation, as the device does
       A.assign(Ad.begin(), Ad.end());
       B.assign(Bd.begin(), Bd.end());
       C.assign(Cd.size(), 0.0f);
-      if (g.k) cblas_sgemm(CblasColMajor, ta, tb, g.m, g.n, g.k, 1.0f, A.data(), ar ? ar : 1, B.data(), br ? br : 1,
-                           0.0f, C.data(), g.m ? g.m : 1);
+      if (g.k)
+        cblas_sgemm(CblasColMajor, ta, tb, g.m, g.n, g.k, 1.0f, A.data(), ar ? ar : 1, B.data(), br ? br : 1, 0.0f,
+                    C.data(), g.m ? g.m : 1);
       Cd.assign(C.begin(), C.end());
     }
     for (int j = 0; j < g.n; j++)
@@ -195,10 +199,9 @@ cublasStatus_t submit(cublasContext *ctx, const char *api, Gemm g, const void *a
   }
   if (g.m == 0 || g.n == 0 || g.batch == 0) return CUBLAS_STATUS_SUCCESS;  // nothing to compute
   std::unique_ptr<FnOp> op(new FnOp);
-  const Allocation *used[3] = {
-      check_matrix(api, "A", g.a, g.at, ar, ac, g.lda, g.sa, g.batch, ctx->device),
-      check_matrix(api, "B", g.b, g.bt, br, bc, g.ldb, g.sb, g.batch, ctx->device),
-      check_matrix(api, "C", g.c, g.ct, g.m, g.n, g.ldc, g.sc, g.batch, ctx->device)};
+  const Allocation *used[3] = {check_matrix(api, "A", g.a, g.at, ar, ac, g.lda, g.sa, g.batch, ctx->device),
+                               check_matrix(api, "B", g.b, g.bt, br, bc, g.ldb, g.sb, g.batch, ctx->device),
+                               check_matrix(api, "C", g.c, g.ct, g.m, g.n, g.ldc, g.sc, g.batch, ctx->device)};
   for (const Allocation *a : used)
     if (a) op->uses.push_back(a);
   for (int i = 0; i < 2; i++) {
@@ -358,8 +361,9 @@ cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
   ApiLock lock;
   cublasContext *c = ctx_of(h);
   if (!c) return CUBLAS_STATUS_NOT_INITIALIZED;
-  Gemm g = {ta, tb, m, n, k, lda, ldb, ldc, batch, sa, sb, sc, A, B, C, CUDA_R_32F, CUDA_R_32F, CUDA_R_32F,
-            false, reduction(c, CUBLAS_COMPUTE_32F), 0, 0, nullptr, nullptr};
+  Gemm g = {ta, tb, m,       n,      k, lda,        ldb,        ldc,        batch, sa,
+            sb, sc, A,       B,      C, CUDA_R_32F, CUDA_R_32F, CUDA_R_32F, false, reduction(c, CUBLAS_COMPUTE_32F),
+            0,  0,  nullptr, nullptr};
   if ((c->math & 0xf) == CUBLAS_PEDANTIC_MATH) g.reduce = EXACT;
   return submit(c, batch == 1 && !sa ? "cublasSgemm" : "cublasSgemmStridedBatched", g, alpha, beta);
 }
@@ -367,8 +371,8 @@ cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
 cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
                                           int k, const void *alpha, const void *A, cudaDataType at, int lda,
                                           long long sa, const void *B, cudaDataType bt, int ldb, long long sb,
-                                          const void *beta, void *C, cudaDataType ct, int ldc, long long sc,
-                                          int batch, cublasComputeType_t compute, cublasGemmAlgo_t algo) {
+                                          const void *beta, void *C, cudaDataType ct, int ldc, long long sc, int batch,
+                                          cublasComputeType_t compute, cublasGemmAlgo_t algo) {
   ApiLock lock;
   (void)algo;
   cublasContext *c = ctx_of(h);
@@ -380,11 +384,11 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta
   if (!f64 && !f32) return CUBLAS_STATUS_NOT_SUPPORTED;
   // the type combinations cuBLAS documents for these compute types
   if (f64 && (at != CUDA_R_64F || bt != CUDA_R_64F || ct != CUDA_R_64F)) return CUBLAS_STATUS_NOT_SUPPORTED;
-  if (f32 && (at != bt || at == CUDA_R_64F || (at == CUDA_R_32F && ct != CUDA_R_32F) ||
-              (ct != CUDA_R_32F && ct != at)))
+  if (f32 && (at != bt || at == CUDA_R_64F || (at == CUDA_R_32F && ct != CUDA_R_32F) || (ct != CUDA_R_32F && ct != at)))
     return CUBLAS_STATUS_NOT_SUPPORTED;
-  Gemm g = {ta, tb, m, n, k, lda, ldb, ldc, batch, sa, sb, sc, A, B, C, at, bt, ct, f64,
-            at == CUDA_R_32F ? reduction(c, compute) : EXACT, 0, 0, nullptr, nullptr};
+  Gemm g = {ta, tb, m,       n,      k, lda, ldb, ldc, batch, sa,
+            sb, sc, A,       B,      C, at,  bt,  ct,  f64,   at == CUDA_R_32F ? reduction(c, compute) : EXACT,
+            0,  0,  nullptr, nullptr};
   if ((c->math & 0xf) == CUBLAS_PEDANTIC_MATH || compute == CUBLAS_COMPUTE_32F_PEDANTIC) g.reduce = EXACT;
   return submit(c, batch == 1 && !sa ? "cublasGemmEx" : "cublasGemmStridedBatchedEx", g, alpha, beta);
 }

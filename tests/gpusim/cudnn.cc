@@ -119,32 +119,65 @@ Algo describe(Dir dir, int id, const Geom &g, const cudnnConvolutionStruct *cv) 
       case CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM: a.memory = f * 2 * crs + 256; break;
       case CUDNN_CONVOLUTION_FWD_ALGO_GEMM: a.memory = f * crs * pq; break;
       case CUDNN_CONVOLUTION_FWD_ALGO_DIRECT: unsupported(); break;
-      case CUDNN_CONVOLUTION_FWD_ALGO_FFT: a.memory = fft; if (!unit || g.h > 256 || g.w > 256) unsupported(); break;
-      case CUDNN_CONVOLUTION_FWD_ALGO_FFT_TILING: a.memory = fft / 4 + 4096; if (!unit) unsupported(); break;
-      case CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD: a.memory = 4096; if (!unit || !is3x3) unsupported(); break;
-      case CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD_NONFUSED: a.memory = wino; if (!unit || !is3x3) unsupported(); break;
+      case CUDNN_CONVOLUTION_FWD_ALGO_FFT:
+        a.memory = fft;
+        if (!unit || g.h > 256 || g.w > 256) unsupported();
+        break;
+      case CUDNN_CONVOLUTION_FWD_ALGO_FFT_TILING:
+        a.memory = fft / 4 + 4096;
+        if (!unit) unsupported();
+        break;
+      case CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD:
+        a.memory = 4096;
+        if (!unit || !is3x3) unsupported();
+        break;
+      case CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD_NONFUSED:
+        a.memory = wino;
+        if (!unit || !is3x3) unsupported();
+        break;
     }
   } else if (dir == BWD_DATA) {
     switch (id) {
       case CUDNN_CONVOLUTION_BWD_DATA_ALGO_0: a.determinism = CUDNN_NON_DETERMINISTIC; break;
       case CUDNN_CONVOLUTION_BWD_DATA_ALGO_1: a.memory = f * crs * pq; break;
-      case CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT: a.memory = fft; if (!unit || g.h > 256 || g.w > 256) unsupported(); break;
-      case CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT_TILING: a.memory = fft / 4 + 4096; if (!unit) unsupported(); break;
-      case CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD: a.memory = 4096; if (!unit || !is3x3) unsupported(); break;
-      case CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD_NONFUSED: a.memory = wino; if (!unit || !is3x3) unsupported(); break;
+      case CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT:
+        a.memory = fft;
+        if (!unit || g.h > 256 || g.w > 256) unsupported();
+        break;
+      case CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT_TILING:
+        a.memory = fft / 4 + 4096;
+        if (!unit) unsupported();
+        break;
+      case CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD:
+        a.memory = 4096;
+        if (!unit || !is3x3) unsupported();
+        break;
+      case CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD_NONFUSED:
+        a.memory = wino;
+        if (!unit || !is3x3) unsupported();
+        break;
     }
   } else {
     switch (id) {
       case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0: a.determinism = CUDNN_NON_DETERMINISTIC; break;
       case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1: a.memory = f * crs * pq; break;
-      case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT: a.memory = fft; if (!unit || g.h > 256 || g.w > 256) unsupported(); break;
+      case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT:
+        a.memory = fft;
+        if (!unit || g.h > 256 || g.w > 256) unsupported();
+        break;
       case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3:
         a.memory = f * (size_t)g.k * crs;
         a.determinism = CUDNN_NON_DETERMINISTIC;
         break;
       case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD: unsupported(); break;
-      case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD_NONFUSED: a.memory = wino; if (!unit || !is3x3) unsupported(); break;
-      case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT_TILING: a.memory = fft / 4 + 4096; if (!unit) unsupported(); break;
+      case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD_NONFUSED:
+        a.memory = wino;
+        if (!unit || !is3x3) unsupported();
+        break;
+      case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT_TILING:
+        a.memory = fft / 4 + 4096;
+        if (!unit) unsupported();
+        break;
     }
   }
   return a;
@@ -164,7 +197,7 @@ std::vector<Algo> ranked(Dir dir, const Geom &g, const cudnnConvolutionStruct *c
   for (int id = 0; id < algo_count(dir); id++) all.push_back(describe(dir, id, g, cv));
   auto score = [&](const Algo &a) {
     if (a.status != CUDNN_STATUS_SUCCESS) return 1e30;
-    double s = (double)a.memory / 1e6;                      // workspace traffic
+    double s = (double)a.memory / 1e6;                       // workspace traffic
     if (a.determinism == CUDNN_NON_DETERMINISTIC) s -= 1.0;  // atomics are quick
     if (g.r == 3 && g.s == 3 && a.memory > 4096 && g.c >= 64) s -= 2.0;
     return s + 0.01 * a.id;
@@ -257,7 +290,8 @@ void run_conv(const Conv &cv) {
     for (int k = 0; k < g.k; k++)
       for (int c = 0; c < g.c; c++)
         for (int r = 0; r < g.r; r++)
-          for (int s = 0; s < g.s; s++) W[(size_t)k * crs + (c * g.r + r) * g.s + s] = rd(cv.wp[filter_index(cv, k, c, r, s)]);
+          for (int s = 0; s < g.s; s++)
+            W[(size_t)k * crs + (c * g.r + r) * g.s + s] = rd(cv.wp[filter_index(cv, k, c, r, s)]);
   // col(CRS, PQ) of image n: x at (p*u - pad + r*dil, q*v - pad + s*dil), 0 outside
   const bool unit_w = v == 1 && x.sw == 1 && !round;  // rows copy as they are
   auto im2col = [&](int n) {
@@ -382,8 +416,8 @@ float host_scalar(const char *api, const char *name, const void *p) {
   return *static_cast<const float *>(p);
 }
 
-cudnnStatus_t submit(cudnnContext *h, const char *api, Conv cv, int algo, void *ws, size_t ws_bytes,
-                     const void *alpha, const void *beta) {
+cudnnStatus_t submit(cudnnContext *h, const char *api, Conv cv, int algo, void *ws, size_t ws_bytes, const void *alpha,
+                     const void *beta) {
   if (algo < 0 || algo >= algo_count(cv.dir)) return CUDNN_STATUS_BAD_PARAM;
   Algo a = describe(cv.dir, algo, cv.g, &cv.cv);
   if (a.status != CUDNN_STATUS_SUCCESS) return a.status;
@@ -401,8 +435,8 @@ cudnnStatus_t submit(cudnnContext *h, const char *api, Conv cv, int algo, void *
                                      tensor_extent(&cv.x) * sizeof(float), dev);
   const Allocation *y = check_buffer(api, cv.dir == FWD ? "y" : "dy", cv.dir == FWD ? cv.out : cv.yp,
                                      tensor_extent(&cv.y) * sizeof(float), dev);
-  const Allocation *w = check_buffer(api, cv.dir == BWD_FILTER ? "dw" : "w", cv.dir == BWD_FILTER ? cv.out : cv.wp,
-                                     fbytes, dev);
+  const Allocation *w =
+      check_buffer(api, cv.dir == BWD_FILTER ? "dw" : "w", cv.dir == BWD_FILTER ? cv.out : cv.wp, fbytes, dev);
   op->uses = {x, y, w};
   if (a.memory) op->uses.push_back(check_buffer(api, "workSpace", ws, a.memory, dev));
   char what[160];
@@ -612,8 +646,7 @@ cudnnStatus_t cudnnGetConvolutionBackwardFilterAlgorithm_v7(cudnnHandle_t h, con
                                                             const cudnnTensorDescriptor_t dy,
                                                             const cudnnConvolutionDescriptor_t cv,
                                                             const cudnnFilterDescriptor_t dw, const int requested,
-                                                            int *returned,
-                                                            cudnnConvolutionBwdFilterAlgoPerf_t *perf) {
+                                                            int *returned, cudnnConvolutionBwdFilterAlgoPerf_t *perf) {
   ApiLock lock;
   Geom g;
   if (!handle_of(h)) return CUDNN_STATUS_BAD_PARAM;

@@ -128,11 +128,11 @@ struct Block {
   uint3 idx;
   int n = 0;  // threads
   SimThread th[1024];
-  int next = 0;          // threads started so far
-  int cursor = 0;        // the last thread started: threads start in the order c, c+a, c+2a, ... (mod n)
-  int stride = 1;        // a, coprime to n
+  int next = 0;    // threads started so far
+  int cursor = 0;  // the last thread started: threads start in the order c, c+a, c+2a, ... (mod n)
+  int stride = 1;  // a, coprime to n
   int done = 0, at_barrier = 0, at_warp = 0;
-  unsigned warp_dirty = 0;  // warps where a lane parked or exited since the last look
+  unsigned warp_dirty = 0;    // warps where a lane parked or exited since the last look
   unsigned warp_arrived[32];  // per warp: lanes waiting in a warp operation
   unsigned warp_done[32];     // per warp: lanes that have exited
   SimThread *running = nullptr;
@@ -181,12 +181,12 @@ Fiber *new_fiber() {
   // see gpusim_fiber_switch: r15 r14 r13 r12 rbx rbp ret; after the pops and the ret the stack
   // pointer is top, 16-byte aligned as a call needs
   *--sp = (uint64_t)(uintptr_t)&gpusim_fiber_entry;
-  *--sp = 0;                          // rbp
-  *--sp = 0;                          // rbx
+  *--sp = 0;                                  // rbp
+  *--sp = 0;                                  // rbx
   *--sp = (uint64_t)(uintptr_t)&runner_main;  // r12
-  *--sp = (uint64_t)(uintptr_t)f;     // r13
-  *--sp = 0;                          // r14
-  *--sp = 0;                          // r15
+  *--sp = (uint64_t)(uintptr_t)f;             // r13
+  *--sp = 0;                                  // r14
+  *--sp = 0;                                  // r15
   f->ctx.sp = sp;
   f->ctx.stack_lo = f->map + page;
   f->ctx.stack_size = kFiberStack - colour;
@@ -229,9 +229,9 @@ void runner_main(void *arg) {
       const dim3 &bd = b->d->block;
       b->running = t;
       b->fiber = f;
-      gpusim_now.thread_idx = bd.y == 1 && bd.z == 1
-                                  ? uint3{(unsigned)i, 0, 0}
-                                  : uint3{(unsigned)(i % bd.x), (unsigned)(i / bd.x % bd.y), (unsigned)(i / (bd.x * bd.y))};
+      gpusim_now.thread_idx = bd.y == 1 && bd.z == 1 ? uint3{(unsigned)i, 0, 0}
+                                                     : uint3{(unsigned)(i % bd.x), (unsigned)(i / bd.x % bd.y),
+                                                             (unsigned)(i / (bd.x * bd.y))};
       b->d->run_thread(b->task);
       t->state = DONE;
       b->done++;
@@ -294,21 +294,22 @@ unsigned warp_group_ready(Block *b, int w, unsigned *group_mask) {
     SimThread *t = &b->th[base + l];
     unsigned mask = t->mask, group = arrived & mask;
     if (!(mask >> l & 1))
-      fatal("%s: lane %d of warp %d called %s with mask 0x%08x, which does not name the lane itself",
-            where(b).c_str(), l, w, op_name(t->kind), mask);
-    todo &= ~group;  // lanes with another mask form another group
+      fatal("%s: lane %d of warp %d called %s with mask 0x%08x, which does not name the lane itself", where(b).c_str(),
+            l, w, op_name(t->kind), mask);
+    todo &= ~group;                                       // lanes with another mask form another group
     unsigned required = mask & exist & ~b->warp_done[w];  // lanes that exist and have not exited
     if (required & ~arrived) continue;                    // someone named has not arrived yet
     for (unsigned g = group; g; g &= g - 1) {
       int k = __builtin_ctz(g);
       SimThread *o = &b->th[base + k];
       if (o->mask != mask)
-        fatal("%s: lanes %d and %d of warp %d wait in %s with masks 0x%08x and 0x%08x: every lane a mask names "
-              "must make the same call with the same mask",
-              where(b).c_str(), l, k, w, op_name(t->kind), mask, o->mask);
+        fatal(
+            "%s: lanes %d and %d of warp %d wait in %s with masks 0x%08x and 0x%08x: every lane a mask names "
+            "must make the same call with the same mask",
+            where(b).c_str(), l, k, w, op_name(t->kind), mask, o->mask);
       if (o->kind != t->kind)
-        fatal("%s: warp %d: lane %d called %s and lane %d called %s with the same mask 0x%08x", where(b).c_str(), w,
-              l, op_name(t->kind), k, op_name(o->kind), mask);
+        fatal("%s: warp %d: lane %d called %s and lane %d called %s with the same mask 0x%08x", where(b).c_str(), w, l,
+              op_name(t->kind), k, op_name(o->kind), mask);
     }
     *group_mask = mask;
     return group;
@@ -411,8 +412,7 @@ void release_barrier(Block *b) {
   char msg[2048];
   size_t len = (size_t)snprintf(msg, sizeof msg, "%s cannot continue: %d of %d threads have exited", where(b).c_str(),
                                 b->done, b->n);
-  if (b->at_barrier)
-    len += (size_t)snprintf(msg + len, sizeof msg - len, ", %d wait at __syncthreads", b->at_barrier);
+  if (b->at_barrier) len += (size_t)snprintf(msg + len, sizeof msg - len, ", %d wait at __syncthreads", b->at_barrier);
   for (int w = 0; w * 32 < b->n && len < sizeof msg - 200; w++) {
     for (int l = 0; l < 32 && w * 32 + l < b->n; l++) {
       SimThread *t = &b->th[w * 32 + l];
@@ -446,7 +446,7 @@ void run_block(Block *b) {
   if (e.shared_hi > e.shared_lo) memset(e.shared_lo, 0xff, (size_t)(e.shared_hi - e.shared_lo));
   if (b->d->smem) memset(b->dyn, 0xff, b->d->smem);
   gpusim_now.block_idx = b->idx;
-  unsigned ready = 0;          // warps with a group ready to release
+  unsigned ready = 0;  // warps with a group ready to release
   unsigned group[32], group_mask;
   for (;;) {
     // rescan only the warps where a lane parked or exited since the last look
@@ -462,8 +462,7 @@ void run_block(Block *b) {
     int n = 0;
     if (b->next < b->n) kinds[n] = START, n++;
     for (unsigned r = ready; r; r &= r - 1) kinds[n] = WARP, warps[n] = __builtin_ctz(r), n++;
-    if (b->next == b->n && b->at_barrier && b->at_barrier + b->done == b->n && b->done == 0)
-      kinds[n] = BARRIER, n++;
+    if (b->next == b->n && b->at_barrier && b->at_barrier + b->done == b->n && b->done == 0) kinds[n] = BARRIER, n++;
     if (n == 0) {
       if (b->done == b->n) return;
       deadlock(b);
@@ -490,8 +489,7 @@ void run_block(Block *b) {
 
 SimThread *current_thread(const char *what) {
   Executor &e = ex();
-  if (!e.active || !e.block.running)
-    fatal("%s called outside a kernel (device code must run through a launch)", what);
+  if (!e.active || !e.block.running) fatal("%s called outside a kernel (device code must run through a launch)", what);
   return e.block.running;
 }
 
@@ -701,9 +699,10 @@ extern "C" void gpusim_launch(const gpusim_launch_desc *d, void *task) {
     if (!d->is_pointer[i] || !d->pointer[i]) continue;
     const Allocation *a = find_allocation(d->pointer[i]);
     if (!a || !a->live || a->device != dev)
-      fatal("kernel %s (launched at %s:%d): argument %d is %p, %s; every pointer a kernel receives must be device "
-            "memory of device %d or null",
-            d->name, d->file, d->line, i + 1, d->pointer[i], describe_address(d->pointer[i]).c_str(), dev);
+      fatal(
+          "kernel %s (launched at %s:%d): argument %d is %p, %s; every pointer a kernel receives must be device "
+          "memory of device %d or null",
+          d->name, d->file, d->line, i + 1, d->pointer[i], describe_address(d->pointer[i]).c_str(), dev);
     op->uses.push_back(a);
   }
   char what[256];

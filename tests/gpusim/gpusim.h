@@ -39,12 +39,12 @@ struct ApiLock {
 
 // ---- configuration (core.cc), read once from the environment --------------------------------
 struct Config {
-  int devices;           // GPUSIM_DEVICES (default 1): devices this process sees
-  int visible[64];       // physical index of each visible device (CUDA_VISIBLE_DEVICES)
-  size_t memory_bytes;   // GPUSIM_MEMORY_MIB (default 81559): capacity per device
-  uint64_t seed;         // GPUSIM_SEED (default 1): block, thread and completion orders
+  int devices;             // GPUSIM_DEVICES (default 1): devices this process sees
+  int visible[64];         // physical index of each visible device (CUDA_VISIBLE_DEVICES)
+  size_t memory_bytes;     // GPUSIM_MEMORY_MIB (default 81559): capacity per device
+  uint64_t seed;           // GPUSIM_SEED (default 1): block, thread and completion orders
   const char *nccl_fault;  // GPUSIM_NCCL_FAULT: "init@RANK" or "hang@RANK" (tests)
-  int rank;              // OMPI_COMM_WORLD_RANK or -1, for messages
+  int rank;                // OMPI_COMM_WORLD_RANK or -1, for messages
 };
 const Config &config();
 void reinstall_fault_handler();
@@ -71,13 +71,13 @@ uint64_t next_seed();  // a fresh seed for the next launch, queue or poll sequen
 // ---- devices and contexts (core.cc) ----------------------------------------------------------
 struct Stream;
 struct Device {
-  int index;        // visible index
-  int physical;     // index before CUDA_VISIBLE_DEVICES
-  bool context;     // the primary context exists
-  size_t used;      // bytes of live allocations
+  int index;     // visible index
+  int physical;  // index before CUDA_VISIBLE_DEVICES
+  bool context;  // the primary context exists
+  size_t used;   // bytes of live allocations
   size_t peak;
-  double busy_s;    // seconds spent executing its work (NVML utilisation)
-  Stream *legacy;   // the legacy default stream (created with the context)
+  double busy_s;                  // seconds spent executing its work (NVML utilisation)
+  Stream *legacy;                 // the legacy default stream (created with the context)
   std::vector<Stream *> streams;  // every stream of the device, including destroyed ones with work
 };
 Device *device(int index);  // nullptr when out of range
@@ -91,13 +91,13 @@ void pci_bus_id(int index, char *buf, size_t cap);  // "0000:1b:00.0"
 
 // ---- device memory (core.cc) -----------------------------------------------------------------
 struct Allocation {
-  uintptr_t base;     // what cudaMalloc returned (256-byte aligned)
-  size_t size;        // requested bytes
-  uintptr_t lo, hi;   // its mapped pages [lo, hi), with a guard page on each side
+  uintptr_t base;    // what cudaMalloc returned (256-byte aligned)
+  size_t size;       // requested bytes
+  uintptr_t lo, hi;  // its mapped pages [lo, hi), with a guard page on each side
   int device;
-  uint64_t serial;    // allocation number, for messages
+  uint64_t serial;  // allocation number, for messages
   bool live;
-  bool open;          // accessible now (granted to the executing work)
+  bool open;  // accessible now (granted to the executing work)
 };
 void *device_alloc(Device *d, size_t bytes);  // nullptr when the device is full
 bool device_free(void *p);                    // false: not the base of a live allocation
@@ -128,22 +128,30 @@ struct Op {
   // Executes the work; false when it cannot finish yet (a collective waiting for its peers):
   // it is called again later. Device memory is accessible while it runs.
   virtual bool run() = 0;
-  std::string what;                  // "kernel bias_add_kernel (elementwise.cu:95)"
+  std::string what;                      // "kernel bias_add_kernel (elementwise.cu:95)"
   std::vector<const Allocation *> uses;  // device allocations it reads or writes
 };
 
 struct Stream {
   Device *dev;
-  bool blocking;     // synchronises with the legacy stream (not cudaStreamNonBlocking)
+  bool blocking;  // synchronises with the legacy stream (not cudaStreamNonBlocking)
   bool legacy;
   bool destroyed;
-  bool running;      // being executed (a cycle of waits shows as re-entry)
+  bool running;                  // being executed (a cycle of waits shows as re-entry)
   uint64_t enqueued, completed;  // ops so far
   int polls;                     // cudaStreamQuery calls since it last reported done
   std::deque<std::unique_ptr<Op>> queue;
   Rng rng;
-  Stream() : dev(nullptr), blocking(true), legacy(false), destroyed(false), running(false), enqueued(0),
-             completed(0), polls(0), rng(0) {}
+  Stream()
+      : dev(nullptr),
+        blocking(true),
+        legacy(false),
+        destroyed(false),
+        running(false),
+        enqueued(0),
+        completed(0),
+        polls(0),
+        rng(0) {}
 };
 
 // Resolves a stream handle (0, cudaStreamLegacy, cudaStreamPerThread or a created stream);

@@ -46,17 +46,35 @@ struct gpusim_shared_registration {
 static gpusim_shared_registration gpusim_shared_registered;
 }  // namespace
 
-static inline void __syncthreads() { gpusim_syncthreads(); }
-static inline int __syncthreads_count(int p) { return gpusim_syncthreads_vote(0, p); }
-static inline int __syncthreads_and(int p) { return gpusim_syncthreads_vote(1, p); }
-static inline int __syncthreads_or(int p) { return gpusim_syncthreads_vote(2, p); }
-static inline void __syncwarp(unsigned mask = 0xffffffffu) { gpusim_warp_op(GPUSIM_WARP_SYNC, mask, 0, 0, 0, 32); }
-static inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
-static inline long long __mul64hi(long long a, long long b) { return (long long)(((__int128)a * b) >> 64); }
+static inline void __syncthreads() {
+  gpusim_syncthreads();
+}
+static inline int __syncthreads_count(int p) {
+  return gpusim_syncthreads_vote(0, p);
+}
+static inline int __syncthreads_and(int p) {
+  return gpusim_syncthreads_vote(1, p);
+}
+static inline int __syncthreads_or(int p) {
+  return gpusim_syncthreads_vote(2, p);
+}
+static inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  gpusim_warp_op(GPUSIM_WARP_SYNC, mask, 0, 0, 0, 32);
+}
+static inline unsigned __umulhi(unsigned a, unsigned b) {
+  return (unsigned)(((unsigned long long)a * b) >> 32);
+}
+static inline long long __mul64hi(long long a, long long b) {
+  return (long long)(((__int128)a * b) >> 64);
+}
 
 // Fences order memory between threads; blocks and threads run one at a time here.
-static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
-static inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+static inline void __threadfence() {
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+static inline void __threadfence_block() {
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
 
 namespace gpusim_detail {
 template <class T>
@@ -94,20 +112,24 @@ template <class T>
 static inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
   return gpusim_detail::shfl(GPUSIM_SHFL_XOR, mask, v, lane_mask, width);
 }
-static inline int __all_sync(unsigned mask, int p) { return (int)gpusim_warp_op(GPUSIM_VOTE_ALL, mask, p != 0, 4, 0, 32); }
-static inline int __any_sync(unsigned mask, int p) { return (int)gpusim_warp_op(GPUSIM_VOTE_ANY, mask, p != 0, 4, 0, 32); }
+static inline int __all_sync(unsigned mask, int p) {
+  return (int)gpusim_warp_op(GPUSIM_VOTE_ALL, mask, p != 0, 4, 0, 32);
+}
+static inline int __any_sync(unsigned mask, int p) {
+  return (int)gpusim_warp_op(GPUSIM_VOTE_ANY, mask, p != 0, 4, 0, 32);
+}
 static inline unsigned __ballot_sync(unsigned mask, int p) {
   return (unsigned)gpusim_warp_op(GPUSIM_VOTE_BALLOT, mask, p != 0, 4, 0, 32);
 }
 
 // Atomics: the threads of the stand-in never run at the same moment, so each is a checked
 // read-modify-write of device or shared memory.
-#define GPUSIM_ATOMIC(name, T, expr)                   \
-  static inline T name(T *p, T v) {                    \
-    gpusim_check_atomic(p, sizeof(T), #name);          \
-    T old = *p;                                        \
-    *p = (expr);                                       \
-    return old;                                        \
+#define GPUSIM_ATOMIC(name, T, expr)          \
+  static inline T name(T *p, T v) {           \
+    gpusim_check_atomic(p, sizeof(T), #name); \
+    T old = *p;                               \
+    *p = (expr);                              \
+    return old;                               \
   }
 GPUSIM_ATOMIC(atomicAdd, int, old + v)
 GPUSIM_ATOMIC(atomicAdd, unsigned, old + v)

@@ -22,9 +22,9 @@ enum { GPUSIM_MAX_ARGS = 32 };
 typedef struct {
   const char *name, *file; /* the kernel and where it was launched */
   int line;
-  const void *fn;          /* the kernel function, for cudaFuncSetAttribute limits */
+  const void *fn; /* the kernel function, for cudaFuncSetAttribute limits */
   dim3 grid, block;
-  size_t smem;             /* dynamic shared memory bytes */
+  size_t smem; /* dynamic shared memory bytes */
   cudaStream_t stream;
   int n_args;
   int is_pointer[GPUSIM_MAX_ARGS];

@@ -54,7 +54,7 @@ struct Slot {  // one rank's announcement and its current round, in shared memor
 
 struct Segment {
   uint32_t nranks;  // set by the first rank to map it; the others must agree
-  Slot slots[1];  // [nranks], then nranks data areas of kSlotBytes
+  Slot slots[1];    // [nranks], then nranks data areas of kSlotBytes
 };
 
 size_t segment_bytes(int nranks) {
@@ -120,7 +120,8 @@ void reduce_into(T *dst, const T *const *parts, int nparts, size_t n, int op) {
 void reduce16(uint16_t *dst, const uint16_t *const *parts, int nparts, size_t n, int op, bool bf16) {
   for (size_t i = 0; i < n; i++) {
     float acc = bf16 ? bf16_to_float(parts[0][i]) : half_to_float(parts[0][i]);
-    for (int r = 1; r < nparts; r++) acc = apply(op, acc, bf16 ? bf16_to_float(parts[r][i]) : half_to_float(parts[r][i]));
+    for (int r = 1; r < nparts; r++)
+      acc = apply(op, acc, bf16 ? bf16_to_float(parts[r][i]) : half_to_float(parts[r][i]));
     if (op == ncclAvg) acc /= (float)nparts;
     dst[i] = bf16 ? float_to_bf16(acc) : float_to_half(acc);
   }
@@ -153,8 +154,8 @@ struct State {
   Segment *seg = nullptr;
   size_t seg_bytes = 0;
   char name[NCCL_UNIQUE_ID_BYTES] = "";
-  uint64_t rounds = 0;   // rounds this rank has started
-  int pending = 0;       // queued collectives not yet finished
+  uint64_t rounds = 0;            // rounds this rank has started
+  int pending = 0;                // queued collectives not yet finished
   std::vector<Stream *> streams;  // where they are queued
   bool finalizing = false;
   double next_liveness = 0;
@@ -162,7 +163,8 @@ struct State {
 
   Slot *slot(int r) { return &seg->slots[r]; }
   char *data(int r) {
-    return (char *)seg + (sizeof(Segment) + sizeof(Slot) * (size_t)nranks + 4095) / 4096 * 4096 + kSlotBytes * (size_t)r;
+    return (char *)seg + (sizeof(Segment) + sizeof(Slot) * (size_t)nranks + 4095) / 4096 * 4096 +
+           kSlotBytes * (size_t)r;
   }
   ~State() {
     if (!seg) return;
@@ -286,7 +288,8 @@ bool NcclOp::run() {
     if (phase == POST) {
       // my data area is free once every rank consumed my previous round
       for (int r = 0; r < n; r++)
-        if (__atomic_load_n(&s.slot(r)->done, __ATOMIC_ACQUIRE) + 1 < round) return s.peers_alive() ? false : (finish(), true);
+        if (__atomic_load_n(&s.slot(r)->done, __ATOMIC_ACQUIRE) + 1 < round)
+          return s.peers_alive() ? false : (finish(), true);
       Slot *mine = s.slot(me);
       char *area = s.data(me);
       const char *src = (const char *)c.send;
@@ -298,7 +301,8 @@ bool NcclOp::run() {
           if (me == c.root) memcpy(area, src + done_elems * es, len * es);
           break;
         case REDUCE_SCATTER:  // my contribution to every rank's block
-          for (int r = 0; r < n; r++) memcpy(area + (size_t)r * len * es, src + ((size_t)r * c.count + done_elems) * es, len * es);
+          for (int r = 0; r < n; r++)
+            memcpy(area + (size_t)r * len * es, src + ((size_t)r * c.count + done_elems) * es, len * es);
           break;
       }
       mine->coll = c.coll, mine->type = c.type, mine->op = c.op, mine->root = c.root;
@@ -307,7 +311,8 @@ bool NcclOp::run() {
       phase = CONSUME;
     }
     for (int r = 0; r < n; r++)
-      if (__atomic_load_n(&s.slot(r)->ready, __ATOMIC_ACQUIRE) < round) return s.peers_alive() ? false : (finish(), true);
+      if (__atomic_load_n(&s.slot(r)->ready, __ATOMIC_ACQUIRE) < round)
+        return s.peers_alive() ? false : (finish(), true);
     for (int r = 0; r < n; r++) {
       Slot *o = s.slot(r);
       if (o->coll != c.coll || o->type != c.type || o->count != c.count ||
@@ -381,15 +386,20 @@ ncclResult_t submit(ncclComm_t comm, const Collective &c) {
   const char *api = coll_name(c.coll);
   if (!s) return fail(ncclInvalidArgument, "%s: invalid communicator", api);
   if (s->phase == State::JOINING)
-    return fail(ncclInvalidUsage, "%s: the communicator is still initialising; poll ncclCommGetAsyncError until it "
-                                  "returns ncclSuccess first", api);
+    return fail(ncclInvalidUsage,
+                "%s: the communicator is still initialising; poll ncclCommGetAsyncError until it "
+                "returns ncclSuccess first",
+                api);
   if (s->phase != State::READY) return s->error ? s->error : ncclInvalidUsage;
   if (s->settle_polls > 0)
-    return fail(ncclInvalidUsage, "%s: the previous call is still in progress; poll ncclCommGetAsyncError until it "
-                                  "returns ncclSuccess first", api);
+    return fail(ncclInvalidUsage,
+                "%s: the previous call is still in progress; poll ncclCommGetAsyncError until it "
+                "returns ncclSuccess first",
+                api);
   size_t es = type_size(c.type);
   if (!es) return fail(ncclInvalidArgument, "%s: unsupported datatype %d", api, c.type);
-  if (c.op < ncclSum || c.op > ncclAvg) return fail(ncclInvalidArgument, "%s: invalid reduction operation %d", api, c.op);
+  if (c.op < ncclSum || c.op > ncclAvg)
+    return fail(ncclInvalidArgument, "%s: invalid reduction operation %d", api, c.op);
   if ((c.coll == REDUCE || c.coll == BROADCAST) && (c.root < 0 || c.root >= s->nranks))
     return fail(ncclInvalidArgument, "%s: root %d is not a rank of the %d", api, c.root, s->nranks);
   Stream *stream = stream_of(c.stream);
@@ -517,8 +527,8 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t *out, int nranks, ncclUniqueId id
     ncclComm *c = new ncclComm;
     c->st = st;
     *out = c;
-    st->set_failed(ncclInvalidUsage, "ranks disagree on the communicator size: " + std::to_string(expected) +
-                                         " and " + std::to_string(nranks));
+    st->set_failed(ncclInvalidUsage, "ranks disagree on the communicator size: " + std::to_string(expected) + " and " +
+                                         std::to_string(nranks));
     return blocking ? ncclInvalidUsage : ncclInProgress;
   }
   Slot *me = st->slot(rank);

@@ -202,8 +202,9 @@ void enqueue(Stream *s, std::unique_ptr<Op> op) {
 bool progress(Stream *s, uint64_t until) {
   if (s->completed >= until) return true;
   if (s->running)
-    fatal("streams wait for each other in a cycle (cudaStreamWaitEvent on events recorded after the waits): "
-          "this work can never run");
+    fatal(
+        "streams wait for each other in a cycle (cudaStreamWaitEvent on events recorded after the waits): "
+        "this work can never run");
   s->running = true;
   open_device_memory();
   double t0 = now_s();
@@ -394,9 +395,10 @@ cudaError_t cudaFree(void *p) {
   const Allocation *a = find_allocation(p);
   if (!a || !a->live || a->base != (uintptr_t)p) return ret(cudaErrorInvalidValue);
   if (const Op *user = pending_user(a))
-    fatal("cudaFree(%p) of allocation #%llu (%zu bytes) while queued, unfinished work still uses it: %s; "
-          "synchronize the stream (or wait for an event recorded after that work) before freeing",
-          p, (unsigned long long)a->serial, a->size, user->what.c_str());
+    fatal(
+        "cudaFree(%p) of allocation #%llu (%zu bytes) while queued, unfinished work still uses it: %s; "
+        "synchronize the stream (or wait for an event recorded after that work) before freeing",
+        p, (unsigned long long)a->serial, a->size, user->what.c_str());
   device_free(p);
   return cudaSuccess;
 }

@@ -25,9 +25,9 @@ extern "C" {
 
 #include "common.cuh"
 
-#define CUDA_OK(call)                                                                                 \
-  do {                                                                                                \
-    cudaError_t e_ = (call);                                                                          \
+#define CUDA_OK(call)                                                                                    \
+  do {                                                                                                   \
+    cudaError_t e_ = (call);                                                                             \
     if (e_ != cudaSuccess) fail_msg("%s: %s (%s)", #call, cudaGetErrorName(e_), cudaGetErrorString(e_)); \
   } while (0)
 
@@ -154,7 +154,8 @@ static void syncthreads_is_a_barrier_and_a_missing_one_shows(void **) {
   CUDA_OK(cudaFree(d));
   assert_string_equal(run_self("--neighbour-sync", 1).c_str(), run_self("--neighbour-sync", 2).c_str());
   // without it: the result depends on the order threads run in, which follows the seed
-  std::string a = run_self("--neighbour-race", 1), b = run_self("--neighbour-race", 2), a2 = run_self("--neighbour-race", 1);
+  std::string a = run_self("--neighbour-race", 1), b = run_self("--neighbour-race", 2),
+              a2 = run_self("--neighbour-race", 1);
   assert_string_equal(a.c_str(), a2.c_str());  // one seed, one result: reproducible
   if (a == b) fail_msg("a missing __syncthreads gave the same result under GPUSIM_SEED 1 and 2");
 }
@@ -225,9 +226,9 @@ static void dynamic_shared_memory_and_its_limits(void **) {
   CUDA_OK(cudaFuncSetAttribute((const void *)reverse_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 100 << 10));
   LAUNCH(reverse_kernel, 1, 256, (48 << 10) + 4, 0)(d);
   CUDA_OK(cudaGetLastError());
-  assert_int_equal(cudaFuncSetAttribute((const void *)reverse_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        228 << 10),
-                   cudaErrorInvalidValue);
+  assert_int_equal(
+      cudaFuncSetAttribute((const void *)reverse_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 228 << 10),
+      cudaErrorInvalidValue);
   cudaGetLastError();
   CUDA_OK(cudaDeviceSynchronize());
   CUDA_OK(cudaFree(d));
@@ -548,10 +549,10 @@ static void streams_are_ordered_only_by_events(void **) {
 
 // ---- cuBLAS -------------------------------------------------------------------------------------
 
-#define BLAS_OK(call)                                                                                   \
-  do {                                                                                                  \
-    cublasStatus_t s_ = (call);                                                                         \
-    if (s_ != CUBLAS_STATUS_SUCCESS) fail_msg("%s: %s", #call, cublasGetStatusString(s_));             \
+#define BLAS_OK(call)                                                                      \
+  do {                                                                                     \
+    cublasStatus_t s_ = (call);                                                            \
+    if (s_ != CUBLAS_STATUS_SUCCESS) fail_msg("%s: %s", #call, cublasGetStatusString(s_)); \
   } while (0)
 
 static float pseudo(int i, int salt) {
@@ -619,7 +620,8 @@ static void cublas_gemm_follows_column_major_rules(void **) {
   std::vector<float> A(3 * 16), B(3 * 16), C(3 * 16, 0.0f);
   for (size_t i = 0; i < A.size(); i++) A[i] = pseudo((int)i, 4), B[i] = pseudo((int)i, 5);
   float *dA = device_copy(A), *dB = device_copy(B), *dC = device_copy(C);
-  BLAS_OK(cublasSgemmStridedBatched(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, dA, 4, 16, dB, 4, 16, &zero, dC, 4, 16, 3));
+  BLAS_OK(
+      cublasSgemmStridedBatched(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, dA, 4, 16, dB, 4, 16, &zero, dC, 4, 16, 3));
   std::vector<float> got = host_copy(dC, C.size());
   for (int b = 0; b < 3; b++) {
     std::vector<float> Ab(A.begin() + b * 16, A.begin() + b * 16 + 16), Bb(B.begin() + b * 16, B.begin() + b * 16 + 16);
@@ -689,10 +691,10 @@ static void cublas_math_modes_types_and_pointer_modes(void **) {
 
 // ---- cuDNN --------------------------------------------------------------------------------------
 
-#define DNN_OK(call)                                                                                 \
-  do {                                                                                               \
-    cudnnStatus_t s_ = (call);                                                                       \
-    if (s_ != CUDNN_STATUS_SUCCESS) fail_msg("%s: %s", #call, cudnnGetErrorString(s_));             \
+#define DNN_OK(call)                                                                    \
+  do {                                                                                  \
+    cudnnStatus_t s_ = (call);                                                          \
+    if (s_ != CUDNN_STATUS_SUCCESS) fail_msg("%s: %s", #call, cudnnGetErrorString(s_)); \
   } while (0)
 
 struct ConvCase {
@@ -819,10 +821,12 @@ static void cudnn_algorithms_workspaces_math_and_determinism(void **) {
                                            &zero, yd, dY),
                    CUDNN_STATUS_BAD_PARAM);
   // the math type decides the numerics: FMA is FP32, the default reads TF32 on this "H100"
-  DNN_OK(cudnnConvolutionForward(h, &one, xd, dX, wd, dW, cd, CUDNN_CONVOLUTION_FWD_ALGO_GEMM, ws, need, &zero, yd, dY));
+  DNN_OK(
+      cudnnConvolutionForward(h, &one, xd, dX, wd, dW, cd, CUDNN_CONVOLUTION_FWD_ALGO_GEMM, ws, need, &zero, yd, dY));
   std::vector<float> fma = host_copy(dY, nx);
   DNN_OK(cudnnSetConvolutionMathType(cd, CUDNN_DEFAULT_MATH));
-  DNN_OK(cudnnConvolutionForward(h, &one, xd, dX, wd, dW, cd, CUDNN_CONVOLUTION_FWD_ALGO_GEMM, ws, need, &zero, yd, dY));
+  DNN_OK(
+      cudnnConvolutionForward(h, &one, xd, dX, wd, dW, cd, CUDNN_CONVOLUTION_FWD_ALGO_GEMM, ws, need, &zero, yd, dY));
   std::vector<float> tf32 = host_copy(dY, nx);
   std::vector<double> fma_d(fma.begin(), fma.end());
   if (max_rel(tf32, fma_d) < 1e-5) fail_msg("CUDNN_DEFAULT_MATH gave FP32 results: no TF32 rounding");
@@ -834,7 +838,8 @@ static void cudnn_algorithms_workspaces_math_and_determinism(void **) {
   char *big = device_array<char>(ws0 > ws1 ? ws0 : ws1);
   std::vector<float> runs[4];
   for (int i = 0; i < 4; i++) {
-    cudnnConvolutionBwdFilterAlgo_t a = i < 2 ? CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0 : CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1;
+    cudnnConvolutionBwdFilterAlgo_t a =
+        i < 2 ? CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0 : CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1;
     DNN_OK(cudnnConvolutionBackwardFilter(h, &one, xd, dX, yd, dX, cd, a, big, ws0 > ws1 ? ws0 : ws1, &zero, wd, dW2));
     runs[i] = host_copy(dW2, nw);
   }
@@ -889,7 +894,9 @@ static void fast_division_matches_division(void **) {
   for (uint32_t d : divisors) {
     fast_div f = make_fast_div(d);
     for (int i = 0; i < 20000; i++) {
-      uint32_t n = i < 100 ? (uint32_t)i : i < 200 ? 0x7fffffffu - (uint32_t)(i - 100) : (uint32_t)(next() & 0x7fffffffu);
+      uint32_t n = i < 100   ? (uint32_t)i
+                   : i < 200 ? 0x7fffffffu - (uint32_t)(i - 100)
+                             : (uint32_t)(next() & 0x7fffffffu);
       if (div_by(n, f) != n / d) fail_msg("%u / %u: fast %u, exact %u", n, d, div_by(n, f), n / d);
     }
   }
