@@ -30,8 +30,10 @@ run_suite() { # name, command...
   if [ -n "${DDP_TRAIN_SUITES:-}" ] && [[ " $DDP_TRAIN_SUITES " != *" $name "* ]]; then return; fi
   before=$(grep -c . "$tally")
   echo "# $name"
+  local t0=$SECONDS
   "$@" 2>&1 | count "$tally"
   local rc=${PIPESTATUS[0]}
+  echo "# $name took $((SECONDS - t0)) s"
   after=$(grep -c . "$tally")
   if [ "$rc" -ne 0 ] && ! tail -n $((after - before)) "$tally" | grep -q F; then
     echo "not ok - $name exited $rc without reporting a failure"
