@@ -4,6 +4,7 @@
 #   make data       data/fashion_mnist.h5 from Debian's dataset-fashion-mnist, data/synthetic_cifar.h5
 #   make run        deps + build + data, then train configs/model.yaml on 2 ranks
 #   make test       deps + build + data, then the whole test suite
+#   make repeat     N=20 SUITES="...": the suites N times in a row, reporting any test that failed once
 #   make test-gpu   the GPU suites on real GPUs (make test runs them on the CPU stand-in, tests/gpusim)
 #   make bench      CPU throughput against PyTorch, same run
 #   make install    PREFIX=/usr/local: the binary, scripts, configs and the man page
@@ -60,7 +61,7 @@ SIM_BINS := $(SIM)/ddp_train $(SIM)/tests/test_gpu $(SIM)/tests/test_gpusim $(SI
 TESTS := test_config test_sampler test_model test_ops test_optim $(if $(filter 1,$(CUDA)),test_gpu)
 TEST_BINS := $(TESTS:%=$(BUILD)/tests/%) $(if $(filter 1,$(CUDA)),$(SIM_BINS))
 
-.PHONY: all deps data run test test-gpu bench clean docs ddp_train install
+.PHONY: all deps data run test test-gpu repeat bench clean docs ddp_train install
 PREFIX ?= /usr/local
 all: ddp_train
 
@@ -148,6 +149,13 @@ test: deps
 	$(MAKE) ddp_train data $(TEST_BINS)
 	BUILD=$(BUILD) PYTHON=$(PYTHON) $(if $(filter 1,$(CUDA)),SIM=$(SIM) DDP_TRAIN_GPU_BINARY=$(SIM)/ddp_train) \
 	  bash tests/run.sh
+
+# the suites N times in a row (default 20), reporting every test that failed in any run
+N ?= 20
+repeat: deps
+	$(MAKE) ddp_train data $(TEST_BINS)
+	BUILD=$(BUILD) PYTHON=$(PYTHON) $(if $(filter 1,$(CUDA)),SIM=$(SIM) DDP_TRAIN_GPU_BINARY=$(SIM)/ddp_train) \
+	  bash tests/repeat.sh $(N) $(SUITES)
 
 test-gpu: deps
 	$(MAKE) ddp_train data $(TESTS:%=$(BUILD)/tests/%)
