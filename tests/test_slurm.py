@@ -143,8 +143,10 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubsc
 
     def test_usr1_checkpoints_requeues_and_finishes(self):
         """USR1 to the batch script: checkpoint, exit 75, requeue, and the requeued run resumes."""
-        job = self.sbatch("--set", "train.epochs=1500", "--set", "log.every_steps=1000", "--set", "data.val.x=",
-                          "--set", "checkpoint.every_epochs=0")
+        # long enough that the signal always lands while it runs; shortened once it has stopped
+        config = TINY_CNN.replace("epochs: 2", "epochs: 100000")
+        self.cfg = self.w.config(config)
+        job = self.sbatch("--set", "log.every_steps=1000", "--set", "data.val.x=", "--set", "checkpoint.every_epochs=0")
         metrics = self.w.file("log/metrics.jsonl")
         deadline = time.monotonic() + 60
         while not (os.path.exists(metrics) and os.path.getsize(metrics)):
@@ -156,12 +158,14 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubsc
         # credential; moving its start earlier by hand raced with that teardown ("Job credential
         # revoked"). The job comes back by itself.
         self.wait_for(job, ("PENDING",), timeout=60)
+        stopped = int(os.path.basename(self.w.latest()).split("-")[1].split(".")[0])
+        self.w.config(config.replace("seed: 3", f"seed: 3\n  max_steps: {stopped + 500}"))  # finish soon after
         self.assertEqual(self.wait_for(job, ("COMPLETED", "FAILED", "CANCELLED")), "COMPLETED", self.log(job))
         log = self.log(job)
-        self.assertIn("ddp_train: stopped by SIGUSR1", log)
+        self.assertIn(f"ddp_train: stopped by SIGUSR1 at step {stopped}", log)
         self.assertIn("requeueing job", log)
-        self.assertIn("resuming at step", log)
-        self.assertIn("done: 12000 steps", log)
+        self.assertIn(f"resuming at step {stopped}", log)
+        self.assertIn(f"done: {stopped + 500} steps", log)
         self.assertIn("ddp_train exited 0", log)
 
 
