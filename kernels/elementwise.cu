@@ -58,7 +58,17 @@ __global__ void scale_kernel(float *x, float alpha, int64_t n) {
   GRID_STRIDE(i, n) x[i] *= alpha;
 }
 
-__global__ void sumsq_kernel(const float *x, int64_t n, double *out) {
+// out[0], out[1] = the sums of pairs[2i] and pairs[2i + 1] over i < n, in an order fixed by n alone
+// (one block): the deterministic second pass of k_sumsq and k_loss.
+__global__ void sum_pairs_kernel(const double *pairs, int64_t n, double *out) {
+  double a = 0, b = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) a += pairs[2 * i], b += pairs[2 * i + 1];
+  a = block_sum(a);
+  b = block_sum(b);
+  if (threadIdx.x == 0) out[0] = a, out[1] = b;
+}
+
+__global__ void sumsq_kernel(const float *x, int64_t n, double *pairs) {
   double acc = 0, bad = 0;
   GRID_STRIDE(i, n) {
     float v = x[i];
@@ -69,10 +79,7 @@ __global__ void sumsq_kernel(const float *x, int64_t n, double *out) {
   }
   acc = block_sum(acc);
   bad = block_sum(bad);
-  if (threadIdx.x == 0) {
-    atomicAdd(&out[0], acc);
-    atomicAdd(&out[1], bad);
-  }
+  if (threadIdx.x == 0) pairs[2 * blockIdx.x] = acc, pairs[2 * blockIdx.x + 1] = bad;
 }
 
 __global__ void input_kernel(const float *raw, float *x, int64_t n, fast_div c, fast_div sp, float scale,
@@ -115,11 +122,15 @@ void k_scale(cudaStream_t s, float *x, float alpha, int64_t n) {
   LAUNCH(scale_kernel, blocks_for(n), kThreads, 0, s)(x, alpha, n);
 }
 
-void k_sumsq(cudaStream_t s, const float *x, int64_t n, double *out) {
-  cudaMemsetAsync(out, 0, 2 * sizeof(double), s);
+void k_sumsq(cudaStream_t s, const float *x, int64_t n, double *out, double *pairs) {
   unsigned blocks = blocks_for(n);
-  if (blocks > 256) blocks = 256;  // each block ends in two atomics: keep them few
-  LAUNCH(sumsq_kernel, blocks, kThreads, 0, s)(x, n, out);
+  if (blocks > K_SUM_BLOCKS) blocks = K_SUM_BLOCKS;
+  LAUNCH(sumsq_kernel, blocks, kThreads, 0, s)(x, n, pairs);
+  k_sum_pairs(s, pairs, blocks, out);
+}
+
+void k_sum_pairs(cudaStream_t s, const double *pairs, int64_t n, double *out) {
+  LAUNCH(sum_pairs_kernel, 1, kThreads, 0, s)(pairs, n, out);
 }
 
 void k_input(cudaStream_t s, const float *raw, float *x, int64_t b, int64_t c, int64_t sp, float scale,

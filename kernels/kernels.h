@@ -1,6 +1,7 @@
 /* kernels.h: C entry points of the CUDA kernels (kernels/ *.cu files), called by backend_cuda.c.
  * Every pointer is device memory unless named host_*; every call is asynchronous on `stream`.
- * Shapes follow backend.h's op comments. */
+ * Shapes follow backend.h's op comments. Element counts stay below 2^31 (main.c refuses larger
+ * tensors for --device cuda): the kernels split indices with 32-bit fast division. */
 #ifndef DT_KERNELS_H
 #define DT_KERNELS_H
 
@@ -19,8 +20,14 @@ void k_act_bwd(cudaStream_t s, int kind, const float *x, const float *y, const f
 void k_dropout(cudaStream_t s, const float *x, float *y, int64_t n, float p, uint64_t seed);
 void k_add(cudaStream_t s, const float *a, const float *b, float *y, int64_t n);
 void k_scale(cudaStream_t s, float *x, float alpha, int64_t n);
-/* out[0] = sum x^2 (double), out[1] = count of non-finite values (as double); out zeroed first */
-void k_sumsq(cudaStream_t s, const float *x, int64_t n, double *out);
+/* Sums that must come out bit-identical on every run are not accumulated with atomics: blocks
+ * write partial pairs into `pairs` and one block adds them in a fixed order. */
+enum { K_SUM_BLOCKS = 256 }; /* blocks of k_sumsq: pairs holds 2 * K_SUM_BLOCKS doubles */
+
+/* out[0] = sum x^2 (double), out[1] = count of non-finite values (as double) */
+void k_sumsq(cudaStream_t s, const float *x, int64_t n, double *out, double *pairs);
+/* out[0], out[1] = the sums of pairs[2i] and pairs[2i + 1] over i < n, in an order fixed by n */
+void k_sum_pairs(cudaStream_t s, const double *pairs, int64_t n, double *out);
 void k_input(cudaStream_t s, const float *raw, float *x, int64_t b, int64_t c, int64_t sp, float scale,
              const float *mean, const float *std);
 
@@ -46,10 +53,10 @@ void k_pool_fwd(cudaStream_t s, int kind, const float *x, float *y, int32_t *arg
 void k_pool_bwd(cudaStream_t s, int kind, const float *dy, const int32_t *argmax, float *dx, int64_t b, int64_t c,
                 int64_t h, int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo);
 
-/* loss.cu: per-sample losses summed into out[0], hits into out[1] (doubles, zeroed first);
- * dlogits weighted by `weight` (1 / global count) */
+/* loss.cu: per-sample losses summed into out[0], hits into out[1] (doubles; per-sample pairs in
+ * `pairs`, 2 * b doubles, added in a fixed order); dlogits weighted by `weight` (1 / global count) */
 void k_loss(cudaStream_t s, int kind, const float *logits, const int32_t *labels, const float *targets, float *dlogits,
-            int64_t b, int64_t k, float label_smoothing, double weight, double *out);
+            int64_t b, int64_t k, float label_smoothing, double weight, double *out, double *pairs);
 
 #ifdef __cplusplus
 }

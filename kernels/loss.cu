@@ -1,5 +1,6 @@
 // loss.cu: softmax cross-entropy (label smoothing) and mean squared error, one block per sample,
-// fused with their gradient; per-sample losses and hits accumulate into out[0], out[1] (doubles).
+// fused with their gradient; per-sample losses and hits go to pairs, summed into out[0], out[1]
+// (doubles) in a fixed order, so that the loss is the same on every run.
 #include <math.h>
 
 #include "common.cuh"
@@ -8,7 +9,7 @@
 enum { LOSS_CE, LOSS_MSE };  // backend.h's DT_LOSS_*
 
 __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels, const float *targets, float *dz,
-                            int64_t k, float ls, double weight, double *out) {
+                            int64_t k, float ls, double weight, double *pairs) {
   int64_t b = blockIdx.x;
   const float *z = logits + b * k;
   float *d = dz + b * k;
@@ -38,10 +39,7 @@ __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels
       d[j] = (float)((exp(lp) - t) * weight);
     }
     loss = block_sum(loss);
-    if (threadIdx.x == 0) {
-      atomicAdd(&out[0], loss);
-      atomicAdd(&out[1], s_arg == y ? 1.0 : 0.0);
-    }
+    if (threadIdx.x == 0) pairs[2 * b] = loss, pairs[2 * b + 1] = s_arg == y ? 1.0 : 0.0;
   } else {
     const float *t = targets + b * k;
     double loss = 0;
@@ -51,14 +49,14 @@ __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels
       d[j] = (float)(2.0 * diff / (double)k * weight);
     }
     loss = block_sum(loss);
-    if (threadIdx.x == 0) atomicAdd(&out[0], loss / (double)k);
+    if (threadIdx.x == 0) pairs[2 * b] = loss / (double)k, pairs[2 * b + 1] = 0.0;
   }
 }
 
 extern "C" void k_loss(cudaStream_t s, int kind, const float *logits, const int32_t *labels, const float *targets,
-                       float *dlogits, int64_t b, int64_t k, float label_smoothing, double weight, double *out) {
-  cudaMemsetAsync(out, 0, 2 * sizeof(double), s);
-  if (b > 0)
-    LAUNCH(loss_kernel, (unsigned)b, 128, 0, s)
-    (kind, logits, labels, targets, dlogits, k, label_smoothing, weight, out);
+                       float *dlogits, int64_t b, int64_t k, float label_smoothing, double weight, double *out,
+                       double *pairs) {
+  if (b > 0) LAUNCH(loss_kernel, (unsigned)b, 128, 0, s)
+  (kind, logits, labels, targets, dlogits, k, label_smoothing, weight, pairs);
+  k_sum_pairs(s, pairs, b, out);  // zeros when b is 0
 }

@@ -47,7 +47,6 @@
     }                                                                           \
   } while (0)
 
-enum { MAX_PLANS = 128 };
 static const size_t workspace_limit = (size_t)512 << 20;
 
 /* One convolution shape: descriptors and the three algorithms. */
@@ -67,11 +66,13 @@ typedef struct {
   cudaStream_t stream;
   cublasHandle_t blas;
   cudnnHandle_t dnn;
-  conv_plan plans[MAX_PLANS];
+  conv_plan *plans; /* one per convolution shape and batch size seen: grows */
   int n_plans;
   void *workspace;
   size_t workspace_bytes;
   double *out;      /* (2) device: loss and sumsq results */
+  double *partials; /* device: per-block or per-sample pairs, summed into out in a fixed order */
+  size_t partials_bytes;
   void *stage_host; /* pinned host staging for host inputs */
   size_t stage_host_bytes;
   void *stage_dev; /* their device copy */
@@ -79,9 +80,17 @@ typedef struct {
   cudaEvent_t staged; /* recorded after the last copy out of stage_host */
 } cuda_impl;
 
-static _Noreturn void out_of_memory(const cuda_impl *im, size_t need, const char *what) {
+/* A failed allocation: out of memory gets the batch-size advice; any other error (a sticky one
+ * left by earlier asynchronous work) is reported as it is. */
+static _Noreturn void alloc_failed(const cuda_impl *im, cudaError_t err, size_t need, const char *what) {
   size_t free_b = 0, total_b = 0;
-  cudaGetLastError(); /* the failed allocation's error is reported here, not by the next check */
+  cudaGetLastError(); /* reported here, not again by the next check */
+  if (err != cudaErrorMemoryAllocation) {
+    char w[512];
+    snprintf(w, sizeof w, "cudaMalloc of %zu bytes (%s) on device %d failed: %s (%s)", need, what, im->device,
+             cudaGetErrorString(err), cudaGetErrorName(err));
+    dt_abort(__FILE__, __LINE__, w);
+  }
   cudaMemGetInfo(&free_b, &total_b);
   dt_die(
       "out of GPU memory on device %d allocating %zu bytes (%.1f MiB) of %s (%.1f MiB free of %.1f); lower "
@@ -99,7 +108,8 @@ static void *grow_device(cuda_impl *im, void **buf, size_t *have, size_t need, c
     *buf = NULL;
     *have = 0;
   }
-  if (cudaMalloc(buf, need) != cudaSuccess) out_of_memory(im, need, what);
+  cudaError_t err = cudaMalloc(buf, need);
+  if (err != cudaSuccess) alloc_failed(im, err, need, what);
   *have = need;
   return *buf;
 }
@@ -121,11 +131,13 @@ static void stage(cuda_impl *im, int n, const void *const *host, const size_t *b
   /* the previous transfer out of the pinned buffer must be done before it is overwritten */
   CUDA_CHECK(cudaEventSynchronize(im->staged));
   if (total > im->stage_host_bytes) {
-    CUDA_CHECK(cudaFreeHost(im->stage_host));
+    if (im->stage_host) CUDA_CHECK(cudaFreeHost(im->stage_host));
     im->stage_host = NULL;
-    if (cudaMallocHost(&im->stage_host, total) != cudaSuccess) {
+    cudaError_t err = cudaMallocHost(&im->stage_host, total);
+    if (err != cudaSuccess) {
       cudaGetLastError();
-      dt_die("out of pinned host memory allocating %zu bytes of input staging", total);
+      dt_die("cudaMallocHost of %zu bytes of pinned input staging failed: %s (%s)", total, cudaGetErrorString(err),
+             cudaGetErrorName(err));
     }
     im->stage_host_bytes = total;
   }
@@ -149,7 +161,7 @@ static _Noreturn void no_algorithm(const dt_conv_geom *g, const char *pass) {
 static conv_plan *plan_for(cuda_impl *im, const dt_conv_geom *g) {
   for (int i = 0; i < im->n_plans; i++)
     if (!memcmp(&im->plans[i].g, g, sizeof *g)) return &im->plans[i];
-  DT_ASSERT(im->n_plans < MAX_PLANS);
+  im->plans = dt_realloc(im->plans, (size_t)(im->n_plans + 1) * sizeof *im->plans);
   conv_plan *p = &im->plans[im->n_plans++];
   memset(p, 0, sizeof *p);
   p->g = *g;
@@ -214,6 +226,9 @@ static conv_plan *plan_for(cuda_impl *im, const dt_conv_geom *g) {
   return p;
 }
 
+/* The kernels split indices with 32-bit fast division: main.c refuses larger tensors. */
+#define CHECK_INDEXABLE(n) DT_ASSERT((int64_t)(n) < ((int64_t)1 << 31))
+
 static void cuda_run(dt_backend *be, const dt_op *op) {
   cuda_impl *im = be->impl;
   cudaStream_t s = im->stream;
@@ -232,11 +247,13 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
     }
     case DT_OP_BIAS_ADD: {
       const typeof(op->p.bias_add) *q = &op->p.bias_add;
+      CHECK_INDEXABLE(q->b * q->c * q->s);
       k_bias_add(s, q->y, q->bias, q->b, q->c, q->s);
       break;
     }
     case DT_OP_BIAS_GRAD: {
       const typeof(op->p.bias_grad) *q = &op->p.bias_grad;
+      CHECK_INDEXABLE(q->b * q->c * q->s);
       k_bias_grad(s, q->dy, q->db, q->b, q->c, q->s);
       break;
     }
@@ -265,21 +282,25 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
     }
     case DT_OP_BN_STATS: {
       const typeof(op->p.bn_stats) *q = &op->p.bn_stats;
+      CHECK_INDEXABLE(q->b * q->c * q->s);
       k_bn_stats(s, q->x, q->b, q->c, q->s, q->sum, q->sumsq);
       break;
     }
     case DT_OP_BN_APPLY: {
       const typeof(op->p.bn_apply) *q = &op->p.bn_apply;
+      CHECK_INDEXABLE(q->b * q->c * q->s);
       k_bn_apply(s, q->x, q->y, q->b, q->c, q->s, q->mean, q->invstd, q->gamma, q->beta);
       break;
     }
     case DT_OP_BN_BWD_STATS: {
       const typeof(op->p.bn_bwd_stats) *q = &op->p.bn_bwd_stats;
+      CHECK_INDEXABLE(q->b * q->c * q->s);
       k_bn_bwd_stats(s, q->x, q->dy, q->b, q->c, q->s, q->mean, q->invstd, q->sum_dy, q->sum_dy_xhat);
       break;
     }
     case DT_OP_BN_BWD_APPLY: {
       const typeof(op->p.bn_bwd_apply) *q = &op->p.bn_bwd_apply;
+      CHECK_INDEXABLE(q->b * q->c * q->s);
       DT_ASSERT(!q->dgamma); /* the batchnorm layer adds parameter gradients itself */
       k_bn_bwd_apply(s, q->x, q->dy, q->dx, q->b, q->c, q->s, q->count, q->mean, q->invstd, q->gamma, q->sum_dy,
                      q->sum_dy_xhat);
@@ -293,11 +314,13 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
     }
     case DT_OP_POOL_FWD: {
       const typeof(op->p.pool_fwd) *q = &op->p.pool_fwd;
+      CHECK_INDEXABLE(q->b * q->c * q->h * q->w);
       k_pool_fwd(s, q->kind, q->x, q->y, q->argmax, q->b, q->c, q->h, q->w, q->k, q->stride, q->ho, q->wo);
       break;
     }
     case DT_OP_POOL_BWD: {
       const typeof(op->p.pool_bwd) *q = &op->p.pool_bwd;
+      CHECK_INDEXABLE(q->b * q->c * q->h * q->w);
       k_pool_bwd(s, q->kind, q->dy, q->argmax, q->dx, q->b, q->c, q->h, q->w, q->k, q->stride, q->ho, q->wo);
       break;
     }
@@ -318,7 +341,11 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
       const void *in[2] = {q->labels, q->targets}, *dev[2];
       size_t bytes[2] = {(size_t)q->b * sizeof(int32_t), (size_t)(q->b * q->k) * sizeof(float)};
       stage(im, 2, in, bytes, dev);
-      k_loss(s, q->kind, q->logits, dev[0], dev[1], q->dlogits, q->b, q->k, q->label_smoothing, q->weight, im->out);
+      double *pairs =
+          grow_device(im, (void **)&im->partials, &im->partials_bytes,
+                      (size_t)(q->b > K_SUM_BLOCKS ? q->b : K_SUM_BLOCKS) * 2 * sizeof(double), "loss sums");
+      k_loss(s, q->kind, q->logits, dev[0], dev[1], q->dlogits, q->b, q->k, q->label_smoothing, q->weight, im->out,
+             pairs);
       double host[2];
       CUDA_CHECK(cudaMemcpyAsync(host, im->out, sizeof host, cudaMemcpyDeviceToHost, s));
       CUDA_CHECK(cudaStreamSynchronize(s));
@@ -341,7 +368,9 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
     case DT_OP_SCALE: k_scale(s, op->p.scale.x, op->p.scale.alpha, op->p.scale.n); break;
     case DT_OP_SUMSQ: {
       const typeof(op->p.sumsq) *q = &op->p.sumsq;
-      k_sumsq(s, q->x, q->n, im->out);
+      double *pairs = grow_device(im, (void **)&im->partials, &im->partials_bytes,
+                                  (size_t)K_SUM_BLOCKS * 2 * sizeof(double), "sums of squares");
+      k_sumsq(s, q->x, q->n, im->out, pairs);
       double host[2];
       CUDA_CHECK(cudaMemcpyAsync(host, im->out, sizeof host, cudaMemcpyDeviceToHost, s));
       CUDA_CHECK(cudaStreamSynchronize(s));
@@ -351,6 +380,7 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
     }
     case DT_OP_INPUT: {
       const typeof(op->p.input) *q = &op->p.input;
+      CHECK_INDEXABLE(q->b * q->c * q->s);
       /* raw rows from the loader, mean and std from the caller's stack: staged together */
       const void *in[3] = {q->raw, q->mean, q->std}, *dev[3];
       size_t bytes[3] = {(size_t)(q->b * q->c * q->s) * sizeof(float), (size_t)q->c * sizeof(float),
@@ -367,7 +397,8 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
 static float *cuda_alloc(dt_backend *be, size_t bytes) {
   cuda_impl *im = be->impl;
   void *p = NULL;
-  if (cudaMalloc(&p, bytes ? bytes : 256) != cudaSuccess) out_of_memory(im, bytes, "model buffers");
+  cudaError_t err = cudaMalloc(&p, bytes ? bytes : 256);
+  if (err != cudaSuccess) alloc_failed(im, err, bytes, "model buffers");
   CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, im->stream));
   return p;
 }
@@ -401,21 +432,23 @@ static void cuda_sync(dt_backend *be) {
 
 static void cuda_destroy(dt_backend *be) {
   cuda_impl *im = be->impl;
-  cudaStreamSynchronize(im->stream);
+  CUDA_CHECK(cudaStreamSynchronize(im->stream));
   for (int i = 0; i < im->n_plans; i++) {
-    cudnnDestroyTensorDescriptor(im->plans[i].x);
-    cudnnDestroyTensorDescriptor(im->plans[i].y);
-    cudnnDestroyFilterDescriptor(im->plans[i].w);
-    cudnnDestroyConvolutionDescriptor(im->plans[i].conv);
+    CUDNN_CHECK(cudnnDestroyTensorDescriptor(im->plans[i].x));
+    CUDNN_CHECK(cudnnDestroyTensorDescriptor(im->plans[i].y));
+    CUDNN_CHECK(cudnnDestroyFilterDescriptor(im->plans[i].w));
+    CUDNN_CHECK(cudnnDestroyConvolutionDescriptor(im->plans[i].conv));
   }
-  cudaFree(im->workspace);
-  cudaFree(im->stage_dev);
-  cudaFreeHost(im->stage_host);
-  cudaEventDestroy(im->staged);
-  cudaFree(im->out);
-  cudnnDestroy(im->dnn);
-  cublasDestroy(im->blas);
-  cudaStreamDestroy(im->stream);
+  free(im->plans);
+  CUDA_CHECK(cudaFree(im->workspace));
+  CUDA_CHECK(cudaFree(im->stage_dev));
+  if (im->stage_host) CUDA_CHECK(cudaFreeHost(im->stage_host));
+  CUDA_CHECK(cudaEventDestroy(im->staged));
+  CUDA_CHECK(cudaFree(im->partials));
+  CUDA_CHECK(cudaFree(im->out));
+  CUDNN_CHECK(cudnnDestroy(im->dnn));
+  CUBLAS_CHECK(cublasDestroy(im->blas));
+  CUDA_CHECK(cudaStreamDestroy(im->stream));
   free(im);
   free(be);
 }

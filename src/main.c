@@ -181,15 +181,32 @@ static int pick_threads(const dt_config *cfg, const dt_comm *c) {
   return mine < share ? mine : share;
 }
 
+/* Rows of the largest local batch: the global batch split over W ranks, plus one for the uneven split. */
+static int64_t max_local_rows(const dt_config *cfg, int64_t W) {
+  int64_t G = cfg->v.global_batch_size ? cfg->v.global_batch_size : cfg->v.batch_size * W;
+  return (G + W - 1) / W + 1;
+}
+
 /* The GPU this rank uses (-1: the CPU backend). --device auto stays on the CPU until the CUDA
  * backend has been validated on a GPU (README "Status"); --device cuda opts in. Rank i of a node
  * uses visible GPU i; with dist.comm mpi several ranks may share one GPU. */
-static int select_device(const cli_args *a, const dt_config *cfg, const dt_comm *comm, dt_status *st) {
+static int select_device(const cli_args *a, const dt_config *cfg, const dt_model *m, const dt_comm *comm,
+                         dt_status *st) {
   if (a->device != DEV_CUDA) return -1;
   char why[256] = "";
   int n = gpu_count(why, sizeof why);
   if (n == 0) {
     dt_fail(st, DT_EXIT_INPUT, "--device cuda: %s; use --device cpu", why);
+    return -1;
+  }
+  /* the kernels and cuDNN index a tensor with 32 bits */
+  int64_t rows = max_local_rows(cfg, comm->size), values = rows * model_max_row(m);
+  if (values >= ((int64_t)1 << 31)) {
+    dt_fail(st, DT_EXIT_INPUT,
+            "--device cuda: the largest tensor holds %lld values per rank (%lld rows x %lld), over the 2^31 "
+            "that the CUDA kernels and cuDNN index; lower train.batch_size or train.global_batch_size, or use "
+            "more ranks",
+            (long long)values, (long long)rows, (long long)model_max_row(m));
     return -1;
   }
   if (cfg->v.comm == DT_COMM_NCCL && comm->local_size > n) {
@@ -360,8 +377,7 @@ static double mib(size_t b) {
  * one, else the host's available memory shared by the ranks on the node). */
 static void check_memory(const dt_config *cfg, const dt_model *m, const dt_comm *comm, dt_status *st) {
   const dt_config_values *v = &cfg->v;
-  int64_t W = comm->size, G = v->global_batch_size ? v->global_batch_size : v->batch_size * W;
-  int64_t rows = (G + W - 1) / W + 1;
+  int64_t rows = max_local_rows(cfg, comm->size);
   int states = v->optim == DT_OPTIM_ADAMW ? 2 : v->momentum > 0 ? 1 : 0;
   dt_memory mem = model_memory(m, rows, states, pick_threads(cfg, comm));
   char why[256];
@@ -450,7 +466,7 @@ int main(int argc, char **argv) {
   if ((code = comm_agree(&comm, &st))) goto done;
   model_build(&model, &cfg, &st);
   if ((code = comm_agree(&comm, &st))) goto done;
-  int gpu = select_device(&args, &cfg, &comm, &st);
+  int gpu = select_device(&args, &cfg, &model, &comm, &st);
   if ((code = comm_agree(&comm, &st))) goto done;
   data_open(&data, &cfg, &model, comm.size, comm.rank, &st);
   if ((code = comm_agree(&comm, &st))) goto done;
@@ -493,10 +509,7 @@ int main(int argc, char **argv) {
   (void)gpu; /* without CUDA, select_device has already refused --device cuda */
 #endif
   if (!be) be = backend_cpu_create(pick_threads(&cfg, &comm));
-  int64_t W = comm.size;
-  int64_t G = cfg.v.global_batch_size ? cfg.v.global_batch_size : cfg.v.batch_size * W;
-  int64_t max_local = (G + W - 1) / W + 1;
-  model_alloc(&model, be, max_local, (uint64_t)cfg.v.seed);
+  model_alloc(&model, be, max_local_rows(&cfg, comm.size), (uint64_t)cfg.v.seed);
   int resumed = 0;
   if (args.resume && (code = load_resume(&args, &cfg, &model, &comm, &resume, &resumed))) goto done;
   if (!resumed && (code = init_params(&cfg, &model, &comm))) goto done;
@@ -510,7 +523,7 @@ int main(int argc, char **argv) {
 
 done:
 #ifdef DT_WITH_CUDA
-  nccl_destroy(nccl);
+  nccl_destroy(nccl, code != 0 && code != DT_EXIT_STOPPED);
 #endif
   (void)nccl;
   free(resume.params);

@@ -250,6 +250,13 @@ dt_memory model_memory(const dt_model *m, int64_t batch, int optim_states, int t
   return mem;
 }
 
+int64_t model_max_row(const dt_model *m) {
+  int64_t most = shape_size(m->input);
+  for (int i = 0; i < m->n_all; i++)
+    if (shape_size(m->all[i]->out) > most) most = shape_size(m->all[i]->out);
+  return most;
+}
+
 int64_t model_flops(const dt_model *m) {
   int64_t f = 0;
   for (int i = 0; i < m->n_all; i++)

@@ -134,6 +134,8 @@ void model_print_layer_keys(FILE *out);
 /* Prints the summary: each layer's output shape and parameters, totals, FLOPs per sample. */
 void model_summary(const dt_model *m, FILE *out);
 int64_t model_flops(const dt_model *m);
+/* The largest tensor one row passes through: the input or a layer's output (values per row). */
+int64_t model_max_row(const dt_model *m);
 
 /* Forward over pass->batch rows of m->input_x; logits end in the last layer's y. */
 void model_forward(dt_model *m, dt_pass *pass);

@@ -824,6 +824,40 @@ GPU_TEST(cuda_op_sgd_adamw, (ot_begin(), ops_optim(), ot_end()))
 GPU_TEST(cuda_op_sumsq, (ot_begin(), ops_sumsq(), ot_end()))
 GPU_TEST(cuda_op_input, (ot_begin(), ops_input(), ot_end()))
 
+/* The sums the host reads back (sum of squares, loss sums) come out with the same bits every time:
+ * run after run on a GPU, launch after launch on the stand-in, whose block order changes with each
+ * launch. Accumulating them with atomics in whatever order blocks finish would not. */
+static void sums_are_the_same_bits_every_time(void) {
+  dt_backend *be = backend_cuda_create(0);
+  enum { N = 300000, B = 512, K = 10 };
+  float *h = malloc(N * sizeof(float));
+  int32_t labels[B];
+  for (int i = 0; i < N; i++) h[i] = (dt_hash_uniform(21, (uint64_t)i) - 0.5f) * 1e3f;
+  for (int i = 0; i < B; i++) labels[i] = (int32_t)(dt_hash64((uint64_t)i) % K);
+  float *x = be->alloc(be, N * sizeof(float)), *dlogits = be->alloc(be, B * K * sizeof(float));
+  be->to_device(be, x, h, N * sizeof(float));
+  double first_sq = 0, first_loss = 0;
+  for (int run = 0; run < 6; run++) {
+    double sq = 0, loss = 0, hits = 0;
+    int64_t bad = 0;
+    dt_op op = {.type = DT_OP_SUMSQ};
+    op.p.sumsq = (typeof(op.p.sumsq)){N, x, &sq, &bad};
+    backend_run(be, &op);
+    dt_op lo = {.type = DT_OP_LOSS};
+    lo.p.loss = (typeof(lo.p.loss)){DT_LOSS_CROSS_ENTROPY, B, K, 0.0f, 1.0 / B, x, labels, NULL, dlogits, &loss, &hits};
+    backend_run(be, &lo);
+    if (run == 0) first_sq = sq, first_loss = loss;
+    if (memcmp(&sq, &first_sq, sizeof sq) || memcmp(&loss, &first_loss, sizeof loss))
+      fail_msg("run %d: sum of squares %.17g (first %.17g), loss sum %.17g (first %.17g)", run, sq, first_sq, loss,
+               first_loss);
+  }
+  be->free(be, x);
+  be->free(be, dlogits);
+  be->destroy(be);
+  free(h);
+}
+GPU_TEST(cuda_sums_are_the_same_bits_every_time, sums_are_the_same_bits_every_time())
+
 /* Every op of dt_op_type has been through the tests above (run after them). */
 static void every_op_covered(void) {
   for (int i = 0; i < DT_OP_COUNT; i++)
@@ -849,6 +883,7 @@ int main(void) {
       cmocka_unit_test(cuda_op_sumsq),
       cmocka_unit_test(cuda_op_input),
       cmocka_unit_test(cuda_op_every_op_tested),
+      cmocka_unit_test(cuda_sums_are_the_same_bits_every_time),
   };
   return cmocka_run_group_tests_name("gpu", tests, NULL, NULL);
 }

@@ -162,6 +162,36 @@ class GpuTraining(unittest.TestCase):
         if VISIBLE2 >= 2:
             self.assertIn("GPU 1:", out)
 
+    def test_a_tensor_too_large_for_the_kernels_is_refused(self):
+        """The kernels and cuDNN index tensors with 32 bits: a batch whose largest tensor reaches 2^31
+        values is an exit-2 error naming the limit, before anything is allocated."""
+        cfg = self.w.config("""\
+            model:
+              input: [1, 4096, 4096]
+              layers: [{{conv2d: {{out: 64, kernel: 3, pad: 1}}}}, flatten, {{linear: {{out: 2}}}}]
+            data: {{path: {dir}/none.h5}}
+            train: {{batch_size: 2}}
+            """)
+        rc, out, err = gpu_run([cfg, "--device", "cuda"], 1, ENV1)
+        self.assertEqual(rc, 2, out + err)
+        self.assertIn("the largest tensor holds 3221225472 values per rank (3 rows x 1073741824)", errors(err)[0])
+
+    @unittest.skipUnless(SIM, "needs the stand-in's GPUSIM_SEED")
+    def test_results_do_not_depend_on_the_order_threads_run(self):
+        """The stand-in runs blocks and threads in an order GPUSIM_SEED decides, as a GPU's scheduler
+        would: two seeds must give the same bits, which a race in any kernel (a missing barrier, an
+        order of atomic additions that reaches the parameters) would break. With gradient clipping,
+        so that the sum of squares reaches them too."""
+        self.w.dataset(n=48)
+        cfg = self.w.config(GPU_CNN, dropout="dropout: {p: 0.2}")
+        for seed in (1, 2):
+            rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", "train.clip_grad_norm=0.05", "--set",
+                                    f"checkpoint.dir={self.w.file(f'seed{seed}')}"], 2, dict(ENV2, GPUSIM_SEED=str(seed)))
+            self.assertEqual(rc, 0, out + err)
+        a, b = params(self.w.latest("seed1")), params(self.w.latest("seed2"))
+        for k in a:
+            self.assertTrue(np.array_equal(a[k], b[k]), k)
+
     @unittest.skipUnless(SIM, "needs the stand-in: one rank shown 2 GPUs and the other 1")
     def test_nodes_with_different_gpu_counts_agree_on_mpi(self):
         """dist.comm auto with one rank seeing 2 GPUs and the other 1: both must use MPI (before, the
