@@ -117,7 +117,8 @@ void grad_sync_init(dt_grad_sync *g, dt_comm *c, const dt_device_reduce *dev, dt
 typedef struct dt_nccl dt_nccl;
 dt_nccl *nccl_create(dt_comm *c, void *compute_stream, dt_status *st);
 const dt_device_reduce *nccl_reducer(dt_nccl *n);
-void nccl_destroy(dt_nccl *n);
+/* Finalizes and destroys the communicator; aborts it instead when the job is failing (failed). */
+void nccl_destroy(dt_nccl *n, int failed);
 void grad_sync_free(dt_grad_sync *g);
 /* Backward hook: every gradient at offset >= from is final. Starts the buckets it completes. */
 void grad_sync_ready(dt_grad_sync *g, int64_t from);

@@ -41,17 +41,6 @@ int comm_init(dt_comm *c, int *argc, char ***argv) {
   return 0;
 }
 
-int comm_failed_peer(dt_comm *c);
-
-void comm_finalize(dt_comm *c) {
-  while (comm_failed_peer(c) >= 0) {
-  } /* announcements that arrived after their receiver stopped listening */
-  if (c->node != MPI_COMM_NULL && c->node) MPI_Comm_free(&c->node);
-  free(c->arrived_seq);
-  free(c->arrive_req);
-  MPI_Finalize();
-}
-
 enum { TAG_ARRIVE = 7001, TAG_FAILED = 7002 };
 
 void comm_announce_failure(dt_comm *c) {
@@ -69,6 +58,15 @@ int comm_failed_peer(dt_comm *c) {
   MPI_CHECK(MPI_Iprobe(MPI_ANY_SOURCE, TAG_FAILED, c->world, &flag, &st));
   if (flag) MPI_CHECK(MPI_Recv(&who, 1, MPI_INT, st.MPI_SOURCE, TAG_FAILED, c->world, MPI_STATUS_IGNORE));
   return who;
+}
+
+void comm_finalize(dt_comm *c) {
+  /* receive the failure announcements that arrived after their receiver stopped listening */
+  while (comm_failed_peer(c) >= 0) continue;
+  if (c->node != MPI_COMM_NULL && c->node) MPI_Comm_free(&c->node);
+  free(c->arrived_seq);
+  free(c->arrive_req);
+  MPI_Finalize();
 }
 
 static void missing_ranks(const dt_comm *c, char *buf, size_t cap, int *count) {

@@ -31,11 +31,18 @@ struct dt_nccl {
 };
 
 /* Prints why, aborts the communicator (so no rank stays inside NCCL) and the job (exit 3). */
+/* ncclCommAbort, its own failure reported: nothing else can be done about it. */
+static void abort_comm(dt_nccl *n) {
+  ncclResult_t rc = ncclCommAbort(n->comm);
+  if (rc != ncclSuccess)
+    fprintf(stderr, "ddp_train: warning: rank %d: ncclCommAbort failed: %s\n", n->mpi->rank, ncclGetErrorString(rc));
+}
+
 static _Noreturn void give_up(dt_nccl *n, const char *what, const char *why) {
   fprintf(stderr, "ddp_train: error: rank %d: %s at step %lld %s; aborting the job\n", n->mpi->rank, what,
           (long long)n->mpi->step, why);
   fflush(stderr);
-  ncclCommAbort(n->comm);
+  abort_comm(n);
   MPI_Abort(n->mpi->world, DT_EXIT_PEER);
   abort();
 }
@@ -108,7 +115,7 @@ static int join(dt_nccl *n, ncclResult_t rc, dt_status *st) {
     }
     int peer = comm_failed_peer(c);
     if (peer >= 0) { /* that rank reports why; this one leaves quietly */
-      ncclCommAbort(n->comm);
+      abort_comm(n);
       return -1;
     }
     if (dt_now() - t0 > c->timeout_s) {
@@ -121,7 +128,7 @@ static int join(dt_nccl *n, ncclResult_t rc, dt_status *st) {
   dt_fail(st, DT_EXIT_PEER, "NCCL initialisation failed: %s%s%s", ncclGetErrorString(rc), detail[0] ? ": " : "",
           detail);
   comm_announce_failure(c);
-  if (n->comm) ncclCommAbort(n->comm);
+  if (n->comm) abort_comm(n);
   return -1;
 }
 
@@ -158,14 +165,26 @@ const dt_device_reduce *nccl_reducer(dt_nccl *n) {
   return &n->reducer;
 }
 
-void nccl_destroy(dt_nccl *n) {
+void nccl_destroy(dt_nccl *n, int failed) {
   if (!n) return;
-  cudaStreamSynchronize(n->comm_stream);
-  ncclCommFinalize(n->comm);
-  settle(n, "ncclCommFinalize");
-  ncclCommDestroy(n->comm);
-  cudaEventDestroy(n->ready);
-  cudaEventDestroy(n->done);
-  cudaStreamDestroy(n->comm_stream);
+  if (failed) { /* the job is ending on an error: peers may be gone, do not wait for them */
+    abort_comm(n);
+  } else {
+    CUDA_CHECK(cudaStreamSynchronize(n->comm_stream));
+    ncclResult_t rc = ncclCommFinalize(n->comm);
+    if (rc != ncclSuccess && rc != ncclInProgress) {
+      char why[256];
+      snprintf(why, sizeof why, "failed: %s", ncclGetErrorString(rc));
+      give_up(n, "ncclCommFinalize", why);
+    }
+    settle(n, "ncclCommFinalize");
+    rc = ncclCommDestroy(n->comm);
+    if (rc != ncclSuccess)
+      fprintf(stderr, "ddp_train: warning: rank %d: ncclCommDestroy failed: %s\n", n->mpi->rank,
+              ncclGetErrorString(rc));
+  }
+  CUDA_CHECK(cudaEventDestroy(n->ready));
+  CUDA_CHECK(cudaEventDestroy(n->done));
+  CUDA_CHECK(cudaStreamDestroy(n->comm_stream));
   free(n);
 }

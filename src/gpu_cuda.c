@@ -90,12 +90,17 @@ void gpu_describe(int i, char *buf, size_t cap, size_t *free_bytes) {
     snprintf(buf, cap, "GPU %d: cudaGetDeviceProperties: %s", i, cudaGetErrorString(rc));
     return;
   }
-  char bus[32] = "", free_text[64] = "free memory unknown (no NVML)";
-  cudaDeviceGetPCIBusId(bus, sizeof bus, i);
+  char bus[32] = "", free_text[64];
+  rc = cudaDeviceGetPCIBusId(bus, sizeof bus, i);
+  if (rc != cudaSuccess) snprintf(bus, sizeof bus, "unknown (%s)", cudaGetErrorName(rc));
   const nvml_api *api = nvml();
   nvml_device_t dev;
   nvml_memory_t mem;
-  if (api && bus[0] && !api->by_pci(bus, &dev) && !api->memory(dev, &mem)) {
+  if (!api)
+    snprintf(free_text, sizeof free_text, "free memory unknown (no NVML)");
+  else if (rc != cudaSuccess || api->by_pci(bus, &dev) || api->memory(dev, &mem))
+    snprintf(free_text, sizeof free_text, "free memory unknown (NVML could not read it)");
+  else {
     *free_bytes = (size_t)mem.free;
     snprintf(free_text, sizeof free_text, "%.1f GiB free", (double)mem.free / 1073741824.0);
   }
