@@ -5,6 +5,7 @@
 #   make run        deps + build + data, then train configs/model.yaml on 2 ranks
 #   make test       deps + build + data, then the whole test suite
 #   make repeat     N=20 SUITES="...": the suites N times in a row, reporting any test that failed once
+#   make test-asan  the unit, fault and GPU stand-in suites built with ASan + UBSan, leaks checked
 #   make test-gpu   the GPU suites on real GPUs (make test runs them on the CPU stand-in, tests/gpusim)
 #   make bench      CPU throughput against PyTorch, same run
 #   make install    PREFIX=/usr/local: the binary, scripts, configs and the man page
@@ -18,15 +19,27 @@ NP ?= 2
 PYTHON ?= /usr/bin/python3
 MPIRUN ?= mpirun
 
+# Sanitizer builds (make test-asan, make test-tsan): SAN=asan or SAN=tsan builds everything in
+# build/$(SAN)/; with CUDA the binaries link the GPU stand-in instead of the CUDA libraries
+# (nothing can run those here anyway), so the CUDA sources and the stand-in are checked too.
+SAN ?=
+SAN_FLAGS_asan := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+SAN_FLAGS_tsan := -fsanitize=thread -fno-omit-frame-pointer
+SAN_FLAGS := $(SAN_FLAGS_$(SAN))
+
 DEB_PKGS := pkg-config libopenmpi-dev openmpi-bin libhdf5-dev hdf5-tools libyaml-dev libopenblas-openmp-dev \
             dataset-fashion-mnist libcmocka-dev python3-numpy python3-h5py python3-torch python3-yaml python3-matplotlib help2man slurmctld slurmd slurm-client
 OPENBLAS_DIR := /usr/lib/x86_64-linux-gnu/openblas-openmp
 OPENBLAS_INC := /usr/include/x86_64-linux-gnu/openblas-openmp
 
-BUILD := build/$(if $(filter 1,$(CUDA)),cuda,cpu)
+BUILD := build/$(if $(SAN),$(SAN),$(if $(filter 1,$(CUDA)),cuda,cpu))
 PKG_CFLAGS = $(shell pkg-config --cflags ompi-c hdf5 yaml-0.1 2>/dev/null)
 PKG_LIBS = $(shell pkg-config --libs ompi-c hdf5 yaml-0.1 2>/dev/null)
-CFLAGS ?= -O3 -g
+ifneq ($(SAN),)
+  override CFLAGS := -O1 -g $(SAN_FLAGS)
+else
+  CFLAGS ?= -O3 -g
+endif
 # format-truncation: messages are cut to bounded buffers on purpose
 override CFLAGS += -std=gnu11 -Wall -Wextra -Werror -Wno-format-truncation -fopenmp -pthread $(PKG_CFLAGS) -I$(OPENBLAS_INC) -Isrc
 LDLIBS = $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -lgomp -lpthread -lm
@@ -50,31 +63,41 @@ OBJS := $(HOST_OBJS) $(KERNEL_OBJS)
 # The GPU stand-in (tests/gpusim): the CUDA variant of ddp_train built from the same sources, with
 # kernels/*.cu compiled by the host C++ compiler and the CUDA runtime, cuBLAS, cuDNN, NCCL and NVML
 # implemented on the CPU in build/sim/libgpusim.so. Only test builds link it.
-SIM := build/sim
-SIM_CXXFLAGS := -O2 -g -std=c++17 -fPIC -pthread -Wall -Wextra -Werror -I$(CUDA_HOME)/include -I$(OPENBLAS_INC) -Itests/gpusim
+SIM := $(if $(SAN),$(BUILD)/sim,build/sim)
+SIM_CXXFLAGS := -O2 -g $(SAN_FLAGS) -std=c++17 -fPIC -pthread -Wall -Wextra -Werror -I$(CUDA_HOME)/include \
+                -I$(OPENBLAS_INC) -Itests/gpusim
 SIM_LIB_OBJS := $(patsubst tests/gpusim/%.cc,$(SIM)/gpusim/%.o,$(wildcard tests/gpusim/*.cc))
 SIM_KERNEL_OBJS := $(patsubst kernels/%.cu,$(SIM)/kernels/%.o,$(wildcard kernels/*.cu))
 SIM_HEADERS := $(wildcard tests/gpusim/*.h)
-SIM_LDLIBS = $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -lgomp -lpthread -lm -L$(SIM) -lgpusim -lstdc++
+# DT_RPATH, not RUNPATH: under ASan dlopen (NVML) is called from the sanitizer runtime, where the
+# executable's RUNPATH does not apply
+SIM_LDLIBS = -Wl,--disable-new-dtags $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -lgomp -lpthread -lm -L$(SIM) -lgpusim -lstdc++
 SIM_BINS := $(SIM)/ddp_train $(SIM)/tests/test_gpu $(SIM)/tests/test_gpusim $(SIM)/tests/test_gpusim_nccl
+ifneq ($(SAN),)
+ifeq ($(CUDA),1)
+  OBJS := $(HOST_OBJS) $(SIM_KERNEL_OBJS)
+  LDLIBS = $(SIM_LDLIBS) -Wl,-rpath,$(abspath $(SIM))
+  SAN_DEPS := $(SIM)/libgpusim.so $(SIM)/libnvidia-ml.so.1
+endif
+endif
 
 TESTS := test_config test_sampler test_model test_ops test_optim $(if $(filter 1,$(CUDA)),test_gpu)
 TEST_BINS := $(TESTS:%=$(BUILD)/tests/%) $(if $(filter 1,$(CUDA)),$(SIM_BINS))
 
-.PHONY: all deps data run test test-gpu repeat bench clean docs ddp_train install
+.PHONY: all deps data run test test-gpu test-asan test-tsan test-bins repeat bench clean docs ddp_train install
 PREFIX ?= /usr/local
 all: ddp_train
 
 ddp_train: $(BUILD)/ddp_train
 	cp $< $@
 
-$(BUILD)/ddp_train: $(OBJS) $(BUILD)/main.o
-	$(CC) $(CFLAGS) -o $@ $^ $(LDLIBS)
+$(BUILD)/ddp_train: $(OBJS) $(BUILD)/main.o $(SAN_DEPS)
+	$(CC) $(CFLAGS) -o $@ $(filter %.o,$^) $(LDLIBS)
 
 $(BUILD)/%.o: src/%.c src/*.h | $(BUILD)/tests
 	$(CC) $(CFLAGS) -c -o $@ $<
 
-$(BUILD)/tests/%: tests/%.c $(OBJS) tests/*.h | $(BUILD)/tests
+$(BUILD)/tests/%: tests/%.c $(OBJS) tests/*.h $(SAN_DEPS) | $(BUILD)/tests
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(OBJS) $(LDLIBS) -lcmocka
 
 $(BUILD)/kernels/%.o: kernels/%.cu kernels/*.h kernels/*.cuh src/hash.h
@@ -89,7 +112,7 @@ $(SIM)/gpusim/%.o: tests/gpusim/%.cc $(SIM_HEADERS)
 	$(CXX) $(SIM_CXXFLAGS) -c -o $@ $<
 
 $(SIM)/libgpusim.so: $(SIM_LIB_OBJS)
-	$(CXX) -shared -Wl,--no-undefined -o $@ $^ -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -lpthread -lrt
+	$(CXX) $(SAN_FLAGS) -shared -Wl,--no-undefined -o $@ $^ -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -lpthread -lrt
 
 $(SIM)/libnvidia-ml.so.1: tests/gpusim/nvml.c $(SIM)/libgpusim.so
 	$(CC) -O2 -g -fPIC -shared -Wall -Wextra -Werror -Wl,--no-undefined -o $@ $< -L$(SIM) -lgpusim
@@ -144,11 +167,31 @@ run: deps
 	$(MAKE) ddp_train data
 	$(MPIRUN) --oversubscribe -np $(NP) ./ddp_train configs/model.yaml
 
+test-bins: $(TEST_BINS)
+
 # with CUDA, the GPU suites run on the stand-in (build/sim); test-gpu runs them on real GPUs
 test: deps
 	$(MAKE) ddp_train data $(TEST_BINS)
 	BUILD=$(BUILD) PYTHON=$(PYTHON) $(if $(filter 1,$(CUDA)),SIM=$(SIM) DDP_TRAIN_GPU_BINARY=$(SIM)/ddp_train) \
 	  bash tests/run.sh
+
+# AddressSanitizer + UndefinedBehaviorSanitizer, with leak checking at exit: the unit tests, the
+# stand-in's checks and GPU suites, and the fault suite (2-rank training, resume, crash, hang,
+# NaN, signal, full disk), every binary built with them. Reports go to build/asan/logs; any
+# report fails the run. Open MPI's own leaks are suppressed by tests/sanitizers/lsan.supp; its
+# components stay loaded (disable_dlclose) so that the suppressions can name them.
+ASAN_SUITES := test_config test_sampler test_model test_ops test_optim gpusim gpusim_nccl test_gpu_on_gpusim \
+               test_faults test_gpu_train test_gpu_faults
+ASAN_LOGS := $(CURDIR)/build/asan/logs
+test-asan: deps
+	$(MAKE) SAN=asan test-bins data
+	rm -rf $(ASAN_LOGS) && mkdir -p $(ASAN_LOGS)
+	ASAN_OPTIONS=detect_leaks=1:allow_user_segv_handler=1:halt_on_error=1:fast_unwind_on_malloc=0:log_path=$(ASAN_LOGS)/asan \
+	LSAN_OPTIONS=suppressions=$(CURDIR)/tests/sanitizers/lsan.supp:print_suppressions=0 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(ASAN_LOGS)/ubsan \
+	OMPI_MCA_mca_base_component_disable_dlclose=1 SANITIZER_LOGS=$(ASAN_LOGS) \
+	BUILD=build/asan SIM=build/asan/sim DDP_TRAIN_BINARY=build/asan/sim/ddp_train \
+	DDP_TRAIN_GPU_BINARY=build/asan/sim/ddp_train PYTHON=$(PYTHON) DDP_TRAIN_SUITES="$(ASAN_SUITES)" bash tests/run.sh
 
 # the suites N times in a row (default 20), reporting every test that failed in any run
 N ?= 20

@@ -10,7 +10,8 @@ import h5py
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BINARY = os.path.join(ROOT, "ddp_train")
+# DDP_TRAIN_BINARY: another build of ddp_train (the sanitizer builds, make test-asan)
+BINARY = os.path.abspath(os.environ.get("DDP_TRAIN_BINARY", os.path.join(ROOT, "ddp_train")))
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
            OMPI_MCA_rmaps_base_oversubscribe="1")
 

@@ -61,6 +61,22 @@ for t in test_cli test_train test_torch_oracle test_faults test_export test_slur
   run_suite "$t" "$PYTHON" tests/pyrun.py "$t"
 done
 
+# a sanitizer build (make test-asan) writes its reports to SANITIZER_LOGS: any report is a failure
+if [ -n "${SANITIZER_LOGS:-}" ]; then
+  reports=$(find "$SANITIZER_LOGS" -type f 2>/dev/null)
+  if [ -n "$reports" ]; then
+    for f in $reports; do
+      echo "# --- $f"
+      head -n 60 "$f"
+    done
+    echo "not ok - sanitizer reports in $SANITIZER_LOGS"
+    echo F >>"$tally"
+  else
+    echo "ok - no sanitizer reports"
+    echo P >>"$tally"
+  fi
+fi
+
 passed=$(grep -c P "$tally")
 failed=$(grep -c F "$tally")
 skipped=$(grep -c S "$tally")

@@ -48,9 +48,11 @@ struct Core {
   struct sigaction previous_segv, previous_bus;
 };
 
+// The process's one stand-in, like a GPU driver: it lives until the process ends (never
+// destroyed, so what it points to stays reachable for LeakSanitizer's check at exit).
 Core &core() {
-  static Core c;  // the process's one stand-in (a GPU driver is per process too)
-  return c;
+  static Core *c = new Core;
+  return *c;
 }
 
 thread_local int current_index_of_thread = 0;
@@ -122,11 +124,15 @@ void init_locked() {
     d.busy_s = 0;
     d.legacy = nullptr;
   }
-  void *r = mmap(nullptr, kRegionBytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (r == MAP_FAILED)
-    fatal("cannot reserve %zu bytes of address space for device memory: %s", kRegionBytes, strerror(errno));
+  // address space for every device's allocations: 1 TiB, less where a limit (ulimit -v) forbids it
+  size_t bytes = kRegionBytes;
+  void *r;
+  while ((r = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)) == MAP_FAILED &&
+         bytes > ((size_t)8 << 30))
+    bytes /= 4;
+  if (r == MAP_FAILED) fatal("cannot reserve address space for device memory: %s", strerror(errno));
   c.region_lo = (uintptr_t)r;
-  c.region_hi = c.region_lo + kRegionBytes;
+  c.region_hi = c.region_lo + bytes;
   c.next = c.region_lo + (uintptr_t)c.page;
   install_handler();
   // the stand-in is one executor: its library calls (cuBLAS, cuDNN) use one BLAS thread, so that
@@ -465,14 +471,28 @@ void grant(const Allocation *a) {
   c.opened.push_back(al);
 }
 
+void grant_only(const std::vector<const Allocation *> &uses) {
+  Core &c = core();
+  for (size_t i = 0; i < c.opened.size();) {  // take back what this op does not declare
+    Allocation *a = c.opened[i];
+    bool keep = false;
+    for (const Allocation *u : uses) keep = keep || u == a;
+    if (keep) {
+      i++;
+      continue;
+    }
+    a->open = false;
+    if (a->live) protect(a, PROT_NONE);
+    c.opened[i] = c.opened.back();
+    c.opened.pop_back();
+  }
+  for (const Allocation *u : uses) grant(u);
+}
+
 void close_device_memory() {
   Core &c = core();
   if (--c.open_depth > 0) return;
-  for (Allocation *a : c.opened) {
-    a->open = false;
-    if (a->live) protect(a, PROT_NONE);
-  }
-  c.opened.clear();
+  grant_only({});
 }
 
 void check_guards(const Allocation *a, const char *after_what) {

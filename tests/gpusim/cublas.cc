@@ -22,15 +22,10 @@ struct cublasContext {
 namespace gpusim {
 namespace {
 
-const uint32_t kHandleMagic = 0x6b1a5c0d;
-struct Handle {
-  uint32_t magic = kHandleMagic;
-  cublasContext ctx;
-};
+Handles<cublasContext> handles;
 
 cublasContext *ctx_of(cublasHandle_t h) {
-  Handle *hh = reinterpret_cast<Handle *>(h);
-  return hh && hh->magic == kHandleMagic ? &hh->ctx : nullptr;
+  return handles.has(h) ? h : nullptr;
 }
 
 size_t type_size(cudaDataType t) {
@@ -238,18 +233,16 @@ cublasStatus_t cublasCreate_v2(cublasHandle_t *h) {
   ApiLock lock;
   Device *d = current_device();
   if (!d) return CUBLAS_STATUS_NOT_INITIALIZED;
-  Handle *hh = new Handle;
-  hh->ctx.device = d->index;
-  *h = reinterpret_cast<cublasHandle_t>(hh);
+  cublasContext *c = handles.add(new cublasContext);
+  c->device = d->index;
+  *h = c;
   return CUBLAS_STATUS_SUCCESS;
 }
 
 cublasStatus_t cublasDestroy_v2(cublasHandle_t h) {
   ApiLock lock;
-  if (!ctx_of(h)) return CUBLAS_STATUS_NOT_INITIALIZED;
-  Handle *hh = reinterpret_cast<Handle *>(h);
-  hh->magic = 0;
-  delete hh;
+  if (!handles.remove(h)) return CUBLAS_STATUS_NOT_INITIALIZED;
+  delete h;
   return CUBLAS_STATUS_SUCCESS;
 }
 

@@ -18,31 +18,23 @@
 
 #include "gpusim.h"
 
-namespace {
-const uint32_t kTensorMagic = 0x7e50a001, kFilterMagic = 0x7e50a002, kConvMagic = 0x7e50a003, kHandleMagic = 0x7e50a004;
-}
-
 struct cudnnContext {
-  uint32_t magic = kHandleMagic;
   cudaStream_t stream = nullptr;
   int device = 0;
 };
 struct cudnnTensorStruct {
-  uint32_t magic = kTensorMagic;
   bool set = false;
   cudnnDataType_t type = CUDNN_DATA_FLOAT;
   int n = 0, c = 0, h = 0, w = 0;
   int sn = 0, sc = 0, sh = 0, sw = 0;  // strides in elements
 };
 struct cudnnFilterStruct {
-  uint32_t magic = kFilterMagic;
   bool set = false;
   cudnnDataType_t type = CUDNN_DATA_FLOAT;
   cudnnTensorFormat_t format = CUDNN_TENSOR_NCHW;
   int k = 0, c = 0, h = 0, w = 0;
 };
 struct cudnnConvolutionStruct {
-  uint32_t magic = kConvMagic;
   bool set = false;
   int pad_h = 0, pad_w = 0, u = 1, v = 1, dil_h = 1, dil_w = 1;
   cudnnConvolutionMode_t mode = CUDNN_CROSS_CORRELATION;
@@ -55,17 +47,22 @@ namespace {
 
 enum Dir { FWD, BWD_DATA, BWD_FILTER };
 
+Handles<cudnnContext> handles;
+Handles<cudnnTensorStruct> tensors;
+Handles<cudnnFilterStruct> filters;
+Handles<cudnnConvolutionStruct> convolutions;
+
 bool ok(const cudnnTensorStruct *t) {
-  return t && t->magic == kTensorMagic && t->set;
+  return tensors.has(t) && t->set;
 }
 bool ok(const cudnnFilterStruct *f) {
-  return f && f->magic == kFilterMagic && f->set;
+  return filters.has(f) && f->set;
 }
 bool ok(const cudnnConvolutionStruct *c) {
-  return c && c->magic == kConvMagic && c->set;
+  return convolutions.has(c) && c->set;
 }
 cudnnContext *handle_of(cudnnHandle_t h) {
-  return h && h->magic == kHandleMagic ? h : nullptr;
+  return handles.has(h) ? h : nullptr;
 }
 
 // The convolution's shapes, checked for consistency: x (N,C,H,W), w (K,C,R,S), y (N,K,P,Q).
@@ -475,7 +472,7 @@ cudnnStatus_t cudnnCreate(cudnnHandle_t *h) {
   ApiLock lock;
   Device *d = current_device();
   if (!d) return CUDNN_STATUS_NOT_INITIALIZED;
-  cudnnContext *c = new cudnnContext;
+  cudnnContext *c = handles.add(new cudnnContext);
   c->device = d->index;
   *h = c;
   return CUDNN_STATUS_SUCCESS;
@@ -483,8 +480,7 @@ cudnnStatus_t cudnnCreate(cudnnHandle_t *h) {
 
 cudnnStatus_t cudnnDestroy(cudnnHandle_t h) {
   ApiLock lock;
-  if (!handle_of(h)) return CUDNN_STATUS_BAD_PARAM;
-  h->magic = 0;
+  if (!handles.remove(h)) return CUDNN_STATUS_BAD_PARAM;
   delete h;
   return CUDNN_STATUS_SUCCESS;
 }
@@ -504,20 +500,22 @@ cudnnStatus_t cudnnGetStream(cudnnHandle_t h, cudaStream_t *s) {
 }
 
 cudnnStatus_t cudnnCreateTensorDescriptor(cudnnTensorDescriptor_t *t) {
-  *t = new cudnnTensorStruct;
+  ApiLock lock;
+  *t = tensors.add(new cudnnTensorStruct);
   return CUDNN_STATUS_SUCCESS;
 }
 
 cudnnStatus_t cudnnDestroyTensorDescriptor(cudnnTensorDescriptor_t t) {
-  if (!t || t->magic != kTensorMagic) return CUDNN_STATUS_BAD_PARAM;
-  t->magic = 0;
+  ApiLock lock;
+  if (!tensors.remove(t)) return CUDNN_STATUS_BAD_PARAM;
   delete t;
   return CUDNN_STATUS_SUCCESS;
 }
 
 cudnnStatus_t cudnnSetTensor4dDescriptorEx(cudnnTensorDescriptor_t t, cudnnDataType_t type, int n, int c, int h, int w,
                                            int sn, int sc, int sh, int sw) {
-  if (!t || t->magic != kTensorMagic) return CUDNN_STATUS_BAD_PARAM;
+  ApiLock lock;
+  if (!tensors.has(t)) return CUDNN_STATUS_BAD_PARAM;
   if (n <= 0 || c <= 0 || h <= 0 || w <= 0 || sn <= 0 || sc <= 0 || sh <= 0 || sw <= 0) return CUDNN_STATUS_BAD_PARAM;
   if (type != CUDNN_DATA_FLOAT && type != CUDNN_DATA_DOUBLE && type != CUDNN_DATA_HALF && type != CUDNN_DATA_BFLOAT16)
     return CUDNN_STATUS_BAD_PARAM;
@@ -538,20 +536,22 @@ cudnnStatus_t cudnnSetTensor4dDescriptor(cudnnTensorDescriptor_t t, cudnnTensorF
 }
 
 cudnnStatus_t cudnnCreateFilterDescriptor(cudnnFilterDescriptor_t *f) {
-  *f = new cudnnFilterStruct;
+  ApiLock lock;
+  *f = filters.add(new cudnnFilterStruct);
   return CUDNN_STATUS_SUCCESS;
 }
 
 cudnnStatus_t cudnnDestroyFilterDescriptor(cudnnFilterDescriptor_t f) {
-  if (!f || f->magic != kFilterMagic) return CUDNN_STATUS_BAD_PARAM;
-  f->magic = 0;
+  ApiLock lock;
+  if (!filters.remove(f)) return CUDNN_STATUS_BAD_PARAM;
   delete f;
   return CUDNN_STATUS_SUCCESS;
 }
 
 cudnnStatus_t cudnnSetFilter4dDescriptor(cudnnFilterDescriptor_t f, cudnnDataType_t type, cudnnTensorFormat_t format,
                                          int k, int c, int h, int w) {
-  if (!f || f->magic != kFilterMagic) return CUDNN_STATUS_BAD_PARAM;
+  ApiLock lock;
+  if (!filters.has(f)) return CUDNN_STATUS_BAD_PARAM;
   if (k <= 0 || c <= 0 || h <= 0 || w <= 0) return CUDNN_STATUS_BAD_PARAM;
   if (format != CUDNN_TENSOR_NCHW && format != CUDNN_TENSOR_NHWC) return CUDNN_STATUS_BAD_PARAM;
   *f = cudnnFilterStruct();
@@ -563,13 +563,14 @@ cudnnStatus_t cudnnSetFilter4dDescriptor(cudnnFilterDescriptor_t f, cudnnDataTyp
 }
 
 cudnnStatus_t cudnnCreateConvolutionDescriptor(cudnnConvolutionDescriptor_t *c) {
-  *c = new cudnnConvolutionStruct;
+  ApiLock lock;
+  *c = convolutions.add(new cudnnConvolutionStruct);
   return CUDNN_STATUS_SUCCESS;
 }
 
 cudnnStatus_t cudnnDestroyConvolutionDescriptor(cudnnConvolutionDescriptor_t c) {
-  if (!c || c->magic != kConvMagic) return CUDNN_STATUS_BAD_PARAM;
-  c->magic = 0;
+  ApiLock lock;
+  if (!convolutions.remove(c)) return CUDNN_STATUS_BAD_PARAM;
   delete c;
   return CUDNN_STATUS_SUCCESS;
 }
@@ -577,7 +578,8 @@ cudnnStatus_t cudnnDestroyConvolutionDescriptor(cudnnConvolutionDescriptor_t c) 
 cudnnStatus_t cudnnSetConvolution2dDescriptor(cudnnConvolutionDescriptor_t cv, int pad_h, int pad_w, int u, int v,
                                               int dil_h, int dil_w, cudnnConvolutionMode_t mode,
                                               cudnnDataType_t compute) {
-  if (!cv || cv->magic != kConvMagic) return CUDNN_STATUS_BAD_PARAM;
+  ApiLock lock;
+  if (!convolutions.has(cv)) return CUDNN_STATUS_BAD_PARAM;
   if (pad_h < 0 || pad_w < 0 || u <= 0 || v <= 0 || dil_h <= 0 || dil_w <= 0) return CUDNN_STATUS_BAD_PARAM;
   if (mode != CUDNN_CONVOLUTION && mode != CUDNN_CROSS_CORRELATION) return CUDNN_STATUS_BAD_PARAM;
   cudnnMathType_t math = cv->math;
@@ -591,7 +593,8 @@ cudnnStatus_t cudnnSetConvolution2dDescriptor(cudnnConvolutionDescriptor_t cv, i
 }
 
 cudnnStatus_t cudnnSetConvolutionMathType(cudnnConvolutionDescriptor_t cv, cudnnMathType_t math) {
-  if (!cv || cv->magic != kConvMagic) return CUDNN_STATUS_BAD_PARAM;
+  ApiLock lock;
+  if (!convolutions.has(cv)) return CUDNN_STATUS_BAD_PARAM;
   if (math != CUDNN_DEFAULT_MATH && math != CUDNN_TENSOR_OP_MATH && math != CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION &&
       math != CUDNN_FMA_MATH)
     return CUDNN_STATUS_BAD_PARAM;
@@ -600,7 +603,8 @@ cudnnStatus_t cudnnSetConvolutionMathType(cudnnConvolutionDescriptor_t cv, cudnn
 }
 
 cudnnStatus_t cudnnGetConvolutionMathType(cudnnConvolutionDescriptor_t cv, cudnnMathType_t *math) {
-  if (!cv || cv->magic != kConvMagic) return CUDNN_STATUS_BAD_PARAM;
+  ApiLock lock;
+  if (!convolutions.has(cv)) return CUDNN_STATUS_BAD_PARAM;
   *math = cv->math;
   return CUDNN_STATUS_SUCCESS;
 }
@@ -608,6 +612,7 @@ cudnnStatus_t cudnnGetConvolutionMathType(cudnnConvolutionDescriptor_t cv, cudnn
 cudnnStatus_t cudnnGetConvolution2dForwardOutputDim(const cudnnConvolutionDescriptor_t cv,
                                                     const cudnnTensorDescriptor_t x, const cudnnFilterDescriptor_t f,
                                                     int *n, int *c, int *h, int *w) {
+  ApiLock lock;
   if (!ok(cv) || !ok(x) || !ok(f) || x->c != f->c) return CUDNN_STATUS_BAD_PARAM;
   int er = (f->h - 1) * cv->dil_h + 1, es = (f->w - 1) * cv->dil_w + 1;
   if (x->h + 2 * cv->pad_h < er || x->w + 2 * cv->pad_w < es) return CUDNN_STATUS_BAD_PARAM;

@@ -158,9 +158,10 @@ struct Executor {
   std::map<const void *, int> max_dynamic;  // cudaFuncAttributeMaxDynamicSharedMemorySize
 };
 
-Executor the_executor;  // the one executor of this process (work runs under the API lock)
+// The one executor of this process (work runs under the API lock); lives until the process ends.
+Executor *const the_executor = new Executor;
 inline Executor &ex() {
-  return the_executor;
+  return *the_executor;
 }
 
 void runner_main(void *arg);

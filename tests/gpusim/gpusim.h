@@ -20,6 +20,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,22 @@ void warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 struct ApiLock {
   ApiLock();
   ~ApiLock();
+};
+
+// The handles of one kind a library has handed out and not yet destroyed: a handle is checked by
+// looking it up, never by reading memory that may already have been freed. Lives until exit.
+template <class T>
+struct Handles {
+  std::set<const T *> &live() {
+    static std::set<const T *> *s = new std::set<const T *>;
+    return *s;
+  }
+  T *add(T *p) {
+    live().insert(p);
+    return p;
+  }
+  bool has(const T *p) { return p && live().count(p); }
+  bool remove(const T *p) { return live().erase(p) > 0; }
 };
 
 // ---- configuration (core.cc), read once from the environment --------------------------------
@@ -113,6 +130,9 @@ std::string describe_address(const void *p);
 // allocations granted to the work that runs: the ones an op declared in its `uses`.
 void open_device_memory();
 void grant(const Allocation *a);
+// Makes exactly `uses` reachable (grants them, takes back every other grant): an op reaches only
+// what it declared, and consecutive ops sharing buffers cost no extra protection changes.
+void grant_only(const std::vector<const Allocation *> &uses);
 void close_device_memory();
 // Verifies the guard bytes around an allocation after work that used it.
 void check_guards(const Allocation *a, const char *after_what);
@@ -165,6 +185,8 @@ bool progress(Stream *s, uint64_t until);
 void drain(Stream *s, uint64_t until, const char *why);
 // Any queued, unfinished work that uses allocation a (for cudaFree); nullptr if none.
 const Op *pending_user(const Allocation *a);
+// Deletes the device's destroyed streams that nothing can reach any more.
+void release_destroyed_streams(Device *d);
 
 // An op from a function (library calls).
 struct FnOp : Op {

@@ -34,7 +34,6 @@ namespace gpusim {
 namespace {
 
 const char kIdMagic[] = "gpusim-nccl-id";
-const uint32_t kCommMagic = 0x6ecc1001;
 const size_t kSlotBytes = (size_t)8 << 20;  // one rank's part of a round
 
 enum Coll { ALL_REDUCE, REDUCE, BROADCAST, ALL_GATHER, REDUCE_SCATTER };
@@ -228,15 +227,16 @@ struct State {
 }  // namespace gpusim
 
 struct ncclComm {
-  uint32_t magic = gpusim::kCommMagic;
-  std::shared_ptr<gpusim::State> st;
+  std::shared_ptr<gpusim::State> st;  // shared with its queued collectives
 };
 
 namespace gpusim {
 namespace {
 
+Handles<ncclComm> comms;
+
 State *state_of(ncclComm_t c) {
-  return c && c->magic == kCommMagic ? c->st.get() : nullptr;
+  return comms.has(c) ? c->st.get() : nullptr;
 }
 
 // One collective, queued on a stream.
@@ -503,7 +503,7 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t *out, int nranks, ncclUniqueId id
   const char *fault = gpusim::config().nccl_fault;
   int fail_rank = -1;
   if (fault && sscanf(fault, "init@%d", &fail_rank) == 1 && fail_rank == rank) {
-    ncclComm *c = new ncclComm;
+    ncclComm *c = comms.add(new ncclComm);
     c->st = st;
     st->set_failed(ncclSystemError, "injected initialisation failure (GPUSIM_NCCL_FAULT)");
     *out = c;
@@ -524,7 +524,7 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t *out, int nranks, ncclUniqueId id
   if (!__atomic_compare_exchange_n(&st->seg->nranks, &expected, (uint32_t)nranks, false, __ATOMIC_ACQ_REL,
                                    __ATOMIC_ACQUIRE) &&
       expected != (uint32_t)nranks) {
-    ncclComm *c = new ncclComm;
+    ncclComm *c = comms.add(new ncclComm);
     c->st = st;
     *out = c;
     st->set_failed(ncclInvalidUsage, "ranks disagree on the communicator size: " + std::to_string(expected) + " and " +
@@ -537,7 +537,7 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t *out, int nranks, ncclUniqueId id
   gethostname(me->host, sizeof me->host - 1);
   pci_bus_id(d->index, me->bus, sizeof me->bus);
   __atomic_store_n(&me->joined, 1, __ATOMIC_RELEASE);
-  ncclComm *c = new ncclComm;
+  ncclComm *c = comms.add(new ncclComm);
   c->st = st;
   *out = c;
   if (!blocking) return ncclInProgress;
@@ -593,8 +593,7 @@ ncclResult_t ncclCommFinalize(ncclComm_t comm) {
 
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   ApiLock lock;
-  if (!state_of(comm)) return fail(ncclInvalidArgument, "ncclCommDestroy: invalid communicator");
-  comm->magic = 0;
+  if (!comms.remove(comm)) return fail(ncclInvalidArgument, "ncclCommDestroy: invalid communicator");
   delete comm;  // queued collectives keep the state alive until they finish
   return ncclSuccess;
 }
@@ -606,7 +605,7 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
   if (s->seg) __atomic_store_n(&s->slot(s->rank)->aborted, 1, __ATOMIC_RELEASE);
   s->phase = State::ABORTED;
   s->error = ncclInvalidUsage;
-  comm->magic = 0;
+  comms.remove(comm);
   delete comm;
   return ncclSuccess;
 }

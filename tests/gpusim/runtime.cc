@@ -34,8 +34,8 @@ struct Registry {
 };
 
 Registry &reg() {
-  static Registry r;  // handles this process has handed out
-  return r;
+  static Registry *r = new Registry;  // handles this process has handed out, for its lifetime
+  return *r;
 }
 
 double now_s() {
@@ -210,7 +210,7 @@ bool progress(Stream *s, uint64_t until) {
   double t0 = now_s();
   while (s->completed < until && !s->queue.empty()) {
     Op *op = s->queue.front().get();
-    for (const Allocation *a : op->uses) grant(a);
+    grant_only(op->uses);  // this op reaches what it declared, nothing else
     if (!op->run()) break;
     for (const Allocation *a : op->uses) check_guards(a, op->what.c_str());
     s->queue.pop_front();
@@ -234,6 +234,26 @@ void drain(Stream *s, uint64_t until, const char *why) {
       warn("%s has waited %.0f s for queued work that cannot finish (a collective whose peers have not joined)", why,
            waited);
     }
+  }
+}
+
+void release_destroyed_streams(Device *d) {
+  for (size_t i = 0; i < d->streams.size();) {
+    Stream *s = d->streams[i];
+    bool waited_for = false;  // a queued wait elsewhere still points at it
+    for (Stream *o : d->streams)
+      for (auto &op : o->queue) {
+        WaitOp *w = dynamic_cast<WaitOp *>(op.get());
+        waited_for = waited_for || (w && w->target == s);
+      }
+    if (!s->destroyed || !s->queue.empty() || waited_for) {
+      i++;
+      continue;
+    }
+    for (Event *e : reg().events)  // events recorded on it have completed
+      if (e->stream == s) e->recorded = false, e->stream = nullptr;
+    d->streams.erase(d->streams.begin() + (long)i);
+    delete s;
   }
 }
 
@@ -411,10 +431,10 @@ cudaError_t cudaMallocHost(void **p, size_t bytes) {
   return cudaSuccess;
 }
 
+// Only what cudaMallocHost returned (the documentation does not promise that NULL is accepted).
 cudaError_t cudaFreeHost(void *p) {
   ApiLock lock;
-  if (!p) return cudaSuccess;
-  if (!pinned_remove(p)) return ret(cudaErrorInvalidValue);
+  if (!p || !pinned_remove(p)) return ret(cudaErrorInvalidValue);
   free(p);
   return cudaSuccess;
 }
@@ -480,13 +500,15 @@ cudaError_t cudaStreamCreate(cudaStream_t *h) {
 }
 
 // The handle dies at once; queued work still runs when something waits for it (or at a device
-// synchronisation), as the documentation promises.
+// synchronisation), as the documentation promises. The stream itself goes once nothing can
+// reach it any more.
 cudaError_t cudaStreamDestroy(cudaStream_t h) {
   ApiLock lock;
   Stream *s = stream_of(h);
   if (!s || s->legacy) return ret(cudaErrorInvalidResourceHandle);
   reg().streams.erase(s);
   s->destroyed = true;
+  release_destroyed_streams(s->dev);
   return cudaSuccess;
 }
 
@@ -517,6 +539,7 @@ cudaError_t cudaDeviceSynchronize(void) {
   Device *d = current_device();
   if (!d) return ret(cudaErrorNoDevice);
   for (size_t i = 0; i < d->streams.size(); i++) drain(d->streams[i], d->streams[i]->enqueued, "cudaDeviceSynchronize");
+  release_destroyed_streams(d);
   return cudaSuccess;
 }
 

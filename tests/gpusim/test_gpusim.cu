@@ -63,7 +63,9 @@ static void expect_death(void (*fn)(), const char *needle) {
   pid_t pid = fork();
   if (pid == 0) {
     close(fds[0]);
+    dup2(fds[1], 1);  // a cmocka failure in the child must not print TAP lines of its own
     dup2(fds[1], 2);
+    alarm(60);                       // a hang is a failure too
     gpusim_install_fault_handler();  // cmocka's per-test handler would catch the faults first
     fn();
     _exit(0);  // survived: the stand-in did not flag it
@@ -447,6 +449,7 @@ __global__ void smuggled_pointer_kernel(float *mine, unsigned long long other) {
 
 static void touch_unpassed_allocation() {
   float *a = device_array<float>(4), *b = device_array<float>(4);
+  LAUNCH(write_at_kernel, 1, 1, 0, 0)(b, 0);  // b is this earlier op's, in the same synchronisation
   LAUNCH(smuggled_pointer_kernel, 1, 1, 0, 0)(a, (unsigned long long)(uintptr_t)b);
   cudaDeviceSynchronize();
 }
