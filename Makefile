@@ -6,6 +6,7 @@
 #   make test       deps + build + data, then the whole test suite
 #   make repeat     N=20 SUITES="...": the suites N times in a row, reporting any test that failed once
 #   make test-asan  the unit, fault and GPU stand-in suites built with ASan + UBSan, leaks checked
+#   make test-tsan  a short 2-rank run with the prefetch thread and a signal under ThreadSanitizer
 #   make test-gpu   the GPU suites on real GPUs (make test runs them on the CPU stand-in, tests/gpusim)
 #   make bench      CPU throughput against PyTorch, same run
 #   make install    PREFIX=/usr/local: the binary, scripts, configs and the man page
@@ -192,6 +193,17 @@ test-asan: deps
 	OMPI_MCA_mca_base_component_disable_dlclose=1 SANITIZER_LOGS=$(ASAN_LOGS) \
 	BUILD=build/asan SIM=build/asan/sim DDP_TRAIN_BINARY=build/asan/sim/ddp_train \
 	DDP_TRAIN_GPU_BINARY=build/asan/sim/ddp_train PYTHON=$(PYTHON) DDP_TRAIN_SUITES="$(ASAN_SUITES)" bash tests/run.sh
+
+# ThreadSanitizer on the threads of a run (the prefetch thread, the signal flag), CPU build: one
+# OpenMP and BLAS thread per rank, since libgomp is not instrumented. Open MPI's internal threads are
+# suppressed by tests/sanitizers/tsan.supp.
+TSAN_LOGS := $(CURDIR)/build/tsan/logs
+test-tsan: deps
+	$(MAKE) SAN=tsan CUDA=0 build/tsan/ddp_train data
+	rm -rf $(TSAN_LOGS) && mkdir -p $(TSAN_LOGS)
+	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:log_path=$(TSAN_LOGS)/tsan:suppressions=$(CURDIR)/tests/sanitizers/tsan.supp \
+	OMP_NUM_THREADS=1 OMPI_MCA_mca_base_component_disable_dlclose=1 SANITIZER_LOGS=$(TSAN_LOGS) BUILD=build/tsan DDP_TRAIN_BINARY=build/tsan/ddp_train \
+	PYTHON=$(PYTHON) DDP_TRAIN_SUITES="test_threads" bash tests/run.sh
 
 # the suites N times in a row (default 20), reporting every test that failed in any run
 N ?= 20

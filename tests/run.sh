@@ -57,7 +57,7 @@ if [ -n "${SIM:-}" ]; then
   run_suite gpusim_nccl nccl_checks
   run_suite test_gpu_on_gpusim env GPUSIM_DEVICES=1 CMOCKA_MESSAGE_OUTPUT=TAP "$SIM/tests/test_gpu"
 fi
-for t in test_cli test_train test_torch_oracle test_faults test_export test_slurm test_gpu_train test_gpu_faults; do
+for t in test_cli test_train test_torch_oracle test_faults test_threads test_export test_slurm test_gpu_train test_gpu_faults; do
   run_suite "$t" "$PYTHON" tests/pyrun.py "$t"
 done
 
