@@ -235,7 +235,7 @@ int config_load(dt_config *cfg, const char *path, char *const *sets, int n_sets,
   cfg->n_set = n_sets;
   for (int i = 0; i < n_sets; i++)
     if (apply_set(cfg, sets[i], i, st)) return st->code;
-  if (keys_read(config_keys, N_CONFIG_KEYS, &cfg->v, cfg->tree, "", "key", st)) return st->code;
+  if (keys_read(config_keys, N_CONFIG_KEYS, &cfg->v, cfg->tree, NULL, "", "key", st)) return st->code;
   if (check_cross(cfg, st)) return st->code;
   size_t elen = 0, ecap = 0;
   keys_dump(config_keys, N_CONFIG_KEYS, &cfg->v, "", &cfg->effective, &elen, &ecap);

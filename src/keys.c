@@ -342,8 +342,8 @@ static int walk(const dt_key *table, int n, void *dst, const dt_node *map, const
   return 0;
 }
 
-int keys_read(const dt_key *table, int n, void *dst, const dt_node *map, const char *prefix, const char *what,
-              dt_status *st) {
+int keys_read(const dt_key *table, int n, void *dst, const dt_node *map, const dt_node *at, const char *prefix,
+              const char *what, dt_status *st) {
   int *seen = dt_calloc((size_t)n, sizeof(int));
   /* Defaults first, parsed from their YAML text with the same code as user values. */
   for (int i = 0; i < n && !st->code; i++) {
@@ -377,7 +377,7 @@ int keys_read(const dt_key *table, int n, void *dst, const dt_node *map, const c
   for (int i = 0; i < n; i++) {
     if (!table[i].deflt && !seen[i]) {
       char where[512] = "config";
-      if (map) yaml_where(map, where, sizeof where);
+      if (map || at) yaml_where(map ? map : at, where, sizeof where);
       free(seen);
       return dt_fail(st, DT_EXIT_INPUT, "%s: missing required %s '%s%s' (%s)", where, what, prefix, table[i].path,
                      table[i].doc);

@@ -40,10 +40,11 @@ typedef struct {
   const char *doc;
 } dt_key;
 
-/* Fills dst from map (may be NULL: all defaults). prefix ("train." or "layer 3 conv2d: ") is put
- * before key names in messages. Returns 0 or sets st (exit 2). */
-int keys_read(const dt_key *table, int n, void *dst, const dt_node *map, const char *prefix, const char *what,
-              dt_status *st);
+/* Fills dst from map (may be NULL: all defaults). at: the node whose place a message names when
+ * map is NULL (a bare `- conv2d` missing its required `out`); NULL for none. prefix ("train." or
+ * "layer 3 conv2d: ") is put before key names in messages. Returns 0 or sets st (exit 2). */
+int keys_read(const dt_key *table, int n, void *dst, const dt_node *map, const dt_node *at, const char *prefix,
+              const char *what, dt_status *st);
 
 /* Frees the STRING fields of dst. */
 void keys_free(const dt_key *table, int n, void *dst);

@@ -33,11 +33,11 @@ int loss_parse(dt_model *m, const dt_node *node, dt_status *st) {
   memset(&args, 0, sizeof args);
   if (!strcmp(name, "cross_entropy")) {
     m->loss_kind = DT_LOSS_CROSS_ENTROPY;
-    if (keys_read(ce_keys, 1, &args, params, "model.loss cross_entropy: ", "parameter", st)) return st->code;
+    if (keys_read(ce_keys, 1, &args, params, node, "model.loss cross_entropy: ", "parameter", st)) return st->code;
     m->label_smoothing = args.label_smoothing;
   } else if (!strcmp(name, "mse")) {
     m->loss_kind = DT_LOSS_MSE;
-    if (keys_read(NULL, 0, &args, params, "model.loss mse: ", "parameter", st)) return st->code;
+    if (keys_read(NULL, 0, &args, params, node, "model.loss mse: ", "parameter", st)) return st->code;
   } else {
     const char *names[] = {"cross_entropy", "mse"};
     const char *near = keys_suggest(name, names, 2);

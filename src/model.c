@@ -92,7 +92,7 @@ int seq_build(dt_model *m, dt_seq *s, const dt_node *list, dt_shape in, const ch
     register_layer(m, l);
     char kp[256];
     snprintf(kp, sizeof kp, "%s[%d] %s: ", what, i, kind);
-    if (keys_read(ops->keys, ops->n_keys, &l->args, params, kp, "parameter", st)) return st->code;
+    if (keys_read(ops->keys, ops->n_keys, &l->args, params, item, kp, "parameter", st)) return st->code;
     if (ops->setup(m, l, st)) return st->code;
     cur = l->out;
   }

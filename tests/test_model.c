@@ -136,6 +136,9 @@ static void unknown_layers_and_parameters_suggest(void **state) {
                   "unknown parameter 'model.layers[0] conv2d: kernal'; did you mean 'model.layers[0] conv2d: kernel'?");
   assert_int_equal(build_err("  input: [1, 4, 4]\n  layers:\n    - conv2d: {kernel: 3}\n", &st), DT_EXIT_INPUT);
   assert_contains(st.msg, "missing required parameter 'model.layers[0] conv2d: out'");
+  /* a bare layer name has no map of parameters: the place is the name's (found by fuzz_config) */
+  assert_int_equal(build_err("  input: [1, 4, 4]\n  layers:\n    - relu\n    - conv2d\n", &st), DT_EXIT_INPUT);
+  assert_contains(st.msg, ":5:7: missing required parameter 'model.layers[1] conv2d: out'");
   assert_int_equal(build_err("  input: [4]\n  layers:\n    - dropout: {p: 1.0}\n", &st), DT_EXIT_INPUT);
   assert_contains(st.msg, "model.layers[0] dropout: p: expected a number in [0, 0.999], got '1.0'");
   assert_int_equal(build_err("  input: [4]\n  layers: [{linear: {out: 2}}]\n  loss: crossentropy\n", &st),
