@@ -58,7 +58,7 @@ static hid_t open_read(const char *path, const char *what, dt_status *st) {
   return f;
 }
 
-int ckpt_read_model(const char *path, const dt_model *m, float *params, float *bufs, dt_status *st) {
+static int read_model(const char *path, const dt_model *m, float *params, float *bufs, dt_status *st) {
   hid_t f = open_read(path, "model.init_from", st);
   if (f < 0) return st->code;
   for (int i = 0; i < m->n_tensors && !st->code; i++) {
@@ -283,7 +283,7 @@ static char *read_attr_str(hid_t meta, const char *name) {
   return buf;
 }
 
-int ckpt_read_meta(const char *path, dt_train_state *ts, char **config_text, dt_status *st) {
+static int read_meta(const char *path, dt_train_state *ts, char **config_text, dt_status *st) {
   *config_text = NULL;
   hid_t f = open_read(path, "checkpoint", st);
   if (f < 0) return st->code;
@@ -314,8 +314,8 @@ int ckpt_read_meta(const char *path, dt_train_state *ts, char **config_text, dt_
   return st->code;
 }
 
-int ckpt_load(const char *path, const dt_model *m, dt_ckpt_data *d, char **config_text, dt_status *st) {
-  if (ckpt_read_meta(path, &d->ts, config_text, st)) return st->code;
+static int load(const char *path, const dt_model *m, dt_ckpt_data *d, char **config_text, dt_status *st) {
+  if (read_meta(path, &d->ts, config_text, st)) return st->code;
   hid_t f = open_read(path, "checkpoint", st);
   if (f < 0) return st->code;
   dt_train_state *ts = &d->ts;
@@ -338,6 +338,59 @@ int ckpt_load(const char *path, const dt_model *m, dt_ckpt_data *d, char **confi
     *config_text = NULL;
   }
   return st->code;
+}
+
+/* The readers run first in an h5_probe child (a corrupt file can crash HDF5 itself); a child
+ * still reading after this long is killed (dist.timeout_s's default). */
+#define CKPT_PROBE_TIMEOUT_S 600.0
+
+typedef struct {
+  const char *path;
+  const dt_model *m;
+  dt_ckpt_data *d;
+  float *params, *bufs;
+  dt_train_state *ts;
+} probe_args;
+
+static int probe_model(void *ctx, dt_status *st) {
+  probe_args *a = ctx;
+  return read_model(a->path, a->m, a->params, a->bufs, st);
+}
+
+static int probe_meta(void *ctx, dt_status *st) {
+  probe_args *a = ctx;
+  char *text = NULL;
+  read_meta(a->path, a->ts, &text, st);
+  free(text);
+  return st->code;
+}
+
+static int probe_load(void *ctx, dt_status *st) {
+  probe_args *a = ctx;
+  char *text = NULL;
+  load(a->path, a->m, a->d, &text, st);
+  free(text);
+  return st->code;
+}
+
+int ckpt_read_model(const char *path, const dt_model *m, float *params, float *bufs, dt_status *st) {
+  probe_args a = {.path = path, .m = m, .params = params, .bufs = bufs};
+  if (h5_probe(path, "model.init_from", probe_model, &a, CKPT_PROBE_TIMEOUT_S, st)) return st->code;
+  return read_model(path, m, params, bufs, st);
+}
+
+int ckpt_read_meta(const char *path, dt_train_state *ts, char **config_text, dt_status *st) {
+  *config_text = NULL;
+  probe_args a = {.path = path, .ts = ts};
+  if (h5_probe(path, "checkpoint", probe_meta, &a, CKPT_PROBE_TIMEOUT_S, st)) return st->code;
+  return read_meta(path, ts, config_text, st);
+}
+
+int ckpt_load(const char *path, const dt_model *m, dt_ckpt_data *d, char **config_text, dt_status *st) {
+  *config_text = NULL;
+  probe_args a = {.path = path, .m = m, .d = d};
+  if (h5_probe(path, "checkpoint", probe_load, &a, CKPT_PROBE_TIMEOUT_S, st)) return st->code;
+  return load(path, m, d, config_text, st);
 }
 
 int ckpt_write_predictions(const char *path, const float *logits, const int32_t *labels, int64_t n, int64_t k,

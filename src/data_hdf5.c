@@ -211,7 +211,8 @@ out:
   return rc;
 }
 
-int data_open(dt_data *d, const dt_config *cfg, const dt_model *m, int world, int rank, dt_status *st) {
+static int open_splits(dt_data *d, const dt_config *cfg, const dt_model *m, int world, int rank, int cache,
+                       dt_status *st) {
   memset(d, 0, sizeof *d);
   d->file = -1;
   d->train.dset_x = d->val.dset_x = -1;
@@ -239,17 +240,55 @@ int data_open(dt_data *d, const dt_config *cfg, const dt_model *m, int world, in
   dt_strlcpy(d->train.x_name, v->train_x, sizeof d->train.x_name);
   dt_strlcpy(d->train.y_name, v->train_y, sizeof d->train.y_name);
   if (open_split(d, &d->train, "data.train.x", "data.train.y", m, rank, world, v->sharding == DT_SHARD_CONTIGUOUS,
-                 v->cache, st))
+                 cache, st))
     return st->code;
   d->has_val = v->val_x[0] != 0;
   if (d->has_val) {
     dt_strlcpy(d->val.x_name, v->val_x, sizeof d->val.x_name);
     dt_strlcpy(d->val.y_name, v->val_y, sizeof d->val.y_name);
     /* validation: every rank holds its contiguous 1/W */
-    if (open_split(d, &d->val, "data.val.x", "data.val.y", m, rank, world, 1, v->cache, st)) return st->code;
+    if (open_split(d, &d->val, "data.val.x", "data.val.y", m, rank, world, 1, cache, st)) return st->code;
   }
   if (d->train.n == 0) return dt_fail(st, DT_EXIT_INPUT, "%s: '%s' is empty", d->path, d->train.x_name);
   return 0;
+}
+
+typedef struct {
+  const dt_config *cfg;
+  const dt_model *m;
+  int world, rank;
+} probe_args;
+
+/* In the h5_probe child: the structure of both splits, the labels, and the first and last row
+ * this rank holds of each (the chunk index is walked to reach them); no x cache. */
+static int probe_splits(void *ctx, dt_status *st) {
+  const probe_args *a = ctx;
+  dt_data d;
+  if (!open_splits(&d, a->cfg, a->m, a->world, a->rank, DT_CACHE_NONE, st)) {
+    dt_split *splits[2] = {&d.train, d.has_val ? &d.val : NULL};
+    for (int k = 0; k < 2 && splits[k] && !st->code; k++) {
+      dt_split *s = splits[k];
+      if (s->hi == s->lo) continue;
+      int64_t rows[2] = {s->lo, s->hi - 1};
+      float *x = dt_malloc((size_t)(2 * s->row_elems) * sizeof(float));
+      float *targets = dt_malloc((size_t)(2 * s->y_k + 1) * sizeof(float));
+      int32_t labels[2];
+      data_gather(&d, s, rows, 2, x, labels, targets, st);
+      free(x);
+      free(targets);
+    }
+  }
+  data_close(&d);
+  return st->code;
+}
+
+int data_open(dt_data *d, const dt_config *cfg, const dt_model *m, int world, int rank, dt_status *st) {
+  memset(d, 0, sizeof *d);
+  d->file = -1;
+  d->train.dset_x = d->val.dset_x = -1;
+  probe_args a = {cfg, m, world, rank};
+  if (h5_probe(cfg->v.data_path, "data.path", probe_splits, &a, cfg->v.timeout_s, st)) return st->code;
+  return open_splits(d, cfg, m, world, rank, cfg->v.cache, st);
 }
 
 static void split_free(dt_split *s) {

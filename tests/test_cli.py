@@ -1,6 +1,7 @@
 """The CLI and start-up validation: --help/--version/--dry-run, and every bad input of the
 config and the data exiting 2 on all ranks with one message that names the problem."""
 import os
+import shutil
 import subprocess
 import tempfile
 import unittest
@@ -173,6 +174,11 @@ class BadData(unittest.TestCase):
             f.seek(0)
             f.write(b"\0" * 64)
         self.check(f"{self.data}: data.path: not a readable HDF5 file")
+
+    def test_file_that_crashes_hdf5(self):
+        # found by tests/fuzz/fuzz_data: a corrupt local heap makes HDF5 1.10 itself crash
+        shutil.copy(os.path.join(ROOT, "tests/fuzz/regressions/data/hdf5-crash-local-heap.h5"), self.data)
+        self.check(f"{self.data}: data.path: HDF5 crashed (signal 11, Segmentation fault) reading the file's structure")
 
     def test_truncated_file(self):
         size = os.path.getsize(self.data)
