@@ -29,7 +29,8 @@ SAN_FLAGS_tsan := -fsanitize=thread -fno-omit-frame-pointer
 SAN_FLAGS := $(SAN_FLAGS_$(SAN))
 
 DEB_PKGS := pkg-config libopenmpi-dev openmpi-bin libhdf5-dev hdf5-tools libyaml-dev libopenblas-openmp-dev \
-            dataset-fashion-mnist libcmocka-dev python3-numpy python3-h5py python3-torch python3-yaml python3-matplotlib help2man slurmctld slurmd slurm-client
+            dataset-fashion-mnist libcmocka-dev python3-numpy python3-h5py python3-torch python3-yaml python3-matplotlib help2man slurmctld slurmd slurm-client \
+            clang libclang-rt-14-dev
 OPENBLAS_DIR := /usr/lib/x86_64-linux-gnu/openblas-openmp
 OPENBLAS_INC := /usr/include/x86_64-linux-gnu/openblas-openmp
 
@@ -85,7 +86,17 @@ endif
 TESTS := test_config test_sampler test_model test_ops test_optim $(if $(filter 1,$(CUDA)),test_gpu)
 TEST_BINS := $(TESTS:%=$(BUILD)/tests/%) $(if $(filter 1,$(CUDA)),$(SIM_BINS))
 
-.PHONY: all deps data run test test-gpu test-asan test-tsan test-bins repeat bench clean docs ddp_train install
+# libFuzzer harnesses (tests/fuzz), built with clang, ASan and UBSan: the config reader, HDF5
+# dataset validation and the checkpoint reader, over the sources they reach (no main, no backends).
+FUZZ := build/fuzz
+FUZZERS := config data checkpoint
+FUZZ_SRCS := common.c yaml_tree.c keys.c config.c model.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
+             layer_activation.c layer_residual.c layer_loss.c sampler.c data_hdf5.c checkpoint.c h5util.c
+FUZZ_FLAGS := -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
+FUZZ_BINS := $(FUZZERS:%=$(FUZZ)/fuzz_%)
+TEST_BINS += $(FUZZ_BINS)
+
+.PHONY: all deps data run test test-gpu test-asan test-tsan test-bins repeat fuzz bench clean docs ddp_train install
 PREFIX ?= /usr/local
 all: ddp_train
 
@@ -107,6 +118,18 @@ $(BUILD)/kernels/%.o: kernels/%.cu kernels/*.h kernels/*.cuh src/hash.h
 
 $(BUILD)/tests:
 	mkdir -p $@
+
+$(FUZZ)/%.o: src/%.c src/*.h
+	@mkdir -p $(FUZZ)
+	clang $(FUZZ_FLAGS) -fsanitize=fuzzer-no-link -std=gnu11 -Wall -Wextra -Werror $(PKG_CFLAGS) -Isrc -c -o $@ $<
+
+# an archive: a harness that includes a source (for its static functions) leaves that member out
+$(FUZZ)/libsrc.a: $(FUZZ_SRCS:%.c=$(FUZZ)/%.o)
+	rm -f $@ && ar rcs $@ $^
+
+$(FUZZ)/fuzz_%: tests/fuzz/fuzz_%.c tests/fuzz/*.h src/*.c src/*.h $(FUZZ)/libsrc.a
+	clang $(FUZZ_FLAGS) -fsanitize=fuzzer -std=gnu11 -Wall -Wextra -Werror $(PKG_CFLAGS) -Isrc -o $@ $< \
+	  $(FUZZ)/libsrc.a $(PKG_LIBS) -lpthread -lm
 
 $(SIM)/gpusim/%.o: tests/gpusim/%.cc $(SIM_HEADERS)
 	@mkdir -p $(SIM)/gpusim
@@ -211,6 +234,13 @@ repeat: deps
 	$(MAKE) ddp_train data $(TEST_BINS)
 	BUILD=$(BUILD) PYTHON=$(PYTHON) $(if $(filter 1,$(CUDA)),SIM=$(SIM) DDP_TRAIN_GPU_BINARY=$(SIM)/ddp_train) \
 	  bash tests/repeat.sh $(N) $(SUITES)
+
+# the fuzzers, each for 30 minutes or 10^6 executions; the corpus grows in build/fuzz/corpus
+FUZZ_SECONDS ?= 1800
+FUZZ_RUNS ?= 1000000
+fuzz: deps
+	$(MAKE) $(FUZZ_BINS)
+	CORPUS_DIR=$(FUZZ)/corpus bash tests/fuzz/run.sh $(FUZZ_SECONDS) $(FUZZ_RUNS) $(FUZZERS)
 
 test-gpu: deps
 	$(MAKE) ddp_train data $(TESTS:%=$(BUILD)/tests/%)

@@ -57,6 +57,10 @@ if [ -n "${SIM:-}" ]; then
   run_suite gpusim_nccl nccl_checks
   run_suite test_gpu_on_gpusim env GPUSIM_DEVICES=1 CMOCKA_MESSAGE_OUTPUT=TAP "$SIM/tests/test_gpu"
 fi
+# the libFuzzer harnesses (tests/fuzz), 30 s each from the committed seeds and regressions
+if [ -x build/fuzz/fuzz_config ]; then
+  run_suite fuzz bash tests/fuzz/run.sh 30 0 config data checkpoint
+fi
 for t in test_cli test_train test_torch_oracle test_faults test_threads test_export test_slurm test_gpu_train test_gpu_faults; do
   run_suite "$t" "$PYTHON" tests/pyrun.py "$t"
 done
