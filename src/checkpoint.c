@@ -243,20 +243,31 @@ static int64_t *list_steps(const char *dir, int *n) {
   return steps;
 }
 
+/* Keeps step `current` and the newest `others` other step files; deletes the rest. */
+static void prune_steps(const char *dir, int64_t others, int64_t current) {
+  int n;
+  int64_t *steps = list_steps(dir, &n);
+  int64_t kept = 0;
+  for (int i = 0; i < n; i++) {
+    if (steps[i] == current || kept++ < others) continue;
+    char path[1200];
+    snprintf(path, sizeof path, "%s/step-%08lld.h5", dir, (long long)steps[i]);
+    unlink(path);
+  }
+  free(steps);
+}
+
 int ckpt_save_step(const char *dir, int64_t keep, const dt_model *m, const dt_ckpt_data *d, const dt_config *cfg,
                    char *written, size_t cap, dt_status *st) {
   char name[64], path[1200];
   snprintf(name, sizeof name, "step-%08lld.h5", (long long)d->ts.step);
   snprintf(path, sizeof path, "%s/%s", dir, name);
+  /* The oldest goes first, so that the directory never holds more than `keep` checkpoints, the
+   * one being written included; with keep 1 the only checkpoint stays until its successor is in. */
+  if (keep > 1) prune_steps(dir, keep - 1, d->ts.step);
   if (ckpt_write(path, m, d, cfg, st) || write_latest(dir, name, st)) return st->code;
   dt_strlcpy(written, path, cap);
-  int n;
-  int64_t *steps = list_steps(dir, &n);
-  for (int i = (int)keep; i < n; i++) {
-    snprintf(path, sizeof path, "%s/step-%08lld.h5", dir, (long long)steps[i]);
-    unlink(path);
-  }
-  free(steps);
+  prune_steps(dir, keep - 1, d->ts.step);
   return 0;
 }
 

@@ -10,7 +10,8 @@
  * Datasets are chunked with Fletcher-32 checksums and the file uses HDF5's newer format with
  * checksummed metadata; both are verified on load. Files are written as step-00000123.h5 under a
  * temporary name, fsynced, renamed, the directory fsynced, then `latest` (a text file holding
- * the name) is replaced the same way, and all but the newest checkpoint.keep are removed. */
+ * the name) is replaced the same way. The oldest step files go before the write (keep > 1), so
+ * that at most checkpoint.keep exist, the one being written included. */
 #ifndef DT_CHECKPOINT_H
 #define DT_CHECKPOINT_H
 
@@ -43,7 +44,8 @@ int ckpt_read_model(const char *path, const dt_model *m, float *params, float *b
  * earlier file left as it was. */
 int ckpt_write(const char *path, const dt_model *m, const dt_ckpt_data *d, const dt_config *cfg, dt_status *st);
 
-/* Writes dir/step-<step>.h5, points dir/latest at it and keeps the newest `keep` step files. */
+/* Writes dir/step-<step>.h5, points dir/latest at it and keeps the newest `keep` step files,
+ * removing the oldest before writing (keep > 1) so that no more than `keep` are ever on disk. */
 int ckpt_save_step(const char *dir, int64_t keep, const dt_model *m, const dt_ckpt_data *d, const dt_config *cfg,
                    char *written, size_t cap, dt_status *st);
 

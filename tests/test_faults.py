@@ -218,6 +218,27 @@ class StopsAndFailures(unittest.TestCase):
         finally:
             subprocess.run(["umount", mnt])
 
+    def test_keep_fits_a_disk_of_keep_checkpoints(self):
+        # the oldest goes before the next is written: keep=3 needs room for 3 checkpoints, not 4
+        rc, out, err = run([self.cfg, "--set", "train.max_steps=1"], np_=1)
+        self.assertEqual(rc, 0, err)
+        page = 4096
+        size = -(-os.path.getsize(latest(self.w)) // page) * page  # tmpfs holds whole pages
+        mnt = self.w.file("three")
+        os.mkdir(mnt)
+        # three checkpoints, `latest` and its temporary, and half a checkpoint to spare
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={3 * size + 2 * page + size // 2}", "tmpfs", mnt],
+                          capture_output=True).returncode:
+            self.skipTest("cannot mount a small tmpfs here (needs root)")
+        try:
+            rc, out, err = run([self.cfg, "--set", f"checkpoint.dir={mnt}", "--set", "checkpoint.every_steps=1",
+                                "--set", "checkpoint.keep=3", "--set", "train.max_steps=8"], np_=2)
+            self.assertEqual(rc, 0, out + err)
+            self.assertEqual(sorted(os.listdir(mnt)),
+                             ["latest", "step-00000006.h5", "step-00000007.h5", "step-00000008.h5"])
+        finally:
+            subprocess.run(["umount", mnt])
+
 
 if __name__ == "__main__":
     unittest.main()
