@@ -8,6 +8,8 @@
 #   make test-asan  the unit, fault and GPU stand-in suites built with ASan + UBSan, leaks checked
 #   make test-tsan  a short 2-rank run with the prefetch thread and a signal under ThreadSanitizer
 #   make test-gpu   the GPU suites on real GPUs (make test runs them on the CPU stand-in, tests/gpusim)
+#   make fuzz       the libFuzzer harnesses, 30 min or 10^6 executions each (make test: 30 s each)
+#   make longrun    20,000 steps on 2 ranks: RSS, open fds and checkpoint files over time
 #   make bench      CPU throughput against PyTorch, same run
 #   make install    PREFIX=/usr/local: the binary, scripts, configs and the man page
 
@@ -96,7 +98,7 @@ FUZZ_FLAGS := -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-s
 FUZZ_BINS := $(FUZZERS:%=$(FUZZ)/fuzz_%)
 TEST_BINS += $(FUZZ_BINS)
 
-.PHONY: all deps data run test test-gpu test-asan test-tsan test-bins repeat fuzz bench clean docs ddp_train install
+.PHONY: all deps data run test test-gpu test-asan test-tsan test-bins repeat fuzz longrun bench clean docs ddp_train install
 PREFIX ?= /usr/local
 all: ddp_train
 
@@ -241,6 +243,11 @@ FUZZ_RUNS ?= 1000000
 fuzz: deps
 	$(MAKE) $(FUZZ_BINS)
 	CORPUS_DIR=$(FUZZ)/corpus bash tests/fuzz/run.sh $(FUZZ_SECONDS) $(FUZZ_RUNS) $(FUZZERS)
+
+# 20,000 steps of a tiny MLP on 2 ranks: RSS, open fds and the checkpoint directory over time
+longrun: deps
+	$(MAKE) ddp_train data
+	$(PYTHON) benchmarks/longrun.py
 
 test-gpu: deps
 	$(MAKE) ddp_train data $(TESTS:%=$(BUILD)/tests/%)
