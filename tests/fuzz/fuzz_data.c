@@ -11,15 +11,6 @@
 
 #include "../../src/data_hdf5.c"
 
-static fuzz_setup setup; /* the harness's fixed config and model, built once */
-
-int LLVMFuzzerInitialize(int *argc, char ***argv) {
-  (void)argc;
-  (void)argv;
-  fuzz_setup_init(&setup, "");
-  return 0;
-}
-
 int LLVMFuzzerTestOneInput(const uint8_t *input, size_t size) {
   fuzz_write(&setup, input, size);
   probe_args a = {&setup.cfg, &setup.model, 1, 0};

@@ -1,5 +1,5 @@
-/* fuzz_h5.h: what the HDF5 harnesses share: a small CNN config whose data.path is one file per
- * process, rewritten with each input. */
+/* fuzz_h5.h: what the HDF5 harnesses share (each includes it once): a small CNN config whose
+ * data.path is one file per process, rewritten with each input, built in LLVMFuzzerInitialize. */
 #ifndef DT_FUZZ_H5_H
 #define DT_FUZZ_H5_H
 
@@ -23,9 +23,8 @@ typedef struct {
   dt_model model;
 } fuzz_setup;
 
-/* Builds the config and model once; `extra` is YAML appended to the config. Aborts on failure
- * (the harness itself is broken then). */
-static inline void fuzz_setup_init(fuzz_setup *f, const char *extra) {
+/* Builds the config and model once. Aborts on failure (the harness itself is broken then). */
+static inline void fuzz_setup_init(fuzz_setup *f) {
   setenv("HDF5_USE_FILE_LOCKING", "FALSE", 1);
   h5_quiet();
   snprintf(f->data_path, sizeof f->data_path, "/dev/shm/ddp_train_fuzz_%d.h5", (int)getpid());
@@ -33,8 +32,8 @@ static inline void fuzz_setup_init(fuzz_setup *f, const char *extra) {
   snprintf(text, sizeof text,
            "model:\n  input: [1, 6, 6]\n  layers: [{conv2d: {out: 4, kernel: 3, pad: 1}}, {batchnorm: {}}, relu,\n"
            "    {maxpool: {kernel: 2}}, flatten, {linear: {out: 3}}]\n"
-           "data: {path: %s, scale: 0.00392156862745098}\ntrain: {batch_size: 4}\noptim: {momentum: 0.9}\n%s",
-           f->data_path, extra);
+           "data: {path: %s, scale: 0.00392156862745098}\ntrain: {batch_size: 4}\noptim: {momentum: 0.9}\n",
+           f->data_path);
   snprintf(cfg_path, sizeof cfg_path, "/dev/shm/ddp_train_fuzz_%d.yaml", (int)getpid());
   FILE *c = fopen(cfg_path, "w");
   if (!c || fputs(text, c) < 0 || fclose(c)) abort();
@@ -44,6 +43,15 @@ static inline void fuzz_setup_init(fuzz_setup *f, const char *extra) {
     abort();
   }
   unlink(cfg_path);
+}
+
+static fuzz_setup setup; /* the harness's fixed config and model, built once */
+
+int LLVMFuzzerInitialize(int *argc, char ***argv) {
+  (void)argc;
+  (void)argv;
+  fuzz_setup_init(&setup);
+  return 0;
 }
 
 /* Writes one input to the data file. */
