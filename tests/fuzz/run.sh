@@ -2,8 +2,8 @@
 # Runs the libFuzzer harnesses one after another, each for SECONDS or RUNS executions (0: no
 # limit), whichever comes first, over the committed seeds and regression inputs; new inputs go to
 # CORPUS_DIR/<harness> (a temporary directory when CORPUS_DIR is unset). One TAP line per harness:
-# ok with its execution count, or not ok with the finding, saved under FINDINGS_DIR (default
-# build/fuzz/findings) and its report in the log. Exits nonzero on any finding.
+# ok with its execution count, or not ok with the finding: its input and full log are saved under
+# FINDINGS_DIR (default build/fuzz/findings). Exits nonzero on any finding.
 #   tests/fuzz/run.sh SECONDS RUNS HARNESS...     (make fuzz; make test runs each for 30 s)
 set -u
 cd "$(dirname "$0")/../.."
@@ -38,8 +38,9 @@ for h in "$@"; do
   if [ "$rc" -eq 0 ]; then
     echo "ok $n - fuzz_$h: ${execs:-?} executions in $((SECONDS - t0)) s, no finding"
   else
-    echo "not ok $n - fuzz_$h: a finding after ${execs:-?} executions (exit $rc); its input is in $findings"
-    grep -E "ERROR|SUMMARY|fuzz_$h:|^    #[0-9]+ " "$log" | head -n 60 | sed 's/^/# /'
+    cp "$log" "$findings/$h.log"
+    echo "not ok $n - fuzz_$h: a finding after ${execs:-?} executions (exit $rc); its input and log are in $findings"
+    grep -E "ERROR|SUMMARY|fuzz_$h:|^    #[0-9]+ " "$log" | tail -n 60 | sed 's/^/# /'
     status=1
   fi
 done
