@@ -1,5 +1,6 @@
 #include "checkpoint.h"
 #include "h5util.h"
+#include "optim.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -10,8 +11,6 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-static const char *opt_names[2][2] = {{"momentum_buffer", NULL}, {"exp_avg", "exp_avg_sq"}};
 
 /* Reads one float32 tensor with its shape checked. */
 static int read_tensor(hid_t f, const char *path, const char *group, const dt_tensor *t, float *dst, dt_status *st) {
@@ -140,21 +139,17 @@ int ckpt_write(const char *path, const dt_model *m, const dt_ckpt_data *d, const
   errno = 0;
   int bad = write_group(f, "/model", m, d->params, d->bufs, 0);
   const dt_train_state *ts = &d->ts;
-  if (!bad && d->opt_a) {
-    bad |= H5Gclose(H5Gcreate2(f, "/optim", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)) < 0;
+  const dt_optim_ops *optim = dt_optim_kinds[ts->optim];
+  if (!bad && d->opt[0]) bad |= H5Gclose(H5Gcreate2(f, "/optim", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)) < 0;
+  for (int k = 0; k < DT_OPTIM_MAX_STATES && !bad && d->opt[k]; k++) {
     char g[64];
-    snprintf(g, sizeof g, "/optim/%s", opt_names[ts->optim][0]);
-    bad |= write_group(f, g, m, d->opt_a, NULL, 1);
-    if (!bad && d->opt_b) {
-      snprintf(g, sizeof g, "/optim/%s", opt_names[ts->optim][1]);
-      bad |= write_group(f, g, m, d->opt_b, NULL, 1);
-    }
+    snprintf(g, sizeof g, "/optim/%s", optim->state_names[k]);
+    bad |= write_group(f, g, m, d->opt[k], NULL, 1);
   }
   if (!bad) {
     hid_t meta = H5Gcreate2(f, "/meta", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-    const char *optim = ts->optim == DT_OPTIM_SGD ? "sgd" : "adamw";
     bad |= meta < 0 || attr_str(meta, "config", cfg->effective) || attr_str(meta, "version", DT_VERSION) ||
-           attr_str(meta, "optimizer", optim) ||
+           attr_str(meta, "optimizer", optim->name) ||
            attr_num(meta, "world_size", H5T_STD_I64LE, H5T_NATIVE_INT64, &ts->world_size) ||
            attr_num(meta, "step", H5T_STD_I64LE, H5T_NATIVE_INT64, &ts->step) ||
            attr_num(meta, "epoch", H5T_STD_I64LE, H5T_NATIVE_INT64, &ts->epoch) ||
@@ -314,7 +309,10 @@ static int read_meta(const char *path, dt_train_state *ts, char **config_text, d
     dt_fail(st, DT_EXIT_INPUT, "%s: not a ddp_train checkpoint (the /meta attributes are missing or unreadable: %s)",
             path, h5_error_text(e, sizeof e));
   }
-  if (!st->code) ts->optim = !strcmp(optim, "adamw") ? DT_OPTIM_ADAMW : DT_OPTIM_SGD;
+  if (!st->code) {
+    ts->optim = optim_index(optim);
+    if (ts->optim < 0) dt_fail(st, DT_EXIT_INPUT, "%s: unknown optimizer '%s' in /meta", path, optim);
+  }
   free(optim);
   if (meta >= 0) H5Gclose(meta);
   H5Fclose(f);
@@ -334,9 +332,9 @@ static int load(const char *path, const dt_model *m, dt_ckpt_data *d, char **con
     const dt_tensor *t = &m->tensors[i];
     read_tensor(f, path, "/model", t, (t->is_buffer ? d->bufs : d->params) + t->offset, st);
   }
-  for (int k = 0; k < 2 && !st->code; k++) {
-    float *dst = k == 0 ? d->opt_a : d->opt_b;
-    const char *state = opt_names[ts->optim][k];
+  for (int k = 0; k < DT_OPTIM_MAX_STATES && !st->code; k++) {
+    float *dst = d->opt[k];
+    const char *state = dt_optim_kinds[ts->optim]->state_names[k];
     if (!dst || !state) continue;
     char g[64];
     snprintf(g, sizeof g, "/optim/%s", state);

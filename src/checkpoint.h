@@ -17,22 +17,23 @@
 
 #include "config.h"
 #include "model.h"
+#include "optim.h"
 
 typedef struct {
   int64_t step;         /* optimizer steps done */
   int64_t epoch, micro; /* data position of the next micro-batch */
   int64_t global_batch, world_size;
   uint64_t seed;
-  int optim;          /* DT_OPTIM_* */
+  int optim;          /* index into dt_optim_kinds (optim.name) */
   double best_metric; /* early stopping */
   int64_t bad_evals;
   double best_val_acc;
 } dt_train_state;
 
-/* Host copies of everything a checkpoint holds. opt_a: momentum or exp_avg; opt_b: exp_avg_sq
- * (NULL when the optimizer has none). */
+/* Host copies of everything a checkpoint holds. opt[k]: the optimizer's state k (n_params
+ * floats, named by its descriptor's state_names[k]); NULL past the ones it has. */
 typedef struct {
-  float *params, *bufs, *opt_a, *opt_b;
+  float *params, *bufs, *opt[DT_OPTIM_MAX_STATES];
   dt_train_state ts;
 } dt_ckpt_data;
 
@@ -53,7 +54,7 @@ int ckpt_save_step(const char *dir, int64_t keep, const dt_model *m, const dt_ck
  * Exit 2 naming the file when it is unreadable or not a ddp_train checkpoint. */
 int ckpt_read_meta(const char *path, dt_train_state *ts, char **config_text, dt_status *st);
 
-/* Loads a checkpoint: tensors, optimizer state (when d->opt_a is set) and the training state;
+/* Loads a checkpoint: tensors, optimizer state (into the d->opt[k] that are set) and the training state;
  * *config_text receives the stored config (caller frees). Exit 2 naming the file when it is
  * missing, truncated, corrupt (checksums) or does not fit the model. */
 int ckpt_load(const char *path, const dt_model *m, dt_ckpt_data *d, char **config_text, dt_status *st);

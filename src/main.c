@@ -307,8 +307,8 @@ static int load_resume(const cli_args *args, const dt_config *cfg, dt_model *m, 
   size_t pb = (size_t)(m->n_params ? m->n_params : 1) * sizeof(float);
   d->params = dt_malloc(pb);
   d->bufs = dt_malloc((size_t)(m->n_bufs ? m->n_bufs : 1) * sizeof(float));
-  if ((v->optim == DT_OPTIM_SGD && v->momentum > 0) || v->optim == DT_OPTIM_ADAMW) d->opt_a = dt_malloc(pb);
-  if (v->optim == DT_OPTIM_ADAMW) d->opt_b = dt_malloc(pb);
+  int states = dt_optim_kinds[v->optim]->n_states(v);
+  for (int k = 0; k < states; k++) d->opt[k] = dt_malloc(pb);
   int64_t W = comm->size;
   int64_t G = (v->global_batch_size ? v->global_batch_size : v->batch_size * W) * v->grad_accum;
   int found = 0;
@@ -360,8 +360,7 @@ static int load_resume(const cli_args *args, const dt_config *cfg, dt_model *m, 
   if (!found) return 0;
   comm_bcast(comm, d->params, (size_t)m->n_params * sizeof(float), 0);
   comm_bcast(comm, d->bufs, (size_t)m->n_bufs * sizeof(float), 0);
-  if (d->opt_a) comm_bcast(comm, d->opt_a, (size_t)m->n_params * sizeof(float), 0);
-  if (d->opt_b) comm_bcast(comm, d->opt_b, (size_t)m->n_params * sizeof(float), 0);
+  for (int k = 0; k < states; k++) comm_bcast(comm, d->opt[k], (size_t)m->n_params * sizeof(float), 0);
   comm_bcast(comm, &d->ts, sizeof d->ts, 0);
   dt_backend *be = m->be;
   be->to_device(be, m->params, d->params, (size_t)m->n_params * sizeof(float));
@@ -378,7 +377,7 @@ static double mib(size_t b) {
 static void check_memory(const dt_config *cfg, const dt_model *m, const dt_comm *comm, dt_status *st) {
   const dt_config_values *v = &cfg->v;
   int64_t rows = max_local_rows(cfg, comm->size);
-  int states = v->optim == DT_OPTIM_ADAMW ? 2 : v->momentum > 0 ? 1 : 0;
+  int states = dt_optim_kinds[v->optim]->n_states(v);
   dt_memory mem = model_memory(m, rows, states, pick_threads(cfg, comm));
   char why[256];
   size_t have = 0;
@@ -528,8 +527,7 @@ done:
   (void)nccl;
   free(resume.params);
   free(resume.bufs);
-  free(resume.opt_a);
-  free(resume.opt_b);
+  for (int k = 0; k < DT_OPTIM_MAX_STATES; k++) free(resume.opt[k]);
   model_free(&model);
   data_close(&data);
   if (be) be->destroy(be);

@@ -37,49 +37,32 @@ double schedule_lr(const dt_config_values *c, int64_t t, int64_t total) {
   return lr;
 }
 
+const dt_optim_ops *const dt_optim_kinds[] = {&dt_optim_sgd, &dt_optim_adamw};
+const int dt_n_optim_kinds = (int)(sizeof dt_optim_kinds / sizeof dt_optim_kinds[0]);
+
+int optim_index(const char *name) {
+  for (int i = 0; i < dt_n_optim_kinds; i++)
+    if (!strcmp(dt_optim_kinds[i]->name, name)) return i;
+  return -1;
+}
+
 void optim_init(dt_optim *o, const dt_config_values *cfg, dt_backend *be, int64_t n, int64_t total_steps) {
   memset(o, 0, sizeof *o);
+  DT_ASSERT(cfg->optim >= 0 && cfg->optim < dt_n_optim_kinds);
+  o->ops = dt_optim_kinds[cfg->optim];
   o->cfg = cfg;
   o->n = n;
   o->total_steps = total_steps;
-  size_t bytes = (size_t)(n ? n : 1) * sizeof(float);
-  if (cfg->optim == DT_OPTIM_SGD) {
-    if (cfg->momentum > 0) o->mom = be->alloc(be, bytes);
-  } else {
-    o->m = be->alloc(be, bytes);
-    o->v = be->alloc(be, bytes);
-  }
+  o->n_states = o->ops->n_states(cfg);
+  for (int i = 0; i < o->n_states; i++) o->states[i] = be->alloc(be, (size_t)(n ? n : 1) * sizeof(float));
 }
 
 void optim_free(dt_optim *o, dt_backend *be) {
-  if (o->mom) be->free(be, o->mom);
-  if (o->m) be->free(be, o->m);
-  if (o->v) be->free(be, o->v);
+  for (int i = 0; i < o->n_states; i++) be->free(be, o->states[i]);
   memset(o, 0, sizeof *o);
 }
 
 void optim_step(dt_optim *o, dt_backend *be, float *params, const float *grads, double lr) {
-  const dt_config_values *c = o->cfg;
-  dt_op op;
-  memset(&op, 0, sizeof op);
-  if (c->optim == DT_OPTIM_SGD) {
-    op.type = DT_OP_SGD;
-    op.p.sgd = (typeof(op.p.sgd)){
-        o->n, (float)lr, (float)c->momentum, (float)c->weight_decay, c->nesterov, o->step == 0, params, grads, o->mom};
-  } else {
-    op.type = DT_OP_ADAMW;
-    op.p.adamw = (typeof(op.p.adamw)){o->n,
-                                      (float)lr,
-                                      (float)c->betas.v[0],
-                                      (float)c->betas.v[1],
-                                      (float)c->eps,
-                                      (float)c->weight_decay,
-                                      o->step + 1,
-                                      params,
-                                      grads,
-                                      o->m,
-                                      o->v};
-  }
-  backend_run(be, &op);
+  o->ops->step(o->cfg, be, o->n, o->step, lr, params, grads, o->states);
   o->step++;
 }

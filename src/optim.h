@@ -1,19 +1,44 @@
-/* optim.h: learning-rate schedules and the optimizer step over the flat parameter buffer.
+/* optim.h: learning-rate schedules and the optimizers over the flat parameter buffer.
  * Schedules are functions of the optimizer step t in [0, total) (PyTorch's order: step t uses
- * lr(t), then the scheduler advances). Owns: the optimizer state buffers (backend memory). */
+ * lr(t), then the scheduler advances). An optimizer is a descriptor (one file each,
+ * optim_<name>.c): its state tensors, named as PyTorch's optimizer state, and its step, queued
+ * as one backend op. Adding one touches its file, its backend op and the optim.name key.
+ * Owns: the optimizer state buffers (backend memory). */
 #ifndef DT_OPTIM_H
 #define DT_OPTIM_H
 
 #include "backend.h"
 #include "config.h"
 
+enum { DT_OPTIM_MAX_STATES = 2 };
+
 typedef struct {
+  const char *name;                              /* optim.name */
+  const char *state_names[DT_OPTIM_MAX_STATES]; /* PyTorch's per-parameter state keys */
+  /* state tensors this config needs (SGD without momentum: none) */
+  int (*n_states)(const dt_config_values *c);
+  /* Queues one step over n values. t: steps already taken; states: n_states tensors of n. */
+  void (*step)(const dt_config_values *c, dt_backend *be, int64_t n, int64_t t, double lr, float *params,
+               const float *grads, float *const *states);
+} dt_optim_ops;
+
+extern const dt_optim_ops dt_optim_sgd;   /* optim_sgd.c */
+extern const dt_optim_ops dt_optim_adamw; /* optim_adamw.c */
+
+/* Indexed by optim.name's enum value (the key's choices, in this order). */
+extern const dt_optim_ops *const dt_optim_kinds[];
+extern const int dt_n_optim_kinds;
+/* The index of the optimizer named `name` (optim.name's value), or -1. */
+int optim_index(const char *name);
+
+typedef struct {
+  const dt_optim_ops *ops;
   const dt_config_values *cfg; /* borrowed */
   int64_t total_steps;
   int64_t n;
-  float *mom;   /* SGD momentum (n) */
-  float *m, *v; /* AdamW moments (n) */
-  int64_t step; /* optimizer steps taken */
+  int n_states;
+  float *states[DT_OPTIM_MAX_STATES]; /* (n) each, backend memory */
+  int64_t step;                       /* optimizer steps taken */
 } dt_optim;
 
 double schedule_lr(const dt_config_values *cfg, int64_t t, int64_t total);

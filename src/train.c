@@ -195,14 +195,9 @@ static void snapshot(const dt_model *m, const dt_optim *o, const dt_train_state 
   size_t pb = (size_t)m->n_params * sizeof(float);
   be->to_host(be, d->params, m->params, pb);
   be->to_host(be, d->bufs, m->bufs, (size_t)m->n_bufs * sizeof(float));
-  d->opt_a = d->opt_b = NULL;
-  if (o->mom || o->m) {
-    d->opt_a = d->params + m->n_params; /* the scratch holds room for both states after params */
-    be->to_host(be, d->opt_a, o->mom ? o->mom : o->m, pb);
-  }
-  if (o->v) {
-    d->opt_b = d->params + 2 * m->n_params;
-    be->to_host(be, d->opt_b, o->v, pb);
+  for (int k = 0; k < DT_OPTIM_MAX_STATES; k++) {
+    d->opt[k] = k < o->n_states ? d->params + (k + 1) * m->n_params : NULL; /* the scratch has room after params */
+    if (d->opt[k]) be->to_host(be, d->opt[k], o->states[k], pb);
   }
   d->ts = *ts;
 }
@@ -280,15 +275,14 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, cons
     ts = opts->resume->ts;
     ts.world_size = W;
     size_t pb = (size_t)m->n_params * sizeof(float);
-    if (opts->resume->opt_a && (opt.mom || opt.m))
-      be->to_device(be, opt.mom ? opt.mom : opt.m, opts->resume->opt_a, pb);
-    if (opts->resume->opt_b && opt.v) be->to_device(be, opt.v, opts->resume->opt_b, pb);
+    for (int k = 0; k < opt.n_states; k++)
+      if (opts->resume->opt[k]) be->to_device(be, opt.states[k], opts->resume->opt[k], pb);
     opt.step = ts.step;
   }
-  /* host scratch for checkpoints: params, two optimizer states, buffers */
+  /* host scratch for checkpoints: params, the optimizer states, buffers */
   dt_ckpt_data scratch = {0};
   if (leader && v->ckpt_dir[0]) {
-    scratch.params = dt_malloc((size_t)(3 * m->n_params + 1) * sizeof(float));
+    scratch.params = dt_malloc((size_t)((1 + DT_OPTIM_MAX_STATES) * m->n_params + 1) * sizeof(float));
     scratch.bufs = dt_malloc((size_t)(m->n_bufs + 1) * sizeof(float));
   }
   dt_loader L;

@@ -109,7 +109,7 @@ static void check_model(const char *model_yaml, int64_t batch) {
   for (int opt = 0; opt < 2; opt++) {
     dt_optim o[2];
     dt_config_values v = c.cfg.v;
-    v.optim = opt ? DT_OPTIM_ADAMW : DT_OPTIM_SGD;
+    v.optim = optim_index(opt ? "adamw" : "sgd");
     v.nesterov = 1;
     v.weight_decay = 0.01;
     for (int i = 0; i < 2; i++) {

@@ -28,7 +28,7 @@ static dt_config_values base(void) {
 static void sgd_nesterov_with_weight_decay(void **s) {
   (void)s;
   dt_config_values c = base();
-  c.optim = DT_OPTIM_SGD;
+  c.optim = optim_index("sgd");
   c.momentum = 0.9;
   c.nesterov = 1;
   c.weight_decay = 0.01;
@@ -70,7 +70,7 @@ static void sgd_plain_and_heavy_ball(void **s) {
 static void adamw_two_steps(void **s) {
   (void)s;
   dt_config_values c = base();
-  c.optim = DT_OPTIM_ADAMW;
+  c.optim = optim_index("adamw");
   c.weight_decay = 0.01;
   dt_backend *be = backend_cpu_create(1);
   dt_optim o;
@@ -116,12 +116,42 @@ static void schedules(void **s) {
   assert_near(schedule_lr(&c, 1, 9), 0.1 + (0.004 - 0.1) / 2 * (cos(0.8 * M_PI) + 1), 1e-12);
 }
 
+/* optim.name's values index the descriptors; a descriptor's states are what checkpoints name */
+static void optimizer_names_and_states(void **s) {
+  (void)s;
+  const char *names[] = {"sgd", "adamw"};
+  for (int i = 0; i < 2; i++) {
+    char text[256];
+    snprintf(text, sizeof text, "model: {input: [4], layers: [{linear: {out: 2}}]}\ndata: {path: x.h5}\n"
+             "train: {batch_size: 2}\noptim: {name: %s}\n", names[i]);
+    char *path = write_tmp(text);
+    dt_config cfg;
+    dt_status st = {0};
+    assert_int_equal(config_load(&cfg, path, NULL, 0, &st), 0);
+    assert_int_equal(cfg.v.optim, optim_index(names[i]));
+    assert_string_equal(dt_optim_kinds[cfg.v.optim]->name, names[i]);
+    config_free(&cfg);
+    unlink(path);
+    free(path);
+  }
+  assert_int_equal(optim_index("adam"), -1);
+  dt_config_values c = base();
+  assert_int_equal(dt_optim_sgd.n_states(&c), 0);
+  c.momentum = 0.9;
+  assert_int_equal(dt_optim_sgd.n_states(&c), 1);
+  assert_string_equal(dt_optim_sgd.state_names[0], "momentum_buffer");
+  assert_int_equal(dt_optim_adamw.n_states(&c), 2);
+  assert_string_equal(dt_optim_adamw.state_names[0], "exp_avg");
+  assert_string_equal(dt_optim_adamw.state_names[1], "exp_avg_sq");
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(sgd_nesterov_with_weight_decay),
       cmocka_unit_test(sgd_plain_and_heavy_ball),
       cmocka_unit_test(adamw_two_steps),
       cmocka_unit_test(schedules),
+      cmocka_unit_test(optimizer_names_and_states),
   };
   return cmocka_run_group_tests_name("optim", tests, NULL, NULL);
 }

@@ -1,0 +1,25 @@
+/* optim_sgd.c: torch.optim.SGD with momentum, dampening 0, Nesterov and L2 weight decay. State:
+ * momentum_buffer (only with momentum > 0), which starts as the first gradient. */
+#include "optim.h"
+
+static int sgd_states(const dt_config_values *c) {
+  return c->momentum > 0 ? 1 : 0;
+}
+
+static void sgd_step(const dt_config_values *c, dt_backend *be, int64_t n, int64_t t, double lr, float *params,
+                     const float *grads, float *const *states) {
+  dt_op op = {.type = DT_OP_SGD,
+              .p.sgd = {.n = n,
+                        .lr = (float)lr,
+                        .momentum = (float)c->momentum,
+                        .weight_decay = (float)c->weight_decay,
+                        .nesterov = c->nesterov,
+                        .first = t == 0,
+                        .param = params,
+                        .grad = grads,
+                        .mom = c->momentum > 0 ? states[0] : NULL}};
+  backend_run(be, &op);
+}
+
+const dt_optim_ops dt_optim_sgd = {
+    .name = "sgd", .state_names = {"momentum_buffer"}, .n_states = sgd_states, .step = sgd_step};
