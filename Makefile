@@ -49,7 +49,7 @@ override CFLAGS += -std=gnu11 -Wall -Wextra -Werror -Wno-format-truncation -fope
 LDLIBS = $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -lgomp -lpthread -lm
 
 SRCS := common.c yaml_tree.c keys.c config.c model.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
-        layer_activation.c layer_residual.c layer_loss.c backend_cpu.c comm_mpi.c sampler.c data_hdf5.c optim.c \
+        layer_activation.c layer_residual.c loss.c backend_cpu.c comm_mpi.c sampler.c data_hdf5.c optim.c \
         optim_sgd.c optim_adamw.c \
         checkpoint.c log.c train.c signals.c fault.c h5util.c
 CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=compute_90
@@ -94,7 +94,8 @@ TEST_BINS := $(TESTS:%=$(BUILD)/tests/%) $(if $(filter 1,$(CUDA)),$(SIM_BINS))
 FUZZ := build/fuzz
 FUZZERS := config data checkpoint
 FUZZ_SRCS := common.c yaml_tree.c keys.c config.c model.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
-             layer_activation.c layer_residual.c layer_loss.c sampler.c data_hdf5.c checkpoint.c h5util.c
+             layer_activation.c layer_residual.c loss.c sampler.c data_hdf5.c checkpoint.c h5util.c \
+             optim.c optim_sgd.c optim_adamw.c
 FUZZ_FLAGS := -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
 FUZZ_BINS := $(FUZZERS:%=$(FUZZ)/fuzz_%)
 TEST_BINS += $(FUZZ_BINS)

@@ -143,7 +143,7 @@ static int open_split(dt_data *d, dt_split *s, const char *xkey, const char *yke
   t = H5Dget_type(dy);
   cls = H5Tget_class(t);
   H5Tclose(t);
-  if (m->loss_kind == DT_LOSS_CROSS_ENTROPY) {
+  if (m->loss.kind == DT_LOSS_CROSS_ENTROPY) {
     if (cls != H5T_INTEGER || yn != 1) {
       rc = dt_fail(st, DT_EXIT_INPUT, "%s: dataset '%s' (%s): cross_entropy needs integer class labels shaped (N,)",
                    d->path, s->y_name, ykey);

@@ -18,10 +18,4 @@ extern const dt_layer_ops dt_layer_dropout;
 extern const dt_layer_ops dt_layer_flatten;
 extern const dt_layer_ops dt_layer_residual; /* layer_residual.c */
 
-/* layer_loss.c: parses model.loss (a name or a one-key map) */
-int loss_parse(dt_model *m, const dt_node *node, dt_status *st);
-/* Loss over pass->batch rows: writes dlogits (weighted by 1/global_count); adds to sums. */
-void loss_compute(dt_model *m, dt_pass *pass, const int32_t *labels, const float *targets, double *loss_sum,
-                  double *correct);
-
 #endif

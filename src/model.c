@@ -127,7 +127,7 @@ int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
   else
     m->input = (dt_shape){1, (int64_t)in->v[0], 1, 1};
   if (seq_build(m, &m->top, cfg->v.layers, m->input, "", "model.layers", st)) return st->code;
-  if (loss_parse(m, cfg->v.loss, st)) return st->code;
+  if (loss_parse(&m->loss, cfg->v.loss, st)) return st->code;
   dt_shape out = m->top.layers[m->top.n - 1]->out;
   m->n_outputs = shape_size(out);
   if (out.rank != 1) {
@@ -136,7 +136,7 @@ int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
     return dt_fail(st, DT_EXIT_INPUT, "%s: the last layer outputs %s; the loss needs a vector (add flatten and linear)",
                    m->top.layers[m->top.n - 1]->where, s);
   }
-  if (m->loss_kind == DT_LOSS_CROSS_ENTROPY && m->n_outputs < 2)
+  if (m->loss.kind == DT_LOSS_CROSS_ENTROPY && m->n_outputs < 2)
     return dt_fail(st, DT_EXIT_INPUT, "%s: cross_entropy needs at least 2 outputs, the model has %lld",
                    m->top.layers[m->top.n - 1]->where, (long long)m->n_outputs);
   layout(m);
@@ -307,9 +307,8 @@ void model_summary(const dt_model *m, FILE *out) {
   fprintf(out, "  forward FLOPs per sample: ");
   print_int(out, model_flops(m), 0);
   fprintf(out, " (%.2f MFLOP)\n", (double)model_flops(m) / 1e6);
-  fprintf(out, "  loss: %s", m->loss_kind == DT_LOSS_CROSS_ENTROPY ? "cross_entropy" : "mse");
-  if (m->loss_kind == DT_LOSS_CROSS_ENTROPY && m->label_smoothing > 0)
-    fprintf(out, " (label_smoothing %g)", m->label_smoothing);
+  fprintf(out, "  loss: %s", loss_name(&m->loss));
+  if (m->loss.label_smoothing > 0) fprintf(out, " (label_smoothing %g)", m->loss.label_smoothing);
   fprintf(out, "\n");
 }
 
@@ -341,4 +340,10 @@ float *model_logits(dt_model *m) {
 }
 float *model_dlogits(dt_model *m) {
   return m->top.layers[m->top.n - 1]->dy;
+}
+
+void model_loss(dt_model *m, dt_pass *pass, const int32_t *labels, const float *targets, double *loss_sum,
+                double *correct) {
+  loss_run(&m->loss, pass->be, pass->batch, m->n_outputs, 1.0 / pass->global_count, model_logits(m), labels, targets,
+           model_dlogits(m), loss_sum, correct);
 }

@@ -11,6 +11,7 @@
 
 #include "backend.h"
 #include "config.h"
+#include "loss.h"
 
 /* Per-sample shape: (C,H,W); a vector of D is (D,1,1) with rank 1. */
 typedef struct {
@@ -103,8 +104,7 @@ struct dt_model {
   dt_seq top;
   dt_layer **all; /* every layer in pre-order (borrowed pointers) */
   int n_all;
-  int loss_kind;
-  double label_smoothing;
+  dt_loss loss;
   int64_t n_outputs; /* logits per sample */
   int64_t n_params, n_bufs;
   dt_tensor *tensors; /* every tensor, in PyTorch state_dict order */
@@ -139,7 +139,11 @@ int64_t model_max_row(const dt_model *m);
 
 /* Forward over pass->batch rows of m->input_x; logits end in the last layer's y. */
 void model_forward(dt_model *m, dt_pass *pass);
-/* Backward from the last layer's dy (set by the loss). */
+/* The loss of the last forward over pass->batch rows: dlogits (the last layer's dy) written,
+ * the summed loss and hits added to *loss_sum and *correct. */
+void model_loss(dt_model *m, dt_pass *pass, const int32_t *labels, const float *targets, double *loss_sum,
+                double *correct);
+/* Backward from the last layer's dy (set by model_loss). */
 void model_backward(dt_model *m, dt_pass *pass);
 float *model_logits(dt_model *m);
 float *model_dlogits(dt_model *m);

@@ -13,7 +13,7 @@
 enum { DT_OPTIM_MAX_STATES = 2 };
 
 typedef struct {
-  const char *name;                              /* optim.name */
+  const char *name;                             /* optim.name */
   const char *state_names[DT_OPTIM_MAX_STATES]; /* PyTorch's per-parameter state keys */
   /* state tensors this config needs (SGD without momentum: none) */
   int (*n_states)(const dt_config_values *c);

@@ -70,7 +70,7 @@ static void eval_rows(const dt_config *cfg, dt_model *m, dt_data *d, double *sum
     load_input(cfg, m, x, n);
     pass.batch = n;
     model_forward(m, &pass);
-    loss_compute(m, &pass, labels, targets, &sums[0], &sums[1]);
+    model_loss(m, &pass, labels, targets, &sums[0], &sums[1]);
     if (logits)
       m->be->to_host(m->be, logits + i * m->n_outputs, model_logits(m), (size_t)(n * m->n_outputs) * sizeof(float));
     if (all_labels && s->y_k == 0) memcpy(all_labels + i, labels, (size_t)n * sizeof(int32_t));
@@ -88,7 +88,7 @@ void train_evaluate(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm
   eval_rows(cfg, m, d, sums, NULL, NULL, st);
   comm_allreduce_sum_f64(comm, sums, 3, "validation allreduce");
   *loss = sums[2] > 0 ? sums[0] / sums[2] : 0;
-  *acc = m->loss_kind == DT_LOSS_CROSS_ENTROPY && sums[2] > 0 ? sums[1] / sums[2] : -1;
+  *acc = m->loss.kind == DT_LOSS_CROSS_ENTROPY && sums[2] > 0 ? sums[1] / sums[2] : -1;
 }
 
 /* Collective at log steps: every rank's mean compute time per step. Returns the slowest rank and
@@ -144,7 +144,7 @@ int train_predict(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, 
   if (comm->rank == 0) {
     int32_t *li = dt_malloc((size_t)(n + 1) * sizeof(int32_t));
     for (int64_t i = 0; i < n; i++) li[i] = (int32_t)all_labels[i];
-    if (!ckpt_write_predictions(path, all, m->loss_kind == DT_LOSS_CROSS_ENTROPY ? li : NULL, n, k, &st))
+    if (!ckpt_write_predictions(path, all, m->loss.kind == DT_LOSS_CROSS_ENTROPY ? li : NULL, n, k, &st))
       printf("wrote the logits of %lld validation rows to %s\n", (long long)n, path);
     free(li);
   }
@@ -336,7 +336,7 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, cons
             .ctx = &ctx};
         model_forward(m, &pass);
         double l = 0, c = 0;
-        loss_compute(m, &pass, b->labels, b->targets, &l, &c);
+        model_loss(m, &pass, b->labels, b->targets, &l, &c);
         if (!isfinite(l))
           dt_fail(&st, DT_EXIT_NUMERIC,
                   "the loss became %s at step %lld (epoch %lld); lower optim.lr or "

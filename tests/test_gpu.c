@@ -90,7 +90,7 @@ static void check_model(const char *model_yaml, int64_t batch) {
                  .bufs = sd->m.bufs};
     model_forward(&sd->m, &p);
     double l = 0, hits = 0;
-    loss_compute(&sd->m, &p, labels, targets, &l, &hits);
+    model_loss(&sd->m, &p, labels, targets, &l, &hits);
     loss[i] = l;
     dx[i] = sd->be->alloc(sd->be, (size_t)nin * sizeof(float));
     seq_backward(&sd->m.top, &p, sd->m.input_x, dx[i]);

@@ -159,12 +159,12 @@ static void losses_parse(void **state) {
       build("  input: [4]\n  layers: [{linear: {out: 3}}]\n  loss: {cross_entropy: {label_smoothing: 0.1}}\n", &cfg, &m,
             &st),
       0);
-  assert_int_equal(m.loss_kind, DT_LOSS_CROSS_ENTROPY);
-  assert_true(m.label_smoothing == 0.1);
+  assert_int_equal(m.loss.kind, DT_LOSS_CROSS_ENTROPY);
+  assert_true(m.loss.label_smoothing == 0.1);
   model_free(&m);
   config_free(&cfg);
   assert_int_equal(build("  input: [4]\n  layers: [{linear: {out: 1}}]\n  loss: mse\n", &cfg, &m, &st), 0);
-  assert_int_equal(m.loss_kind, DT_LOSS_MSE);
+  assert_int_equal(m.loss.kind, DT_LOSS_MSE);
   model_free(&m);
   config_free(&cfg);
 }

@@ -68,7 +68,7 @@ static double loss_of(fixture *f) {
   dt_pass p = make_pass(f);
   model_forward(&f->m, &p);
   double l = 0, c = 0;
-  loss_compute(&f->m, &p, f->labels, f->targets, &l, &c);
+  model_loss(&f->m, &p, f->labels, f->targets, &l, &c);
   return l / (double)f->batch;
 }
 
@@ -103,7 +103,7 @@ static void grad_check(const char *model_yaml, int64_t batch) {
   dt_pass p = make_pass(&f);
   model_forward(&f.m, &p);
   double l = 0, c = 0;
-  loss_compute(&f.m, &p, f.labels, f.targets, &l, &c);
+  model_loss(&f.m, &p, f.labels, f.targets, &l, &c);
   seq_backward(&f.m.top, &p, f.m.input_x, dx);
   float *grads = malloc((size_t)(f.m.n_params + 1) * sizeof(float));
   memcpy(grads, f.m.grads, (size_t)f.m.n_params * sizeof(float));

@@ -16,7 +16,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *input, size_t size) {
   memset(&d, 0, sizeof d);
   size_t pb = (size_t)(m->n_params ? m->n_params : 1) * sizeof(float);
   d.params = malloc(pb);
-  d.opt_a = malloc(pb);
+  d.opt[0] = malloc(pb);
   d.bufs = malloc((size_t)(m->n_bufs ? m->n_bufs : 1) * sizeof(float));
   probe_args a = {.path = setup.data_path, .m = m, .d = &d};
   dt_status probe = {0}, st = {0};
@@ -29,7 +29,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *input, size_t size) {
     fuzz_check_closed("fuzz_checkpoint");
   }
   free(d.params);
-  free(d.opt_a);
+  free(d.opt[0]);
   free(d.bufs);
   return 0;
 }

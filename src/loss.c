@@ -1,0 +1,76 @@
+#include "loss.h"
+
+#include <stddef.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "keys.h"
+
+typedef struct {
+  double label_smoothing;
+} ce_args;
+
+static const dt_key ce_keys[] = {
+    {"label_smoothing", DT_KEY_FLOAT, offsetof(ce_args, label_smoothing), "0", 0, 1, NULL, "PyTorch's label smoothing"},
+};
+
+int loss_parse(dt_loss *l, const dt_node *node, dt_status *st) {
+  char where[512];
+  const char *name;
+  const dt_node *params = NULL;
+  memset(l, 0, sizeof *l);
+  if (!node)
+    name = "cross_entropy";
+  else if (node->kind == DT_NODE_SCALAR)
+    name = node->scalar;
+  else if (node->kind == DT_NODE_MAP && node->n == 1)
+    name = node->keys[0], params = node->items[0];
+  else
+    return dt_fail(st, DT_EXIT_INPUT, "%s: model.loss: expected cross_entropy, mse or a one-key map",
+                   yaml_where(node, where, sizeof where));
+  if (node)
+    yaml_where(node, where, sizeof where);
+  else
+    snprintf(where, sizeof where, "default");
+  ce_args args = {0};
+  if (!strcmp(name, "cross_entropy")) {
+    l->kind = DT_LOSS_CROSS_ENTROPY;
+    if (keys_read(ce_keys, 1, &args, params, node, "model.loss cross_entropy: ", "parameter", st)) return st->code;
+    l->label_smoothing = args.label_smoothing;
+  } else if (!strcmp(name, "mse")) {
+    l->kind = DT_LOSS_MSE;
+    if (keys_read(NULL, 0, &args, params, node, "model.loss mse: ", "parameter", st)) return st->code;
+  } else {
+    const char *names[] = {"cross_entropy", "mse"};
+    const char *near = keys_suggest(name, names, 2);
+    return dt_fail(st, DT_EXIT_INPUT, "%s: model.loss: unknown loss '%s'%s%s%s", where, name,
+                   near ? "; did you mean '" : "", near ? near : "", near ? "'?" : "");
+  }
+  return 0;
+}
+
+const char *loss_name(const dt_loss *l) {
+  return l->kind == DT_LOSS_CROSS_ENTROPY ? "cross_entropy" : "mse";
+}
+
+void loss_run(const dt_loss *l, dt_backend *be, int64_t rows, int64_t k, double weight, const float *logits,
+              const int32_t *labels, const float *targets, float *dlogits, double *loss_sum, double *correct) {
+  double sum = 0, hits = 0;
+  if (rows > 0) {
+    dt_op op = {.type = DT_OP_LOSS,
+                .p.loss = {.kind = l->kind,
+                           .b = rows,
+                           .k = k,
+                           .label_smoothing = (float)l->label_smoothing,
+                           .weight = weight,
+                           .logits = logits,
+                           .labels = labels,
+                           .targets = targets,
+                           .dlogits = dlogits,
+                           .loss_sum = &sum,
+                           .correct = &hits}};
+    backend_run(be, &op);
+  }
+  *loss_sum += sum;
+  *correct += hits;
+}

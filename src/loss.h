@@ -1,0 +1,27 @@
+/* loss.h: the model's loss on its logits (B, K): cross_entropy{label_smoothing} against integer
+ * labels, or mse against float targets (B, K) (mean over K per sample). Per-sample losses are
+ * summed and dlogits weighted by 1/global_count, so gradients summed over ranks are the gradient
+ * of the global mean. The model owns one (dt_model.loss); this file knows nothing of models. */
+#ifndef DT_LOSS_H
+#define DT_LOSS_H
+
+#include "backend.h"
+#include "yaml_tree.h"
+
+typedef struct {
+  int kind; /* DT_LOSS_CROSS_ENTROPY or DT_LOSS_MSE */
+  double label_smoothing;
+} dt_loss;
+
+/* Parses model.loss (NULL: cross_entropy; a name; or a one-key map). Returns 0 or st (exit 2). */
+int loss_parse(dt_loss *l, const dt_node *node, dt_status *st);
+
+/* "cross_entropy" or "mse". */
+const char *loss_name(const dt_loss *l);
+
+/* Queues the loss over rows x k logits: overwrites dlogits (weighted by `weight`, 1/global
+ * count) and adds the summed per-sample loss and the hits to *loss_sum and *correct (host). */
+void loss_run(const dt_loss *l, dt_backend *be, int64_t rows, int64_t k, double weight, const float *logits,
+              const int32_t *labels, const float *targets, float *dlogits, double *loss_sum, double *correct);
+
+#endif
