@@ -96,10 +96,23 @@ static int64_t pool_flops(const dt_layer *l) {
   return shape_size(l->out) * l->args.kernel * l->args.kernel;
 }
 
-#define POOL_LAYER(var, name)                                                                                  \
-  const dt_layer_ops var = {.kind = name,           .keys = pool_keys,        .n_keys = 2,                       \
-                            .setup = pool_setup,    .alloc = pool_alloc,      .forward = pool_forward,           \
-                            .backward = pool_backward, .release = pool_release, .flops = pool_flops}
+static void pool_memory(const dt_layer *l, int64_t batch, int threads, dt_memory *mem) {
+  (void)threads;
+  if (l->ops == &dt_layer_maxpool) mem->activations += (size_t)(batch * shape_size(l->out)) * sizeof(int32_t);
+  if (l->ops == &dt_layer_global_avgpool) mem->activations += (size_t)(l->in.h * l->in.w) * sizeof(float);
+}
+
+#define POOL_LAYER(var, name)                          \
+  const dt_layer_ops var = {.kind = name,              \
+                            .keys = pool_keys,         \
+                            .n_keys = 2,               \
+                            .setup = pool_setup,       \
+                            .alloc = pool_alloc,       \
+                            .forward = pool_forward,   \
+                            .backward = pool_backward, \
+                            .release = pool_release,   \
+                            .flops = pool_flops,       \
+                            .memory = pool_memory}
 POOL_LAYER(dt_layer_maxpool, "maxpool");
 POOL_LAYER(dt_layer_avgpool, "avgpool");
 
@@ -144,4 +157,5 @@ const dt_layer_ops dt_layer_global_avgpool = {.kind = "global_avgpool",
                                               .forward = gap_forward,
                                               .backward = gap_backward,
                                               .release = pool_release,
-                                              .flops = gap_flops};
+                                              .flops = gap_flops,
+                                              .memory = pool_memory};

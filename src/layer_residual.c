@@ -84,6 +84,11 @@ static int64_t residual_flops(const dt_layer *l) {
   return shape_size(l->out);
 }
 
+static void residual_memory(const dt_layer *l, int64_t batch, int threads, dt_memory *mem) {
+  (void)threads;
+  mem->activations += (size_t)(batch * shape_size(l->in)) * sizeof(float); /* dx of the shortcut */
+}
+
 const dt_layer_ops dt_layer_residual = {.kind = "residual",
                                         .keys = residual_keys,
                                         .n_keys = 2,
@@ -92,4 +97,5 @@ const dt_layer_ops dt_layer_residual = {.kind = "residual",
                                         .forward = residual_forward,
                                         .backward = residual_backward,
                                         .release = residual_release,
-                                        .flops = residual_flops};
+                                        .flops = residual_flops,
+                                        .memory = residual_memory};

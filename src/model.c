@@ -232,20 +232,13 @@ dt_memory model_memory(const dt_model *m, int64_t batch, int optim_states, int t
   mem.grads = mem.params;
   mem.optim = (size_t)optim_states * mem.params;
   mem.buffers = (size_t)m->n_bufs * f;
-  size_t per_row = (size_t)shape_size(m->input), col = 0, dw = 0;
+  size_t per_row = (size_t)shape_size(m->input);
   for (int i = 0; i < m->n_all; i++) {
     const dt_layer *l = m->all[i];
-    per_row += 2 * (size_t)shape_size(l->out);                              /* y, dy */
-    if (l->ops == &dt_layer_maxpool) per_row += (size_t)shape_size(l->out); /* argmax, int32 */
-    if (l->ops == &dt_layer_residual) per_row += (size_t)shape_size(l->in);
-    if (l->ops == &dt_layer_conv2d) {
-      size_t ckk = (size_t)(l->in.c * l->args.kernel * l->args.kernel), hw = (size_t)(l->out.h * l->out.w);
-      if (ckk * hw > col) col = ckk * hw;
-      if ((size_t)l->args.out * ckk > dw) dw = (size_t)l->args.out * ckk;
-    }
+    per_row += 2 * (size_t)shape_size(l->out); /* y, dy */
+    if (l->ops->memory) l->ops->memory(l, batch, threads, &mem);
   }
-  mem.activations = per_row * (size_t)batch * f;
-  mem.workspace = (size_t)threads * (col + dw) * f;
+  mem.activations += per_row * (size_t)batch * f;
   mem.total = mem.params + mem.grads + mem.optim + mem.buffers + mem.activations + mem.workspace;
   return mem;
 }

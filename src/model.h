@@ -42,6 +42,11 @@ typedef struct {
   int64_t count;
 } dt_tensor;
 
+/* Memory one rank needs, in bytes, by part, for `batch` rows per rank. */
+typedef struct {
+  size_t params, grads, optim, buffers, activations, workspace, total;
+} dt_memory;
+
 typedef struct dt_layer dt_layer;
 typedef struct dt_pass dt_pass;
 typedef struct dt_seq dt_seq;
@@ -62,6 +67,9 @@ typedef struct {
   void (*backward)(dt_layer *l, dt_pass *pass, const float *x, float *dx);
   void (*release)(dt_layer *l, dt_backend *be);
   int64_t (*flops)(const dt_layer *l); /* forward FLOPs per sample */
+  /* Memory beyond y and dy for `batch` rows: adds what alloc keeps (activations) and raises
+   * mem->workspace to the per-thread scratch its ops need. NULL: none. */
+  void (*memory)(const dt_layer *l, int64_t batch, int threads, dt_memory *mem);
 } dt_layer_ops;
 
 struct dt_seq {
@@ -122,10 +130,6 @@ int model_build(dt_model *m, const dt_config *cfg, dt_status *st);
 void model_alloc(dt_model *m, dt_backend *be, int64_t max_batch, uint64_t seed);
 void model_free(dt_model *m);
 
-/* Memory one rank needs, in bytes, by part, for `batch` rows per rank. */
-typedef struct {
-  size_t params, grads, optim, buffers, activations, workspace, total;
-} dt_memory;
 dt_memory model_memory(const dt_model *m, int64_t batch, int optim_states, int threads);
 
 /* Prints every layer kind with its parameters (Markdown), from the layers' own key tables. */

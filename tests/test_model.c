@@ -169,6 +169,32 @@ static void losses_parse(void **state) {
   config_free(&cfg);
 }
 
+/* model_memory by hand: input (1,4,4), conv2d 2x3x3 pad 1 -> (2,4,4), maxpool 2 -> (2,2,2),
+ * flatten -> 8, linear 3; 5 rows, 2 threads, one optimizer state. */
+static void memory_estimate_by_hand(void **state) {
+  (void)state;
+  dt_config cfg;
+  dt_model m;
+  dt_status st;
+  assert_int_equal(build("  input: [1, 4, 4]\n  layers: [{conv2d: {out: 2, kernel: 3, pad: 1}}, {maxpool: {kernel: 2}},"
+                         " flatten, {linear: {out: 3}}]\n",
+                         &cfg, &m, &st),
+                   0);
+  dt_memory mem = model_memory(&m, 5, 1, 2);
+  /* parameters: conv 2*9 + 2, linear 8*3 + 3: 47 floats */
+  assert_int_equal(mem.params, 47 * 4);
+  assert_int_equal(mem.grads, 47 * 4);
+  assert_int_equal(mem.optim, 47 * 4);
+  /* per row: input 16, y and dy of conv (32), pool (8), flatten (8), linear (3): 118 floats;
+   * plus the pool's argmax, 8 int32 per row */
+  assert_int_equal(mem.activations, 118 * 5 * 4 + 8 * 5 * 4);
+  /* conv's per-thread im2col (C*K*K = 9, Ho*Wo = 16) and weight partial (2, 9) */
+  assert_int_equal(mem.workspace, 2 * (9 * 16 + 2 * 9) * 4);
+  assert_int_equal(mem.total, 3 * 47 * 4 + 118 * 5 * 4 + 8 * 5 * 4 + 2 * (9 * 16 + 2 * 9) * 4);
+  model_free(&m);
+  config_free(&cfg);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(default_cnn_has_870826_parameters),
@@ -176,6 +202,7 @@ int main(void) {
       cmocka_unit_test(shape_errors_name_layer_and_shapes),
       cmocka_unit_test(unknown_layers_and_parameters_suggest),
       cmocka_unit_test(losses_parse),
+      cmocka_unit_test(memory_estimate_by_hand),
   };
   return cmocka_run_group_tests_name("model", tests, NULL, NULL);
 }
