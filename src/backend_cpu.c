@@ -203,310 +203,361 @@ static void act_bwd(int kind, int64_t n, const float *x, const float *y, const f
   }
 }
 
-static void cpu_run(dt_backend *be, const dt_op *op) {
-  cpu_impl *im = be->impl;
-  switch (op->type) {
-    case DT_OP_GEMM: {
-      const typeof(op->p.gemm) *q = &op->p.gemm;
-      int lda = (int)(q->trans_a ? q->m : q->k), ldb = (int)(q->trans_b ? q->k : q->n);
-      cblas_sgemm(CblasRowMajor, q->trans_a ? CblasTrans : CblasNoTrans, q->trans_b ? CblasTrans : CblasNoTrans,
-                  (int)q->m, (int)q->n, (int)q->k, q->alpha, q->a, lda, q->b, ldb, q->beta, q->c, (int)q->n);
-      break;
-    }
-    case DT_OP_BIAS_ADD: {
-      const typeof(op->p.bias_add) *q = &op->p.bias_add;
+static void op_gemm(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.gemm) *q = &op->p.gemm;
+  int lda = (int)(q->trans_a ? q->m : q->k), ldb = (int)(q->trans_b ? q->k : q->n);
+  cblas_sgemm(CblasRowMajor, q->trans_a ? CblasTrans : CblasNoTrans, q->trans_b ? CblasTrans : CblasNoTrans, (int)q->m,
+              (int)q->n, (int)q->k, q->alpha, q->a, lda, q->b, ldb, q->beta, q->c, (int)q->n);
+}
+
+static void op_bias_add(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.bias_add) *q = &op->p.bias_add;
 #pragma omp parallel for collapse(2) schedule(static)
-      for (int64_t b = 0; b < q->b; b++)
-        for (int64_t c = 0; c < q->c; c++) {
-          float *y = q->y + (b * q->c + c) * q->s, bias = q->bias[c];
-          for (int64_t s = 0; s < q->s; s++) y[s] += bias;
-        }
-      break;
+  for (int64_t b = 0; b < q->b; b++)
+    for (int64_t c = 0; c < q->c; c++) {
+      float *y = q->y + (b * q->c + c) * q->s, bias = q->bias[c];
+      for (int64_t s = 0; s < q->s; s++) y[s] += bias;
     }
-    case DT_OP_BIAS_GRAD: {
-      const typeof(op->p.bias_grad) *q = &op->p.bias_grad;
+}
+
+static void op_bias_grad(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.bias_grad) *q = &op->p.bias_grad;
 #pragma omp parallel for schedule(static)
-      for (int64_t c = 0; c < q->c; c++) {
-        double acc = 0;
-        for (int64_t b = 0; b < q->b; b++) {
-          const float *dy = q->dy + (b * q->c + c) * q->s;
+  for (int64_t c = 0; c < q->c; c++) {
+    double acc = 0;
+    for (int64_t b = 0; b < q->b; b++) {
+      const float *dy = q->dy + (b * q->c + c) * q->s;
 #pragma omp simd reduction(+ : acc)
-          for (int64_t s = 0; s < q->s; s++) acc += dy[s];
-        }
-        q->db[c] += (float)acc;
-      }
-      break;
+      for (int64_t s = 0; s < q->s; s++) acc += dy[s];
     }
-    case DT_OP_CONV_FWD: conv_fwd(im, &op->p.conv_fwd.g, op->p.conv_fwd.x, op->p.conv_fwd.w, op->p.conv_fwd.y); break;
-    case DT_OP_CONV_BWD_DATA:
-      conv_bwd_data(im, &op->p.conv_bwd_data.g, op->p.conv_bwd_data.dy, op->p.conv_bwd_data.w, op->p.conv_bwd_data.dx);
-      break;
-    case DT_OP_CONV_BWD_FILTER:
-      conv_bwd_filter(im, &op->p.conv_bwd_filter.g, op->p.conv_bwd_filter.x, op->p.conv_bwd_filter.dy,
-                      op->p.conv_bwd_filter.dw);
-      break;
-    case DT_OP_BN_STATS: {
-      const typeof(op->p.bn_stats) *q = &op->p.bn_stats;
+    q->db[c] += (float)acc;
+  }
+}
+
+static void op_conv_fwd(cpu_impl *im, const dt_op *op) {
+  conv_fwd(im, &op->p.conv_fwd.g, op->p.conv_fwd.x, op->p.conv_fwd.w, op->p.conv_fwd.y);
+}
+
+static void op_conv_bwd_data(cpu_impl *im, const dt_op *op) {
+  conv_bwd_data(im, &op->p.conv_bwd_data.g, op->p.conv_bwd_data.dy, op->p.conv_bwd_data.w, op->p.conv_bwd_data.dx);
+}
+
+static void op_conv_bwd_filter(cpu_impl *im, const dt_op *op) {
+  conv_bwd_filter(im, &op->p.conv_bwd_filter.g, op->p.conv_bwd_filter.x, op->p.conv_bwd_filter.dy,
+                  op->p.conv_bwd_filter.dw);
+}
+
+static void op_bn_stats(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.bn_stats) *q = &op->p.bn_stats;
 #pragma omp parallel for schedule(static)
-      for (int64_t c = 0; c < q->c; c++) {
-        double s1 = 0, s2 = 0;
-        for (int64_t b = 0; b < q->b; b++) {
-          const float *x = q->x + (b * q->c + c) * q->s;
-          /* simd reductions vectorise (a fixed order for a given build, so results are repeatable) */
+  for (int64_t c = 0; c < q->c; c++) {
+    double s1 = 0, s2 = 0;
+    for (int64_t b = 0; b < q->b; b++) {
+      const float *x = q->x + (b * q->c + c) * q->s;
+      /* simd reductions vectorise (a fixed order for a given build, so results are repeatable) */
 #pragma omp simd reduction(+ : s1, s2)
-          for (int64_t s = 0; s < q->s; s++) {
-            s1 += x[s];
-            s2 += (double)x[s] * x[s];
-          }
-        }
-        q->sum[c] = s1;
-        q->sumsq[c] = s2;
+      for (int64_t s = 0; s < q->s; s++) {
+        s1 += x[s];
+        s2 += (double)x[s] * x[s];
       }
-      break;
     }
-    case DT_OP_BN_APPLY: {
-      const typeof(op->p.bn_apply) *q = &op->p.bn_apply;
+    q->sum[c] = s1;
+    q->sumsq[c] = s2;
+  }
+}
+
+static void op_bn_apply(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.bn_apply) *q = &op->p.bn_apply;
 #pragma omp parallel for collapse(2) schedule(static)
-      for (int64_t b = 0; b < q->b; b++)
-        for (int64_t c = 0; c < q->c; c++) {
-          const float *x = q->x + (b * q->c + c) * q->s;
-          float *y = q->y + (b * q->c + c) * q->s;
-          float a = q->invstd[c] * q->gamma[c], m = q->mean[c], beta = q->beta[c];
-          for (int64_t s = 0; s < q->s; s++) y[s] = (x[s] - m) * a + beta;
-        }
-      break;
+  for (int64_t b = 0; b < q->b; b++)
+    for (int64_t c = 0; c < q->c; c++) {
+      const float *x = q->x + (b * q->c + c) * q->s;
+      float *y = q->y + (b * q->c + c) * q->s;
+      float a = q->invstd[c] * q->gamma[c], m = q->mean[c], beta = q->beta[c];
+      for (int64_t s = 0; s < q->s; s++) y[s] = (x[s] - m) * a + beta;
     }
-    case DT_OP_BN_BWD_STATS: {
-      const typeof(op->p.bn_bwd_stats) *q = &op->p.bn_bwd_stats;
+}
+
+static void op_bn_bwd_stats(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.bn_bwd_stats) *q = &op->p.bn_bwd_stats;
 #pragma omp parallel for schedule(static)
-      for (int64_t c = 0; c < q->c; c++) {
-        double s1 = 0, s2 = 0;
-        float m = q->mean[c], is = q->invstd[c];
-        for (int64_t b = 0; b < q->b; b++) {
-          const float *x = q->x + (b * q->c + c) * q->s, *dy = q->dy + (b * q->c + c) * q->s;
+  for (int64_t c = 0; c < q->c; c++) {
+    double s1 = 0, s2 = 0;
+    float m = q->mean[c], is = q->invstd[c];
+    for (int64_t b = 0; b < q->b; b++) {
+      const float *x = q->x + (b * q->c + c) * q->s, *dy = q->dy + (b * q->c + c) * q->s;
 #pragma omp simd reduction(+ : s1, s2)
-          for (int64_t s = 0; s < q->s; s++) {
-            s1 += dy[s];
-            s2 += (double)dy[s] * ((x[s] - m) * is);
-          }
-        }
-        q->sum_dy[c] = s1;
-        q->sum_dy_xhat[c] = s2;
+      for (int64_t s = 0; s < q->s; s++) {
+        s1 += dy[s];
+        s2 += (double)dy[s] * ((x[s] - m) * is);
       }
-      break;
     }
-    case DT_OP_BN_BWD_APPLY: {
-      const typeof(op->p.bn_bwd_apply) *q = &op->p.bn_bwd_apply;
-      /* dx = gamma*invstd * (dy - mean(dy) - xhat * mean(dy*xhat)), means over the global count */
+    q->sum_dy[c] = s1;
+    q->sum_dy_xhat[c] = s2;
+  }
+}
+
+static void op_bn_bwd_apply(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.bn_bwd_apply) *q = &op->p.bn_bwd_apply;
+  /* dx = gamma*invstd * (dy - mean(dy) - xhat * mean(dy*xhat)), means over the global count */
 #pragma omp parallel for collapse(2) schedule(static)
-      for (int64_t b = 0; b < q->b; b++)
-        for (int64_t c = 0; c < q->c; c++) {
-          const float *x = q->x + (b * q->c + c) * q->s, *dy = q->dy + (b * q->c + c) * q->s;
-          float *dx = q->dx + (b * q->c + c) * q->s;
-          float m = q->mean[c], is = q->invstd[c], gi = q->gamma[c] * is;
-          float mdy = (float)(q->sum_dy[c] / q->count), mdyx = (float)(q->sum_dy_xhat[c] / q->count);
-          for (int64_t s = 0; s < q->s; s++) {
-            float xhat = (x[s] - m) * is;
-            dx[s] = gi * (dy[s] - mdy - xhat * mdyx);
-          }
-        }
-      if (q->dgamma)
-        for (int64_t c = 0; c < q->c; c++) {
-          q->dgamma[c] += (float)q->sum_dy_xhat[c];
-          q->dbeta[c] += (float)q->sum_dy[c];
-        }
-      break;
+  for (int64_t b = 0; b < q->b; b++)
+    for (int64_t c = 0; c < q->c; c++) {
+      const float *x = q->x + (b * q->c + c) * q->s, *dy = q->dy + (b * q->c + c) * q->s;
+      float *dx = q->dx + (b * q->c + c) * q->s;
+      float m = q->mean[c], is = q->invstd[c], gi = q->gamma[c] * is;
+      float mdy = (float)(q->sum_dy[c] / q->count), mdyx = (float)(q->sum_dy_xhat[c] / q->count);
+      for (int64_t s = 0; s < q->s; s++) {
+        float xhat = (x[s] - m) * is;
+        dx[s] = gi * (dy[s] - mdy - xhat * mdyx);
+      }
     }
-    case DT_OP_ACT_FWD: act_fwd(op->p.act_fwd.kind, op->p.act_fwd.n, op->p.act_fwd.x, op->p.act_fwd.y); break;
-    case DT_OP_ACT_BWD:
-      act_bwd(op->p.act_bwd.kind, op->p.act_bwd.n, op->p.act_bwd.x, op->p.act_bwd.y, op->p.act_bwd.dy,
-              op->p.act_bwd.dx);
-      break;
-    case DT_OP_POOL_FWD: {
-      const typeof(op->p.pool_fwd) *q = &op->p.pool_fwd;
-      float inv = 1.0f / (float)(q->k * q->k);
+  if (q->dgamma)
+    for (int64_t c = 0; c < q->c; c++) {
+      q->dgamma[c] += (float)q->sum_dy_xhat[c];
+      q->dbeta[c] += (float)q->sum_dy[c];
+    }
+}
+
+static void op_act_fwd(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  act_fwd(op->p.act_fwd.kind, op->p.act_fwd.n, op->p.act_fwd.x, op->p.act_fwd.y);
+}
+
+static void op_act_bwd(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  act_bwd(op->p.act_bwd.kind, op->p.act_bwd.n, op->p.act_bwd.x, op->p.act_bwd.y, op->p.act_bwd.dy, op->p.act_bwd.dx);
+}
+
+static void op_pool_fwd(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.pool_fwd) *q = &op->p.pool_fwd;
+  float inv = 1.0f / (float)(q->k * q->k);
 #pragma omp parallel for collapse(2) schedule(static)
-      for (int64_t b = 0; b < q->b; b++)
-        for (int64_t c = 0; c < q->c; c++) {
-          const float *x = q->x + (b * q->c + c) * q->h * q->w;
-          float *y = q->y + (b * q->c + c) * q->ho * q->wo;
-          int32_t *am = q->argmax ? q->argmax + (b * q->c + c) * q->ho * q->wo : NULL;
-          for (int64_t oh = 0; oh < q->ho; oh++)
-            for (int64_t ow = 0; ow < q->wo; ow++) {
-              float best = -INFINITY, acc = 0;
-              int32_t where = 0;
-              for (int64_t i = 0; i < q->k; i++)
-                for (int64_t j = 0; j < q->k; j++) {
-                  int64_t idx = (oh * q->stride + i) * q->w + ow * q->stride + j;
-                  float v = x[idx];
-                  acc += v;
-                  if (v > best || (isnan(v) && !isnan(best))) {
-                    best = v;
-                    where = (int32_t)idx;
-                  }
-                }
-              if (q->kind == DT_POOL_MAX) {
-                y[oh * q->wo + ow] = best;
-                am[oh * q->wo + ow] = where;
-              } else {
-                y[oh * q->wo + ow] = acc * inv;
+  for (int64_t b = 0; b < q->b; b++)
+    for (int64_t c = 0; c < q->c; c++) {
+      const float *x = q->x + (b * q->c + c) * q->h * q->w;
+      float *y = q->y + (b * q->c + c) * q->ho * q->wo;
+      int32_t *am = q->argmax ? q->argmax + (b * q->c + c) * q->ho * q->wo : NULL;
+      for (int64_t oh = 0; oh < q->ho; oh++)
+        for (int64_t ow = 0; ow < q->wo; ow++) {
+          float best = -INFINITY, acc = 0;
+          int32_t where = 0;
+          for (int64_t i = 0; i < q->k; i++)
+            for (int64_t j = 0; j < q->k; j++) {
+              int64_t idx = (oh * q->stride + i) * q->w + ow * q->stride + j;
+              float v = x[idx];
+              acc += v;
+              if (v > best || (isnan(v) && !isnan(best))) {
+                best = v;
+                where = (int32_t)idx;
               }
             }
-        }
-      break;
-    }
-    case DT_OP_POOL_BWD: {
-      const typeof(op->p.pool_bwd) *q = &op->p.pool_bwd;
-      float inv = 1.0f / (float)(q->k * q->k);
-#pragma omp parallel for collapse(2) schedule(static)
-      for (int64_t b = 0; b < q->b; b++)
-        for (int64_t c = 0; c < q->c; c++) {
-          float *dx = q->dx + (b * q->c + c) * q->h * q->w;
-          const float *dy = q->dy + (b * q->c + c) * q->ho * q->wo;
-          memset(dx, 0, (size_t)(q->h * q->w) * sizeof(float));
           if (q->kind == DT_POOL_MAX) {
-            const int32_t *am = q->argmax + (b * q->c + c) * q->ho * q->wo;
-            for (int64_t i = 0; i < q->ho * q->wo; i++) dx[am[i]] += dy[i];
+            y[oh * q->wo + ow] = best;
+            am[oh * q->wo + ow] = where;
           } else {
-            for (int64_t oh = 0; oh < q->ho; oh++)
-              for (int64_t ow = 0; ow < q->wo; ow++) {
-                float g = dy[oh * q->wo + ow] * inv;
-                for (int64_t i = 0; i < q->k; i++)
-                  for (int64_t j = 0; j < q->k; j++) dx[(oh * q->stride + i) * q->w + ow * q->stride + j] += g;
-              }
+            y[oh * q->wo + ow] = acc * inv;
           }
         }
-      break;
     }
-    case DT_OP_DROPOUT_FWD: {
-      const typeof(op->p.dropout_fwd) *q = &op->p.dropout_fwd;
-      float keep = 1.0f / (1.0f - q->p);
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < q->n; i++)
-        q->y[i] = dt_hash_uniform(q->seed, (uint64_t)i) >= q->p ? q->x[i] * keep : 0.0f;
-      break;
-    }
-    case DT_OP_DROPOUT_BWD: {
-      const typeof(op->p.dropout_bwd) *q = &op->p.dropout_bwd;
-      float keep = 1.0f / (1.0f - q->p);
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < q->n; i++)
-        q->dx[i] = dt_hash_uniform(q->seed, (uint64_t)i) >= q->p ? q->dy[i] * keep : 0.0f;
-      break;
-    }
-    case DT_OP_ADD: {
-      const typeof(op->p.add) *q = &op->p.add;
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < q->n; i++) q->y[i] = q->a[i] + q->b[i];
-      break;
-    }
-    case DT_OP_LOSS: {
-      const typeof(op->p.loss) *q = &op->p.loss;
-      double total = 0, hits = 0;
-#pragma omp parallel for reduction(+ : total, hits) schedule(static)
-      for (int64_t b = 0; b < q->b; b++) {
-        const float *z = q->logits + b * q->k;
-        float *dz = q->dlogits + b * q->k;
-        if (q->kind == DT_LOSS_CROSS_ENTROPY) {
-          float mx = z[0];
-          int64_t arg = 0;
-          for (int64_t j = 1; j < q->k; j++)
-            if (z[j] > mx) mx = z[j], arg = j;
-          double se = 0;
-          for (int64_t j = 0; j < q->k; j++) se += exp((double)(z[j] - mx));
-          double lse = mx + log(se);
-          int32_t y = q->labels[b];
-          double eps = q->label_smoothing, off = eps / (double)q->k, l = 0;
-          for (int64_t j = 0; j < q->k; j++) {
-            double t = off + (j == y ? 1.0 - eps : 0.0);
-            double lp = (double)z[j] - lse;
-            l -= t * lp;
-            dz[j] = (float)((exp(lp) - t) * q->weight);
-          }
-          total += l;
-          hits += arg == y;
-        } else {
-          const float *t = q->targets + b * q->k;
-          double l = 0;
-          for (int64_t j = 0; j < q->k; j++) {
-            double d = (double)z[j] - t[j];
-            l += d * d;
-            dz[j] = (float)(2.0 * d / (double)q->k * q->weight);
-          }
-          total += l / (double)q->k;
-        }
-      }
-      *q->loss_sum = total;
-      *q->correct = hits;
-      break;
-    }
-    case DT_OP_SGD: {
-      const typeof(op->p.sgd) *q = &op->p.sgd;
-      /* PyTorch's SGD: g += wd*p; buf = momentum*buf + g (buf = g at first); nesterov: g += momentum*buf */
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < q->n; i++) {
-        float g = q->grad[i] + q->weight_decay * q->param[i];
-        if (q->momentum > 0) {
-          float buf = q->first ? g : q->momentum * q->mom[i] + g;
-          q->mom[i] = buf;
-          g = q->nesterov ? g + q->momentum * buf : buf;
-        }
-        q->param[i] -= q->lr * g;
-      }
-      break;
-    }
-    case DT_OP_ADAMW: {
-      const typeof(op->p.adamw) *q = &op->p.adamw;
-      double bc1 = 1.0 - pow(q->beta1, (double)q->step), bc2 = 1.0 - pow(q->beta2, (double)q->step);
-      float step_size = (float)(q->lr / bc1);
-      float bc2_sqrt = (float)sqrt(bc2);
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < q->n; i++) {
-        float g = q->grad[i];
-        q->param[i] *= 1.0f - q->lr * q->weight_decay;
-        q->m[i] = q->beta1 * q->m[i] + (1.0f - q->beta1) * g;
-        q->v[i] = q->beta2 * q->v[i] + (1.0f - q->beta2) * g * g;
-        float denom = sqrtf(q->v[i]) / bc2_sqrt + q->eps;
-        q->param[i] -= step_size * q->m[i] / denom;
-      }
-      break;
-    }
-    case DT_OP_SCALE: {
-      const typeof(op->p.scale) *q = &op->p.scale;
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < q->n; i++) q->x[i] *= q->alpha;
-      break;
-    }
-    case DT_OP_SUMSQ: {
-      const typeof(op->p.sumsq) *q = &op->p.sumsq;
-      double acc = 0;
-      int64_t bad = 0;
-#pragma omp parallel for reduction(+ : acc, bad) schedule(static)
-      for (int64_t i = 0; i < q->n; i++) {
-        float v = q->x[i];
-        if (!isfinite(v))
-          bad++;
-        else
-          acc += (double)v * v;
-      }
-      *q->sumsq = acc;
-      *q->nonfinite = bad;
-      break;
-    }
-    case DT_OP_INPUT: {
-      const typeof(op->p.input) *q = &op->p.input;
+}
+
+static void op_pool_bwd(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.pool_bwd) *q = &op->p.pool_bwd;
+  float inv = 1.0f / (float)(q->k * q->k);
 #pragma omp parallel for collapse(2) schedule(static)
-      for (int64_t b = 0; b < q->b; b++)
-        for (int64_t c = 0; c < q->c; c++) {
-          const float *r = q->raw + (b * q->c + c) * q->s;
-          float *x = q->x + (b * q->c + c) * q->s;
-          float m = q->mean ? q->mean[c] : 0.0f, inv = q->std ? 1.0f / q->std[c] : 1.0f;
-          for (int64_t s = 0; s < q->s; s++) x[s] = (r[s] * q->scale - m) * inv;
-        }
-      break;
+  for (int64_t b = 0; b < q->b; b++)
+    for (int64_t c = 0; c < q->c; c++) {
+      float *dx = q->dx + (b * q->c + c) * q->h * q->w;
+      const float *dy = q->dy + (b * q->c + c) * q->ho * q->wo;
+      memset(dx, 0, (size_t)(q->h * q->w) * sizeof(float));
+      if (q->kind == DT_POOL_MAX) {
+        const int32_t *am = q->argmax + (b * q->c + c) * q->ho * q->wo;
+        for (int64_t i = 0; i < q->ho * q->wo; i++) dx[am[i]] += dy[i];
+      } else {
+        for (int64_t oh = 0; oh < q->ho; oh++)
+          for (int64_t ow = 0; ow < q->wo; ow++) {
+            float g = dy[oh * q->wo + ow] * inv;
+            for (int64_t i = 0; i < q->k; i++)
+              for (int64_t j = 0; j < q->k; j++) dx[(oh * q->stride + i) * q->w + ow * q->stride + j] += g;
+          }
+      }
     }
-    case DT_OP_COUNT: DT_ASSERT(0);
+}
+
+static void op_dropout_fwd(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.dropout_fwd) *q = &op->p.dropout_fwd;
+  float keep = 1.0f / (1.0f - q->p);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < q->n; i++) q->y[i] = dt_hash_uniform(q->seed, (uint64_t)i) >= q->p ? q->x[i] * keep : 0.0f;
+}
+
+static void op_dropout_bwd(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.dropout_bwd) *q = &op->p.dropout_bwd;
+  float keep = 1.0f / (1.0f - q->p);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < q->n; i++) q->dx[i] = dt_hash_uniform(q->seed, (uint64_t)i) >= q->p ? q->dy[i] * keep : 0.0f;
+}
+
+static void op_add(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.add) *q = &op->p.add;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < q->n; i++) q->y[i] = q->a[i] + q->b[i];
+}
+
+static void op_loss(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.loss) *q = &op->p.loss;
+  double total = 0, hits = 0;
+#pragma omp parallel for reduction(+ : total, hits) schedule(static)
+  for (int64_t b = 0; b < q->b; b++) {
+    const float *z = q->logits + b * q->k;
+    float *dz = q->dlogits + b * q->k;
+    if (q->kind == DT_LOSS_CROSS_ENTROPY) {
+      float mx = z[0];
+      int64_t arg = 0;
+      for (int64_t j = 1; j < q->k; j++)
+        if (z[j] > mx) mx = z[j], arg = j;
+      double se = 0;
+      for (int64_t j = 0; j < q->k; j++) se += exp((double)(z[j] - mx));
+      double lse = mx + log(se);
+      int32_t y = q->labels[b];
+      double eps = q->label_smoothing, off = eps / (double)q->k, l = 0;
+      for (int64_t j = 0; j < q->k; j++) {
+        double t = off + (j == y ? 1.0 - eps : 0.0);
+        double lp = (double)z[j] - lse;
+        l -= t * lp;
+        dz[j] = (float)((exp(lp) - t) * q->weight);
+      }
+      total += l;
+      hits += arg == y;
+    } else {
+      const float *t = q->targets + b * q->k;
+      double l = 0;
+      for (int64_t j = 0; j < q->k; j++) {
+        double d = (double)z[j] - t[j];
+        l += d * d;
+        dz[j] = (float)(2.0 * d / (double)q->k * q->weight);
+      }
+      total += l / (double)q->k;
+    }
   }
+  *q->loss_sum = total;
+  *q->correct = hits;
+}
+
+static void op_sgd(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.sgd) *q = &op->p.sgd;
+  /* PyTorch's SGD: g += wd*p; buf = momentum*buf + g (buf = g at first); nesterov: g += momentum*buf */
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < q->n; i++) {
+    float g = q->grad[i] + q->weight_decay * q->param[i];
+    if (q->momentum > 0) {
+      float buf = q->first ? g : q->momentum * q->mom[i] + g;
+      q->mom[i] = buf;
+      g = q->nesterov ? g + q->momentum * buf : buf;
+    }
+    q->param[i] -= q->lr * g;
+  }
+}
+
+static void op_adamw(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.adamw) *q = &op->p.adamw;
+  double bc1 = 1.0 - pow(q->beta1, (double)q->step), bc2 = 1.0 - pow(q->beta2, (double)q->step);
+  float step_size = (float)(q->lr / bc1);
+  float bc2_sqrt = (float)sqrt(bc2);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < q->n; i++) {
+    float g = q->grad[i];
+    q->param[i] *= 1.0f - q->lr * q->weight_decay;
+    q->m[i] = q->beta1 * q->m[i] + (1.0f - q->beta1) * g;
+    q->v[i] = q->beta2 * q->v[i] + (1.0f - q->beta2) * g * g;
+    float denom = sqrtf(q->v[i]) / bc2_sqrt + q->eps;
+    q->param[i] -= step_size * q->m[i] / denom;
+  }
+}
+
+static void op_scale(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.scale) *q = &op->p.scale;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < q->n; i++) q->x[i] *= q->alpha;
+}
+
+static void op_sumsq(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.sumsq) *q = &op->p.sumsq;
+  double acc = 0;
+  int64_t bad = 0;
+#pragma omp parallel for reduction(+ : acc, bad) schedule(static)
+  for (int64_t i = 0; i < q->n; i++) {
+    float v = q->x[i];
+    if (!isfinite(v))
+      bad++;
+    else
+      acc += (double)v * v;
+  }
+  *q->sumsq = acc;
+  *q->nonfinite = bad;
+}
+
+static void op_input(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.input) *q = &op->p.input;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < q->b; b++)
+    for (int64_t c = 0; c < q->c; c++) {
+      const float *r = q->raw + (b * q->c + c) * q->s;
+      float *x = q->x + (b * q->c + c) * q->s;
+      float m = q->mean ? q->mean[c] : 0.0f, inv = q->std ? 1.0f / q->std[c] : 1.0f;
+      for (int64_t s = 0; s < q->s; s++) x[s] = (r[s] * q->scale - m) * inv;
+    }
+}
+
+typedef void (*cpu_op_fn)(cpu_impl *im, const dt_op *op);
+static const cpu_op_fn cpu_ops[DT_OP_COUNT] = {
+    [DT_OP_GEMM] = op_gemm,
+    [DT_OP_BIAS_ADD] = op_bias_add,
+    [DT_OP_BIAS_GRAD] = op_bias_grad,
+    [DT_OP_CONV_FWD] = op_conv_fwd,
+    [DT_OP_CONV_BWD_DATA] = op_conv_bwd_data,
+    [DT_OP_CONV_BWD_FILTER] = op_conv_bwd_filter,
+    [DT_OP_BN_STATS] = op_bn_stats,
+    [DT_OP_BN_APPLY] = op_bn_apply,
+    [DT_OP_BN_BWD_STATS] = op_bn_bwd_stats,
+    [DT_OP_BN_BWD_APPLY] = op_bn_bwd_apply,
+    [DT_OP_ACT_FWD] = op_act_fwd,
+    [DT_OP_ACT_BWD] = op_act_bwd,
+    [DT_OP_POOL_FWD] = op_pool_fwd,
+    [DT_OP_POOL_BWD] = op_pool_bwd,
+    [DT_OP_DROPOUT_FWD] = op_dropout_fwd,
+    [DT_OP_DROPOUT_BWD] = op_dropout_bwd,
+    [DT_OP_ADD] = op_add,
+    [DT_OP_LOSS] = op_loss,
+    [DT_OP_SGD] = op_sgd,
+    [DT_OP_ADAMW] = op_adamw,
+    [DT_OP_SCALE] = op_scale,
+    [DT_OP_SUMSQ] = op_sumsq,
+    [DT_OP_INPUT] = op_input,
+};
+
+static void cpu_run(dt_backend *be, const dt_op *op) {
+  DT_ASSERT(op->type >= 0 && op->type < DT_OP_COUNT && cpu_ops[op->type]);
+  cpu_ops[op->type](be->impl, op);
 }
 
 static float *cpu_alloc(dt_backend *be, size_t bytes) {
