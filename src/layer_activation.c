@@ -20,14 +20,15 @@ static int act_kind(const dt_layer *l) {
 
 static void act_forward(dt_layer *l, dt_pass *pass, const float *x) {
   dt_op op = {.type = DT_OP_ACT_FWD};
-  op.p.act_fwd = (typeof(op.p.act_fwd)){act_kind(l), pass->batch * shape_size(l->in), x, l->y};
+  op.p.act_fwd = (typeof(op.p.act_fwd)){.kind = act_kind(l), .n = pass->batch * shape_size(l->in), .x = x, .y = l->y};
   backend_run(pass->be, &op);
 }
 
 static void act_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
   if (!dx) return;
   dt_op op = {.type = DT_OP_ACT_BWD};
-  op.p.act_bwd = (typeof(op.p.act_bwd)){act_kind(l), pass->batch * shape_size(l->in), x, l->y, l->dy, dx};
+  op.p.act_bwd = (typeof(op.p.act_bwd)){
+      .kind = act_kind(l), .n = pass->batch * shape_size(l->in), .x = x, .y = l->y, .dy = l->dy, .dx = dx};
   backend_run(pass->be, &op);
 }
 
@@ -60,7 +61,8 @@ static void dropout_forward(dt_layer *l, dt_pass *pass, const float *x) {
     return;
   }
   dt_op op = {.type = DT_OP_DROPOUT_FWD};
-  op.p.dropout_fwd = (typeof(op.p.dropout_fwd)){n, (float)l->args.p, dropout_seed(l, pass), x, l->y};
+  op.p.dropout_fwd =
+      (typeof(op.p.dropout_fwd)){.n = n, .p = (float)l->args.p, .seed = dropout_seed(l, pass), .x = x, .y = l->y};
   backend_run(pass->be, &op);
 }
 
@@ -73,7 +75,8 @@ static void dropout_backward(dt_layer *l, dt_pass *pass, const float *x, float *
     return;
   }
   dt_op op = {.type = DT_OP_DROPOUT_BWD};
-  op.p.dropout_bwd = (typeof(op.p.dropout_bwd)){n, (float)l->args.p, dropout_seed(l, pass), l->dy, dx};
+  op.p.dropout_bwd =
+      (typeof(op.p.dropout_bwd)){.n = n, .p = (float)l->args.p, .seed = dropout_seed(l, pass), .dy = l->dy, .dx = dx};
   backend_run(pass->be, &op);
 }
 

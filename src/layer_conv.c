@@ -54,7 +54,8 @@ static void conv_forward(dt_layer *l, dt_pass *pass, const float *x) {
   backend_run(pass->be, &op);
   if (l->args.bias) {
     dt_op b = {.type = DT_OP_BIAS_ADD};
-    b.p.bias_add = (typeof(b.p.bias_add)){pass->batch, l->args.out, l->out.h * l->out.w, l->y, w + l->tensors[0].count};
+    b.p.bias_add = (typeof(b.p.bias_add)){
+        .b = pass->batch, .c = l->args.out, .s = l->out.h * l->out.w, .y = l->y, .bias = w + l->tensors[0].count};
     backend_run(pass->be, &b);
   }
 }
@@ -70,8 +71,8 @@ static void conv_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx)
   backend_run(pass->be, &op);
   if (l->args.bias) {
     dt_op b = {.type = DT_OP_BIAS_GRAD};
-    b.p.bias_grad =
-        (typeof(b.p.bias_grad)){pass->batch, l->args.out, l->out.h * l->out.w, l->dy, dw + l->tensors[0].count};
+    b.p.bias_grad = (typeof(b.p.bias_grad)){
+        .b = pass->batch, .c = l->args.out, .s = l->out.h * l->out.w, .dy = l->dy, .db = dw + l->tensors[0].count};
     backend_run(pass->be, &b);
   }
   if (dx) {

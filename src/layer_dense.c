@@ -36,11 +36,21 @@ static void linear_init(dt_layer *l, float *params, float *bufs, uint64_t seed) 
 static void linear_forward(dt_layer *l, dt_pass *pass, const float *x) {
   const float *w = pass->params + l->param_off;
   dt_op op = {.type = DT_OP_GEMM};
-  op.p.gemm = (typeof(op.p.gemm)){0, 1, pass->batch, l->args.out, l->in.c, 1.0f, 0.0f, x, w, l->y};
+  op.p.gemm = (typeof(op.p.gemm)){.trans_a = 0,
+                                  .trans_b = 1,
+                                  .m = pass->batch,
+                                  .n = l->args.out,
+                                  .k = l->in.c,
+                                  .alpha = 1.0f,
+                                  .beta = 0.0f,
+                                  .a = x,
+                                  .b = w,
+                                  .c = l->y};
   backend_run(pass->be, &op);
   if (l->args.bias) {
     dt_op b = {.type = DT_OP_BIAS_ADD};
-    b.p.bias_add = (typeof(b.p.bias_add)){pass->batch, l->args.out, 1, l->y, w + l->args.out * l->in.c};
+    b.p.bias_add = (typeof(b.p.bias_add)){
+        .b = pass->batch, .c = l->args.out, .s = 1, .y = l->y, .bias = w + l->args.out * l->in.c};
     backend_run(pass->be, &b);
   }
 }
@@ -50,16 +60,35 @@ static void linear_backward(dt_layer *l, dt_pass *pass, const float *x, float *d
   float *dw = pass->grads + l->param_off;
   dt_op op = {.type = DT_OP_GEMM};
   /* dW(out, in) += dy^T(out, B) x(B, in) */
-  op.p.gemm = (typeof(op.p.gemm)){1, 0, l->args.out, l->in.c, pass->batch, 1.0f, 1.0f, l->dy, x, dw};
+  op.p.gemm = (typeof(op.p.gemm)){.trans_a = 1,
+                                  .trans_b = 0,
+                                  .m = l->args.out,
+                                  .n = l->in.c,
+                                  .k = pass->batch,
+                                  .alpha = 1.0f,
+                                  .beta = 1.0f,
+                                  .a = l->dy,
+                                  .b = x,
+                                  .c = dw};
   backend_run(pass->be, &op);
   if (l->args.bias) {
     dt_op b = {.type = DT_OP_BIAS_GRAD};
-    b.p.bias_grad = (typeof(b.p.bias_grad)){pass->batch, l->args.out, 1, l->dy, dw + l->args.out * l->in.c};
+    b.p.bias_grad = (typeof(b.p.bias_grad)){
+        .b = pass->batch, .c = l->args.out, .s = 1, .dy = l->dy, .db = dw + l->args.out * l->in.c};
     backend_run(pass->be, &b);
   }
   if (dx) {
     /* dx(B, in) = dy(B, out) W(out, in) */
-    op.p.gemm = (typeof(op.p.gemm)){0, 0, pass->batch, l->in.c, l->args.out, 1.0f, 0.0f, l->dy, w, dx};
+    op.p.gemm = (typeof(op.p.gemm)){.trans_a = 0,
+                                    .trans_b = 0,
+                                    .m = pass->batch,
+                                    .n = l->in.c,
+                                    .k = l->args.out,
+                                    .alpha = 1.0f,
+                                    .beta = 0.0f,
+                                    .a = l->dy,
+                                    .b = w,
+                                    .c = dx};
     backend_run(pass->be, &op);
   }
 }

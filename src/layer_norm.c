@@ -83,7 +83,8 @@ static void bn_forward(dt_layer *l, dt_pass *pass, const float *x) {
   be->to_host(be, rv, bufs_rv, (size_t)c * sizeof(float));
   if (pass->training) {
     dt_op op = {.type = DT_OP_BN_STATS};
-    op.p.bn_stats = (typeof(op.p.bn_stats)){pass->batch, c, spatial(l), x, s->dev_sums, s->dev_sums + c};
+    op.p.bn_stats = (typeof(op.p.bn_stats)){
+        .b = pass->batch, .c = c, .s = spatial(l), .x = x, .sum = s->dev_sums, .sumsq = s->dev_sums + c};
     if (pass->batch > 0)
       backend_run(be, &op);
     else
@@ -119,7 +120,15 @@ static void bn_forward(dt_layer *l, dt_pass *pass, const float *x) {
   be->to_device(be, s->invstd, invstd, (size_t)c * sizeof(float));
   const float *gamma = pass->params + l->tensors[0].offset, *beta = pass->params + l->tensors[1].offset;
   dt_op ap = {.type = DT_OP_BN_APPLY};
-  ap.p.bn_apply = (typeof(ap.p.bn_apply)){pass->batch, c, spatial(l), x, s->mean, s->invstd, gamma, beta, l->y};
+  ap.p.bn_apply = (typeof(ap.p.bn_apply)){.b = pass->batch,
+                                          .c = c,
+                                          .s = spatial(l),
+                                          .x = x,
+                                          .mean = s->mean,
+                                          .invstd = s->invstd,
+                                          .gamma = gamma,
+                                          .beta = beta,
+                                          .y = l->y};
   backend_run(be, &ap);
 }
 
@@ -128,8 +137,15 @@ static void bn_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
   dt_backend *be = pass->be;
   int64_t c = l->in.c;
   dt_op op = {.type = DT_OP_BN_BWD_STATS};
-  op.p.bn_bwd_stats = (typeof(op.p.bn_bwd_stats)){pass->batch, c,           spatial(l),     x, l->dy, s->mean,
-                                                  s->invstd,   s->dev_sums, s->dev_sums + c};
+  op.p.bn_bwd_stats = (typeof(op.p.bn_bwd_stats)){.b = pass->batch,
+                                                  .c = c,
+                                                  .s = spatial(l),
+                                                  .x = x,
+                                                  .dy = l->dy,
+                                                  .mean = s->mean,
+                                                  .invstd = s->invstd,
+                                                  .sum_dy = s->dev_sums,
+                                                  .sum_dy_xhat = s->dev_sums + c};
   if (pass->batch > 0) {
     backend_run(be, &op);
     be->to_host(be, s->sums, s->dev_sums, (size_t)(2 * c) * sizeof(double));
@@ -152,20 +168,20 @@ static void bn_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
   if (!dx || pass->batch == 0) return;
   be->to_device(be, s->dev_sums, s->sums, (size_t)(2 * c) * sizeof(double));
   dt_op ap = {.type = DT_OP_BN_BWD_APPLY};
-  ap.p.bn_bwd_apply = (typeof(ap.p.bn_bwd_apply)){pass->batch,
-                                                  c,
-                                                  spatial(l),
-                                                  s->count,
-                                                  x,
-                                                  l->dy,
-                                                  s->mean,
-                                                  s->invstd,
-                                                  pass->params + l->tensors[0].offset,
-                                                  s->dev_sums,
-                                                  s->dev_sums + c,
-                                                  dx,
-                                                  NULL,
-                                                  NULL};
+  ap.p.bn_bwd_apply = (typeof(ap.p.bn_bwd_apply)){.b = pass->batch,
+                                                  .c = c,
+                                                  .s = spatial(l),
+                                                  .count = s->count,
+                                                  .x = x,
+                                                  .dy = l->dy,
+                                                  .mean = s->mean,
+                                                  .invstd = s->invstd,
+                                                  .gamma = pass->params + l->tensors[0].offset,
+                                                  .sum_dy = s->dev_sums,
+                                                  .sum_dy_xhat = s->dev_sums + c,
+                                                  .dx = dx,
+                                                  .dgamma = NULL,
+                                                  .dbeta = NULL};
   backend_run(be, &ap);
 }
 

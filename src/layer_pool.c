@@ -57,18 +57,18 @@ static void pool_release(dt_layer *l, dt_backend *be) {
 static void pool_forward(dt_layer *l, dt_pass *pass, const float *x) {
   pool_state *s = l->priv;
   dt_op op = {.type = DT_OP_POOL_FWD};
-  op.p.pool_fwd = (typeof(op.p.pool_fwd)){l->ops == &dt_layer_maxpool ? DT_POOL_MAX : DT_POOL_AVG,
-                                          pass->batch,
-                                          l->in.c,
-                                          l->in.h,
-                                          l->in.w,
-                                          l->args.kernel,
-                                          l->args.stride,
-                                          l->out.h,
-                                          l->out.w,
-                                          x,
-                                          l->y,
-                                          s->argmax};
+  op.p.pool_fwd = (typeof(op.p.pool_fwd)){.kind = l->ops == &dt_layer_maxpool ? DT_POOL_MAX : DT_POOL_AVG,
+                                          .b = pass->batch,
+                                          .c = l->in.c,
+                                          .h = l->in.h,
+                                          .w = l->in.w,
+                                          .k = l->args.kernel,
+                                          .stride = l->args.stride,
+                                          .ho = l->out.h,
+                                          .wo = l->out.w,
+                                          .x = x,
+                                          .y = l->y,
+                                          .argmax = s->argmax};
   backend_run(pass->be, &op);
 }
 
@@ -77,18 +77,18 @@ static void pool_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx)
   if (!dx) return;
   pool_state *s = l->priv;
   dt_op op = {.type = DT_OP_POOL_BWD};
-  op.p.pool_bwd = (typeof(op.p.pool_bwd)){l->ops == &dt_layer_maxpool ? DT_POOL_MAX : DT_POOL_AVG,
-                                          pass->batch,
-                                          l->in.c,
-                                          l->in.h,
-                                          l->in.w,
-                                          l->args.kernel,
-                                          l->args.stride,
-                                          l->out.h,
-                                          l->out.w,
-                                          l->dy,
-                                          s->argmax,
-                                          dx};
+  op.p.pool_bwd = (typeof(op.p.pool_bwd)){.kind = l->ops == &dt_layer_maxpool ? DT_POOL_MAX : DT_POOL_AVG,
+                                          .b = pass->batch,
+                                          .c = l->in.c,
+                                          .h = l->in.h,
+                                          .w = l->in.w,
+                                          .k = l->args.kernel,
+                                          .stride = l->args.stride,
+                                          .ho = l->out.h,
+                                          .wo = l->out.w,
+                                          .dy = l->dy,
+                                          .argmax = s->argmax,
+                                          .dx = dx};
   backend_run(pass->be, &op);
 }
 
@@ -132,7 +132,16 @@ static int gap_setup(dt_model *m, dt_layer *l, dt_status *st) {
 static void gap_forward(dt_layer *l, dt_pass *pass, const float *x) {
   pool_state *s = l->priv;
   dt_op op = {.type = DT_OP_GEMM};
-  op.p.gemm = (typeof(op.p.gemm)){0, 0, pass->batch * l->in.c, 1, l->in.h * l->in.w, 1.0f, 0.0f, x, s->ones, l->y};
+  op.p.gemm = (typeof(op.p.gemm)){.trans_a = 0,
+                                  .trans_b = 0,
+                                  .m = pass->batch * l->in.c,
+                                  .n = 1,
+                                  .k = l->in.h * l->in.w,
+                                  .alpha = 1.0f,
+                                  .beta = 0.0f,
+                                  .a = x,
+                                  .b = s->ones,
+                                  .c = l->y};
   backend_run(pass->be, &op);
 }
 
@@ -141,7 +150,16 @@ static void gap_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) 
   if (!dx) return;
   pool_state *s = l->priv;
   dt_op op = {.type = DT_OP_GEMM};
-  op.p.gemm = (typeof(op.p.gemm)){0, 0, pass->batch * l->in.c, l->in.h * l->in.w, 1, 1.0f, 0.0f, l->dy, s->ones, dx};
+  op.p.gemm = (typeof(op.p.gemm)){.trans_a = 0,
+                                  .trans_b = 0,
+                                  .m = pass->batch * l->in.c,
+                                  .n = l->in.h * l->in.w,
+                                  .k = 1,
+                                  .alpha = 1.0f,
+                                  .beta = 0.0f,
+                                  .a = l->dy,
+                                  .b = s->ones,
+                                  .c = dx};
   backend_run(pass->be, &op);
 }
 

@@ -58,7 +58,8 @@ static void residual_forward(dt_layer *l, dt_pass *pass, const float *x) {
     shortcut = l->shortcut.layers[l->shortcut.n - 1]->y;
   }
   dt_op op = {.type = DT_OP_ADD};
-  op.p.add = (typeof(op.p.add)){pass->batch * shape_size(l->out), l->body.layers[l->body.n - 1]->y, shortcut, l->y};
+  op.p.add = (typeof(op.p.add)){
+      .n = pass->batch * shape_size(l->out), .a = l->body.layers[l->body.n - 1]->y, .b = shortcut, .y = l->y};
   backend_run(pass->be, &op);
 }
 
@@ -76,7 +77,8 @@ static void residual_backward(dt_layer *l, dt_pass *pass, const float *x, float 
   seq_backward(&l->body, pass, x, dx);
   if (!dx) return;
   dt_op op = {.type = DT_OP_ADD};
-  op.p.add = (typeof(op.p.add)){pass->batch * shape_size(l->in), dx, l->shortcut.n ? s->dx_short : l->dy, dx};
+  op.p.add = (typeof(op.p.add)){
+      .n = pass->batch * shape_size(l->in), .a = dx, .b = l->shortcut.n ? s->dx_short : l->dy, .y = dx};
   backend_run(pass->be, &op);
 }
 

@@ -32,7 +32,7 @@ static int64_t ctx_check(void *ctx, int64_t begin, int64_t end) {
   double sq;
   int64_t bad = 0;
   dt_op op = {.type = DT_OP_SUMSQ};
-  op.p.sumsq = (typeof(op.p.sumsq)){end - begin, c->grads + begin, &sq, &bad};
+  op.p.sumsq = (typeof(op.p.sumsq)){.n = end - begin, .x = c->grads + begin, .sumsq = &sq, .nonfinite = &bad};
   backend_run(c->be, &op);
   return bad;
 }
@@ -45,9 +45,14 @@ static void load_input(const dt_config *cfg, dt_model *m, const float *raw, int6
   for (int c = 0; c < v->std.n; c++) std[c] = (float)v->std.v[c];
   int64_t ch = m->input.rank == 3 ? m->input.c : 1;
   dt_op op = {.type = DT_OP_INPUT};
-  op.p.input = (typeof(op.p.input)){
-      rows, ch,        shape_size(m->input) / ch, (float)v->scale, v->mean.n ? mean : NULL, v->std.n ? std : NULL,
-      raw,  m->input_x};
+  op.p.input = (typeof(op.p.input)){.b = rows,
+                                    .c = ch,
+                                    .s = shape_size(m->input) / ch,
+                                    .scale = (float)v->scale,
+                                    .mean = v->mean.n ? mean : NULL,
+                                    .std = v->std.n ? std : NULL,
+                                    .raw = raw,
+                                    .x = m->input_x};
   backend_run(m->be, &op);
 }
 
@@ -363,12 +368,13 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, cons
         double sq = 0;
         int64_t bad = 0;
         dt_op op = {.type = DT_OP_SUMSQ};
-        op.p.sumsq = (typeof(op.p.sumsq)){m->n_params, m->grads, &sq, &bad};
+        op.p.sumsq = (typeof(op.p.sumsq)){.n = m->n_params, .x = m->grads, .sumsq = &sq, .nonfinite = &bad};
         backend_run(be, &op);
         double norm = sqrt(sq);
         if (norm > v->clip_grad_norm) {
           dt_op sc = {.type = DT_OP_SCALE};
-          sc.p.scale = (typeof(sc.p.scale)){m->n_params, (float)(v->clip_grad_norm / (norm + 1e-6)), m->grads};
+          sc.p.scale = (typeof(sc.p.scale)){
+              .n = m->n_params, .alpha = (float)(v->clip_grad_norm / (norm + 1e-6)), .x = m->grads};
           backend_run(be, &sc);
         }
       }

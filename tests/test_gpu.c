@@ -78,7 +78,14 @@ static void check_model(const char *model_yaml, int64_t batch) {
   for (int i = 0; i < 2; i++) {
     side *sd = sides[i];
     dt_op in = {.type = DT_OP_INPUT};
-    in.p.input = (typeof(in.p.input)){batch, 1, shape_size(sd->m.input), 1.0f, NULL, NULL, raw, sd->m.input_x};
+    in.p.input = (typeof(in.p.input)){.b = batch,
+                                      .c = 1,
+                                      .s = shape_size(sd->m.input),
+                                      .scale = 1.0f,
+                                      .mean = NULL,
+                                      .std = NULL,
+                                      .raw = raw,
+                                      .x = sd->m.input_x};
     backend_run(sd->be, &in);
     dt_pass p = {.be = sd->be,
                  .batch = batch,
@@ -345,21 +352,48 @@ static void ops_gemm(void) {
     ot_case(DT_OP_GEMM, "linear forward, %s", ROWS_NAME(r));
     BOTH {
       dt_op op = {.type = DT_OP_GEMM};
-      op.p.gemm = (typeof(op.p.gemm)){0, 1, rows, out, in, 1.0f, 0.0f, F(x), F(w), F(y)};
+      op.p.gemm = (typeof(op.p.gemm)){.trans_a = 0,
+                                      .trans_b = 1,
+                                      .m = rows,
+                                      .n = out,
+                                      .k = in,
+                                      .alpha = 1.0f,
+                                      .beta = 0.0f,
+                                      .a = F(x),
+                                      .b = F(w),
+                                      .c = F(y)};
       RUN(op);
     }
     ot_check("y", y, rows * out);
     ot_case(DT_OP_GEMM, "linear weight gradient (k = batch), %s", ROWS_NAME(r));
     BOTH {
       dt_op op = {.type = DT_OP_GEMM};
-      op.p.gemm = (typeof(op.p.gemm)){1, 0, out, in, rows, 1.0f, 1.0f, F(dy), F(x), F(dw)};
+      op.p.gemm = (typeof(op.p.gemm)){.trans_a = 1,
+                                      .trans_b = 0,
+                                      .m = out,
+                                      .n = in,
+                                      .k = rows,
+                                      .alpha = 1.0f,
+                                      .beta = 1.0f,
+                                      .a = F(dy),
+                                      .b = F(x),
+                                      .c = F(dw)};
       RUN(op);
     }
     ot_check("dw (added into)", dw, rows ? dw.n : 0);
     ot_case(DT_OP_GEMM, "linear input gradient, %s", ROWS_NAME(r));
     BOTH {
       dt_op op = {.type = DT_OP_GEMM};
-      op.p.gemm = (typeof(op.p.gemm)){0, 0, rows, in, out, 1.0f, 0.0f, F(dy), F(w), F(dx)};
+      op.p.gemm = (typeof(op.p.gemm)){.trans_a = 0,
+                                      .trans_b = 0,
+                                      .m = rows,
+                                      .n = in,
+                                      .k = out,
+                                      .alpha = 1.0f,
+                                      .beta = 0.0f,
+                                      .a = F(dy),
+                                      .b = F(w),
+                                      .c = F(dx)};
       RUN(op);
     }
     ot_check("dx", dx, rows * in);
@@ -368,7 +402,16 @@ static void ops_gemm(void) {
     dbuf c2 = ot_rand(out * in, -1, 1);
     BOTH {
       dt_op op = {.type = DT_OP_GEMM};
-      op.p.gemm = (typeof(op.p.gemm)){1, 0, out, in, rows, 0.5f, 0.5f, F(dy), F(x), F(c2)};
+      op.p.gemm = (typeof(op.p.gemm)){.trans_a = 1,
+                                      .trans_b = 0,
+                                      .m = out,
+                                      .n = in,
+                                      .k = rows,
+                                      .alpha = 0.5f,
+                                      .beta = 0.5f,
+                                      .a = F(dy),
+                                      .b = F(x),
+                                      .c = F(c2)};
       RUN(op);
     }
     ot_check("C", c2, c2.n);
@@ -389,9 +432,27 @@ static void ops_gemm(void) {
     ot_case(DT_OP_GEMM, "global average pool forward and backward (n = 1, k = 1), %s", ROWS_NAME(r));
     BOTH {
       dt_op op = {.type = DT_OP_GEMM};
-      op.p.gemm = (typeof(op.p.gemm)){0, 0, rows * C, 1, HW, 1.0f, 0.0f, F(px), F(ones), F(py)};
+      op.p.gemm = (typeof(op.p.gemm)){.trans_a = 0,
+                                      .trans_b = 0,
+                                      .m = rows * C,
+                                      .n = 1,
+                                      .k = HW,
+                                      .alpha = 1.0f,
+                                      .beta = 0.0f,
+                                      .a = F(px),
+                                      .b = F(ones),
+                                      .c = F(py)};
       RUN(op);
-      op.p.gemm = (typeof(op.p.gemm)){0, 0, rows * C, HW, 1, 1.0f, 0.0f, F(py), F(ones), F(pdx)};
+      op.p.gemm = (typeof(op.p.gemm)){.trans_a = 0,
+                                      .trans_b = 0,
+                                      .m = rows * C,
+                                      .n = HW,
+                                      .k = 1,
+                                      .alpha = 1.0f,
+                                      .beta = 0.0f,
+                                      .a = F(py),
+                                      .b = F(ones),
+                                      .c = F(pdx)};
       RUN(op);
     }
     ot_check("y", py, rows * C);
@@ -404,7 +465,16 @@ static void ops_gemm(void) {
         ot_case(DT_OP_GEMM, "trans_a %d, trans_b %d, alpha 0.7, beta 0.3, %s", ta, tb, ROWS_NAME(r));
         BOTH {
           dt_op op = {.type = DT_OP_GEMM};
-          op.p.gemm = (typeof(op.p.gemm)){ta, tb, rows, n, k, 0.7f, 0.3f, F(a), F(b), F(c)};
+          op.p.gemm = (typeof(op.p.gemm)){.trans_a = ta,
+                                          .trans_b = tb,
+                                          .m = rows,
+                                          .n = n,
+                                          .k = k,
+                                          .alpha = 0.7f,
+                                          .beta = 0.3f,
+                                          .a = F(a),
+                                          .b = F(b),
+                                          .c = F(c)};
           RUN(op);
         }
         ot_check("C", c, rows * n);
@@ -423,14 +493,14 @@ static void ops_bias(void) {
       ot_case(DT_OP_BIAS_ADD, "spatial %lld, %s", (long long)S, ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_BIAS_ADD};
-        op.p.bias_add = (typeof(op.p.bias_add)){rows, C, S, F(y), F(bias)};
+        op.p.bias_add = (typeof(op.p.bias_add)){.b = rows, .c = C, .s = S, .y = F(y), .bias = F(bias)};
         RUN(op);
       }
       ot_check("y", y, rows * C * S);
       ot_case(DT_OP_BIAS_GRAD, "spatial %lld, %s", (long long)S, ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_BIAS_GRAD};
-        op.p.bias_grad = (typeof(op.p.bias_grad)){rows, C, S, F(dy), F(db)};
+        op.p.bias_grad = (typeof(op.p.bias_grad)){.b = rows, .c = C, .s = S, .dy = F(dy), .db = F(db)};
         RUN(op);
       }
       ot_check("db (added into)", db, rows ? C : 0);
@@ -460,21 +530,21 @@ static void ops_conv(void) {
       ot_case(DT_OP_CONV_FWD, "%s, %s", geo, ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_CONV_FWD};
-        op.p.conv_fwd = (typeof(op.p.conv_fwd)){g, F(x), F(w), F(y)};
+        op.p.conv_fwd = (typeof(op.p.conv_fwd)){.g = g, .x = F(x), .w = F(w), .y = F(y)};
         RUN(op);
       }
       ot_check("y", y, rows * ys);
       ot_case(DT_OP_CONV_BWD_DATA, "%s, %s", geo, ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_CONV_BWD_DATA};
-        op.p.conv_bwd_data = (typeof(op.p.conv_bwd_data)){g, F(dy), F(w), F(dx)};
+        op.p.conv_bwd_data = (typeof(op.p.conv_bwd_data)){.g = g, .dy = F(dy), .w = F(w), .dx = F(dx)};
         RUN(op);
       }
       ot_check("dx", dx, rows * xs);
       ot_case(DT_OP_CONV_BWD_FILTER, "%s, %s", geo, ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_CONV_BWD_FILTER};
-        op.p.conv_bwd_filter = (typeof(op.p.conv_bwd_filter)){g, F(x), F(dy), F(dw)};
+        op.p.conv_bwd_filter = (typeof(op.p.conv_bwd_filter)){.g = g, .x = F(x), .dy = F(dy), .dw = F(dw)};
         RUN(op);
       }
       ot_check("dw (added into)", dw, rows ? ws : 0);
@@ -497,7 +567,7 @@ static void ops_batchnorm(void) {
       ot_case(DT_OP_BN_STATS, "spatial %lld, %s", (long long)S, ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_BN_STATS};
-        op.p.bn_stats = (typeof(op.p.bn_stats)){rows, C, S, F(x), D(sum), D(sumsq)};
+        op.p.bn_stats = (typeof(op.p.bn_stats)){.b = rows, .c = C, .s = S, .x = F(x), .sum = D(sum), .sumsq = D(sumsq)};
         RUN(op);
       }
       ot_check("sum", sum, C);
@@ -505,14 +575,30 @@ static void ops_batchnorm(void) {
       ot_case(DT_OP_BN_APPLY, "spatial %lld, %s", (long long)S, ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_BN_APPLY};
-        op.p.bn_apply = (typeof(op.p.bn_apply)){rows, C, S, F(x), F(mean), F(invstd), F(gamma), F(beta), F(y)};
+        op.p.bn_apply = (typeof(op.p.bn_apply)){.b = rows,
+                                                .c = C,
+                                                .s = S,
+                                                .x = F(x),
+                                                .mean = F(mean),
+                                                .invstd = F(invstd),
+                                                .gamma = F(gamma),
+                                                .beta = F(beta),
+                                                .y = F(y)};
         RUN(op);
       }
       ot_check("y", y, rows * C * S);
       ot_case(DT_OP_BN_BWD_STATS, "spatial %lld, %s", (long long)S, ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_BN_BWD_STATS};
-        op.p.bn_bwd_stats = (typeof(op.p.bn_bwd_stats)){rows, C, S, F(x), F(dy), F(mean), F(invstd), D(sdy), D(sdyx)};
+        op.p.bn_bwd_stats = (typeof(op.p.bn_bwd_stats)){.b = rows,
+                                                        .c = C,
+                                                        .s = S,
+                                                        .x = F(x),
+                                                        .dy = F(dy),
+                                                        .mean = F(mean),
+                                                        .invstd = F(invstd),
+                                                        .sum_dy = D(sdy),
+                                                        .sum_dy_xhat = D(sdyx)};
         RUN(op);
       }
       ot_check("sum_dy", sdy, C);
@@ -520,9 +606,20 @@ static void ops_batchnorm(void) {
       ot_case(DT_OP_BN_BWD_APPLY, "spatial %lld, %s", (long long)S, ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_BN_BWD_APPLY};
-        op.p.bn_bwd_apply = (typeof(op.p.bn_bwd_apply)){
-            rows,  C,    S,   (double)(2 * cap * S), F(x), F(dy), F(mean), F(invstd), F(gamma), D(gsdy), D(gsdyx),
-            F(dx), NULL, NULL};
+        op.p.bn_bwd_apply = (typeof(op.p.bn_bwd_apply)){.b = rows,
+                                                        .c = C,
+                                                        .s = S,
+                                                        .count = (double)(2 * cap * S),
+                                                        .x = F(x),
+                                                        .dy = F(dy),
+                                                        .mean = F(mean),
+                                                        .invstd = F(invstd),
+                                                        .gamma = F(gamma),
+                                                        .sum_dy = D(gsdy),
+                                                        .sum_dy_xhat = D(gsdyx),
+                                                        .dx = F(dx),
+                                                        .dgamma = NULL,
+                                                        .dbeta = NULL};
         RUN(op);
       }
       ot_check("dx", dx, rows * C * S);
@@ -541,14 +638,14 @@ static void ops_activation(void) {
       ot_case(DT_OP_ACT_FWD, "%s, %s", kinds[kind], ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_ACT_FWD};
-        op.p.act_fwd = (typeof(op.p.act_fwd)){kind, n, F(x), F(y)};
+        op.p.act_fwd = (typeof(op.p.act_fwd)){.kind = kind, .n = n, .x = F(x), .y = F(y)};
         RUN(op);
       }
       ot_check("y", y, n);
       ot_case(DT_OP_ACT_BWD, "%s, %s", kinds[kind], ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_ACT_BWD};
-        op.p.act_bwd = (typeof(op.p.act_bwd)){kind, n, F(x), F(yin), F(dy), F(dx)};
+        op.p.act_bwd = (typeof(op.p.act_bwd)){.kind = kind, .n = n, .x = F(x), .y = F(yin), .dy = F(dy), .dx = F(dx)};
         RUN(op);
       }
       ot_check("dx", dx, n);
@@ -575,8 +672,18 @@ static void ops_pool(void) {
                 (long long)w, (long long)k, (long long)st, ROWS_NAME(r));
         BOTH {
           dt_op op = {.type = DT_OP_POOL_FWD};
-          op.p.pool_fwd = (typeof(op.p.pool_fwd)){kind, rows, c,  h,    w,    k,
-                                                  st,   ho,   wo, F(x), F(y), kind == DT_POOL_MAX ? I(am) : NULL};
+          op.p.pool_fwd = (typeof(op.p.pool_fwd)){.kind = kind,
+                                                  .b = rows,
+                                                  .c = c,
+                                                  .h = h,
+                                                  .w = w,
+                                                  .k = k,
+                                                  .stride = st,
+                                                  .ho = ho,
+                                                  .wo = wo,
+                                                  .x = F(x),
+                                                  .y = F(y),
+                                                  .argmax = kind == DT_POOL_MAX ? I(am) : NULL};
           RUN(op);
         }
         ot_check("y", y, rows * ys);
@@ -585,8 +692,18 @@ static void ops_pool(void) {
                 (long long)w, (long long)k, (long long)st, ROWS_NAME(r));
         BOTH {
           dt_op op = {.type = DT_OP_POOL_BWD};
-          op.p.pool_bwd = (typeof(op.p.pool_bwd)){
-              kind, rows, c, h, w, k, st, ho, wo, F(dy), kind == DT_POOL_MAX ? I(am) : NULL, F(dx)};
+          op.p.pool_bwd = (typeof(op.p.pool_bwd)){.kind = kind,
+                                                  .b = rows,
+                                                  .c = c,
+                                                  .h = h,
+                                                  .w = w,
+                                                  .k = k,
+                                                  .stride = st,
+                                                  .ho = ho,
+                                                  .wo = wo,
+                                                  .dy = F(dy),
+                                                  .argmax = kind == DT_POOL_MAX ? I(am) : NULL,
+                                                  .dx = F(dx)};
           RUN(op);
         }
         ot_check("dx", dx, rows * xs);
@@ -628,7 +745,7 @@ static void ops_dropout(void) {
       ot_case(DT_OP_DROPOUT_FWD, "p 0.3, seed %#llx, %s", (unsigned long long)seeds[si], ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_DROPOUT_FWD};
-        op.p.dropout_fwd = (typeof(op.p.dropout_fwd)){n, 0.3f, seeds[si], F(x), F(y)};
+        op.p.dropout_fwd = (typeof(op.p.dropout_fwd)){.n = n, .p = 0.3f, .seed = seeds[si], .x = F(x), .y = F(y)};
         RUN(op);
       }
       ot_check("y", y, n);
@@ -636,7 +753,7 @@ static void ops_dropout(void) {
       ot_case(DT_OP_DROPOUT_BWD, "p 0.3, seed %#llx, %s", (unsigned long long)seeds[si], ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_DROPOUT_BWD};
-        op.p.dropout_bwd = (typeof(op.p.dropout_bwd)){n, 0.3f, seeds[si], F(dy), F(dx)};
+        op.p.dropout_bwd = (typeof(op.p.dropout_bwd)){.n = n, .p = 0.3f, .seed = seeds[si], .dy = F(dy), .dx = F(dx)};
         RUN(op);
       }
       ot_check("dx", dx, n);
@@ -654,14 +771,14 @@ static void ops_elementwise(void) {
     ot_case(DT_OP_ADD, "%s", ROWS_NAME(r));
     BOTH {
       dt_op op = {.type = DT_OP_ADD};
-      op.p.add = (typeof(op.p.add)){n, F(a), F(b), F(y)};
+      op.p.add = (typeof(op.p.add)){.n = n, .a = F(a), .b = F(b), .y = F(y)};
       RUN(op);
     }
     ot_check("y", y, n);
     ot_case(DT_OP_SCALE, "alpha -0.37, %s", ROWS_NAME(r));
     BOTH {
       dt_op op = {.type = DT_OP_SCALE};
-      op.p.scale = (typeof(op.p.scale)){n, -0.37f, F(x)};
+      op.p.scale = (typeof(op.p.scale)){.n = n, .alpha = -0.37f, .x = F(x)};
       RUN(op);
     }
     ot_check("x", x, n);
@@ -682,7 +799,7 @@ static void ops_sumsq(void) {
     ot_case(DT_OP_SUMSQ, "a NaN and an Inf among the values, %s", ROWS_NAME(r));
     BOTH {
       dt_op op = {.type = DT_OP_SUMSQ};
-      op.p.sumsq = (typeof(op.p.sumsq)){n, F(x), &sum[s_], &bad[s_]};
+      op.p.sumsq = (typeof(op.p.sumsq)){.n = n, .x = F(x), .sumsq = &sum[s_], .nonfinite = &bad[s_]};
       RUN(op);
     }
     ot_check_host("sumsq", sum[0], sum[1], 1e-5);
@@ -709,17 +826,17 @@ static void ops_loss(void) {
       ot_case(DT_OP_LOSS, "%s, %s", kind == DT_LOSS_MSE ? "mse" : "cross entropy, label smoothing 0.1", ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_LOSS};
-        op.p.loss = (typeof(op.p.loss)){kind,
-                                        rows,
-                                        K,
-                                        kind == DT_LOSS_MSE ? 0.0f : 0.1f,
-                                        1.0 / (double)(2 * cap),
-                                        F(z),
-                                        kind == DT_LOSS_MSE ? NULL : labels,
-                                        kind == DT_LOSS_MSE ? targets : NULL,
-                                        F(dz),
-                                        &loss[s_],
-                                        &hits[s_]};
+        op.p.loss = (typeof(op.p.loss)){.kind = kind,
+                                        .b = rows,
+                                        .k = K,
+                                        .label_smoothing = kind == DT_LOSS_MSE ? 0.0f : 0.1f,
+                                        .weight = 1.0 / (double)(2 * cap),
+                                        .logits = F(z),
+                                        .labels = kind == DT_LOSS_MSE ? NULL : labels,
+                                        .targets = kind == DT_LOSS_MSE ? targets : NULL,
+                                        .dlogits = F(dz),
+                                        .loss_sum = &loss[s_],
+                                        .correct = &hits[s_]};
         RUN(op);
       }
       free(hz);
@@ -751,7 +868,15 @@ static void ops_optim(void) {
       ot_case(DT_OP_SGD, "momentum %g, nesterov %d, first %d, weight decay 0.01, %s", mom, nesterov, first, nm);
       BOTH {
         dt_op op = {.type = DT_OP_SGD};
-        op.p.sgd = (typeof(op.p.sgd)){n, 0.1f, mom, 0.01f, nesterov, first, F(p), F(g), mom > 0 ? F(m) : NULL};
+        op.p.sgd = (typeof(op.p.sgd)){.n = n,
+                                      .lr = 0.1f,
+                                      .momentum = mom,
+                                      .weight_decay = 0.01f,
+                                      .nesterov = nesterov,
+                                      .first = first,
+                                      .param = F(p),
+                                      .grad = F(g),
+                                      .mom = mom > 0 ? F(m) : NULL};
         RUN(op);
       }
       ot_check("param", p, n);
@@ -763,7 +888,17 @@ static void ops_optim(void) {
       ot_case(DT_OP_ADAMW, "step %lld, weight decay 0.01, %s", (long long)step, nm);
       BOTH {
         dt_op op = {.type = DT_OP_ADAMW};
-        op.p.adamw = (typeof(op.p.adamw)){n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, step, F(p), F(g), F(m), F(v)};
+        op.p.adamw = (typeof(op.p.adamw)){.n = n,
+                                          .lr = 1e-3f,
+                                          .beta1 = 0.9f,
+                                          .beta2 = 0.999f,
+                                          .eps = 1e-8f,
+                                          .weight_decay = 0.01f,
+                                          .step = step,
+                                          .param = F(p),
+                                          .grad = F(g),
+                                          .m = F(m),
+                                          .v = F(v)};
         RUN(op);
       }
       ot_check("param", p, n);
@@ -779,7 +914,14 @@ static __attribute__((noinline)) void input_from_stack(dt_backend *be, int64_t b
                                                        const float *raw, float *x) {
   float mean[3] = {0.2860f, 0.4218f, 0.5071f}, std[3] = {0.3530f, 0.2420f, 0.2865f};
   dt_op op = {.type = DT_OP_INPUT};
-  op.p.input = (typeof(op.p.input)){b, 3, s, 1.0f / 255.0f, with_stats ? mean : NULL, with_stats ? std : NULL, raw, x};
+  op.p.input = (typeof(op.p.input)){.b = b,
+                                    .c = 3,
+                                    .s = s,
+                                    .scale = 1.0f / 255.0f,
+                                    .mean = with_stats ? mean : NULL,
+                                    .std = with_stats ? std : NULL,
+                                    .raw = raw,
+                                    .x = x};
   backend_run(be, &op);
 }
 
@@ -841,10 +983,20 @@ static void sums_are_the_same_bits_every_time(void) {
     double sq = 0, loss = 0, hits = 0;
     int64_t bad = 0;
     dt_op op = {.type = DT_OP_SUMSQ};
-    op.p.sumsq = (typeof(op.p.sumsq)){N, x, &sq, &bad};
+    op.p.sumsq = (typeof(op.p.sumsq)){.n = N, .x = x, .sumsq = &sq, .nonfinite = &bad};
     backend_run(be, &op);
     dt_op lo = {.type = DT_OP_LOSS};
-    lo.p.loss = (typeof(lo.p.loss)){DT_LOSS_CROSS_ENTROPY, B, K, 0.0f, 1.0 / B, x, labels, NULL, dlogits, &loss, &hits};
+    lo.p.loss = (typeof(lo.p.loss)){.kind = DT_LOSS_CROSS_ENTROPY,
+                                    .b = B,
+                                    .k = K,
+                                    .label_smoothing = 0.0f,
+                                    .weight = 1.0 / B,
+                                    .logits = x,
+                                    .labels = labels,
+                                    .targets = NULL,
+                                    .dlogits = dlogits,
+                                    .loss_sum = &loss,
+                                    .correct = &hits};
     backend_run(be, &lo);
     if (run == 0) first_sq = sq, first_loss = loss;
     if (memcmp(&sq, &first_sq, sizeof sq) || memcmp(&loss, &first_loss, sizeof loss))

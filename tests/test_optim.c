@@ -122,8 +122,10 @@ static void optimizer_names_and_states(void **s) {
   const char *names[] = {"sgd", "adamw"};
   for (int i = 0; i < 2; i++) {
     char text[256];
-    snprintf(text, sizeof text, "model: {input: [4], layers: [{linear: {out: 2}}]}\ndata: {path: x.h5}\n"
-             "train: {batch_size: 2}\noptim: {name: %s}\n", names[i]);
+    snprintf(text, sizeof text,
+             "model: {input: [4], layers: [{linear: {out: 2}}]}\ndata: {path: x.h5}\n"
+             "train: {batch_size: 2}\noptim: {name: %s}\n",
+             names[i]);
     char *path = write_tmp(text);
     dt_config cfg;
     dt_status st = {0};
