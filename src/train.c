@@ -227,267 +227,342 @@ static int save_checkpoint(const dt_config *cfg, const dt_model *m, const dt_opt
   return comm_agree(comm, &st);
 }
 
-int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, const dt_train_opts *opts,
-              dt_train_result *res) {
+/* The loop's state: what train_run's steps share. Borrows the config, model, data, comm and
+ * options; owns the sampler, optimizer, gradient sync, loader, log and checkpoint scratch. */
+typedef struct {
+  const dt_config *cfg;
+  const dt_config_values *v;
+  dt_model *m;
+  dt_data *d;
+  dt_comm *comm;
+  const dt_train_opts *opts;
+  dt_backend *be;
+  dt_sampler smp;
+  dt_optim opt;
+  dt_grad_sync gs;
+  pass_ctx ctx;
+  dt_loader L;
+  dt_log lg;
+  dt_ckpt_data scratch; /* rank 0 with checkpoints: host copies for writing */
+  dt_train_state ts;
+  int64_t accum, opt_per_epoch, total; /* micro-batches per step, steps per epoch, steps in all */
+  /* this optimizer step */
+  int64_t epoch, os, micro0, k; /* epoch, step within it, its first micro-batch, micro-batches */
+  double count;                 /* rows in its global batch */
+  double lr;
+  dt_step_report all; /* the ranks' summed report */
+  /* the log window */
+  double t_start, t_window, win_data, win_comm, win_loss;
+  int64_t win_samples, win_steps, run_samples;
+  double gpu_peak_mib;
+  int stop, stop_signal;
+} dt_trainer;
+
+/* Sampler, log, optimizer, gradient sync, resume state and loader. Returns the agreed code. */
+static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm,
+                         const dt_train_opts *opts) {
+  memset(T, 0, sizeof *T);
   const dt_config_values *v = &cfg->v;
+  *T = (dt_trainer){.cfg = cfg, .v = v, .m = m, .d = d, .comm = comm, .opts = opts, .be = m->be};
   dt_status st = {0};
-  memset(res, 0, sizeof *res);
   const int W = comm->size, leader = comm->rank == 0;
   const int64_t G = v->global_batch_size ? v->global_batch_size : v->batch_size * W;
-  dt_sampler smp;
-  sampler_init(&smp, d->train.n, W, comm->rank, G, v->sharding == DT_SHARD_CONTIGUOUS, v->drop_last, v->shuffle,
+  sampler_init(&T->smp, d->train.n, W, comm->rank, G, v->sharding == DT_SHARD_CONTIGUOUS, v->drop_last, v->shuffle,
                (uint64_t)v->seed);
   if (v->sharding == DT_SHARD_CONTIGUOUS && G < W)
     dt_fail(&st, DT_EXIT_INPUT,
             "data.sharding contiguous: the global batch (%lld) must be at least the number of "
             "ranks (%d), or some ranks' rows would never be used",
             (long long)G, W);
-  if (smp.steps == 0)
+  if (T->smp.steps == 0)
     dt_fail(&st, DT_EXIT_INPUT,
             "%s: the global batch (%lld) is larger than the %lld training rows and data.drop_last "
             "is true: no step to run",
             d->path, (long long)G, (long long)d->train.n);
-  dt_log lg;
-  log_open(&lg, leader, v->log_dir, v->progress, opts->resume != NULL, &st);
+  log_open(&T->lg, leader, v->log_dir, v->progress, opts->resume != NULL, &st);
   int code = comm_agree(comm, &st);
   if (code) {
-    sampler_free(&smp);
-    log_close(&lg);
+    sampler_free(&T->smp);
+    log_close(&T->lg);
     return code;
   }
-  const int64_t accum = v->grad_accum, opt_per_epoch = (smp.steps + accum - 1) / accum;
-  int64_t total = opt_per_epoch * v->epochs;
-  if (v->max_steps && v->max_steps < total) total = v->max_steps;
+  T->accum = v->grad_accum;
+  T->opt_per_epoch = (T->smp.steps + T->accum - 1) / T->accum;
+  T->total = T->opt_per_epoch * v->epochs;
+  if (v->max_steps && v->max_steps < T->total) T->total = v->max_steps;
 
-  dt_backend *be = m->be;
-  dt_optim opt;
-  optim_init(&opt, v, be, m->n_params, total);
-  dt_grad_sync gs;
-  pass_ctx ctx = {comm, &gs, be, m->grads};
-  grad_sync_init(&gs, comm, opts->dev, be, m->grads, m->n_params, (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float)),
-                 ctx_check, &ctx);
-  dt_train_state ts = {.step = 0,
-                       .epoch = 0,
-                       .micro = 0,
-                       .global_batch = G * accum,
-                       .world_size = W,
-                       .seed = (uint64_t)v->seed,
-                       .optim = v->optim,
-                       .best_metric = v->early_metric == DT_METRIC_VAL_LOSS ? INFINITY : -INFINITY,
-                       .bad_evals = 0,
-                       .best_val_acc = -1};
+  dt_backend *be = T->be;
+  optim_init(&T->opt, v, be, m->n_params, T->total);
+  T->ctx = (pass_ctx){comm, &T->gs, be, m->grads};
+  grad_sync_init(&T->gs, comm, opts->dev, be, m->grads, m->n_params,
+                 (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float)), ctx_check, &T->ctx);
+  T->ts = (dt_train_state){.global_batch = G * T->accum,
+                           .world_size = W,
+                           .seed = (uint64_t)v->seed,
+                           .optim = v->optim,
+                           .best_metric = v->early_metric == DT_METRIC_VAL_LOSS ? INFINITY : -INFINITY,
+                           .best_val_acc = -1};
   if (opts->resume) {
-    ts = opts->resume->ts;
-    ts.world_size = W;
+    T->ts = opts->resume->ts;
+    T->ts.world_size = W;
     size_t pb = (size_t)m->n_params * sizeof(float);
-    for (int k = 0; k < opt.n_states; k++)
-      if (opts->resume->opt[k]) be->to_device(be, opt.states[k], opts->resume->opt[k], pb);
-    opt.step = ts.step;
+    for (int k = 0; k < T->opt.n_states; k++)
+      if (opts->resume->opt[k]) be->to_device(be, T->opt.states[k], opts->resume->opt[k], pb);
+    T->opt.step = T->ts.step;
   }
-  /* host scratch for checkpoints: params, the optimizer states, buffers */
-  dt_ckpt_data scratch = {0};
   if (leader && v->ckpt_dir[0]) {
-    scratch.params = dt_malloc((size_t)((1 + DT_OPTIM_MAX_STATES) * m->n_params + 1) * sizeof(float));
-    scratch.bufs = dt_malloc((size_t)(m->n_bufs + 1) * sizeof(float));
+    T->scratch.params = dt_malloc((size_t)((1 + DT_OPTIM_MAX_STATES) * m->n_params + 1) * sizeof(float));
+    T->scratch.bufs = dt_malloc((size_t)(m->n_bufs + 1) * sizeof(float));
   }
-  dt_loader L;
-  loader_start(&L, d, &smp, m, ts.epoch, ts.micro, v->epochs);
-
+  loader_start(&T->L, d, &T->smp, m, T->ts.epoch, T->ts.micro, v->epochs);
   if (opts->resume)
-    log_line(&lg, "resuming at step %lld (epoch %lld, batch %lld of %lld)", (long long)ts.step, (long long)ts.epoch + 1,
-             (long long)ts.micro, (long long)smp.steps);
-  log_line(&lg,
+    log_line(&T->lg, "resuming at step %lld (epoch %lld, batch %lld of %lld)", (long long)T->ts.step,
+             (long long)T->ts.epoch + 1, (long long)T->ts.micro, (long long)T->smp.steps);
+  log_line(&T->lg,
            "training: %lld optimizer steps (%lld epochs x %lld), global batch %lld on %d rank%s, %s backend, "
            "%d thread%s per rank",
-           (long long)total, (long long)v->epochs, (long long)opt_per_epoch, (long long)(G * accum), W,
+           (long long)T->total, (long long)v->epochs, (long long)T->opt_per_epoch, (long long)(G * T->accum), W,
            W > 1 ? "s" : "", be->name, be->threads, be->threads > 1 ? "s" : "");
+  T->t_start = T->t_window = dt_now();
+  if (T->ts.step >= T->total) T->stop = 1; /* nothing left: the final checkpoint is rewritten below */
+  return 0;
+}
 
-  double t_start = dt_now(), t_window = t_start, win_data = 0, win_comm = 0, win_loss = 0;
-  int64_t win_samples = 0, win_steps = 0, run_samples = 0;
-  double gpu_peak_mib = 0;
-  int stop = 0, stop_signal = 0;
-  res->best_val_acc = ts.best_val_acc;
-  if (ts.step >= total) stop = 1; /* nothing left: the final checkpoint is rewritten below */
+/* Forward, loss and backward over this step's micro-batches; gradients accumulate, and the last
+ * micro-batch's backward starts the bucket sums. Adds this rank's loss and hits to *mine. */
+static void micro_batches(dt_trainer *T, dt_step_report *mine, double *data_s, dt_status *st) {
+  const dt_config_values *v = T->v;
+  dt_model *m = T->m;
+  int inject_nan = fault_fire(&T->opts->fault, T->comm->rank, T->ts.step + 1);
+  T->be->zero(T->be, m->grads, (size_t)m->n_params * sizeof(float));
+  for (int64_t j = 0; j < T->k && !st->code; j++) {
+    double w0 = T->L.wait_s;
+    dt_batch *b = loader_next(&T->L, st);
+    if (!b) break;
+    *data_s += T->L.wait_s - w0;
+    if (inject_nan && b->count) b->x[0] = NAN;
+    load_input(T->cfg, m, b->x, b->count);
+    dt_pass pass = {
+        .be = T->be,
+        .batch = b->count,
+        .training = 1,
+        .global_count = T->count,
+        .dropout_seed = dt_hash64(((uint64_t)v->seed << 32) ^ (uint64_t)(T->epoch * T->smp.steps + T->micro0 + j) ^
+                                  ((uint64_t)T->comm->rank << 52)),
+        .params = m->params,
+        .grads = m->grads,
+        .bufs = m->bufs,
+        .allreduce_sum = ctx_allreduce,
+        .grads_ready = j == T->k - 1 ? ctx_ready : NULL,
+        .ctx = &T->ctx};
+    model_forward(m, &pass);
+    double l = 0, c = 0;
+    model_loss(m, &pass, b->labels, b->targets, &l, &c);
+    if (!isfinite(l))
+      dt_fail(st, DT_EXIT_NUMERIC,
+              "the loss became %s at step %lld (epoch %lld); lower optim.lr or set train.clip_grad_norm",
+              isnan(l) ? "NaN" : "infinite", (long long)T->ts.step + 1, (long long)T->epoch + 1);
+    mine->loss_sum += l;
+    mine->correct += c;
+    model_backward(m, &pass);
+  }
+}
 
-  for (int64_t epoch = ts.epoch; epoch < v->epochs && !stop && !code; epoch++) {
-    for (int64_t os = (epoch == ts.epoch ? ts.micro / accum : 0); os < opt_per_epoch && !stop && !code; os++) {
-      comm->step = ts.step + 1;
-      int inject_nan = fault_fire(&opts->fault, comm->rank, ts.step + 1);
-      int64_t micro0 = os * accum, k = smp.steps - micro0 < accum ? smp.steps - micro0 : accum;
-      double count = 0;
-      for (int64_t j = 0; j < k; j++) count += (double)sampler_count(&smp, micro0 + j);
-      be->zero(be, m->grads, (size_t)m->n_params * sizeof(float));
-      dt_step_report mine = {0}, all;
-      double data_s = 0;
-      for (int64_t j = 0; j < k && !st.code; j++) {
-        double w0 = L.wait_s;
-        dt_batch *b = loader_next(&L, &st);
-        if (!b) break;
-        data_s += L.wait_s - w0;
-        if (inject_nan && b->count) b->x[0] = NAN;
-        load_input(cfg, m, b->x, b->count);
-        dt_pass pass = {
-            .be = be,
-            .batch = b->count,
-            .training = 1,
-            .global_count = count,
-            .dropout_seed = dt_hash64(((uint64_t)v->seed << 32) ^ (uint64_t)(epoch * smp.steps + micro0 + j) ^
-                                      ((uint64_t)comm->rank << 52)),
-            .params = m->params,
-            .grads = m->grads,
-            .bufs = m->bufs,
-            .allreduce_sum = ctx_allreduce,
-            .grads_ready = j == k - 1 ? ctx_ready : NULL,
-            .ctx = &ctx};
-        model_forward(m, &pass);
-        double l = 0, c = 0;
-        model_loss(m, &pass, b->labels, b->targets, &l, &c);
-        if (!isfinite(l))
-          dt_fail(&st, DT_EXIT_NUMERIC,
-                  "the loss became %s at step %lld (epoch %lld); lower optim.lr or "
-                  "set train.clip_grad_norm",
-                  isnan(l) ? "NaN" : "infinite", (long long)ts.step + 1, (long long)epoch + 1);
-        mine.loss_sum += l;
-        mine.correct += c;
-        model_backward(m, &pass);
-      }
-      /* every bucket is checked for NaN/Inf on this rank before it is sent */
-      gs.nonfinite = 0;
-      grad_sync_finish(&gs);
-      if (gs.nonfinite && !st.code)
-        dt_fail(&st, DT_EXIT_NUMERIC,
-                "%lld non-finite gradient values at step %lld (epoch %lld); lower "
-                "optim.lr or set train.clip_grad_norm",
-                (long long)gs.nonfinite, (long long)ts.step + 1, (long long)epoch + 1);
-      /* a signal or the time limit on any rank stops every rank at this same step */
-      int sig = signals_caught();
-      mine.stop = sig ? sig : (v->time_limit > 0 && dt_now() - opts->t_launch >= v->time_limit ? -1 : 0);
-      mine.code = st.code;
-      if ((code = comm_step_agree(comm, &mine, &st, &all))) break;
-      if (v->clip_grad_norm > 0) {
-        double sq = 0;
-        int64_t bad = 0;
-        dt_op op = {.type = DT_OP_SUMSQ};
-        op.p.sumsq = (typeof(op.p.sumsq)){.n = m->n_params, .x = m->grads, .sumsq = &sq, .nonfinite = &bad};
-        backend_run(be, &op);
-        double norm = sqrt(sq);
-        if (norm > v->clip_grad_norm) {
-          dt_op sc = {.type = DT_OP_SCALE};
-          sc.p.scale = (typeof(sc.p.scale)){
-              .n = m->n_params, .alpha = (float)(v->clip_grad_norm / (norm + 1e-6)), .x = m->grads};
-          backend_run(be, &sc);
-        }
-      }
-      double lr = schedule_lr(v, ts.step, total);
-      optim_step(&opt, be, m->params, m->grads, lr);
-      ts.step++;
-      ts.micro = micro0 + k;
-      ts.epoch = epoch;
-      if (ts.micro >= smp.steps) ts.epoch = epoch + 1, ts.micro = 0;
-      double loss = all.loss_sum / count;
-      win_loss += loss;
-      win_steps++;
-      win_samples += (int64_t)count;
-      run_samples += (int64_t)count;
-      win_data += data_s;
-      win_comm += gs.wait_s;
-      double now = dt_now();
-      log_progress(&lg, ts.step, total, now - t_start, loss);
-      if (ts.step % v->log_every_steps == 0 || ts.step == total) {
-        double span = now - t_window, ms = 1e3 * span / (double)win_steps;
-        double data_ms = 1e3 * win_data / (double)win_steps, comm_ms = 1e3 * win_comm / (double)win_steps;
-        double sps = span > 0 ? (double)win_samples / span : 0, mean_loss = win_loss / (double)win_steps;
-        double min_ms, max_ms;
-        int slow;
-        straggler_line(comm, &lg, ms - data_ms - comm_ms, &min_ms, &max_ms, &slow);
-        char gpu_json[8192] = "";
-        if (opts->gpu >= 0) gpu_metrics(comm, opts->gpu, &gpu_peak_mib, gpu_json, sizeof gpu_json);
-        log_line(&lg,
-                 "step %lld/%lld epoch %lld loss %.4f lr %.5f | %.0f samples/s | %.1f ms/step (compute %.1f, "
-                 "data %.1f, comm %.1f)",
-                 (long long)ts.step, (long long)total, (long long)epoch + 1, mean_loss, lr, sps, ms,
-                 ms - data_ms - comm_ms, data_ms, comm_ms);
-        log_metrics(&lg,
-                    "\"step\": %lld, \"epoch\": %lld, \"loss\": %.6g, \"lr\": %.6g, \"samples_per_s\": %.1f, "
-                    "\"step_ms\": %.3f, \"compute_ms\": %.3f, \"data_ms\": %.3f, \"comm_ms\": %.3f, "
-                    "\"compute_ms_min\": %.3f, \"compute_ms_max\": %.3f, \"straggler_rank\": %d%s",
-                    (long long)ts.step, (long long)epoch + 1, mean_loss, lr, sps, ms, ms - data_ms - comm_ms, data_ms,
-                    comm_ms, min_ms, max_ms, slow, gpu_json);
-        t_window = now;
-        win_loss = win_data = win_comm = 0;
-        win_samples = win_steps = 0;
-      }
-      if (all.stop) stop = 1, stop_signal = all.stop;
-      int end_of_epoch = os == opt_per_epoch - 1;
-      if (v->max_steps && ts.step >= v->max_steps) stop = 1;
-      int eval_now = d->has_val && !stop_signal &&
-                     (end_of_epoch || (v->eval_every_steps && ts.step % v->eval_every_steps == 0) || stop);
-      int new_best = 0;
-      if (eval_now) {
-        double vl, va, t_eval = dt_now();
-        train_evaluate(cfg, m, d, comm, &vl, &va, &st);
-        t_window += dt_now() - t_eval; /* throughput windows count training time only */
-        if ((code = comm_agree(comm, &st))) break;
-        res->final_val_loss = vl;
-        res->final_val_acc = va;
-        if (va > ts.best_val_acc) ts.best_val_acc = va;
-        res->best_val_acc = ts.best_val_acc;
-        if (va >= 0) {
-          log_line(&lg, "eval step %lld epoch %lld: val_loss %.4f val_acc %.4f", (long long)ts.step,
-                   (long long)epoch + 1, vl, va);
-          log_metrics(&lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.6g, \"val_acc\": %.6g", (long long)ts.step,
-                      (long long)epoch + 1, vl, va);
-        } else {
-          log_line(&lg, "eval step %lld epoch %lld: val_mse %.6f", (long long)ts.step, (long long)epoch + 1, vl);
-          log_metrics(&lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.6g", (long long)ts.step,
-                      (long long)epoch + 1, vl);
-        }
-        int metric = v->early_metric != DT_METRIC_NONE ? v->early_metric
-                     : va >= 0                         ? DT_METRIC_VAL_ACC
-                                                       : DT_METRIC_VAL_LOSS;
-        double value = metric == DT_METRIC_VAL_LOSS ? vl : va;
-        if (!isfinite(ts.best_metric) || improved(metric, value, ts.best_metric)) {
-          ts.best_metric = value;
-          ts.bad_evals = 0;
-          new_best = 1;
-        } else if (v->early_metric != DT_METRIC_NONE && ++ts.bad_evals >= v->early_patience) {
-          log_line(&lg, "early stopping: %s has not improved for %lld evaluations",
-                   v->early_metric == DT_METRIC_VAL_LOSS ? "val_loss" : "val_acc", (long long)ts.bad_evals);
-          stop = 1;
-        }
-      }
-      if (v->ckpt_dir[0]) {
-        if (new_best && v->ckpt_best && (code = save_checkpoint(cfg, m, &opt, &ts, comm, &scratch, 1, &lg))) break;
-        int periodic = (v->ckpt_every_steps && ts.step % v->ckpt_every_steps == 0) ||
-                       (end_of_epoch && v->ckpt_every_epochs && (epoch + 1) % v->ckpt_every_epochs == 0);
-        int last = stop || ts.step == total;
-        if ((periodic || last) && (code = save_checkpoint(cfg, m, &opt, &ts, comm, &scratch, 0, &lg))) break;
-      }
+/* Finishes the gradient sums (each bucket checked for NaN/Inf on this rank before it was sent)
+ * and agrees with every rank on the outcome, the summed loss and whether to stop (a signal or
+ * the time limit on any rank stops every rank at this same step). Returns the agreed code. */
+static int reduce_and_agree(dt_trainer *T, dt_step_report *mine, dt_status *st) {
+  T->gs.nonfinite = 0;
+  grad_sync_finish(&T->gs);
+  if (T->gs.nonfinite && !st->code)
+    dt_fail(st, DT_EXIT_NUMERIC,
+            "%lld non-finite gradient values at step %lld (epoch %lld); lower optim.lr or set train.clip_grad_norm",
+            (long long)T->gs.nonfinite, (long long)T->ts.step + 1, (long long)T->epoch + 1);
+  int sig = signals_caught();
+  mine->stop = sig ? sig : (T->v->time_limit > 0 && dt_now() - T->opts->t_launch >= T->v->time_limit ? -1 : 0);
+  mine->code = st->code;
+  return comm_step_agree(T->comm, mine, st, &T->all);
+}
+
+/* Clips the summed gradients (train.clip_grad_norm), steps the optimizer and advances the state. */
+static void optimizer_step(dt_trainer *T) {
+  const dt_config_values *v = T->v;
+  dt_model *m = T->m;
+  if (v->clip_grad_norm > 0) {
+    double sq = 0;
+    int64_t bad = 0;
+    dt_op op = {.type = DT_OP_SUMSQ, .p.sumsq = {.n = m->n_params, .x = m->grads, .sumsq = &sq, .nonfinite = &bad}};
+    backend_run(T->be, &op);
+    double norm = sqrt(sq);
+    if (norm > v->clip_grad_norm) {
+      dt_op sc = {.type = DT_OP_SCALE,
+                  .p.scale = {.n = m->n_params, .alpha = (float)(v->clip_grad_norm / (norm + 1e-6)), .x = m->grads}};
+      backend_run(T->be, &sc);
     }
   }
-  loader_stop(&L);
-  res->steps = ts.step;
-  res->wall_s = dt_now() - t_start;
-  if (!code && stop_signal) {
-    if (leader) {
-      const char *why = stop_signal == SIGUSR1 ? "SIGUSR1" : stop_signal == SIGTERM ? "SIGTERM" : "train.time_limit";
+  T->lr = schedule_lr(v, T->ts.step, T->total);
+  optim_step(&T->opt, T->be, m->params, m->grads, T->lr);
+  T->ts.step++;
+  T->ts.micro = T->micro0 + T->k;
+  T->ts.epoch = T->epoch;
+  if (T->ts.micro >= T->smp.steps) T->ts.epoch = T->epoch + 1, T->ts.micro = 0;
+}
+
+/* The progress line every step; every log.every_steps the console and metrics lines, with the
+ * straggler report and, on GPUs, each rank's NVML reading (collectives). */
+static void log_step(dt_trainer *T, double data_s) {
+  const dt_config_values *v = T->v;
+  double loss = T->all.loss_sum / T->count;
+  T->win_loss += loss;
+  T->win_steps++;
+  T->win_samples += (int64_t)T->count;
+  T->run_samples += (int64_t)T->count;
+  T->win_data += data_s;
+  T->win_comm += T->gs.wait_s;
+  double now = dt_now();
+  log_progress(&T->lg, T->ts.step, T->total, now - T->t_start, loss);
+  if (T->ts.step % v->log_every_steps != 0 && T->ts.step != T->total) return;
+  double span = now - T->t_window, ms = 1e3 * span / (double)T->win_steps;
+  double data_ms = 1e3 * T->win_data / (double)T->win_steps, comm_ms = 1e3 * T->win_comm / (double)T->win_steps;
+  double sps = span > 0 ? (double)T->win_samples / span : 0, mean_loss = T->win_loss / (double)T->win_steps;
+  double min_ms, max_ms;
+  int slow;
+  straggler_line(T->comm, &T->lg, ms - data_ms - comm_ms, &min_ms, &max_ms, &slow);
+  char gpu_json[8192] = "";
+  if (T->opts->gpu >= 0) gpu_metrics(T->comm, T->opts->gpu, &T->gpu_peak_mib, gpu_json, sizeof gpu_json);
+  log_line(&T->lg,
+           "step %lld/%lld epoch %lld loss %.4f lr %.5f | %.0f samples/s | %.1f ms/step (compute %.1f, data %.1f, "
+           "comm %.1f)",
+           (long long)T->ts.step, (long long)T->total, (long long)T->epoch + 1, mean_loss, T->lr, sps, ms,
+           ms - data_ms - comm_ms, data_ms, comm_ms);
+  log_metrics(&T->lg,
+              "\"step\": %lld, \"epoch\": %lld, \"loss\": %.6g, \"lr\": %.6g, \"samples_per_s\": %.1f, "
+              "\"step_ms\": %.3f, \"compute_ms\": %.3f, \"data_ms\": %.3f, \"comm_ms\": %.3f, "
+              "\"compute_ms_min\": %.3f, \"compute_ms_max\": %.3f, \"straggler_rank\": %d%s",
+              (long long)T->ts.step, (long long)T->epoch + 1, mean_loss, T->lr, sps, ms, ms - data_ms - comm_ms,
+              data_ms, comm_ms, min_ms, max_ms, slow, gpu_json);
+  T->t_window = now;
+  T->win_loss = T->win_data = T->win_comm = 0;
+  T->win_samples = T->win_steps = 0;
+}
+
+/* Validates when due (end of epoch, train.eval_every_steps, the last step), logs, tracks the best
+ * metric and early stopping. *new_best: this evaluation is the best so far. Returns the code. */
+static int evaluate_if_due(dt_trainer *T, int end_of_epoch, dt_train_result *res, int *new_best) {
+  const dt_config_values *v = T->v;
+  dt_train_state *ts = &T->ts;
+  *new_best = 0;
+  int due = end_of_epoch || (v->eval_every_steps && ts->step % v->eval_every_steps == 0) || T->stop;
+  if (!T->d->has_val || T->stop_signal || !due) return 0;
+  dt_status st = {0};
+  double vl, va, t_eval = dt_now();
+  train_evaluate(T->cfg, T->m, T->d, T->comm, &vl, &va, &st);
+  T->t_window += dt_now() - t_eval; /* throughput windows count training time only */
+  int code = comm_agree(T->comm, &st);
+  if (code) return code;
+  res->final_val_loss = vl;
+  res->final_val_acc = va;
+  if (va > ts->best_val_acc) ts->best_val_acc = va;
+  res->best_val_acc = ts->best_val_acc;
+  long long step = (long long)ts->step, epoch = (long long)T->epoch + 1;
+  if (va >= 0) {
+    log_line(&T->lg, "eval step %lld epoch %lld: val_loss %.4f val_acc %.4f", step, epoch, vl, va);
+    log_metrics(&T->lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.6g, \"val_acc\": %.6g", step, epoch, vl, va);
+  } else {
+    log_line(&T->lg, "eval step %lld epoch %lld: val_mse %.6f", step, epoch, vl);
+    log_metrics(&T->lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.6g", step, epoch, vl);
+  }
+  int metric = v->early_metric != DT_METRIC_NONE ? v->early_metric : va >= 0 ? DT_METRIC_VAL_ACC : DT_METRIC_VAL_LOSS;
+  double value = metric == DT_METRIC_VAL_LOSS ? vl : va;
+  if (!isfinite(ts->best_metric) || improved(metric, value, ts->best_metric)) {
+    ts->best_metric = value;
+    ts->bad_evals = 0;
+    *new_best = 1;
+  } else if (v->early_metric != DT_METRIC_NONE && ++ts->bad_evals >= v->early_patience) {
+    log_line(&T->lg, "early stopping: %s has not improved for %lld evaluations",
+             v->early_metric == DT_METRIC_VAL_LOSS ? "val_loss" : "val_acc", (long long)ts->bad_evals);
+    T->stop = 1;
+  }
+  return 0;
+}
+
+/* best.h5 on a new best (checkpoint.best), then a step checkpoint when periodic or last. */
+static int checkpoint_if_due(dt_trainer *T, int end_of_epoch, int new_best) {
+  const dt_config_values *v = T->v;
+  if (!v->ckpt_dir[0]) return 0;
+  int code = 0;
+  if (new_best && v->ckpt_best &&
+      (code = save_checkpoint(T->cfg, T->m, &T->opt, &T->ts, T->comm, &T->scratch, 1, &T->lg)))
+    return code;
+  int periodic = (v->ckpt_every_steps && T->ts.step % v->ckpt_every_steps == 0) ||
+                 (end_of_epoch && v->ckpt_every_epochs && (T->epoch + 1) % v->ckpt_every_epochs == 0);
+  if (periodic || T->stop || T->ts.step == T->total)
+    code = save_checkpoint(T->cfg, T->m, &T->opt, &T->ts, T->comm, &T->scratch, 0, &T->lg);
+  return code;
+}
+
+/* One optimizer step: micro-batches, reduce and agree, step, log, evaluate, checkpoint. */
+static int train_step(dt_trainer *T, dt_train_result *res) {
+  const dt_config_values *v = T->v;
+  T->comm->step = T->ts.step + 1;
+  T->micro0 = T->os * T->accum;
+  T->k = T->smp.steps - T->micro0 < T->accum ? T->smp.steps - T->micro0 : T->accum;
+  T->count = 0;
+  for (int64_t j = 0; j < T->k; j++) T->count += (double)sampler_count(&T->smp, T->micro0 + j);
+  dt_status st = {0};
+  dt_step_report mine = {0};
+  double data_s = 0;
+  micro_batches(T, &mine, &data_s, &st);
+  int code = reduce_and_agree(T, &mine, &st);
+  if (code) return code;
+  optimizer_step(T);
+  log_step(T, data_s);
+  if (T->all.stop) T->stop = 1, T->stop_signal = T->all.stop;
+  int end_of_epoch = T->os == T->opt_per_epoch - 1, new_best;
+  if (v->max_steps && T->ts.step >= v->max_steps) T->stop = 1;
+  if ((code = evaluate_if_due(T, end_of_epoch, res, &new_best))) return code;
+  return checkpoint_if_due(T, end_of_epoch, new_best);
+}
+
+/* The stop message (signal or time limit: exit 75) or the summary; frees the trainer. */
+static int trainer_finish(dt_trainer *T, int code, dt_train_result *res) {
+  loader_stop(&T->L);
+  res->steps = T->ts.step;
+  res->wall_s = dt_now() - T->t_start;
+  if (!code && T->stop_signal) {
+    if (T->comm->rank == 0) {
+      int s = T->stop_signal;
+      const char *why = s == SIGUSR1 ? "SIGUSR1" : s == SIGTERM ? "SIGTERM" : "train.time_limit";
       fprintf(stderr,
               "ddp_train: stopped by %s at step %lld after saving a checkpoint%s; continue with --resume auto\n", why,
-              (long long)ts.step, v->ckpt_dir[0] ? "" : " (none: checkpoint.dir is empty)");
+              (long long)T->ts.step, T->v->ckpt_dir[0] ? "" : " (none: checkpoint.dir is empty)");
       fflush(stderr);
     }
     code = DT_EXIT_STOPPED;
   } else if (!code) {
-    log_line(&lg, "done: %lld steps in %.1f s, %.0f samples/s mean", (long long)ts.step, res->wall_s,
-             res->wall_s > 0 ? (double)run_samples / res->wall_s : 0.0);
+    log_line(&T->lg, "done: %lld steps in %.1f s, %.0f samples/s mean", (long long)T->ts.step, res->wall_s,
+             res->wall_s > 0 ? (double)T->run_samples / res->wall_s : 0.0);
     if (res->best_val_acc >= 0)
-      log_line(&lg, "best val_acc %.4f, final val_acc %.4f", res->best_val_acc, res->final_val_acc);
+      log_line(&T->lg, "best val_acc %.4f, final val_acc %.4f", res->best_val_acc, res->final_val_acc);
   }
-  free(scratch.params);
-  free(scratch.bufs);
-  optim_free(&opt, be);
-  grad_sync_free(&gs);
-  sampler_free(&smp);
-  log_close(&lg);
+  free(T->scratch.params);
+  free(T->scratch.bufs);
+  optim_free(&T->opt, T->be);
+  grad_sync_free(&T->gs);
+  sampler_free(&T->smp);
+  log_close(&T->lg);
   return code;
+}
+
+int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, const dt_train_opts *opts,
+              dt_train_result *res) {
+  memset(res, 0, sizeof *res);
+  dt_trainer T;
+  int code = trainer_start(&T, cfg, m, d, comm, opts);
+  if (code) return code;
+  res->best_val_acc = T.ts.best_val_acc;
+  for (T.epoch = T.ts.epoch; T.epoch < cfg->v.epochs && !T.stop && !code; T.epoch++)
+    for (T.os = T.epoch == T.ts.epoch ? T.ts.micro / T.accum : 0; T.os < T.opt_per_epoch && !T.stop && !code; T.os++)
+      code = train_step(&T, res);
+  return trainer_finish(&T, code, res);
 }
