@@ -50,7 +50,7 @@ LDLIBS = $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -lg
 
 SRCS := common.c yaml_tree.c keys.c config.c model.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
         layer_activation.c layer_residual.c loss.c backend_cpu.c comm_mpi.c sampler.c data_hdf5.c optim.c \
-        optim_sgd.c optim_adamw.c \
+        optim_sgd.c optim_adamw.c ema.c \
         checkpoint.c log.c train.c signals.c fault.c h5util.c
 CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=compute_90
 NVCCFLAGS ?= -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra,-Werror

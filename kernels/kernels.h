@@ -36,6 +36,7 @@ void k_sgd(cudaStream_t s, float *p, const float *g, float *mom, int64_t n, floa
            int nesterov, int first);
 void k_adamw(cudaStream_t s, float *p, const float *g, float *m, float *v, int64_t n, float lr, float b1, float b2,
              float eps, float wd, float step_size, float bc2_sqrt);
+void k_ema(cudaStream_t s, float *ema, const float *x, int64_t n, float decay);
 
 /* norm.cu: batchnorm over (B, C, S) per channel */
 void k_bn_stats(cudaStream_t s, const float *x, int64_t b, int64_t c, int64_t sp, double *sum, double *sumsq);

@@ -1,4 +1,5 @@
-// optim.cu: SGD and AdamW over the flat parameter buffer, PyTorch's update rules (as backend_cpu.c).
+// optim.cu: SGD and AdamW over the flat parameter buffer, PyTorch's update rules (as backend_cpu.c),
+// and the weights' exponential moving average.
 #include "common.cuh"
 #include "kernels.h"
 
@@ -26,6 +27,10 @@ __global__ void adamw_kernel(float *p, const float *g, float *m, float *v, int64
   }
 }
 
+__global__ void ema_kernel(float *ema, const float *x, int64_t n, float decay, float rest) {
+  GRID_STRIDE(i, n) ema[i] = decay * ema[i] + rest * x[i];
+}
+
 extern "C" {
 
 void k_sgd(cudaStream_t s, float *p, const float *g, float *mom, int64_t n, float lr, float momentum, float wd,
@@ -36,6 +41,10 @@ void k_sgd(cudaStream_t s, float *p, const float *g, float *mom, int64_t n, floa
 void k_adamw(cudaStream_t s, float *p, const float *g, float *m, float *v, int64_t n, float lr, float b1, float b2,
              float eps, float wd, float step_size, float bc2_sqrt) {
   LAUNCH(adamw_kernel, blocks_for(n), kThreads, 0, s)(p, g, m, v, n, lr, b1, b2, eps, wd, step_size, bc2_sqrt);
+}
+
+void k_ema(cudaStream_t s, float *ema, const float *x, int64_t n, float decay) {
+  LAUNCH(ema_kernel, blocks_for(n), kThreads, 0, s)(ema, x, n, decay, 1.0f - decay);
 }
 
 }  // extern "C"

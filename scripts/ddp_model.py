@@ -131,16 +131,19 @@ def build_from_checkpoint(path):
     return model, loss
 
 
-def load_h5(model, path):
-    """Loads /model/<name> datasets into the module's parameters and buffers."""
+def load_h5(model, path, group="model"):
+    """Loads /<group>/<name> datasets (/model, or /ema for the moving average) into the module's
+    parameters and buffers."""
     import h5py
 
     state = model.state_dict()
     with h5py.File(path, "r") as f:
+        if group not in f:
+            raise KeyError(f"{path} has no /{group} (train.ema was off when it was written)")
         for name, t in state.items():
             if name.endswith("num_batches_tracked"):
                 continue
-            t.copy_(torch.from_numpy(f["model"][name][...]))
+            t.copy_(torch.from_numpy(f[group][name][...]))
 
 
 def save_h5(model, path):

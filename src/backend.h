@@ -36,6 +36,7 @@ typedef enum {
   DT_OP_SCALE, /* x *= alpha */
   DT_OP_SUMSQ, /* out = sum x^2 (double) and count of non-finite values */
   DT_OP_INPUT, /* x(b, c, s) = (raw * scale - mean(c)) / std(c); raw is float on the host */
+  DT_OP_EMA,   /* ema = decay * ema + (1 - decay) * x, over a flat range */
   DT_OP_COUNT
 } dt_op_type;
 
@@ -197,6 +198,12 @@ typedef struct {
       const float *raw;
       float *x;
     } input;
+    struct {
+      int64_t n;
+      float decay;
+      const float *x;
+      float *ema;
+    } ema;
   } p;
 } dt_op;
 

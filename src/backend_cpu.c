@@ -13,7 +13,7 @@ const char *const dt_op_names[DT_OP_COUNT] = {
     "gemm",     "bias_add", "bias_grad",    "conv_fwd",     "conv_bwd_data", "conv_bwd_filter",
     "bn_stats", "bn_apply", "bn_bwd_stats", "bn_bwd_apply", "act_fwd",       "act_bwd",
     "pool_fwd", "pool_bwd", "dropout_fwd",  "dropout_bwd",  "add",           "loss",
-    "sgd",      "adamw",    "scale",        "sumsq",        "input"};
+    "sgd",      "adamw",    "scale",        "sumsq",        "input",         "ema"};
 _Static_assert(sizeof dt_op_names / sizeof *dt_op_names == DT_OP_COUNT, "dt_op_names must name every op");
 
 /* Per-thread workspaces, grown on first use at each new shape (the first steps). */
@@ -528,6 +528,14 @@ static void op_input(cpu_impl *im, const dt_op *op) {
     }
 }
 
+static void op_ema(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.ema) *q = &op->p.ema;
+  float d = q->decay, rest = 1.0f - q->decay;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < q->n; i++) q->ema[i] = d * q->ema[i] + rest * q->x[i];
+}
+
 typedef void (*cpu_op_fn)(cpu_impl *im, const dt_op *op);
 static const cpu_op_fn cpu_ops[DT_OP_COUNT] = {
     [DT_OP_GEMM] = op_gemm,
@@ -553,6 +561,7 @@ static const cpu_op_fn cpu_ops[DT_OP_COUNT] = {
     [DT_OP_SCALE] = op_scale,
     [DT_OP_SUMSQ] = op_sumsq,
     [DT_OP_INPUT] = op_input,
+    [DT_OP_EMA] = op_ema,
 };
 
 static void cpu_run(dt_backend *be, const dt_op *op) {

@@ -389,6 +389,10 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
       k_input(s, dev[0], q->x, q->b, q->c, q->s, q->scale, dev[1], dev[2]);
       break;
     }
+    case DT_OP_EMA:
+      CHECK_INDEXABLE(op->p.ema.n);
+      k_ema(s, op->p.ema.ema, op->p.ema.x, op->p.ema.n, op->p.ema.decay);
+      break;
     case DT_OP_COUNT: DT_ASSERT(0);
   }
   CUDA_CHECK(cudaGetLastError());

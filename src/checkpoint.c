@@ -146,6 +146,7 @@ int ckpt_write(const char *path, const dt_model *m, const dt_ckpt_data *d, const
     snprintf(g, sizeof g, "/optim/%s", optim->state_names[k]);
     bad |= write_group(f, g, m, d->opt[k], NULL, 1);
   }
+  if (!bad && d->ema_params) bad |= write_group(f, "/ema", m, d->ema_params, d->ema_bufs, 0);
   if (!bad) {
     hid_t meta = H5Gcreate2(f, "/meta", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
     bad |= meta < 0 || attr_str(meta, "config", cfg->effective) || attr_str(meta, "version", DT_VERSION) ||
@@ -340,6 +341,11 @@ static int load(const char *path, const dt_model *m, dt_ckpt_data *d, char **con
     snprintf(g, sizeof g, "/optim/%s", state);
     for (int i = 0; i < m->n_tensors && !st->code; i++)
       if (!m->tensors[i].is_buffer) read_tensor(f, path, g, &m->tensors[i], dst + m->tensors[i].offset, st);
+  }
+  d->has_ema = d->ema_params && !st->code && H5Lexists(f, "/ema", H5P_DEFAULT) > 0;
+  for (int i = 0; i < m->n_tensors && d->has_ema && !st->code; i++) {
+    const dt_tensor *t = &m->tensors[i];
+    read_tensor(f, path, "/ema", t, (t->is_buffer ? d->ema_bufs : d->ema_params) + t->offset, st);
   }
   H5Fclose(f);
   if (st->code) {

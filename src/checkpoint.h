@@ -4,6 +4,7 @@
  *                                 nn.Sequential of the same layers ("0.weight", "4.body.1.running_var")
  *   /optim/<state>/<name>         optimizer state per parameter tensor, named as PyTorch's:
  *                                 momentum_buffer (SGD), exp_avg and exp_avg_sq (AdamW)
+ *   /ema/<name>                   with train.ema: the moving average, laid out as /model
  *   /meta (attributes)            config (effective config text), version, world_size, step, epoch,
  *                                 micro (next micro-batch of the epoch), global_batch, seed, optimizer,
  *                                 best_metric, bad_evals, best_val_acc
@@ -31,9 +32,12 @@ typedef struct {
 } dt_train_state;
 
 /* Host copies of everything a checkpoint holds. opt[k]: the optimizer's state k (n_params
- * floats, named by its descriptor's state_names[k]); NULL past the ones it has. */
+ * floats, named by its descriptor's state_names[k]); NULL past the ones it has. ema_params,
+ * ema_bufs: the EMA (NULL: none); has_ema says whether a loaded file held one. */
 typedef struct {
   float *params, *bufs, *opt[DT_OPTIM_MAX_STATES];
+  float *ema_params, *ema_bufs;
+  int has_ema;
   dt_train_state ts;
 } dt_ckpt_data;
 
@@ -54,7 +58,7 @@ int ckpt_save_step(const char *dir, int64_t keep, const dt_model *m, const dt_ck
  * Exit 2 naming the file when it is unreadable or not a ddp_train checkpoint. */
 int ckpt_read_meta(const char *path, dt_train_state *ts, char **config_text, dt_status *st);
 
-/* Loads a checkpoint: tensors, optimizer state (into the d->opt[k] that are set) and the training state;
+/* Loads a checkpoint: tensors, optimizer state (into the d->opt[k] that are set), the EMA (when d->ema_params is set and the file has one) and the training state;
  * *config_text receives the stored config (caller frees). Exit 2 naming the file when it is
  * missing, truncated, corrupt (checksums) or does not fit the model. */
 int ckpt_load(const char *path, const dt_model *m, dt_ckpt_data *d, char **config_text, dt_status *st);

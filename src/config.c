@@ -53,10 +53,14 @@ static const dt_key config_keys[] = {
     {"train.seed", DT_KEY_INT, F(seed), "0", 0, BIG, NULL, "seed of every random stream (init, data order, dropout)"},
     {"train.eval_every_steps", DT_KEY_INT, F(eval_every_steps), "0", 0, BIG, NULL,
      "also validate every N steps (0: only at the end of each epoch)"},
-    {"train.early_stopping.metric", DT_KEY_ENUM, F(early_metric), "none", NOB, "none|val_loss|val_acc",
+    {"train.early_stopping.metric", DT_KEY_ENUM, F(early_metric), "none", NOB,
+     "none|val_loss|val_acc|ema_val_loss|ema_val_acc",
      "stop when this validation metric has not improved for `patience` evaluations"},
     {"train.early_stopping.patience", DT_KEY_INT, F(early_patience), "3", 1, BIG, NULL,
      "evaluations without improvement before stopping"},
+    {"train.ema.decay", DT_KEY_FLOAT, F(ema_decay), "0", 0, 0.999999999, NULL,
+     "keep an exponential moving average of the weights (and batchnorm statistics), ema = decay ema + (1 - decay) "
+     "w after every step, validated and saved beside the model (0: off; timm's ModelEmaV2 uses 0.9999)"},
     {"optim.name", DT_KEY_ENUM, F(optim), "sgd", NOB, "sgd|adamw", "optimizer"},
     {"optim.lr", DT_KEY_FLOAT, F(lr), "0.01", 0, BIG, NULL, "peak learning rate"},
     {"optim.momentum", DT_KEY_FLOAT, F(momentum), "0", 0, 1, NULL, "SGD momentum"},
@@ -204,6 +208,9 @@ static int check_cross(dt_config *cfg, dt_status *st) {
     return dt_fail(st, DT_EXIT_INPUT, "%s: data.std has %d values but the input has %d channels", cfg->path, v->std.n,
                    channels);
   if (v->betas.n != 2) return dt_fail(st, DT_EXIT_INPUT, "%s: optim.betas: expected two numbers", cfg->path);
+  if ((v->early_metric == DT_METRIC_EMA_VAL_LOSS || v->early_metric == DT_METRIC_EMA_VAL_ACC) && v->ema_decay <= 0)
+    return dt_fail(st, DT_EXIT_INPUT, "%s: train.early_stopping.metric %s needs train.ema.decay > 0", cfg->path,
+                   v->early_metric == DT_METRIC_EMA_VAL_LOSS ? "ema_val_loss" : "ema_val_acc");
   if (v->nesterov && v->momentum <= 0)
     return dt_fail(st, DT_EXIT_INPUT, "%s: optim.nesterov needs optim.momentum > 0", cfg->path);
   for (int i = 1; i < v->milestones.n; i++)

@@ -14,7 +14,7 @@
 enum { DT_SHARD_GLOBAL, DT_SHARD_CONTIGUOUS };
 enum { DT_CACHE_AUTO, DT_CACHE_MEMORY, DT_CACHE_NONE };
 enum { DT_SCHED_CONSTANT, DT_SCHED_STEP, DT_SCHED_COSINE, DT_SCHED_ONECYCLE };
-enum { DT_METRIC_NONE, DT_METRIC_VAL_LOSS, DT_METRIC_VAL_ACC };
+enum { DT_METRIC_NONE, DT_METRIC_VAL_LOSS, DT_METRIC_VAL_ACC, DT_METRIC_EMA_VAL_LOSS, DT_METRIC_EMA_VAL_ACC };
 enum { DT_COMM_AUTO, DT_COMM_MPI, DT_COMM_NCCL };
 enum { DT_PROGRESS_AUTO, DT_PROGRESS_ON, DT_PROGRESS_OFF };
 
@@ -34,6 +34,7 @@ typedef struct {
   double clip_grad_norm, time_limit;
   int early_metric;
   int64_t early_patience;
+  double ema_decay;
   /* optim */
   int optim;
   double lr, momentum, weight_decay, eps;

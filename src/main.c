@@ -309,6 +309,10 @@ static int load_resume(const cli_args *args, const dt_config *cfg, dt_model *m, 
   d->bufs = dt_malloc((size_t)(m->n_bufs ? m->n_bufs : 1) * sizeof(float));
   int states = dt_optim_kinds[v->optim]->n_states(v);
   for (int k = 0; k < states; k++) d->opt[k] = dt_malloc(pb);
+  if (v->ema_decay > 0) {
+    d->ema_params = dt_malloc(pb);
+    d->ema_bufs = dt_malloc((size_t)(m->n_bufs ? m->n_bufs : 1) * sizeof(float));
+  }
   int64_t W = comm->size;
   int64_t G = (v->global_batch_size ? v->global_batch_size : v->batch_size * W) * v->grad_accum;
   int found = 0;
@@ -361,6 +365,11 @@ static int load_resume(const cli_args *args, const dt_config *cfg, dt_model *m, 
   comm_bcast(comm, d->params, (size_t)m->n_params * sizeof(float), 0);
   comm_bcast(comm, d->bufs, (size_t)m->n_bufs * sizeof(float), 0);
   for (int k = 0; k < states; k++) comm_bcast(comm, d->opt[k], (size_t)m->n_params * sizeof(float), 0);
+  comm_bcast(comm, &d->has_ema, sizeof d->has_ema, 0);
+  if (d->has_ema) {
+    comm_bcast(comm, d->ema_params, (size_t)m->n_params * sizeof(float), 0);
+    comm_bcast(comm, d->ema_bufs, (size_t)m->n_bufs * sizeof(float), 0);
+  }
   comm_bcast(comm, &d->ts, sizeof d->ts, 0);
   dt_backend *be = m->be;
   be->to_device(be, m->params, d->params, (size_t)m->n_params * sizeof(float));
@@ -379,6 +388,12 @@ static void check_memory(const dt_config *cfg, const dt_model *m, const dt_comm 
   int64_t rows = max_local_rows(cfg, comm->size);
   int states = dt_optim_kinds[v->optim]->n_states(v);
   dt_memory mem = model_memory(m, rows, states, pick_threads(cfg, comm));
+  char ema_part[32] = "";
+  if (v->ema_decay > 0) {
+    mem.ema = (size_t)(m->n_params + m->n_bufs) * sizeof(float);
+    mem.total += mem.ema;
+    snprintf(ema_part, sizeof ema_part, " + ema %.1f", mib(mem.ema));
+  }
   char why[256];
   size_t have = 0;
   const char *where;
@@ -393,9 +408,9 @@ static void check_memory(const dt_config *cfg, const dt_model *m, const dt_comm 
   }
   if (comm->rank == 0) {
     printf(
-        "memory per rank at %lld rows: %.1f MiB = parameters %.1f + gradients %.1f + optimizer %.1f + buffers %.1f"
-        " + activations %.1f + workspace %.1f; %.0f MiB %s\n",
-        (long long)rows, mib(mem.total), mib(mem.params), mib(mem.grads), mib(mem.optim), mib(mem.buffers),
+        "memory per rank at %lld rows: %.1f MiB = parameters %.1f + gradients %.1f + optimizer %.1f%s + "
+        "buffers %.1f + activations %.1f + workspace %.1f; %.0f MiB %s\n",
+        (long long)rows, mib(mem.total), mib(mem.params), mib(mem.grads), mib(mem.optim), ema_part, mib(mem.buffers),
         mib(mem.activations), mib(mem.workspace), mib(have), where);
     fflush(stdout);
   }
@@ -528,6 +543,8 @@ done:
   free(resume.params);
   free(resume.bufs);
   for (int k = 0; k < DT_OPTIM_MAX_STATES; k++) free(resume.opt[k]);
+  free(resume.ema_params);
+  free(resume.ema_bufs);
   model_free(&model);
   data_close(&data);
   if (be) be->destroy(be);

@@ -44,7 +44,7 @@ typedef struct {
 
 /* Memory one rank needs, in bytes, by part, for `batch` rows per rank. */
 typedef struct {
-  size_t params, grads, optim, buffers, activations, workspace, total;
+  size_t params, grads, optim, ema, buffers, activations, workspace, total;
 } dt_memory;
 
 typedef struct dt_layer dt_layer;

@@ -9,6 +9,7 @@
 #include "gpu.h"
 #include "layers.h"
 #include "log.h"
+#include "ema.h"
 #include "optim.h"
 #include "signals.h"
 
@@ -56,18 +57,22 @@ static void load_input(const dt_config *cfg, dt_model *m, const float *raw, int6
   backend_run(m->be, &op);
 }
 
-/* Forward over this rank's validation rows; sums[0..1] get loss and hits; logits (rows, K) and
- * labels are kept when given (host). */
-static void eval_rows(const dt_config *cfg, dt_model *m, dt_data *d, double *sums, float *logits, int32_t *all_labels,
-                      dt_status *st) {
+/* Forward over this rank's validation rows with params and bufs (backend memory: the model's or
+ * the EMA's); sums[0..1] get loss and hits; logits (rows, K) and labels are kept when given (host). */
+static void eval_rows(const dt_config *cfg, dt_model *m, const float *params, const float *bufs, dt_data *d,
+                      double *sums, float *logits, int32_t *all_labels, dt_status *st) {
   dt_split *s = &d->val;
   int64_t rows = s->hi - s->lo, cap = m->max_batch;
   float *x = dt_malloc((size_t)(cap * shape_size(m->input)) * sizeof(float));
   int32_t *labels = dt_malloc((size_t)cap * sizeof(int32_t));
   float *targets = dt_malloc((size_t)(cap * m->n_outputs) * sizeof(float));
   int64_t *idx = dt_malloc((size_t)cap * sizeof(int64_t));
-  dt_pass pass = {
-      .be = m->be, .training = 0, .global_count = 1, .params = m->params, .grads = m->grads, .bufs = m->bufs};
+  dt_pass pass = {.be = m->be,
+                  .training = 0,
+                  .global_count = 1,
+                  .params = (float *)params,
+                  .grads = m->grads,
+                  .bufs = (float *)bufs};
   for (int64_t i = 0; i < rows && !st->code; i += cap) {
     int64_t n = rows - i < cap ? rows - i : cap;
     for (int64_t k = 0; k < n; k++) idx[k] = s->lo + i + k;
@@ -86,11 +91,11 @@ static void eval_rows(const dt_config *cfg, dt_model *m, dt_data *d, double *sum
   free(idx);
 }
 
-void train_evaluate(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, double *loss, double *acc,
-                    dt_status *st) {
+void train_evaluate(const dt_config *cfg, dt_model *m, const float *params, const float *bufs, dt_data *d,
+                    dt_comm *comm, double *loss, double *acc, dt_status *st) {
   int64_t rows = d->val.hi - d->val.lo;
   double sums[3] = {0, 0, (double)rows};
-  eval_rows(cfg, m, d, sums, NULL, NULL, st);
+  eval_rows(cfg, m, params ? params : m->params, bufs ? bufs : m->bufs, d, sums, NULL, NULL, st);
   comm_allreduce_sum_f64(comm, sums, 3, "validation allreduce");
   *loss = sums[2] > 0 ? sums[0] / sums[2] : 0;
   *acc = m->loss.kind == DT_LOSS_CROSS_ENTROPY && sums[2] > 0 ? sums[1] / sums[2] : -1;
@@ -139,7 +144,7 @@ int train_predict(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, 
   float *labels_f = dt_malloc((size_t)(rows + 1) * sizeof(float));
   int32_t *labels = dt_malloc((size_t)(rows + 1) * sizeof(int32_t));
   double sums[2] = {0, 0};
-  eval_rows(cfg, m, d, sums, logits, labels, &st);
+  eval_rows(cfg, m, m->params, m->bufs, d, sums, logits, labels, &st);
   if ((code = comm_agree(comm, &st))) goto out;
   for (int64_t i = 0; i < rows; i++) labels_f[i] = (float)labels[i]; /* exact for class indices */
   float *all = comm->rank == 0 ? dt_malloc((size_t)(n * k + 1) * sizeof(float)) : NULL;
@@ -190,16 +195,31 @@ static void gpu_metrics(dt_comm *comm, int gpu, double *peak, char *json, size_t
   free(all);
 }
 
-static int improved(int metric, double value, double best) {
-  return metric == DT_METRIC_VAL_LOSS ? value < best : value > best;
+static int lower_is_better(int metric) {
+  return metric == DT_METRIC_VAL_LOSS || metric == DT_METRIC_EMA_VAL_LOSS;
 }
 
-/* Everything a checkpoint needs, copied to the host. */
-static void snapshot(const dt_model *m, const dt_optim *o, const dt_train_state *ts, dt_ckpt_data *d) {
+static int improved(int metric, double value, double best) {
+  return lower_is_better(metric) ? value < best : value > best;
+}
+
+static const char *metric_name(int metric) {
+  static const char *const names[] = {"none", "val_loss", "val_acc", "ema_val_loss", "ema_val_acc"};
+  return names[metric];
+}
+
+/* Everything a checkpoint needs, copied to the host (d's arrays are the trainer's scratch; the
+ * EMA's only when there is one). */
+static void snapshot(const dt_model *m, const dt_optim *o, const dt_ema *ema, const dt_train_state *ts,
+                     dt_ckpt_data *d) {
   dt_backend *be = m->be;
-  size_t pb = (size_t)m->n_params * sizeof(float);
+  size_t pb = (size_t)m->n_params * sizeof(float), bb = (size_t)m->n_bufs * sizeof(float);
   be->to_host(be, d->params, m->params, pb);
-  be->to_host(be, d->bufs, m->bufs, (size_t)m->n_bufs * sizeof(float));
+  be->to_host(be, d->bufs, m->bufs, bb);
+  if (ema->params) {
+    be->to_host(be, d->ema_params, ema->params, pb);
+    be->to_host(be, d->ema_bufs, ema->bufs, bb);
+  }
   for (int k = 0; k < DT_OPTIM_MAX_STATES; k++) {
     d->opt[k] = k < o->n_states ? d->params + (k + 1) * m->n_params : NULL; /* the scratch has room after params */
     if (d->opt[k]) be->to_host(be, d->opt[k], o->states[k], pb);
@@ -208,12 +228,12 @@ static void snapshot(const dt_model *m, const dt_optim *o, const dt_train_state 
 }
 
 /* Rank 0 writes a step checkpoint (or best.h5); all ranks agree on the outcome. */
-static int save_checkpoint(const dt_config *cfg, const dt_model *m, const dt_optim *o, const dt_train_state *ts,
-                           dt_comm *comm, dt_ckpt_data *scratch, int best, dt_log *lg) {
+static int save_checkpoint(const dt_config *cfg, const dt_model *m, const dt_optim *o, const dt_ema *ema,
+                           const dt_train_state *ts, dt_comm *comm, dt_ckpt_data *scratch, int best, dt_log *lg) {
   dt_status st = {0};
   if (comm->rank == 0) {
     const dt_config_values *v = &cfg->v;
-    snapshot(m, o, ts, scratch);
+    snapshot(m, o, ema, ts, scratch);
     char path[1200];
     if (!log_mkdirs(v->ckpt_dir, &st)) {
       if (best) {
@@ -239,6 +259,7 @@ typedef struct {
   dt_backend *be;
   dt_sampler smp;
   dt_optim opt;
+  dt_ema ema; /* params NULL: train.ema is off */
   dt_grad_sync gs;
   pass_ctx ctx;
   dt_loader L;
@@ -300,7 +321,7 @@ static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_da
                            .world_size = W,
                            .seed = (uint64_t)v->seed,
                            .optim = v->optim,
-                           .best_metric = v->early_metric == DT_METRIC_VAL_LOSS ? INFINITY : -INFINITY,
+                           .best_metric = lower_is_better(v->early_metric) ? INFINITY : -INFINITY,
                            .best_val_acc = -1};
   if (opts->resume) {
     T->ts = opts->resume->ts;
@@ -310,14 +331,27 @@ static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_da
       if (opts->resume->opt[k]) be->to_device(be, T->opt.states[k], opts->resume->opt[k], pb);
     T->opt.step = T->ts.step;
   }
+  if (v->ema_decay > 0) {
+    ema_init(&T->ema, be, v->ema_decay, m->params, m->n_params, m->bufs, m->n_bufs);
+    if (opts->resume && opts->resume->has_ema) {
+      be->to_device(be, T->ema.params, opts->resume->ema_params, (size_t)m->n_params * sizeof(float));
+      be->to_device(be, T->ema.bufs, opts->resume->ema_bufs, (size_t)m->n_bufs * sizeof(float));
+    }
+  }
   if (leader && v->ckpt_dir[0]) {
     T->scratch.params = dt_malloc((size_t)((1 + DT_OPTIM_MAX_STATES) * m->n_params + 1) * sizeof(float));
     T->scratch.bufs = dt_malloc((size_t)(m->n_bufs + 1) * sizeof(float));
+    if (T->ema.params) {
+      T->scratch.ema_params = dt_malloc((size_t)(m->n_params + 1) * sizeof(float));
+      T->scratch.ema_bufs = dt_malloc((size_t)(m->n_bufs + 1) * sizeof(float));
+    }
   }
   loader_start(&T->L, d, &T->smp, m, T->ts.epoch, T->ts.micro, v->epochs);
   if (opts->resume)
-    log_line(&T->lg, "resuming at step %lld (epoch %lld, batch %lld of %lld)", (long long)T->ts.step,
-             (long long)T->ts.epoch + 1, (long long)T->ts.micro, (long long)T->smp.steps);
+    log_line(
+        &T->lg, "resuming at step %lld (epoch %lld, batch %lld of %lld)%s", (long long)T->ts.step,
+        (long long)T->ts.epoch + 1, (long long)T->ts.micro, (long long)T->smp.steps,
+        T->ema.params && !opts->resume->has_ema ? "; the checkpoint has no EMA: it starts from these weights" : "");
   log_line(&T->lg,
            "training: %lld optimizer steps (%lld epochs x %lld), global batch %lld on %d rank%s, %s backend, "
            "%d thread%s per rank",
@@ -402,6 +436,7 @@ static void optimizer_step(dt_trainer *T) {
   }
   T->lr = schedule_lr(v, T->ts.step, T->total);
   optim_step(&T->opt, T->be, m->params, m->grads, T->lr);
+  if (T->ema.params) ema_update(&T->ema, T->be, m->params, m->bufs);
   T->ts.step++;
   T->ts.micro = T->micro0 + T->k;
   T->ts.epoch = T->epoch;
@@ -455,8 +490,9 @@ static int evaluate_if_due(dt_trainer *T, int end_of_epoch, dt_train_result *res
   int due = end_of_epoch || (v->eval_every_steps && ts->step % v->eval_every_steps == 0) || T->stop;
   if (!T->d->has_val || T->stop_signal || !due) return 0;
   dt_status st = {0};
-  double vl, va, t_eval = dt_now();
-  train_evaluate(T->cfg, T->m, T->d, T->comm, &vl, &va, &st);
+  double vl, va, evl = 0, eva = -1, t_eval = dt_now();
+  train_evaluate(T->cfg, T->m, NULL, NULL, T->d, T->comm, &vl, &va, &st);
+  if (T->ema.params) train_evaluate(T->cfg, T->m, T->ema.params, T->ema.bufs, T->d, T->comm, &evl, &eva, &st);
   T->t_window += dt_now() - t_eval; /* throughput windows count training time only */
   int code = comm_agree(T->comm, &st);
   if (code) return code;
@@ -465,22 +501,32 @@ static int evaluate_if_due(dt_trainer *T, int end_of_epoch, dt_train_result *res
   if (va > ts->best_val_acc) ts->best_val_acc = va;
   res->best_val_acc = ts->best_val_acc;
   long long step = (long long)ts->step, epoch = (long long)T->epoch + 1;
+  char ema_text[128] = "", ema_json[128] = "";
+  if (T->ema.params && va >= 0) {
+    snprintf(ema_text, sizeof ema_text, " | ema_val_loss %.4f ema_val_acc %.4f", evl, eva);
+    snprintf(ema_json, sizeof ema_json, ", \"ema_val_loss\": %.6g, \"ema_val_acc\": %.6g", evl, eva);
+  } else if (T->ema.params) {
+    snprintf(ema_text, sizeof ema_text, " | ema_val_mse %.6f", evl);
+    snprintf(ema_json, sizeof ema_json, ", \"ema_val_loss\": %.6g", evl);
+  }
   if (va >= 0) {
-    log_line(&T->lg, "eval step %lld epoch %lld: val_loss %.4f val_acc %.4f", step, epoch, vl, va);
-    log_metrics(&T->lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.6g, \"val_acc\": %.6g", step, epoch, vl, va);
+    log_line(&T->lg, "eval step %lld epoch %lld: val_loss %.4f val_acc %.4f%s", step, epoch, vl, va, ema_text);
+    log_metrics(&T->lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.6g, \"val_acc\": %.6g%s", step, epoch, vl, va,
+                ema_json);
   } else {
-    log_line(&T->lg, "eval step %lld epoch %lld: val_mse %.6f", step, epoch, vl);
-    log_metrics(&T->lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.6g", step, epoch, vl);
+    log_line(&T->lg, "eval step %lld epoch %lld: val_mse %.6f%s", step, epoch, vl, ema_text);
+    log_metrics(&T->lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.6g%s", step, epoch, vl, ema_json);
   }
   int metric = v->early_metric != DT_METRIC_NONE ? v->early_metric : va >= 0 ? DT_METRIC_VAL_ACC : DT_METRIC_VAL_LOSS;
-  double value = metric == DT_METRIC_VAL_LOSS ? vl : va;
+  const double values[] = {0, vl, va, evl, eva};
+  double value = values[metric];
   if (!isfinite(ts->best_metric) || improved(metric, value, ts->best_metric)) {
     ts->best_metric = value;
     ts->bad_evals = 0;
     *new_best = 1;
   } else if (v->early_metric != DT_METRIC_NONE && ++ts->bad_evals >= v->early_patience) {
-    log_line(&T->lg, "early stopping: %s has not improved for %lld evaluations",
-             v->early_metric == DT_METRIC_VAL_LOSS ? "val_loss" : "val_acc", (long long)ts->bad_evals);
+    log_line(&T->lg, "early stopping: %s has not improved for %lld evaluations", metric_name(v->early_metric),
+             (long long)ts->bad_evals);
     T->stop = 1;
   }
   return 0;
@@ -492,12 +538,12 @@ static int checkpoint_if_due(dt_trainer *T, int end_of_epoch, int new_best) {
   if (!v->ckpt_dir[0]) return 0;
   int code = 0;
   if (new_best && v->ckpt_best &&
-      (code = save_checkpoint(T->cfg, T->m, &T->opt, &T->ts, T->comm, &T->scratch, 1, &T->lg)))
+      (code = save_checkpoint(T->cfg, T->m, &T->opt, &T->ema, &T->ts, T->comm, &T->scratch, 1, &T->lg)))
     return code;
   int periodic = (v->ckpt_every_steps && T->ts.step % v->ckpt_every_steps == 0) ||
                  (end_of_epoch && v->ckpt_every_epochs && (T->epoch + 1) % v->ckpt_every_epochs == 0);
   if (periodic || T->stop || T->ts.step == T->total)
-    code = save_checkpoint(T->cfg, T->m, &T->opt, &T->ts, T->comm, &T->scratch, 0, &T->lg);
+    code = save_checkpoint(T->cfg, T->m, &T->opt, &T->ema, &T->ts, T->comm, &T->scratch, 0, &T->lg);
   return code;
 }
 
@@ -547,6 +593,9 @@ static int trainer_finish(dt_trainer *T, int code, dt_train_result *res) {
   }
   free(T->scratch.params);
   free(T->scratch.bufs);
+  free(T->scratch.ema_params);
+  free(T->scratch.ema_bufs);
+  if (T->ema.params) ema_free(&T->ema, T->be);
   optim_free(&T->opt, T->be);
   grad_sync_free(&T->gs);
   sampler_free(&T->smp);

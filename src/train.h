@@ -29,9 +29,10 @@ typedef struct {
 int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, const dt_train_opts *opts,
               dt_train_result *res);
 
-/* Evaluates the whole validation split across ranks: mean loss and accuracy (-1 for mse). */
-void train_evaluate(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, double *loss, double *acc,
-                    dt_status *st);
+/* Evaluates the whole validation split across ranks with params and bufs (backend memory, laid
+ * out as the model's; NULL: the model's own): mean loss and accuracy (-1 for mse). */
+void train_evaluate(const dt_config *cfg, dt_model *m, const float *params, const float *bufs, dt_data *d,
+                    dt_comm *comm, double *loss, double *acc, dt_status *st);
 
 /* Writes the logits of the whole validation split (gathered to rank 0, in file order) and its
  * labels to path; collective. Returns the agreed exit code. */

@@ -105,7 +105,7 @@ static void enum_and_bool_list_choices(void **state) {
   (void)state;
   dt_status st;
   assert_int_equal(load_err(BASE "  early_stopping: {metric: accuracy}\n", NULL, 0, &st), DT_EXIT_INPUT);
-  assert_contains(st.msg, "train.early_stopping.metric: expected one of none|val_loss|val_acc, got 'accuracy'");
+  assert_contains(st.msg, "train.early_stopping.metric: expected one of none|val_loss|val_acc|ema_val_loss|ema_val_acc, got 'accuracy'");
   assert_int_equal(load_err(BASE "  seed: 1\noptim: {nesterov: maybe, momentum: 0.9}\n", NULL, 0, &st), DT_EXIT_INPUT);
   assert_contains(st.msg, "optim.nesterov: expected true or false, got 'maybe'");
 }

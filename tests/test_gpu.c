@@ -782,6 +782,13 @@ static void ops_elementwise(void) {
       RUN(op);
     }
     ot_check("x", x, n);
+    dbuf ema = ot_rand(cap * feat, -1, 1);
+    ot_case(DT_OP_EMA, "decay 0.9999, %s", ROWS_NAME(r));
+    BOTH {
+      dt_op op = {.type = DT_OP_EMA, .p.ema = {.n = n, .decay = 0.9999f, .x = F(a), .ema = F(ema)}};
+      RUN(op);
+    }
+    ot_check("ema", ema, n);
   }
 }
 
