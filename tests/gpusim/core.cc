@@ -99,6 +99,14 @@ void init_locked() {
   cfg.memory_bytes = env_size("GPUSIM_MEMORY_MIB", 81559) << 20;
   cfg.seed = env_size("GPUSIM_SEED", 1);
   cfg.nccl_fault = getenv("GPUSIM_NCCL_FAULT");
+  cfg.cc_major = 9, cfg.cc_minor = 0;  // an H100's
+  const char *cc = getenv("GPUSIM_CC");
+  if (cc && *cc) {
+    char rest;
+    if (sscanf(cc, "%d.%d%c", &cfg.cc_major, &cfg.cc_minor, &rest) != 2 || cfg.cc_major < 1 || cfg.cc_major > 99 ||
+        cfg.cc_minor < 0 || cfg.cc_minor > 9)
+      fatal("GPUSIM_CC=%s: expected a compute capability such as 8.0 or 9.0", cc);
+  }
   // CUDA_VISIBLE_DEVICES: a comma list of device numbers; parsing stops at the first invalid one
   const char *vis = getenv("CUDA_VISIBLE_DEVICES");
   if (vis) {

@@ -207,17 +207,19 @@ cublasStatus_t submit(cublasContext *ctx, const char *api, Gemm g, const void *a
   snprintf(what, sizeof what, "%s (m %d, n %d, k %d)", api, g.m, g.n, g.k);
   op->what = what;
   op->fn = [g]() { run_gemm(g); };
-  enqueue(s, std::move(op));
+  if (enqueue(s, std::move(op)) != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;  // a capture refused it
   return CUBLAS_STATUS_SUCCESS;
 }
 
-// The reduced precision the math mode and compute type allow for FP32 inputs.
+// The reduced precision the math mode and compute type allow for FP32 inputs (TF32 needs compute
+// capability 8.0: below it FP32 stays FP32).
 Reduce reduction(const cublasContext *ctx, cublasComputeType_t ct) {
+  bool has_tf32 = config().cc_major >= 8;
   switch (ct) {
-    case CUBLAS_COMPUTE_32F_FAST_TF32: return TF32;
+    case CUBLAS_COMPUTE_32F_FAST_TF32: return has_tf32 ? TF32 : EXACT;
     case CUBLAS_COMPUTE_32F_FAST_16F: return HALF;
     case CUBLAS_COMPUTE_32F_FAST_16BF: return BF16;
-    case CUBLAS_COMPUTE_32F: return (ctx->math & 0xf) == CUBLAS_TF32_TENSOR_OP_MATH ? TF32 : EXACT;
+    case CUBLAS_COMPUTE_32F: return has_tf32 && (ctx->math & 0xf) == CUBLAS_TF32_TENSOR_OP_MATH ? TF32 : EXACT;
     default: return EXACT;
   }
 }

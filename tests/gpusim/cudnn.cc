@@ -7,7 +7,8 @@
 // - Running an algorithm checks shapes, that the workspace given is at least what it needs
 //   (CUDNN_STATUS_BAD_PARAM otherwise) and that every buffer is device memory; alpha and beta are
 //   host values. The math type decides the numerics: CUDNN_FMA_MATH is exact FP32, the default
-//   and tensor-op math types read FP32 inputs as TF32 (as Ampere and Hopper do). The algorithms
+//   and tensor-op math types read FP32 inputs as TF32 (as Ampere and Hopper do; FP32 below compute
+//   capability 8.0, which has no TF32). The algorithms
 //   cuDNN marks non-deterministic accumulate in an order that changes from call to call.
 #include <cblas.h>
 #include <cudnn.h>
@@ -84,7 +85,8 @@ cudnnStatus_t geometry(const cudnnTensorStruct *x, const cudnnFilterStruct *f, c
 }
 
 bool tf32(const cudnnConvolutionStruct *cv) {
-  return cv->math != CUDNN_FMA_MATH;  // FP32 data on tensor cores reads TF32
+  // FP32 data on tensor cores reads TF32, from compute capability 8.0 (Ampere) on
+  return cv->math != CUDNN_FMA_MATH && config().cc_major >= 8;
 }
 
 // One algorithm's description for a shape: supported or not, its workspace, its determinism.
@@ -439,8 +441,12 @@ cudnnStatus_t submit(cudnnContext *h, const char *api, Conv cv, int algo, void *
   char what[160];
   snprintf(what, sizeof what, "%s (algorithm %d)", api, algo);
   op->what = what;
-  op->fn = [cv]() { run_conv(cv); };
-  enqueue(s, std::move(op));
+  op->fn = [cv, again = false]() mutable {  // a graph runs it again: a non-deterministic order changes
+    if (again) cv.seed = next_seed();
+    again = true;
+    run_conv(cv);
+  };
+  if (enqueue(s, std::move(op)) != cudaSuccess) return CUDNN_STATUS_EXECUTION_FAILED;  // a capture refused it
   return CUDNN_STATUS_SUCCESS;
 }
 

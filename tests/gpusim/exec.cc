@@ -710,5 +710,5 @@ extern "C" void gpusim_launch(const gpusim_launch_desc *d, void *task) {
   const char *base = strrchr(d->file, '/');
   snprintf(what, sizeof what, "kernel %s (%s:%d)", d->name, base ? base + 1 : d->file, d->line);
   op->what = what;
-  enqueue(s, std::move(op));
+  if (cudaError_t e = enqueue(s, std::move(op))) set_error(e);  // a capture refused it
 }

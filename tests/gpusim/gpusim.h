@@ -1,15 +1,17 @@
 // gpusim.h: the internals of the GPU stand-in (tests/gpusim/README.md), shared by its pieces:
 // core.cc (configuration, devices, device memory, the fault handler), exec.cc (threads, blocks,
-// warps, kernel launches), runtime.cc (streams, events, copies: the CUDA runtime API),
-// cublas.cc, cudnn.cc, nccl.cc. Nothing here is seen by the code under test, which includes only
-// the toolkit's own headers (and, for kernels, gpusim_device.h).
+// warps, kernel launches), runtime.cc (streams, events, copies: the CUDA runtime API), graph.cc
+// (stream capture and graphs), cublas.cc, cudnn.cc, nccl.cc. Nothing here is seen by the code
+// under test, which includes only the toolkit's own headers (and, for kernels, gpusim_device.h).
 //
 // The model: a process sees GPUSIM_DEVICES stand-in devices. Device memory is a reserved
 // address range that host code can never touch: every allocation sits between guard pages, is
 // mapped readable only while queued device work executes, and is never reused after cudaFree.
 // Queued work (kernels, copies, library calls, collectives) runs on the calling host thread and
 // only when the programming model says it has run: a stream, event or device synchronisation, a
-// blocking copy, or a wait between streams. Every entry point holds one process-wide lock.
+// blocking copy, or a wait between streams. Work enqueued on a capturing stream is recorded into
+// a graph instead, and runs at each launch of the graph. Every entry point holds one process-wide
+// lock.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,6 +24,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace gpusim {
@@ -61,6 +64,7 @@ struct Config {
   size_t memory_bytes;     // GPUSIM_MEMORY_MIB (default 81559): capacity per device
   uint64_t seed;           // GPUSIM_SEED (default 1): block, thread and completion orders
   const char *nccl_fault;  // GPUSIM_NCCL_FAULT: "init@RANK" or "hang@RANK" (tests)
+  int cc_major, cc_minor;  // GPUSIM_CC (default "9.0"): the devices' compute capability
   int rank;                // OMPI_COMM_WORLD_RANK or -1, for messages
 };
 const Config &config();
@@ -148,10 +152,15 @@ struct Op {
   // Executes the work; false when it cannot finish yet (a collective waiting for its peers):
   // it is called again later. Device memory is accessible while it runs.
   virtual bool run() = 0;
-  std::string what;                      // "kernel bias_add_kernel (elementwise.cu:95)"
-  std::vector<const Allocation *> uses;  // device allocations it reads or writes
+  // A graph runs its recorded ops again at every launch: the op that runs this one for a launch
+  // on stream s, or nullptr when this op itself can run again (it keeps no state between runs).
+  virtual std::unique_ptr<Op> relaunch(Stream * /*s*/) { return nullptr; }
+  std::string what;                                     // "kernel bias_add_kernel (elementwise.cu:95)"
+  std::vector<const Allocation *> uses;                 // device allocations it reads or writes
+  std::vector<std::pair<const void *, size_t>> pinned;  // pinned host memory it reads or writes
 };
 
+struct Capture;
 struct Stream {
   Device *dev;
   bool blocking;  // synchronises with the legacy stream (not cudaStreamNonBlocking)
@@ -162,6 +171,8 @@ struct Stream {
   int polls;                     // cudaStreamQuery calls since it last reported done
   std::deque<std::unique_ptr<Op>> queue;
   Rng rng;
+  Capture *capture;          // the capture it takes part in (graph.cc), or nullptr
+  std::vector<size_t> deps;  // while capturing: the graph nodes its next node depends on
   Stream()
       : dev(nullptr),
         blocking(true),
@@ -171,14 +182,18 @@ struct Stream {
         enqueued(0),
         completed(0),
         polls(0),
-        rng(0) {}
+        rng(0),
+        capture(nullptr) {}
 };
 
 // Resolves a stream handle (0, cudaStreamLegacy, cudaStreamPerThread or a created stream);
 // nullptr for an unknown or destroyed handle.
 Stream *stream_of(cudaStream_t s);
-// Queues op on s (ordering it after the legacy stream's work, or the other way round, as CUDA does).
-void enqueue(Stream *s, std::unique_ptr<Op> op);
+// Queues op on s (ordering it after the legacy stream's work, or the other way round, as CUDA does),
+// or records it when s captures. An error (nothing queued): cudaErrorStreamCaptureInvalidated on
+// a capture a refused call invalidated, cudaErrorStreamCaptureImplicit on the legacy stream while
+// a blocking stream captures.
+cudaError_t enqueue(Stream *s, std::unique_ptr<Op> op);
 // Runs s up to op number `until` (without waiting); true when reached.
 bool progress(Stream *s, uint64_t until);
 // Runs s up to `until`, waiting for blocked work (collectives) as long as it takes.
@@ -187,6 +202,15 @@ void drain(Stream *s, uint64_t until, const char *why);
 const Op *pending_user(const Allocation *a);
 // Deletes the device's destroyed streams that nothing can reach any more.
 void release_destroyed_streams(Device *d);
+
+// Waits for another stream's work up to op number seq (cudaStreamWaitEvent, the legacy stream's
+// implicit ordering). A stream is not deleted while a queued WaitOp names it.
+struct WaitOp : Op {
+  Stream *target;
+  uint64_t seq;
+  WaitOp(Stream *t, uint64_t s) : target(t), seq(s) { what = "a wait for another stream"; }
+  bool run() override { return progress(target, seq); }
+};
 
 // An op from a function (library calls).
 struct FnOp : Op {
@@ -199,6 +223,42 @@ struct FnOp : Op {
 
 // The runtime's per-thread last error (cudaGetLastError).
 cudaError_t set_error(cudaError_t e);
+
+// ---- stream capture (graph.cc) ---------------------------------------------------------------
+// While a stream captures, what is enqueued on it becomes a node of the capture's graph instead
+// of work: nothing runs until the graph is instantiated and launched. Another stream joins the
+// capture by waiting for an event recorded in it, and must be waited for by the origin stream
+// before the capture ends. A call the capture forbids fails and invalidates it.
+struct Graph;
+struct Capture {
+  uint64_t id;                    // unique in the process (cudaStreamGetCaptureInfo)
+  Stream *origin;                 // where it began and must end
+  cudaStreamCaptureMode mode;     // which unsafe calls it forbids (cudaThreadExchangeStreamCaptureMode)
+  std::thread::id thread;         // that began it
+  bool invalidated;               // a forbidden call: cudaStreamEndCapture returns no graph
+  Graph *graph;                   // what has been recorded so far
+  std::vector<Stream *> streams;  // the origin and the streams that joined
+};
+// Records op as a node of s's capture, after the nodes in s->deps.
+cudaError_t capture_op(Stream *s, std::unique_ptr<Op> op);
+// Makes s wait, in capture c, for `nodes` (an event's record): s joins c if it is not capturing.
+cudaError_t capture_wait(Stream *s, Capture *c, const std::vector<size_t> &nodes);
+// The capture with this id while it is active (streams capture into it), else nullptr.
+Capture *find_capture(uint64_t id);
+// Returns e after invalidating c (a call it forbids was refused).
+cudaError_t refuse(Capture *c, cudaError_t e);
+// Whether a blocking stream of d captures: the legacy stream would depend on it implicitly.
+bool blocking_stream_captures(const Device *d);
+// Use of d's legacy stream: cudaErrorStreamCaptureImplicit (invalidating the captures it would
+// depend on) while a blocking stream captures, else cudaSuccess.
+cudaError_t check_legacy_use(const Device *d);
+// A potentially unsafe call (cudaMalloc, cudaFree, a synchronous copy) while captures forbid it
+// under the calling thread's capture mode: cudaErrorStreamCaptureUnsupported, invalidating them;
+// else cudaSuccess.
+cudaError_t check_unsafe_call();
+// A device synchronisation: cudaErrorStreamCaptureUnsupported (invalidating them) while any
+// stream of d captures, whatever the mode; else cudaSuccess.
+cudaError_t check_device_sync(const Device *d);
 
 // ---- kernels (exec.cc) -----------------------------------------------------------------------
 // What the device emulation header passes to a launch (see gpusim_device.h).

@@ -9,6 +9,8 @@
 //   so every rank gets bit-identical sums. Parts larger than a slot go in several rounds.
 // - Every round carries the call's kind, count, type, operation and root; ranks that disagree
 //   set ncclInvalidUsage naming both calls (real NCCL would hang or corrupt memory).
+// - On a capturing stream a collective is recorded into the graph, not issued: each launch of the
+//   graph issues it anew, in the graph's order, exactly as if it were called then.
 // - A peer that exits or aborts shows as ncclRemoteError on ncclCommGetAsyncError; ncclCommAbort
 //   cancels this rank's queued collectives. Buffers must be device memory of the
 //   communicator's device (ncclInvalidArgument otherwise).
@@ -24,6 +26,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -160,6 +163,11 @@ struct State {
   double next_liveness = 0;
   Rng rng{0};
 
+  // One more collective queued on s (ncclCommFinalize waits for them).
+  void track(Stream *s) {
+    pending++;
+    if (std::find(streams.begin(), streams.end(), s) == streams.end()) streams.push_back(s);
+  }
   Slot *slot(int r) { return &seg->slots[r]; }
   char *data(int r) {
     return (char *)seg + (sizeof(Segment) + sizeof(Slot) * (size_t)nranks + 4095) / 4096 * 4096 +
@@ -268,6 +276,18 @@ struct NcclOp : Op {
     }
   }
   bool run() override;
+  // recorded in a graph: every launch issues the collective again, from its first round
+  std::unique_ptr<Op> relaunch(Stream *s) override {
+    std::unique_ptr<NcclOp> op(new NcclOp);
+    op->st = st;
+    op->c = c;
+    op->total_elems = total_elems;
+    op->chunk = chunk;
+    op->what = what;
+    op->uses = uses;
+    st->track(s);
+    return op;
+  }
 };
 
 bool NcclOp::run() {
@@ -364,10 +384,6 @@ ncclResult_t queue_collective(const std::shared_ptr<State> &st, const Collective
   op->total_elems = c.count;
   op->chunk = kSlotBytes / (es * (c.coll == REDUCE_SCATTER ? (size_t)st->nranks : 1));
   if (!c.count) return ncclSuccess;  // nothing to exchange
-  st->pending++;
-  bool known = false;
-  for (Stream *k : st->streams) known = known || k == s;
-  if (!known) st->streams.push_back(s);
   char what[128];
   snprintf(what, sizeof what, "%s of %zu elements (NCCL rank %d)", coll_name(c.coll), c.count, st->rank);
   op->what = what;
@@ -375,7 +391,10 @@ ncclResult_t queue_collective(const std::shared_ptr<State> &st, const Collective
     const void *p = side ? c.recv : c.send;
     if (p && in_device_region(p)) op->uses.push_back(find_allocation(p));
   }
-  enqueue(s, std::move(op));
+  bool capturing = s->capture;  // recorded: issued by each launch of the graph
+  if (cudaError_t e = enqueue(s, std::move(op)))
+    return fail(ncclUnhandledCudaError, "%s: %s", coll_name(c.coll), cudaGetErrorString(e));
+  if (!capturing) st->track(s);
   return ncclSuccess;
 }
 
@@ -425,7 +444,7 @@ ncclResult_t submit(ncclComm_t comm, const Collective &c) {
     group_ops.emplace_back(st, c);
     return ncclSuccess;
   }
-  queue_collective(st, c);
+  if (ncclResult_t r = queue_collective(st, c)) return r;
   // a non-blocking communicator may report the call as still being issued
   if (!s->blocking && s->rng.below(2)) {
     s->settle_polls = 1 + (int)s->rng.below(3);
@@ -641,14 +660,17 @@ ncclResult_t ncclGroupEnd() {
   if (group_depth == 0) return fail(ncclInvalidUsage, "ncclGroupEnd without ncclGroupStart");
   if (--group_depth > 0) return ncclSuccess;
   bool in_progress = false;
+  ncclResult_t r = ncclSuccess;
   for (auto &g : group_ops) {
-    queue_collective(g.first, g.second);
+    ncclResult_t q = queue_collective(g.first, g.second);
+    if (q != ncclSuccess && r == ncclSuccess) r = q;
     if (!g.first->blocking && g.first->rng.below(2)) {
       g.first->settle_polls = 1 + (int)g.first->rng.below(3);
       in_progress = true;
     }
   }
   group_ops.clear();
+  if (r != ncclSuccess) return r;
   return in_progress ? ncclInProgress : ncclSuccess;
 }
 

@@ -5,7 +5,9 @@
 // - cudaMemcpyAsync between device and pageable host memory "might be synchronous": here it never
 //   is, so the host buffer is read or written when the copy executes, not when it is queued;
 // - the legacy default stream waits for every blocking stream and the other way round;
-// - cudaFree while queued work still uses the allocation is an error, not an implicit sync.
+// - cudaFree while queued work still uses the allocation is an error, not an implicit sync;
+// - on a capturing stream work is recorded, not run (graph.cc); the calls capture forbids fail with
+//   the documented error and invalidate the capture.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +28,8 @@ struct Event {
   uint64_t seq = 0;
   bool recorded = false;
   int polls = 0, delay = 1;
+  uint64_t capture = 0;       // last recorded in this capture (not a point of any queue), or 0
+  std::vector<size_t> nodes;  // then: the graph nodes it follows
 };
 
 struct Registry {
@@ -48,13 +52,6 @@ cudaError_t ret(cudaError_t e) {
   if (e != cudaSuccess) last_error = e;
   return e;
 }
-
-struct WaitOp : Op {
-  Stream *target;
-  uint64_t seq;
-  WaitOp(Stream *t, uint64_t s) : target(t), seq(s) { what = "a wait for another stream"; }
-  bool run() override { return progress(target, seq); }
-};
 
 struct CopyOp : Op {
   void *dst;
@@ -101,10 +98,17 @@ cudaError_t queue_copy(Stream *s, void *dst, const void *src, size_t bytes, cuda
     case cudaMemcpyDefault: break;
     default: return ret(cudaErrorInvalidMemcpyDirection);
   }
+  if (s->legacy)
+    if (cudaError_t e = check_legacy_use(s->dev)) return ret(e);
   std::unique_ptr<CopyOp> op(new CopyOp);
   for (int side = 0; side < 2; side++) {
     const void *p = side ? src : dst;
-    if (!in_device_region(p)) continue;
+    if (!in_device_region(p)) {
+      // a graph's copy node reads and writes its host buffer at every launch: it must stay there
+      if (s->capture && !is_pinned(p, bytes)) return ret(refuse(s->capture, cudaErrorStreamCaptureUnsupported));
+      op->pinned.emplace_back(p, bytes);
+      continue;
+    }
     const Allocation *a = device_range(p, bytes);
     if (!a)
       fatal("%s of %zu bytes: the %s range starts at %p, %s, and must lie inside one live allocation", api, bytes,
@@ -117,13 +121,12 @@ cudaError_t queue_copy(Stream *s, void *dst, const void *src, size_t bytes, cuda
   char what[128];
   snprintf(what, sizeof what, "%s of %zu bytes", api, bytes);
   op->what = what;
-  if (!dst_dev && !src_dev) {  // host to host: fully synchronous
+  if (!dst_dev && !src_dev && !s->capture) {  // host to host: fully synchronous
     drain(s, s->enqueued, api);
     memcpy(dst, src, bytes);
     return cudaSuccess;
   }
-  enqueue(s, std::move(op));
-  return cudaSuccess;
+  return ret(enqueue(s, std::move(op)));
 }
 
 void fill_properties(cudaDeviceProp *p, int i) {
@@ -143,8 +146,8 @@ void fill_properties(cudaDeviceProp *p, int i) {
   p->maxThreadsDim[0] = 1024, p->maxThreadsDim[1] = 1024, p->maxThreadsDim[2] = 64;
   p->maxGridSize[0] = 0x7fffffff, p->maxGridSize[1] = 65535, p->maxGridSize[2] = 65535;
   p->totalConstMem = 64 << 10;
-  p->major = 9;
-  p->minor = 0;
+  p->major = config().cc_major;
+  p->minor = config().cc_minor;
   p->multiProcessorCount = 132;
   p->maxThreadsPerMultiProcessor = 2048;
   p->maxBlocksPerMultiProcessor = 32;
@@ -183,9 +186,11 @@ Stream *stream_of(cudaStream_t h) {
   return reg().streams.count(s) ? s : nullptr;
 }
 
-void enqueue(Stream *s, std::unique_ptr<Op> op) {
+cudaError_t enqueue(Stream *s, std::unique_ptr<Op> op) {
   Device *d = s->dev;
+  if (s->capture) return capture_op(s, std::move(op));
   if (s->legacy) {
+    if (cudaError_t e = check_legacy_use(d)) return e;
     for (Stream *o : d->streams)
       if (o != s && o->blocking && o->completed < o->enqueued) {
         s->queue.emplace_back(new WaitOp(o, o->enqueued));
@@ -197,6 +202,7 @@ void enqueue(Stream *s, std::unique_ptr<Op> op) {
   }
   s->queue.push_back(std::move(op));
   s->enqueued++;
+  return cudaSuccess;
 }
 
 bool progress(Stream *s, uint64_t until) {
@@ -289,6 +295,15 @@ const char *cudaGetErrorName(cudaError_t e) {
     N(cudaErrorIllegalAddress)
     N(cudaErrorDevicesUnavailable)
     N(cudaErrorInvalidDevicePointer)
+    N(cudaErrorStreamCaptureUnsupported)
+    N(cudaErrorStreamCaptureInvalidated)
+    N(cudaErrorStreamCaptureMerge)
+    N(cudaErrorStreamCaptureUnmatched)
+    N(cudaErrorStreamCaptureUnjoined)
+    N(cudaErrorStreamCaptureIsolation)
+    N(cudaErrorStreamCaptureImplicit)
+    N(cudaErrorCapturedEvent)
+    N(cudaErrorStreamCaptureWrongThread)
 #undef N
     default: return "cudaErrorUnknown";
   }
@@ -308,6 +323,17 @@ const char *cudaGetErrorString(cudaError_t e) {
     case cudaErrorNoDevice: return "no CUDA-capable device is detected";
     case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
     case cudaErrorDevicesUnavailable: return "CUDA-capable device(s) is/are busy or unavailable";
+    case cudaErrorStreamCaptureUnsupported: return "operation not permitted when stream is capturing";
+    case cudaErrorStreamCaptureInvalidated: return "operation failed due to a previous error during capture";
+    case cudaErrorStreamCaptureMerge: return "operation would result in a merge of separate capture sequences";
+    case cudaErrorStreamCaptureUnmatched: return "capture was not ended in the same stream as it began";
+    case cudaErrorStreamCaptureUnjoined: return "capturing stream has unjoined work";
+    case cudaErrorStreamCaptureIsolation: return "dependency created on uncaptured work in another stream";
+    case cudaErrorStreamCaptureImplicit:
+      return "operation would make the legacy stream depend on a capturing blocking stream";
+    case cudaErrorCapturedEvent: return "operation not permitted on an event last recorded in a capturing stream";
+    case cudaErrorStreamCaptureWrongThread:
+      return "attempt to terminate a thread-local capture sequence from another thread";
     default: return "unrecognized error code";
   }
 }
@@ -401,6 +427,7 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
   Device *d = current_device();
   if (!d) return ret(cudaErrorNoDevice);
   if (!p) return ret(cudaErrorInvalidValue);
+  if (cudaError_t e = check_unsafe_call()) return ret(e);
   if (!bytes) {
     *p = nullptr;
     return cudaSuccess;
@@ -411,6 +438,7 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
 
 cudaError_t cudaFree(void *p) {
   ApiLock lock;
+  if (cudaError_t e = check_unsafe_call()) return ret(e);
   if (!p) return cudaSuccess;
   const Allocation *a = find_allocation(p);
   if (!a || !a->live || a->base != (uintptr_t)p) return ret(cudaErrorInvalidValue);
@@ -426,6 +454,7 @@ cudaError_t cudaFree(void *p) {
 cudaError_t cudaMallocHost(void **p, size_t bytes) {
   ApiLock lock;
   current_device();
+  if (cudaError_t e = check_unsafe_call()) return ret(e);
   if (posix_memalign(p, 4096, bytes ? bytes : 1)) return ret(cudaErrorMemoryAllocation);
   pinned_add(*p, bytes);
   return cudaSuccess;
@@ -434,6 +463,7 @@ cudaError_t cudaMallocHost(void **p, size_t bytes) {
 // Only what cudaMallocHost returned (the documentation does not promise that NULL is accepted).
 cudaError_t cudaFreeHost(void *p) {
   ApiLock lock;
+  if (cudaError_t e = check_unsafe_call()) return ret(e);
   if (!p || !pinned_remove(p)) return ret(cudaErrorInvalidValue);
   free(p);
   return cudaSuccess;
@@ -451,6 +481,7 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind 
   ApiLock lock;
   Stream *s = stream_of(nullptr);
   if (!s) return ret(cudaErrorNoDevice);
+  if (cudaError_t e = check_unsafe_call()) return ret(e);
   cudaError_t e = queue_copy(s, dst, src, bytes, kind, "cudaMemcpy");
   if (e == cudaSuccess) drain(s, s->enqueued, "cudaMemcpy");
   return e;
@@ -471,12 +502,14 @@ cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t h) {
   op->bytes = bytes;
   op->uses.push_back(a);
   op->what = "cudaMemsetAsync";
-  enqueue(s, std::move(op));
-  return cudaSuccess;
+  return ret(enqueue(s, std::move(op)));
 }
 
-// Asynchronous with respect to the host (the documentation says so for device memory).
+// Asynchronous with respect to the host (the documentation says so for device memory), yet not a
+// stream operation: capture forbids it as it does cudaMemcpy.
 cudaError_t cudaMemset(void *p, int value, size_t bytes) {
+  ApiLock lock;
+  if (cudaError_t e = check_unsafe_call()) return ret(e);
   return cudaMemsetAsync(p, value, bytes, nullptr);
 }
 
@@ -506,6 +539,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t h) {
   ApiLock lock;
   Stream *s = stream_of(h);
   if (!s || s->legacy) return ret(cudaErrorInvalidResourceHandle);
+  if (s->capture) return ret(refuse(s->capture, cudaErrorStreamCaptureUnsupported));
   reg().streams.erase(s);
   s->destroyed = true;
   release_destroyed_streams(s->dev);
@@ -516,6 +550,9 @@ cudaError_t cudaStreamSynchronize(cudaStream_t h) {
   ApiLock lock;
   Stream *s = stream_of(h);
   if (!s) return ret(cudaErrorInvalidResourceHandle);
+  if (s->capture) return ret(refuse(s->capture, cudaErrorStreamCaptureUnsupported));
+  if (s->legacy)
+    if (cudaError_t e = check_legacy_use(s->dev)) return ret(e);
   drain(s, s->enqueued, "cudaStreamSynchronize");
   return cudaSuccess;
 }
@@ -524,6 +561,9 @@ cudaError_t cudaStreamQuery(cudaStream_t h) {
   ApiLock lock;
   Stream *s = stream_of(h);
   if (!s) return ret(cudaErrorInvalidResourceHandle);
+  if (s->capture) return ret(refuse(s->capture, cudaErrorStreamCaptureUnsupported));
+  if (s->legacy)
+    if (cudaError_t e = check_legacy_use(s->dev)) return ret(e);
   if (s->completed >= s->enqueued) return cudaSuccess;
   // the device works in the background: queued work is found done after a few polls, never at
   // the first one
@@ -538,6 +578,7 @@ cudaError_t cudaDeviceSynchronize(void) {
   ApiLock lock;
   Device *d = current_device();
   if (!d) return ret(cudaErrorNoDevice);
+  if (cudaError_t e = check_device_sync(d)) return ret(e);
   for (size_t i = 0; i < d->streams.size(); i++) drain(d->streams[i], d->streams[i]->enqueued, "cudaDeviceSynchronize");
   release_destroyed_streams(d);
   return cudaSuccess;
@@ -558,11 +599,25 @@ cudaError_t cudaEventCreate(cudaEvent_t *h) {
   return cudaEventCreateWithFlags(h, cudaEventDefault);
 }
 
+// In a capture the event marks the capturing stream's place in the graph (its dependencies):
+// another stream that waits for it joins the capture there.
 cudaError_t cudaEventRecord(cudaEvent_t h, cudaStream_t sh) {
   ApiLock lock;
   Event *e = event_of(h);
   Stream *s = stream_of(sh);
   if (!e || !s) return ret(cudaErrorInvalidResourceHandle);
+  if (s->capture) {
+    if (s->capture->invalidated) return ret(cudaErrorStreamCaptureInvalidated);
+    e->stream = nullptr;
+    e->recorded = false;
+    e->capture = s->capture->id;
+    e->nodes = s->deps;
+    return cudaSuccess;
+  }
+  if (s->legacy)
+    if (cudaError_t err = check_legacy_use(s->dev)) return ret(err);
+  e->capture = 0;
+  e->nodes.clear();
   e->stream = s;
   e->seq = s->enqueued;
   e->recorded = true;
@@ -575,6 +630,7 @@ cudaError_t cudaEventQuery(cudaEvent_t h) {
   ApiLock lock;
   Event *e = event_of(h);
   if (!e) return ret(cudaErrorInvalidResourceHandle);
+  if (e->capture) return ret(refuse(find_capture(e->capture), cudaErrorCapturedEvent));
   if (!e->recorded || e->stream->completed >= e->seq) return cudaSuccess;
   if (++e->polls >= e->delay && progress(e->stream, e->seq)) return cudaSuccess;
   return cudaErrorNotReady;
@@ -584,6 +640,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t h) {
   ApiLock lock;
   Event *e = event_of(h);
   if (!e) return ret(cudaErrorInvalidResourceHandle);
+  if (e->capture) return ret(refuse(find_capture(e->capture), cudaErrorCapturedEvent));
   if (e->recorded) drain(e->stream, e->seq, "cudaEventSynchronize");
   return cudaSuccess;
 }
@@ -597,16 +654,27 @@ cudaError_t cudaEventDestroy(cudaEvent_t h) {
   return cudaSuccess;
 }
 
-// Later work on `sh` waits for the work queued before the event's most recent record.
+// Later work on `sh` waits for the work queued before the event's most recent record. An event
+// recorded in a capture makes the stream join that capture; a capturing stream may not wait for
+// work outside its capture.
 cudaError_t cudaStreamWaitEvent(cudaStream_t sh, cudaEvent_t h, unsigned flags) {
   ApiLock lock;
   Stream *s = stream_of(sh);
   Event *e = event_of(h);
   if (!s || !e) return ret(cudaErrorInvalidResourceHandle);
   if (flags & ~(unsigned)cudaEventWaitExternal) return ret(cudaErrorInvalidValue);
+  if (e->capture) {
+    Capture *c = find_capture(e->capture);
+    if (!c) return ret(refuse(s->capture, cudaErrorCapturedEvent));  // that capture has ended
+    return ret(capture_wait(s, c, e->nodes));
+  }
+  if (s->capture) {
+    if (s->capture->invalidated) return ret(cudaErrorStreamCaptureInvalidated);
+    if (!e->recorded) return cudaSuccess;  // nothing to wait for
+    return ret(refuse(s->capture, cudaErrorStreamCaptureIsolation));
+  }
   if (!e->recorded || e->stream == s) return cudaSuccess;
-  enqueue(s, std::unique_ptr<Op>(new WaitOp(e->stream, e->seq)));
-  return cudaSuccess;
+  return ret(enqueue(s, std::unique_ptr<Op>(new WaitOp(e->stream, e->seq))));
 }
 
 cudaError_t cudaFuncSetAttribute(const void *fn, cudaFuncAttribute attr, int value) {

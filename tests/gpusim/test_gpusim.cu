@@ -16,6 +16,7 @@
 #include <cublas_v2.h>
 #include <cudnn.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -84,17 +85,30 @@ static void expect_death(void (*fn)(), const char *needle) {
     fail_msg("expected \"%s\" in the stand-in's message; got:\n%s", needle, text.c_str());
 }
 
-// Runs this test binary again with `arg` under GPUSIM_SEED=seed; returns what it printed.
-static std::string run_self(const char *arg, int seed) {
+// Runs this test binary again with `arg` and the settings `env` ("GPUSIM_SEED=2"); returns what it
+// printed (stderr too when status is given, which then receives the exit status; else the test
+// fails unless the run succeeds).
+static std::string run_self_with(const char *env, const char *arg, int *status = nullptr) {
   char cmd[256];
-  snprintf(cmd, sizeof cmd, "GPUSIM_SEED=%d /proc/%d/exe %s", seed, (int)getpid(), arg);
+  snprintf(cmd, sizeof cmd, "%s /proc/%d/exe %s%s", env, (int)getpid(), arg, status ? " 2>&1" : "");
   FILE *p = popen(cmd, "r");
   if (!p) fail_msg("popen failed");
   std::string out;
   char buf[256];
   while (fgets(buf, sizeof buf, p)) out += buf;
-  if (pclose(p) != 0) fail_msg("%s failed", cmd);
+  int st = pclose(p);
+  if (status)
+    *status = st;
+  else if (st != 0)
+    fail_msg("%s failed", cmd);
   return out;
+}
+
+// Runs this test binary again with `arg` under GPUSIM_SEED=seed; returns what it printed.
+static std::string run_self(const char *arg, int seed) {
+  char env[32];
+  snprintf(env, sizeof env, "GPUSIM_SEED=%d", seed);
+  return run_self_with(env, arg);
 }
 
 // ---- threads ------------------------------------------------------------------------------------
@@ -550,6 +564,423 @@ static void streams_are_ordered_only_by_events(void **) {
   CUDA_OK(cudaFree(d));
 }
 
+// ---- stream capture and graphs ------------------------------------------------------------------
+
+__global__ void axpy_kernel(float *y, const float *x, float a, int n) {
+  GRID_STRIDE(i, n) y[i] += a * x[i];
+}
+
+static cudaStreamCaptureStatus capture_status(cudaStream_t s) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  CUDA_OK(cudaStreamIsCapturing(s, &status));
+  return status;
+}
+
+static size_t graph_nodes(cudaGraph_t g) {
+  size_t n = 0;
+  CUDA_OK(cudaGraphGetNodes(g, nullptr, &n));
+  return n;
+}
+
+// x = h_in; y = 0; y += 2 x; y += x; h_out = y (h_in and h_out pinned)
+static void queue_axpy_work(cudaStream_t s, float *x, float *y, const float *h_in, float *h_out, int n) {
+  CUDA_OK(cudaMemcpyAsync(x, h_in, n * sizeof(float), cudaMemcpyHostToDevice, s));
+  CUDA_OK(cudaMemsetAsync(y, 0, n * sizeof(float), s));
+  LAUNCH(axpy_kernel, 2, 128, 0, s)(y, x, 2.0f, n);
+  LAUNCH(axpy_kernel, 2, 128, 0, s)(y, x, 1.0f, n);
+  CUDA_OK(cudaMemcpyAsync(h_out, y, n * sizeof(float), cudaMemcpyDeviceToHost, s));
+  CUDA_OK(cudaGetLastError());
+}
+
+static void capture_records_work_that_each_launch_runs(void **) {
+  const int n = 300;
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  float *h_in, *h_out;
+  CUDA_OK(cudaMallocHost((void **)&h_in, n * sizeof(float)));
+  CUDA_OK(cudaMallocHost((void **)&h_out, n * sizeof(float)));
+  std::vector<float> sevens(n, 7.0f);
+  float *x = device_array<float>(n), *y = device_copy(sevens);
+  for (int i = 0; i < n; i++) h_in[i] = (float)i, h_out[i] = -1;
+  queue_axpy_work(s, x, y, h_in, h_out, n);  // eagerly, for reference
+  CUDA_OK(cudaStreamSynchronize(s));
+  std::vector<float> eager(h_out, h_out + n);
+  for (int i = 0; i < n; i++) assert_true(eager[(size_t)i] == 3.0f * (float)i);
+  // captured: recorded, not run
+  CUDA_OK(cudaMemcpy(y, sevens.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+  for (int i = 0; i < n; i++) h_out[i] = -1;
+  assert_int_equal(capture_status(s), cudaStreamCaptureStatusNone);
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  assert_int_equal(capture_status(s), cudaStreamCaptureStatusActive);
+  queue_axpy_work(s, x, y, h_in, h_out, n);
+  cudaGraph_t g = nullptr;
+  CUDA_OK(cudaStreamEndCapture(s, &g));
+  assert_non_null(g);
+  assert_int_equal(capture_status(s), cudaStreamCaptureStatusNone);
+  assert_int_equal(graph_nodes(g), 5);
+  assert_true(h_out[0] == -1.0f && host_copy(y, n)[1] == 7.0f);  // nothing ran
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaGraphInstantiate(&exec, g, 0));
+  assert_true(h_out[0] == -1.0f && host_copy(y, n)[1] == 7.0f);
+  // each launch runs every node again, after the stream's earlier work; the copy in reads h_in then
+  for (int launch = 0; launch < 3; launch++) {
+    for (int i = 0; i < n; i++) h_in[i] = (float)(i + launch), h_out[i] = -1;
+    CUDA_OK(cudaGraphLaunch(exec, s));
+    assert_true(h_out[0] == -1.0f);  // queued, like any work
+    CUDA_OK(cudaStreamSynchronize(s));
+    if (launch == 0) assert_memory_equal(h_out, eager.data(), n * sizeof(float));
+    for (int i = 0; i < n; i++) assert_true(h_out[i] == 3.0f * (float)(i + launch));
+  }
+  for (int i = 0; i < n; i++) h_in[i] = 1.0f;
+  for (int launch = 0; launch < 3; launch++) CUDA_OK(cudaGraphLaunch(exec, s));
+  CUDA_OK(cudaStreamSynchronize(s));
+  assert_true(h_out[0] == 3.0f && h_out[n - 1] == 3.0f);
+  // the graph is independent of the executable graph made from it
+  CUDA_OK(cudaGraphDestroy(g));
+  assert_int_equal(cudaGraphDestroy(g), cudaErrorInvalidValue);
+  CUDA_OK(cudaGraphLaunch(exec, s));
+  CUDA_OK(cudaStreamSynchronize(s));
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  assert_int_equal(cudaGraphLaunch(exec, s), cudaErrorInvalidValue);
+  cudaGetLastError();
+  CUDA_OK(cudaFree(x));
+  CUDA_OK(cudaFree(y));
+  CUDA_OK(cudaFreeHost(h_in));
+  CUDA_OK(cudaFreeHost(h_out));
+  CUDA_OK(cudaStreamDestroy(s));
+}
+
+static void graph_kernels_keep_their_arguments_and_read_memory_when_launched(void **) {
+  const int n = 64;
+  cudaStream_t s, s2;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  std::vector<float> zeros(n, 0.0f), fives(n, 5.0f);
+  float *x = device_copy(std::vector<float>(n, 1.0f)), *y = device_array<float>(n);
+  float a = 2.0f;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  CUDA_OK(cudaMemsetAsync(y, 0, n * sizeof(float), s));
+  LAUNCH(axpy_kernel, 1, 64, 0, s)(y, x, a, n);
+  cudaGraph_t g;
+  CUDA_OK(cudaStreamEndCapture(s, &g));
+  a = 100.0f;  // the graph keeps the value it was captured with
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, g, 0));
+  CUDA_OK(cudaGraphLaunch(exec, s));
+  CUDA_OK(cudaStreamSynchronize(s));
+  assert_true(host_copy(y, n)[5] == 2.0f);
+  // while memory is read when the launch runs
+  CUDA_OK(cudaMemcpy(x, fives.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaGraphLaunch(exec, s));
+  CUDA_OK(cudaStreamSynchronize(s));
+  assert_true(host_copy(y, n)[5] == 10.0f);
+  // launches of one executable graph are ordered even on different streams: y += x twice
+  cudaGraph_t g2;
+  cudaGraphExec_t add;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  LAUNCH(axpy_kernel, 1, 64, 0, s)(y, x, 1.0f, n);
+  CUDA_OK(cudaStreamEndCapture(s, &g2));
+  CUDA_OK(cudaGraphInstantiate(&add, g2, 0));
+  CUDA_OK(cudaMemcpy(y, zeros.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaGraphLaunch(add, s));
+  CUDA_OK(cudaGraphLaunch(add, s2));
+  CUDA_OK(cudaStreamSynchronize(s2));  // not s: the second launch waited for the first
+  assert_true(host_copy(y, n)[0] == 10.0f);
+  // a launch on a capturing stream is recorded like other work (a child graph)
+  cudaGraph_t outer;
+  cudaGraphExec_t twice;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  CUDA_OK(cudaGraphLaunch(add, s));
+  CUDA_OK(cudaGraphLaunch(add, s));
+  CUDA_OK(cudaStreamEndCapture(s, &outer));
+  assert_int_equal(graph_nodes(outer), 2);
+  CUDA_OK(cudaGraphInstantiate(&twice, outer, 0));
+  CUDA_OK(cudaMemcpy(y, zeros.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaGraphLaunch(twice, s));
+  CUDA_OK(cudaStreamSynchronize(s));
+  assert_true(host_copy(y, n)[0] == 10.0f);
+  CUDA_OK(cudaGraphExecDestroy(twice));
+  CUDA_OK(cudaGraphDestroy(outer));
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphExecDestroy(add));
+  CUDA_OK(cudaGraphDestroy(g));
+  CUDA_OK(cudaGraphDestroy(g2));
+  CUDA_OK(cudaFree(x));
+  CUDA_OK(cudaFree(y));
+  CUDA_OK(cudaStreamDestroy(s));
+  CUDA_OK(cudaStreamDestroy(s2));
+}
+
+static void capture_follows_events_across_streams_and_must_be_joined(void **) {
+  const int n = 128;
+  cudaStream_t s1, s2;
+  CUDA_OK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  cudaEvent_t fork, join;
+  CUDA_OK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  CUDA_OK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+  float *a = device_array<float>(n), *b = device_array<float>(n), *c = device_array<float>(n);
+  // a = 1; then b = 2 + 10 a on s2 while c = 3 on s1; then a += b + c: 16
+  CUDA_OK(cudaStreamBeginCapture(s1, cudaStreamCaptureModeGlobal));
+  LAUNCH(fill_kernel, 1, 128, 0, s1)(a, 1.0f, n);
+  CUDA_OK(cudaEventRecord(fork, s1));
+  CUDA_OK(cudaStreamWaitEvent(s2, fork, 0));  // s2 joins the capture
+  assert_int_equal(capture_status(s2), cudaStreamCaptureStatusActive);
+  cudaStreamCaptureStatus status;
+  unsigned long long id1 = 0, id2 = 0;
+  size_t deps = 0;
+  CUDA_OK(cudaStreamGetCaptureInfo(s1, &status, &id1));
+  CUDA_OK(cudaStreamGetCaptureInfo(s2, &status, &id2, nullptr, nullptr, nullptr, &deps));
+  assert_true(id1 != 0 && id1 == id2);
+  assert_int_equal(deps, 1);  // s2's next node follows the fill of a
+  LAUNCH(fill_kernel, 1, 128, 0, s2)(b, 2.0f, n);
+  LAUNCH(axpy_kernel, 1, 128, 0, s2)(b, a, 10.0f, n);
+  LAUNCH(fill_kernel, 1, 128, 0, s1)(c, 3.0f, n);
+  CUDA_OK(cudaEventRecord(join, s2));
+  CUDA_OK(cudaStreamWaitEvent(s1, join, 0));
+  LAUNCH(axpy_kernel, 1, 128, 0, s1)(a, b, 1.0f, n);
+  LAUNCH(axpy_kernel, 1, 128, 0, s1)(a, c, 1.0f, n);
+  cudaGraph_t g;
+  CUDA_OK(cudaStreamEndCapture(s1, &g));
+  assert_int_equal(capture_status(s2), cudaStreamCaptureStatusNone);
+  assert_int_equal(graph_nodes(g), 6);
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, g, 0));
+  for (int launch = 0; launch < 4; launch++) {  // independent nodes run in a different order each time
+    CUDA_OK(cudaGraphLaunch(exec, s1));
+    CUDA_OK(cudaStreamSynchronize(s1));
+    assert_true(host_copy(a, n)[7] == 16.0f && host_copy(b, n)[7] == 12.0f);
+  }
+  // a fork that never rejoins the origin stream: no graph
+  CUDA_OK(cudaStreamBeginCapture(s1, cudaStreamCaptureModeGlobal));
+  LAUNCH(fill_kernel, 1, 128, 0, s1)(a, 1.0f, n);
+  CUDA_OK(cudaEventRecord(fork, s1));
+  CUDA_OK(cudaStreamWaitEvent(s2, fork, 0));
+  LAUNCH(fill_kernel, 1, 128, 0, s2)(b, 2.0f, n);
+  cudaGraph_t unjoined = g;
+  assert_int_equal(cudaStreamEndCapture(s1, &unjoined), cudaErrorStreamCaptureUnjoined);
+  assert_null(unjoined);
+  cudaGetLastError();
+  assert_int_equal(capture_status(s1), cudaStreamCaptureStatusNone);
+  assert_int_equal(capture_status(s2), cudaStreamCaptureStatusNone);
+  LAUNCH(fill_kernel, 1, 128, 0, s2)(b, 4.0f, n);  // both streams work as before
+  CUDA_OK(cudaStreamSynchronize(s2));
+  assert_true(host_copy(b, n)[0] == 4.0f);
+  // the capture ends where it began
+  CUDA_OK(cudaStreamBeginCapture(s1, cudaStreamCaptureModeGlobal));
+  CUDA_OK(cudaEventRecord(fork, s1));
+  CUDA_OK(cudaStreamWaitEvent(s2, fork, 0));
+  assert_int_equal(cudaStreamEndCapture(s2, &unjoined), cudaErrorStreamCaptureUnmatched);
+  assert_int_equal(cudaStreamEndCapture(s1, &unjoined), cudaErrorStreamCaptureInvalidated);
+  cudaGetLastError();
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(g));
+  CUDA_OK(cudaEventDestroy(fork));
+  CUDA_OK(cudaEventDestroy(join));
+  cudaFree(a), cudaFree(b), cudaFree(c);
+  CUDA_OK(cudaStreamDestroy(s1));
+  CUDA_OK(cudaStreamDestroy(s2));
+}
+
+// Begins a capture on s in `mode` and makes `call`, which must fail with `want` and invalidate the
+// capture: later work is refused and cudaStreamEndCapture returns no graph. The capture is ended
+// before any check fails (a capture left open would fail every later test).
+static void expect_capture_refuses(const char *what, cudaStream_t s, cudaStreamCaptureMode mode, cudaError_t want,
+                                   const std::function<cudaError_t()> &call) {
+  CUDA_OK(cudaStreamBeginCapture(s, mode));
+  cudaError_t e = call();
+  cudaStreamCaptureStatus status = capture_status(s);
+  cudaGetLastError();
+  LAUNCH(noop_kernel, 1, 1, 0, s)(nullptr);
+  cudaError_t later = cudaGetLastError();
+  cudaGraph_t g = nullptr;
+  cudaError_t end = cudaStreamEndCapture(s, &g);
+  cudaGetLastError();
+  if (e != want)
+    fail_msg("%s during capture returned %s, expected %s", what, cudaGetErrorName(e), cudaGetErrorName(want));
+  if (status != cudaStreamCaptureStatusInvalidated) fail_msg("%s did not invalidate the capture", what);
+  assert_int_equal(later, cudaErrorStreamCaptureInvalidated);
+  assert_int_equal(end, cudaErrorStreamCaptureInvalidated);
+  assert_null(g);
+}
+
+// Captures s in `mode` around `call`, which must succeed; returns the number of nodes recorded.
+static size_t expect_capture_allows(const char *what, cudaStream_t s, cudaStreamCaptureMode mode,
+                                    const std::function<cudaError_t()> &call) {
+  CUDA_OK(cudaStreamBeginCapture(s, mode));
+  cudaError_t e = call();
+  cudaGraph_t g = nullptr;
+  cudaError_t end = cudaStreamEndCapture(s, &g);
+  if (e != cudaSuccess) fail_msg("%s during capture returned %s", what, cudaGetErrorName(e));
+  CUDA_OK(end);
+  size_t nodes = graph_nodes(g);
+  CUDA_OK(cudaGraphDestroy(g));
+  return nodes;
+}
+
+static void capture_refuses_what_it_cannot_record(void **) {
+  cudaStream_t s, other, blocking;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreate(&blocking));
+  cudaEvent_t ev;
+  CUDA_OK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  float *d = device_array<float>(16), pageable[16] = {0};
+  float *pinned;
+  CUDA_OK(cudaMallocHost((void **)&pinned, sizeof pageable));
+  const cudaStreamCaptureMode global = cudaStreamCaptureModeGlobal, relaxed = cudaStreamCaptureModeRelaxed;
+  // what cannot run while the stream only records
+  expect_capture_refuses("cudaStreamSynchronize", s, global, cudaErrorStreamCaptureUnsupported,
+                         [&] { return cudaStreamSynchronize(s); });
+  expect_capture_refuses("cudaStreamQuery", s, relaxed, cudaErrorStreamCaptureUnsupported,
+                         [&] { return cudaStreamQuery(s); });
+  expect_capture_refuses("cudaDeviceSynchronize", s, relaxed, cudaErrorStreamCaptureUnsupported,
+                         [&] { return cudaDeviceSynchronize(); });
+  expect_capture_refuses("cudaEventQuery of an event recorded in the capture", s, relaxed, cudaErrorCapturedEvent, [&] {
+    cudaEventRecord(ev, s);
+    return cudaEventQuery(ev);
+  });
+  expect_capture_refuses("cudaEventSynchronize of an event recorded in the capture", s, relaxed, cudaErrorCapturedEvent,
+                         [&] {
+                           cudaEventRecord(ev, s);
+                           return cudaEventSynchronize(ev);
+                         });
+  assert_int_equal(cudaEventQuery(ev), cudaErrorCapturedEvent);  // until it is recorded again
+  CUDA_OK(cudaEventRecord(ev, s));
+  CUDA_OK(cudaEventSynchronize(ev));
+  expect_capture_refuses("waiting for work outside the capture", s, global, cudaErrorStreamCaptureIsolation, [&] {
+    LAUNCH(fill_kernel, 1, 16, 0, other)(d, 1.0f, 16);
+    cudaEventRecord(ev, other);
+    return cudaStreamWaitEvent(s, ev, 0);
+  });
+  CUDA_OK(cudaStreamSynchronize(other));
+  // pageable host memory: a graph's copy reads it at every launch, long after the call
+  expect_capture_refuses("cudaMemcpyAsync from pageable memory", s, relaxed, cudaErrorStreamCaptureUnsupported,
+                         [&] { return cudaMemcpyAsync(d, pageable, sizeof pageable, cudaMemcpyHostToDevice, s); });
+  assert_int_equal(
+      expect_capture_allows("cudaMemcpyAsync from pinned memory", s, global,
+                            [&] { return cudaMemcpyAsync(d, pinned, sizeof pageable, cudaMemcpyHostToDevice, s); }),
+      1);
+  // the potentially unsafe calls: refused in global and thread-local mode, allowed in relaxed mode
+  void *p = nullptr;
+  expect_capture_refuses("cudaMalloc", s, global, cudaErrorStreamCaptureUnsupported,
+                         [&] { return cudaMalloc(&p, 64); });
+  expect_capture_refuses("cudaFree", s, cudaStreamCaptureModeThreadLocal, cudaErrorStreamCaptureUnsupported,
+                         [&] { return cudaFree(d); });
+  expect_capture_refuses("cudaMemcpy", s, global, cudaErrorStreamCaptureUnsupported,
+                         [&] { return cudaMemcpy(d, pageable, sizeof pageable, cudaMemcpyHostToDevice); });
+  expect_capture_refuses("cudaMemset", s, global, cudaErrorStreamCaptureUnsupported,
+                         [&] { return cudaMemset(d, 0, sizeof pageable); });
+  expect_capture_allows("cudaMalloc and cudaFree", s, relaxed, [&] {
+    cudaError_t e = cudaMalloc(&p, 64);
+    return e ? e : cudaFree(p);
+  });
+  expect_capture_allows("cudaMalloc after cudaThreadExchangeStreamCaptureMode", s, global, [&] {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    CUDA_OK(cudaThreadExchangeStreamCaptureMode(&mode));
+    cudaError_t e = cudaMalloc(&p, 64);
+    if (!e) e = cudaFree(p);
+    CUDA_OK(cudaThreadExchangeStreamCaptureMode(&mode));
+    assert_int_equal(mode, cudaStreamCaptureModeRelaxed);
+    return e;
+  });
+  // the legacy stream would depend on a capturing blocking stream; not on a non-blocking one
+  CUDA_OK(cudaStreamBeginCapture(blocking, relaxed));
+  cudaStreamCaptureStatus status;
+  assert_int_equal(cudaStreamIsCapturing(0, &status), cudaErrorStreamCaptureImplicit);
+  assert_int_equal(capture_status(blocking), cudaStreamCaptureStatusActive);  // asking does not invalidate
+  cudaGetLastError();
+  cudaGraph_t g;
+  CUDA_OK(cudaStreamEndCapture(blocking, &g));
+  CUDA_OK(cudaGraphDestroy(g));
+  expect_capture_refuses("a launch on the legacy stream", blocking, relaxed, cudaErrorStreamCaptureImplicit, [&] {
+    LAUNCH(noop_kernel, 1, 1, 0, 0)(nullptr);
+    return cudaGetLastError();
+  });
+  assert_int_equal(
+      expect_capture_allows("cudaMemcpy", s, relaxed,
+                            [&] { return cudaMemcpy(d, pageable, sizeof pageable, cudaMemcpyHostToDevice); }),
+      0);
+  // where a capture can begin and end
+  assert_int_equal(cudaStreamBeginCapture(0, global), cudaErrorInvalidValue);
+  CUDA_OK(cudaStreamBeginCapture(s, global));
+  assert_int_equal(cudaStreamBeginCapture(s, global), cudaErrorInvalidValue);
+  CUDA_OK(cudaStreamEndCapture(s, &g));
+  assert_int_equal(graph_nodes(g), 0);
+  cudaGraph_t none;
+  assert_int_equal(cudaStreamEndCapture(s, &none), cudaErrorInvalidValue);  // not capturing
+  cudaGetLastError();
+  CUDA_OK(cudaGraphDestroy(g));
+  CUDA_OK(cudaEventDestroy(ev));
+  CUDA_OK(cudaFreeHost(pinned));
+  CUDA_OK(cudaFree(d));
+  CUDA_OK(cudaStreamDestroy(s));
+  CUDA_OK(cudaStreamDestroy(other));
+  CUDA_OK(cudaStreamDestroy(blocking));
+}
+
+// An executable graph that fills y (16 floats).
+static cudaGraphExec_t graph_writing(float *y, cudaStream_t s) {
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  LAUNCH(fill_kernel, 1, 16, 0, s)(y, 1.0f, 16);
+  cudaGraph_t g;
+  CUDA_OK(cudaStreamEndCapture(s, &g));
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, g, 0));
+  CUDA_OK(cudaGraphDestroy(g));
+  return exec;
+}
+
+static void launch_graph_after_free() {
+  cudaStream_t s;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  float *y = device_array<float>(16);
+  cudaGraphExec_t exec = graph_writing(y, s);
+  cudaFree(y);  // nothing queued uses it: allowed
+  cudaGraphLaunch(exec, s);
+  cudaStreamSynchronize(s);
+}
+
+static void launch_graph_after_free_host() {
+  cudaStream_t s;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  float *y = device_array<float>(16), *h;
+  cudaMallocHost((void **)&h, 16 * sizeof(float));
+  cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
+  cudaMemcpyAsync(h, y, 16 * sizeof(float), cudaMemcpyDeviceToHost, s);
+  cudaGraph_t g;
+  cudaStreamEndCapture(s, &g);
+  cudaGraphExec_t exec;
+  cudaGraphInstantiate(&exec, g, 0);
+  cudaFreeHost(h);
+  cudaGraphLaunch(exec, s);
+  cudaStreamSynchronize(s);
+}
+
+static void free_while_graph_launch_queued() {
+  cudaStream_t s;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  float *y = device_array<float>(16);
+  cudaGraphLaunch(graph_writing(y, s), s);
+  cudaFree(y);
+}
+
+static void graphs_check_the_memory_they_use_when_launched(void **) {
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  float *y = device_array<float>(16);
+  cudaGraphExec_t exec = graph_writing(y, s);
+  CUDA_OK(cudaGraphLaunch(exec, s));
+  CUDA_OK(cudaStreamSynchronize(s));
+  assert_true(host_copy(y, 16)[15] == 1.0f);
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaFree(y));  // after the last launch: fine
+  CUDA_OK(cudaStreamDestroy(s));
+  expect_death(launch_graph_after_free, "freed since the graph was captured");
+  expect_death(launch_graph_after_free_host, "that is no longer pinned");
+  expect_death(free_while_graph_launch_queued, "while queued, unfinished work still uses it: a launch of a graph");
+}
+
 // ---- cuBLAS -------------------------------------------------------------------------------------
 
 #define BLAS_OK(call)                                                                      \
@@ -690,6 +1121,43 @@ static void cublas_math_modes_types_and_pointer_modes(void **) {
   cudaFree(dA), cudaFree(dB), cudaFree(dC), cudaFree(dAh), cudaFree(dBh), cudaFree(scalars);
   BLAS_OK(cublasDestroy(h));
   expect_death(device_alpha_in_host_mode, "CUBLAS_POINTER_MODE_HOST");
+}
+
+static void cublas_gemm_in_a_graph(void **) {
+  cublasHandle_t h;
+  cudaStream_t s;
+  BLAS_OK(cublasCreate(&h));
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  BLAS_OK(cublasSetStream(h, s));
+  BLAS_OK(cublasSetMathMode(h, CUBLAS_PEDANTIC_MATH));
+  int m = 6, n = 5, k = 4;
+  std::vector<float> A((size_t)m * k), B((size_t)k * n), C((size_t)m * n, -1.0f);
+  for (size_t i = 0; i < B.size(); i++) B[i] = pseudo((int)i, 15);
+  float *dA = device_array<float>(A.size()), *dB = device_copy(B), *dC = device_copy(C);
+  float alpha = 1.5f, beta = 0.0f;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  BLAS_OK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, &alpha, dA, m, dB, k, &beta, dC, m));
+  cudaGraph_t g;
+  CUDA_OK(cudaStreamEndCapture(s, &g));
+  alpha = 3.0f;  // host pointer mode: the value at capture is kept
+  assert_true(host_copy(dC, C.size())[0] == -1.0f);
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, g, 0));
+  for (int launch = 0; launch < 2; launch++) {
+    for (size_t i = 0; i < A.size(); i++) A[i] = pseudo((int)i, 16 + launch);
+    CUDA_OK(cudaMemcpy(dA, A.data(), A.size() * sizeof(float), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaGraphLaunch(exec, s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    std::vector<double> want(C.size(), 0.0);
+    gemm_reference(false, false, m, n, k, 1.5, A, m, B, k, 0.0, want, m);
+    double err = max_rel(host_copy(dC, C.size()), want);
+    if (err > 1e-6) fail_msg("launch %d: error %g", launch, err);
+  }
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(g));
+  cudaFree(dA), cudaFree(dB), cudaFree(dC);
+  BLAS_OK(cublasDestroy(h));
+  CUDA_OK(cudaStreamDestroy(s));
 }
 
 // ---- cuDNN --------------------------------------------------------------------------------------
@@ -849,6 +1317,27 @@ static void cudnn_algorithms_workspaces_math_and_determinism(void **) {
   assert_true(memcmp(runs[2].data(), runs[3].data(), nw * sizeof(float)) == 0);
   if (memcmp(runs[0].data(), runs[1].data(), nw * sizeof(float)) == 0)
     fail_msg("CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0 (non-deterministic) gave identical bits twice");
+  // and so at each launch of a graph that captured it
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  DNN_OK(cudnnSetStream(h, s));
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  DNN_OK(cudnnConvolutionBackwardFilter(h, &one, xd, dX, yd, dX, cd, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0, big,
+                                        ws0 > ws1 ? ws0 : ws1, &zero, wd, dW2));
+  cudaGraph_t g;
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaStreamEndCapture(s, &g));
+  CUDA_OK(cudaGraphInstantiate(&exec, g, 0));
+  for (int i = 0; i < 2; i++) {
+    CUDA_OK(cudaGraphLaunch(exec, s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    runs[i] = host_copy(dW2, nw);
+  }
+  if (memcmp(runs[0].data(), runs[1].data(), nw * sizeof(float)) == 0)
+    fail_msg("two launches of a graph with CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0 gave identical bits");
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(g));
+  CUDA_OK(cudaStreamDestroy(s));
   cudaFree(dX), cudaFree(dW), cudaFree(dY), cudaFree(dW2), cudaFree(ws), cudaFree(big);
   cudnnDestroyTensorDescriptor(xd), cudnnDestroyTensorDescriptor(yd);
   cudnnDestroyFilterDescriptor(wd), cudnnDestroyConvolutionDescriptor(cd);
@@ -885,6 +1374,34 @@ static void devices_are_h100_like_and_one_per_process(void **) {
   expect_death(second_context, "made a CUDA context on device 1 after making one on device 0");
 }
 
+// Prints the compute capability the properties and the attributes give, and whether a GEMM that
+// allows TF32 rounds its inputs (run through run_self_with under a GPUSIM_CC).
+static int print_compute_capability() {
+  cudaDeviceProp p;
+  int major = -1, minor = -1;
+  CUDA_OK(cudaGetDeviceProperties(&p, 0));
+  CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  CUDA_OK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0));
+  cublasHandle_t h;
+  BLAS_OK(cublasCreate(&h));
+  BLAS_OK(cublasSetMathMode(h, CUBLAS_TF32_TENSOR_OP_MATH));
+  float *a = device_copy(std::vector<float>{1.0f + 0x1p-20f}), *c = device_array<float>(1), one = 1, zero = 0;
+  BLAS_OK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 1, 1, 1, &one, a, 1, a, 1, &zero, c, 1));
+  printf("%d.%d %d.%d tf32 %d\n", p.major, p.minor, major, minor, host_copy(c, 1)[0] == 1.0f);
+  return 0;
+}
+
+static void compute_capability_is_settable(void **) {
+  assert_string_equal(run_self_with("GPUSIM_CC=", "--compute-capability").c_str(), "9.0 9.0 tf32 1\n");
+  assert_string_equal(run_self_with("GPUSIM_CC=8.6", "--compute-capability").c_str(), "8.6 8.6 tf32 1\n");
+  assert_string_equal(run_self_with("GPUSIM_CC=7.0", "--compute-capability").c_str(), "7.0 7.0 tf32 0\n");
+  int status = 0;
+  std::string out = run_self_with("GPUSIM_CC=9", "--compute-capability", &status);
+  assert_true(status != 0);
+  if (out.find("GPUSIM_CC=9: expected a compute capability") == std::string::npos)
+    fail_msg("GPUSIM_CC=9 gave: %s", out.c_str());
+}
+
 // ---- the kernels' helpers -----------------------------------------------------------------------
 
 static void fast_division_matches_division(void **) {
@@ -908,6 +1425,7 @@ static void fast_division_matches_division(void **) {
 int main(int argc, char **argv) {
   if (argc > 1 && !strcmp(argv[1], "--neighbour-sync")) return print_neighbour_checksum(1);
   if (argc > 1 && !strcmp(argv[1], "--neighbour-race")) return print_neighbour_checksum(0);
+  if (argc > 1 && !strcmp(argv[1], "--compute-capability")) return print_compute_capability();
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(builtins_follow_the_launch),
       cmocka_unit_test(syncthreads_is_a_barrier_and_a_missing_one_shows),
@@ -924,11 +1442,18 @@ int main(int argc, char **argv) {
       cmocka_unit_test(kernel_pointers_must_be_live_device_memory),
       cmocka_unit_test(copies_run_only_when_synchronised),
       cmocka_unit_test(streams_are_ordered_only_by_events),
+      cmocka_unit_test(capture_records_work_that_each_launch_runs),
+      cmocka_unit_test(graph_kernels_keep_their_arguments_and_read_memory_when_launched),
+      cmocka_unit_test(capture_follows_events_across_streams_and_must_be_joined),
+      cmocka_unit_test(capture_refuses_what_it_cannot_record),
+      cmocka_unit_test(graphs_check_the_memory_they_use_when_launched),
       cmocka_unit_test(cublas_gemm_follows_column_major_rules),
       cmocka_unit_test(cublas_math_modes_types_and_pointer_modes),
+      cmocka_unit_test(cublas_gemm_in_a_graph),
       cmocka_unit_test(cudnn_convolutions_match_direct_loops),
       cmocka_unit_test(cudnn_algorithms_workspaces_math_and_determinism),
       cmocka_unit_test(devices_are_h100_like_and_one_per_process),
+      cmocka_unit_test(compute_capability_is_settable),
       cmocka_unit_test(fast_division_matches_division),
   };
   return cmocka_run_group_tests_name("gpusim", tests, NULL, NULL);

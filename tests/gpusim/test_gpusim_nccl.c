@@ -1,7 +1,7 @@
 /* test_gpusim_nccl: the NCCL stand-in (tests/gpusim/nccl.cc) across real MPI processes, each rank
  * with its own stand-in device. Rank 0 prints one TAP line per test; a check that fails on any
  * rank fails the test, naming the lowest such rank.
- *   mpirun -np 3 -x GPUSIM_DEVICES=3 build/sim/tests/test_gpusim_nccl    tests 1-9
+ *   mpirun -np 3 -x GPUSIM_DEVICES=3 build/sim/tests/test_gpusim_nccl    tests 1-10
  *   mpirun -np 2 -x GPUSIM_DEVICES=1 build/sim/tests/test_gpusim_nccl    every rank on device 0:
  *                                                                         duplicate detection only
  * Host code never touches device memory (the stand-in aborts if it does), and queued collectives
@@ -23,7 +23,7 @@
 #define MAX_BUFFERS 16
 
 static int rank, nranks;
-static ncclComm_t comm; /* tests 1-7; tests 8-9 make their own to break */
+static ncclComm_t comm; /* tests 1-8; tests 9-10 make their own to break */
 static cudaStream_t stream;
 static char why[512];              /* this rank's first failure in the current test; empty while it passes */
 static int in_progress_answers;    /* ncclInProgress answers settle() has seen */
@@ -136,7 +136,7 @@ static ncclResult_t join(ncclComm_t *c) {
   return settle(*c);
 }
 
-/* ---- the tests (tests 2-9 are written for 3 ranks) ---------------------------------------- */
+/* ---- the tests (tests 2-10 are written for 3 ranks) ---------------------------------------- */
 
 static void unique_id_and_nonblocking_init(void) {
   in_progress_answers = 0;
@@ -240,6 +240,50 @@ static void group_calls_run_in_order(void) {
     same_floats("first", a, want_a, 10);
     same_ints("second", b, want_b, 7);
   }
+}
+
+/* An all-reduce, then a group of an in-place all-reduce and a broadcast, captured into a graph once:
+ * nothing runs at capture, and every launch issues them again, in order, with the data of that
+ * moment, as calls made then would. */
+static void collectives_in_a_graph_run_at_every_launch(void) {
+  enum { N = 300, M = 8 };
+  float in[N], out[N], want[N], bc[M], want_bc[M];
+  int32_t acc[M], want_acc = 6; /* the sum of rank + 1, then of that, ... */
+  for (int i = 0; i < N; i++) in[i] = 0, out[i] = -1;
+  for (int k = 0; k < M; k++) bc[k] = -1, acc[k] = rank + 1;
+  float *d_in = device_copy(in, sizeof in), *d_out = device_copy(out, sizeof out), *d_bc = device_copy(bc, sizeof bc);
+  int32_t *d_acc = device_copy(acc, sizeof acc);
+  if (!d_in || !d_out || !d_bc || !d_acc || !CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal))) return;
+  int ok = NCCL(comm, ncclAllReduce(d_in, d_out, N, ncclFloat, ncclSum, comm, stream)) && NCCL(comm, ncclGroupStart());
+  if (ok) {
+    ok = NCCL(comm, ncclAllReduce(d_acc, d_acc, M, ncclInt32, ncclSum, comm, stream)) &&
+         NCCL(comm, ncclBroadcast(d_bc, d_bc, M, ncclFloat, 1, comm, stream));
+    ok = NCCL(comm, ncclGroupEnd()) && ok; /* always close the group */
+  }
+  cudaGraph_t graph = NULL;
+  cudaGraphExec_t exec = NULL;
+  ok = CUDA(cudaStreamEndCapture(stream, &graph)) && ok && CUDA(cudaGraphInstantiate(&exec, graph, 0)) &&
+       fetch(out, d_out, sizeof out) && expect(out[0] == -1, "the captured all-reduce ran at capture: %g", out[0]);
+  for (int launch = 0; ok && launch < 3; launch++, want_acc *= 3) {
+    for (int i = 0; i < N; i++)
+      in[i] = (float)(rank * 10 + i + 1000 * launch), want[i] = (float)(30 + 3 * i + 3000 * launch);
+    for (int k = 0; k < M; k++)
+      bc[k] = rank == 1 ? (float)(100 * launch + k) : -1, want_bc[k] = (float)(100 * launch + k);
+    ok = CUDA(cudaMemcpy(d_in, in, sizeof in, cudaMemcpyHostToDevice)) &&
+         CUDA(cudaMemcpy(d_bc, bc, sizeof bc, cudaMemcpyHostToDevice)) && CUDA(cudaGraphLaunch(exec, stream)) &&
+         wait_for(comm) && fetch(out, d_out, sizeof out) && fetch(bc, d_bc, sizeof bc) &&
+         fetch(acc, d_acc, sizeof acc) && same_floats("all-reduce", out, want, N) &&
+         same_floats("broadcast", bc, want_bc, M) &&
+         expect(acc[0] == want_acc && acc[M - 1] == want_acc, "launch %d: in-place all-reduce gave %d, expected %d",
+                launch, acc[0], want_acc);
+  }
+  /* two launches queued before one synchronisation: both run, in order */
+  if (ok && CUDA(cudaGraphLaunch(exec, stream)) && CUDA(cudaGraphLaunch(exec, stream)) && wait_for(comm) &&
+      fetch(acc, d_acc, sizeof acc))
+    expect(acc[0] == want_acc * 3, "after two more launches the in-place all-reduce gave %d, expected %d", acc[0],
+           want_acc * 3);
+  if (exec) CUDA(cudaGraphExecDestroy(exec));
+  if (graph) CUDA(cudaGraphDestroy(graph));
 }
 
 /* Sums that round: every rank must still get the same bits (data parallelism relies on it). */
@@ -426,6 +470,7 @@ int main(int argc, char **argv) {
     run_test("large_all_reduce_spans_several_rounds", large_all_reduce_spans_several_rounds);
     run_test("reduce_scatter_all_gather_broadcast_reduce", reduce_scatter_all_gather_broadcast_reduce);
     run_test("group_calls_run_in_order", group_calls_run_in_order);
+    run_test("collectives_in_a_graph_run_at_every_launch", collectives_in_a_graph_run_at_every_launch);
     run_test("results_are_bit_identical_on_every_rank", results_are_bit_identical_on_every_rank);
     run_test("host_buffer_is_an_invalid_argument", host_buffer_is_an_invalid_argument);
     run_test("mismatched_counts_are_detected", mismatched_counts_are_detected);
