@@ -46,8 +46,17 @@ __global__ void act_bwd_kernel(int kind, const float *x, const float *y, const f
   }
 }
 
-__global__ void dropout_kernel(const float *x, float *y, int64_t n, float p, float keep, uint64_t seed) {
+__global__ void dropout_kernel(const float *x, float *y, int64_t n, float p, float keep, uint64_t layer_seed,
+                               const uint64_t *step_seed) {
+  uint64_t seed = dt_hash64(layer_seed ^ *step_seed);
   GRID_STRIDE(i, n) y[i] = dt_hash_uniform(seed, (uint64_t)i) >= p ? x[i] * keep : 0.0f;
+}
+
+__global__ void clip_kernel(float *x, int64_t n, float max_norm, const double *sumsq) {
+  double norm = sqrt(*sumsq);
+  if (!(norm > max_norm)) return;
+  float alpha = (float)(max_norm / (norm + 1e-6));
+  GRID_STRIDE(i, n) x[i] *= alpha;
 }
 
 __global__ void add_kernel(const float *a, const float *b, float *y, int64_t n) {
@@ -58,14 +67,14 @@ __global__ void scale_kernel(float *x, float alpha, int64_t n) {
   GRID_STRIDE(i, n) x[i] *= alpha;
 }
 
-// out[0], out[1] = the sums of pairs[2i] and pairs[2i + 1] over i < n, in an order fixed by n alone
-// (one block): the deterministic second pass of k_sumsq and k_loss.
+// out[0], out[1] += the sums of pairs[2i] and pairs[2i + 1] over i < n, in an order fixed by n
+// alone (one block): the deterministic second pass of k_sumsq and k_loss.
 __global__ void sum_pairs_kernel(const double *pairs, int64_t n, double *out) {
   double a = 0, b = 0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) a += pairs[2 * i], b += pairs[2 * i + 1];
   a = block_sum(a);
   b = block_sum(b);
-  if (threadIdx.x == 0) out[0] = a, out[1] = b;
+  if (threadIdx.x == 0) out[0] += a, out[1] += b;
 }
 
 __global__ void sumsq_kernel(const float *x, int64_t n, double *pairs) {
@@ -110,8 +119,12 @@ void k_act_bwd(cudaStream_t s, int kind, const float *x, const float *y, const f
   LAUNCH(act_bwd_kernel, blocks_for(n), kThreads, 0, s)(kind, x, y, dy, dx, n);
 }
 
-void k_dropout(cudaStream_t s, const float *x, float *y, int64_t n, float p, uint64_t seed) {
-  LAUNCH(dropout_kernel, blocks_for(n), kThreads, 0, s)(x, y, n, p, 1.0f / (1.0f - p), seed);
+void k_dropout(cudaStream_t s, const float *x, float *y, int64_t n, float p, uint64_t seed, const uint64_t *step_seed) {
+  LAUNCH(dropout_kernel, blocks_for(n), kThreads, 0, s)(x, y, n, p, 1.0f / (1.0f - p), seed, step_seed);
+}
+
+void k_clip(cudaStream_t s, float *x, int64_t n, float max_norm, const double *sumsq) {
+  LAUNCH(clip_kernel, blocks_for(n), kThreads, 0, s)(x, n, max_norm, sumsq);
 }
 
 void k_add(cudaStream_t s, const float *a, const float *b, float *y, int64_t n) {

@@ -17,36 +17,40 @@ void k_bias_add(cudaStream_t s, float *y, const float *bias, int64_t b, int64_t 
 void k_bias_grad(cudaStream_t s, const float *dy, float *db, int64_t b, int64_t c, int64_t sp);
 void k_act_fwd(cudaStream_t s, int kind, const float *x, float *y, int64_t n);
 void k_act_bwd(cudaStream_t s, int kind, const float *x, const float *y, const float *dy, float *dx, int64_t n);
-void k_dropout(cudaStream_t s, const float *x, float *y, int64_t n, float p, uint64_t seed);
+void k_dropout(cudaStream_t s, const float *x, float *y, int64_t n, float p, uint64_t seed, const uint64_t *step_seed);
+void k_clip(cudaStream_t s, float *x, int64_t n, float max_norm, const double *sumsq);
 void k_add(cudaStream_t s, const float *a, const float *b, float *y, int64_t n);
 void k_scale(cudaStream_t s, float *x, float alpha, int64_t n);
 /* Sums that must come out bit-identical on every run are not accumulated with atomics: blocks
  * write partial pairs into `pairs` and one block adds them in a fixed order. */
 enum { K_SUM_BLOCKS = 256 }; /* blocks of k_sumsq: pairs holds 2 * K_SUM_BLOCKS doubles */
 
-/* out[0] = sum x^2 (double), out[1] = count of non-finite values (as double) */
+/* out[0] += sum x^2 (double), out[1] += count of non-finite values (as double) */
 void k_sumsq(cudaStream_t s, const float *x, int64_t n, double *out, double *pairs);
-/* out[0], out[1] = the sums of pairs[2i] and pairs[2i + 1] over i < n, in an order fixed by n */
+/* out[0], out[1] += the sums of pairs[2i] and pairs[2i + 1] over i < n, in an order fixed by n */
 void k_sum_pairs(cudaStream_t s, const double *pairs, int64_t n, double *out);
 void k_input(cudaStream_t s, const float *raw, float *x, int64_t b, int64_t c, int64_t sp, float scale,
              const float *mean, const float *std);
 
 /* optim.cu: one pass over the flat parameter buffer */
-void k_sgd(cudaStream_t s, float *p, const float *g, float *mom, int64_t n, float lr, float momentum, float wd,
-           int nesterov, int first);
-void k_adamw(cudaStream_t s, float *p, const float *g, float *m, float *v, int64_t n, float lr, float b1, float b2,
-             float eps, float wd, float step_size, float bc2_sqrt);
+/* hyper: the step's values, uploaded by the host (SGD: lr; AdamW: lr, lr / bc1, sqrt(bc2)) */
+void k_sgd(cudaStream_t s, float *p, const float *g, float *mom, int64_t n, const float *hyper, float momentum,
+           float wd, int nesterov, int first);
+void k_adamw(cudaStream_t s, float *p, const float *g, float *m, float *v, int64_t n, const float *hyper, float b1,
+             float b2, float eps, float wd);
 void k_ema(cudaStream_t s, float *ema, const float *x, int64_t n, float decay);
 
-/* norm.cu: batchnorm over (B, C, S) per channel */
-void k_bn_stats(cudaStream_t s, const float *x, int64_t b, int64_t c, int64_t sp, double *sum, double *sumsq);
+/* norm.cu: batchnorm over (B, C, S) per channel; sums as backend.h's ops */
+void k_bn_stats(cudaStream_t s, const float *x, int64_t b, int64_t c, int64_t sp, double *sums);
+void k_bn_finalize(cudaStream_t s, int64_t c, int training, float momentum, float eps, const double *sums, float *mean,
+                   float *invstd, float *running_mean, float *running_var);
 void k_bn_apply(cudaStream_t s, const float *x, float *y, int64_t b, int64_t c, int64_t sp, const float *mean,
                 const float *invstd, const float *gamma, const float *beta);
 void k_bn_bwd_stats(cudaStream_t s, const float *x, const float *dy, int64_t b, int64_t c, int64_t sp,
-                    const float *mean, const float *invstd, double *sum_dy, double *sum_dy_xhat);
+                    const float *mean, const float *invstd, double *sums, float *dgamma, float *dbeta);
 void k_bn_bwd_apply(cudaStream_t s, const float *x, const float *dy, float *dx, int64_t b, int64_t c, int64_t sp,
-                    double count, const float *mean, const float *invstd, const float *gamma, const double *sum_dy,
-                    const double *sum_dy_xhat);
+                    const double *count, const float *mean, const float *invstd, const float *gamma,
+                    const double *sums);
 
 /* pool.cu: max (argmax kept) and average pooling, NCHW, no padding */
 void k_pool_fwd(cudaStream_t s, int kind, const float *x, float *y, int32_t *argmax, int64_t b, int64_t c, int64_t h,
@@ -54,7 +58,7 @@ void k_pool_fwd(cudaStream_t s, int kind, const float *x, float *y, int32_t *arg
 void k_pool_bwd(cudaStream_t s, int kind, const float *dy, const int32_t *argmax, float *dx, int64_t b, int64_t c,
                 int64_t h, int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo);
 
-/* loss.cu: per-sample losses summed into out[0], hits into out[1] (doubles; per-sample pairs in
+/* loss.cu: per-sample losses added to out[0], hits to out[1] (doubles; per-sample pairs in
  * `pairs`, 2 * b doubles, added in a fixed order); dlogits weighted by `weight` (1 / global count) */
 void k_loss(cudaStream_t s, int kind, const float *logits, const int32_t *labels, const float *targets, float *dlogits,
             int64_t b, int64_t k, float label_smoothing, double weight, double *out, double *pairs);

@@ -3,8 +3,9 @@
 #include "common.cuh"
 #include "kernels.h"
 
-__global__ void sgd_kernel(float *p, const float *g, float *mom, int64_t n, float lr, float momentum, float wd,
-                           int nesterov, int first) {
+__global__ void sgd_kernel(float *p, const float *g, float *mom, int64_t n, const float *hyper, float momentum,
+                           float wd, int nesterov, int first) {
+  float lr = hyper[0];
   GRID_STRIDE(i, n) {
     float d = g[i] + wd * p[i];
     if (momentum > 0) {
@@ -16,8 +17,9 @@ __global__ void sgd_kernel(float *p, const float *g, float *mom, int64_t n, floa
   }
 }
 
-__global__ void adamw_kernel(float *p, const float *g, float *m, float *v, int64_t n, float lr, float b1, float b2,
-                             float eps, float wd, float step_size, float bc2_sqrt) {
+__global__ void adamw_kernel(float *p, const float *g, float *m, float *v, int64_t n, const float *hyper, float b1,
+                             float b2, float eps, float wd) {
+  float lr = hyper[0], step_size = hyper[1], bc2_sqrt = hyper[2];
   GRID_STRIDE(i, n) {
     float gi = g[i];
     p[i] *= 1.0f - lr * wd;
@@ -33,14 +35,14 @@ __global__ void ema_kernel(float *ema, const float *x, int64_t n, float decay, f
 
 extern "C" {
 
-void k_sgd(cudaStream_t s, float *p, const float *g, float *mom, int64_t n, float lr, float momentum, float wd,
-           int nesterov, int first) {
-  LAUNCH(sgd_kernel, blocks_for(n), kThreads, 0, s)(p, g, mom, n, lr, momentum, wd, nesterov, first);
+void k_sgd(cudaStream_t s, float *p, const float *g, float *mom, int64_t n, const float *hyper, float momentum,
+           float wd, int nesterov, int first) {
+  LAUNCH(sgd_kernel, blocks_for(n), kThreads, 0, s)(p, g, mom, n, hyper, momentum, wd, nesterov, first);
 }
 
-void k_adamw(cudaStream_t s, float *p, const float *g, float *m, float *v, int64_t n, float lr, float b1, float b2,
-             float eps, float wd, float step_size, float bc2_sqrt) {
-  LAUNCH(adamw_kernel, blocks_for(n), kThreads, 0, s)(p, g, m, v, n, lr, b1, b2, eps, wd, step_size, bc2_sqrt);
+void k_adamw(cudaStream_t s, float *p, const float *g, float *m, float *v, int64_t n, const float *hyper, float b1,
+             float b2, float eps, float wd) {
+  LAUNCH(adamw_kernel, blocks_for(n), kThreads, 0, s)(p, g, m, v, n, hyper, b1, b2, eps, wd);
 }
 
 void k_ema(cudaStream_t s, float *ema, const float *x, int64_t n, float decay) {

@@ -1,9 +1,12 @@
-/* backend.h: the op interface every backend implements (CPU now, CUDA in backend_cuda.c).
+/* backend.h: the op interface every backend implements (backend_cpu.c, backend_cuda.c).
  * Layers describe work as a dt_op (an op type plus its typed parameters) and hand it to
- * backend_run; a backend implements the whole op set in one switch. Buffers are backend memory
- * (host memory on the CPU), allocated once at start-up through the backend.
+ * backend_run. Every pointer in an op is backend memory (host memory on the CPU), allocated
+ * through the backend: ops read no host memory and write none, so a whole training step can be
+ * queued (and captured as a CUDA graph) with no host synchronisation; host values go in through
+ * upload() and come out through to_host().
  * Contract of backward ops: activation gradients (dx) are overwritten, parameter gradients
- * (dw, db, dgamma, dbeta) are added into, so gradient accumulation is a matter of not zeroing. */
+ * (dw, db, dgamma, dbeta) are added into, so gradient accumulation is a matter of not zeroing.
+ * Sums outputs (loss, hits, sums of squares) are added into, so one buffer collects a step. */
 #ifndef DT_BACKEND_H
 #define DT_BACKEND_H
 
@@ -19,10 +22,11 @@ typedef enum {
   DT_OP_CONV_FWD,        /* y(B,O,Ho,Wo) = x(B,C,H,W) * w(O,C,K,K) */
   DT_OP_CONV_BWD_DATA,   /* dx(B,C,H,W) = convT(dy, w) */
   DT_OP_CONV_BWD_FILTER, /* dw(O,C,K,K) += corr(x, dy) */
-  DT_OP_BN_STATS,        /* sum(c), sumsq(c) over (b,s), in double */
+  DT_OP_BN_STATS,        /* sum(c), sumsq(c) over (b,s), in double, and the count b*s */
+  DT_OP_BN_FINALIZE,     /* mean, invstd from the sums (training, running statistics updated) or the running ones */
   DT_OP_BN_APPLY,        /* y = (x - mean(c)) * invstd(c) * gamma(c) + beta(c) */
-  DT_OP_BN_BWD_STATS,    /* sum_dy(c), sum_dy_xhat(c) over (b,s), in double */
-  DT_OP_BN_BWD_APPLY,    /* dx from the reduced sums; dgamma, dbeta added */
+  DT_OP_BN_BWD_STATS,    /* sum_dy(c), sum_dy_xhat(c) over (b,s), in double; added to dbeta, dgamma */
+  DT_OP_BN_BWD_APPLY,    /* dx from the (reduced) sums */
   DT_OP_ACT_FWD,         /* y = f(x) */
   DT_OP_ACT_BWD,         /* dx = f'(x) dy */
   DT_OP_POOL_FWD,        /* max or average pooling, NCHW */
@@ -34,8 +38,10 @@ typedef enum {
   DT_OP_SGD,   /* one SGD step over a flat range */
   DT_OP_ADAMW, /* one AdamW step over a flat range */
   DT_OP_SCALE, /* x *= alpha */
-  DT_OP_SUMSQ, /* out = sum x^2 (double) and count of non-finite values */
-  DT_OP_INPUT, /* x(b, c, s) = (raw * scale - mean(c)) / std(c); raw is float on the host */
+  DT_OP_SUMSQ, /* out[0] += sum x^2 (double), out[1] += count of non-finite values */
+  DT_OP_CLIP,  /* x *= max_norm / (sqrt(*sumsq) + 1e-6) when sqrt(*sumsq) > max_norm */
+  DT_OP_COPY,  /* y = x */
+  DT_OP_INPUT, /* x(b, c, s) = (raw * scale - mean(c)) / std(c) */
   DT_OP_EMA,   /* ema = decay * ema + (1 - decay) * x, over a flat range */
   DT_OP_COUNT
 } dt_op_type;
@@ -88,8 +94,16 @@ typedef struct {
     struct {
       int64_t b, c, s;
       const float *x;
-      double *sum, *sumsq;
+      double *sums; /* (2C + 1): sum(c), sumsq(c), then the count b * s */
     } bn_stats;
+    struct {
+      int64_t c;
+      int training;
+      float momentum, eps;
+      const double *sums;                /* (2C + 1) of bn_stats (reduced over ranks when sync); training only */
+      float *mean, *invstd;              /* (C), written */
+      float *running_mean, *running_var; /* (C): updated in training (unbiased variance), read otherwise */
+    } bn_finalize;
     struct {
       int64_t b, c, s;
       const float *x, *mean, *invstd, *gamma, *beta;
@@ -98,14 +112,15 @@ typedef struct {
     struct {
       int64_t b, c, s;
       const float *x, *dy, *mean, *invstd;
-      double *sum_dy, *sum_dy_xhat;
+      double *sums;          /* (2C): sum_dy(c), sum_dy_xhat(c), written */
+      float *dgamma, *dbeta; /* (C): the local sums added (the gradient allreduce sums them) */
     } bn_bwd_stats;
     struct {
       int64_t b, c, s;
-      double count; /* global samples*s behind the sums */
+      const double *count; /* the forward's count (sums[2C] of bn_stats): global when statistics were */
       const float *x, *dy, *mean, *invstd, *gamma;
-      const double *sum_dy, *sum_dy_xhat;
-      float *dx, *dgamma, *dbeta;
+      const double *sums; /* (2C) of bn_bwd_stats, reduced over ranks when sync */
+      float *dx;
     } bn_bwd_apply;
     struct {
       int kind;
@@ -136,7 +151,8 @@ typedef struct {
     struct {
       int64_t n;
       float p;
-      uint64_t seed;
+      uint64_t seed;             /* the layer's part of the mask's seed */
+      const uint64_t *step_seed; /* (1): the micro-batch's part, mixed in as dt_hash64(seed ^ *step_seed) */
       const float *x;
       float *y;
     } dropout_fwd;
@@ -144,6 +160,7 @@ typedef struct {
       int64_t n;
       float p;
       uint64_t seed;
+      const uint64_t *step_seed;
       const float *dy;
       float *dx;
     } dropout_bwd;
@@ -161,21 +178,22 @@ typedef struct {
       const int32_t *labels;
       const float *targets;
       float *dlogits;
-      double *loss_sum, *correct; /* host outputs: sum of per-sample losses, hits */
+      double *sums; /* (2): += sum of per-sample losses, += hits */
     } loss;
     struct {
       int64_t n;
-      float lr, momentum, weight_decay;
+      float momentum, weight_decay;
       int nesterov;
-      int first; /* first: momentum buffer starts as grad */
+      int first;          /* first: momentum buffer starts as grad */
+      const float *hyper; /* (1): lr, uploaded each step */
       float *param;
       const float *grad;
       float *mom;
     } sgd;
     struct {
       int64_t n;
-      float lr, beta1, beta2, eps, weight_decay;
-      int64_t step; /* step counts from 1 */
+      float beta1, beta2, eps, weight_decay;
+      const float *hyper; /* (3): lr, lr / (1 - beta1^t), sqrt(1 - beta2^t) for step t, uploaded each step */
       float *param;
       const float *grad;
       float *m, *v;
@@ -188,13 +206,23 @@ typedef struct {
     struct {
       int64_t n;
       const float *x;
-      double *sumsq;
-      int64_t *nonfinite;
+      double *out; /* (2): += sum x^2, += count of non-finite values */
     } sumsq;
+    struct {
+      int64_t n;
+      float max_norm;
+      const double *sumsq; /* (1) */
+      float *x;
+    } clip;
+    struct {
+      int64_t n;
+      const float *x;
+      float *y;
+    } copy;
     struct {
       int64_t b, c, s;
       float scale;
-      const float *mean, *std; /* mean/std (C) on the host; NULL: none */
+      const float *mean, *std; /* (C); NULL: none */
       const float *raw;
       float *x;
     } input;
@@ -216,19 +244,36 @@ struct dt_backend {
   void (*run)(dt_backend *be, const dt_op *op);
   float *(*alloc)(dt_backend *be, size_t bytes); /* zeroed; aborts on failure naming the size */
   void (*free)(dt_backend *be, void *p);
+  /* Synchronous copies (they wait for queued work): for start-up, checkpoints, evaluation. */
   void (*to_device)(dt_backend *be, void *dst, const void *src, size_t bytes);
   void (*to_host)(dt_backend *be, void *dst, const void *src, size_t bytes);
-  void (*zero)(dt_backend *be, void *p, size_t bytes);
+  /* Queued host-to-device copy: src may be reused as soon as it returns. */
+  void (*upload)(dt_backend *be, void *dst, const void *src, size_t bytes);
+  /* Queued device-to-host copy into dst (memory from alloc_host), valid once done() says so. */
+  void (*download)(dt_backend *be, void *dst, const void *src, size_t bytes);
+  /* 1 when every queued op has completed (never blocks). */
+  int (*done)(dt_backend *be);
+  /* Host memory the device copies to and from asynchronously (pinned on CUDA). */
+  void *(*alloc_host)(dt_backend *be, size_t bytes);
+  void (*free_host)(dt_backend *be, void *p);
+  void (*zero)(dt_backend *be, void *p, size_t bytes); /* queued */
   void (*sync)(dt_backend *be);
   void (*destroy)(dt_backend *be);
   int threads;
-  int host_memory; /* buffers are host memory (CPU): MPI can use them directly */
-  void *stream;    /* the backend's work queue for device collectives (a cudaStream_t); NULL on the CPU */
+  int host_memory;    /* buffers are host memory (CPU): MPI can use them directly */
+  void *stream;       /* the backend's work queue for device collectives (a cudaStream_t); NULL on the CPU */
+  int64_t generation; /* bumped when the backend moves an internal buffer: captured work must be captured again */
   void *impl;
 };
 
 static inline void backend_run(dt_backend *be, const dt_op *op) {
   be->run(be, op);
+}
+
+/* Queues y = x over n floats (backend memory). */
+static inline void backend_copy(dt_backend *be, float *y, const float *x, int64_t n) {
+  dt_op op = {.type = DT_OP_COPY, .p.copy = {.n = n, .x = x, .y = y}};
+  backend_run(be, &op);
 }
 
 /* CPU backend with `threads` threads for BLAS and loops. Caller owns; destroy frees. */

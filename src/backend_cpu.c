@@ -10,10 +10,11 @@
 #include "backend.h"
 
 const char *const dt_op_names[DT_OP_COUNT] = {
-    "gemm",     "bias_add", "bias_grad",    "conv_fwd",     "conv_bwd_data", "conv_bwd_filter",
-    "bn_stats", "bn_apply", "bn_bwd_stats", "bn_bwd_apply", "act_fwd",       "act_bwd",
-    "pool_fwd", "pool_bwd", "dropout_fwd",  "dropout_bwd",  "add",           "loss",
-    "sgd",      "adamw",    "scale",        "sumsq",        "input",         "ema"};
+    "gemm",     "bias_add",    "bias_grad", "conv_fwd",     "conv_bwd_data", "conv_bwd_filter",
+    "bn_stats", "bn_finalize", "bn_apply",  "bn_bwd_stats", "bn_bwd_apply",  "act_fwd",
+    "act_bwd",  "pool_fwd",    "pool_bwd",  "dropout_fwd",  "dropout_bwd",   "add",
+    "loss",     "sgd",         "adamw",     "scale",        "sumsq",         "clip",
+    "copy",     "input",       "ema"};
 _Static_assert(sizeof dt_op_names / sizeof *dt_op_names == DT_OP_COUNT, "dt_op_names must name every op");
 
 /* Per-thread workspaces, grown on first use at each new shape (the first steps). */
@@ -265,8 +266,35 @@ static void op_bn_stats(cpu_impl *im, const dt_op *op) {
         s2 += (double)x[s] * x[s];
       }
     }
-    q->sum[c] = s1;
-    q->sumsq[c] = s2;
+    q->sums[c] = s1;
+    q->sums[q->c + c] = s2;
+  }
+  q->sums[2 * q->c] = (double)(q->b * q->s);
+}
+
+/* Batch statistics (biased variance) from the sums, running statistics updated with the unbiased
+ * one, as PyTorch; in evaluation the running statistics. Double precision, as kernels/norm.cu. */
+static void op_bn_finalize(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.bn_finalize) *q = &op->p.bn_finalize;
+  for (int64_t c = 0; c < q->c; c++) {
+    if (!q->training) {
+      q->mean[c] = q->running_mean[c];
+      q->invstd[c] = (float)(1.0 / sqrt((double)q->running_var[c] + q->eps));
+      continue;
+    }
+    double n = q->sums[2 * q->c];
+    double mu = n > 0 ? q->sums[c] / n : 0.0;
+    double var = n > 0 ? q->sums[q->c + c] / n - mu * mu : 0.0;
+    if (var < 0) var = 0;
+    q->mean[c] = (float)mu;
+    q->invstd[c] = (float)(1.0 / sqrt(var + q->eps));
+    if (n > 0) {
+      double unbiased = n > 1 ? var * n / (n - 1) : var;
+      float m = q->momentum;
+      q->running_mean[c] = (1 - m) * q->running_mean[c] + m * (float)mu;
+      q->running_var[c] = (1 - m) * q->running_var[c] + m * (float)unbiased;
+    }
   }
 }
 
@@ -298,31 +326,29 @@ static void op_bn_bwd_stats(cpu_impl *im, const dt_op *op) {
         s2 += (double)dy[s] * ((x[s] - m) * is);
       }
     }
-    q->sum_dy[c] = s1;
-    q->sum_dy_xhat[c] = s2;
+    q->sums[c] = s1;
+    q->sums[q->c + c] = s2;
+    q->dbeta[c] += (float)s1;
+    q->dgamma[c] += (float)s2;
   }
 }
 
 static void op_bn_bwd_apply(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.bn_bwd_apply) *q = &op->p.bn_bwd_apply;
-  /* dx = gamma*invstd * (dy - mean(dy) - xhat * mean(dy*xhat)), means over the global count */
+  double count = *q->count;
+  /* dx = gamma*invstd * (dy - mean(dy) - xhat * mean(dy*xhat)), means over the (global) count */
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < q->b; b++)
     for (int64_t c = 0; c < q->c; c++) {
       const float *x = q->x + (b * q->c + c) * q->s, *dy = q->dy + (b * q->c + c) * q->s;
       float *dx = q->dx + (b * q->c + c) * q->s;
       float m = q->mean[c], is = q->invstd[c], gi = q->gamma[c] * is;
-      float mdy = (float)(q->sum_dy[c] / q->count), mdyx = (float)(q->sum_dy_xhat[c] / q->count);
+      float mdy = (float)(q->sums[c] / count), mdyx = (float)(q->sums[q->c + c] / count);
       for (int64_t s = 0; s < q->s; s++) {
         float xhat = (x[s] - m) * is;
         dx[s] = gi * (dy[s] - mdy - xhat * mdyx);
       }
-    }
-  if (q->dgamma)
-    for (int64_t c = 0; c < q->c; c++) {
-      q->dgamma[c] += (float)q->sum_dy_xhat[c];
-      q->dbeta[c] += (float)q->sum_dy[c];
     }
 }
 
@@ -398,16 +424,18 @@ static void op_dropout_fwd(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.dropout_fwd) *q = &op->p.dropout_fwd;
   float keep = 1.0f / (1.0f - q->p);
+  uint64_t seed = dt_hash64(q->seed ^ *q->step_seed);
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < q->n; i++) q->y[i] = dt_hash_uniform(q->seed, (uint64_t)i) >= q->p ? q->x[i] * keep : 0.0f;
+  for (int64_t i = 0; i < q->n; i++) q->y[i] = dt_hash_uniform(seed, (uint64_t)i) >= q->p ? q->x[i] * keep : 0.0f;
 }
 
 static void op_dropout_bwd(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.dropout_bwd) *q = &op->p.dropout_bwd;
   float keep = 1.0f / (1.0f - q->p);
+  uint64_t seed = dt_hash64(q->seed ^ *q->step_seed);
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < q->n; i++) q->dx[i] = dt_hash_uniform(q->seed, (uint64_t)i) >= q->p ? q->dy[i] * keep : 0.0f;
+  for (int64_t i = 0; i < q->n; i++) q->dx[i] = dt_hash_uniform(seed, (uint64_t)i) >= q->p ? q->dy[i] * keep : 0.0f;
 }
 
 static void op_add(cpu_impl *im, const dt_op *op) {
@@ -454,13 +482,14 @@ static void op_loss(cpu_impl *im, const dt_op *op) {
       total += l / (double)q->k;
     }
   }
-  *q->loss_sum = total;
-  *q->correct = hits;
+  q->sums[0] += total;
+  q->sums[1] += hits;
 }
 
 static void op_sgd(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.sgd) *q = &op->p.sgd;
+  float lr = q->hyper[0];
   /* PyTorch's SGD: g += wd*p; buf = momentum*buf + g (buf = g at first); nesterov: g += momentum*buf */
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < q->n; i++) {
@@ -470,20 +499,18 @@ static void op_sgd(cpu_impl *im, const dt_op *op) {
       q->mom[i] = buf;
       g = q->nesterov ? g + q->momentum * buf : buf;
     }
-    q->param[i] -= q->lr * g;
+    q->param[i] -= lr * g;
   }
 }
 
 static void op_adamw(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.adamw) *q = &op->p.adamw;
-  double bc1 = 1.0 - pow(q->beta1, (double)q->step), bc2 = 1.0 - pow(q->beta2, (double)q->step);
-  float step_size = (float)(q->lr / bc1);
-  float bc2_sqrt = (float)sqrt(bc2);
+  float lr = q->hyper[0], step_size = q->hyper[1], bc2_sqrt = q->hyper[2];
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < q->n; i++) {
     float g = q->grad[i];
-    q->param[i] *= 1.0f - q->lr * q->weight_decay;
+    q->param[i] *= 1.0f - lr * q->weight_decay;
     q->m[i] = q->beta1 * q->m[i] + (1.0f - q->beta1) * g;
     q->v[i] = q->beta2 * q->v[i] + (1.0f - q->beta2) * g * g;
     float denom = sqrtf(q->v[i]) / bc2_sqrt + q->eps;
@@ -511,8 +538,8 @@ static void op_sumsq(cpu_impl *im, const dt_op *op) {
     else
       acc += (double)v * v;
   }
-  *q->sumsq = acc;
-  *q->nonfinite = bad;
+  q->out[0] += acc;
+  q->out[1] += (double)bad;
 }
 
 static void op_input(cpu_impl *im, const dt_op *op) {
@@ -536,6 +563,21 @@ static void op_ema(cpu_impl *im, const dt_op *op) {
   for (int64_t i = 0; i < q->n; i++) q->ema[i] = d * q->ema[i] + rest * q->x[i];
 }
 
+static void op_clip(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.clip) *q = &op->p.clip;
+  double norm = sqrt(*q->sumsq);
+  if (!(norm > q->max_norm)) return;
+  float alpha = (float)(q->max_norm / (norm + 1e-6));
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < q->n; i++) q->x[i] *= alpha;
+}
+
+static void op_copy(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  if (op->p.copy.n) memcpy(op->p.copy.y, op->p.copy.x, (size_t)op->p.copy.n * sizeof(float));
+}
+
 typedef void (*cpu_op_fn)(cpu_impl *im, const dt_op *op);
 static const cpu_op_fn cpu_ops[DT_OP_COUNT] = {
     [DT_OP_GEMM] = op_gemm,
@@ -545,6 +587,7 @@ static const cpu_op_fn cpu_ops[DT_OP_COUNT] = {
     [DT_OP_CONV_BWD_DATA] = op_conv_bwd_data,
     [DT_OP_CONV_BWD_FILTER] = op_conv_bwd_filter,
     [DT_OP_BN_STATS] = op_bn_stats,
+    [DT_OP_BN_FINALIZE] = op_bn_finalize,
     [DT_OP_BN_APPLY] = op_bn_apply,
     [DT_OP_BN_BWD_STATS] = op_bn_bwd_stats,
     [DT_OP_BN_BWD_APPLY] = op_bn_bwd_apply,
@@ -560,6 +603,8 @@ static const cpu_op_fn cpu_ops[DT_OP_COUNT] = {
     [DT_OP_ADAMW] = op_adamw,
     [DT_OP_SCALE] = op_scale,
     [DT_OP_SUMSQ] = op_sumsq,
+    [DT_OP_CLIP] = op_clip,
+    [DT_OP_COPY] = op_copy,
     [DT_OP_INPUT] = op_input,
     [DT_OP_EMA] = op_ema,
 };
@@ -600,6 +645,15 @@ static void cpu_sync(dt_backend *be) {
   (void)be;
 }
 
+static int cpu_done(dt_backend *be) {
+  (void)be;
+  return 1;
+}
+
+static void *cpu_alloc_host(dt_backend *be, size_t bytes) {
+  return cpu_alloc(be, bytes);
+}
+
 static void cpu_destroy(dt_backend *be) {
   cpu_impl *im = be->impl;
   for (int t = 0; t < im->threads; t++) {
@@ -627,6 +681,11 @@ dt_backend *backend_cpu_create(int threads) {
                      .free = cpu_free,
                      .to_device = cpu_copy,
                      .to_host = cpu_copy,
+                     .upload = cpu_copy,
+                     .download = cpu_copy,
+                     .done = cpu_done,
+                     .alloc_host = cpu_alloc_host,
+                     .free_host = cpu_free,
                      .zero = cpu_zero,
                      .sync = cpu_sync,
                      .destroy = cpu_destroy,

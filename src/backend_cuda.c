@@ -1,10 +1,10 @@
 /* backend_cuda.c: the op interface on one GPU. GEMM through cuBLAS, convolutions through cuDNN
  * (the algorithm chosen once per shape from cuDNN's heuristics: deterministic, FP32 FMA math, within
  * a workspace limit, with no per-run benchmarking), everything else through kernels/ (kernels.h).
- * All work is queued on one stream; host outputs (loss sums, sums of squares) are read back
- * synchronously. Host inputs (input rows, labels, targets, mean/std) are copied into one pinned
- * staging buffer and sent in one transfer, so the caller's buffers may change as soon as an op
- * returns. FP32 only, TF32 off: results follow the CPU reference to float rounding.
+ * All work is queued on one stream and no op waits on the host, so a training step can be
+ * captured as a CUDA graph. upload() copies host data through a pinned staging ring (two halves,
+ * each reused once its copies are done), so the caller's buffer may change as soon as it returns.
+ * FP32 only, TF32 off: results follow the CPU reference to float rounding.
  * Checked on the CPU stand-in (tests/gpusim) in every `make test`; see the README for what only
  * a real GPU can show. */
 #include <cublas_v2.h>
@@ -62,6 +62,7 @@ typedef struct {
 } conv_plan;
 
 typedef struct {
+  dt_backend *be; /* owner: its generation is bumped when an internal buffer moves */
   int device;
   cudaStream_t stream;
   cublasHandle_t blas;
@@ -70,14 +71,13 @@ typedef struct {
   int n_plans;
   void *workspace;
   size_t workspace_bytes;
-  double *out;      /* (2) device: loss and sumsq results */
-  double *partials; /* device: per-block or per-sample pairs, summed into out in a fixed order */
+  double *partials; /* device: per-block or per-sample pairs, summed in a fixed order */
   size_t partials_bytes;
-  void *stage_host; /* pinned host staging for host inputs */
-  size_t stage_host_bytes;
-  void *stage_dev; /* their device copy */
-  size_t stage_dev_bytes;
-  cudaEvent_t staged; /* recorded after the last copy out of stage_host */
+  char *stage;           /* pinned host staging for upload(): two halves of stage_half bytes */
+  size_t stage_half;     /* bytes in each half */
+  size_t stage_used;     /* bytes used in the current half */
+  int stage_cur;         /* the half being filled */
+  cudaEvent_t staged[2]; /* recorded after the last copy out of each half */
 } cuda_impl;
 
 /* A failed allocation: out of memory gets the batch-size advice; any other error (a sticky one
@@ -102,6 +102,7 @@ static _Noreturn void alloc_failed(const cuda_impl *im, cudaError_t err, size_t 
  * stream is drained before it is freed (cudaFree does not promise to wait for it). */
 static void *grow_device(cuda_impl *im, void **buf, size_t *have, size_t need, const char *what) {
   if (need <= *have) return *buf;
+  im->be->generation++; /* work captured with the old buffer must be captured again */
   if (*buf) {
     CUDA_CHECK(cudaStreamSynchronize(im->stream));
     CUDA_CHECK(cudaFree(*buf));
@@ -118,36 +119,70 @@ static size_t align256(size_t n) {
   return (n + 255) & ~(size_t)255;
 }
 
-/* Copies n host pieces (NULL: absent) to the device in one transfer on the stream; dev[i] gets
- * each piece's device address. The pieces may be reused as soon as this returns. */
-static void stage(cuda_impl *im, int n, const void *const *host, const size_t *bytes, const void **dev) {
-  size_t off[4], total = 0;
-  DT_ASSERT(n <= 4);
-  for (int i = 0; i < n; i++) {
-    off[i] = total;
-    total += host[i] ? align256(bytes[i]) : 0;
-  }
-  if (!total) total = 256;
-  /* the previous transfer out of the pinned buffer must be done before it is overwritten */
-  CUDA_CHECK(cudaEventSynchronize(im->staged));
-  if (total > im->stage_host_bytes) {
-    if (im->stage_host) CUDA_CHECK(cudaFreeHost(im->stage_host));
-    im->stage_host = NULL;
-    cudaError_t err = cudaMallocHost(&im->stage_host, total);
+/* Queues a copy of host bytes to dst through the pinned staging ring: the copy reads a pinned
+ * snapshot, so src may change as soon as this returns. A half is refilled only once the copies
+ * out of it are done (an event, long passed in a steady loop). */
+static void cuda_upload(dt_backend *be, void *dst, const void *src, size_t bytes) {
+  cuda_impl *im = be->impl;
+  if (!bytes) return;
+  size_t need = align256(bytes);
+  if (need > im->stage_half) { /* grow: wait for every copy out of the ring, then replace it */
+    for (int h = 0; h < 2; h++) CUDA_CHECK(cudaEventSynchronize(im->staged[h]));
+    if (im->stage) CUDA_CHECK(cudaFreeHost(im->stage));
+    size_t half = (size_t)1 << 20;
+    while (half < need) half *= 2;
+    cudaError_t err = cudaMallocHost((void **)&im->stage, 2 * half);
     if (err != cudaSuccess) {
       cudaGetLastError();
-      dt_die("cudaMallocHost of %zu bytes of pinned input staging failed: %s (%s)", total, cudaGetErrorString(err),
+      dt_die("cudaMallocHost of %zu bytes of pinned upload staging failed: %s (%s)", 2 * half, cudaGetErrorString(err),
              cudaGetErrorName(err));
     }
-    im->stage_host_bytes = total;
+    im->stage_half = half;
+    im->stage_used = 0;
+    im->stage_cur = 0;
+  } else if (im->stage_used + need > im->stage_half) { /* the other half, once its copies are done */
+    im->stage_cur ^= 1;
+    im->stage_used = 0;
+    CUDA_CHECK(cudaEventSynchronize(im->staged[im->stage_cur]));
   }
-  char *d = grow_device(im, &im->stage_dev, &im->stage_dev_bytes, total, "input staging");
-  for (int i = 0; i < n; i++) {
-    dev[i] = host[i] ? d + off[i] : NULL;
-    if (host[i] && bytes[i]) memcpy((char *)im->stage_host + off[i], host[i], bytes[i]);
+  char *at = im->stage + (size_t)im->stage_cur * im->stage_half + im->stage_used;
+  memcpy(at, src, bytes);
+  im->stage_used += need;
+  CUDA_CHECK(cudaMemcpyAsync(dst, at, bytes, cudaMemcpyHostToDevice, im->stream));
+  CUDA_CHECK(cudaEventRecord(im->staged[im->stage_cur], im->stream));
+}
+
+/* dst: pinned host memory from cuda_alloc_host; valid once cuda_done says so. */
+static void cuda_download(dt_backend *be, void *dst, const void *src, size_t bytes) {
+  cuda_impl *im = be->impl;
+  if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, im->stream));
+}
+
+static int cuda_done(dt_backend *be) {
+  cuda_impl *im = be->impl;
+  cudaError_t q = cudaStreamQuery(im->stream);
+  if (q == cudaErrorNotReady) return 0;
+  CUDA_CHECK(q);
+  return 1;
+}
+
+static void *cuda_alloc_host(dt_backend *be, size_t bytes) {
+  (void)be;
+  void *p = NULL;
+  cudaError_t err = cudaMallocHost(&p, bytes ? bytes : 1);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    dt_die("cudaMallocHost of %zu bytes failed: %s (%s)", bytes, cudaGetErrorString(err), cudaGetErrorName(err));
   }
-  CUDA_CHECK(cudaMemcpyAsync(d, im->stage_host, total, cudaMemcpyHostToDevice, im->stream));
-  CUDA_CHECK(cudaEventRecord(im->staged, im->stream));
+  memset(p, 0, bytes ? bytes : 1);
+  return p;
+}
+
+static void cuda_free_host(dt_backend *be, void *p) {
+  cuda_impl *im = be->impl;
+  if (!p) return;
+  CUDA_CHECK(cudaStreamSynchronize(im->stream)); /* queued copies may still read or write it */
+  CUDA_CHECK(cudaFreeHost(p));
 }
 
 static _Noreturn void no_algorithm(const dt_conv_geom *g, const char *pass) {
@@ -283,7 +318,13 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
     case DT_OP_BN_STATS: {
       const typeof(op->p.bn_stats) *q = &op->p.bn_stats;
       CHECK_INDEXABLE(q->b * q->c * q->s);
-      k_bn_stats(s, q->x, q->b, q->c, q->s, q->sum, q->sumsq);
+      k_bn_stats(s, q->x, q->b, q->c, q->s, q->sums);
+      break;
+    }
+    case DT_OP_BN_FINALIZE: {
+      const typeof(op->p.bn_finalize) *q = &op->p.bn_finalize;
+      k_bn_finalize(s, q->c, q->training, q->momentum, q->eps, q->sums, q->mean, q->invstd, q->running_mean,
+                    q->running_var);
       break;
     }
     case DT_OP_BN_APPLY: {
@@ -295,15 +336,13 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
     case DT_OP_BN_BWD_STATS: {
       const typeof(op->p.bn_bwd_stats) *q = &op->p.bn_bwd_stats;
       CHECK_INDEXABLE(q->b * q->c * q->s);
-      k_bn_bwd_stats(s, q->x, q->dy, q->b, q->c, q->s, q->mean, q->invstd, q->sum_dy, q->sum_dy_xhat);
+      k_bn_bwd_stats(s, q->x, q->dy, q->b, q->c, q->s, q->mean, q->invstd, q->sums, q->dgamma, q->dbeta);
       break;
     }
     case DT_OP_BN_BWD_APPLY: {
       const typeof(op->p.bn_bwd_apply) *q = &op->p.bn_bwd_apply;
       CHECK_INDEXABLE(q->b * q->c * q->s);
-      DT_ASSERT(!q->dgamma); /* the batchnorm layer adds parameter gradients itself */
-      k_bn_bwd_apply(s, q->x, q->dy, q->dx, q->b, q->c, q->s, q->count, q->mean, q->invstd, q->gamma, q->sum_dy,
-                     q->sum_dy_xhat);
+      k_bn_bwd_apply(s, q->x, q->dy, q->dx, q->b, q->c, q->s, q->count, q->mean, q->invstd, q->gamma, q->sums);
       break;
     }
     case DT_OP_ACT_FWD: k_act_fwd(s, op->p.act_fwd.kind, op->p.act_fwd.x, op->p.act_fwd.y, op->p.act_fwd.n); break;
@@ -326,43 +365,32 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
     }
     case DT_OP_DROPOUT_FWD: {
       const typeof(op->p.dropout_fwd) *q = &op->p.dropout_fwd;
-      k_dropout(s, q->x, q->y, q->n, q->p, q->seed);
+      k_dropout(s, q->x, q->y, q->n, q->p, q->seed, q->step_seed);
       break;
     }
     case DT_OP_DROPOUT_BWD: { /* the same mask on the gradient */
       const typeof(op->p.dropout_bwd) *q = &op->p.dropout_bwd;
-      k_dropout(s, q->dy, q->dx, q->n, q->p, q->seed);
+      k_dropout(s, q->dy, q->dx, q->n, q->p, q->seed, q->step_seed);
       break;
     }
     case DT_OP_ADD: k_add(s, op->p.add.a, op->p.add.b, op->p.add.y, op->p.add.n); break;
     case DT_OP_LOSS: {
       const typeof(op->p.loss) *q = &op->p.loss;
-      /* labels and targets come from the host loader */
-      const void *in[2] = {q->labels, q->targets}, *dev[2];
-      size_t bytes[2] = {(size_t)q->b * sizeof(int32_t), (size_t)(q->b * q->k) * sizeof(float)};
-      stage(im, 2, in, bytes, dev);
       double *pairs =
           grow_device(im, (void **)&im->partials, &im->partials_bytes,
                       (size_t)(q->b > K_SUM_BLOCKS ? q->b : K_SUM_BLOCKS) * 2 * sizeof(double), "loss sums");
-      k_loss(s, q->kind, q->logits, dev[0], dev[1], q->dlogits, q->b, q->k, q->label_smoothing, q->weight, im->out,
-             pairs);
-      double host[2];
-      CUDA_CHECK(cudaMemcpyAsync(host, im->out, sizeof host, cudaMemcpyDeviceToHost, s));
-      CUDA_CHECK(cudaStreamSynchronize(s));
-      *q->loss_sum = host[0];
-      *q->correct = host[1];
+      k_loss(s, q->kind, q->logits, q->labels, q->targets, q->dlogits, q->b, q->k, q->label_smoothing, q->weight,
+             q->sums, pairs);
       break;
     }
     case DT_OP_SGD: {
       const typeof(op->p.sgd) *q = &op->p.sgd;
-      k_sgd(s, q->param, q->grad, q->mom, q->n, q->lr, q->momentum, q->weight_decay, q->nesterov, q->first);
+      k_sgd(s, q->param, q->grad, q->mom, q->n, q->hyper, q->momentum, q->weight_decay, q->nesterov, q->first);
       break;
     }
     case DT_OP_ADAMW: {
       const typeof(op->p.adamw) *q = &op->p.adamw;
-      double bc1 = 1.0 - pow(q->beta1, (double)q->step), bc2 = 1.0 - pow(q->beta2, (double)q->step);
-      k_adamw(s, q->param, q->grad, q->m, q->v, q->n, q->lr, q->beta1, q->beta2, q->eps, q->weight_decay,
-              (float)(q->lr / bc1), (float)sqrt(bc2));
+      k_adamw(s, q->param, q->grad, q->m, q->v, q->n, q->hyper, q->beta1, q->beta2, q->eps, q->weight_decay);
       break;
     }
     case DT_OP_SCALE: k_scale(s, op->p.scale.x, op->p.scale.alpha, op->p.scale.n); break;
@@ -370,23 +398,19 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
       const typeof(op->p.sumsq) *q = &op->p.sumsq;
       double *pairs = grow_device(im, (void **)&im->partials, &im->partials_bytes,
                                   (size_t)K_SUM_BLOCKS * 2 * sizeof(double), "sums of squares");
-      k_sumsq(s, q->x, q->n, im->out, pairs);
-      double host[2];
-      CUDA_CHECK(cudaMemcpyAsync(host, im->out, sizeof host, cudaMemcpyDeviceToHost, s));
-      CUDA_CHECK(cudaStreamSynchronize(s));
-      *q->sumsq = host[0];
-      *q->nonfinite = (int64_t)host[1];
+      k_sumsq(s, q->x, q->n, q->out, pairs);
       break;
     }
+    case DT_OP_CLIP: k_clip(s, op->p.clip.x, op->p.clip.n, op->p.clip.max_norm, op->p.clip.sumsq); break;
+    case DT_OP_COPY:
+      if (op->p.copy.n)
+        CUDA_CHECK(cudaMemcpyAsync(op->p.copy.y, op->p.copy.x, (size_t)op->p.copy.n * sizeof(float),
+                                   cudaMemcpyDeviceToDevice, s));
+      break;
     case DT_OP_INPUT: {
       const typeof(op->p.input) *q = &op->p.input;
       CHECK_INDEXABLE(q->b * q->c * q->s);
-      /* raw rows from the loader, mean and std from the caller's stack: staged together */
-      const void *in[3] = {q->raw, q->mean, q->std}, *dev[3];
-      size_t bytes[3] = {(size_t)(q->b * q->c * q->s) * sizeof(float), (size_t)q->c * sizeof(float),
-                         (size_t)q->c * sizeof(float)};
-      stage(im, 3, in, bytes, dev);
-      k_input(s, dev[0], q->x, q->b, q->c, q->s, q->scale, dev[1], dev[2]);
+      k_input(s, q->raw, q->x, q->b, q->c, q->s, q->scale, q->mean, q->std);
       break;
     }
     case DT_OP_EMA:
@@ -445,11 +469,9 @@ static void cuda_destroy(dt_backend *be) {
   }
   free(im->plans);
   CUDA_CHECK(cudaFree(im->workspace));
-  CUDA_CHECK(cudaFree(im->stage_dev));
-  if (im->stage_host) CUDA_CHECK(cudaFreeHost(im->stage_host));
-  CUDA_CHECK(cudaEventDestroy(im->staged));
+  if (im->stage) CUDA_CHECK(cudaFreeHost(im->stage));
+  for (int h = 0; h < 2; h++) CUDA_CHECK(cudaEventDestroy(im->staged[h]));
   CUDA_CHECK(cudaFree(im->partials));
-  CUDA_CHECK(cudaFree(im->out));
   CUDNN_CHECK(cudnnDestroy(im->dnn));
   CUBLAS_CHECK(cublasDestroy(im->blas));
   CUDA_CHECK(cudaStreamDestroy(im->stream));
@@ -468,14 +490,19 @@ dt_backend *backend_cuda_create(int device) {
   CUBLAS_CHECK(cublasSetMathMode(im->blas, CUBLAS_PEDANTIC_MATH)); /* FP32 reference: no TF32 */
   CUDNN_CHECK(cudnnCreate(&im->dnn));
   CUDNN_CHECK(cudnnSetStream(im->dnn, im->stream));
-  CUDA_CHECK(cudaMalloc((void **)&im->out, 2 * sizeof(double)));
-  CUDA_CHECK(cudaEventCreateWithFlags(&im->staged, cudaEventDisableTiming));
+  for (int h = 0; h < 2; h++) CUDA_CHECK(cudaEventCreateWithFlags(&im->staged[h], cudaEventDisableTiming));
+  im->be = be;
   *be = (dt_backend){.name = "cuda",
                      .run = cuda_run,
                      .alloc = cuda_alloc,
                      .free = cuda_free,
                      .to_device = cuda_copy,
                      .to_host = cuda_copy,
+                     .upload = cuda_upload,
+                     .download = cuda_download,
+                     .done = cuda_done,
+                     .alloc_host = cuda_alloc_host,
+                     .free_host = cuda_free_host,
                      .zero = cuda_zero,
                      .sync = cuda_sync,
                      .destroy = cuda_destroy,

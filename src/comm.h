@@ -79,15 +79,20 @@ typedef struct {
   int started;
 } dt_bucket;
 
-/* Called on a bucket's range [begin, end) before it is sent: counts non-finite values, so a
- * NaN is blamed on the rank that produced it. */
-typedef int64_t (*dt_check_fn)(void *ctx, int64_t begin, int64_t end);
+/* Called on a bucket's range [begin, end) before it is sent: queues a count of its non-finite
+ * values (read with the step's other results), so a NaN is blamed on the rank that produced it. */
+typedef void (*dt_check_fn)(void *ctx, int64_t begin, int64_t end);
 
-/* A device collective library that sums gradient ranges over the ranks in place (NCCL,
- * comm_nccl.c). Without one, buckets go through MPI. */
+/* A device collective library that sums over the ranks in place on the device (NCCL,
+ * comm_nccl.c), with no host wait: everything is queued, so a step can be captured. Without
+ * one, buckets go through MPI. */
 typedef struct {
   void (*start)(void *ctx, float *buf, int64_t count); /* queue the sum of buf[0..count) */
-  void (*finish)(void *ctx, const char *what);         /* wait for all queued sums, under the deadline */
+  void (*join)(void *ctx);                             /* the compute stream waits for the queued sums */
+  void (*sum_f64)(void *ctx, double *buf, int n);      /* queue the sum of n doubles, on the compute stream */
+  /* While the host waits for queued work: a failed or vanished peer, or the deadline passed
+   * since `since` (dt_now()), aborts the communicator and the job (exit 3), naming `what`. */
+  void (*check)(void *ctx, const char *what, double since);
   void *ctx;
 } dt_device_reduce;
 
@@ -99,7 +104,6 @@ typedef struct {
   float *staging;              /* owned: host copy of the buffer (NULL for host backends) */
   dt_check_fn check;
   void *check_ctx;
-  int64_t nonfinite; /* found by check since the last grad_sync_finish */
   int n_buckets;
   dt_bucket *buckets; /* buckets[0] is the last range of the buffer */
   int next;           /* first bucket not yet started */
@@ -122,7 +126,8 @@ void nccl_destroy(dt_nccl *n, int failed);
 void grad_sync_free(dt_grad_sync *g);
 /* Backward hook: every gradient at offset >= from is final. Starts the buckets it completes. */
 void grad_sync_ready(dt_grad_sync *g, int64_t from);
-/* Starts what is left and waits for every bucket; sums over ranks in place. */
+/* Starts what is left; sums over ranks in place. Over MPI it waits for every bucket (under the
+ * deadline); on the device it only makes the compute stream wait for them. */
 void grad_sync_finish(dt_grad_sync *g);
 
 #endif

@@ -1,8 +1,10 @@
 /* comm_nccl.c: gradient sums over NCCL. Rank 0 makes the unique id, MPI broadcasts it, and each
  * rank joins with ncclCommInitRankConfig in non-blocking mode, so that every wait can poll
  * ncclCommGetAsyncError and give up at dist.timeout_s with ncclCommAbort instead of hanging.
- * Sums run on their own stream; a CUDA event makes each wait for the backward work queued before
- * it, and a second event makes the compute stream wait for the sums (the optimizer step). */
+ * Gradient sums run on their own stream; a CUDA event makes each wait for the backward work
+ * queued before it, and a second event makes the compute stream wait for the sums (the optimizer
+ * step). Nothing here waits on the host: the host's one wait per step (the trainer's) polls
+ * nccl_check, so a whole step can be captured as a CUDA graph. */
 #include <cuda_runtime.h>
 #include <nccl.h>
 #include <stdio.h>
@@ -84,19 +86,35 @@ static void nccl_start(void *ctx, float *buf, int64_t count) {
   settle(n, "ncclAllReduce");
 }
 
-static void nccl_finish(void *ctx, const char *what) {
+static void nccl_join(void *ctx) {
   dt_nccl *n = ctx;
   CUDA_CHECK(cudaEventRecord(n->done, n->comm_stream));
   CUDA_CHECK(cudaStreamWaitEvent(n->compute, n->done, 0));
-  double t0 = dt_now();
-  for (;;) {
-    cudaError_t q = cudaEventQuery(n->done);
-    if (q == cudaSuccess) return;
-    if (q != cudaErrorNotReady) CUDA_CHECK(q);
-    settle(n, what); /* a peer's failure surfaces here as an asynchronous error */
-    if (dt_now() - t0 > n->mpi->timeout_s) timed_out(n, what);
-    usleep(50);
+}
+
+/* Small sums (synchronised batchnorm statistics) go on the compute stream, in its order. */
+static void nccl_sum_f64(void *ctx, double *buf, int count) {
+  dt_nccl *n = ctx;
+  ncclResult_t rc = ncclAllReduce(buf, buf, (size_t)count, ncclDouble, ncclSum, n->comm, n->compute);
+  if (rc != ncclSuccess && rc != ncclInProgress) {
+    char why[256];
+    snprintf(why, sizeof why, "failed for %d values: %s", count, ncclGetErrorString(rc));
+    give_up(n, "ncclAllReduce (batchnorm statistics)", why);
   }
+  settle(n, "ncclAllReduce (batchnorm statistics)");
+}
+
+/* A peer's failure surfaces as an asynchronous error of the communicator. */
+static void nccl_check(void *ctx, const char *what, double since) {
+  dt_nccl *n = ctx;
+  ncclResult_t state;
+  ncclResult_t rc = ncclCommGetAsyncError(n->comm, &state);
+  if (rc != ncclSuccess || (state != ncclSuccess && state != ncclInProgress)) {
+    char why[256];
+    snprintf(why, sizeof why, "failed: %s", ncclGetErrorString(rc != ncclSuccess ? rc : state));
+    give_up(n, what, why);
+  }
+  if (dt_now() - since > n->mpi->timeout_s) timed_out(n, what);
 }
 
 /* Joins the communicator: polls ncclCommGetAsyncError until the non-blocking initialisation is
@@ -157,7 +175,8 @@ dt_nccl *nccl_create(dt_comm *c, void *compute_stream, dt_status *st) {
   CUDA_CHECK(cudaStreamCreateWithFlags(&n->comm_stream, cudaStreamNonBlocking));
   CUDA_CHECK(cudaEventCreateWithFlags(&n->ready, cudaEventDisableTiming));
   CUDA_CHECK(cudaEventCreateWithFlags(&n->done, cudaEventDisableTiming));
-  n->reducer = (dt_device_reduce){nccl_start, nccl_finish, n};
+  n->reducer = (dt_device_reduce){
+      .start = nccl_start, .join = nccl_join, .sum_f64 = nccl_sum_f64, .check = nccl_check, .ctx = n};
   return n;
 }
 

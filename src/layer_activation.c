@@ -49,20 +49,22 @@ static const dt_key dropout_keys[] = {
     {"p", DT_KEY_FLOAT, A(p), "0.5", 0, 0.999, NULL, "probability of zeroing an element"},
 };
 
-/* The mask is a hash of (pass seed, layer index, element), so backward recomputes it. */
-static uint64_t dropout_seed(const dt_layer *l, const dt_pass *pass) {
-  return dt_hash64(pass->dropout_seed ^ ((uint64_t)l->index * 0x9e3779b97f4a7c15ULL));
+/* The mask is a hash of (the micro-batch's seed, which the step uploads, layer index, element), so
+ * backward recomputes it. */
+static uint64_t dropout_seed(const dt_layer *l) {
+  return (uint64_t)l->index * 0x9e3779b97f4a7c15ULL;
 }
 
 static void dropout_forward(dt_layer *l, dt_pass *pass, const float *x) {
   int64_t n = pass->batch * shape_size(l->in);
   if (!pass->training || l->args.p == 0) {
-    pass->be->to_device(pass->be, l->y, x, (size_t)n * sizeof(float));
+    backend_copy(pass->be, l->y, x, n);
     return;
   }
-  dt_op op = {.type = DT_OP_DROPOUT_FWD};
-  op.p.dropout_fwd =
-      (typeof(op.p.dropout_fwd)){.n = n, .p = (float)l->args.p, .seed = dropout_seed(l, pass), .x = x, .y = l->y};
+  dt_op op = {
+      .type = DT_OP_DROPOUT_FWD,
+      .p.dropout_fwd = {
+          .n = n, .p = (float)l->args.p, .seed = dropout_seed(l), .step_seed = pass->step_seed, .x = x, .y = l->y}};
   backend_run(pass->be, &op);
 }
 
@@ -71,12 +73,13 @@ static void dropout_backward(dt_layer *l, dt_pass *pass, const float *x, float *
   if (!dx) return;
   int64_t n = pass->batch * shape_size(l->in);
   if (l->args.p == 0) {
-    pass->be->to_device(pass->be, dx, l->dy, (size_t)n * sizeof(float));
+    backend_copy(pass->be, dx, l->dy, n);
     return;
   }
-  dt_op op = {.type = DT_OP_DROPOUT_BWD};
-  op.p.dropout_bwd =
-      (typeof(op.p.dropout_bwd)){.n = n, .p = (float)l->args.p, .seed = dropout_seed(l, pass), .dy = l->dy, .dx = dx};
+  dt_op op = {
+      .type = DT_OP_DROPOUT_BWD,
+      .p.dropout_bwd = {
+          .n = n, .p = (float)l->args.p, .seed = dropout_seed(l), .step_seed = pass->step_seed, .dy = l->dy, .dx = dx}};
   backend_run(pass->be, &op);
 }
 
@@ -97,12 +100,12 @@ static int flatten_setup(dt_model *m, dt_layer *l, dt_status *st) {
 
 /* Same memory order, so forward and backward are copies (on the device for GPU backends). */
 static void flatten_forward(dt_layer *l, dt_pass *pass, const float *x) {
-  pass->be->to_device(pass->be, l->y, x, (size_t)(pass->batch * shape_size(l->in)) * sizeof(float));
+  backend_copy(pass->be, l->y, x, pass->batch * shape_size(l->in));
 }
 
 static void flatten_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
   (void)x;
-  if (dx) pass->be->to_device(pass->be, dx, l->dy, (size_t)(pass->batch * shape_size(l->in)) * sizeof(float));
+  if (dx) backend_copy(pass->be, dx, l->dy, pass->batch * shape_size(l->in));
 }
 
 const dt_layer_ops dt_layer_flatten = {

@@ -2,7 +2,6 @@
  * Tensors as PyTorch: weight, bias (params); running_mean, running_var (buffers).
  * Training normalises with the batch statistics (biased variance) and updates the running ones
  * with the unbiased variance; sync: true reduces the sums over all ranks in forward and backward. */
-#include <math.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,12 +16,10 @@ static const dt_key bn_keys[] = {
 };
 
 typedef struct {
-  float *mean, *invstd; /* (C) backend memory: what forward used */
-  double *sums;         /* host (3C): sum, sumsq, count | sum_dy, sum_dy_xhat */
-  double *dev_sums;     /* (2C) backend memory for the stats ops */
-  float *host_f;        /* host (4C) scratch */
-  double count;         /* rows*spatial behind the last forward's statistics */
-} bn_state;
+  float *mean, *invstd; /* (C): what forward used */
+  double *stats;        /* (2C + 1): forward sums and count, reduced over ranks when sync */
+  double *grad_sums;    /* (2C): backward sums */
+} bn_state;             /* all backend memory: the step never reads them on the host */
 
 static int bn_setup(dt_model *m, dt_layer *l, dt_status *st) {
   (void)m;
@@ -53,9 +50,8 @@ static void bn_alloc(dt_layer *l, dt_backend *be, int64_t max_batch) {
   bn_state *s = dt_calloc(1, sizeof *s);
   s->mean = be->alloc(be, (size_t)c * sizeof(float));
   s->invstd = be->alloc(be, (size_t)c * sizeof(float));
-  s->dev_sums = (double *)be->alloc(be, (size_t)(2 * c) * sizeof(double));
-  s->sums = dt_calloc((size_t)(2 * c + 1), sizeof(double));
-  s->host_f = dt_calloc((size_t)(4 * c), sizeof(float));
+  s->stats = (double *)be->alloc(be, (size_t)(2 * c + 1) * sizeof(double));
+  s->grad_sums = (double *)be->alloc(be, (size_t)(2 * c) * sizeof(double));
   l->priv = s;
 }
 
@@ -64,9 +60,8 @@ static void bn_release(dt_layer *l, dt_backend *be) {
   if (!s) return;
   be->free(be, s->mean);
   be->free(be, s->invstd);
-  be->free(be, s->dev_sums);
-  free(s->sums);
-  free(s->host_f);
+  be->free(be, s->stats);
+  be->free(be, s->grad_sums);
 }
 
 static int64_t spatial(const dt_layer *l) {
@@ -77,111 +72,68 @@ static void bn_forward(dt_layer *l, dt_pass *pass, const float *x) {
   bn_state *s = l->priv;
   dt_backend *be = pass->be;
   int64_t c = l->in.c;
-  float *mean = s->host_f, *invstd = s->host_f + c, *rm = s->host_f + 2 * c, *rv = s->host_f + 3 * c;
-  float *bufs_rm = pass->bufs + l->tensors[2].offset, *bufs_rv = pass->bufs + l->tensors[3].offset;
-  be->to_host(be, rm, bufs_rm, (size_t)c * sizeof(float));
-  be->to_host(be, rv, bufs_rv, (size_t)c * sizeof(float));
   if (pass->training) {
-    dt_op op = {.type = DT_OP_BN_STATS};
-    op.p.bn_stats = (typeof(op.p.bn_stats)){
-        .b = pass->batch, .c = c, .s = spatial(l), .x = x, .sum = s->dev_sums, .sumsq = s->dev_sums + c};
-    if (pass->batch > 0)
-      backend_run(be, &op);
-    else
-      memset(s->sums, 0, (size_t)(2 * c) * sizeof(double)),
-          be->to_device(be, s->dev_sums, s->sums, (size_t)(2 * c) * sizeof(double));
-    be->to_host(be, s->sums, s->dev_sums, (size_t)(2 * c) * sizeof(double));
-    s->sums[2 * c] = (double)(pass->batch * spatial(l));
-    if (l->args.sync && pass->allreduce_sum) pass->allreduce_sum(pass->ctx, s->sums, (int)(2 * c + 1));
-    double n = s->sums[2 * c];
-    s->count = n;
-    float m = (float)l->args.momentum;
-    for (int64_t i = 0; i < c; i++) {
-      double mu = n > 0 ? s->sums[i] / n : 0.0;
-      double var = n > 0 ? s->sums[c + i] / n - mu * mu : 0.0;
-      if (var < 0) var = 0;
-      mean[i] = (float)mu;
-      invstd[i] = (float)(1.0 / sqrt(var + l->args.eps));
-      if (n > 0) {
-        double unbiased = n > 1 ? var * n / (n - 1) : var;
-        rm[i] = (1 - m) * rm[i] + m * (float)mu;
-        rv[i] = (1 - m) * rv[i] + m * (float)unbiased;
-      }
-    }
-    be->to_device(be, bufs_rm, rm, (size_t)c * sizeof(float));
-    be->to_device(be, bufs_rv, rv, (size_t)c * sizeof(float));
-  } else {
-    for (int64_t i = 0; i < c; i++) {
-      mean[i] = rm[i];
-      invstd[i] = (float)(1.0 / sqrt((double)rv[i] + l->args.eps));
-    }
+    dt_op op = {.type = DT_OP_BN_STATS,
+                .p.bn_stats = {.b = pass->batch, .c = c, .s = spatial(l), .x = x, .sums = s->stats}};
+    backend_run(be, &op);
+    if (l->args.sync && pass->allreduce_sum) pass->allreduce_sum(pass->ctx, s->stats, (int)(2 * c + 1));
   }
-  be->to_device(be, s->mean, mean, (size_t)c * sizeof(float));
-  be->to_device(be, s->invstd, invstd, (size_t)c * sizeof(float));
-  const float *gamma = pass->params + l->tensors[0].offset, *beta = pass->params + l->tensors[1].offset;
-  dt_op ap = {.type = DT_OP_BN_APPLY};
-  ap.p.bn_apply = (typeof(ap.p.bn_apply)){.b = pass->batch,
-                                          .c = c,
-                                          .s = spatial(l),
-                                          .x = x,
-                                          .mean = s->mean,
-                                          .invstd = s->invstd,
-                                          .gamma = gamma,
-                                          .beta = beta,
-                                          .y = l->y};
+  dt_op fin = {.type = DT_OP_BN_FINALIZE,
+               .p.bn_finalize = {.c = c,
+                                 .training = pass->training,
+                                 .momentum = (float)l->args.momentum,
+                                 .eps = (float)l->args.eps,
+                                 .sums = s->stats,
+                                 .mean = s->mean,
+                                 .invstd = s->invstd,
+                                 .running_mean = pass->bufs + l->tensors[2].offset,
+                                 .running_var = pass->bufs + l->tensors[3].offset}};
+  backend_run(be, &fin);
+  dt_op ap = {.type = DT_OP_BN_APPLY,
+              .p.bn_apply = {.b = pass->batch,
+                             .c = c,
+                             .s = spatial(l),
+                             .x = x,
+                             .mean = s->mean,
+                             .invstd = s->invstd,
+                             .gamma = pass->params + l->tensors[0].offset,
+                             .beta = pass->params + l->tensors[1].offset,
+                             .y = l->y}};
   backend_run(be, &ap);
 }
 
+/* Parameter gradients take the local sums (the gradient allreduce sums them); dx needs the
+ * global ones when the statistics were global. */
 static void bn_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
   bn_state *s = l->priv;
   dt_backend *be = pass->be;
   int64_t c = l->in.c;
-  dt_op op = {.type = DT_OP_BN_BWD_STATS};
-  op.p.bn_bwd_stats = (typeof(op.p.bn_bwd_stats)){.b = pass->batch,
-                                                  .c = c,
-                                                  .s = spatial(l),
-                                                  .x = x,
-                                                  .dy = l->dy,
-                                                  .mean = s->mean,
-                                                  .invstd = s->invstd,
-                                                  .sum_dy = s->dev_sums,
-                                                  .sum_dy_xhat = s->dev_sums + c};
-  if (pass->batch > 0) {
-    backend_run(be, &op);
-    be->to_host(be, s->sums, s->dev_sums, (size_t)(2 * c) * sizeof(double));
-  } else {
-    memset(s->sums, 0, (size_t)(2 * c) * sizeof(double));
-  }
-  /* Parameter gradients use the local sums (the gradient allreduce sums them);
-   * dx needs the global ones when statistics were global. */
-  float *dgamma = pass->grads + l->tensors[0].offset, *dbeta = pass->grads + l->tensors[1].offset;
-  float *hg = s->host_f, *hb = s->host_f + c;
-  be->to_host(be, hg, dgamma, (size_t)c * sizeof(float));
-  be->to_host(be, hb, dbeta, (size_t)c * sizeof(float));
-  for (int64_t i = 0; i < c; i++) {
-    hg[i] += (float)s->sums[c + i];
-    hb[i] += (float)s->sums[i];
-  }
-  be->to_device(be, dgamma, hg, (size_t)c * sizeof(float));
-  be->to_device(be, dbeta, hb, (size_t)c * sizeof(float));
-  if (l->args.sync && pass->allreduce_sum) pass->allreduce_sum(pass->ctx, s->sums, (int)(2 * c));
-  if (!dx || pass->batch == 0) return;
-  be->to_device(be, s->dev_sums, s->sums, (size_t)(2 * c) * sizeof(double));
-  dt_op ap = {.type = DT_OP_BN_BWD_APPLY};
-  ap.p.bn_bwd_apply = (typeof(ap.p.bn_bwd_apply)){.b = pass->batch,
-                                                  .c = c,
-                                                  .s = spatial(l),
-                                                  .count = s->count,
-                                                  .x = x,
-                                                  .dy = l->dy,
-                                                  .mean = s->mean,
-                                                  .invstd = s->invstd,
-                                                  .gamma = pass->params + l->tensors[0].offset,
-                                                  .sum_dy = s->dev_sums,
-                                                  .sum_dy_xhat = s->dev_sums + c,
-                                                  .dx = dx,
-                                                  .dgamma = NULL,
-                                                  .dbeta = NULL};
+  dt_op op = {.type = DT_OP_BN_BWD_STATS,
+              .p.bn_bwd_stats = {.b = pass->batch,
+                                 .c = c,
+                                 .s = spatial(l),
+                                 .x = x,
+                                 .dy = l->dy,
+                                 .mean = s->mean,
+                                 .invstd = s->invstd,
+                                 .sums = s->grad_sums,
+                                 .dgamma = pass->grads + l->tensors[0].offset,
+                                 .dbeta = pass->grads + l->tensors[1].offset}};
+  backend_run(be, &op);
+  if (l->args.sync && pass->allreduce_sum) pass->allreduce_sum(pass->ctx, s->grad_sums, (int)(2 * c));
+  if (!dx) return;
+  dt_op ap = {.type = DT_OP_BN_BWD_APPLY,
+              .p.bn_bwd_apply = {.b = pass->batch,
+                                 .c = c,
+                                 .s = spatial(l),
+                                 .count = s->stats + 2 * c,
+                                 .x = x,
+                                 .dy = l->dy,
+                                 .mean = s->mean,
+                                 .invstd = s->invstd,
+                                 .gamma = pass->params + l->tensors[0].offset,
+                                 .sums = s->grad_sums,
+                                 .dx = dx}};
   backend_run(be, &ap);
 }
 

@@ -66,14 +66,14 @@ static void residual_forward(dt_layer *l, dt_pass *pass, const float *x) {
 /* Shortcut first: its parameters sit after the body's, and gradients complete from the end. */
 static void residual_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
   residual_state *s = l->priv;
-  size_t out_bytes = (size_t)(pass->batch * shape_size(l->out)) * sizeof(float);
+  int64_t out_n = pass->batch * shape_size(l->out);
   dt_layer *body_last = l->body.layers[l->body.n - 1];
   if (l->shortcut.n) {
     dt_layer *short_last = l->shortcut.layers[l->shortcut.n - 1];
-    pass->be->to_device(pass->be, short_last->dy, l->dy, out_bytes);
+    backend_copy(pass->be, short_last->dy, l->dy, out_n);
     seq_backward(&l->shortcut, pass, x, dx ? s->dx_short : NULL);
   }
-  pass->be->to_device(pass->be, body_last->dy, l->dy, out_bytes);
+  backend_copy(pass->be, body_last->dy, l->dy, out_n);
   seq_backward(&l->body, pass, x, dx);
   if (!dx) return;
   dt_op op = {.type = DT_OP_ADD};

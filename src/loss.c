@@ -54,23 +54,18 @@ const char *loss_name(const dt_loss *l) {
 }
 
 void loss_run(const dt_loss *l, dt_backend *be, int64_t rows, int64_t k, double weight, const float *logits,
-              const int32_t *labels, const float *targets, float *dlogits, double *loss_sum, double *correct) {
-  double sum = 0, hits = 0;
-  if (rows > 0) {
-    dt_op op = {.type = DT_OP_LOSS,
-                .p.loss = {.kind = l->kind,
-                           .b = rows,
-                           .k = k,
-                           .label_smoothing = (float)l->label_smoothing,
-                           .weight = weight,
-                           .logits = logits,
-                           .labels = labels,
-                           .targets = targets,
-                           .dlogits = dlogits,
-                           .loss_sum = &sum,
-                           .correct = &hits}};
-    backend_run(be, &op);
-  }
-  *loss_sum += sum;
-  *correct += hits;
+              const int32_t *labels, const float *targets, float *dlogits, double *sums) {
+  if (rows == 0) return; /* a rank with no rows this batch */
+  dt_op op = {.type = DT_OP_LOSS,
+              .p.loss = {.kind = l->kind,
+                         .b = rows,
+                         .k = k,
+                         .label_smoothing = (float)l->label_smoothing,
+                         .weight = weight,
+                         .logits = logits,
+                         .labels = labels,
+                         .targets = targets,
+                         .dlogits = dlogits,
+                         .sums = sums}};
+  backend_run(be, &op);
 }

@@ -126,6 +126,13 @@ int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
     m->input = (dt_shape){3, 1, (int64_t)in->v[0], (int64_t)in->v[1]};
   else
     m->input = (dt_shape){1, (int64_t)in->v[0], 1, 1};
+  const dt_config_values *v = &cfg->v;
+  m->in_scale = (float)v->scale;
+  m->in_channels = m->input.rank == 3 ? (int)m->input.c : 1;
+  m->has_mean = v->mean.n > 0;
+  m->has_std = v->std.n > 0;
+  for (int c = 0; c < v->mean.n && c < DT_MAX_LIST; c++) m->in_mean[c] = (float)v->mean.v[c];
+  for (int c = 0; c < v->std.n && c < DT_MAX_LIST; c++) m->in_std[c] = (float)v->std.v[c];
   if (seq_build(m, &m->top, cfg->v.layers, m->input, "", "model.layers", st)) return st->code;
   if (loss_parse(&m->loss, cfg->v.loss, st)) return st->code;
   dt_shape out = m->top.layers[m->top.n - 1]->out;
@@ -162,6 +169,9 @@ void model_alloc(dt_model *m, dt_backend *be, int64_t max_batch, uint64_t seed) 
   m->grads = be->alloc(be, (size_t)m->n_params * sizeof(float));
   m->bufs = be->alloc(be, (size_t)(m->n_bufs ? m->n_bufs : 1) * sizeof(float));
   m->input_x = be->alloc(be, (size_t)(max_batch * shape_size(m->input)) * sizeof(float));
+  m->norm = be->alloc(be, (size_t)(2 * m->in_channels) * sizeof(float));
+  be->to_device(be, m->norm, m->in_mean, (size_t)m->in_channels * sizeof(float));
+  be->to_device(be, m->norm + m->in_channels, m->in_std, (size_t)m->in_channels * sizeof(float));
   alloc_seq(m, &m->top, be, max_batch);
   float *hp = dt_calloc((size_t)(m->n_params ? m->n_params : 1), sizeof(float));
   float *hb = dt_calloc((size_t)(m->n_bufs ? m->n_bufs : 1), sizeof(float));
@@ -201,6 +211,7 @@ void model_free(dt_model *m) {
     be->free(be, m->grads);
     be->free(be, m->bufs);
     be->free(be, m->input_x);
+    be->free(be, m->norm);
   }
   free_seq(&m->top, be);
   free(m->all);
@@ -335,8 +346,21 @@ float *model_dlogits(dt_model *m) {
   return m->top.layers[m->top.n - 1]->dy;
 }
 
-void model_loss(dt_model *m, dt_pass *pass, const int32_t *labels, const float *targets, double *loss_sum,
-                double *correct) {
+void model_input(dt_model *m, const float *raw, int64_t rows) {
+  int64_t ch = m->in_channels;
+  dt_op op = {.type = DT_OP_INPUT,
+              .p.input = {.b = rows,
+                          .c = ch,
+                          .s = shape_size(m->input) / ch,
+                          .scale = m->in_scale,
+                          .mean = m->has_mean ? m->norm : NULL,
+                          .std = m->has_std ? m->norm + ch : NULL,
+                          .raw = raw,
+                          .x = m->input_x}};
+  backend_run(m->be, &op);
+}
+
+void model_loss(dt_model *m, dt_pass *pass, const int32_t *labels, const float *targets, double *sums) {
   loss_run(&m->loss, pass->be, pass->batch, m->n_outputs, 1.0 / pass->global_count, model_logits(m), labels, targets,
-           model_dlogits(m), loss_sum, correct);
+           model_dlogits(m), sums);
 }

@@ -97,10 +97,11 @@ struct dt_pass {
   dt_backend *be;
   int64_t batch; /* local rows */
   int training;
-  double global_count; /* rows in the global batch (sync batchnorm) */
-  uint64_t dropout_seed;
+  double global_count;          /* rows in the global batch (the loss's weight) */
+  const uint64_t *step_seed;    /* (1) backend memory: the micro-batch's dropout seed; NULL when not training */
   float *params, *grads, *bufs; /* flat, backend memory */
-  /* sync batchnorm: sums (n doubles, host) over all ranks in place; NULL: single process */
+  /* sync batchnorm: sums (n doubles, backend memory) over all ranks in place, queued where the
+   * communicator allows; NULL: single process */
   void (*allreduce_sum)(void *ctx, double *data, int n);
   /* backward hook: every gradient at offset >= from is final for this pass */
   void (*grads_ready)(void *ctx, int64_t from);
@@ -117,11 +118,16 @@ struct dt_model {
   int64_t n_params, n_bufs;
   dt_tensor *tensors; /* every tensor, in PyTorch state_dict order */
   int n_tensors;
+  /* input normalisation (data.scale, data.mean, data.std): x = (raw * scale - mean[c]) / std[c] */
+  float in_scale;
+  int in_channels, has_mean, has_std;
+  float in_mean[DT_MAX_LIST], in_std[DT_MAX_LIST];
   /* backend memory, after model_alloc */
   dt_backend *be;
   int64_t max_batch;
   float *params, *grads, *bufs;
   float *input_x; /* (B, input) */
+  float *norm;    /* (2 * in_channels): mean, then std */
 };
 
 /* Parses model.layers/loss, infers every shape. Returns 0 or st (exit 2 naming layer and shapes). */
@@ -141,12 +147,13 @@ int64_t model_flops(const dt_model *m);
 /* The largest tensor one row passes through: the input or a layer's output (values per row). */
 int64_t model_max_row(const dt_model *m);
 
+/* Queues the normalised input of rows raw rows (backend memory, (rows, input)) into m->input_x. */
+void model_input(dt_model *m, const float *raw, int64_t rows);
 /* Forward over pass->batch rows of m->input_x; logits end in the last layer's y. */
 void model_forward(dt_model *m, dt_pass *pass);
 /* The loss of the last forward over pass->batch rows: dlogits (the last layer's dy) written,
- * the summed loss and hits added to *loss_sum and *correct. */
-void model_loss(dt_model *m, dt_pass *pass, const int32_t *labels, const float *targets, double *loss_sum,
-                double *correct);
+ * the summed loss and hits added to sums[0], sums[1]. labels, targets, sums: backend memory. */
+void model_loss(dt_model *m, dt_pass *pass, const int32_t *labels, const float *targets, double *sums);
 /* Backward from the last layer's dy (set by model_loss). */
 void model_backward(dt_model *m, dt_pass *pass);
 float *model_logits(dt_model *m);

@@ -55,14 +55,27 @@ void optim_init(dt_optim *o, const dt_config_values *cfg, dt_backend *be, int64_
   o->total_steps = total_steps;
   o->n_states = o->ops->n_states(cfg);
   for (int i = 0; i < o->n_states; i++) o->states[i] = be->alloc(be, (size_t)(n ? n : 1) * sizeof(float));
+  o->hyper = be->alloc(be, DT_OPTIM_HYPER * sizeof(float));
 }
 
 void optim_free(dt_optim *o, dt_backend *be) {
   for (int i = 0; i < o->n_states; i++) be->free(be, o->states[i]);
+  if (o->hyper) be->free(be, o->hyper);
   memset(o, 0, sizeof *o);
 }
 
-void optim_step(dt_optim *o, dt_backend *be, float *params, const float *grads, double lr) {
-  o->ops->step(o->cfg, be, o->n, o->step, lr, params, grads, o->states);
+void optim_prepare(dt_optim *o, dt_backend *be, double lr) {
+  float h[DT_OPTIM_HYPER] = {0};
+  o->ops->hyper(o->cfg, o->step, lr, h);
+  be->upload(be, o->hyper, h, sizeof h);
+}
+
+void optim_apply(dt_optim *o, dt_backend *be, float *params, const float *grads) {
+  o->ops->step(o->cfg, be, o->n, o->step, o->hyper, params, grads, o->states);
   o->step++;
+}
+
+void optim_step(dt_optim *o, dt_backend *be, float *params, const float *grads, double lr) {
+  optim_prepare(o, be, lr);
+  optim_apply(o, be, params, grads);
 }

@@ -10,15 +10,19 @@
 #include "backend.h"
 #include "config.h"
 
-enum { DT_OPTIM_MAX_STATES = 2 };
+enum { DT_OPTIM_MAX_STATES = 2, DT_OPTIM_HYPER = 4 };
 
 typedef struct {
   const char *name;                             /* optim.name */
   const char *state_names[DT_OPTIM_MAX_STATES]; /* PyTorch's per-parameter state keys */
   /* state tensors this config needs (SGD without momentum: none) */
   int (*n_states)(const dt_config_values *c);
-  /* Queues one step over n values. t: steps already taken; states: n_states tensors of n. */
-  void (*step)(const dt_config_values *c, dt_backend *be, int64_t n, int64_t t, double lr, float *params,
+  /* The step's host-side values (DT_OPTIM_HYPER floats) for step t (steps already taken) at lr. */
+  void (*hyper)(const dt_config_values *c, int64_t t, double lr, float *out);
+  /* Queues one step over n values reading `hyper` (backend memory, uploaded before it runs). The
+   * op itself depends on t only through `first` values fixed after step 0, so a captured step
+   * replays. states: n_states tensors of n. */
+  void (*step)(const dt_config_values *c, dt_backend *be, int64_t n, int64_t t, const float *hyper, float *params,
                const float *grads, float *const *states);
 } dt_optim_ops;
 
@@ -38,6 +42,7 @@ typedef struct {
   int64_t n;
   int n_states;
   float *states[DT_OPTIM_MAX_STATES]; /* (n) each, backend memory */
+  float *hyper;                       /* (DT_OPTIM_HYPER) backend memory: this step's learning rate etc. */
   int64_t step;                       /* optimizer steps taken */
 } dt_optim;
 
@@ -45,7 +50,11 @@ double schedule_lr(const dt_config_values *cfg, int64_t t, int64_t total);
 
 void optim_init(dt_optim *o, const dt_config_values *cfg, dt_backend *be, int64_t n, int64_t total_steps);
 void optim_free(dt_optim *o, dt_backend *be);
-/* One step at lr over params with grads; advances o->step. */
+/* Uploads the next step's values at lr (queued; outside a captured step). */
+void optim_prepare(dt_optim *o, dt_backend *be, double lr);
+/* Queues the step prepared last over params with grads; advances o->step. */
+void optim_apply(dt_optim *o, dt_backend *be, float *params, const float *grads);
+/* optim_prepare then optim_apply. */
 void optim_step(dt_optim *o, dt_backend *be, float *params, const float *grads, double lr);
 
 #endif

@@ -6,11 +6,17 @@ static int sgd_states(const dt_config_values *c) {
   return c->momentum > 0 ? 1 : 0;
 }
 
-static void sgd_step(const dt_config_values *c, dt_backend *be, int64_t n, int64_t t, double lr, float *params,
+static void sgd_hyper(const dt_config_values *c, int64_t t, double lr, float *out) {
+  (void)c;
+  (void)t;
+  out[0] = (float)lr;
+}
+
+static void sgd_step(const dt_config_values *c, dt_backend *be, int64_t n, int64_t t, const float *hyper, float *params,
                      const float *grads, float *const *states) {
   dt_op op = {.type = DT_OP_SGD,
               .p.sgd = {.n = n,
-                        .lr = (float)lr,
+                        .hyper = hyper,
                         .momentum = (float)c->momentum,
                         .weight_decay = (float)c->weight_decay,
                         .nesterov = c->nesterov,
@@ -22,4 +28,4 @@ static void sgd_step(const dt_config_values *c, dt_backend *be, int64_t n, int64
 }
 
 const dt_optim_ops dt_optim_sgd = {
-    .name = "sgd", .state_names = {"momentum_buffer"}, .n_states = sgd_states, .step = sgd_step};
+    .name = "sgd", .state_names = {"momentum_buffer"}, .n_states = sgd_states, .hyper = sgd_hyper, .step = sgd_step};

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "gpu.h"
 #include "layers.h"
@@ -16,75 +17,111 @@
 typedef struct {
   dt_comm *comm;
   dt_grad_sync *gs;
+  const dt_device_reduce *dev; /* NULL: sums through MPI */
   dt_backend *be;
   float *grads;
+  double *grad_check; /* (2) backend memory: sum of squares and non-finite count of the sent buckets */
 } pass_ctx;
 
+/* Synchronised batchnorm's sums (backend memory): queued on the device with NCCL, directly over
+ * MPI on the CPU, through host memory otherwise. */
 static void ctx_allreduce(void *ctx, double *data, int n) {
-  comm_allreduce_sum_f64(((pass_ctx *)ctx)->comm, data, n, "batchnorm statistics allreduce");
+  pass_ctx *c = ctx;
+  if (c->dev) {
+    c->dev->sum_f64(c->dev->ctx, data, n);
+  } else if (c->be->host_memory) {
+    comm_allreduce_sum_f64(c->comm, data, n, "batchnorm statistics allreduce");
+  } else {
+    double *host = dt_malloc((size_t)n * sizeof(double));
+    c->be->to_host(c->be, host, data, (size_t)n * sizeof(double));
+    comm_allreduce_sum_f64(c->comm, host, n, "batchnorm statistics allreduce");
+    c->be->to_device(c->be, data, host, (size_t)n * sizeof(double));
+    free(host);
+  }
 }
+
 static void ctx_ready(void *ctx, int64_t from) {
   grad_sync_ready(((pass_ctx *)ctx)->gs, from);
 }
 
-/* Non-finite gradients in [begin, end), checked before the range is sent. */
-static int64_t ctx_check(void *ctx, int64_t begin, int64_t end) {
+/* Non-finite gradients in [begin, end), counted before the range is sent. */
+static void ctx_check(void *ctx, int64_t begin, int64_t end) {
   pass_ctx *c = ctx;
-  double sq;
-  int64_t bad = 0;
-  dt_op op = {.type = DT_OP_SUMSQ};
-  op.p.sumsq = (typeof(op.p.sumsq)){.n = end - begin, .x = c->grads + begin, .sumsq = &sq, .nonfinite = &bad};
+  dt_op op = {.type = DT_OP_SUMSQ, .p.sumsq = {.n = end - begin, .x = c->grads + begin, .out = c->grad_check}};
   backend_run(c->be, &op);
-  return bad;
 }
 
-/* Raw host rows -> the model's input buffer, normalised per channel. */
-static void load_input(const dt_config *cfg, dt_model *m, const float *raw, int64_t rows) {
-  const dt_config_values *v = &cfg->v;
-  float mean[DT_MAX_LIST], std[DT_MAX_LIST];
-  for (int c = 0; c < v->mean.n; c++) mean[c] = (float)v->mean.v[c];
-  for (int c = 0; c < v->std.n; c++) std[c] = (float)v->std.v[c];
-  int64_t ch = m->input.rank == 3 ? m->input.c : 1;
-  dt_op op = {.type = DT_OP_INPUT};
-  op.p.input = (typeof(op.p.input)){.b = rows,
-                                    .c = ch,
-                                    .s = shape_size(m->input) / ch,
-                                    .scale = (float)v->scale,
-                                    .mean = v->mean.n ? mean : NULL,
-                                    .std = v->std.n ? std : NULL,
-                                    .raw = raw,
-                                    .x = m->input_x};
-  backend_run(m->be, &op);
+/* One micro-batch on the device: the loader's rows, their labels or targets, and the dropout
+ * seed. Backend memory for `cap` rows; filled by upload (queued). */
+typedef struct {
+  float *raw;      /* (cap, input) */
+  int32_t *labels; /* (cap) */
+  float *targets;  /* (cap, outputs) */
+  uint64_t *seed;  /* (1) */
+} dev_batch;
+
+static void dev_batch_alloc(dev_batch *db, const dt_model *m, int64_t cap) {
+  dt_backend *be = m->be;
+  db->raw = be->alloc(be, (size_t)(cap * shape_size(m->input)) * sizeof(float));
+  db->labels = (int32_t *)be->alloc(be, (size_t)cap * sizeof(int32_t));
+  db->targets = be->alloc(be, (size_t)(cap * m->n_outputs) * sizeof(float));
+  db->seed = (uint64_t *)be->alloc(be, sizeof(uint64_t));
+}
+
+static void dev_batch_free(dev_batch *db, dt_backend *be) {
+  be->free(be, db->raw);
+  be->free(be, db->labels);
+  be->free(be, db->targets);
+  be->free(be, db->seed);
+}
+
+/* Queues the copy of rows host rows (x; labels for cross_entropy, else targets) and the seed. */
+static void dev_batch_upload(dev_batch *db, const dt_model *m, const float *x, const int32_t *labels,
+                             const float *targets, int64_t rows, uint64_t seed) {
+  dt_backend *be = m->be;
+  be->upload(be, db->raw, x, (size_t)(rows * shape_size(m->input)) * sizeof(float));
+  if (m->loss.kind == DT_LOSS_CROSS_ENTROPY)
+    be->upload(be, db->labels, labels, (size_t)rows * sizeof(int32_t));
+  else
+    be->upload(be, db->targets, targets, (size_t)(rows * m->n_outputs) * sizeof(float));
+  be->upload(be, db->seed, &seed, sizeof seed);
 }
 
 /* Forward over this rank's validation rows with params and bufs (backend memory: the model's or
- * the EMA's); sums[0..1] get loss and hits; logits (rows, K) and labels are kept when given (host). */
-static void eval_rows(const dt_config *cfg, dt_model *m, const float *params, const float *bufs, dt_data *d,
-                      double *sums, float *logits, int32_t *all_labels, dt_status *st) {
+ * the EMA's); sums[0..1] get loss and hits (read once at the end); logits (rows, K) and labels are
+ * kept when given (host). */
+static void eval_rows(dt_model *m, const float *params, const float *bufs, dt_data *d, double *sums, float *logits,
+                      int32_t *all_labels, dt_status *st) {
   dt_split *s = &d->val;
+  dt_backend *be = m->be;
   int64_t rows = s->hi - s->lo, cap = m->max_batch;
   float *x = dt_malloc((size_t)(cap * shape_size(m->input)) * sizeof(float));
   int32_t *labels = dt_malloc((size_t)cap * sizeof(int32_t));
   float *targets = dt_malloc((size_t)(cap * m->n_outputs) * sizeof(float));
   int64_t *idx = dt_malloc((size_t)cap * sizeof(int64_t));
-  dt_pass pass = {.be = m->be,
-                  .training = 0,
-                  .global_count = 1,
-                  .params = (float *)params,
-                  .grads = m->grads,
-                  .bufs = (float *)bufs};
+  dev_batch db;
+  dev_batch_alloc(&db, m, cap);
+  double *dev_sums = (double *)be->alloc(be, 2 * sizeof(double));
+  dt_pass pass = {
+      .be = be, .training = 0, .global_count = 1, .params = (float *)params, .grads = m->grads, .bufs = (float *)bufs};
   for (int64_t i = 0; i < rows && !st->code; i += cap) {
     int64_t n = rows - i < cap ? rows - i : cap;
     for (int64_t k = 0; k < n; k++) idx[k] = s->lo + i + k;
     if (data_gather(d, s, idx, n, x, labels, targets, st)) break;
-    load_input(cfg, m, x, n);
+    dev_batch_upload(&db, m, x, labels, targets, n, 0);
+    model_input(m, db.raw, n);
     pass.batch = n;
     model_forward(m, &pass);
-    model_loss(m, &pass, labels, targets, &sums[0], &sums[1]);
-    if (logits)
-      m->be->to_host(m->be, logits + i * m->n_outputs, model_logits(m), (size_t)(n * m->n_outputs) * sizeof(float));
+    model_loss(m, &pass, db.labels, db.targets, dev_sums);
+    if (logits) be->to_host(be, logits + i * m->n_outputs, model_logits(m), (size_t)(n * m->n_outputs) * sizeof(float));
     if (all_labels && s->y_k == 0) memcpy(all_labels + i, labels, (size_t)n * sizeof(int32_t));
   }
+  double host[2];
+  be->to_host(be, host, dev_sums, sizeof host);
+  sums[0] += host[0];
+  sums[1] += host[1];
+  be->free(be, dev_sums);
+  dev_batch_free(&db, be);
   free(x);
   free(labels);
   free(targets);
@@ -93,9 +130,10 @@ static void eval_rows(const dt_config *cfg, dt_model *m, const float *params, co
 
 void train_evaluate(const dt_config *cfg, dt_model *m, const float *params, const float *bufs, dt_data *d,
                     dt_comm *comm, double *loss, double *acc, dt_status *st) {
+  (void)cfg;
   int64_t rows = d->val.hi - d->val.lo;
   double sums[3] = {0, 0, (double)rows};
-  eval_rows(cfg, m, params ? params : m->params, bufs ? bufs : m->bufs, d, sums, NULL, NULL, st);
+  eval_rows(m, params ? params : m->params, bufs ? bufs : m->bufs, d, sums, NULL, NULL, st);
   comm_allreduce_sum_f64(comm, sums, 3, "validation allreduce");
   *loss = sums[2] > 0 ? sums[0] / sums[2] : 0;
   *acc = m->loss.kind == DT_LOSS_CROSS_ENTROPY && sums[2] > 0 ? sums[1] / sums[2] : -1;
@@ -135,6 +173,7 @@ static void straggler_line(dt_comm *comm, dt_log *lg, double compute_ms, double 
 }
 
 int train_predict(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, const char *path) {
+  (void)cfg;
   dt_status st = {0};
   if (!d->has_val) dt_fail(&st, DT_EXIT_INPUT, "--predict: there is no validation split (data.val.x is empty)");
   int code = comm_agree(comm, &st);
@@ -144,7 +183,7 @@ int train_predict(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, 
   float *labels_f = dt_malloc((size_t)(rows + 1) * sizeof(float));
   int32_t *labels = dt_malloc((size_t)(rows + 1) * sizeof(int32_t));
   double sums[2] = {0, 0};
-  eval_rows(cfg, m, m->params, m->bufs, d, sums, logits, labels, &st);
+  eval_rows(m, m->params, m->bufs, d, sums, logits, labels, &st);
   if ((code = comm_agree(comm, &st))) goto out;
   for (int64_t i = 0; i < rows; i++) labels_f[i] = (float)labels[i]; /* exact for class indices */
   float *all = comm->rank == 0 ? dt_malloc((size_t)(n * k + 1) * sizeof(float)) : NULL;
@@ -265,6 +304,12 @@ typedef struct {
   dt_loader L;
   dt_log lg;
   dt_ckpt_data scratch; /* rank 0 with checkpoints: host copies for writing */
+  dev_batch in[2];      /* micro-batches alternate between the two */
+  int64_t micro_count;  /* micro-batches uploaded so far: in[micro_count % 2] is next */
+  /* this step's results, summed on the device and read once: loss, hits, then the sum of squares
+   * and the non-finite count of the gradient buckets this rank sent */
+  double *stats, *stats_host; /* (4): backend memory, and host memory it is downloaded to */
+  double *clip_sq;            /* (2) backend memory: train.clip_grad_norm's sum of squares */
   dt_train_state ts;
   int64_t accum, opt_per_epoch, total; /* micro-batches per step, steps per epoch, steps in all */
   /* this optimizer step */
@@ -314,7 +359,12 @@ static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_da
 
   dt_backend *be = T->be;
   optim_init(&T->opt, v, be, m->n_params, T->total);
-  T->ctx = (pass_ctx){comm, &T->gs, be, m->grads};
+  T->stats = (double *)be->alloc(be, 4 * sizeof(double));
+  T->stats_host = be->alloc_host(be, 4 * sizeof(double));
+  T->clip_sq = (double *)be->alloc(be, 2 * sizeof(double));
+  for (int i = 0; i < 2; i++) dev_batch_alloc(&T->in[i], m, m->max_batch);
+  T->ctx =
+      (pass_ctx){.comm = comm, .gs = &T->gs, .dev = opts->dev, .be = be, .grads = m->grads, .grad_check = T->stats + 2};
   grad_sync_init(&T->gs, comm, opts->dev, be, m->grads, m->n_params,
                  (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float)), ctx_check, &T->ctx);
   T->ts = (dt_train_state){.global_batch = G * T->accum,
@@ -362,85 +412,132 @@ static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_da
   return 0;
 }
 
-/* Forward, loss and backward over this step's micro-batches; gradients accumulate, and the last
- * micro-batch's backward starts the bucket sums. Adds this rank's loss and hits to *mine. */
-static void micro_batches(dt_trainer *T, dt_step_report *mine, double *data_s, dt_status *st) {
+/* Queues one micro-batch's forward, loss and backward from db (rows rows): gradients accumulate
+ * (zeroed with the step's sums before the first), and the last one's backward starts the bucket
+ * sums. No host synchronisation: with one micro-batch a step is captured from here. */
+static void queue_micro(dt_trainer *T, const dev_batch *db, int64_t rows, int first, int last) {
+  dt_model *m = T->m;
+  dt_backend *be = T->be;
+  if (first) {
+    be->zero(be, m->grads, (size_t)m->n_params * sizeof(float));
+    be->zero(be, T->stats, 4 * sizeof(double));
+  }
+  model_input(m, db->raw, rows);
+  dt_pass pass = {.be = be,
+                  .batch = rows,
+                  .training = 1,
+                  .global_count = T->count,
+                  .step_seed = db->seed,
+                  .params = m->params,
+                  .grads = m->grads,
+                  .bufs = m->bufs,
+                  .allreduce_sum = ctx_allreduce,
+                  .grads_ready = last ? ctx_ready : NULL,
+                  .ctx = &T->ctx};
+  model_forward(m, &pass);
+  model_loss(m, &pass, db->labels, db->targets, T->stats);
+  model_backward(m, &pass);
+}
+
+/* Queues the end of the step: the gradient sums finished (over MPI: waited for), clipping
+ * (train.clip_grad_norm), the optimizer step with the values optim_prepare uploaded, the EMA. */
+static void queue_update(dt_trainer *T) {
   const dt_config_values *v = T->v;
   dt_model *m = T->m;
-  int inject_nan = fault_fire(&T->opts->fault, T->comm->rank, T->ts.step + 1);
-  T->be->zero(T->be, m->grads, (size_t)m->n_params * sizeof(float));
-  for (int64_t j = 0; j < T->k && !st->code; j++) {
-    double w0 = T->L.wait_s;
-    dt_batch *b = loader_next(&T->L, st);
-    if (!b) break;
-    *data_s += T->L.wait_s - w0;
-    if (inject_nan && b->count) b->x[0] = NAN;
-    load_input(T->cfg, m, b->x, b->count);
-    dt_pass pass = {
-        .be = T->be,
-        .batch = b->count,
-        .training = 1,
-        .global_count = T->count,
-        .dropout_seed = dt_hash64(((uint64_t)v->seed << 32) ^ (uint64_t)(T->epoch * T->smp.steps + T->micro0 + j) ^
-                                  ((uint64_t)T->comm->rank << 52)),
-        .params = m->params,
-        .grads = m->grads,
-        .bufs = m->bufs,
-        .allreduce_sum = ctx_allreduce,
-        .grads_ready = j == T->k - 1 ? ctx_ready : NULL,
-        .ctx = &T->ctx};
-    model_forward(m, &pass);
-    double l = 0, c = 0;
-    model_loss(m, &pass, b->labels, b->targets, &l, &c);
-    if (!isfinite(l))
-      dt_fail(st, DT_EXIT_NUMERIC,
-              "the loss became %s at step %lld (epoch %lld); lower optim.lr or set train.clip_grad_norm",
-              isnan(l) ? "NaN" : "infinite", (long long)T->ts.step + 1, (long long)T->epoch + 1);
-    mine->loss_sum += l;
-    mine->correct += c;
-    model_backward(m, &pass);
+  dt_backend *be = T->be;
+  grad_sync_finish(&T->gs);
+  if (v->clip_grad_norm > 0) {
+    be->zero(be, T->clip_sq, 2 * sizeof(double));
+    dt_op sq = {.type = DT_OP_SUMSQ, .p.sumsq = {.n = m->n_params, .x = m->grads, .out = T->clip_sq}};
+    backend_run(be, &sq);
+    dt_op clip = {
+        .type = DT_OP_CLIP,
+        .p.clip = {.n = m->n_params, .max_norm = (float)v->clip_grad_norm, .sumsq = T->clip_sq, .x = m->grads}};
+    backend_run(be, &clip);
+  }
+  optim_apply(&T->opt, be, m->params, m->grads);
+  if (T->ema.params) ema_update(&T->ema, be, m->params, m->bufs);
+}
+
+/* Takes the next micro-batch from the loader and queues its upload (with its dropout seed) into
+ * the next device batch. Returns it, or NULL with st set. */
+static dev_batch *upload_next(dt_trainer *T, int64_t j, int inject_nan, int64_t *rows, double *data_s, dt_status *st) {
+  double w0 = T->L.wait_s;
+  dt_batch *b = loader_next(&T->L, st);
+  if (!b) return NULL;
+  *data_s += T->L.wait_s - w0;
+  if (inject_nan && b->count) b->x[0] = NAN;
+  uint64_t seed = dt_hash64(((uint64_t)T->v->seed << 32) ^ (uint64_t)(T->epoch * T->smp.steps + T->micro0 + j) ^
+                            ((uint64_t)T->comm->rank << 52));
+  dev_batch *db = &T->in[T->micro_count++ % 2];
+  dev_batch_upload(db, T->m, b->x, b->labels, b->targets, b->count, seed);
+  *rows = b->count;
+  return db;
+}
+
+/* The step's one host wait: its results downloaded, polling (a failed NCCL peer, the deadline)
+ * while the device works. */
+static void wait_step(dt_trainer *T) {
+  dt_backend *be = T->be;
+  be->download(be, T->stats_host, T->stats, 4 * sizeof(double));
+  double since = dt_now();
+  while (!be->done(be)) {
+    if (T->opts->dev)
+      T->opts->dev->check(T->opts->dev->ctx, "the training step (forward, backward, NCCL gradient allreduce)", since);
+    else if (dt_now() - since > T->comm->timeout_s) {
+      fprintf(stderr,
+              "ddp_train: error: rank %d: step %lld did not complete on the device within dist.timeout_s = "
+              "%.0f s; aborting the job\n",
+              T->comm->rank, (long long)T->ts.step + 1, T->comm->timeout_s);
+      fflush(stderr);
+      MPI_Abort(T->comm->world, DT_EXIT_PEER);
+    }
+    usleep(50);
   }
 }
 
-/* Finishes the gradient sums (each bucket checked for NaN/Inf on this rank before it was sent)
- * and agrees with every rank on the outcome, the summed loss and whether to stop (a signal or
- * the time limit on any rank stops every rank at this same step). Returns the agreed code. */
-static int reduce_and_agree(dt_trainer *T, dt_step_report *mine, dt_status *st) {
-  T->gs.nonfinite = 0;
-  grad_sync_finish(&T->gs);
-  if (T->gs.nonfinite && !st->code)
+/* The step's work: every micro-batch uploaded and queued, then the update; the results read
+ * once. Adds this rank's loss and hits to *mine. */
+static void run_step(dt_trainer *T, dt_step_report *mine, double *data_s, dt_status *st) {
+  int inject_nan = fault_fire(&T->opts->fault, T->comm->rank, T->ts.step + 1);
+  T->lr = schedule_lr(T->v, T->ts.step, T->total);
+  optim_prepare(&T->opt, T->be, T->lr);
+  for (int64_t j = 0; j < T->k && !st->code; j++) {
+    int64_t rows = 0;
+    dev_batch *db = upload_next(T, j, inject_nan, &rows, data_s, st);
+    if (!db) break;
+    queue_micro(T, db, rows, j == 0, j == T->k - 1);
+  }
+  if (st->code) return;
+  queue_update(T);
+  wait_step(T);
+  const double *r = T->stats_host;
+  if (!isfinite(r[0]))
+    dt_fail(st, DT_EXIT_NUMERIC,
+            "the loss became %s at step %lld (epoch %lld); lower optim.lr or set train.clip_grad_norm",
+            isnan(r[0]) ? "NaN" : "infinite", (long long)T->ts.step + 1, (long long)T->epoch + 1);
+  else if (r[3] > 0)
     dt_fail(st, DT_EXIT_NUMERIC,
             "%lld non-finite gradient values at step %lld (epoch %lld); lower optim.lr or set train.clip_grad_norm",
-            (long long)T->gs.nonfinite, (long long)T->ts.step + 1, (long long)T->epoch + 1);
+            (long long)r[3], (long long)T->ts.step + 1, (long long)T->epoch + 1);
+  mine->loss_sum += r[0];
+  mine->correct += r[1];
+}
+
+/* Every rank agrees on the outcome, the summed loss and whether to stop (a signal or the time
+ * limit on any rank stops every rank at this same step), then the state advances. A failed
+ * step ends the run without a checkpoint. Returns the agreed code. */
+static int agree_and_advance(dt_trainer *T, dt_step_report *mine, dt_status *st) {
   int sig = signals_caught();
   mine->stop = sig ? sig : (T->v->time_limit > 0 && dt_now() - T->opts->t_launch >= T->v->time_limit ? -1 : 0);
   mine->code = st->code;
-  return comm_step_agree(T->comm, mine, st, &T->all);
-}
-
-/* Clips the summed gradients (train.clip_grad_norm), steps the optimizer and advances the state. */
-static void optimizer_step(dt_trainer *T) {
-  const dt_config_values *v = T->v;
-  dt_model *m = T->m;
-  if (v->clip_grad_norm > 0) {
-    double sq = 0;
-    int64_t bad = 0;
-    dt_op op = {.type = DT_OP_SUMSQ, .p.sumsq = {.n = m->n_params, .x = m->grads, .sumsq = &sq, .nonfinite = &bad}};
-    backend_run(T->be, &op);
-    double norm = sqrt(sq);
-    if (norm > v->clip_grad_norm) {
-      dt_op sc = {.type = DT_OP_SCALE,
-                  .p.scale = {.n = m->n_params, .alpha = (float)(v->clip_grad_norm / (norm + 1e-6)), .x = m->grads}};
-      backend_run(T->be, &sc);
-    }
-  }
-  T->lr = schedule_lr(v, T->ts.step, T->total);
-  optim_step(&T->opt, T->be, m->params, m->grads, T->lr);
-  if (T->ema.params) ema_update(&T->ema, T->be, m->params, m->bufs);
+  int code = comm_step_agree(T->comm, mine, st, &T->all);
+  if (code) return code;
   T->ts.step++;
   T->ts.micro = T->micro0 + T->k;
   T->ts.epoch = T->epoch;
   if (T->ts.micro >= T->smp.steps) T->ts.epoch = T->epoch + 1, T->ts.micro = 0;
+  return 0;
 }
 
 /* The progress line every step; every log.every_steps the console and metrics lines, with the
@@ -558,10 +655,9 @@ static int train_step(dt_trainer *T, dt_train_result *res) {
   dt_status st = {0};
   dt_step_report mine = {0};
   double data_s = 0;
-  micro_batches(T, &mine, &data_s, &st);
-  int code = reduce_and_agree(T, &mine, &st);
+  run_step(T, &mine, &data_s, &st);
+  int code = agree_and_advance(T, &mine, &st);
   if (code) return code;
-  optimizer_step(T);
   log_step(T, data_s);
   if (T->all.stop) T->stop = 1, T->stop_signal = T->all.stop;
   int end_of_epoch = T->os == T->opt_per_epoch - 1, new_best;
@@ -595,6 +691,10 @@ static int trainer_finish(dt_trainer *T, int code, dt_train_result *res) {
   free(T->scratch.bufs);
   free(T->scratch.ema_params);
   free(T->scratch.ema_bufs);
+  for (int i = 0; i < 2; i++) dev_batch_free(&T->in[i], T->be);
+  T->be->free(T->be, T->stats);
+  T->be->free(T->be, T->clip_sq);
+  T->be->free_host(T->be, T->stats_host);
   if (T->ema.params) ema_free(&T->ema, T->be);
   optim_free(&T->opt, T->be);
   grad_sync_free(&T->gs);

@@ -77,30 +77,38 @@ static void check_model(const char *model_yaml, int64_t batch) {
   float *dx[2];
   for (int i = 0; i < 2; i++) {
     side *sd = sides[i];
-    dt_op in = {.type = DT_OP_INPUT};
-    in.p.input = (typeof(in.p.input)){.b = batch,
-                                      .c = 1,
-                                      .s = shape_size(sd->m.input),
-                                      .scale = 1.0f,
-                                      .mean = NULL,
-                                      .std = NULL,
-                                      .raw = raw,
-                                      .x = sd->m.input_x};
-    backend_run(sd->be, &in);
-    dt_pass p = {.be = sd->be,
+    dt_backend *be = sd->be;
+    /* inputs in backend memory, as train.c uploads them */
+    float *draw = be->alloc(be, (size_t)nin * sizeof(float)), *dtargets = be->alloc(be, (size_t)(batch * k) * 4);
+    int32_t *dlabels = (int32_t *)be->alloc(be, (size_t)batch * sizeof(int32_t));
+    uint64_t *seed = (uint64_t *)be->alloc(be, sizeof(uint64_t));
+    double *sums = (double *)be->alloc(be, 2 * sizeof(double));
+    const uint64_t seed_h = 11;
+    be->upload(be, draw, raw, (size_t)nin * sizeof(float));
+    be->upload(be, dtargets, targets, (size_t)(batch * k) * sizeof(float));
+    be->upload(be, dlabels, labels, (size_t)batch * sizeof(int32_t));
+    be->upload(be, seed, &seed_h, sizeof seed_h);
+    model_input(&sd->m, draw, batch);
+    dt_pass p = {.be = be,
                  .batch = batch,
                  .training = 1,
                  .global_count = (double)batch,
-                 .dropout_seed = 11,
+                 .step_seed = seed,
                  .params = sd->m.params,
                  .grads = sd->m.grads,
                  .bufs = sd->m.bufs};
     model_forward(&sd->m, &p);
-    double l = 0, hits = 0;
-    model_loss(&sd->m, &p, labels, targets, &l, &hits);
-    loss[i] = l;
-    dx[i] = sd->be->alloc(sd->be, (size_t)nin * sizeof(float));
+    model_loss(&sd->m, &p, dlabels, dtargets, sums);
+    dx[i] = be->alloc(be, (size_t)nin * sizeof(float));
     seq_backward(&sd->m.top, &p, sd->m.input_x, dx[i]);
+    double host[2];
+    be->to_host(be, host, sums, sizeof host);
+    loss[i] = host[0];
+    be->free(be, draw);
+    be->free(be, dtargets);
+    be->free(be, dlabels);
+    be->free(be, seed);
+    be->free(be, sums);
   }
   if (fabs(loss[0] - loss[1]) > 1e-5 * fabs(loss[0]))
     fail_msg("%s: loss %.9g (CPU) vs %.9g (CUDA)", model_yaml, loss[0], loss[1]);
@@ -314,13 +322,6 @@ static void ot_check(const char *what, dbuf b, int64_t written) {
       }
   free(h[0]);
   free(h[1]);
-}
-
-/* Host outputs: equal within a relative tol (0: exactly). */
-static void ot_check_host(const char *what, double cpu, double gpu, double tol) {
-  double e = fabs(cpu - gpu), scale = fabs(cpu) > 1e-12 ? fabs(cpu) : 1e-12;
-  if (!(tol == 0 ? cpu == gpu : e / scale <= tol))
-    fail_msg("op %s [%s]: host output %s: CPU %.12g, CUDA %.12g", dt_op_names[ot.op], ot.kase, what, cpu, gpu);
 }
 
 /* The ops of one case run on both backends: BOTH { dt_op op = ...; F(buf) ...; RUN(op); } */
@@ -561,65 +562,87 @@ static void ops_batchnorm(void) {
       dbuf x = ot_rand(n, -2, 3), dy = ot_rand(n, -1, 1), y = ot_rand(n, -1, 1), dx = ot_rand(n, -1, 1);
       dbuf mean = ot_rand(C, -0.5f, 0.5f), invstd = ot_rand(C, 0.5f, 2.0f), gamma = ot_rand(C, 0.5f, 1.5f);
       dbuf beta = ot_rand(C, -0.5f, 0.5f);
-      dbuf sum = ot_rand_d(C, -9, 9), sumsq = ot_rand_d(C, -9, 9), sdy = ot_rand_d(C, -9, 9),
-           sdyx = ot_rand_d(C, -9, 9);
-      dbuf gsdy = ot_rand_d(C, -3, 3), gsdyx = ot_rand_d(C, -3, 3); /* global sums for bn_bwd_apply */
+      dbuf stats = ot_rand_d(2 * C + 1, -9, 9), gsum = ot_rand_d(2 * C, -9, 9);
+      dbuf dgamma = ot_rand(C, -1, 1), dbeta = ot_rand(C, -1, 1);
+      dbuf rmean = ot_rand(C, -0.5f, 0.5f), rvar = ot_rand(C, 0.5f, 2.0f), fmean = ot_rand(C, -1, 1),
+           finv = ot_rand(C, -1, 1);
       ot_case(DT_OP_BN_STATS, "spatial %lld, %s", (long long)S, ROWS_NAME(r));
       BOTH {
-        dt_op op = {.type = DT_OP_BN_STATS};
-        op.p.bn_stats = (typeof(op.p.bn_stats)){.b = rows, .c = C, .s = S, .x = F(x), .sum = D(sum), .sumsq = D(sumsq)};
+        dt_op op = {.type = DT_OP_BN_STATS, .p.bn_stats = {.b = rows, .c = C, .s = S, .x = F(x), .sums = D(stats)}};
         RUN(op);
       }
-      ot_check("sum", sum, C);
-      ot_check("sumsq", sumsq, C);
+      ot_check("sums and count", stats, 2 * C + 1);
+      for (int training = 1; training >= 0; training--) {
+        ot_case(DT_OP_BN_FINALIZE, "%s, spatial %lld, %s", training ? "training" : "evaluation", (long long)S,
+                ROWS_NAME(r));
+        BOTH {
+          dt_op op = {.type = DT_OP_BN_FINALIZE,
+                      .p.bn_finalize = {.c = C,
+                                        .training = training,
+                                        .momentum = 0.1f,
+                                        .eps = 1e-5f,
+                                        .sums = D(stats),
+                                        .mean = F(fmean),
+                                        .invstd = F(finv),
+                                        .running_mean = F(rmean),
+                                        .running_var = F(rvar)}};
+          RUN(op);
+        }
+        ot_check("mean", fmean, C);
+        ot_check("invstd", finv, C);
+        ot_check("running_mean", rmean, C);
+        ot_check("running_var", rvar, C);
+      }
       ot_case(DT_OP_BN_APPLY, "spatial %lld, %s", (long long)S, ROWS_NAME(r));
       BOTH {
-        dt_op op = {.type = DT_OP_BN_APPLY};
-        op.p.bn_apply = (typeof(op.p.bn_apply)){.b = rows,
-                                                .c = C,
-                                                .s = S,
-                                                .x = F(x),
-                                                .mean = F(mean),
-                                                .invstd = F(invstd),
-                                                .gamma = F(gamma),
-                                                .beta = F(beta),
-                                                .y = F(y)};
+        dt_op op = {.type = DT_OP_BN_APPLY,
+                    .p.bn_apply = {.b = rows,
+                                   .c = C,
+                                   .s = S,
+                                   .x = F(x),
+                                   .mean = F(mean),
+                                   .invstd = F(invstd),
+                                   .gamma = F(gamma),
+                                   .beta = F(beta),
+                                   .y = F(y)}};
         RUN(op);
       }
       ot_check("y", y, rows * C * S);
       ot_case(DT_OP_BN_BWD_STATS, "spatial %lld, %s", (long long)S, ROWS_NAME(r));
       BOTH {
-        dt_op op = {.type = DT_OP_BN_BWD_STATS};
-        op.p.bn_bwd_stats = (typeof(op.p.bn_bwd_stats)){.b = rows,
-                                                        .c = C,
-                                                        .s = S,
-                                                        .x = F(x),
-                                                        .dy = F(dy),
-                                                        .mean = F(mean),
-                                                        .invstd = F(invstd),
-                                                        .sum_dy = D(sdy),
-                                                        .sum_dy_xhat = D(sdyx)};
+        dt_op op = {.type = DT_OP_BN_BWD_STATS,
+                    .p.bn_bwd_stats = {.b = rows,
+                                       .c = C,
+                                       .s = S,
+                                       .x = F(x),
+                                       .dy = F(dy),
+                                       .mean = F(mean),
+                                       .invstd = F(invstd),
+                                       .sums = D(gsum),
+                                       .dgamma = F(dgamma),
+                                       .dbeta = F(dbeta)}};
         RUN(op);
       }
-      ot_check("sum_dy", sdy, C);
-      ot_check("sum_dy_xhat", sdyx, C);
+      ot_check("sum_dy, sum_dy_xhat", gsum, 2 * C);
+      ot_check("dgamma (added into)", dgamma, C);
+      ot_check("dbeta (added into)", dbeta, C);
+      /* the apply with a count (a forward's sums[2C]) of 2 * cap * S: global sums */
+      double count_h = (double)(2 * cap * S);
+      dbuf count = ot_buf(OT_F64, &count_h, 1), sums = ot_rand_d(2 * C, -3, 3);
       ot_case(DT_OP_BN_BWD_APPLY, "spatial %lld, %s", (long long)S, ROWS_NAME(r));
       BOTH {
-        dt_op op = {.type = DT_OP_BN_BWD_APPLY};
-        op.p.bn_bwd_apply = (typeof(op.p.bn_bwd_apply)){.b = rows,
-                                                        .c = C,
-                                                        .s = S,
-                                                        .count = (double)(2 * cap * S),
-                                                        .x = F(x),
-                                                        .dy = F(dy),
-                                                        .mean = F(mean),
-                                                        .invstd = F(invstd),
-                                                        .gamma = F(gamma),
-                                                        .sum_dy = D(gsdy),
-                                                        .sum_dy_xhat = D(gsdyx),
-                                                        .dx = F(dx),
-                                                        .dgamma = NULL,
-                                                        .dbeta = NULL};
+        dt_op op = {.type = DT_OP_BN_BWD_APPLY,
+                    .p.bn_bwd_apply = {.b = rows,
+                                       .c = C,
+                                       .s = S,
+                                       .count = D(count),
+                                       .x = F(x),
+                                       .dy = F(dy),
+                                       .mean = F(mean),
+                                       .invstd = F(invstd),
+                                       .gamma = F(gamma),
+                                       .sums = D(sums),
+                                       .dx = F(dx)}};
         RUN(op);
       }
       ot_check("dx", dx, rows * C * S);
@@ -742,10 +765,14 @@ static void ops_dropout(void) {
       /* inputs away from zero, so that a zero output means a dropped element */
       dbuf x = ot_rand(cap * feat, 0.5f, 2.0f), y = ot_rand(cap * feat, -1, 1), dy = ot_rand(cap * feat, -2, -0.5f);
       dbuf dx = ot_rand(cap * feat, -1, 1);
+      /* the layer's part of the seed in the op, the micro-batch's in backend memory */
+      const uint64_t step_seed[1] = {0x1234567ull * (uint64_t)(si + 1)};
+      dbuf ss = ot_buf(OT_F64, step_seed, 1); /* 8 bytes */
       ot_case(DT_OP_DROPOUT_FWD, "p 0.3, seed %#llx, %s", (unsigned long long)seeds[si], ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_DROPOUT_FWD};
-        op.p.dropout_fwd = (typeof(op.p.dropout_fwd)){.n = n, .p = 0.3f, .seed = seeds[si], .x = F(x), .y = F(y)};
+        op.p.dropout_fwd = (typeof(op.p.dropout_fwd)){
+            .n = n, .p = 0.3f, .seed = seeds[si], .step_seed = (const uint64_t *)ss.p[s_], .x = F(x), .y = F(y)};
         RUN(op);
       }
       ot_check("y", y, n);
@@ -753,7 +780,8 @@ static void ops_dropout(void) {
       ot_case(DT_OP_DROPOUT_BWD, "p 0.3, seed %#llx, %s", (unsigned long long)seeds[si], ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_DROPOUT_BWD};
-        op.p.dropout_bwd = (typeof(op.p.dropout_bwd)){.n = n, .p = 0.3f, .seed = seeds[si], .dy = F(dy), .dx = F(dx)};
+        op.p.dropout_bwd = (typeof(op.p.dropout_bwd)){
+            .n = n, .p = 0.3f, .seed = seeds[si], .step_seed = (const uint64_t *)ss.p[s_], .dy = F(dy), .dx = F(dx)};
         RUN(op);
       }
       ot_check("dx", dx, n);
@@ -782,6 +810,17 @@ static void ops_elementwise(void) {
       RUN(op);
     }
     ot_check("x", x, n);
+    for (int big = 0; big < 2; big++) { /* a norm above max_norm is scaled down, one below kept */
+      dbuf g = ot_rand(cap * feat, -1, 1);
+      const double sq = big ? 9.0 : 0.25;
+      dbuf sumsq = ot_buf(OT_F64, &sq, 1);
+      ot_case(DT_OP_CLIP, "norm %g, max_norm 1, %s", sqrt(sq), ROWS_NAME(r));
+      BOTH {
+        dt_op op = {.type = DT_OP_CLIP, .p.clip = {.n = n, .max_norm = 1.0f, .sumsq = D(sumsq), .x = F(g)}};
+        RUN(op);
+      }
+      ot_check("x", g, big ? n : 0);
+    }
     dbuf ema = ot_rand(cap * feat, -1, 1);
     ot_case(DT_OP_EMA, "decay 0.9999, %s", ROWS_NAME(r));
     BOTH {
@@ -790,6 +829,14 @@ static void ops_elementwise(void) {
     }
     ot_check("ema", ema, n);
   }
+}
+
+/* A buffer's values on one side (0: CPU, 1: CUDA), as doubles. */
+static double ot_get(dbuf b, int side, int64_t i) {
+  size_t es = ot_size(b.type);
+  char h[8];
+  ot.be[side]->to_host(ot.be[side], h, (char *)b.p[side] + (size_t)i * es, es);
+  return ot_elem(b.type, h, 0);
 }
 
 static void ops_sumsq(void) {
@@ -801,18 +848,16 @@ static void ops_sumsq(void) {
     if (n < cap * feat) h[n] = -INFINITY; /* past n: not counted */
     dbuf x = ot_buf(OT_F32, h, cap * feat);
     free(h);
-    double sum[2] = {-1, -1};
-    int64_t bad[2] = {-1, -1};
-    ot_case(DT_OP_SUMSQ, "a NaN and an Inf among the values, %s", ROWS_NAME(r));
+    const double before[2] = {1.5, 2.0}; /* the op adds into out */
+    dbuf out = ot_buf(OT_F64, before, 2);
+    ot_case(DT_OP_SUMSQ, "a NaN and an Inf among the values, added into (1.5, 2), %s", ROWS_NAME(r));
     BOTH {
-      dt_op op = {.type = DT_OP_SUMSQ};
-      op.p.sumsq = (typeof(op.p.sumsq)){.n = n, .x = F(x), .sumsq = &sum[s_], .nonfinite = &bad[s_]};
+      dt_op op = {.type = DT_OP_SUMSQ, .p.sumsq = {.n = n, .x = F(x), .out = D(out)}};
       RUN(op);
     }
-    ot_check_host("sumsq", sum[0], sum[1], 1e-5);
-    ot_check_host("nonfinite", (double)bad[0], (double)bad[1], 0);
-    if (bad[1] != (n ? 2 : 0))
-      fail_msg("op sumsq [%s]: %lld non-finite values counted, expected %d", ot.kase, (long long)bad[1], n ? 2 : 0);
+    ot_check("sumsq and non-finite count", out, 2);
+    if (ot_get(out, 1, 1) != 2.0 + (n ? 2 : 0))
+      fail_msg("op sumsq [%s]: %g non-finite values counted, expected %d", ot.kase, ot_get(out, 1, 1) - 2.0, n ? 2 : 0);
   }
 }
 
@@ -820,7 +865,7 @@ static void ops_loss(void) {
   const int64_t K = 5;
   FOR_ROWS(r) {
     for (int kind = DT_LOSS_CROSS_ENTROPY; kind <= DT_LOSS_MSE; kind++) {
-      float *hz = ot_host_rand(cap * K, -2, 2), *targets = ot_host_rand(cap * K, 0, 1);
+      float *hz = ot_host_rand(cap * K, -2, 2);
       int32_t *labels = calloc((size_t)cap + 1, sizeof(int32_t));
       for (int64_t b = 0; b < cap; b++) { /* even rows predicted right, odd rows at random */
         int32_t arg = 0;
@@ -828,33 +873,32 @@ static void ops_loss(void) {
           if (hz[b * K + j] > hz[b * K + arg]) arg = j;
         labels[b] = b % 2 ? (int32_t)(dt_hash64((uint64_t)b + 77) % (uint64_t)K) : arg;
       }
-      dbuf z = ot_buf(OT_F32, hz, cap * K), dz = ot_rand(cap * K, -1, 1);
-      double loss[2] = {-7, -7}, hits[2] = {-7, -7};
+      dbuf z = ot_buf(OT_F32, hz, cap * K), dz = ot_rand(cap * K, -1, 1), targets = ot_rand(cap * K, 0, 1);
+      dbuf lab = ot_buf(OT_I32, labels, cap);
+      const double before[2] = {0.25, 3}; /* the op adds into sums */
+      dbuf sums = ot_buf(OT_F64, before, 2);
+      free(hz);
+      free(labels);
       ot_case(DT_OP_LOSS, "%s, %s", kind == DT_LOSS_MSE ? "mse" : "cross entropy, label smoothing 0.1", ROWS_NAME(r));
+      if (rows == 0) continue; /* loss_run queues nothing for no rows */
       BOTH {
-        dt_op op = {.type = DT_OP_LOSS};
-        op.p.loss = (typeof(op.p.loss)){.kind = kind,
-                                        .b = rows,
-                                        .k = K,
-                                        .label_smoothing = kind == DT_LOSS_MSE ? 0.0f : 0.1f,
-                                        .weight = 1.0 / (double)(2 * cap),
-                                        .logits = F(z),
-                                        .labels = kind == DT_LOSS_MSE ? NULL : labels,
-                                        .targets = kind == DT_LOSS_MSE ? targets : NULL,
-                                        .dlogits = F(dz),
-                                        .loss_sum = &loss[s_],
-                                        .correct = &hits[s_]};
+        dt_op op = {.type = DT_OP_LOSS,
+                    .p.loss = {.kind = kind,
+                               .b = rows,
+                               .k = K,
+                               .label_smoothing = kind == DT_LOSS_MSE ? 0.0f : 0.1f,
+                               .weight = 1.0 / (double)(2 * cap),
+                               .logits = F(z),
+                               .labels = kind == DT_LOSS_MSE ? NULL : I(lab),
+                               .targets = kind == DT_LOSS_MSE ? F(targets) : NULL,
+                               .dlogits = F(dz),
+                               .sums = D(sums)}};
         RUN(op);
       }
-      free(hz);
-      free(targets);
-      free(labels);
-      ot_check_host("loss_sum", loss[0], loss[1], 1e-5);
-      ot_check_host("correct", hits[0], hits[1], 0);
-      if (kind == DT_LOSS_CROSS_ENTROPY && hits[1] < (double)((rows + 1) / 2))
-        fail_msg("op loss [%s]: %g correct, at least %lld expected", ot.kase, hits[1], (long long)((rows + 1) / 2));
-      if (!rows && (loss[1] != 0 || hits[1] != 0))
-        fail_msg("op loss [%s]: no rows gave loss %g, correct %g on CUDA", ot.kase, loss[1], hits[1]);
+      ot_check("loss sum and hits (added into)", sums, 2);
+      double hits = ot_get(sums, 1, 1) - 3;
+      if (kind == DT_LOSS_CROSS_ENTROPY && hits < (double)((rows + 1) / 2))
+        fail_msg("op loss [%s]: %g correct, at least %lld expected", ot.kase, hits, (long long)((rows + 1) / 2));
       ot_check("dlogits", dz, rows * K);
     }
   }
@@ -872,11 +916,13 @@ static void ops_optim(void) {
       float mom = sgd[si][0];
       int nesterov = (int)sgd[si][1], first = (int)sgd[si][2];
       dbuf p = ot_rand(cap, -1, 1), g = ot_rand(cap, -1, 1), m = ot_rand(cap, -1, 1);
+      const float lr = 0.1f;
+      dbuf hyper = ot_buf(OT_F32, &lr, 1);
       ot_case(DT_OP_SGD, "momentum %g, nesterov %d, first %d, weight decay 0.01, %s", mom, nesterov, first, nm);
       BOTH {
         dt_op op = {.type = DT_OP_SGD};
         op.p.sgd = (typeof(op.p.sgd)){.n = n,
-                                      .lr = 0.1f,
+                                      .hyper = F(hyper),
                                       .momentum = mom,
                                       .weight_decay = 0.01f,
                                       .nesterov = nesterov,
@@ -892,16 +938,19 @@ static void ops_optim(void) {
     for (int64_t step = 1; step <= 3; step += 2) {
       dbuf p = ot_rand(cap, -1, 1), g = ot_rand(cap, -1, 1), m = ot_rand(cap, -0.1f, 0.1f);
       dbuf v = ot_rand(cap, 0, 0.01f);
+      /* the host's values for this step, as optim_adamw.c computes them */
+      double bc1 = 1.0 - pow(0.9f, (double)step), bc2 = 1.0 - pow(0.999f, (double)step);
+      const float h[3] = {1e-3f, (float)(1e-3f / bc1), (float)sqrt(bc2)};
+      dbuf hyper = ot_buf(OT_F32, h, 3);
       ot_case(DT_OP_ADAMW, "step %lld, weight decay 0.01, %s", (long long)step, nm);
       BOTH {
         dt_op op = {.type = DT_OP_ADAMW};
         op.p.adamw = (typeof(op.p.adamw)){.n = n,
-                                          .lr = 1e-3f,
                                           .beta1 = 0.9f,
                                           .beta2 = 0.999f,
                                           .eps = 1e-8f,
                                           .weight_decay = 0.01f,
-                                          .step = step,
+                                          .hyper = F(hyper),
                                           .param = F(p),
                                           .grad = F(g),
                                           .m = F(m),
@@ -915,48 +964,79 @@ static void ops_optim(void) {
   }
 }
 
-/* Queues DT_OP_INPUT with mean and std on this function's stack, as train.c's load_input does;
- * they are gone (overwritten) by the time the queued work runs. */
-static __attribute__((noinline)) void input_from_stack(dt_backend *be, int64_t b, int64_t s, int with_stats,
-                                                       const float *raw, float *x) {
-  float mean[3] = {0.2860f, 0.4218f, 0.5071f}, std[3] = {0.3530f, 0.2420f, 0.2865f};
-  dt_op op = {.type = DT_OP_INPUT};
-  op.p.input = (typeof(op.p.input)){.b = b,
-                                    .c = 3,
-                                    .s = s,
-                                    .scale = 1.0f / 255.0f,
-                                    .mean = with_stats ? mean : NULL,
-                                    .std = with_stats ? std : NULL,
-                                    .raw = raw,
-                                    .x = x};
-  backend_run(be, &op);
+static void ops_input(void) {
+  const int64_t S = 20;
+  FOR_ROWS(r) {
+    int64_t n = cap * 3 * S;
+    float *raw_h = ot_host_rand(n, 0, 256);
+    for (int64_t i = 0; i < n; i++) raw_h[i] = floorf(raw_h[i]);
+    dbuf raw = ot_buf(OT_F32, raw_h, n);
+    free(raw_h);
+    const float norm[6] = {0.2860f, 0.4218f, 0.5071f, 0.3530f, 0.2420f, 0.2865f}; /* mean, then std */
+    dbuf stats = ot_buf(OT_F32, norm, 6);
+    dbuf x1 = ot_rand(n, -1, 1), x2 = ot_rand(n, -1, 1);
+    ot_case(DT_OP_INPUT, "mean and std (C = 3), and none, %s", ROWS_NAME(r));
+    BOTH {
+      dt_op op = {.type = DT_OP_INPUT,
+                  .p.input = {.b = rows,
+                              .c = 3,
+                              .s = S,
+                              .scale = 1.0f / 255.0f,
+                              .mean = F(stats),
+                              .std = F(stats) + 3,
+                              .raw = F(raw),
+                              .x = F(x1)}};
+      RUN(op);
+      op.p.input.mean = op.p.input.std = NULL;
+      op.p.input.x = F(x2);
+      RUN(op);
+    }
+    ot_check("x (with mean and std)", x1, rows * 3 * S);
+    ot_check("x (no mean and std)", x2, rows * 3 * S);
+  }
 }
 
-/* Overwrites the stack below the caller with garbage. */
+/* upload() queues a copy whose source the caller may reuse at once: the values uploaded are the
+ * ones at the call, though nothing has run yet (the stand-in runs queued work only at a sync). */
+static __attribute__((noinline)) void upload_from_stack(dt_backend *be, float *dst, float base) {
+  float v[64];
+  for (int i = 0; i < 64; i++) v[i] = base + (float)i;
+  be->upload(be, dst, v, sizeof v);
+}
+
 static __attribute__((noinline)) void scribble_stack(void) {
   volatile float junk[8192];
   for (int i = 0; i < 8192; i++) junk[i] = (float)(i % 3 ? -1e30 : NAN);
   (void)junk[0];
 }
 
-static void ops_input(void) {
-  const int64_t S = 20;
-  FOR_ROWS(r) {
-    int64_t n = cap * 3 * S;
-    float *raw = ot_host_rand(n, 0, 256);
-    for (int64_t i = 0; i < n; i++) raw[i] = floorf(raw[i]);
-    dbuf x1 = ot_rand(n, -1, 1), x2 = ot_rand(n, -1, 1);
-    ot_case(DT_OP_INPUT, "mean and std (C = 3) from a stack that is then overwritten, and none, %s", ROWS_NAME(r));
-    for (int s = 0; s < 2; s++) {
-      /* both queued before anything synchronises; raw and the stack change before the read-back */
-      input_from_stack(ot.be[s], rows, S, 1, raw, x1.p[s]);
-      input_from_stack(ot.be[s], rows, S, 0, raw, x2.p[s]);
-      scribble_stack();
+static void ops_upload_download(void) {
+  dbuf a = ot_rand(64, -1, 1), b = ot_rand(64, -1, 1), c = ot_rand(70, -1, 1);
+  ot_case(DT_OP_COPY, "uploads from a stack that is then overwritten, then a queued copy");
+  for (int s = 0; s < 2; s++) {
+    upload_from_stack(ot.be[s], a.p[s], 100);
+    upload_from_stack(ot.be[s], b.p[s], 200);
+    scribble_stack();
+    backend_copy(ot.be[s], c.p[s], a.p[s], 64);
+  }
+  for (int s = 0; s < 2; s++)
+    for (int i = 0; i < 64; i++)
+      if (ot_get(a, s, i) != 100 + i || ot_get(b, s, i) != 200 + i || ot_get(c, s, i) != 100 + i)
+        fail_msg("upload [%s]: element %d on %s: %g, %g, %g", ot.kase, i, s ? "CUDA" : "CPU", ot_get(a, s, i),
+                 ot_get(b, s, i), ot_get(c, s, i));
+  ot_check("copy destination", c, 64);
+  /* a download into memory from alloc_host is valid once done() says so */
+  for (int s = 0; s < 2; s++) {
+    double *host = ot.be[s]->alloc_host(ot.be[s], 2 * sizeof(double));
+    const double before[2] = {4.5, -2};
+    double *dev = (double *)ot.be[s]->alloc(ot.be[s], sizeof before);
+    ot.be[s]->upload(ot.be[s], dev, before, sizeof before);
+    ot.be[s]->download(ot.be[s], host, dev, sizeof before);
+    while (!ot.be[s]->done(ot.be[s])) {
     }
-    for (int64_t i = 0; i < n; i++) raw[i] = NAN;
-    free(raw);
-    ot_check("x (with mean and std)", x1, rows * 3 * S);
-    ot_check("x (no mean and std)", x2, rows * 3 * S);
+    if (host[0] != 4.5 || host[1] != -2) fail_msg("download on %s: %g, %g", s ? "CUDA" : "CPU", host[0], host[1]);
+    ot.be[s]->free(ot.be[s], dev);
+    ot.be[s]->free_host(ot.be[s], host);
   }
 }
 
@@ -972,6 +1052,7 @@ GPU_TEST(cuda_op_loss, (ot_begin(), ops_loss(), ot_end()))
 GPU_TEST(cuda_op_sgd_adamw, (ot_begin(), ops_optim(), ot_end()))
 GPU_TEST(cuda_op_sumsq, (ot_begin(), ops_sumsq(), ot_end()))
 GPU_TEST(cuda_op_input, (ot_begin(), ops_input(), ot_end()))
+GPU_TEST(cuda_upload_download_copy, (ot_begin(), ops_upload_download(), ot_end()))
 
 /* The sums the host reads back (sum of squares, loss sums) come out with the same bits every time:
  * run after run on a GPU, launch after launch on the stand-in, whose block order changes with each
@@ -985,31 +1066,35 @@ static void sums_are_the_same_bits_every_time(void) {
   for (int i = 0; i < B; i++) labels[i] = (int32_t)(dt_hash64((uint64_t)i) % K);
   float *x = be->alloc(be, N * sizeof(float)), *dlogits = be->alloc(be, B * K * sizeof(float));
   be->to_device(be, x, h, N * sizeof(float));
-  double first_sq = 0, first_loss = 0;
+  int32_t *dlabels = (int32_t *)be->alloc(be, sizeof labels);
+  be->to_device(be, dlabels, labels, sizeof labels);
+  double *sums = (double *)be->alloc(be, 4 * sizeof(double));
+  double first[4] = {0};
   for (int run = 0; run < 6; run++) {
-    double sq = 0, loss = 0, hits = 0;
-    int64_t bad = 0;
-    dt_op op = {.type = DT_OP_SUMSQ};
-    op.p.sumsq = (typeof(op.p.sumsq)){.n = N, .x = x, .sumsq = &sq, .nonfinite = &bad};
+    be->zero(be, sums, 4 * sizeof(double));
+    dt_op op = {.type = DT_OP_SUMSQ, .p.sumsq = {.n = N, .x = x, .out = sums}};
     backend_run(be, &op);
-    dt_op lo = {.type = DT_OP_LOSS};
-    lo.p.loss = (typeof(lo.p.loss)){.kind = DT_LOSS_CROSS_ENTROPY,
-                                    .b = B,
-                                    .k = K,
-                                    .label_smoothing = 0.0f,
-                                    .weight = 1.0 / B,
-                                    .logits = x,
-                                    .labels = labels,
-                                    .targets = NULL,
-                                    .dlogits = dlogits,
-                                    .loss_sum = &loss,
-                                    .correct = &hits};
+    dt_op lo = {.type = DT_OP_LOSS,
+                .p.loss = {.kind = DT_LOSS_CROSS_ENTROPY,
+                           .b = B,
+                           .k = K,
+                           .label_smoothing = 0.0f,
+                           .weight = 1.0 / B,
+                           .logits = x,
+                           .labels = dlabels,
+                           .targets = NULL,
+                           .dlogits = dlogits,
+                           .sums = sums + 2}};
     backend_run(be, &lo);
-    if (run == 0) first_sq = sq, first_loss = loss;
-    if (memcmp(&sq, &first_sq, sizeof sq) || memcmp(&loss, &first_loss, sizeof loss))
-      fail_msg("run %d: sum of squares %.17g (first %.17g), loss sum %.17g (first %.17g)", run, sq, first_sq, loss,
-               first_loss);
+    double got[4];
+    be->to_host(be, got, sums, sizeof got);
+    if (run == 0) memcpy(first, got, sizeof got);
+    if (memcmp(got, first, sizeof got))
+      fail_msg("run %d: sum of squares %.17g (first %.17g), loss sum %.17g (first %.17g)", run, got[0], first[0],
+               got[2], first[2]);
   }
+  be->free(be, dlabels);
+  be->free(be, sums);
   be->free(be, x);
   be->free(be, dlogits);
   be->destroy(be);
@@ -1041,6 +1126,7 @@ int main(void) {
       cmocka_unit_test(cuda_op_sgd_adamw),
       cmocka_unit_test(cuda_op_sumsq),
       cmocka_unit_test(cuda_op_input),
+      cmocka_unit_test(cuda_upload_download_copy),
       cmocka_unit_test(cuda_op_every_op_tested),
       cmocka_unit_test(cuda_sums_are_the_same_bits_every_time),
   };
