@@ -35,7 +35,7 @@ void k_input(cudaStream_t s, const float *raw, float *x, int64_t b, int64_t c, i
 /* optim.cu: one pass over the flat parameter buffer */
 /* hyper: the step's values, uploaded by the host (SGD: lr; AdamW: lr, lr / bc1, sqrt(bc2)) */
 void k_sgd(cudaStream_t s, float *p, const float *g, float *mom, int64_t n, const float *hyper, float momentum,
-           float wd, int nesterov, int first);
+           float wd, int nesterov);
 void k_adamw(cudaStream_t s, float *p, const float *g, float *m, float *v, int64_t n, const float *hyper, float b1,
              float b2, float eps, float wd);
 void k_ema(cudaStream_t s, float *ema, const float *x, int64_t n, float decay);

@@ -4,8 +4,9 @@
 #include "kernels.h"
 
 __global__ void sgd_kernel(float *p, const float *g, float *mom, int64_t n, const float *hyper, float momentum,
-                           float wd, int nesterov, int first) {
+                           float wd, int nesterov) {
   float lr = hyper[0];
+  int first = hyper[1] != 0.0f;
   GRID_STRIDE(i, n) {
     float d = g[i] + wd * p[i];
     if (momentum > 0) {
@@ -36,8 +37,8 @@ __global__ void ema_kernel(float *ema, const float *x, int64_t n, float decay, f
 extern "C" {
 
 void k_sgd(cudaStream_t s, float *p, const float *g, float *mom, int64_t n, const float *hyper, float momentum,
-           float wd, int nesterov, int first) {
-  LAUNCH(sgd_kernel, blocks_for(n), kThreads, 0, s)(p, g, mom, n, hyper, momentum, wd, nesterov, first);
+           float wd, int nesterov) {
+  LAUNCH(sgd_kernel, blocks_for(n), kThreads, 0, s)(p, g, mom, n, hyper, momentum, wd, nesterov);
 }
 
 void k_adamw(cudaStream_t s, float *p, const float *g, float *m, float *v, int64_t n, const float *hyper, float b1,

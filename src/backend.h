@@ -184,8 +184,8 @@ typedef struct {
       int64_t n;
       float momentum, weight_decay;
       int nesterov;
-      int first;          /* first: momentum buffer starts as grad */
-      const float *hyper; /* (1): lr, uploaded each step */
+      const float *
+          hyper; /* (2): lr, and 1 on the first step (the momentum buffer starts as the gradient), uploaded each step */
       float *param;
       const float *grad;
       float *mom;
@@ -257,6 +257,15 @@ struct dt_backend {
   void *(*alloc_host)(dt_backend *be, size_t bytes);
   void (*free_host)(dt_backend *be, void *p);
   void (*zero)(dt_backend *be, void *p, size_t bytes); /* queued */
+  /* Work capture (CUDA graphs); NULL where the backend has none. Between capture_begin and
+   * capture_end, queued work (ops, zero, device collectives on `stream`) is recorded, not run;
+   * capture_end returns it as a graph, which replay queues again as one piece of work, reading
+   * memory as it is then. A graph keeps the pointers it was captured with: one captured before
+   * `generation` last changed must not be replayed. graph_free waits for queued work first. */
+  void (*capture_begin)(dt_backend *be);
+  void *(*capture_end)(dt_backend *be);
+  void (*replay)(dt_backend *be, void *graph);
+  void (*graph_free)(dt_backend *be, void *graph);
   void (*sync)(dt_backend *be);
   void (*destroy)(dt_backend *be);
   int threads;

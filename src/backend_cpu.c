@@ -490,12 +490,13 @@ static void op_sgd(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.sgd) *q = &op->p.sgd;
   float lr = q->hyper[0];
+  int first = q->hyper[1] != 0.0f;
   /* PyTorch's SGD: g += wd*p; buf = momentum*buf + g (buf = g at first); nesterov: g += momentum*buf */
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < q->n; i++) {
     float g = q->grad[i] + q->weight_decay * q->param[i];
     if (q->momentum > 0) {
-      float buf = q->first ? g : q->momentum * q->mom[i] + g;
+      float buf = first ? g : q->momentum * q->mom[i] + g;
       q->mom[i] = buf;
       g = q->nesterov ? g + q->momentum * buf : buf;
     }

@@ -2,11 +2,11 @@
  * (the algorithm chosen once per shape from cuDNN's heuristics: deterministic, FP32 FMA math, within
  * a workspace limit, with no per-run benchmarking), everything else through kernels/ (kernels.h).
  * All work is queued on one stream and no op waits on the host, so a training step can be
- * captured as a CUDA graph. upload() copies host data through a pinned staging ring (two halves,
- * each reused once its copies are done), so the caller's buffer may change as soon as it returns.
- * FP32 only, TF32 off: results follow the CPU reference to float rounding.
- * Checked on the CPU stand-in (tests/gpusim) in every `make test`; see the README for what only
- * a real GPU can show. */
+ * captured as a CUDA graph (capture_begin/capture_end/replay; a buffer outgrown mid-capture is
+ * retired until the stream drains, and the generation bump makes the owner capture again). upload() copies host data
+ * through a pinned staging ring (two halves, each reused once its copies are done), so the caller's buffer may change
+ * as soon as it returns. FP32 only, TF32 off: results follow the CPU reference to float rounding. Checked on the CPU
+ * stand-in (tests/gpusim) in every `make test`; see the README for what only a real GPU can show. */
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <cudnn.h>
@@ -78,6 +78,9 @@ typedef struct {
   size_t stage_used;     /* bytes used in the current half */
   int stage_cur;         /* the half being filled */
   cudaEvent_t staged[2]; /* recorded after the last copy out of each half */
+  int capturing;         /* between capture_begin and capture_end */
+  void *retired[8];      /* buffers outgrown during a capture: freed once the stream drains */
+  int n_retired;
 } cuda_impl;
 
 /* A failed allocation: out of memory gets the batch-size advice; any other error (a sticky one
@@ -98,14 +101,26 @@ static _Noreturn void alloc_failed(const cuda_impl *im, cudaError_t err, size_t 
       im->device, need, (double)need / 1048576.0, what, (double)free_b / 1048576.0, (double)total_b / 1048576.0);
 }
 
+/* Waits for the stream's work, then frees the buffers retired during a capture. */
+static void drain(cuda_impl *im) {
+  CUDA_CHECK(cudaStreamSynchronize(im->stream));
+  for (; im->n_retired > 0; im->n_retired--) CUDA_CHECK(cudaFree(im->retired[im->n_retired - 1]));
+}
+
 /* Grows a device buffer to `need` bytes. Work queued earlier may still use the old buffer, so the
- * stream is drained before it is freed (cudaFree does not promise to wait for it). */
+ * stream is drained before it is freed (cudaFree does not promise to wait for it); during a
+ * capture (which cannot wait) the old buffer is retired instead, kept until the graph has run. */
 static void *grow_device(cuda_impl *im, void **buf, size_t *have, size_t need, const char *what) {
   if (need <= *have) return *buf;
   im->be->generation++; /* work captured with the old buffer must be captured again */
   if (*buf) {
-    CUDA_CHECK(cudaStreamSynchronize(im->stream));
-    CUDA_CHECK(cudaFree(*buf));
+    if (im->capturing) {
+      DT_ASSERT(im->n_retired < (int)(sizeof im->retired / sizeof im->retired[0]));
+      im->retired[im->n_retired++] = *buf;
+    } else {
+      drain(im);
+      CUDA_CHECK(cudaFree(*buf));
+    }
     *buf = NULL;
     *have = 0;
   }
@@ -163,6 +178,7 @@ static int cuda_done(dt_backend *be) {
   cudaError_t q = cudaStreamQuery(im->stream);
   if (q == cudaErrorNotReady) return 0;
   CUDA_CHECK(q);
+  if (im->n_retired) drain(im);
   return 1;
 }
 
@@ -385,7 +401,7 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
     }
     case DT_OP_SGD: {
       const typeof(op->p.sgd) *q = &op->p.sgd;
-      k_sgd(s, q->param, q->grad, q->mom, q->n, q->hyper, q->momentum, q->weight_decay, q->nesterov, q->first);
+      k_sgd(s, q->param, q->grad, q->mom, q->n, q->hyper, q->momentum, q->weight_decay, q->nesterov);
       break;
     }
     case DT_OP_ADAMW: {
@@ -435,7 +451,7 @@ static float *cuda_alloc(dt_backend *be, size_t bytes) {
 static void cuda_free(dt_backend *be, void *p) {
   cuda_impl *im = be->impl;
   if (!p) return;
-  CUDA_CHECK(cudaStreamSynchronize(im->stream));
+  drain(im);
   CUDA_CHECK(cudaFree(p));
 }
 
@@ -454,13 +470,43 @@ static void cuda_zero(dt_backend *be, void *p, size_t bytes) {
 }
 
 static void cuda_sync(dt_backend *be) {
+  drain(be->impl);
+}
+
+/* Relaxed capture: a buffer that must grow mid-capture may still be allocated (grow_device). */
+static void cuda_capture_begin(dt_backend *be) {
   cuda_impl *im = be->impl;
-  CUDA_CHECK(cudaStreamSynchronize(im->stream));
+  DT_ASSERT(!im->capturing);
+  CUDA_CHECK(cudaStreamBeginCapture(im->stream, cudaStreamCaptureModeRelaxed));
+  im->capturing = 1;
+}
+
+static void *cuda_capture_end(dt_backend *be) {
+  cuda_impl *im = be->impl;
+  DT_ASSERT(im->capturing);
+  cudaGraph_t graph = NULL;
+  im->capturing = 0;
+  CUDA_CHECK(cudaStreamEndCapture(im->stream, &graph));
+  cudaGraphExec_t exec = NULL;
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  return exec;
+}
+
+static void cuda_replay(dt_backend *be, void *graph) {
+  cuda_impl *im = be->impl;
+  CUDA_CHECK(cudaGraphLaunch((cudaGraphExec_t)graph, im->stream));
+}
+
+static void cuda_graph_free(dt_backend *be, void *graph) {
+  if (!graph) return;
+  drain(be->impl);
+  CUDA_CHECK(cudaGraphExecDestroy((cudaGraphExec_t)graph));
 }
 
 static void cuda_destroy(dt_backend *be) {
   cuda_impl *im = be->impl;
-  CUDA_CHECK(cudaStreamSynchronize(im->stream));
+  drain(im);
   for (int i = 0; i < im->n_plans; i++) {
     CUDNN_CHECK(cudnnDestroyTensorDescriptor(im->plans[i].x));
     CUDNN_CHECK(cudnnDestroyTensorDescriptor(im->plans[i].y));
@@ -504,6 +550,10 @@ dt_backend *backend_cuda_create(int device) {
                      .alloc_host = cuda_alloc_host,
                      .free_host = cuda_free_host,
                      .zero = cuda_zero,
+                     .capture_begin = cuda_capture_begin,
+                     .capture_end = cuda_capture_end,
+                     .replay = cuda_replay,
+                     .graph_free = cuda_graph_free,
                      .sync = cuda_sync,
                      .destroy = cuda_destroy,
                      .threads = 1,

@@ -61,6 +61,10 @@ static const dt_key config_keys[] = {
     {"train.ema.decay", DT_KEY_FLOAT, F(ema_decay), "0", 0, 0.999999999, NULL,
      "keep an exponential moving average of the weights (and batchnorm statistics), ema = decay ema + (1 - decay) "
      "w after every step, validated and saved beside the model (0: off; timm's ModelEmaV2 uses 0.9999)"},
+    {"train.cuda_graph", DT_KEY_ENUM, F(cuda_graph), "auto", NOB, "auto|on|off",
+     "capture the training step (forward, backward, gradient allreduce, optimizer, EMA) as one CUDA graph after "
+     "a warm-up step and replay it; steps of another shape run eagerly (auto: when the step can be captured: "
+     "--device cuda, train.grad_accum 1, and NCCL or a single rank; on: the same, an error where it cannot)"},
     {"optim.name", DT_KEY_ENUM, F(optim), "sgd", NOB, "sgd|adamw", "optimizer"},
     {"optim.lr", DT_KEY_FLOAT, F(lr), "0.01", 0, BIG, NULL, "peak learning rate"},
     {"optim.momentum", DT_KEY_FLOAT, F(momentum), "0", 0, 1, NULL, "SGD momentum"},

@@ -17,6 +17,7 @@ enum { DT_SCHED_CONSTANT, DT_SCHED_STEP, DT_SCHED_COSINE, DT_SCHED_ONECYCLE };
 enum { DT_METRIC_NONE, DT_METRIC_VAL_LOSS, DT_METRIC_VAL_ACC, DT_METRIC_EMA_VAL_LOSS, DT_METRIC_EMA_VAL_ACC };
 enum { DT_COMM_AUTO, DT_COMM_MPI, DT_COMM_NCCL };
 enum { DT_PROGRESS_AUTO, DT_PROGRESS_ON, DT_PROGRESS_OFF };
+enum { DT_GRAPH_AUTO, DT_GRAPH_ON, DT_GRAPH_OFF };
 
 typedef struct {
   /* model */
@@ -35,6 +36,7 @@ typedef struct {
   int early_metric;
   int64_t early_patience;
   double ema_decay;
+  int cuda_graph;
   /* optim */
   int optim;
   double lr, momentum, weight_decay, eps;

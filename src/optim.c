@@ -75,6 +75,10 @@ void optim_apply(dt_optim *o, dt_backend *be, float *params, const float *grads)
   o->step++;
 }
 
+void optim_advance(dt_optim *o) {
+  o->step++;
+}
+
 void optim_step(dt_optim *o, dt_backend *be, float *params, const float *grads, double lr) {
   optim_prepare(o, be, lr);
   optim_apply(o, be, params, grads);

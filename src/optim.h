@@ -54,6 +54,8 @@ void optim_free(dt_optim *o, dt_backend *be);
 void optim_prepare(dt_optim *o, dt_backend *be, double lr);
 /* Queues the step prepared last over params with grads; advances o->step. */
 void optim_apply(dt_optim *o, dt_backend *be, float *params, const float *grads);
+/* Counts a step whose optim_apply work was queued by replaying a captured one. */
+void optim_advance(dt_optim *o);
 /* optim_prepare then optim_apply. */
 void optim_step(dt_optim *o, dt_backend *be, float *params, const float *grads, double lr);
 

@@ -8,19 +8,19 @@ static int sgd_states(const dt_config_values *c) {
 
 static void sgd_hyper(const dt_config_values *c, int64_t t, double lr, float *out) {
   (void)c;
-  (void)t;
   out[0] = (float)lr;
+  out[1] = t == 0 ? 1.0f : 0.0f; /* the momentum buffer starts as the first gradient */
 }
 
 static void sgd_step(const dt_config_values *c, dt_backend *be, int64_t n, int64_t t, const float *hyper, float *params,
                      const float *grads, float *const *states) {
+  (void)t;
   dt_op op = {.type = DT_OP_SGD,
               .p.sgd = {.n = n,
                         .hyper = hyper,
                         .momentum = (float)c->momentum,
                         .weight_decay = (float)c->weight_decay,
                         .nesterov = c->nesterov,
-                        .first = t == 0,
                         .param = params,
                         .grad = grads,
                         .mom = c->momentum > 0 ? states[0] : NULL}};

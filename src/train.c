@@ -27,6 +27,7 @@ typedef struct {
  * MPI on the CPU, through host memory otherwise. */
 static void ctx_allreduce(void *ctx, double *data, int n) {
   pass_ctx *c = ctx;
+  if (c->comm->size == 1) return; /* a sum over one rank: nothing to do, and nothing to wait for */
   if (c->dev) {
     c->dev->sum_f64(c->dev->ctx, data, n);
   } else if (c->be->host_memory) {
@@ -306,6 +307,13 @@ typedef struct {
   dt_ckpt_data scratch; /* rank 0 with checkpoints: host copies for writing */
   dev_batch in[2];      /* micro-batches alternate between the two */
   int64_t micro_count;  /* micro-batches uploaded so far: in[micro_count % 2] is next */
+  /* train.cuda_graph: a step of one micro-batch, captured once per input buffer and replayed */
+  int graphs;                        /* steps may be captured */
+  void *graph[2];                    /* the captured step reading in[i], or NULL */
+  int64_t graph_gen[2];              /* be->generation when it was captured */
+  int64_t graph_rows[2], warm_rows;  /* this rank's rows in that step, and in the last step run */
+  double graph_count[2], warm_count; /* the global batch of each */
+  int64_t captures, replays;
   /* this step's results, summed on the device and read once: loss, hits, then the sum of squares
    * and the non-finite count of the gradient buckets this rank sent */
   double *stats, *stats_host; /* (4): backend memory, and host memory it is downloaded to */
@@ -345,6 +353,16 @@ static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_da
             "%s: the global batch (%lld) is larger than the %lld training rows and data.drop_last "
             "is true: no step to run",
             d->path, (long long)G, (long long)d->train.n);
+  const char *no_graph = !T->be->capture_begin ? "it runs on the CPU backend (CUDA graphs need --device cuda)"
+                         : v->grad_accum > 1   ? "train.grad_accum is above 1 (a captured step has one micro-batch)"
+                         : !opts->dev && W > 1 ? "its gradients are summed over MPI through host memory (a captured "
+                                                 "step needs NCCL, or a single rank)"
+                                               : NULL;
+  if (v->cuda_graph == DT_GRAPH_ON && no_graph)
+    dt_fail(&st, DT_EXIT_INPUT,
+            "train.cuda_graph is on, but this run cannot capture its step: %s; set it to auto or off", no_graph);
+  T->graphs = v->cuda_graph != DT_GRAPH_OFF && !no_graph;
+  T->warm_rows = -1;
   log_open(&T->lg, leader, v->log_dir, v->progress, opts->resume != NULL, &st);
   int code = comm_agree(comm, &st);
   if (code) {
@@ -407,6 +425,12 @@ static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_da
            "%d thread%s per rank",
            (long long)T->total, (long long)v->epochs, (long long)T->opt_per_epoch, (long long)(G * T->accum), W,
            W > 1 ? "s" : "", be->name, be->threads, be->threads > 1 ? "s" : "");
+  if (be->capture_begin)
+    log_line(&T->lg, "cuda graph: %s",
+             T->graphs                       ? "on (each full step after the first is replayed as one graph)"
+             : v->cuda_graph == DT_GRAPH_OFF ? "off (train.cuda_graph off)"
+             : v->grad_accum > 1             ? "off (train.grad_accum > 1)"
+                                             : "off (gradients over MPI)");
   T->t_start = T->t_window = dt_now();
   if (T->ts.step >= T->total) T->stop = 1; /* nothing left: the final checkpoint is rewritten below */
   return 0;
@@ -459,6 +483,37 @@ static void queue_update(dt_trainer *T) {
   if (T->ema.params) ema_update(&T->ema, be, m->params, m->bufs);
 }
 
+/* Queues a step of one micro-batch (db, rows): a replay of the graph captured for this input
+ * buffer and shape, when the backend has moved no buffer since; captured now when the step before
+ * had this shape (the warm-up that sized every workspace); else eagerly. */
+static void queue_single(dt_trainer *T, const dev_batch *db, int64_t rows) {
+  dt_backend *be = T->be;
+  const int i = (int)(db - T->in);
+  const int same_shape = T->graph_rows[i] == rows && T->graph_count[i] == T->count;
+  if (T->graphs && T->graph[i] && same_shape && T->graph_gen[i] == be->generation) {
+    be->replay(be, T->graph[i]);
+    optim_advance(&T->opt);
+    T->gs.wait_s = 0;
+    T->replays++;
+  } else if (T->graphs && rows == T->warm_rows && T->count == T->warm_count) {
+    be->graph_free(be, T->graph[i]);
+    T->graph_gen[i] = be->generation;
+    be->capture_begin(be);
+    queue_micro(T, db, rows, 1, 1);
+    queue_update(T);
+    T->graph[i] = be->capture_end(be);
+    T->graph_rows[i] = rows;
+    T->graph_count[i] = T->count;
+    be->replay(be, T->graph[i]);
+    T->captures++;
+  } else {
+    queue_micro(T, db, rows, 1, 1);
+    queue_update(T);
+  }
+  T->warm_rows = rows;
+  T->warm_count = T->count;
+}
+
 /* Takes the next micro-batch from the loader and queues its upload (with its dropout seed) into
  * the next device batch. Returns it, or NULL with st set. */
 static dev_batch *upload_next(dt_trainer *T, int64_t j, int inject_nan, int64_t *rows, double *data_s, dt_status *st) {
@@ -506,10 +561,13 @@ static void run_step(dt_trainer *T, dt_step_report *mine, double *data_s, dt_sta
     int64_t rows = 0;
     dev_batch *db = upload_next(T, j, inject_nan, &rows, data_s, st);
     if (!db) break;
-    queue_micro(T, db, rows, j == 0, j == T->k - 1);
+    if (T->k == 1)
+      queue_single(T, db, rows);
+    else
+      queue_micro(T, db, rows, j == 0, j == T->k - 1);
   }
   if (st->code) return;
-  queue_update(T);
+  if (T->k > 1) queue_update(T);
   wait_step(T);
   const double *r = T->stats_host;
   if (!isfinite(r[0]))
@@ -686,12 +744,17 @@ static int trainer_finish(dt_trainer *T, int code, dt_train_result *res) {
              res->wall_s > 0 ? (double)T->run_samples / res->wall_s : 0.0);
     if (res->best_val_acc >= 0)
       log_line(&T->lg, "best val_acc %.4f, final val_acc %.4f", res->best_val_acc, res->final_val_acc);
+    if (T->captures)
+      log_line(&T->lg, "cuda graph: %lld steps captured, %lld replayed", (long long)T->captures, (long long)T->replays);
   }
   free(T->scratch.params);
   free(T->scratch.bufs);
   free(T->scratch.ema_params);
   free(T->scratch.ema_bufs);
-  for (int i = 0; i < 2; i++) dev_batch_free(&T->in[i], T->be);
+  for (int i = 0; i < 2; i++) {
+    if (T->graph[i]) T->be->graph_free(T->be, T->graph[i]);
+    dev_batch_free(&T->in[i], T->be);
+  }
   T->be->free(T->be, T->stats);
   T->be->free(T->be, T->clip_sq);
   T->be->free_host(T->be, T->stats_host);

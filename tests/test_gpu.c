@@ -916,8 +916,8 @@ static void ops_optim(void) {
       float mom = sgd[si][0];
       int nesterov = (int)sgd[si][1], first = (int)sgd[si][2];
       dbuf p = ot_rand(cap, -1, 1), g = ot_rand(cap, -1, 1), m = ot_rand(cap, -1, 1);
-      const float lr = 0.1f;
-      dbuf hyper = ot_buf(OT_F32, &lr, 1);
+      const float lr_first[2] = {0.1f, (float)first};
+      dbuf hyper = ot_buf(OT_F32, lr_first, 2);
       ot_case(DT_OP_SGD, "momentum %g, nesterov %d, first %d, weight decay 0.01, %s", mom, nesterov, first, nm);
       BOTH {
         dt_op op = {.type = DT_OP_SGD};
@@ -926,7 +926,6 @@ static void ops_optim(void) {
                                       .momentum = mom,
                                       .weight_decay = 0.01f,
                                       .nesterov = nesterov,
-                                      .first = first,
                                       .param = F(p),
                                       .grad = F(g),
                                       .mom = mom > 0 ? F(m) : NULL};

@@ -4,6 +4,7 @@ in the last batch, checkpoints moving between --device cuda and --device cpu, an
 touching only its own GPU. In `make test` the GPU is the CPU stand-in (tests/gpusim, the binary
 build/sim/ddp_train); `make test-gpu` runs the same tests on real GPUs. Skipped without a GPU."""
 import os
+import re
 import shutil
 import subprocess
 import unittest
@@ -203,6 +204,68 @@ class GpuTraining(unittest.TestCase):
                                mpmd=[({"GPUSIM_DEVICES": 2}, args), ({"GPUSIM_DEVICES": 1}, args)])
         self.assertEqual(rc, 0, out + err)
         self.assertIn("gradients: MPI through host memory (dist.comm auto: some node has fewer GPUs than ranks)", out)
+
+    def graph_runs(self, np_, env, extra):
+        """21 steps of GPU_CNN (20 full global batches of 8, then 4 rows) with train.cuda_graph on and
+        off; returns each run's checkpoint and stderr."""
+        self.w.dataset(n=164)
+        cfg = self.w.config(GPU_CNN, dropout="dropout: {p: 0.2}")
+        base = [cfg, "--device", "cuda", "--set", "train.epochs=1", "--set", "train.eval_every_steps=10", "--set",
+                "train.ema.decay=0.9", "--set", "train.clip_grad_norm=0.5", "--set", "optim.name=adamw", "--set",
+                "optim.lr=0.01"] + extra
+        got = {}
+        for mode in ("on", "off"):
+            rc, out, err = gpu_run(base + ["--set", f"train.cuda_graph={mode}", "--set",
+                                           f"checkpoint.dir={self.w.file(mode)}", "--set",
+                                           f"log.dir={self.w.file(mode + '_log')}"], np_, dict(env, GPUSIM_PROFILE="1"))
+            self.assertEqual(rc, 0, out + err)
+            got[mode] = (self.w.latest(mode), out, err)
+        return got
+
+    def assert_graphs_replayed_bit_for_bit(self, got, np_):
+        """The stand-in's own count of graph launches: every full step after the first (19 per rank),
+        none with cuda_graph off; and every tensor of the checkpoints, EMA and optimizer state
+        included, equal to the bit."""
+        on_launches = [(int(i), int(n)) for i, n in re.findall(r"gpusim graphs \(pid \d+\): (\d+) instantiated, (\d+) launches",
+                                                              got["on"][2])]
+        self.assertEqual(len(on_launches), np_, got["on"][2][-3000:])
+        for instantiated, launches in on_launches:
+            self.assertEqual(launches, 19)
+            self.assertGreaterEqual(instantiated, 2)  # one per input buffer, again after a workspace moved
+        self.assertNotRegex(got["off"][2], r"gpusim graphs \(pid \d+\): \d+ instantiated, [1-9]")
+        self.assertIn("cuda graph: on", got["on"][1])
+        self.assertIn("cuda graph: off (train.cuda_graph off)", got["off"][1])
+        with h5py.File(got["on"][0], "r") as a, h5py.File(got["off"][0], "r") as b:
+            names = []
+            a.visit(lambda n: names.append(n) if isinstance(a[n], h5py.Dataset) else None)
+            self.assertTrue(any(n.startswith("ema/") for n in names) and any(n.startswith("optim") for n in names),
+                            names)
+            for n in names:
+                self.assertTrue(np.array_equal(a[n][...], b[n][...]), n)
+
+    def test_cuda_graph_replay_equals_eager_on_one_rank(self):
+        got = self.graph_runs(1, ENV1, [])
+        self.assert_graphs_replayed_bit_for_bit(got, 1)
+
+    @unittest.skipUnless(VISIBLE2 >= 2, "fewer than 2 GPUs visible")
+    def test_cuda_graph_replay_equals_eager_over_nccl(self):
+        """The graph holds the bucketed NCCL all-reduce and the synchronised batchnorm sums."""
+        got = self.graph_runs(2, ENV2, ["--set", "dist.comm=nccl"])
+        self.assert_graphs_replayed_bit_for_bit(got, 2)
+
+    def test_cuda_graph_on_is_refused_where_a_step_cannot_be_captured(self):
+        self.w.dataset(n=48)
+        cfg = self.w.config(GPU_CNN, dropout="relu")
+        cases = [(["--device", "cpu"], 1, ENV, "it runs on the CPU backend"),
+                 (["--device", "cuda", "--set", "train.grad_accum=2"], 1, ENV1, "train.grad_accum is above 1"),
+                 (["--device", "cuda", "--set", "dist.comm=mpi"], 2, ENV1, "its gradients are summed over MPI")]
+        for extra, np_, env, why in cases:
+            rc, out, err = gpu_run([cfg, "--set", "train.cuda_graph=on"] + extra, np_, env)
+            self.assertEqual(rc, 2, out + err)
+            self.assertIn(f"train.cuda_graph is on, but this run cannot capture its step: {why}", errors(err)[0])
+            rc, out, err = gpu_run([cfg, "--set", "train.cuda_graph=auto", "--set", "train.max_steps=2"] + extra,
+                                   np_, env)
+            self.assertEqual(rc, 0, out + err)  # auto runs eagerly instead
 
     @unittest.skipIf(SIM, "compute-sanitizer needs a real GPU (on the stand-in its checks are built in)")
     @unittest.skipUnless(shutil.which("compute-sanitizer") or os.path.exists("/usr/local/cuda/bin/compute-sanitizer"),

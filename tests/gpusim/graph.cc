@@ -17,6 +17,8 @@
 //   other, each node reaching only the allocations it declared, and a node that uses memory freed
 //   since the capture stops the program. Collectives are issued anew at every launch.
 #include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <map>
@@ -60,6 +62,7 @@ struct Exec {
 struct Captures {
   std::vector<Capture *> active;
   uint64_t ids = 0;
+  uint64_t instantiated = 0, launches = 0, nodes_launched = 0;  // GPUSIM_PROFILE's graph line
   // cudaStreamGetCaptureInfo's arrays, valid until the stream's next call
   std::map<const Stream *, std::vector<cudaGraphNode_t>> info_nodes;
   std::map<const Stream *, std::vector<cudaGraphEdgeData>> info_edges;
@@ -68,6 +71,19 @@ struct Captures {
 Captures &caps() {
   static Captures *c = new Captures;  // lives until the process ends
   return *c;
+}
+
+void print_graph_profile() {
+  Captures &c = caps();
+  fprintf(stderr, "gpusim graphs (pid %d): %llu instantiated, %llu launches, %llu nodes launched\n", (int)getpid(),
+          (unsigned long long)c.instantiated, (unsigned long long)c.launches, (unsigned long long)c.nodes_launched);
+}
+
+void count_launch(size_t nodes) {
+  static bool profiling = getenv("GPUSIM_PROFILE") && atexit(print_graph_profile) == 0;
+  if (!profiling) return;
+  caps().launches++;
+  caps().nodes_launched += nodes;
 }
 
 Handles<Graph> graphs;
@@ -406,6 +422,7 @@ cudaError_t cudaGraphInstantiate(cudaGraphExec_t *out, cudaGraph_t h, unsigned l
   }
   Exec *x = execs.add(new Exec);
   x->plan = plan;
+  caps().instantiated++;
   *out = reinterpret_cast<cudaGraphExec_t>(x);
   return cudaSuccess;
 }
@@ -435,6 +452,7 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t h, cudaStream_t sh) {
   std::shared_ptr<Mark> mark = std::make_shared<Mark>();
   op->mark = mark;
   enqueue(s, std::move(op));
+  count_launch(x->plan->nodes.size());
   mark->stream = s;
   mark->seq = s->enqueued;
   x->plan->last = mark;
