@@ -10,6 +10,12 @@
 //   and tensor-op math types read FP32 inputs as TF32 (as Ampere and Hopper do; FP32 below compute
 //   capability 8.0, which has no TF32). The algorithms
 //   cuDNN marks non-deterministic accumulate in an order that changes from call to call.
+// - Data types: x, w and y all float (FLOAT_CONFIG), or all half or all bfloat16 with an FP32
+//   compute type (PSEUDO_HALF_CONFIG, PSEUDO_BFLOAT16_CONFIG): read exactly, summed in FP32 under
+//   every math type, alpha and beta applied in float, rounded to nearest even on store. Mixed types
+//   are CUDNN_STATUS_NOT_SUPPORTED_DATA_TYPE; 16-bit data with a 16-bit compute type
+//   (TRUE_HALF_CONFIG included) is CUDNN_STATUS_NOT_SUPPORTED. Heuristics and workspaces are those
+//   of float data.
 #include <cblas.h>
 #include <cudnn.h>
 #include <string.h>
@@ -66,6 +72,23 @@ cudnnContext *handle_of(cudnnHandle_t h) {
   return handles.has(h) ? h : nullptr;
 }
 
+bool is16(cudnnDataType_t t) {
+  return t == CUDNN_DATA_HALF || t == CUDNN_DATA_BFLOAT16;
+}
+size_t element_bytes(cudnnDataType_t t) {
+  return is16(t) ? 2 : sizeof(float);
+}
+
+// The configurations supported: FLOAT_CONFIG, and PSEUDO_HALF_CONFIG and PSEUDO_BFLOAT16_CONFIG
+// (16-bit data, FP32 compute). TRUE_HALF_CONFIG (half arithmetic) is not modelled.
+cudnnStatus_t configuration(const cudnnTensorStruct *x, const cudnnFilterStruct *f, const cudnnConvolutionStruct *cv,
+                            const cudnnTensorStruct *y) {
+  cudnnDataType_t t = x->type;
+  if (f->type != t || y->type != t || (t != CUDNN_DATA_FLOAT && !is16(t))) return CUDNN_STATUS_NOT_SUPPORTED_DATA_TYPE;
+  if (is16(t) && cv->compute != CUDNN_DATA_FLOAT) return CUDNN_STATUS_NOT_SUPPORTED;
+  return CUDNN_STATUS_SUCCESS;
+}
+
 // The convolution's shapes, checked for consistency: x (N,C,H,W), w (K,C,R,S), y (N,K,P,Q).
 struct Geom {
   int n, c, h, w, k, r, s, p, q;
@@ -74,8 +97,7 @@ struct Geom {
 cudnnStatus_t geometry(const cudnnTensorStruct *x, const cudnnFilterStruct *f, const cudnnConvolutionStruct *cv,
                        const cudnnTensorStruct *y, Geom *g) {
   if (!ok(x) || !ok(f) || !ok(cv) || !ok(y)) return CUDNN_STATUS_BAD_PARAM;
-  if (x->type != CUDNN_DATA_FLOAT || f->type != CUDNN_DATA_FLOAT || y->type != CUDNN_DATA_FLOAT)
-    return CUDNN_STATUS_NOT_SUPPORTED_DATA_TYPE;
+  if (cudnnStatus_t st = configuration(x, f, cv, y)) return st;
   if (x->c != f->c || y->c != f->k || y->n != x->n) return CUDNN_STATUS_BAD_PARAM;
   int er = (f->h - 1) * cv->dil_h + 1, es = (f->w - 1) * cv->dil_w + 1;
   int p = (x->h + 2 * cv->pad_h - er) / cv->u + 1, q = (x->w + 2 * cv->pad_w - es) / cv->v + 1;
@@ -89,7 +111,8 @@ bool tf32(const cudnnConvolutionStruct *cv) {
   return cv->math != CUDNN_FMA_MATH && config().cc_major >= 8;
 }
 
-// One algorithm's description for a shape: supported or not, its workspace, its determinism.
+// One algorithm's description for a shape: supported or not, its workspace (sized as for FP32
+// data, whatever the data type), its determinism.
 struct Algo {
   int id;
   cudnnStatus_t status;
@@ -252,8 +275,8 @@ struct Conv {
   cudnnTensorStruct x, y;  // y: the output side (dy for the backward passes)
   cudnnFilterStruct f;
   cudnnConvolutionStruct cv;
-  const float *xp, *yp, *wp;  // inputs
-  float *out;                 // y, dx or dw
+  const void *xp, *yp, *wp;  // inputs, of the data type of x
+  void *out;                 // y, dx or dw
   float alpha, beta;
   bool deterministic;
   uint64_t seed;
@@ -272,11 +295,15 @@ struct Scratch {
   std::vector<float> W, col, Y, dx, acc;
 };
 
-void run_conv(const Conv &cv) {
+// The convolution on FP32 buffers (16-bit data arrives widened, see run_conv).
+void conv_f32(const Conv &cv) {
   static Scratch sc;
   const Geom &g = cv.g;
   const int crs = g.c * g.r * g.s, pq = g.p * g.q;
-  const bool round = tf32(&cv.cv);
+  const bool round = cv.x.type == CUDNN_DATA_FLOAT && tf32(&cv.cv);  // 16-bit inputs are exact in TF32
+  const float *xp = static_cast<const float *>(cv.xp), *yp = static_cast<const float *>(cv.yp),
+              *wp = static_cast<const float *>(cv.wp);
+  float *out = static_cast<float *>(cv.out);
   auto rd = [&](float v) { return round ? to_tf32(v) : v; };
   const cudnnTensorStruct &x = cv.x, &y = cv.y;
   const int u = cv.cv.u, v = cv.cv.v, ph = cv.cv.pad_h, pw = cv.cv.pad_w, dh = cv.cv.dil_h, dw = cv.cv.dil_w;
@@ -290,11 +317,11 @@ void run_conv(const Conv &cv) {
       for (int c = 0; c < g.c; c++)
         for (int r = 0; r < g.r; r++)
           for (int s = 0; s < g.s; s++)
-            W[(size_t)k * crs + (c * g.r + r) * g.s + s] = rd(cv.wp[filter_index(cv, k, c, r, s)]);
+            W[(size_t)k * crs + (c * g.r + r) * g.s + s] = rd(wp[filter_index(cv, k, c, r, s)]);
   // col(CRS, PQ) of image n: x at (p*u - pad + r*dil, q*v - pad + s*dil), 0 outside
   const bool unit_w = v == 1 && x.sw == 1 && !round;  // rows copy as they are
   auto im2col = [&](int n) {
-    const float *xn = cv.xp + (size_t)n * x.sn;
+    const float *xn = xp + (size_t)n * x.sn;
     float *row = col.data();
     for (int c = 0; c < g.c; c++)
       for (int r = 0; r < g.r; r++)
@@ -325,7 +352,7 @@ void run_conv(const Conv &cv) {
     float *o = Y.data();
     for (int k = 0; k < g.k; k++)
       for (int p = 0; p < g.p; p++, o += g.q) {
-        const float *yr = cv.yp + (size_t)n * y.sn + (size_t)k * y.sc + (size_t)p * y.sh;
+        const float *yr = yp + (size_t)n * y.sn + (size_t)k * y.sc + (size_t)p * y.sh;
         if (y.sw == 1 && !round)
           memcpy(o, yr, (size_t)g.q * sizeof(float));
         else
@@ -342,7 +369,7 @@ void run_conv(const Conv &cv) {
       const float *in = Y.data();
       for (int k = 0; k < g.k; k++)
         for (int p = 0; p < g.p; p++) {
-          float *o = cv.out + (size_t)n * y.sn + (size_t)k * y.sc + (size_t)p * y.sh;
+          float *o = out + (size_t)n * y.sn + (size_t)k * y.sc + (size_t)p * y.sh;
           for (int q = 0; q < g.q; q++, in++) {
             float val = alpha * *in;
             o[(size_t)q * y.sw] = beta != 0 ? val + beta * o[(size_t)q * y.sw] : val;  // beta 0: y is not read
@@ -376,7 +403,7 @@ void run_conv(const Conv &cv) {
       const float *in = dx.data();
       for (int c = 0; c < g.c; c++)
         for (int ih = 0; ih < g.h; ih++) {
-          float *o = cv.out + (size_t)n * x.sn + (size_t)c * x.sc + (size_t)ih * x.sh;
+          float *o = out + (size_t)n * x.sn + (size_t)c * x.sc + (size_t)ih * x.sh;
           for (int iw = 0; iw < g.w; iw++, in++) {
             float val = alpha * *in;
             o[(size_t)iw * x.sw] = beta != 0 ? val + beta * o[(size_t)iw * x.sw] : val;
@@ -401,11 +428,65 @@ void run_conv(const Conv &cv) {
       for (int c = 0; c < g.c; c++)
         for (int r = 0; r < g.r; r++)
           for (int s = 0; s < g.s; s++) {
-            float *o = &cv.out[filter_index(cv, k, c, r, s)];
+            float *o = &out[filter_index(cv, k, c, r, s)];
             float val = alpha * acc[(size_t)k * crs + (c * g.r + r) * g.s + s];
             *o = beta != 0 ? val + beta * *o : val;
           }
   }
+}
+
+// Calls fn(offset) for each element of t.
+template <class Fn>
+void each_element(const cudnnTensorStruct &t, Fn fn) {
+  for (int n = 0; n < t.n; n++)
+    for (int c = 0; c < t.c; c++)
+      for (int h = 0; h < t.h; h++)
+        for (int w = 0; w < t.w; w++) fn((size_t)n * t.sn + (size_t)c * t.sc + (size_t)h * t.sh + (size_t)w * t.sw);
+}
+
+// A filter as a packed tensor of its data type (both filter layouts are packed).
+cudnnTensorStruct as_tensor(const cudnnFilterStruct &f) {
+  cudnnTensorStruct t;
+  t.set = true;
+  t.type = f.type;
+  t.n = f.k, t.c = f.c, t.h = f.h, t.w = f.w;
+  t.sn = f.c * f.h * f.w, t.sc = f.h * f.w, t.sh = f.w, t.sw = 1;
+  return t;
+}
+
+// t's 16-bit elements at p, read exactly as floats at the same offsets of v (zeros between them).
+void widen(const cudnnTensorStruct &t, const void *p, std::vector<float> &v) {
+  const uint16_t *s = static_cast<const uint16_t *>(p);
+  const bool half = t.type == CUDNN_DATA_HALF;
+  v.assign(tensor_extent(&t), 0.0f);
+  each_element(t, [&](size_t i) { v[i] = half ? half_to_float(s[i]) : bf16_to_float(s[i]); });
+}
+
+// v's elements rounded to t's 16-bit type (to nearest even), stored at p; the gaps are not touched.
+void narrow(const cudnnTensorStruct &t, const std::vector<float> &v, void *p) {
+  uint16_t *d = static_cast<uint16_t *>(p);
+  const bool half = t.type == CUDNN_DATA_HALF;
+  each_element(t, [&](size_t i) { d[i] = half ? float_to_half(v[i]) : float_to_bf16(v[i]); });
+}
+
+// The convolution: FP32 data as it is; 16-bit data read exactly, computed in FP32 (no TF32, the
+// inputs have fewer bits already), alpha and beta applied in float, the result rounded on store.
+void run_conv(const Conv &cv) {
+  if (cv.x.type == CUDNN_DATA_FLOAT) return conv_f32(cv);
+  static std::vector<float> X, Y, W, O;
+  const cudnnTensorStruct f = as_tensor(cv.f);
+  const cudnnTensorStruct &out = cv.dir == FWD ? cv.y : cv.dir == BWD_DATA ? cv.x : f;
+  Conv c = cv;
+  if (cv.xp) widen(cv.x, cv.xp, X), c.xp = X.data();
+  if (cv.yp) widen(cv.y, cv.yp, Y), c.yp = Y.data();
+  if (cv.wp) widen(f, cv.wp, W), c.wp = W.data();
+  if (cv.beta != 0)
+    widen(out, cv.out, O);
+  else
+    O.assign(tensor_extent(&out), 0.0f);  // beta 0: the output is not read
+  c.out = O.data();
+  conv_f32(c);
+  narrow(out, O, cv.out);
 }
 
 float host_scalar(const char *api, const char *name, const void *p) {
@@ -429,11 +510,11 @@ cudnnStatus_t submit(cudnnContext *h, const char *api, Conv cv, int algo, void *
   cv.seed = next_seed();
   std::unique_ptr<FnOp> op(new FnOp);
   int dev = h->device;
-  size_t fbytes = (size_t)cv.f.k * cv.f.c * cv.f.h * cv.f.w * sizeof(float);
+  size_t fbytes = (size_t)cv.f.k * cv.f.c * cv.f.h * cv.f.w * element_bytes(cv.f.type);
   const Allocation *x = check_buffer(api, cv.dir == BWD_DATA ? "dx" : "x", cv.dir == BWD_DATA ? cv.out : cv.xp,
-                                     tensor_extent(&cv.x) * sizeof(float), dev);
+                                     tensor_extent(&cv.x) * element_bytes(cv.x.type), dev);
   const Allocation *y = check_buffer(api, cv.dir == FWD ? "y" : "dy", cv.dir == FWD ? cv.out : cv.yp,
-                                     tensor_extent(&cv.y) * sizeof(float), dev);
+                                     tensor_extent(&cv.y) * element_bytes(cv.y.type), dev);
   const Allocation *w =
       check_buffer(api, cv.dir == BWD_FILTER ? "dw" : "w", cv.dir == BWD_FILTER ? cv.out : cv.wp, fbytes, dev);
   op->uses = {x, y, w};
@@ -711,8 +792,8 @@ cudnnStatus_t cudnnConvolutionForward(cudnnHandle_t h, const void *alpha, const 
   if (cudnnStatus_t st = geometry(xd, wd, cv, yd, &c.g)) return st;
   c.dir = FWD;
   c.x = *xd, c.y = *yd, c.f = *wd, c.cv = *cv;
-  c.xp = static_cast<const float *>(x), c.wp = static_cast<const float *>(w), c.yp = nullptr;
-  c.out = static_cast<float *>(y);
+  c.xp = x, c.wp = w, c.yp = nullptr;
+  c.out = y;
   return submit(h, "cudnnConvolutionForward", c, algo, ws, ws_bytes, alpha, beta);
 }
 
@@ -727,8 +808,8 @@ cudnnStatus_t cudnnConvolutionBackwardData(cudnnHandle_t h, const void *alpha, c
   if (cudnnStatus_t st = geometry(dxd, wd, cv, dyd, &c.g)) return st;
   c.dir = BWD_DATA;
   c.x = *dxd, c.y = *dyd, c.f = *wd, c.cv = *cv;
-  c.xp = nullptr, c.wp = static_cast<const float *>(w), c.yp = static_cast<const float *>(dy);
-  c.out = static_cast<float *>(dx);
+  c.xp = nullptr, c.wp = w, c.yp = dy;
+  c.out = dx;
   return submit(h, "cudnnConvolutionBackwardData", c, algo, ws, ws_bytes, alpha, beta);
 }
 
@@ -743,8 +824,8 @@ cudnnStatus_t cudnnConvolutionBackwardFilter(cudnnHandle_t h, const void *alpha,
   if (cudnnStatus_t st = geometry(xd, dwd, cv, dyd, &c.g)) return st;
   c.dir = BWD_FILTER;
   c.x = *xd, c.y = *dyd, c.f = *dwd, c.cv = *cv;
-  c.xp = static_cast<const float *>(x), c.wp = nullptr, c.yp = static_cast<const float *>(dy);
-  c.out = static_cast<float *>(dw);
+  c.xp = x, c.wp = nullptr, c.yp = dy;
+  c.out = dw;
   return submit(h, "cudnnConvolutionBackwardFilter", c, algo, ws, ws_bytes, alpha, beta);
 }
 

@@ -1344,6 +1344,282 @@ static void cudnn_algorithms_workspaces_math_and_determinism(void **) {
   DNN_OK(cudnnDestroy(h));
 }
 
+// ---- cuDNN with half and bfloat16 data ----------------------------------------------------------
+
+// A 16-bit type on the host, independently of the stand-in: `bits` significant bits, normal from
+// 2^min_exp (half's subnormals included); the values here stay far from overflow.
+struct Type16 {
+  cudnnDataType_t type;
+  const char *name;
+  int bits, min_exp;
+};
+static const Type16 kHalf = {CUDNN_DATA_HALF, "half", 11, -14}, kBf16 = {CUDNN_DATA_BFLOAT16, "bfloat16", 8, -126};
+
+// The spacing of t's values at v (one ulp), and v rounded to t (to nearest even).
+static double ulp16(const Type16 &t, double v) {
+  int e;
+  frexp(v, &e);  // |v| = m 2^e, m in [0.5, 1)
+  return ldexp(1.0, (e - 1 > t.min_exp ? e - 1 : t.min_exp) - (t.bits - 1));
+}
+static double round16(const Type16 &t, double v) {
+  double u = ulp16(t, v);
+  return nearbyint(v / u) * u;
+}
+
+// The bits of v, a value of t, and back.
+static uint16_t bits16(const Type16 &t, double v) {
+  float f = (float)v;
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if (t.type == CUDNN_DATA_BFLOAT16) return (uint16_t)(u >> 16);
+  uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+  double a = fabs(v);
+  if (a < ldexp(1.0, -14)) return (uint16_t)(sign | (uint16_t)(a / ldexp(1.0, -24)));  // subnormal
+  int e;
+  double m = frexp(a, &e);
+  return (uint16_t)(sign | (e + 14) << 10 | (uint16_t)((2 * m - 1) * 1024));
+}
+static double value16(const Type16 &t, uint16_t b) {
+  if (t.type == CUDNN_DATA_BFLOAT16) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+  }
+  int exp = (b >> 10) & 0x1f, man = b & 0x3ff;
+  double a = exp == 0x1f ? NAN : exp == 0 ? ldexp(man, -24) : ldexp(1024 + man, exp - 25);
+  return b & 0x8000 ? -a : a;
+}
+
+// n values of t from pseudo(), as doubles and as bits.
+static std::vector<double> values16(const Type16 &t, size_t n, int salt, std::vector<uint16_t> *bits) {
+  std::vector<double> v(n);
+  bits->resize(n);
+  for (size_t i = 0; i < n; i++) {
+    v[i] = round16(t, pseudo((int)i, salt)), (*bits)[i] = bits16(t, v[i]);
+    if (value16(t, (*bits)[i]) != v[i]) fail_msg("%s: %.9g does not encode", t.name, v[i]);
+  }
+  return v;
+}
+
+// The sums of a convolution in double: y = x * w, dx = dy * w^T, dw = dy^T x (x, dy, w in t's layout).
+static void conv_sums(const ConvCase &t, int P, int Q, const std::vector<double> &X, const std::vector<double> &W,
+                      const std::vector<double> &DY, std::vector<double> *y, std::vector<double> *dx,
+                      std::vector<double> *dw) {
+  y->assign(DY.size(), 0.0), dx->assign(X.size(), 0.0), dw->assign(W.size(), 0.0);
+  for (int n = 0; n < t.n; n++)
+    for (int k = 0; k < t.k; k++)
+      for (int p = 0; p < P; p++)
+        for (int q = 0; q < Q; q++) {
+          size_t yi = x_at(t, n, k, p, q, P, Q, t.k);
+          for (int c = 0; c < t.c; c++)
+            for (int r = 0; r < t.r; r++)
+              for (int u = 0; u < t.r; u++) {
+                int ih = p * t.stride - t.pad + r, iw = q * t.stride - t.pad + u;
+                if (ih < 0 || iw < 0 || ih >= t.h || iw >= t.w) continue;
+                size_t xi = x_at(t, n, c, ih, iw, t.h, t.w, t.c), wi = x_at(t, k, c, r, u, t.r, t.r, t.c);
+                (*y)[yi] += X[xi] * W[wi];
+                (*dx)[xi] += DY[yi] * W[wi];
+                (*dw)[wi] += DY[yi] * X[xi];
+              }
+        }
+}
+
+// got (bits of t) against want rounded to t: each within one ulp, and nearly all equal (a result
+// truncated instead of rounded to nearest would miss about half of them).
+static void expect_rounded(const Type16 &t, const char *what, const std::vector<uint16_t> &got,
+                           const std::vector<double> &want) {
+  size_t inexact = 0;
+  for (size_t i = 0; i < want.size(); i++) {
+    double g = value16(t, got[i]), r = round16(t, want[i]);
+    if (!(fabs(g - r) <= ulp16(t, r))) fail_msg("%s %s[%zu]: %.9g, want %.9g", t.name, what, i, g, r);
+    inexact += g != r;
+  }
+  if (inexact > want.size() / 50 + 1)
+    fail_msg("%s %s: %zu of %zu results not rounded to nearest", t.name, what, inexact, want.size());
+}
+
+// Descriptors of a convolution with the given types (x, w, y), compute type and math type.
+struct ConvDescs {
+  cudnnTensorDescriptor_t x, y;
+  cudnnFilterDescriptor_t w;
+  cudnnConvolutionDescriptor_t cv;
+};
+
+static ConvDescs conv_descs(const ConvCase &t, cudnnDataType_t xt, cudnnDataType_t wt, cudnnDataType_t yt,
+                            cudnnDataType_t compute, cudnnMathType_t math) {
+  int P = (t.h + 2 * t.pad - t.r) / t.stride + 1, Q = (t.w + 2 * t.pad - t.r) / t.stride + 1;
+  cudnnTensorFormat_t fmt = t.nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
+  ConvDescs d;
+  DNN_OK(cudnnCreateTensorDescriptor(&d.x));
+  DNN_OK(cudnnCreateTensorDescriptor(&d.y));
+  DNN_OK(cudnnCreateFilterDescriptor(&d.w));
+  DNN_OK(cudnnCreateConvolutionDescriptor(&d.cv));
+  DNN_OK(cudnnSetTensor4dDescriptor(d.x, fmt, xt, t.n, t.c, t.h, t.w));
+  DNN_OK(cudnnSetTensor4dDescriptor(d.y, fmt, yt, t.n, t.k, P, Q));
+  DNN_OK(cudnnSetFilter4dDescriptor(d.w, wt, fmt, t.k, t.c, t.r, t.r));
+  DNN_OK(
+      cudnnSetConvolution2dDescriptor(d.cv, t.pad, t.pad, t.stride, t.stride, 1, 1, CUDNN_CROSS_CORRELATION, compute));
+  DNN_OK(cudnnSetConvolutionMathType(d.cv, math));
+  return d;
+}
+
+static void destroy_descs(const ConvDescs &d) {
+  cudnnDestroyTensorDescriptor(d.x), cudnnDestroyTensorDescriptor(d.y);
+  cudnnDestroyFilterDescriptor(d.w), cudnnDestroyConvolutionDescriptor(d.cv);
+}
+
+static void cudnn_half_and_bfloat16_convolutions_round_to_nearest(void **) {
+  cudnnHandle_t h;
+  DNN_OK(cudnnCreate(&h));
+  void *ws = device_array<char>(64 << 20);
+  for (const Type16 &ty : {kHalf, kBf16})
+    for (bool nhwc : {false, true})
+      for (int stride : {1, 2}) {
+        ConvCase t = {2, 3, 5, 5, 4, 3, 1, stride, nhwc};
+        int P = (t.h + 2 * t.pad - t.r) / t.stride + 1, Q = (t.w + 2 * t.pad - t.r) / t.stride + 1;
+        ConvDescs d = conv_descs(t, ty.type, ty.type, ty.type, CUDNN_DATA_FLOAT, CUDNN_TENSOR_OP_MATH);
+        size_t nx = (size_t)t.n * t.c * t.h * t.w, ny = (size_t)t.n * t.k * P * Q, nw = (size_t)t.k * t.c * t.r * t.r;
+        std::vector<uint16_t> bX, bW, bY, bDY;
+        std::vector<double> X = values16(ty, nx, 8, &bX), Wt = values16(ty, nw, 9, &bW), Y = values16(ty, ny, 10, &bY),
+                            DY = values16(ty, ny, 11, &bDY);
+        std::vector<double> y_ref, dx_ref, dw_ref;
+        conv_sums(t, P, Q, X, Wt, DY, &y_ref, &dx_ref, &dw_ref);
+        for (size_t i = 0; i < ny; i++) y_ref[i] = 2.0 * y_ref[i] + 0.5 * Y[i];  // alpha 2, beta 0.5
+        for (size_t i = 0; i < nw; i++) dw_ref[i] += Wt[i];                      // beta 1 adds into w
+        uint16_t *dX = device_copy(bX), *dW = device_copy(bW), *dY = device_copy(bY), *dDY = device_copy(bDY);
+        uint16_t *dDX = device_array<uint16_t>(nx);
+        float two = 2, half = 0.5f, one = 1, zero = 0;
+        DNN_OK(cudnnConvolutionForward(h, &two, d.x, dX, d.w, dW, d.cv, CUDNN_CONVOLUTION_FWD_ALGO_GEMM, ws, 64 << 20,
+                                       &half, d.y, dY));
+        DNN_OK(cudnnConvolutionBackwardData(h, &one, d.w, dW, d.y, dDY, d.cv, CUDNN_CONVOLUTION_BWD_DATA_ALGO_1, ws,
+                                            64 << 20, &zero, d.x, dDX));
+        DNN_OK(cudnnConvolutionBackwardFilter(h, &one, d.x, dX, d.y, dDY, d.cv, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1, ws,
+                                              64 << 20, &one, d.w, dW));
+        char what[64];
+        snprintf(what, sizeof what, "%s stride %d: y", nhwc ? "NHWC" : "NCHW", stride);
+        expect_rounded(ty, what, host_copy(dY, ny), y_ref);
+        snprintf(what, sizeof what, "%s stride %d: dx", nhwc ? "NHWC" : "NCHW", stride);
+        expect_rounded(ty, what, host_copy(dDX, nx), dx_ref);
+        snprintf(what, sizeof what, "%s stride %d: dw", nhwc ? "NHWC" : "NCHW", stride);
+        expect_rounded(ty, what, host_copy(dW, nw), dw_ref);
+        cudaFree(dX), cudaFree(dW), cudaFree(dY), cudaFree(dDY), cudaFree(dDX);
+        destroy_descs(d);
+      }
+  cudaFree(ws);
+  DNN_OK(cudnnDestroy(h));
+}
+
+// What the _v7 heuristics answer for one direction (0 forward, 1 backward data, 2 backward
+// filter), each supported algorithm's workspace checked against the size query.
+struct AlgoRow {
+  int algo;
+  cudnnStatus_t status;
+  size_t memory;
+  cudnnDeterminism_t determinism;
+  cudnnMathType_t math;
+  bool operator==(const AlgoRow &o) const {
+    return algo == o.algo && status == o.status && memory == o.memory && determinism == o.determinism;
+  }
+};
+
+template <class Perf>
+static std::vector<AlgoRow> algo_rows(const Perf *perf, int count) {
+  std::vector<AlgoRow> rows;
+  for (int i = 0; i < count; i++)
+    rows.push_back({(int)perf[i].algo, perf[i].status, perf[i].memory, perf[i].determinism, perf[i].mathType});
+  return rows;
+}
+
+static std::vector<AlgoRow> heuristics(cudnnHandle_t h, const ConvDescs &d, int dir) {
+  cudnnConvolutionFwdAlgoPerf_t fwd[16];
+  cudnnConvolutionBwdDataAlgoPerf_t bwd_data[16];
+  cudnnConvolutionBwdFilterAlgoPerf_t bwd_filter[16];
+  int count = 0;
+  std::vector<AlgoRow> rows;
+  if (dir == 0) {
+    DNN_OK(cudnnGetConvolutionForwardAlgorithm_v7(h, d.x, d.w, d.cv, d.y, 16, &count, fwd));
+    rows = algo_rows(fwd, count);
+  } else if (dir == 1) {
+    DNN_OK(cudnnGetConvolutionBackwardDataAlgorithm_v7(h, d.w, d.y, d.cv, d.x, 16, &count, bwd_data));
+    rows = algo_rows(bwd_data, count);
+  } else {
+    DNN_OK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, d.x, d.y, d.cv, d.w, 16, &count, bwd_filter));
+    rows = algo_rows(bwd_filter, count);
+  }
+  for (const AlgoRow &r : rows) {
+    if (r.status != CUDNN_STATUS_SUCCESS) continue;
+    size_t ws = 0;
+    if (dir == 0)
+      DNN_OK(cudnnGetConvolutionForwardWorkspaceSize(h, d.x, d.w, d.cv, d.y, (cudnnConvolutionFwdAlgo_t)r.algo, &ws));
+    else if (dir == 1)
+      DNN_OK(cudnnGetConvolutionBackwardDataWorkspaceSize(h, d.w, d.y, d.cv, d.x, (cudnnConvolutionBwdDataAlgo_t)r.algo,
+                                                          &ws));
+    else
+      DNN_OK(cudnnGetConvolutionBackwardFilterWorkspaceSize(h, d.x, d.y, d.cv, d.w,
+                                                            (cudnnConvolutionBwdFilterAlgo_t)r.algo, &ws));
+    if (ws != r.memory)
+      fail_msg("direction %d algorithm %d: heuristics %zu bytes, query %zu", dir, r.algo, r.memory, ws);
+  }
+  return rows;
+}
+
+static void cudnn_half_and_bfloat16_configurations_and_heuristics(void **) {
+  cudnnHandle_t h;
+  DNN_OK(cudnnCreate(&h));
+  ConvCase t = {2, 3, 5, 5, 4, 3, 1, 1, true};
+  for (const Type16 &ty : {kHalf, kBf16}) {
+    // the heuristics list the algorithms of float data, with the descriptor's math type
+    for (cudnnMathType_t math : {CUDNN_TENSOR_OP_MATH, CUDNN_DEFAULT_MATH, CUDNN_FMA_MATH}) {
+      ConvDescs d16 = conv_descs(t, ty.type, ty.type, ty.type, CUDNN_DATA_FLOAT, math),
+                d32 = conv_descs(t, CUDNN_DATA_FLOAT, CUDNN_DATA_FLOAT, CUDNN_DATA_FLOAT, CUDNN_DATA_FLOAT, math);
+      for (int dir = 0; dir < 3; dir++) {
+        std::vector<AlgoRow> rows = heuristics(h, d16, dir);
+        if (!(rows == heuristics(h, d32, dir))) fail_msg("%s direction %d: not float's algorithms", ty.name, dir);
+        bool usable = false;
+        for (const AlgoRow &r : rows) {
+          assert_int_equal(r.math, math);
+          usable |= r.status == CUDNN_STATUS_SUCCESS && r.determinism == CUDNN_DETERMINISTIC;
+        }
+        if (!usable) fail_msg("%s direction %d: no supported deterministic algorithm", ty.name, dir);
+      }
+      destroy_descs(d16), destroy_descs(d32);
+    }
+    // x, w and y of one type: mixed with float or the other 16-bit type is refused everywhere
+    const Type16 &other = ty.type == CUDNN_DATA_HALF ? kBf16 : kHalf;
+    cudnnDataType_t mixes[][3] = {
+        {ty.type, ty.type, CUDNN_DATA_FLOAT}, {CUDNN_DATA_FLOAT, ty.type, ty.type}, {ty.type, other.type, ty.type}};
+    uint16_t *buf = device_array<uint16_t>(1 << 12);
+    float one = 1, zero = 0;
+    for (auto &m : mixes) {
+      ConvDescs d = conv_descs(t, m[0], m[1], m[2], CUDNN_DATA_FLOAT, CUDNN_TENSOR_OP_MATH);
+      cudnnConvolutionFwdAlgoPerf_t perf[8];
+      int count = 0;
+      size_t ws = 0;
+      assert_int_equal(cudnnGetConvolutionForwardAlgorithm_v7(h, d.x, d.w, d.cv, d.y, 8, &count, perf),
+                       CUDNN_STATUS_NOT_SUPPORTED_DATA_TYPE);
+      assert_int_equal(
+          cudnnGetConvolutionForwardWorkspaceSize(h, d.x, d.w, d.cv, d.y, CUDNN_CONVOLUTION_FWD_ALGO_GEMM, &ws),
+          CUDNN_STATUS_NOT_SUPPORTED_DATA_TYPE);
+      assert_int_equal(cudnnConvolutionForward(h, &one, d.x, buf, d.w, buf, d.cv,
+                                               CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM, nullptr, 0, &zero, d.y, buf),
+                       CUDNN_STATUS_NOT_SUPPORTED_DATA_TYPE);
+      destroy_descs(d);
+    }
+    // the compute type is FP32 (PSEUDO_HALF_CONFIG, PSEUDO_BFLOAT16_CONFIG); 16-bit arithmetic,
+    // TRUE_HALF_CONFIG included, is not modelled
+    for (cudnnDataType_t compute : {CUDNN_DATA_HALF, CUDNN_DATA_BFLOAT16}) {
+      ConvDescs d = conv_descs(t, ty.type, ty.type, ty.type, compute, CUDNN_TENSOR_OP_MATH);
+      assert_int_equal(cudnnConvolutionForward(h, &one, d.x, buf, d.w, buf, d.cv,
+                                               CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM, nullptr, 0, &zero, d.y, buf),
+                       CUDNN_STATUS_NOT_SUPPORTED);
+      destroy_descs(d);
+    }
+    cudaFree(buf);
+  }
+  DNN_OK(cudnnDestroy(h));
+}
+
 // ---- devices ------------------------------------------------------------------------------------
 
 static void second_context() {
@@ -1452,6 +1728,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(cublas_gemm_in_a_graph),
       cmocka_unit_test(cudnn_convolutions_match_direct_loops),
       cmocka_unit_test(cudnn_algorithms_workspaces_math_and_determinism),
+      cmocka_unit_test(cudnn_half_and_bfloat16_convolutions_round_to_nearest),
+      cmocka_unit_test(cudnn_half_and_bfloat16_configurations_and_heuristics),
       cmocka_unit_test(devices_are_h100_like_and_one_per_process),
       cmocka_unit_test(compute_capability_is_settable),
       cmocka_unit_test(fast_division_matches_division),
