@@ -32,12 +32,23 @@ void k_sum_pairs(cudaStream_t s, const double *pairs, int64_t n, double *out);
 void k_input(cudaStream_t s, const float *raw, float *x, int64_t b, int64_t c, int64_t sp, float scale,
              const float *mean, const float *std);
 
+/* convert.cu: x (B, C, S) FP32 to y (B, S, C) in bfloat16 (bf16 = 1) or IEEE half, rounded to
+ * nearest even; and back, added into x when accumulate */
+void k_pack16(cudaStream_t s, const float *x, uint16_t *y, int64_t b, int64_t c, int64_t sp, int bf16);
+void k_unpack16(cudaStream_t s, const uint16_t *y, float *x, int64_t b, int64_t c, int64_t sp, int bf16,
+                int accumulate);
+
 /* optim.cu: one pass over the flat parameter buffer */
 /* hyper: the step's values, uploaded by the host (SGD: lr; AdamW: lr, lr / bc1, sqrt(bc2)) */
-void k_sgd(cudaStream_t s, float *p, const float *g, float *mom, int64_t n, const float *hyper, float momentum,
-           float wd, int nesterov);
-void k_adamw(cudaStream_t s, float *p, const float *g, float *m, float *v, int64_t n, const float *hyper, float b1,
-             float b2, float eps, float wd);
+/* skip: NULL, or a count that, above 0, makes the step leave everything as it is */
+void k_sgd(cudaStream_t s, float *p, const float *g, float *mom, int64_t n, const float *hyper, const double *skip,
+           float momentum, float wd, int nesterov);
+void k_adamw(cudaStream_t s, float *p, const float *g, float *m, float *v, int64_t n, const float *hyper,
+             const double *skip, float b1, float b2, float eps, float wd);
+/* fp16 loss scaling (backend.h's DT_OP_UNSCALE and DT_OP_SCALER_UPDATE) */
+void k_unscale(cudaStream_t s, float *x, int64_t n, const float *scaler);
+void k_scaler_update(cudaStream_t s, float *scaler, const double *overflow, int64_t growth_interval, float growth,
+                     float backoff);
 void k_ema(cudaStream_t s, float *ema, const float *x, int64_t n, float decay);
 
 /* norm.cu: batchnorm over (B, C, S) per channel; sums as backend.h's ops */
@@ -59,9 +70,11 @@ void k_pool_bwd(cudaStream_t s, int kind, const float *dy, const int32_t *argmax
                 int64_t h, int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo);
 
 /* loss.cu: per-sample losses added to out[0], hits to out[1] (doubles; per-sample pairs in
- * `pairs`, 2 * b doubles, added in a fixed order); dlogits weighted by `weight` (1 / global count) */
+ * `pairs`, 2 * b doubles, added in a fixed order); dlogits weighted by `weight` (1 / global count)
+ * and by grad_scale[0] unless it is NULL */
 void k_loss(cudaStream_t s, int kind, const float *logits, const int32_t *labels, const float *targets, float *dlogits,
-            int64_t b, int64_t k, float label_smoothing, double weight, double *out, double *pairs);
+            int64_t b, int64_t k, float label_smoothing, double weight, const float *grad_scale, double *out,
+            double *pairs);
 
 #ifdef __cplusplus
 }

@@ -9,8 +9,9 @@
 enum { LOSS_CE, LOSS_MSE };  // backend.h's DT_LOSS_*
 
 __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels, const float *targets, float *dz,
-                            int64_t k, float ls, double weight, double *pairs) {
+                            int64_t k, float ls, double weight, const float *grad_scale, double *pairs) {
   int64_t b = blockIdx.x;
+  if (grad_scale) weight *= (double)grad_scale[0];
   const float *z = logits + b * k;
   float *d = dz + b * k;
   __shared__ float s_max;
@@ -54,9 +55,9 @@ __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels
 }
 
 extern "C" void k_loss(cudaStream_t s, int kind, const float *logits, const int32_t *labels, const float *targets,
-                       float *dlogits, int64_t b, int64_t k, float label_smoothing, double weight, double *out,
-                       double *pairs) {
+                       float *dlogits, int64_t b, int64_t k, float label_smoothing, double weight,
+                       const float *grad_scale, double *out, double *pairs) {
   if (b > 0) LAUNCH(loss_kernel, (unsigned)b, 128, 0, s)
-  (kind, logits, labels, targets, dlogits, k, label_smoothing, weight, pairs);
+  (kind, logits, labels, targets, dlogits, k, label_smoothing, weight, grad_scale, pairs);
   k_sum_pairs(s, pairs, b, out);  // zeros when b is 0
 }

@@ -3,8 +3,9 @@
 #include "common.cuh"
 #include "kernels.h"
 
-__global__ void sgd_kernel(float *p, const float *g, float *mom, int64_t n, const float *hyper, float momentum,
-                           float wd, int nesterov) {
+__global__ void sgd_kernel(float *p, const float *g, float *mom, int64_t n, const float *hyper, const double *skip,
+                           float momentum, float wd, int nesterov) {
+  if (skip && *skip > 0) return;
   float lr = hyper[0];
   int first = hyper[1] != 0.0f;
   GRID_STRIDE(i, n) {
@@ -18,8 +19,9 @@ __global__ void sgd_kernel(float *p, const float *g, float *mom, int64_t n, cons
   }
 }
 
-__global__ void adamw_kernel(float *p, const float *g, float *m, float *v, int64_t n, const float *hyper, float b1,
-                             float b2, float eps, float wd) {
+__global__ void adamw_kernel(float *p, const float *g, float *m, float *v, int64_t n, const float *hyper,
+                             const double *skip, float b1, float b2, float eps, float wd) {
+  if (skip && *skip > 0) return;
   float lr = hyper[0], step_size = hyper[1], bc2_sqrt = hyper[2];
   GRID_STRIDE(i, n) {
     float gi = g[i];
@@ -30,20 +32,47 @@ __global__ void adamw_kernel(float *p, const float *g, float *m, float *v, int64
   }
 }
 
+__global__ void unscale_kernel(float *x, int64_t n, const float *scaler) {
+  float inv = 1.0f / scaler[0];  // as GradScaler: multiplied by the reciprocal
+  GRID_STRIDE(i, n) x[i] *= inv;
+}
+
+// one thread: the scale and the count of good steps, by GradScaler's rules
+__global__ void scaler_update_kernel(float *sc, const double *overflow, int64_t interval, float growth, float backoff) {
+  if (*overflow > 0) {
+    sc[0] *= backoff;
+    sc[1] = 0;
+  } else if (sc[1] + 1 >= (float)interval) {
+    sc[0] *= growth;
+    sc[1] = 0;
+  } else {
+    sc[1] += 1;
+  }
+}
+
 __global__ void ema_kernel(float *ema, const float *x, int64_t n, float decay, float rest) {
   GRID_STRIDE(i, n) ema[i] = decay * ema[i] + rest * x[i];
 }
 
 extern "C" {
 
-void k_sgd(cudaStream_t s, float *p, const float *g, float *mom, int64_t n, const float *hyper, float momentum,
-           float wd, int nesterov) {
-  LAUNCH(sgd_kernel, blocks_for(n), kThreads, 0, s)(p, g, mom, n, hyper, momentum, wd, nesterov);
+void k_sgd(cudaStream_t s, float *p, const float *g, float *mom, int64_t n, const float *hyper, const double *skip,
+           float momentum, float wd, int nesterov) {
+  LAUNCH(sgd_kernel, blocks_for(n), kThreads, 0, s)(p, g, mom, n, hyper, skip, momentum, wd, nesterov);
 }
 
-void k_adamw(cudaStream_t s, float *p, const float *g, float *m, float *v, int64_t n, const float *hyper, float b1,
-             float b2, float eps, float wd) {
-  LAUNCH(adamw_kernel, blocks_for(n), kThreads, 0, s)(p, g, m, v, n, hyper, b1, b2, eps, wd);
+void k_adamw(cudaStream_t s, float *p, const float *g, float *m, float *v, int64_t n, const float *hyper,
+             const double *skip, float b1, float b2, float eps, float wd) {
+  LAUNCH(adamw_kernel, blocks_for(n), kThreads, 0, s)(p, g, m, v, n, hyper, skip, b1, b2, eps, wd);
+}
+
+void k_unscale(cudaStream_t s, float *x, int64_t n, const float *scaler) {
+  LAUNCH(unscale_kernel, blocks_for(n), kThreads, 0, s)(x, n, scaler);
+}
+
+void k_scaler_update(cudaStream_t s, float *scaler, const double *overflow, int64_t growth_interval, float growth,
+                     float backoff) {
+  LAUNCH(scaler_update_kernel, 1, 1, 0, s)(scaler, overflow, growth_interval, growth, backoff);
 }
 
 void k_ema(cudaStream_t s, float *ema, const float *x, int64_t n, float decay) {

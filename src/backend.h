@@ -33,16 +33,18 @@ typedef enum {
   DT_OP_POOL_BWD,
   DT_OP_DROPOUT_FWD, /* y = x * mask / (1-p); mask from a counter-based hash of (seed, element) */
   DT_OP_DROPOUT_BWD,
-  DT_OP_ADD,   /* y = a + b */
-  DT_OP_LOSS,  /* loss sums and dlogits, weighted by 1/global count */
-  DT_OP_SGD,   /* one SGD step over a flat range */
-  DT_OP_ADAMW, /* one AdamW step over a flat range */
-  DT_OP_SCALE, /* x *= alpha */
-  DT_OP_SUMSQ, /* out[0] += sum x^2 (double), out[1] += count of non-finite values */
-  DT_OP_CLIP,  /* x *= max_norm / (sqrt(*sumsq) + 1e-6) when sqrt(*sumsq) > max_norm */
-  DT_OP_COPY,  /* y = x */
-  DT_OP_INPUT, /* x(b, c, s) = (raw * scale - mean(c)) / std(c) */
-  DT_OP_EMA,   /* ema = decay * ema + (1 - decay) * x, over a flat range */
+  DT_OP_ADD,           /* y = a + b */
+  DT_OP_LOSS,          /* loss sums and dlogits, weighted by 1/global count */
+  DT_OP_SGD,           /* one SGD step over a flat range */
+  DT_OP_ADAMW,         /* one AdamW step over a flat range */
+  DT_OP_SCALE,         /* x *= alpha */
+  DT_OP_SUMSQ,         /* out[0] += sum x^2 (double), out[1] += count of non-finite values */
+  DT_OP_CLIP,          /* x *= max_norm / (sqrt(*sumsq) + 1e-6) when sqrt(*sumsq) > max_norm */
+  DT_OP_COPY,          /* y = x */
+  DT_OP_INPUT,         /* x(b, c, s) = (raw * scale - mean(c)) / std(c) */
+  DT_OP_EMA,           /* ema = decay * ema + (1 - decay) * x, over a flat range */
+  DT_OP_UNSCALE,       /* x /= scaler[0] (fp16 loss scaling) */
+  DT_OP_SCALER_UPDATE, /* the loss scale after a step, by GradScaler's rules */
   DT_OP_COUNT
 } dt_op_type;
 
@@ -173,7 +175,8 @@ typedef struct {
       int kind;
       int64_t b, k;
       float label_smoothing;
-      double weight; /* 1/global count */
+      double weight;           /* 1/global count */
+      const float *grad_scale; /* (1) or NULL: dlogits also multiplied by it (fp16 loss scaling) */
       const float *logits;
       const int32_t *labels;
       const float *targets;
@@ -186,6 +189,7 @@ typedef struct {
       int nesterov;
       const float *
           hyper; /* (2): lr, and 1 on the first step (the momentum buffer starts as the gradient), uploaded each step */
+      const double *skip; /* (1) or NULL: no update when it is above 0 (an fp16 step that overflowed) */
       float *param;
       const float *grad;
       float *mom;
@@ -194,6 +198,7 @@ typedef struct {
       int64_t n;
       float beta1, beta2, eps, weight_decay;
       const float *hyper; /* (3): lr, lr / (1 - beta1^t), sqrt(1 - beta2^t) for step t, uploaded each step */
+      const double *skip; /* (1) or NULL: as sgd's */
       float *param;
       const float *grad;
       float *m, *v;
@@ -214,6 +219,18 @@ typedef struct {
       const double *sumsq; /* (1) */
       float *x;
     } clip;
+    struct {
+      int64_t n;
+      const float *scaler; /* (2): the loss scale, good steps */
+      float *x;
+    } unscale;
+    struct {
+      const double *overflow; /* (1): non-finite gradient values after unscaling */
+      int64_t growth_interval;
+      float growth, backoff;
+      float *scaler; /* (2): scale *= backoff and good steps = 0 after an overflow; else good steps + 1, and at
+                        growth_interval scale *= growth and good steps = 0 */
+    } scaler_update;
     struct {
       int64_t n;
       const float *x;
@@ -289,6 +306,6 @@ static inline void backend_copy(dt_backend *be, float *y, const float *x, int64_
 dt_backend *backend_cpu_create(int threads);
 
 /* CUDA backend on visible device `device` (backend_cuda.c; only in CUDA builds). */
-dt_backend *backend_cuda_create(int device);
+dt_backend *backend_cuda_create(int device, int precision);
 
 #endif

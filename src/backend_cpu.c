@@ -14,7 +14,7 @@ const char *const dt_op_names[DT_OP_COUNT] = {
     "bn_stats", "bn_finalize", "bn_apply",  "bn_bwd_stats", "bn_bwd_apply",  "act_fwd",
     "act_bwd",  "pool_fwd",    "pool_bwd",  "dropout_fwd",  "dropout_bwd",   "add",
     "loss",     "sgd",         "adamw",     "scale",        "sumsq",         "clip",
-    "copy",     "input",       "ema"};
+    "copy",     "input",       "ema",       "unscale",      "scaler_update"};
 _Static_assert(sizeof dt_op_names / sizeof *dt_op_names == DT_OP_COUNT, "dt_op_names must name every op");
 
 /* Per-thread workspaces, grown on first use at each new shape (the first steps). */
@@ -448,6 +448,7 @@ static void op_add(cpu_impl *im, const dt_op *op) {
 static void op_loss(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.loss) *q = &op->p.loss;
+  const double weight = q->weight * (q->grad_scale ? (double)q->grad_scale[0] : 1.0);
   double total = 0, hits = 0;
 #pragma omp parallel for reduction(+ : total, hits) schedule(static)
   for (int64_t b = 0; b < q->b; b++) {
@@ -467,7 +468,7 @@ static void op_loss(cpu_impl *im, const dt_op *op) {
         double t = off + (j == y ? 1.0 - eps : 0.0);
         double lp = (double)z[j] - lse;
         l -= t * lp;
-        dz[j] = (float)((exp(lp) - t) * q->weight);
+        dz[j] = (float)((exp(lp) - t) * weight);
       }
       total += l;
       hits += arg == y;
@@ -477,7 +478,7 @@ static void op_loss(cpu_impl *im, const dt_op *op) {
       for (int64_t j = 0; j < q->k; j++) {
         double d = (double)z[j] - t[j];
         l += d * d;
-        dz[j] = (float)(2.0 * d / (double)q->k * q->weight);
+        dz[j] = (float)(2.0 * d / (double)q->k * weight);
       }
       total += l / (double)q->k;
     }
@@ -489,6 +490,7 @@ static void op_loss(cpu_impl *im, const dt_op *op) {
 static void op_sgd(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.sgd) *q = &op->p.sgd;
+  if (q->skip && *q->skip > 0) return;
   float lr = q->hyper[0];
   int first = q->hyper[1] != 0.0f;
   /* PyTorch's SGD: g += wd*p; buf = momentum*buf + g (buf = g at first); nesterov: g += momentum*buf */
@@ -507,6 +509,7 @@ static void op_sgd(cpu_impl *im, const dt_op *op) {
 static void op_adamw(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.adamw) *q = &op->p.adamw;
+  if (q->skip && *q->skip > 0) return;
   float lr = q->hyper[0], step_size = q->hyper[1], bc2_sqrt = q->hyper[2];
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < q->n; i++) {
@@ -579,6 +582,29 @@ static void op_copy(cpu_impl *im, const dt_op *op) {
   if (op->p.copy.n) memcpy(op->p.copy.y, op->p.copy.x, (size_t)op->p.copy.n * sizeof(float));
 }
 
+static void op_unscale(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.unscale) *q = &op->p.unscale;
+  float inv = 1.0f / q->scaler[0]; /* as GradScaler: multiplied by the reciprocal */
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < q->n; i++) q->x[i] *= inv;
+}
+
+static void op_scaler_update(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.scaler_update) *q = &op->p.scaler_update;
+  float *s = q->scaler;
+  if (*q->overflow > 0) {
+    s[0] *= q->backoff;
+    s[1] = 0;
+  } else if (s[1] + 1 >= (float)q->growth_interval) {
+    s[0] *= q->growth;
+    s[1] = 0;
+  } else {
+    s[1] += 1;
+  }
+}
+
 typedef void (*cpu_op_fn)(cpu_impl *im, const dt_op *op);
 static const cpu_op_fn cpu_ops[DT_OP_COUNT] = {
     [DT_OP_GEMM] = op_gemm,
@@ -608,6 +634,8 @@ static const cpu_op_fn cpu_ops[DT_OP_COUNT] = {
     [DT_OP_COPY] = op_copy,
     [DT_OP_INPUT] = op_input,
     [DT_OP_EMA] = op_ema,
+    [DT_OP_UNSCALE] = op_unscale,
+    [DT_OP_SCALER_UPDATE] = op_scaler_update,
 };
 
 static void cpu_run(dt_backend *be, const dt_op *op) {

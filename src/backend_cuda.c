@@ -1,11 +1,14 @@
 /* backend_cuda.c: the op interface on one GPU. GEMM through cuBLAS, convolutions through cuDNN
- * (the algorithm chosen once per shape from cuDNN's heuristics: deterministic, FP32 FMA math, within
- * a workspace limit, with no per-run benchmarking), everything else through kernels/ (kernels.h).
+ * (the algorithm chosen once per shape from cuDNN's heuristics: deterministic, within a workspace
+ * limit, no per-run benchmarking), everything else through kernels/ (kernels.h).
+ * train.precision sets the math of GEMMs and convolutions: fp32 (FMA, no TF32: results follow the
+ * CPU reference to float rounding), tf32, or bf16/fp16 (GEMM inputs rounded on tensor cores;
+ * convolution operands copied to 16-bit NHWC); accumulation, storage and every other op stay FP32.
  * All work is queued on one stream and no op waits on the host, so a training step can be
  * captured as a CUDA graph (capture_begin/capture_end/replay; a buffer outgrown mid-capture is
- * retired until the stream drains, and the generation bump makes the owner capture again). upload() copies host data
- * through a pinned staging ring (two halves, each reused once its copies are done), so the caller's buffer may change
- * as soon as it returns. FP32 only, TF32 off: results follow the CPU reference to float rounding. Checked on the CPU
+ * retired until the stream drains, and the generation bump makes the owner capture again).
+ * upload() copies host data through a pinned staging ring (two halves, each reused once its
+ * copies are done), so the caller's buffer may change as soon as it returns. Checked on the CPU
  * stand-in (tests/gpusim) in every `make test`; see the README for what only a real GPU can show. */
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -49,12 +52,15 @@
 
 static const size_t workspace_limit = (size_t)512 << 20;
 
-/* One convolution shape: descriptors and the three algorithms. */
+/* One convolution shape: descriptors and the three algorithms, each direction with its own
+ * convolution descriptor (the math type of the algorithm chosen for it). FP32 NCHW, or 16-bit
+ * NHWC under train.precision bf16 and fp16. */
+enum { FWD, BWD_DATA, BWD_FILTER };
 typedef struct {
   dt_conv_geom g;
   cudnnTensorDescriptor_t x, y;
   cudnnFilterDescriptor_t w;
-  cudnnConvolutionDescriptor_t conv;
+  cudnnConvolutionDescriptor_t conv[3];
   cudnnConvolutionFwdAlgo_t fwd;
   cudnnConvolutionBwdDataAlgo_t bwd_data;
   cudnnConvolutionBwdFilterAlgo_t bwd_filter;
@@ -64,6 +70,7 @@ typedef struct {
 typedef struct {
   dt_backend *be; /* owner: its generation is bumped when an internal buffer moves */
   int device;
+  int precision; /* DT_PREC_*: the math of GEMMs and convolutions */
   cudaStream_t stream;
   cublasHandle_t blas;
   cudnnHandle_t dnn;
@@ -71,6 +78,8 @@ typedef struct {
   int n_plans;
   void *workspace;
   size_t workspace_bytes;
+  uint16_t *h16; /* device: a convolution's operands in 16 bits (bf16, fp16) */
+  size_t h16_bytes;
   double *partials; /* device: per-block or per-sample pairs, summed in a fixed order */
   size_t partials_bytes;
   char *stage;           /* pinned host staging for upload(): two halves of stage_half bytes */
@@ -201,12 +210,31 @@ static void cuda_free_host(dt_backend *be, void *p) {
   CUDA_CHECK(cudaFreeHost(p));
 }
 
-static _Noreturn void no_algorithm(const dt_conv_geom *g, const char *pass) {
+static _Noreturn void no_algorithm(const cuda_impl *im, const dt_conv_geom *g, const char *pass) {
+  static const char *const math[] = {"FP32 (FMA)", "TF32", "bfloat16", "half"};
   dt_die(
-      "cuDNN offers no deterministic FP32 (FMA) %s algorithm within %zu MiB for the convolution of (%lld, %lld, %lld, "
+      "cuDNN offers no deterministic %s %s algorithm within %zu MiB for the convolution of (%lld, %lld, %lld, "
       "%lld) by (%lld, %lld, %lld, %lld), stride %lld, pad %lld",
-      pass, workspace_limit >> 20, (long long)g->b, (long long)g->c, (long long)g->h, (long long)g->w, (long long)g->o,
-      (long long)g->c, (long long)g->k, (long long)g->k, (long long)g->stride, (long long)g->pad);
+      math[im->precision], pass, workspace_limit >> 20, (long long)g->b, (long long)g->c, (long long)g->h,
+      (long long)g->w, (long long)g->o, (long long)g->c, (long long)g->k, (long long)g->k, (long long)g->stride,
+      (long long)g->pad);
+}
+
+static int is16(const cuda_impl *im) {
+  return im->precision == DT_PREC_BF16 || im->precision == DT_PREC_FP16;
+}
+
+/* The math type asked of cuDNN: FP32 FMA, else tensor cores (TF32 for FP32 data from 8.0 on). */
+static cudnnMathType_t conv_math(const cuda_impl *im) {
+  return im->precision == DT_PREC_FP32 ? CUDNN_FMA_MATH : CUDNN_TENSOR_OP_MATH;
+}
+
+/* An algorithm this run may use: it runs, it is deterministic (bit-identical resume and N-rank
+ * equivalence need the same sums on every run), it uses the math asked for or plain FMA (never
+ * TF32 under fp32); the caller also checks that its workspace, as cuDNN sizes it, fits the limit. */
+static int usable(const cuda_impl *im, cudnnStatus_t status, cudnnDeterminism_t det, cudnnMathType_t math) {
+  return status == CUDNN_STATUS_SUCCESS && det == CUDNN_DETERMINISTIC &&
+         (math == conv_math(im) || math == CUDNN_FMA_MATH);
 }
 
 static conv_plan *plan_for(cuda_impl *im, const dt_conv_geom *g) {
@@ -216,74 +244,141 @@ static conv_plan *plan_for(cuda_impl *im, const dt_conv_geom *g) {
   conv_plan *p = &im->plans[im->n_plans++];
   memset(p, 0, sizeof *p);
   p->g = *g;
+  const cudnnDataType_t type = im->precision == DT_PREC_BF16   ? CUDNN_DATA_BFLOAT16
+                               : im->precision == DT_PREC_FP16 ? CUDNN_DATA_HALF
+                                                               : CUDNN_DATA_FLOAT;
+  const cudnnTensorFormat_t layout = is16(im) ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
   CUDNN_CHECK(cudnnCreateTensorDescriptor(&p->x));
   CUDNN_CHECK(cudnnCreateTensorDescriptor(&p->y));
   CUDNN_CHECK(cudnnCreateFilterDescriptor(&p->w));
-  CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&p->conv));
-  CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->x, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, (int)g->b, (int)g->c, (int)g->h,
-                                         (int)g->w));
-  CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->y, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, (int)g->b, (int)g->o, (int)g->ho,
-                                         (int)g->wo));
-  CUDNN_CHECK(cudnnSetFilter4dDescriptor(p->w, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW, (int)g->o, (int)g->c, (int)g->k,
-                                         (int)g->k));
-  CUDNN_CHECK(cudnnSetConvolution2dDescriptor(p->conv, (int)g->pad, (int)g->pad, (int)g->stride, (int)g->stride, 1, 1,
-                                              CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
-  CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv, CUDNN_FMA_MATH)); /* no TF32 */
-  int n = 0;
-  cudnnConvolutionFwdAlgoPerf_t fwd[8];
-  CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(im->dnn, p->x, p->w, p->conv, p->y, 8, &n, fwd));
-  cudnnConvolutionBwdDataAlgoPerf_t bd[8];
-  int nd = 0;
-  CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(im->dnn, p->w, p->y, p->conv, p->x, 8, &nd, bd));
-  cudnnConvolutionBwdFilterAlgoPerf_t bf[8];
-  int nf = 0;
-  CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(im->dnn, p->x, p->y, p->conv, p->w, 8, &nf, bf));
-  /* The first (fastest by the heuristics) that runs, is deterministic (bit-identical resume and
-   * N-rank equivalence need the same sums on every run) and uses FP32 FMA math (no TF32), within
-   * the workspace limit. The workspace is what cuDNN says the algorithm needs. */
+  CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->x, layout, type, (int)g->b, (int)g->c, (int)g->h, (int)g->w));
+  CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->y, layout, type, (int)g->b, (int)g->o, (int)g->ho, (int)g->wo));
+  CUDNN_CHECK(cudnnSetFilter4dDescriptor(p->w, type, layout, (int)g->o, (int)g->c, (int)g->k, (int)g->k));
+  for (int d = 0; d < 3; d++) {
+    CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&p->conv[d]));
+    CUDNN_CHECK(cudnnSetConvolution2dDescriptor(p->conv[d], (int)g->pad, (int)g->pad, (int)g->stride, (int)g->stride, 1,
+                                                1, CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
+    CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv[d], conv_math(im)));
+  }
+  /* The first usable algorithm in the heuristics' order (fastest first); its direction's
+   * descriptor gets the math type cuDNN reported for it. */
+  int n = 0, i;
   size_t ws = 0;
-  int i;
+  cudnnConvolutionFwdAlgoPerf_t fwd[8];
+  CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(im->dnn, p->x, p->w, p->conv[FWD], p->y, 8, &n, fwd));
   for (i = 0; i < n; i++)
-    if (fwd[i].status == CUDNN_STATUS_SUCCESS && fwd[i].determinism == CUDNN_DETERMINISTIC &&
-        fwd[i].mathType == CUDNN_FMA_MATH &&
-        cudnnGetConvolutionForwardWorkspaceSize(im->dnn, p->x, p->w, p->conv, p->y, fwd[i].algo, &ws) ==
+    if (usable(im, fwd[i].status, fwd[i].determinism, fwd[i].mathType) &&
+        cudnnGetConvolutionForwardWorkspaceSize(im->dnn, p->x, p->w, p->conv[FWD], p->y, fwd[i].algo, &ws) ==
             CUDNN_STATUS_SUCCESS &&
         ws <= workspace_limit)
       break;
-  if (i == n) no_algorithm(g, "forward");
+  if (i == n) no_algorithm(im, g, "forward");
   p->fwd = fwd[i].algo;
   p->ws_bytes = ws;
-  for (i = 0; i < nd; i++)
-    if (bd[i].status == CUDNN_STATUS_SUCCESS && bd[i].determinism == CUDNN_DETERMINISTIC &&
-        bd[i].mathType == CUDNN_FMA_MATH &&
-        cudnnGetConvolutionBackwardDataWorkspaceSize(im->dnn, p->w, p->y, p->conv, p->x, bd[i].algo, &ws) ==
+  CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv[FWD], fwd[i].mathType));
+  cudnnConvolutionBwdDataAlgoPerf_t bd[8];
+  CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(im->dnn, p->w, p->y, p->conv[BWD_DATA], p->x, 8, &n, bd));
+  for (i = 0; i < n; i++)
+    if (usable(im, bd[i].status, bd[i].determinism, bd[i].mathType) &&
+        cudnnGetConvolutionBackwardDataWorkspaceSize(im->dnn, p->w, p->y, p->conv[BWD_DATA], p->x, bd[i].algo, &ws) ==
             CUDNN_STATUS_SUCCESS &&
         ws <= workspace_limit)
       break;
-  if (i == nd) no_algorithm(g, "backward data");
+  if (i == n) no_algorithm(im, g, "backward data");
   p->bwd_data = bd[i].algo;
   if (ws > p->ws_bytes) p->ws_bytes = ws;
-  for (i = 0; i < nf; i++)
-    if (bf[i].status == CUDNN_STATUS_SUCCESS && bf[i].determinism == CUDNN_DETERMINISTIC &&
-        bf[i].mathType == CUDNN_FMA_MATH &&
-        cudnnGetConvolutionBackwardFilterWorkspaceSize(im->dnn, p->x, p->y, p->conv, p->w, bf[i].algo, &ws) ==
-            CUDNN_STATUS_SUCCESS &&
+  CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv[BWD_DATA], bd[i].mathType));
+  cudnnConvolutionBwdFilterAlgoPerf_t bf[8];
+  CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(im->dnn, p->x, p->y, p->conv[BWD_FILTER], p->w, 8, &n, bf));
+  for (i = 0; i < n; i++)
+    if (usable(im, bf[i].status, bf[i].determinism, bf[i].mathType) &&
+        cudnnGetConvolutionBackwardFilterWorkspaceSize(im->dnn, p->x, p->y, p->conv[BWD_FILTER], p->w, bf[i].algo,
+                                                       &ws) == CUDNN_STATUS_SUCCESS &&
         ws <= workspace_limit)
       break;
-  if (i == nf) no_algorithm(g, "backward filter");
+  if (i == n) no_algorithm(im, g, "backward filter");
   p->bwd_filter = bf[i].algo;
   if (ws > p->ws_bytes) p->ws_bytes = ws;
+  CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv[BWD_FILTER], bf[i].mathType));
   grow_device(im, &im->workspace, &im->workspace_bytes, p->ws_bytes ? p->ws_bytes : 1, "cuDNN workspace");
   return p;
+}
+
+/* A convolution's three operands in 16 bits, NHWC, in im->h16: (b, c, h, w), (o, c, k, k) and
+ * (b, o, ho, wo), each 256-byte aligned. */
+typedef struct {
+  uint16_t *x, *w, *y;
+} conv16;
+
+static conv16 conv16_scratch(cuda_impl *im, const dt_conv_geom *g) {
+  size_t nx = align256((size_t)(g->b * g->c * g->h * g->w) * 2), nw = align256((size_t)(g->o * g->c * g->k * g->k) * 2);
+  size_t ny = align256((size_t)(g->b * g->o * g->ho * g->wo) * 2);
+  char *base = grow_device(im, (void **)&im->h16, &im->h16_bytes, nx + nw + ny, "16-bit convolution operands");
+  return (conv16){.x = (uint16_t *)base, .w = (uint16_t *)(base + nx), .y = (uint16_t *)(base + nx + nw)};
+}
+
+/* The three convolution ops. FP32: cuDNN on the tensors as they are (NCHW). bf16 and fp16: the
+ * operands are rounded into 16-bit NHWC copies, cuDNN computes with FP32 accumulation on tensor
+ * cores, and the result comes back to FP32 NCHW (the filter gradient added into dw, as FP32). */
+static void run_conv(cuda_impl *im, const dt_op *op) {
+  const float one = 1.0f, zero = 0.0f;
+  const int dir = op->type == DT_OP_CONV_FWD ? FWD : op->type == DT_OP_CONV_BWD_DATA ? BWD_DATA : BWD_FILTER;
+  const dt_conv_geom *g = dir == FWD        ? &op->p.conv_fwd.g
+                          : dir == BWD_DATA ? &op->p.conv_bwd_data.g
+                                            : &op->p.conv_bwd_filter.g;
+  if (!g->b) return; /* cuDNN refuses zero-sized tensors */
+  conv_plan *p = plan_for(im, g);
+  cudaStream_t s = im->stream;
+  const int64_t sx = g->h * g->w, sw = g->k * g->k, sy = g->ho * g->wo;
+  if (!is16(im)) {
+    if (dir == FWD)
+      CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, op->p.conv_fwd.x, p->w, op->p.conv_fwd.w, p->conv[FWD],
+                                          p->fwd, im->workspace, im->workspace_bytes, &zero, p->y, op->p.conv_fwd.y));
+    else if (dir == BWD_DATA)
+      CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, op->p.conv_bwd_data.w, p->y, op->p.conv_bwd_data.dy,
+                                               p->conv[BWD_DATA], p->bwd_data, im->workspace, im->workspace_bytes,
+                                               &zero, p->x, op->p.conv_bwd_data.dx));
+    else /* adds into dw (beta = 1) */
+      CUDNN_CHECK(cudnnConvolutionBackwardFilter(
+          im->dnn, &one, p->x, op->p.conv_bwd_filter.x, p->y, op->p.conv_bwd_filter.dy, p->conv[BWD_FILTER],
+          p->bwd_filter, im->workspace, im->workspace_bytes, &one, p->w, op->p.conv_bwd_filter.dw));
+    return;
+  }
+  const int bf16 = im->precision == DT_PREC_BF16;
+  conv16 h = conv16_scratch(im, g);
+  if (dir == FWD) {
+    k_pack16(s, op->p.conv_fwd.x, h.x, g->b, g->c, sx, bf16);
+    k_pack16(s, op->p.conv_fwd.w, h.w, g->o, g->c, sw, bf16);
+    CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, h.x, p->w, h.w, p->conv[FWD], p->fwd, im->workspace,
+                                        im->workspace_bytes, &zero, p->y, h.y));
+    k_unpack16(s, h.y, op->p.conv_fwd.y, g->b, g->o, sy, bf16, 0);
+  } else if (dir == BWD_DATA) {
+    k_pack16(s, op->p.conv_bwd_data.dy, h.y, g->b, g->o, sy, bf16);
+    k_pack16(s, op->p.conv_bwd_data.w, h.w, g->o, g->c, sw, bf16);
+    CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, h.w, p->y, h.y, p->conv[BWD_DATA], p->bwd_data,
+                                             im->workspace, im->workspace_bytes, &zero, p->x, h.x));
+    k_unpack16(s, h.x, op->p.conv_bwd_data.dx, g->b, g->c, sx, bf16, 0);
+  } else {
+    k_pack16(s, op->p.conv_bwd_filter.x, h.x, g->b, g->c, sx, bf16);
+    k_pack16(s, op->p.conv_bwd_filter.dy, h.y, g->b, g->o, sy, bf16);
+    CUDNN_CHECK(cudnnConvolutionBackwardFilter(im->dnn, &one, p->x, h.x, p->y, h.y, p->conv[BWD_FILTER], p->bwd_filter,
+                                               im->workspace, im->workspace_bytes, &zero, p->w, h.w));
+    k_unpack16(s, h.w, op->p.conv_bwd_filter.dw, g->o, g->c, sw, bf16, 1);
+  }
 }
 
 /* The kernels split indices with 32-bit fast division: main.c refuses larger tensors. */
 #define CHECK_INDEXABLE(n) DT_ASSERT((int64_t)(n) < ((int64_t)1 << 31))
 
+/* FP32 operands; the inputs rounded on tensor cores as train.precision says, FP32 accumulation. */
+static const cublasComputeType_t gemm_compute[] = {[DT_PREC_FP32] = CUBLAS_COMPUTE_32F_PEDANTIC,
+                                                   [DT_PREC_TF32] = CUBLAS_COMPUTE_32F_FAST_TF32,
+                                                   [DT_PREC_BF16] = CUBLAS_COMPUTE_32F_FAST_16BF,
+                                                   [DT_PREC_FP16] = CUBLAS_COMPUTE_32F_FAST_16F};
+
 static void cuda_run(dt_backend *be, const dt_op *op) {
   cuda_impl *im = be->impl;
   cudaStream_t s = im->stream;
-  const float one = 1.0f, zero = 0.0f;
   switch (op->type) {
     case DT_OP_GEMM: {
       const typeof(op->p.gemm) *q = &op->p.gemm;
@@ -291,9 +386,11 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
       /* row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T; a leading dimension is at
        * least 1 even when k is 0 */
       int64_t lda = q->trans_a ? q->m : q->k, ldb = q->trans_b ? q->k : q->n;
-      CUBLAS_CHECK(cublasSgemm(im->blas, q->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, q->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-                               (int)q->n, (int)q->m, (int)q->k, &q->alpha, q->b, (int)(ldb > 1 ? ldb : 1), q->a,
-                               (int)(lda > 1 ? lda : 1), &q->beta, q->c, (int)q->n));
+      CUBLAS_CHECK(cublasGemmEx(im->blas, q->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                q->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, (int)q->n, (int)q->m, (int)q->k, &q->alpha,
+                                q->b, CUDA_R_32F, (int)(ldb > 1 ? ldb : 1), q->a, CUDA_R_32F, (int)(lda > 1 ? lda : 1),
+                                &q->beta, q->c, CUDA_R_32F, (int)q->n, gemm_compute[im->precision],
+                                CUBLAS_GEMM_DEFAULT));
       break;
     }
     case DT_OP_BIAS_ADD: {
@@ -308,29 +405,9 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
       k_bias_grad(s, q->dy, q->db, q->b, q->c, q->s);
       break;
     }
-    case DT_OP_CONV_FWD: {
-      if (!op->p.conv_fwd.g.b) break; /* cuDNN refuses zero-sized tensors */
-      conv_plan *p = plan_for(im, &op->p.conv_fwd.g);
-      CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, op->p.conv_fwd.x, p->w, op->p.conv_fwd.w, p->conv,
-                                          p->fwd, im->workspace, im->workspace_bytes, &zero, p->y, op->p.conv_fwd.y));
-      break;
-    }
-    case DT_OP_CONV_BWD_DATA: {
-      if (!op->p.conv_bwd_data.g.b) break;
-      conv_plan *p = plan_for(im, &op->p.conv_bwd_data.g);
-      CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, op->p.conv_bwd_data.w, p->y, op->p.conv_bwd_data.dy,
-                                               p->conv, p->bwd_data, im->workspace, im->workspace_bytes, &zero, p->x,
-                                               op->p.conv_bwd_data.dx));
-      break;
-    }
-    case DT_OP_CONV_BWD_FILTER: { /* adds into dw (beta = 1) */
-      if (!op->p.conv_bwd_filter.g.b) break;
-      conv_plan *p = plan_for(im, &op->p.conv_bwd_filter.g);
-      CUDNN_CHECK(cudnnConvolutionBackwardFilter(im->dnn, &one, p->x, op->p.conv_bwd_filter.x, p->y,
-                                                 op->p.conv_bwd_filter.dy, p->conv, p->bwd_filter, im->workspace,
-                                                 im->workspace_bytes, &one, p->w, op->p.conv_bwd_filter.dw));
-      break;
-    }
+    case DT_OP_CONV_FWD:
+    case DT_OP_CONV_BWD_DATA:
+    case DT_OP_CONV_BWD_FILTER: run_conv(im, op); break;
     case DT_OP_BN_STATS: {
       const typeof(op->p.bn_stats) *q = &op->p.bn_stats;
       CHECK_INDEXABLE(q->b * q->c * q->s);
@@ -396,17 +473,17 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
           grow_device(im, (void **)&im->partials, &im->partials_bytes,
                       (size_t)(q->b > K_SUM_BLOCKS ? q->b : K_SUM_BLOCKS) * 2 * sizeof(double), "loss sums");
       k_loss(s, q->kind, q->logits, q->labels, q->targets, q->dlogits, q->b, q->k, q->label_smoothing, q->weight,
-             q->sums, pairs);
+             q->grad_scale, q->sums, pairs);
       break;
     }
     case DT_OP_SGD: {
       const typeof(op->p.sgd) *q = &op->p.sgd;
-      k_sgd(s, q->param, q->grad, q->mom, q->n, q->hyper, q->momentum, q->weight_decay, q->nesterov);
+      k_sgd(s, q->param, q->grad, q->mom, q->n, q->hyper, q->skip, q->momentum, q->weight_decay, q->nesterov);
       break;
     }
     case DT_OP_ADAMW: {
       const typeof(op->p.adamw) *q = &op->p.adamw;
-      k_adamw(s, q->param, q->grad, q->m, q->v, q->n, q->hyper, q->beta1, q->beta2, q->eps, q->weight_decay);
+      k_adamw(s, q->param, q->grad, q->m, q->v, q->n, q->hyper, q->skip, q->beta1, q->beta2, q->eps, q->weight_decay);
       break;
     }
     case DT_OP_SCALE: k_scale(s, op->p.scale.x, op->p.scale.alpha, op->p.scale.n); break;
@@ -433,6 +510,15 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
       CHECK_INDEXABLE(op->p.ema.n);
       k_ema(s, op->p.ema.ema, op->p.ema.x, op->p.ema.n, op->p.ema.decay);
       break;
+    case DT_OP_UNSCALE:
+      CHECK_INDEXABLE(op->p.unscale.n);
+      if (op->p.unscale.n) k_unscale(s, op->p.unscale.x, op->p.unscale.n, op->p.unscale.scaler);
+      break;
+    case DT_OP_SCALER_UPDATE: {
+      const typeof(op->p.scaler_update) *q = &op->p.scaler_update;
+      k_scaler_update(s, q->scaler, q->overflow, q->growth_interval, q->growth, q->backoff);
+      break;
+    }
     case DT_OP_COUNT: DT_ASSERT(0);
   }
   CUDA_CHECK(cudaGetLastError());
@@ -511,10 +597,11 @@ static void cuda_destroy(dt_backend *be) {
     CUDNN_CHECK(cudnnDestroyTensorDescriptor(im->plans[i].x));
     CUDNN_CHECK(cudnnDestroyTensorDescriptor(im->plans[i].y));
     CUDNN_CHECK(cudnnDestroyFilterDescriptor(im->plans[i].w));
-    CUDNN_CHECK(cudnnDestroyConvolutionDescriptor(im->plans[i].conv));
+    for (int d = 0; d < 3; d++) CUDNN_CHECK(cudnnDestroyConvolutionDescriptor(im->plans[i].conv[d]));
   }
   free(im->plans);
   CUDA_CHECK(cudaFree(im->workspace));
+  CUDA_CHECK(cudaFree(im->h16));
   if (im->stage) CUDA_CHECK(cudaFreeHost(im->stage));
   for (int h = 0; h < 2; h++) CUDA_CHECK(cudaEventDestroy(im->staged[h]));
   CUDA_CHECK(cudaFree(im->partials));
@@ -525,15 +612,17 @@ static void cuda_destroy(dt_backend *be) {
   free(be);
 }
 
-dt_backend *backend_cuda_create(int device) {
+dt_backend *backend_cuda_create(int device, int precision) {
   dt_backend *be = dt_calloc(1, sizeof *be);
   cuda_impl *im = dt_calloc(1, sizeof *im);
   im->device = device;
+  im->precision = precision;
   CUDA_CHECK(cudaSetDevice(device));
   CUDA_CHECK(cudaStreamCreateWithFlags(&im->stream, cudaStreamNonBlocking));
   CUBLAS_CHECK(cublasCreate(&im->blas));
   CUBLAS_CHECK(cublasSetStream(im->blas, im->stream));
-  CUBLAS_CHECK(cublasSetMathMode(im->blas, CUBLAS_PEDANTIC_MATH)); /* FP32 reference: no TF32 */
+  /* fp32: the FP32 reference, no TF32; otherwise the GEMM's compute type decides */
+  CUBLAS_CHECK(cublasSetMathMode(im->blas, precision == DT_PREC_FP32 ? CUBLAS_PEDANTIC_MATH : CUBLAS_DEFAULT_MATH));
   CUDNN_CHECK(cudnnCreate(&im->dnn));
   CUDNN_CHECK(cudnnSetStream(im->dnn, im->stream));
   for (int h = 0; h < 2; h++) CUDA_CHECK(cudaEventCreateWithFlags(&im->staged[h], cudaEventDisableTiming));

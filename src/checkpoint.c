@@ -159,7 +159,10 @@ int ckpt_write(const char *path, const dt_model *m, const dt_ckpt_data *d, const
            attr_num(meta, "seed", H5T_STD_U64LE, H5T_NATIVE_UINT64, &ts->seed) ||
            attr_num(meta, "bad_evals", H5T_STD_I64LE, H5T_NATIVE_INT64, &ts->bad_evals) ||
            attr_num(meta, "best_metric", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &ts->best_metric) ||
-           attr_num(meta, "best_val_acc", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &ts->best_val_acc);
+           attr_num(meta, "best_val_acc", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &ts->best_val_acc) ||
+           (ts->loss_scale > 0 &&
+            (attr_num(meta, "loss_scale", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &ts->loss_scale) ||
+             attr_num(meta, "loss_scale_growth", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &ts->scale_growth)));
     if (meta >= 0) H5Gclose(meta);
   }
   int err = errno;
@@ -309,6 +312,14 @@ static int read_meta(const char *path, dt_train_state *ts, char **config_text, d
     char e[256];
     dt_fail(st, DT_EXIT_INPUT, "%s: not a ddp_train checkpoint (the /meta attributes are missing or unreadable: %s)",
             path, h5_error_text(e, sizeof e));
+  }
+  ts->loss_scale = ts->scale_growth = 0; /* optional: written by fp16 runs */
+  if (!st->code && H5Aexists(meta, "loss_scale") > 0 &&
+      (read_attr(meta, "loss_scale", H5T_NATIVE_DOUBLE, &ts->loss_scale) ||
+       read_attr(meta, "loss_scale_growth", H5T_NATIVE_DOUBLE, &ts->scale_growth) || !(ts->loss_scale > 0))) {
+    char e[256];
+    dt_fail(st, DT_EXIT_INPUT, "%s: /meta loss_scale or loss_scale_growth is unreadable or not positive: %s", path,
+            h5_error_text(e, sizeof e));
   }
   if (!st->code) {
     ts->optim = optim_index(optim);

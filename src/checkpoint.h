@@ -7,7 +7,8 @@
  *   /ema/<name>                   with train.ema: the moving average, laid out as /model
  *   /meta (attributes)            config (effective config text), version, world_size, step, epoch,
  *                                 micro (next micro-batch of the epoch), global_batch, seed, optimizer,
- *                                 best_metric, bad_evals, best_val_acc
+ *                                 best_metric, bad_evals, best_val_acc; with train.precision fp16
+ *                                 also loss_scale and loss_scale_growth (GradScaler's growth tracker)
  * Datasets are chunked with Fletcher-32 checksums and the file uses HDF5's newer format with
  * checksummed metadata; both are verified on load. Files are written as step-00000123.h5 under a
  * temporary name, fsynced, renamed, the directory fsynced, then `latest` (a text file holding
@@ -29,6 +30,7 @@ typedef struct {
   double best_metric; /* early stopping */
   int64_t bad_evals;
   double best_val_acc;
+  double loss_scale, scale_growth; /* train.precision fp16: GradScaler's scale and good steps (0: none) */
 } dt_train_state;
 
 /* Host copies of everything a checkpoint holds. opt[k]: the optimizer's state k (n_params
@@ -58,9 +60,9 @@ int ckpt_save_step(const char *dir, int64_t keep, const dt_model *m, const dt_ck
  * Exit 2 naming the file when it is unreadable or not a ddp_train checkpoint. */
 int ckpt_read_meta(const char *path, dt_train_state *ts, char **config_text, dt_status *st);
 
-/* Loads a checkpoint: tensors, optimizer state (into the d->opt[k] that are set), the EMA (when d->ema_params is set and the file has one) and the training state;
- * *config_text receives the stored config (caller frees). Exit 2 naming the file when it is
- * missing, truncated, corrupt (checksums) or does not fit the model. */
+/* Loads a checkpoint: tensors, optimizer state (into the d->opt[k] that are set), the EMA (when d->ema_params is set
+ * and the file has one) and the training state; *config_text receives the stored config (caller frees). Exit 2 naming
+ * the file when it is missing, truncated, corrupt (checksums) or does not fit the model. */
 int ckpt_load(const char *path, const dt_model *m, dt_ckpt_data *d, char **config_text, dt_status *st);
 
 /* Writes /logits (n, k) float32 and /labels (n,) int32 (labels may be NULL) atomically. Exit 5. */

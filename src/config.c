@@ -61,6 +61,10 @@ static const dt_key config_keys[] = {
     {"train.ema.decay", DT_KEY_FLOAT, F(ema_decay), "0", 0, 0.999999999, NULL,
      "keep an exponential moving average of the weights (and batchnorm statistics), ema = decay ema + (1 - decay) "
      "w after every step, validated and saved beside the model (0: off; timm's ModelEmaV2 uses 0.9999)"},
+    {"train.precision", DT_KEY_ENUM, F(precision), "fp32", NOB, "fp32|tf32|bf16|fp16",
+     "math of convolutions and matrix products (CUDA): fp32; tf32 on tensor cores (compute capability 8.0); bf16 "
+     "(8.0) or fp16 (7.0) inputs with fp32 accumulation, convolutions in NHWC; weights, optimizer, batchnorm, loss "
+     "and gradient sums stay fp32; fp16 adds dynamic loss scaling (GradScaler's rules). The CPU backend is fp32 only"},
     {"train.cuda_graph", DT_KEY_ENUM, F(cuda_graph), "auto", NOB, "auto|on|off",
      "capture the training step (forward, backward, gradient allreduce, optimizer, EMA) as one CUDA graph after "
      "a warm-up step and replay it; steps of another shape run eagerly (auto: when the step can be captured: "

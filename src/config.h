@@ -36,7 +36,7 @@ typedef struct {
   int early_metric;
   int64_t early_patience;
   double ema_decay;
-  int cuda_graph;
+  int cuda_graph, precision;
   /* optim */
   int optim;
   double lr, momentum, weight_decay, eps;

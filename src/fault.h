@@ -2,7 +2,8 @@
  * optimizer step `step` (counted from 1 as in the log); inert when unset. Kinds:
  *   crash   SIGSEGV (no core dump)     hang    sleep forever inside the step
  *   nan     a NaN in the input batch    signal  raise SIGUSR1 on that rank
- *   exit    exit(1) without MPI_Finalize */
+ *   exit    exit(1) without MPI_Finalize
+ *   overflow  an infinite gradient value on that rank (train.precision fp16 skips the step) */
 #ifndef DT_FAULT_H
 #define DT_FAULT_H
 
@@ -16,7 +17,8 @@ typedef enum {
   DT_FAULT_HANG,
   DT_FAULT_NAN,
   DT_FAULT_SIGNAL,
-  DT_FAULT_EXIT
+  DT_FAULT_EXIT,
+  DT_FAULT_OVERFLOW
 } dt_fault_kind;
 
 typedef struct {
@@ -28,8 +30,8 @@ typedef struct {
 /* Parses text (NULL or empty: no fault). Exit 2 naming DDP_TRAIN_FAULT on a bad value. */
 int fault_parse(dt_fault *f, const char *text, dt_status *st);
 
-/* Fires a crash, hang, signal or exit fault when (rank, step) match; returns 1 when the
- * caller must inject a NaN, else 0. */
+/* Fires a crash, hang, signal or exit fault when (rank, step) match; returns DT_FAULT_NAN or
+ * DT_FAULT_OVERFLOW when the caller must inject one, else DT_FAULT_NONE. */
 int fault_fire(const dt_fault *f, int rank, int64_t step);
 
 #endif

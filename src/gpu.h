@@ -10,6 +10,9 @@ int gpu_count(char *why, size_t cap);
 /* "CUDA runtime 13.0, driver 13.0, cuDNN 9.x, cuBLAS ..., NCCL 2.28.x", or "" without CUDA. */
 void gpu_versions(char *buf, size_t cap);
 
+/* Compute capability of visible device i as major * 10 + minor (0 when unknown); makes no context. */
+int gpu_compute_capability(int i);
+
 /* One line about visible device i: name, memory total and free, compute capability, PCI bus id.
  * *free_bytes receives the free memory (0 when unknown). */
 void gpu_describe(int i, char *buf, size_t cap, size_t *free_bytes);

@@ -20,6 +20,14 @@ int gpu_count(char *why, size_t cap) {
   return n;
 }
 
+int gpu_compute_capability(int i) {
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, i) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, i) != cudaSuccess)
+    return 0;
+  return major * 10 + minor;
+}
+
 void gpu_versions(char *buf, size_t cap) {
   int rt = 0, drv = 0, nccl = 0;
   cudaRuntimeGetVersion(&rt);

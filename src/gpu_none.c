@@ -12,6 +12,11 @@ void gpu_versions(char *buf, size_t cap) {
   snprintf(buf, cap, "CUDA: not built in");
 }
 
+int gpu_compute_capability(int i) {
+  (void)i;
+  return 0;
+}
+
 void gpu_describe(int i, char *buf, size_t cap, size_t *free_bytes) {
   (void)i;
   snprintf(buf, cap, "none");

@@ -53,8 +53,8 @@ const char *loss_name(const dt_loss *l) {
   return l->kind == DT_LOSS_CROSS_ENTROPY ? "cross_entropy" : "mse";
 }
 
-void loss_run(const dt_loss *l, dt_backend *be, int64_t rows, int64_t k, double weight, const float *logits,
-              const int32_t *labels, const float *targets, float *dlogits, double *sums) {
+void loss_run(const dt_loss *l, dt_backend *be, int64_t rows, int64_t k, double weight, const float *grad_scale,
+              const float *logits, const int32_t *labels, const float *targets, float *dlogits, double *sums) {
   if (rows == 0) return; /* a rank with no rows this batch */
   dt_op op = {.type = DT_OP_LOSS,
               .p.loss = {.kind = l->kind,
@@ -62,6 +62,7 @@ void loss_run(const dt_loss *l, dt_backend *be, int64_t rows, int64_t k, double 
                          .k = k,
                          .label_smoothing = (float)l->label_smoothing,
                          .weight = weight,
+                         .grad_scale = grad_scale,
                          .logits = logits,
                          .labels = labels,
                          .targets = targets,

@@ -192,7 +192,16 @@ static int64_t max_local_rows(const dt_config *cfg, int64_t W) {
  * uses visible GPU i; with dist.comm mpi several ranks may share one GPU. */
 static int select_device(const cli_args *a, const dt_config *cfg, const dt_model *m, const dt_comm *comm,
                          dt_status *st) {
-  if (a->device != DEV_CUDA) return -1;
+  static const char *const precisions[] = {"fp32", "tf32", "bf16", "fp16"};
+  const int prec = cfg->v.precision;
+  if (a->device != DEV_CUDA) {
+    if (prec != DT_PREC_FP32)
+      dt_fail(st, DT_EXIT_INPUT,
+              "train.precision %s: the CPU backend computes in fp32 only; use --device cuda, or train.precision "
+              "fp32",
+              precisions[prec]);
+    return -1;
+  }
   char why[256] = "";
   int n = gpu_count(why, sizeof why);
   if (n == 0) {
@@ -216,7 +225,17 @@ static int select_device(const cli_args *a, const dt_config *cfg, const dt_model
             comm->local_size, comm->host, n, n > 1 ? "s" : "", n);
     return -1;
   }
-  return comm->local_rank % n;
+  int gpu = comm->local_rank % n, cc = gpu_compute_capability(gpu);
+  int need = prec == DT_PREC_TF32 || prec == DT_PREC_BF16 ? 80 : prec == DT_PREC_FP16 ? 70 : 0;
+  if (cc < need) {
+    dt_fail(st, DT_EXIT_INPUT,
+            "train.precision %s needs tensor cores of compute capability %d.%d or later, but GPU %d of rank %d "
+            "(%s) has %d.%d; use train.precision %s",
+            precisions[prec], need / 10, need % 10, gpu, comm->rank, comm->host, cc / 10, cc % 10,
+            cc >= 70 ? "fp16 or fp32" : "fp32");
+    return -1;
+  }
+  return gpu;
 }
 
 #ifdef DT_WITH_CUDA
@@ -500,7 +519,7 @@ int main(int argc, char **argv) {
 #ifdef DT_WITH_CUDA
   if (gpu >= 0) {
     print_device_table(&comm, gpu);
-    be = backend_cuda_create(gpu);
+    be = backend_cuda_create(gpu, cfg.v.precision);
     opts.gpu = gpu;
     /* NCCL when every rank of every node has a GPU of its own (or dist.comm nccl); MPI through
      * host memory otherwise. All ranks must make the same choice, or NCCL's collectives on some

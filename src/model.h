@@ -98,6 +98,7 @@ struct dt_pass {
   int64_t batch; /* local rows */
   int training;
   double global_count;          /* rows in the global batch (the loss's weight) */
+  const float *grad_scale;      /* (1) backend memory or NULL: the fp16 loss scale dlogits carry */
   const uint64_t *step_seed;    /* (1) backend memory: the micro-batch's dropout seed; NULL when not training */
   float *params, *grads, *bufs; /* flat, backend memory */
   /* sync batchnorm: sums (n doubles, backend memory) over all ranks in place, queued where the

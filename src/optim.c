@@ -71,12 +71,17 @@ void optim_prepare(dt_optim *o, dt_backend *be, double lr) {
 }
 
 void optim_apply(dt_optim *o, dt_backend *be, float *params, const float *grads) {
-  o->ops->step(o->cfg, be, o->n, o->step, o->hyper, params, grads, o->states);
+  o->ops->step(o->cfg, be, o->n, o->step, o->hyper, o->skip, params, grads, o->states);
   o->step++;
 }
 
 void optim_advance(dt_optim *o) {
   o->step++;
+}
+
+void optim_skipped(dt_optim *o) {
+  DT_ASSERT(o->step > 0);
+  o->step--;
 }
 
 void optim_step(dt_optim *o, dt_backend *be, float *params, const float *grads, double lr) {

@@ -21,9 +21,10 @@ typedef struct {
   void (*hyper)(const dt_config_values *c, int64_t t, double lr, float *out);
   /* Queues one step over n values reading `hyper` (backend memory, uploaded before it runs). The
    * op itself depends on t only through `first` values fixed after step 0, so a captured step
-   * replays. states: n_states tensors of n. */
-  void (*step)(const dt_config_values *c, dt_backend *be, int64_t n, int64_t t, const float *hyper, float *params,
-               const float *grads, float *const *states);
+   * replays. skip: NULL, or device memory that, above 0, makes the step a no-op (fp16 overflow).
+   * states: n_states tensors of n. */
+  void (*step)(const dt_config_values *c, dt_backend *be, int64_t n, int64_t t, const float *hyper, const double *skip,
+               float *params, const float *grads, float *const *states);
 } dt_optim_ops;
 
 extern const dt_optim_ops dt_optim_sgd;   /* optim_sgd.c */
@@ -43,6 +44,7 @@ typedef struct {
   int n_states;
   float *states[DT_OPTIM_MAX_STATES]; /* (n) each, backend memory */
   float *hyper;                       /* (DT_OPTIM_HYPER) backend memory: this step's learning rate etc. */
+  const double *skip;                 /* (1) backend memory or NULL: the op's skip (set by the trainer) */
   int64_t step;                       /* optimizer steps taken */
 } dt_optim;
 
@@ -56,6 +58,9 @@ void optim_prepare(dt_optim *o, dt_backend *be, double lr);
 void optim_apply(dt_optim *o, dt_backend *be, float *params, const float *grads);
 /* Counts a step whose optim_apply work was queued by replaying a captured one. */
 void optim_advance(dt_optim *o);
+/* Uncounts the last step: its update was skipped on the device (o->skip), as GradScaler skips
+ * optimizer.step(), so the next step's values are those of this one. */
+void optim_skipped(dt_optim *o);
 /* optim_prepare then optim_apply. */
 void optim_step(dt_optim *o, dt_backend *be, float *params, const float *grads, double lr);
 

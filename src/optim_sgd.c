@@ -12,12 +12,13 @@ static void sgd_hyper(const dt_config_values *c, int64_t t, double lr, float *ou
   out[1] = t == 0 ? 1.0f : 0.0f; /* the momentum buffer starts as the first gradient */
 }
 
-static void sgd_step(const dt_config_values *c, dt_backend *be, int64_t n, int64_t t, const float *hyper, float *params,
-                     const float *grads, float *const *states) {
+static void sgd_step(const dt_config_values *c, dt_backend *be, int64_t n, int64_t t, const float *hyper,
+                     const double *skip, float *params, const float *grads, float *const *states) {
   (void)t;
   dt_op op = {.type = DT_OP_SGD,
               .p.sgd = {.n = n,
                         .hyper = hyper,
+                        .skip = skip,
                         .momentum = (float)c->momentum,
                         .weight_decay = (float)c->weight_decay,
                         .nesterov = c->nesterov,

@@ -23,6 +23,11 @@ typedef struct {
   double *grad_check; /* (2) backend memory: sum of squares and non-finite count of the sent buckets */
 } pass_ctx;
 
+enum { STATS = 6 };
+/* fp16 loss scaling, PyTorch GradScaler's defaults */
+static const double scale_init = 65536.0, scale_growth = 2.0, scale_backoff = 0.5;
+static const int64_t scale_interval = 2000;
+
 /* Synchronised batchnorm's sums (backend memory): queued on the device with NCCL, directly over
  * MPI on the CPU, through host memory otherwise. */
 static void ctx_allreduce(void *ctx, double *data, int n) {
@@ -314,10 +319,13 @@ typedef struct {
   int64_t graph_rows[2], warm_rows;  /* this rank's rows in that step, and in the last step run */
   double graph_count[2], warm_count; /* the global batch of each */
   int64_t captures, replays;
-  /* this step's results, summed on the device and read once: loss, hits, then the sum of squares
-   * and the non-finite count of the gradient buckets this rank sent */
-  double *stats, *stats_host; /* (4): backend memory, and host memory it is downloaded to */
-  double *clip_sq;            /* (2) backend memory: train.clip_grad_norm's sum of squares */
+  /* this step's results, summed on the device and read once: loss, hits, the sum of squares and
+   * the non-finite count of the gradient buckets this rank sent, and (fp16) the same of the summed
+   * gradients after unscaling: a non-finite one skips the step */
+  double *stats, *stats_host;  /* (STATS): backend memory, and host memory it is downloaded to */
+  float *scaler, *scaler_host; /* train.precision fp16: (2) the loss scale and good steps; else NULL */
+  int inject;                  /* this step's injected fault: DT_FAULT_NAN, DT_FAULT_OVERFLOW or none */
+  double *clip_sq;             /* (2) backend memory: train.clip_grad_norm's sum of squares */
   dt_train_state ts;
   int64_t accum, opt_per_epoch, total; /* micro-batches per step, steps per epoch, steps in all */
   /* this optimizer step */
@@ -377,8 +385,13 @@ static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_da
 
   dt_backend *be = T->be;
   optim_init(&T->opt, v, be, m->n_params, T->total);
-  T->stats = (double *)be->alloc(be, 4 * sizeof(double));
-  T->stats_host = be->alloc_host(be, 4 * sizeof(double));
+  T->stats = (double *)be->alloc(be, STATS * sizeof(double));
+  T->stats_host = be->alloc_host(be, STATS * sizeof(double));
+  if (v->precision == DT_PREC_FP16) {
+    T->scaler = be->alloc(be, 2 * sizeof(float));
+    T->scaler_host = be->alloc_host(be, 2 * sizeof(float));
+    T->opt.skip = T->stats + 5;
+  }
   T->clip_sq = (double *)be->alloc(be, 2 * sizeof(double));
   for (int i = 0; i < 2; i++) dev_batch_alloc(&T->in[i], m, m->max_batch);
   T->ctx =
@@ -394,10 +407,16 @@ static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_da
   if (opts->resume) {
     T->ts = opts->resume->ts;
     T->ts.world_size = W;
+    if (!T->scaler) T->ts.loss_scale = T->ts.scale_growth = 0;
     size_t pb = (size_t)m->n_params * sizeof(float);
     for (int k = 0; k < T->opt.n_states; k++)
       if (opts->resume->opt[k]) be->to_device(be, T->opt.states[k], opts->resume->opt[k], pb);
     T->opt.step = T->ts.step;
+  }
+  if (T->scaler) { /* a run that did not scale starts from GradScaler's initial scale */
+    if (!(T->ts.loss_scale > 0)) T->ts.loss_scale = scale_init, T->ts.scale_growth = 0;
+    float s[2] = {(float)T->ts.loss_scale, (float)T->ts.scale_growth};
+    be->to_device(be, T->scaler, s, sizeof s);
   }
   if (v->ema_decay > 0) {
     ema_init(&T->ema, be, v->ema_decay, m->params, m->n_params, m->bufs, m->n_bufs);
@@ -444,13 +463,18 @@ static void queue_micro(dt_trainer *T, const dev_batch *db, int64_t rows, int fi
   dt_backend *be = T->be;
   if (first) {
     be->zero(be, m->grads, (size_t)m->n_params * sizeof(float));
-    be->zero(be, T->stats, 4 * sizeof(double));
+    be->zero(be, T->stats, STATS * sizeof(double));
+    if (T->inject == DT_FAULT_OVERFLOW && m->n_params) { /* backward adds to it: it reaches the sums */
+      const float inf = INFINITY;
+      be->upload(be, m->grads, &inf, sizeof inf);
+    }
   }
   model_input(m, db->raw, rows);
   dt_pass pass = {.be = be,
                   .batch = rows,
                   .training = 1,
                   .global_count = T->count,
+                  .grad_scale = T->scaler,
                   .step_seed = db->seed,
                   .params = m->params,
                   .grads = m->grads,
@@ -470,6 +494,12 @@ static void queue_update(dt_trainer *T) {
   dt_model *m = T->m;
   dt_backend *be = T->be;
   grad_sync_finish(&T->gs);
+  if (T->scaler) { /* the summed gradients unscaled, then checked: a non-finite one skips the update */
+    dt_op un = {.type = DT_OP_UNSCALE, .p.unscale = {.n = m->n_params, .scaler = T->scaler, .x = m->grads}};
+    backend_run(be, &un);
+    dt_op check = {.type = DT_OP_SUMSQ, .p.sumsq = {.n = m->n_params, .x = m->grads, .out = T->stats + 4}};
+    backend_run(be, &check);
+  }
   if (v->clip_grad_norm > 0) {
     be->zero(be, T->clip_sq, 2 * sizeof(double));
     dt_op sq = {.type = DT_OP_SUMSQ, .p.sumsq = {.n = m->n_params, .x = m->grads, .out = T->clip_sq}};
@@ -480,7 +510,16 @@ static void queue_update(dt_trainer *T) {
     backend_run(be, &clip);
   }
   optim_apply(&T->opt, be, m->params, m->grads);
-  if (T->ema.params) ema_update(&T->ema, be, m->params, m->bufs);
+  if (T->ema.params) ema_update(&T->ema, be, m->params, m->bufs); /* every step, as timm's loop */
+  if (T->scaler) {
+    dt_op up = {.type = DT_OP_SCALER_UPDATE,
+                .p.scaler_update = {.overflow = T->stats + 5,
+                                    .growth_interval = scale_interval,
+                                    .growth = (float)scale_growth,
+                                    .backoff = (float)scale_backoff,
+                                    .scaler = T->scaler}};
+    backend_run(be, &up);
+  }
 }
 
 /* Queues a step of one micro-batch (db, rows): a replay of the graph captured for this input
@@ -490,7 +529,11 @@ static void queue_single(dt_trainer *T, const dev_batch *db, int64_t rows) {
   dt_backend *be = T->be;
   const int i = (int)(db - T->in);
   const int same_shape = T->graph_rows[i] == rows && T->graph_count[i] == T->count;
-  if (T->graphs && T->graph[i] && same_shape && T->graph_gen[i] == be->generation) {
+  const int eager = T->inject == DT_FAULT_OVERFLOW; /* a one-off: not captured */
+  if (eager) {
+    queue_micro(T, db, rows, 1, 1);
+    queue_update(T);
+  } else if (T->graphs && T->graph[i] && same_shape && T->graph_gen[i] == be->generation) {
     be->replay(be, T->graph[i]);
     optim_advance(&T->opt);
     T->gs.wait_s = 0;
@@ -534,7 +577,8 @@ static dev_batch *upload_next(dt_trainer *T, int64_t j, int inject_nan, int64_t 
  * while the device works. */
 static void wait_step(dt_trainer *T) {
   dt_backend *be = T->be;
-  be->download(be, T->stats_host, T->stats, 4 * sizeof(double));
+  be->download(be, T->stats_host, T->stats, STATS * sizeof(double));
+  if (T->scaler) be->download(be, T->scaler_host, T->scaler, 2 * sizeof(float));
   double since = dt_now();
   while (!be->done(be)) {
     if (T->opts->dev)
@@ -554,7 +598,8 @@ static void wait_step(dt_trainer *T) {
 /* The step's work: every micro-batch uploaded and queued, then the update; the results read
  * once. Adds this rank's loss and hits to *mine. */
 static void run_step(dt_trainer *T, dt_step_report *mine, double *data_s, dt_status *st) {
-  int inject_nan = fault_fire(&T->opts->fault, T->comm->rank, T->ts.step + 1);
+  T->inject = fault_fire(&T->opts->fault, T->comm->rank, T->ts.step + 1);
+  const int inject_nan = T->inject == DT_FAULT_NAN;
   T->lr = schedule_lr(T->v, T->ts.step, T->total);
   optim_prepare(&T->opt, T->be, T->lr);
   for (int64_t j = 0; j < T->k && !st->code; j++) {
@@ -574,10 +619,19 @@ static void run_step(dt_trainer *T, dt_step_report *mine, double *data_s, dt_sta
     dt_fail(st, DT_EXIT_NUMERIC,
             "the loss became %s at step %lld (epoch %lld); lower optim.lr or set train.clip_grad_norm",
             isnan(r[0]) ? "NaN" : "infinite", (long long)T->ts.step + 1, (long long)T->epoch + 1);
-  else if (r[3] > 0)
+  else if (r[3] > 0 && !T->scaler)
     dt_fail(st, DT_EXIT_NUMERIC,
             "%lld non-finite gradient values at step %lld (epoch %lld); lower optim.lr or set train.clip_grad_norm",
             (long long)r[3], (long long)T->ts.step + 1, (long long)T->epoch + 1);
+  if (T->scaler && !st->code) {
+    if (r[5] > 0) { /* the same summed gradients on every rank: every rank skips */
+      optim_skipped(&T->opt);
+      log_line(&T->lg, "step %lld: %lld gradient values overflowed in fp16: update skipped, loss scale %g -> %g",
+               (long long)T->ts.step + 1, (long long)r[5], T->ts.loss_scale, (double)T->scaler_host[0]);
+    }
+    T->ts.loss_scale = T->scaler_host[0];
+    T->ts.scale_growth = T->scaler_host[1];
+  }
   mine->loss_sum += r[0];
   mine->correct += r[1];
 }
@@ -756,6 +810,10 @@ static int trainer_finish(dt_trainer *T, int code, dt_train_result *res) {
     dev_batch_free(&T->in[i], T->be);
   }
   T->be->free(T->be, T->stats);
+  if (T->scaler) {
+    T->be->free(T->be, T->scaler);
+    T->be->free_host(T->be, T->scaler_host);
+  }
   T->be->free(T->be, T->clip_sq);
   T->be->free_host(T->be, T->stats_host);
   if (T->ema.params) ema_free(&T->ema, T->be);

@@ -19,7 +19,7 @@ typedef struct {
 typedef struct {
   const dt_ckpt_data *resume; /* host state to continue from (NULL: fresh start) */
   dt_fault fault;
-  double t_launch; /* dt_now() at start-up, for train.time_limit */
+  double t_launch;             /* dt_now() at start-up, for train.time_limit */
   const dt_device_reduce *dev; /* gradient sums on the device (NCCL); NULL: MPI */
   int gpu;                     /* this rank's visible GPU for monitoring; -1 on the CPU */
 } dt_train_opts;

@@ -59,7 +59,7 @@ static void compare(const char *what, dt_backend *cpu, const float *a, dt_backen
 
 static void check_model(const char *model_yaml, int64_t batch) {
   side c, g;
-  dt_backend *cpu = backend_cpu_create(1), *gpu = backend_cuda_create(0);
+  dt_backend *cpu = backend_cpu_create(1), *gpu = backend_cuda_create(0, DT_PREC_FP32);
   build(&c, model_yaml, cpu, batch);
   build(&g, model_yaml, gpu, batch);
   /* the same parameters (with batchnorm affine values moved off 1/0) and inputs on both */
@@ -225,7 +225,7 @@ static void ot_end(void) {
 static void ot_begin(void) {
   if (ot.be[0]) ot_end(); /* what a failed test left behind */
   ot.be[0] = backend_cpu_create(1);
-  ot.be[1] = backend_cuda_create(0);
+  ot.be[1] = backend_cuda_create(0, DT_PREC_FP32);
   ot.seed = 1000;
 }
 
@@ -879,7 +879,11 @@ static void ops_loss(void) {
       dbuf sums = ot_buf(OT_F64, before, 2);
       free(hz);
       free(labels);
-      ot_case(DT_OP_LOSS, "%s, %s", kind == DT_LOSS_MSE ? "mse" : "cross entropy, label smoothing 0.1", ROWS_NAME(r));
+      const float scale = 1024.0f; /* fp16 loss scaling: dlogits carry it */
+      dbuf grad_scale = ot_buf(OT_F32, &scale, 1), dz_scaled = ot_rand(cap * K, -1, 1);
+      dbuf sums_scaled = ot_buf(OT_F64, before, 2);
+      ot_case(DT_OP_LOSS, "%s, %s, and dlogits scaled by 1024",
+              kind == DT_LOSS_MSE ? "mse" : "cross entropy, label smoothing 0.1", ROWS_NAME(r));
       if (rows == 0) continue; /* loss_run queues nothing for no rows */
       BOTH {
         dt_op op = {.type = DT_OP_LOSS,
@@ -894,7 +898,16 @@ static void ops_loss(void) {
                                .dlogits = F(dz),
                                .sums = D(sums)}};
         RUN(op);
+        op.p.loss.grad_scale = F(grad_scale);
+        op.p.loss.dlogits = F(dz_scaled);
+        op.p.loss.sums = D(sums_scaled);
+        RUN(op);
       }
+      ot_check("dlogits scaled", dz_scaled, rows * K);
+      for (int64_t i = 0; i < rows * K; i++) /* a power of two: exactly 1024 times the unscaled ones */
+        if (ot_get(dz_scaled, 0, i) != 1024.0 * ot_get(dz, 0, i))
+          fail_msg("op loss [%s]: scaled dlogits[%lld] = %g, not 1024 x %g", ot.kase, (long long)i,
+                   ot_get(dz_scaled, 0, i), ot_get(dz, 0, i));
       ot_check("loss sum and hits (added into)", sums, 2);
       double hits = ot_get(sums, 1, 1) - 3;
       if (kind == DT_LOSS_CROSS_ENTROPY && hits < (double)((rows + 1) / 2))
@@ -960,6 +973,99 @@ static void ops_optim(void) {
       ot_check("m", m, n);
       ot_check("v", v, n);
     }
+  }
+}
+
+/* fp16 loss scaling: the update skipped on an overflow, the unscale, GradScaler's scale rules. */
+static void ops_scaler(void) {
+  const double overflow[2] = {0, 3};
+  dbuf flags = ot_buf(OT_F64, overflow, 2);
+  const int64_t n = 70;
+  dbuf p = ot_rand(n, -1, 1), g = ot_rand(n, -1, 1), m = ot_rand(n, -1, 1), v = ot_rand(n, 0, 0.01f);
+  double p0 = ot_get(p, 0, 5), m0 = ot_get(m, 0, 5);
+  const float h[3] = {0.1f, 0.1f, 1.0f};
+  dbuf hyper = ot_buf(OT_F32, h, 3);
+  ot_case(DT_OP_SGD, "skipped: 3 overflowed values");
+  BOTH {
+    dt_op op = {.type = DT_OP_SGD,
+                .p.sgd = {.n = n,
+                          .hyper = F(hyper),
+                          .skip = D(flags) + 1,
+                          .momentum = 0.9f,
+                          .param = F(p),
+                          .grad = F(g),
+                          .mom = F(m)}};
+    RUN(op);
+  }
+  ot_case(DT_OP_ADAMW, "skipped: 3 overflowed values");
+  BOTH {
+    dt_op op = {.type = DT_OP_ADAMW,
+                .p.adamw = {.n = n,
+                            .beta1 = 0.9f,
+                            .beta2 = 0.999f,
+                            .eps = 1e-8f,
+                            .hyper = F(hyper),
+                            .skip = D(flags) + 1,
+                            .param = F(p),
+                            .grad = F(g),
+                            .m = F(m),
+                            .v = F(v)}};
+    RUN(op);
+  }
+  for (int side = 0; side < 2; side++)
+    if (ot_get(p, side, 5) != p0 || ot_get(m, side, 5) != m0)
+      fail_msg("a skipped step changed the parameters or the state on the %s", side ? "GPU" : "CPU");
+  ot_case(DT_OP_SGD, "not skipped: no overflow");
+  BOTH {
+    dt_op op = {
+        .type = DT_OP_SGD,
+        .p.sgd = {
+            .n = n, .hyper = F(hyper), .skip = D(flags), .momentum = 0.9f, .param = F(p), .grad = F(g), .mom = F(m)}};
+    RUN(op);
+  }
+  ot_check("param", p, n);
+  if (ot_get(p, 0, 5) == p0) fail_msg("a step without overflow left the parameters as they were");
+
+  const float sc[2] = {512.0f, 0.0f};
+  dbuf scaler = ot_buf(OT_F32, sc, 2), x = ot_rand(n, -1000, 1000);
+  double x5 = ot_get(x, 0, 5);
+  ot_case(DT_OP_UNSCALE, "by 512");
+  BOTH {
+    dt_op op = {.type = DT_OP_UNSCALE, .p.unscale = {.n = n, .scaler = F(scaler), .x = F(x)}};
+    RUN(op);
+  }
+  ot_check("unscaled", x, n);
+  if (ot_get(x, 1, 5) != (double)(float)(x5 * (1.0 / 512.0)))
+    fail_msg("unscale: %g / 512 gave %g", x5, ot_get(x, 1, 5));
+  /* (scale, good steps) before, overflow, interval -> after: GradScaler's rules, by hand */
+  const struct {
+    float scale, good;
+    int overflow;
+    int64_t interval;
+    float want_scale, want_good;
+  } cases[] = {{512, 5, 0, 2000, 512, 6},
+               {512, 1999, 0, 2000, 1024, 0},
+               {512, 1999, 1, 2000, 256, 0},
+               {65536, 0, 1, 2000, 32768, 0},
+               {2, 0, 0, 1, 4, 0}};
+  for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+    const float before[2] = {cases[c].scale, cases[c].good};
+    dbuf s = ot_buf(OT_F32, before, 2);
+    ot_case(DT_OP_SCALER_UPDATE, "scale %g, %g good steps, overflow %d, interval %lld", cases[c].scale, cases[c].good,
+            cases[c].overflow, (long long)cases[c].interval);
+    BOTH {
+      dt_op op = {.type = DT_OP_SCALER_UPDATE,
+                  .p.scaler_update = {.overflow = D(flags) + cases[c].overflow,
+                                      .growth_interval = cases[c].interval,
+                                      .growth = 2.0f,
+                                      .backoff = 0.5f,
+                                      .scaler = F(s)}};
+      RUN(op);
+    }
+    for (int side = 0; side < 2; side++)
+      if (ot_get(s, side, 0) != cases[c].want_scale || ot_get(s, side, 1) != cases[c].want_good)
+        fail_msg("op scaler_update [%s] on the %s: (%g, %g), expected (%g, %g)", ot.kase, side ? "GPU" : "CPU",
+                 ot_get(s, side, 0), ot_get(s, side, 1), cases[c].want_scale, cases[c].want_good);
   }
 }
 
@@ -1051,13 +1157,14 @@ GPU_TEST(cuda_op_loss, (ot_begin(), ops_loss(), ot_end()))
 GPU_TEST(cuda_op_sgd_adamw, (ot_begin(), ops_optim(), ot_end()))
 GPU_TEST(cuda_op_sumsq, (ot_begin(), ops_sumsq(), ot_end()))
 GPU_TEST(cuda_op_input, (ot_begin(), ops_input(), ot_end()))
+GPU_TEST(cuda_op_loss_scaling, (ot_begin(), ops_scaler(), ot_end()))
 GPU_TEST(cuda_upload_download_copy, (ot_begin(), ops_upload_download(), ot_end()))
 
 /* The sums the host reads back (sum of squares, loss sums) come out with the same bits every time:
  * run after run on a GPU, launch after launch on the stand-in, whose block order changes with each
  * launch. Accumulating them with atomics in whatever order blocks finish would not. */
 static void sums_are_the_same_bits_every_time(void) {
-  dt_backend *be = backend_cuda_create(0);
+  dt_backend *be = backend_cuda_create(0, DT_PREC_FP32);
   enum { N = 300000, B = 512, K = 10 };
   float *h = malloc(N * sizeof(float));
   int32_t labels[B];
@@ -1125,6 +1232,7 @@ int main(void) {
       cmocka_unit_test(cuda_op_sgd_adamw),
       cmocka_unit_test(cuda_op_sumsq),
       cmocka_unit_test(cuda_op_input),
+      cmocka_unit_test(cuda_op_loss_scaling),
       cmocka_unit_test(cuda_upload_download_copy),
       cmocka_unit_test(cuda_op_every_op_tested),
       cmocka_unit_test(cuda_sums_are_the_same_bits_every_time),

@@ -1,0 +1,93 @@
+// convert.cu: FP32 NCHW tensors to and from 16-bit (bfloat16 or IEEE half) NHWC, for cuDNN's
+// convolutions under train.precision bf16 and fp16. Rounding is to nearest even, as
+// __float2bfloat16_rn and __float2half_rn; written on the bit patterns so that the stand-in
+// compiles it unchanged.
+#include <string.h>
+
+#include "common.cuh"
+#include "kernels.h"
+
+__device__ static inline uint32_t float_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+__device__ static inline float bits_float(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+__device__ static inline uint16_t to_bf16(float f) {
+  uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+__device__ static inline uint16_t to_half(float f) {
+  uint32_t u = float_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);  /* NaN */
+  if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds past 65504: infinity */
+  if (a < 0x38800000u) {                                   /* below 2^-14: subnormal or zero */
+    if (a <= 0x33000000u) return (uint16_t)sign;           /* at most 2^-25: ties to even zero */
+    uint32_t e = a >> 23, m = (a & 0x7fffffu) | 0x800000u, shift = 126u - e;
+    uint32_t r = m >> shift, rest = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    if (rest > half || (rest == half && (r & 1u))) r++;
+    return (uint16_t)(sign | r);
+  }
+  uint32_t r = a - 0x38000000u; /* exponent rebiased from 127 to 15 */
+  r += 0xfffu + ((r >> 13) & 1u);
+  return (uint16_t)(sign | (r >> 13));
+}
+
+__device__ static inline float from_half(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0) {
+    float v = (float)m * 5.9604644775390625e-8f; /* m * 2^-24 */
+    return sign ? -v : v;
+  }
+  if (e == 31) return bits_float(sign | 0x7f800000u | (m << 13));
+  return bits_float(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+// x (B, C, S) FP32 -> y (B, S, C) 16-bit; i runs over y
+__global__ void pack16_kernel(const float *x, uint16_t *y, int64_t n, fast_div c_div, fast_div s_div, int bf16) {
+  GRID_STRIDE(i, n) {
+    uint32_t bs = div_by((uint32_t)i, c_div), c = (uint32_t)i - bs * c_div.d;
+    uint32_t b = div_by(bs, s_div), sp = bs - b * s_div.d;
+    float v = x[((int64_t)b * c_div.d + c) * s_div.d + sp];
+    y[i] = bf16 ? to_bf16(v) : to_half(v);
+  }
+}
+
+// y (B, S, C) 16-bit -> x (B, C, S) FP32, added when accumulate; i runs over x
+__global__ void unpack16_kernel(const uint16_t *y, float *x, int64_t n, fast_div c_div, fast_div s_div, int bf16,
+                                int accumulate) {
+  GRID_STRIDE(i, n) {
+    uint32_t bc = div_by((uint32_t)i, s_div), sp = (uint32_t)i - bc * s_div.d;
+    uint32_t b = div_by(bc, c_div), c = bc - b * c_div.d;
+    uint16_t h = y[((int64_t)b * s_div.d + sp) * c_div.d + c];
+    float v = bf16 ? bits_float((uint32_t)h << 16) : from_half(h);
+    x[i] = accumulate ? x[i] + v : v;
+  }
+}
+
+extern "C" {
+
+void k_pack16(cudaStream_t s, const float *x, uint16_t *y, int64_t b, int64_t c, int64_t sp, int bf16) {
+  int64_t n = b * c * sp;
+  if (!n) return;
+  LAUNCH(pack16_kernel, blocks_for(n), kThreads, 0, s)(x, y, n, make_fast_div(c), make_fast_div(sp), bf16);
+}
+
+void k_unpack16(cudaStream_t s, const uint16_t *y, float *x, int64_t b, int64_t c, int64_t sp, int bf16,
+                int accumulate) {
+  int64_t n = b * c * sp;
+  if (!n) return;
+  LAUNCH(unpack16_kernel, blocks_for(n), kThreads, 0, s)
+  (y, x, n, make_fast_div(c), make_fast_div(sp), bf16, accumulate);
+}
+
+}  // extern "C"
