@@ -119,7 +119,8 @@ void grad_sync_init(dt_grad_sync *g, dt_comm *c, const dt_device_reduce *dev, dt
  * fails to initialise: on the rank that failed st is set (exit 3) and the others are told at
  * once, so they stop waiting (their st stays clear; the caller's comm_agree reports the failure). */
 typedef struct dt_nccl dt_nccl;
-dt_nccl *nccl_create(dt_comm *c, void *compute_stream, dt_status *st);
+/* grad_bf16: sum the gradient buckets as bfloat16 (dist.grad_dtype bf16). */
+dt_nccl *nccl_create(dt_comm *c, void *compute_stream, int grad_bf16, dt_status *st);
 const dt_device_reduce *nccl_reducer(dt_nccl *n);
 /* Finalizes and destroys the communicator; aborts it instead when the job is failing (failed). */
 void nccl_destroy(dt_nccl *n, int failed);

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "comm.h"
+#include "kernels.h"
 
 #define CUDA_CHECK(call)                                                       \
   do {                                                                         \
@@ -29,6 +30,9 @@ struct dt_nccl {
   ncclComm_t comm;
   cudaStream_t compute, comm_stream;
   cudaEvent_t ready, done;
+  int bf16;         /* dist.grad_dtype bf16: buckets are summed as bfloat16 */
+  uint16_t *packed; /* (packed_count) device: a bucket in bf16, reused bucket after bucket on comm_stream */
+  int64_t packed_count;
   dt_device_reduce reducer;
 };
 
@@ -73,11 +77,33 @@ static void settle(dt_nccl *n, const char *what) {
   }
 }
 
+/* The bf16 buffer for a bucket of count values. Buckets are the same every step, so it only grows
+ * in the first (eager) step: never inside a captured one, where it could not wait to free. */
+static uint16_t *packed_for(dt_nccl *n, int64_t count) {
+  if (count <= n->packed_count) return n->packed;
+  enum cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(n->comm_stream, &capturing));
+  DT_ASSERT(capturing == cudaStreamCaptureStatusNone);
+  CUDA_CHECK(cudaStreamSynchronize(n->comm_stream));
+  CUDA_CHECK(cudaFree(n->packed));
+  CUDA_CHECK(cudaMalloc((void **)&n->packed, (size_t)count * sizeof(uint16_t)));
+  n->packed_count = count;
+  return n->packed;
+}
+
 static void nccl_start(void *ctx, float *buf, int64_t count) {
   dt_nccl *n = ctx;
   CUDA_CHECK(cudaEventRecord(n->ready, n->compute));
   CUDA_CHECK(cudaStreamWaitEvent(n->comm_stream, n->ready, 0));
-  ncclResult_t rc = ncclAllReduce(buf, buf, (size_t)count, ncclFloat, ncclSum, n->comm, n->comm_stream);
+  ncclResult_t rc;
+  if (n->bf16) { /* rounded to nearest even, summed by NCCL in bf16, widened back in place */
+    uint16_t *packed = packed_for(n, count);
+    k_pack16(n->comm_stream, buf, packed, count, 1, 1, 1);
+    rc = ncclAllReduce(packed, packed, (size_t)count, ncclBfloat16, ncclSum, n->comm, n->comm_stream);
+    if (rc == ncclSuccess || rc == ncclInProgress) k_unpack16(n->comm_stream, packed, buf, count, 1, 1, 1, 0);
+  } else {
+    rc = ncclAllReduce(buf, buf, (size_t)count, ncclFloat, ncclSum, n->comm, n->comm_stream);
+  }
   if (rc != ncclSuccess && rc != ncclInProgress) {
     char why[256];
     snprintf(why, sizeof why, "failed for %lld values: %s", (long long)count, ncclGetErrorString(rc));
@@ -150,7 +176,7 @@ static int join(dt_nccl *n, ncclResult_t rc, dt_status *st) {
   return -1;
 }
 
-dt_nccl *nccl_create(dt_comm *c, void *compute_stream, dt_status *st) {
+dt_nccl *nccl_create(dt_comm *c, void *compute_stream, int grad_bf16, dt_status *st) {
   ncclUniqueId id;
   memset(&id, 0, sizeof id);
   ncclResult_t rc = ncclSuccess;
@@ -165,6 +191,7 @@ dt_nccl *nccl_create(dt_comm *c, void *compute_stream, dt_status *st) {
   dt_nccl *n = dt_calloc(1, sizeof *n);
   n->mpi = c;
   n->compute = (cudaStream_t)compute_stream;
+  n->bf16 = grad_bf16;
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   rc = ncclCommInitRankConfig(&n->comm, c->size, id, c->rank, &config);
@@ -202,6 +229,7 @@ void nccl_destroy(dt_nccl *n, int failed) {
       fprintf(stderr, "ddp_train: warning: rank %d: ncclCommDestroy failed: %s\n", n->mpi->rank,
               ncclGetErrorString(rc));
   }
+  CUDA_CHECK(cudaFree(n->packed));
   CUDA_CHECK(cudaEventDestroy(n->ready));
   CUDA_CHECK(cudaEventDestroy(n->done));
   CUDA_CHECK(cudaStreamDestroy(n->comm_stream));

@@ -102,6 +102,9 @@ static const dt_key config_keys[] = {
      "progress bar with ETA (auto: when stdout is a terminal and not under mpirun or Slurm)"},
     {"dist.comm", DT_KEY_ENUM, F(comm), "auto", NOB, "auto|mpi|nccl",
      "gradient communicator (auto: NCCL on GPUs, MPI on CPUs)"},
+    {"dist.grad_dtype", DT_KEY_ENUM, F(grad_dtype), "fp32", NOB, "fp32|bf16",
+     "type of the gradient all-reduce: bf16 rounds each bucket to bfloat16 for the NCCL sum and back, halving the "
+     "bytes sent (NCCL only; the gradients and the optimizer stay fp32)"},
     {"dist.bucket_mb", DT_KEY_FLOAT, F(bucket_mb), "25", 1e-6, 4096, NULL,
      "gradient bucket size; each bucket's allreduce starts as soon as backward completes it"},
     {"dist.timeout_s", DT_KEY_FLOAT, F(timeout_s), "600", 1, BIG, NULL,

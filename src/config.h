@@ -18,6 +18,7 @@ enum { DT_METRIC_NONE, DT_METRIC_VAL_LOSS, DT_METRIC_VAL_ACC, DT_METRIC_EMA_VAL_
 enum { DT_COMM_AUTO, DT_COMM_MPI, DT_COMM_NCCL };
 enum { DT_PROGRESS_AUTO, DT_PROGRESS_ON, DT_PROGRESS_OFF };
 enum { DT_GRAPH_AUTO, DT_GRAPH_ON, DT_GRAPH_OFF };
+enum { DT_GRAD_FP32, DT_GRAD_BF16 };
 
 typedef struct {
   /* model */
@@ -55,7 +56,7 @@ typedef struct {
   int64_t log_every_steps;
   int progress;
   /* dist */
-  int comm;
+  int comm, grad_dtype;
   double bucket_mb, timeout_s;
   int64_t threads;
 } dt_config_values;

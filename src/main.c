@@ -528,7 +528,7 @@ int main(int argc, char **argv) {
     double can = cfg.v.comm == DT_COMM_NCCL || (cfg.v.comm == DT_COMM_AUTO && comm.local_size <= n_gpus);
     comm_allreduce_sum_f64(&comm, &can, 1, "communicator choice");
     if (can == comm.size) {
-      nccl = nccl_create(&comm, be->stream, &st);
+      nccl = nccl_create(&comm, be->stream, cfg.v.grad_dtype == DT_GRAD_BF16, &st);
       if ((code = comm_agree(&comm, &st))) goto done;
       opts.dev = nccl_reducer(nccl);
     }
@@ -541,6 +541,11 @@ int main(int argc, char **argv) {
 #else
   (void)gpu; /* without CUDA, select_device has already refused --device cuda */
 #endif
+  if (cfg.v.grad_dtype == DT_GRAD_BF16 && !nccl && comm.size > 1)
+    dt_fail(&st, DT_EXIT_INPUT,
+            "dist.grad_dtype bf16: gradients are summed in bf16 only over NCCL (--device cuda, a GPU per rank), "
+            "and this run sums them over MPI; use dist.grad_dtype fp32");
+  if ((code = comm_agree(&comm, &st))) goto done;
   if (!be) be = backend_cpu_create(pick_threads(&cfg, &comm));
   model_alloc(&model, be, max_local_rows(&cfg, comm.size), (uint64_t)cfg.v.seed);
   int resumed = 0;

@@ -395,6 +395,34 @@ class GpuPrecision(unittest.TestCase):
                               f"but GPU 0 of rank 0", errors(err)[0])
                 self.assertIn(f"has {cc}", errors(err)[0])
 
+    @unittest.skipUnless(VISIBLE2 >= 2, "fewer than 2 GPUs visible")
+    def test_bf16_gradient_sums_stay_near_fp32(self):
+        """dist.grad_dtype bf16 on 2 ranks over NCCL (graphs on), 12 steps: every parameter within 2%
+        of the fp32 sums' (relative to the tensor's largest value; bf16 keeps 8 bits), but not equal:
+        the buckets really travel in bf16."""
+        self.w.dataset(n=48)
+        cfg = self.w.config(GPU_CNN, dropout="relu")
+        got = {}
+        for np_, env, dtype in ((2, ENV2, "fp32"), (2, ENV2, "bf16")):
+            sub = f"{dtype}_{np_}"
+            rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", f"dist.grad_dtype={dtype}", "--set",
+                                    "data.shuffle=false", "--set", f"checkpoint.dir={self.w.file(sub)}"], np_, env)
+            self.assertEqual(rc, 0, out + err)
+            got[sub] = params(self.w.latest(sub))
+        a, b = got["fp32_2"], got["bf16_2"]
+        self.assertFalse(all(np.array_equal(a[k], b[k]) for k in a))
+        for k in a:
+            scale = max(float(np.abs(a[k]).max()), 1e-6)
+            self.assertLess(float(np.abs(a[k] - b[k]).max()) / scale, 0.02, k)
+
+    def test_bf16_gradient_sums_over_mpi_are_refused(self):
+        self.w.dataset(n=48)
+        cfg = self.w.config(GPU_CNN, dropout="relu")
+        for args, env in (([cfg, "--device", "cpu"], ENV), ([cfg, "--device", "cuda", "--set", "dist.comm=mpi"], ENV1)):
+            rc, out, err = gpu_run(args + ["--set", "dist.grad_dtype=bf16"], 2, env)
+            self.assertEqual(rc, 2, out + err)
+            self.assertIn("dist.grad_dtype bf16: gradients are summed in bf16 only over NCCL", errors(err)[0])
+
     def test_the_cpu_backend_refuses_reduced_precision(self):
         self.w.dataset(n=48)
         cfg = self.w.config(GPU_CNN, dropout="relu")
