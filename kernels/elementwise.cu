@@ -63,6 +63,22 @@ __global__ void add_kernel(const float *a, const float *b, float *y, int64_t n) 
   GRID_STRIDE(i, n) y[i] = a[i] + b[i];
 }
 
+// out(n, row) = src rows idx[i]; i runs over out
+__global__ void gather_kernel(int type, const void *src, const int32_t *idx, void *out, int64_t n, fast_div row) {
+  GRID_STRIDE(i, n) {
+    uint32_t r = div_by((uint32_t)i, row), j = (uint32_t)i - r * row.d;
+    int64_t from = (int64_t)idx[r] * row.d + j;
+    if (type == 3) {
+      ((int32_t *)out)[i] = ((const int32_t *)src)[from];
+    } else {
+      float v = type == 0   ? (float)((const uint8_t *)src)[from]
+                : type == 1 ? ((const float *)src)[from]
+                            : (float)((const double *)src)[from];
+      ((float *)out)[i] = v;
+    }
+  }
+}
+
 __global__ void scale_kernel(float *x, float alpha, int64_t n) {
   GRID_STRIDE(i, n) x[i] *= alpha;
 }
@@ -129,6 +145,12 @@ void k_clip(cudaStream_t s, float *x, int64_t n, float max_norm, const double *s
 
 void k_add(cudaStream_t s, const float *a, const float *b, float *y, int64_t n) {
   LAUNCH(add_kernel, blocks_for(n), kThreads, 0, s)(a, b, y, n);
+}
+
+void k_gather(cudaStream_t s, int type, const void *src, const int32_t *idx, void *out, int64_t n, int64_t row) {
+  int64_t total = n * row;
+  if (!total) return;
+  LAUNCH(gather_kernel, blocks_for(total), kThreads, 0, s)(type, src, idx, out, total, make_fast_div(row));
 }
 
 void k_scale(cudaStream_t s, float *x, float alpha, int64_t n) {

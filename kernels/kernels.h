@@ -21,6 +21,9 @@ void k_dropout(cudaStream_t s, const float *x, float *y, int64_t n, float p, uin
 void k_clip(cudaStream_t s, float *x, int64_t n, float max_norm, const double *sumsq);
 void k_add(cudaStream_t s, const float *a, const float *b, float *y, int64_t n);
 void k_scale(cudaStream_t s, float *x, float alpha, int64_t n);
+/* out(n, row) = rows idx[0..n) of src; type: backend.h's DT_GATHER_* (0 uint8, 1 float, 2 double: out is
+ * float; 3 int32: out is int32) */
+void k_gather(cudaStream_t s, int type, const void *src, const int32_t *idx, void *out, int64_t n, int64_t row);
 /* Sums that must come out bit-identical on every run are not accumulated with atomics: blocks
  * write partial pairs into `pairs` and one block adds them in a fixed order. */
 enum { K_SUM_BLOCKS = 256 }; /* blocks of k_sumsq: pairs holds 2 * K_SUM_BLOCKS doubles */

@@ -45,9 +45,11 @@ typedef enum {
   DT_OP_EMA,           /* ema = decay * ema + (1 - decay) * x, over a flat range */
   DT_OP_UNSCALE,       /* x /= scaler[0] (fp16 loss scaling) */
   DT_OP_SCALER_UPDATE, /* the loss scale after a step, by GradScaler's rules */
+  DT_OP_GATHER,        /* out(n, row) = src rows idx[0..n), widened to float (data.cache device) */
   DT_OP_COUNT
 } dt_op_type;
 
+enum { DT_GATHER_U8, DT_GATHER_F32, DT_GATHER_F64, DT_GATHER_I32 }; /* data.h's DT_X_* order, then int32 */
 enum { DT_ACT_RELU, DT_ACT_GELU, DT_ACT_TANH, DT_ACT_SIGMOID };
 enum { DT_POOL_MAX, DT_POOL_AVG };
 enum { DT_LOSS_CROSS_ENTROPY, DT_LOSS_MSE };
@@ -231,6 +233,13 @@ typedef struct {
       float *scaler; /* (2): scale *= backoff and good steps = 0 after an overflow; else good steps + 1, and at
                         growth_interval scale *= growth and good steps = 0 */
     } scaler_update;
+    struct {
+      int64_t n, row; /* rows taken, values per row */
+      int type;       /* DT_GATHER_*: src's type; out is float, or int32 for DT_GATHER_I32 */
+      const void *src;
+      const int32_t *idx; /* (n) row numbers in src */
+      void *out;
+    } gather;
     struct {
       int64_t n;
       const float *x;

@@ -14,7 +14,7 @@ const char *const dt_op_names[DT_OP_COUNT] = {
     "bn_stats", "bn_finalize", "bn_apply",  "bn_bwd_stats", "bn_bwd_apply",  "act_fwd",
     "act_bwd",  "pool_fwd",    "pool_bwd",  "dropout_fwd",  "dropout_bwd",   "add",
     "loss",     "sgd",         "adamw",     "scale",        "sumsq",         "clip",
-    "copy",     "input",       "ema",       "unscale",      "scaler_update"};
+    "copy",     "input",       "ema",       "unscale",      "scaler_update", "gather"};
 _Static_assert(sizeof dt_op_names / sizeof *dt_op_names == DT_OP_COUNT, "dt_op_names must name every op");
 
 /* Per-thread workspaces, grown on first use at each new shape (the first steps). */
@@ -605,6 +605,28 @@ static void op_scaler_update(cpu_impl *im, const dt_op *op) {
   }
 }
 
+static void op_gather(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.gather) *q = &op->p.gather;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < q->n; i++) {
+    int64_t from = (int64_t)q->idx[i] * q->row, to = i * q->row;
+    for (int64_t j = 0; j < q->row; j++) {
+      if (q->type == DT_GATHER_I32) {
+        ((int32_t *)q->out)[to + j] = ((const int32_t *)q->src)[from + j];
+        continue;
+      }
+      float *out = (float *)q->out + to + j;
+      if (q->type == DT_GATHER_U8)
+        *out = (float)((const uint8_t *)q->src)[from + j];
+      else if (q->type == DT_GATHER_F32)
+        *out = ((const float *)q->src)[from + j];
+      else
+        *out = (float)((const double *)q->src)[from + j];
+    }
+  }
+}
+
 typedef void (*cpu_op_fn)(cpu_impl *im, const dt_op *op);
 static const cpu_op_fn cpu_ops[DT_OP_COUNT] = {
     [DT_OP_GEMM] = op_gemm,
@@ -636,6 +658,7 @@ static const cpu_op_fn cpu_ops[DT_OP_COUNT] = {
     [DT_OP_EMA] = op_ema,
     [DT_OP_UNSCALE] = op_unscale,
     [DT_OP_SCALER_UPDATE] = op_scaler_update,
+    [DT_OP_GATHER] = op_gather,
 };
 
 static void cpu_run(dt_backend *be, const dt_op *op) {

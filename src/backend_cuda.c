@@ -519,6 +519,12 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
       k_scaler_update(s, q->scaler, q->overflow, q->growth_interval, q->growth, q->backoff);
       break;
     }
+    case DT_OP_GATHER: {
+      const typeof(op->p.gather) *q = &op->p.gather;
+      CHECK_INDEXABLE(q->n * q->row);
+      k_gather(s, q->type, q->src, q->idx, q->out, q->n, q->row);
+      break;
+    }
     case DT_OP_COUNT: DT_ASSERT(0);
   }
   CUDA_CHECK(cudaGetLastError());

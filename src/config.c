@@ -35,8 +35,10 @@ static const dt_key config_keys[] = {
     {"data.shuffle", DT_KEY_BOOL, F(shuffle), "true", NOB, NULL,
      "shuffle the training rows every epoch (false: file order, as PyTorch's shuffle=False)"},
     {"data.drop_last", DT_KEY_BOOL, F(drop_last), "false", NOB, NULL, "drop the final partial global batch"},
-    {"data.cache", DT_KEY_ENUM, F(cache), "auto", NOB, "auto|memory|none",
-     "memory: load the rank's rows once; none: read each batch from the file; auto: memory when under 4 GiB"},
+    {"data.cache", DT_KEY_ENUM, F(cache), "auto", NOB, "auto|memory|none|device",
+     "memory: load the rank's rows once; none: read each batch from the file; auto: memory when under 4 GiB; "
+     "device: keep the rank's training rows in device memory, as stored (uint8 stays uint8), and gather each batch "
+     "there with a kernel (only the row numbers are copied per step)"},
     {"train.epochs", DT_KEY_INT, F(epochs), "1", 1, BIG, NULL, "passes over the training set"},
     {"train.max_steps", DT_KEY_INT, F(max_steps), "0", 0, BIG, NULL,
      "stop after this many optimizer steps (0: no limit)"},

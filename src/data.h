@@ -52,9 +52,10 @@ int data_gather(dt_data *d, dt_split *s, const int64_t *idx, int64_t n, float *x
 
 /* One micro-batch on the host. */
 typedef struct {
-  float *x;
-  int32_t *labels;
-  float *targets;
+  float *x;        /* (count, row_elems); not filled by an indices-only loader */
+  int32_t *labels; /* (count), likewise */
+  float *targets;  /* (count, y_k), likewise */
+  int32_t *rows;   /* (count) the rows taken, numbered within the split's [lo, hi) */
   int64_t count, global_count;
   int64_t epoch, step; /* sampler position */
   int ready;
@@ -69,6 +70,7 @@ typedef struct {
   int64_t next_fill, next_take; /* sequence numbers */
   int64_t start_epoch, start_step, end_epoch;
   int stop, threaded;
+  int indices_only; /* batches carry only `rows` (data.cache device: the rows are gathered on the device) */
   pthread_t thread;
   pthread_mutex_t mu;
   pthread_cond_t cv;
@@ -77,7 +79,7 @@ typedef struct {
 } dt_loader;
 
 void loader_start(dt_loader *L, dt_data *d, dt_sampler *s, const dt_model *m, int64_t start_epoch, int64_t start_step,
-                  int64_t end_epoch);
+                  int64_t end_epoch, int indices_only);
 /* Next micro-batch in order; the previous one returned is released. NULL with st set on error. */
 dt_batch *loader_next(dt_loader *L, dt_status *st);
 void loader_stop(dt_loader *L);

@@ -191,7 +191,8 @@ static int open_split(dt_data *d, dt_split *s, const char *xkey, const char *yke
     }
   }
   size_t bytes = (size_t)rows * (size_t)s->row_elems * s->x_elem;
-  int in_memory = cache == DT_CACHE_MEMORY || (cache == DT_CACHE_AUTO && bytes < ((size_t)4 << 30));
+  int in_memory =
+      cache == DT_CACHE_MEMORY || cache == DT_CACHE_DEVICE || (cache == DT_CACHE_AUTO && bytes < ((size_t)4 << 30));
   if (in_memory) {
     s->x = dt_malloc(bytes ? bytes : 1);
     hid_t mt = s->x_type == DT_X_U8 ? H5T_NATIVE_UINT8 : s->x_type == DT_X_F32 ? H5T_NATIVE_FLOAT : H5T_NATIVE_DOUBLE;
@@ -362,6 +363,8 @@ static void seq_position(const dt_loader *L, int64_t seq, int64_t *epoch, int64_
 static int fill(dt_loader *L, dt_batch *b, int64_t seq, dt_status *st) {
   seq_position(L, seq, &b->epoch, &b->step);
   b->count = sampler_batch(L->sampler, b->epoch, b->step, L->idx, &b->global_count);
+  for (int64_t i = 0; i < b->count; i++) b->rows[i] = (int32_t)(L->idx[i] - L->data->train.lo);
+  if (L->indices_only) return 0;
   return data_gather(L->data, &L->data->train, L->idx, b->count, b->x, b->labels, b->targets, st);
 }
 
@@ -396,8 +399,9 @@ static void *loader_main(void *arg) {
 }
 
 void loader_start(dt_loader *L, dt_data *d, dt_sampler *s, const dt_model *m, int64_t start_epoch, int64_t start_step,
-                  int64_t end_epoch) {
+                  int64_t end_epoch, int indices_only) {
   memset(L, 0, sizeof *L);
+  L->indices_only = indices_only;
   L->data = d;
   L->sampler = s;
   L->start_epoch = start_epoch;
@@ -408,6 +412,7 @@ void loader_start(dt_loader *L, dt_data *d, dt_sampler *s, const dt_model *m, in
   for (int i = 0; i < 2; i++) {
     L->slots[i].x = dt_malloc((size_t)(cap * shape_size(m->input)) * sizeof(float));
     L->slots[i].labels = dt_malloc((size_t)cap * sizeof(int32_t));
+    L->slots[i].rows = dt_malloc((size_t)(cap ? cap : 1) * sizeof(int32_t));
     L->slots[i].targets = dt_malloc((size_t)(cap * (m->n_outputs > 0 ? m->n_outputs : 1)) * sizeof(float));
   }
   pthread_mutex_init(&L->mu, NULL);
@@ -460,6 +465,7 @@ void loader_stop(dt_loader *L) {
   for (int i = 0; i < 2; i++) {
     free(L->slots[i].x);
     free(L->slots[i].labels);
+    free(L->slots[i].rows);
     free(L->slots[i].targets);
   }
   free(L->idx);

@@ -64,6 +64,7 @@ typedef struct {
   int32_t *labels; /* (cap) */
   float *targets;  /* (cap, outputs) */
   uint64_t *seed;  /* (1) */
+  int32_t *rows;   /* (cap) data.cache device: the rows to gather, within the rank's cached rows */
 } dev_batch;
 
 static void dev_batch_alloc(dev_batch *db, const dt_model *m, int64_t cap) {
@@ -72,6 +73,7 @@ static void dev_batch_alloc(dev_batch *db, const dt_model *m, int64_t cap) {
   db->labels = (int32_t *)be->alloc(be, (size_t)cap * sizeof(int32_t));
   db->targets = be->alloc(be, (size_t)(cap * m->n_outputs) * sizeof(float));
   db->seed = (uint64_t *)be->alloc(be, sizeof(uint64_t));
+  db->rows = (int32_t *)be->alloc(be, (size_t)cap * sizeof(int32_t));
 }
 
 static void dev_batch_free(dev_batch *db, dt_backend *be) {
@@ -79,18 +81,26 @@ static void dev_batch_free(dev_batch *db, dt_backend *be) {
   be->free(be, db->labels);
   be->free(be, db->targets);
   be->free(be, db->seed);
+  be->free(be, db->rows);
 }
 
-/* Queues the copy of rows host rows (x; labels for cross_entropy, else targets) and the seed. */
-static void dev_batch_upload(dev_batch *db, const dt_model *m, const float *x, const int32_t *labels,
-                             const float *targets, int64_t rows, uint64_t seed) {
+/* Queues the copy of a host batch (x; labels for cross_entropy, else targets) and its seed; with
+ * data.cache device only its row numbers, gathered on the device by queue_gather. */
+static void dev_batch_upload(dev_batch *db, const dt_model *m, const dt_batch *b, int device_cache, uint64_t seed) {
   dt_backend *be = m->be;
+  const int64_t rows = b->count;
+  be->upload(be, db->seed, &seed, sizeof seed);
+  if (device_cache) {
+    be->upload(be, db->rows, b->rows, (size_t)rows * sizeof(int32_t));
+    return;
+  }
+  const float *x = b->x, *targets = b->targets;
+  const int32_t *labels = b->labels;
   be->upload(be, db->raw, x, (size_t)(rows * shape_size(m->input)) * sizeof(float));
   if (m->loss.kind == DT_LOSS_CROSS_ENTROPY)
     be->upload(be, db->labels, labels, (size_t)rows * sizeof(int32_t));
   else
     be->upload(be, db->targets, targets, (size_t)(rows * m->n_outputs) * sizeof(float));
-  be->upload(be, db->seed, &seed, sizeof seed);
 }
 
 /* Forward over this rank's validation rows with params and bufs (backend memory: the model's or
@@ -114,7 +124,8 @@ static void eval_rows(dt_model *m, const float *params, const float *bufs, dt_da
     int64_t n = rows - i < cap ? rows - i : cap;
     for (int64_t k = 0; k < n; k++) idx[k] = s->lo + i + k;
     if (data_gather(d, s, idx, n, x, labels, targets, st)) break;
-    dev_batch_upload(&db, m, x, labels, targets, n, 0);
+    dt_batch hb = {.x = x, .labels = labels, .targets = targets, .count = n};
+    dev_batch_upload(&db, m, &hb, 0, 0);
     model_input(m, db.raw, n);
     pass.batch = n;
     model_forward(m, &pass);
@@ -326,6 +337,9 @@ typedef struct {
   float *scaler, *scaler_host; /* train.precision fp16: (2) the loss scale and good steps; else NULL */
   int inject;                  /* this step's injected fault: DT_FAULT_NAN, DT_FAULT_OVERFLOW or none */
   double *clip_sq;             /* (2) backend memory: train.clip_grad_norm's sum of squares */
+  /* data.cache device: the rank's training rows (as stored) and labels or targets, backend memory */
+  void *cache_x;
+  void *cache_y;
   dt_train_state ts;
   int64_t accum, opt_per_epoch, total; /* micro-batches per step, steps per epoch, steps in all */
   /* this optimizer step */
@@ -394,6 +408,15 @@ static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_da
   }
   T->clip_sq = (double *)be->alloc(be, 2 * sizeof(double));
   for (int i = 0; i < 2; i++) dev_batch_alloc(&T->in[i], m, m->max_batch);
+  if (v->cache == DT_CACHE_DEVICE) { /* one copy, then only row numbers travel */
+    const dt_split *s = &d->train;
+    size_t xb = (size_t)(s->hi - s->lo) * (size_t)s->row_elems * s->x_elem;
+    size_t yb = (size_t)(s->hi - s->lo) * (s->labels ? sizeof(int32_t) : (size_t)s->y_k * sizeof(float));
+    T->cache_x = be->alloc(be, xb ? xb : 1);
+    T->cache_y = be->alloc(be, yb ? yb : 1);
+    be->to_device(be, T->cache_x, s->x, xb);
+    be->to_device(be, T->cache_y, s->labels ? (const void *)s->labels : (const void *)s->targets, yb);
+  }
   T->ctx =
       (pass_ctx){.comm = comm, .gs = &T->gs, .dev = opts->dev, .be = be, .grads = m->grads, .grad_check = T->stats + 2};
   grad_sync_init(&T->gs, comm, opts->dev, be, m->grads, m->n_params,
@@ -433,7 +456,7 @@ static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_da
       T->scratch.ema_bufs = dt_malloc((size_t)(m->n_bufs + 1) * sizeof(float));
     }
   }
-  loader_start(&T->L, d, &T->smp, m, T->ts.epoch, T->ts.micro, v->epochs);
+  loader_start(&T->L, d, &T->smp, m, T->ts.epoch, T->ts.micro, v->epochs, T->cache_x != NULL);
   if (opts->resume)
     log_line(
         &T->lg, "resuming at step %lld (epoch %lld, batch %lld of %lld)%s", (long long)T->ts.step,
@@ -444,6 +467,11 @@ static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_da
            "%d thread%s per rank",
            (long long)T->total, (long long)v->epochs, (long long)T->opt_per_epoch, (long long)(G * T->accum), W,
            W > 1 ? "s" : "", be->name, be->threads, be->threads > 1 ? "s" : "");
+  if (T->cache_x) {
+    const dt_split *s = &d->train;
+    log_line(&T->lg, "data.cache device: %lld training rows per rank in device memory (%.1f MiB as stored)",
+             (long long)(s->hi - s->lo), (double)((s->hi - s->lo) * s->row_elems) * (double)s->x_elem / 1048576.0);
+  }
   if (be->capture_begin)
     log_line(&T->lg, "cuda graph: %s",
              T->graphs                       ? "on (each full step after the first is replayed as one graph)"
@@ -453,6 +481,25 @@ static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_da
   T->t_start = T->t_window = dt_now();
   if (T->ts.step >= T->total) T->stop = 1; /* nothing left: the final checkpoint is rewritten below */
   return 0;
+}
+
+/* data.cache device: the batch's rows, and their labels or targets, gathered from the cached
+ * training split into db (part of a captured step). */
+static void queue_gather(dt_trainer *T, const dev_batch *db, int64_t rows) {
+  const dt_split *s = &T->d->train;
+  dt_op x = {
+      .type = DT_OP_GATHER,
+      .p.gather = {
+          .n = rows, .row = s->row_elems, .type = s->x_type, .src = T->cache_x, .idx = db->rows, .out = db->raw}};
+  backend_run(T->be, &x);
+  dt_op y = {.type = DT_OP_GATHER,
+             .p.gather = {.n = rows,
+                          .row = s->labels ? 1 : s->y_k,
+                          .type = s->labels ? DT_GATHER_I32 : DT_GATHER_F32,
+                          .src = T->cache_y,
+                          .idx = db->rows,
+                          .out = s->labels ? (void *)db->labels : (void *)db->targets}};
+  backend_run(T->be, &y);
 }
 
 /* Queues one micro-batch's forward, loss and backward from db (rows rows): gradients accumulate
@@ -468,6 +515,11 @@ static void queue_micro(dt_trainer *T, const dev_batch *db, int64_t rows, int fi
       const float inf = INFINITY;
       be->upload(be, m->grads, &inf, sizeof inf);
     }
+  }
+  if (T->cache_x) queue_gather(T, db, rows);
+  if (T->cache_x && T->inject == DT_FAULT_NAN && rows) { /* the gathered batch gets the NaN */
+    const float nan = NAN;
+    be->upload(be, db->raw, &nan, sizeof nan);
   }
   model_input(m, db->raw, rows);
   dt_pass pass = {.be = be,
@@ -529,7 +581,7 @@ static void queue_single(dt_trainer *T, const dev_batch *db, int64_t rows) {
   dt_backend *be = T->be;
   const int i = (int)(db - T->in);
   const int same_shape = T->graph_rows[i] == rows && T->graph_count[i] == T->count;
-  const int eager = T->inject == DT_FAULT_OVERFLOW; /* a one-off: not captured */
+  const int eager = T->inject != DT_FAULT_NONE; /* a one-off: not captured */
   if (eager) {
     queue_micro(T, db, rows, 1, 1);
     queue_update(T);
@@ -568,7 +620,7 @@ static dev_batch *upload_next(dt_trainer *T, int64_t j, int inject_nan, int64_t 
   uint64_t seed = dt_hash64(((uint64_t)T->v->seed << 32) ^ (uint64_t)(T->epoch * T->smp.steps + T->micro0 + j) ^
                             ((uint64_t)T->comm->rank << 52));
   dev_batch *db = &T->in[T->micro_count++ % 2];
-  dev_batch_upload(db, T->m, b->x, b->labels, b->targets, b->count, seed);
+  dev_batch_upload(db, T->m, b, T->cache_x != NULL, seed);
   *rows = b->count;
   return db;
 }
@@ -815,6 +867,8 @@ static int trainer_finish(dt_trainer *T, int code, dt_train_result *res) {
     T->be->free_host(T->be, T->scaler_host);
   }
   T->be->free(T->be, T->clip_sq);
+  T->be->free(T->be, T->cache_x);
+  T->be->free(T->be, T->cache_y);
   T->be->free_host(T->be, T->stats_host);
   if (T->ema.params) ema_free(&T->ema, T->be);
   optim_free(&T->opt, T->be);

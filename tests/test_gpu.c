@@ -1069,6 +1069,56 @@ static void ops_scaler(void) {
   }
 }
 
+/* data.cache device: rows of a uint8, float, double or int32 table, in any order and repeated,
+ * widened to float (int32 copied); checked against the table by hand as well. */
+static void ops_gather(void) {
+  enum { N = 10, ROW = 7 };
+  uint8_t u8[N * ROW + 4];
+  float f32[N * ROW];
+  double f64[N * ROW];
+  int32_t i32[N];
+  for (int i = 0; i < N * ROW; i++) {
+    u8[i] = (uint8_t)(dt_hash64((uint64_t)i) % 256);
+    f32[i] = (float)i * 0.25f - 3.0f;
+    f64[i] = 1.0 / (i + 1.0);
+  }
+  for (int i = 0; i < N; i++) i32[i] = 100 + i;
+  const int32_t rows[5] = {9, 0, 3, 3, 7};
+  dbuf idx = ot_buf(OT_I32, rows, 5);
+  dbuf src[4] = {ot_buf(OT_F32, u8, (N * ROW + 3) / 4), ot_buf(OT_F32, f32, N * ROW), ot_buf(OT_F64, f64, N * ROW),
+                 ot_buf(OT_I32, i32, N)};
+  for (int type = DT_GATHER_U8; type <= DT_GATHER_I32; type++) {
+    const int64_t row = type == DT_GATHER_I32 ? 1 : ROW;
+    for (int64_t n = 0; n <= 5; n += 5) {
+      dbuf out = type == DT_GATHER_I32 ? ot_buf(OT_I32, NULL, 5) : ot_rand(5 * ROW, -1, 1);
+      ot_case(DT_OP_GATHER, "%s rows 9, 0, 3, 3, 7 (%lld of them)",
+              type == DT_GATHER_U8    ? "uint8"
+              : type == DT_GATHER_F32 ? "float"
+              : type == DT_GATHER_F64 ? "double"
+                                      : "int32",
+              (long long)n);
+      BOTH {
+        dt_op op = {
+            .type = DT_OP_GATHER,
+            .p.gather = {.n = n, .row = row, .type = type, .src = src[type].p[s_], .idx = I(idx), .out = out.p[s_]}};
+        RUN(op);
+      }
+      ot_check("gathered", out, n * row);
+      for (int64_t i = 0; i < n; i++)
+        for (int64_t j = 0; j < row; j++) {
+          int64_t k = rows[i] * row + j;
+          double want = type == DT_GATHER_U8    ? u8[k]
+                        : type == DT_GATHER_F32 ? f32[k]
+                        : type == DT_GATHER_F64 ? (float)f64[k]
+                                                : i32[k];
+          if (ot_get(out, 1, i * row + j) != want)
+            fail_msg("op gather [%s]: out[%lld][%lld] = %g, expected %g", ot.kase, (long long)i, (long long)j,
+                     ot_get(out, 1, i * row + j), want);
+        }
+    }
+  }
+}
+
 static void ops_input(void) {
   const int64_t S = 20;
   FOR_ROWS(r) {
@@ -1158,6 +1208,7 @@ GPU_TEST(cuda_op_sgd_adamw, (ot_begin(), ops_optim(), ot_end()))
 GPU_TEST(cuda_op_sumsq, (ot_begin(), ops_sumsq(), ot_end()))
 GPU_TEST(cuda_op_input, (ot_begin(), ops_input(), ot_end()))
 GPU_TEST(cuda_op_loss_scaling, (ot_begin(), ops_scaler(), ot_end()))
+GPU_TEST(cuda_op_gather, (ot_begin(), ops_gather(), ot_end()))
 GPU_TEST(cuda_upload_download_copy, (ot_begin(), ops_upload_download(), ot_end()))
 
 /* The sums the host reads back (sum of squares, loss sums) come out with the same bits every time:
@@ -1233,6 +1284,7 @@ int main(void) {
       cmocka_unit_test(cuda_op_sumsq),
       cmocka_unit_test(cuda_op_input),
       cmocka_unit_test(cuda_op_loss_scaling),
+      cmocka_unit_test(cuda_op_gather),
       cmocka_unit_test(cuda_upload_download_copy),
       cmocka_unit_test(cuda_op_every_op_tested),
       cmocka_unit_test(cuda_sums_are_the_same_bits_every_time),

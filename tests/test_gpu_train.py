@@ -205,6 +205,31 @@ class GpuTraining(unittest.TestCase):
         self.assertEqual(rc, 0, out + err)
         self.assertIn("gradients: MPI through host memory (dist.comm auto: some node has fewer GPUs than ranks)", out)
 
+    def test_device_cache_equals_memory_cache(self):
+        """data.cache device gathers each batch on the device from the cached rows: the same bits as
+        data.cache memory, on the CPU backend and on CUDA (2 ranks, global and contiguous sharding,
+        graphs on), and a NaN injected into a gathered batch still exits 4."""
+        self.w.dataset(n=52)
+        cfg = self.w.config(GPU_CNN, dropout="dropout: {p: 0.2}")
+        cases = [("cpu", ["--device", "cpu"], ENV, []),
+                 ("cuda", ["--device", "cuda"], ENV2, []),
+                 ("cuda_contiguous", ["--device", "cuda"], ENV2, ["--set", "data.sharding=contiguous"])]
+        for name, device, env, extra in cases:
+            got = {}
+            for cache in ("memory", "device"):
+                sub = f"{name}_{cache}"
+                rc, out, err = gpu_run([cfg, "--set", f"data.cache={cache}", "--set", f"checkpoint.dir={self.w.file(sub)}"]
+                                       + device + extra, 2, env)
+                self.assertEqual(rc, 0, out + err)
+                self.assertEqual("data.cache device: " in out, cache == "device", out)
+                got[cache] = params(self.w.latest(sub))
+            for k in got["memory"]:
+                self.assertTrue(np.array_equal(got["memory"][k], got["device"][k]), f"{name}: {k}")
+        rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", "data.cache=device", "--set",
+                                f"checkpoint.dir={self.w.file('nan')}"], 2, dict(ENV2, DDP_TRAIN_FAULT="nan@1:2"))
+        self.assertEqual(rc, 4, out + err)  # synchronised batchnorm spreads the NaN: every rank sees it
+        self.assertIn("the loss became NaN at step 2", errors(err)[0])
+
     def graph_runs(self, np_, env, extra):
         """21 steps of GPU_CNN (20 full global batches of 8, then 4 rows) with train.cuda_graph on and
         off; returns each run's checkpoint and stderr."""
