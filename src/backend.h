@@ -275,6 +275,9 @@ struct dt_backend {
   void (*to_host)(dt_backend *be, void *dst, const void *src, size_t bytes);
   /* Queued host-to-device copy: src may be reused as soon as it returns. */
   void (*upload)(dt_backend *be, void *dst, const void *src, size_t bytes);
+  /* The same, overlapping work already queued (CUDA: on a copy stream): only into memory that no
+   * queued work uses (the caller has waited for its last reader); work queued after it sees it. */
+  void (*upload_ahead)(dt_backend *be, void *dst, const void *src, size_t bytes);
   /* Queued device-to-host copy into dst (memory from alloc_host), valid once done() says so. */
   void (*download)(dt_backend *be, void *dst, const void *src, size_t bytes);
   /* 1 when every queued op has completed (never blocks). */

@@ -734,6 +734,7 @@ dt_backend *backend_cpu_create(int threads) {
                      .to_device = cpu_copy,
                      .to_host = cpu_copy,
                      .upload = cpu_copy,
+                     .upload_ahead = cpu_copy,
                      .download = cpu_copy,
                      .done = cpu_done,
                      .alloc_host = cpu_alloc_host,

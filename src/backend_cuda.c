@@ -82,13 +82,15 @@ typedef struct {
   size_t h16_bytes;
   double *partials; /* device: per-block or per-sample pairs, summed in a fixed order */
   size_t partials_bytes;
-  char *stage;           /* pinned host staging for upload(): two halves of stage_half bytes */
-  size_t stage_half;     /* bytes in each half */
-  size_t stage_used;     /* bytes used in the current half */
-  int stage_cur;         /* the half being filled */
-  cudaEvent_t staged[2]; /* recorded after the last copy out of each half */
-  int capturing;         /* between capture_begin and capture_end */
-  void *retired[8];      /* buffers outgrown during a capture: freed once the stream drains */
+  char *stage;              /* pinned host staging for upload(): two halves of stage_half bytes */
+  size_t stage_half;        /* bytes in each half */
+  size_t stage_used;        /* bytes used in the current half */
+  int stage_cur;            /* the half being filled */
+  cudaEvent_t staged[2][2]; /* [half][queue: 0 the stream, 1 copy]: after the last copy out of each half */
+  cudaStream_t copy;        /* upload_ahead's copies, overlapping the stream's work */
+  cudaEvent_t copied;       /* the last upload_ahead: the stream waits for it */
+  int capturing;            /* between capture_begin and capture_end */
+  void *retired[8];         /* buffers outgrown during a capture: freed once the stream drains */
   int n_retired;
 } cuda_impl;
 
@@ -112,6 +114,7 @@ static _Noreturn void alloc_failed(const cuda_impl *im, cudaError_t err, size_t 
 
 /* Waits for the stream's work, then frees the buffers retired during a capture. */
 static void drain(cuda_impl *im) {
+  CUDA_CHECK(cudaStreamSynchronize(im->copy));
   CUDA_CHECK(cudaStreamSynchronize(im->stream));
   for (; im->n_retired > 0; im->n_retired--) CUDA_CHECK(cudaFree(im->retired[im->n_retired - 1]));
 }
@@ -143,15 +146,19 @@ static size_t align256(size_t n) {
   return (n + 255) & ~(size_t)255;
 }
 
-/* Queues a copy of host bytes to dst through the pinned staging ring: the copy reads a pinned
- * snapshot, so src may change as soon as this returns. A half is refilled only once the copies
- * out of it are done (an event, long passed in a steady loop). */
-static void cuda_upload(dt_backend *be, void *dst, const void *src, size_t bytes) {
-  cuda_impl *im = be->impl;
-  if (!bytes) return;
+static void wait_half(cuda_impl *im, int h) {
+  for (int q = 0; q < 2; q++) CUDA_CHECK(cudaEventSynchronize(im->staged[h][q]));
+}
+
+/* Queues a copy of host bytes to dst through the pinned staging ring on queue q (0: the stream,
+ * 1: the copy stream): the copy reads a pinned snapshot, so src may change as soon as this
+ * returns. A half is refilled only once the copies out of it are done (events, long passed in a
+ * steady loop). */
+static void stage_copy(cuda_impl *im, void *dst, const void *src, size_t bytes, int q) {
+  cudaStream_t s = q ? im->copy : im->stream;
   size_t need = align256(bytes);
   if (need > im->stage_half) { /* grow: wait for every copy out of the ring, then replace it */
-    for (int h = 0; h < 2; h++) CUDA_CHECK(cudaEventSynchronize(im->staged[h]));
+    for (int h = 0; h < 2; h++) wait_half(im, h);
     if (im->stage) CUDA_CHECK(cudaFreeHost(im->stage));
     size_t half = (size_t)1 << 20;
     while (half < need) half *= 2;
@@ -167,13 +174,27 @@ static void cuda_upload(dt_backend *be, void *dst, const void *src, size_t bytes
   } else if (im->stage_used + need > im->stage_half) { /* the other half, once its copies are done */
     im->stage_cur ^= 1;
     im->stage_used = 0;
-    CUDA_CHECK(cudaEventSynchronize(im->staged[im->stage_cur]));
+    wait_half(im, im->stage_cur);
   }
   char *at = im->stage + (size_t)im->stage_cur * im->stage_half + im->stage_used;
   memcpy(at, src, bytes);
   im->stage_used += need;
-  CUDA_CHECK(cudaMemcpyAsync(dst, at, bytes, cudaMemcpyHostToDevice, im->stream));
-  CUDA_CHECK(cudaEventRecord(im->staged[im->stage_cur], im->stream));
+  CUDA_CHECK(cudaMemcpyAsync(dst, at, bytes, cudaMemcpyHostToDevice, s));
+  CUDA_CHECK(cudaEventRecord(im->staged[im->stage_cur][q], s));
+}
+
+static void cuda_upload(dt_backend *be, void *dst, const void *src, size_t bytes) {
+  if (bytes) stage_copy(be->impl, dst, src, bytes, 0);
+}
+
+/* On the copy stream, so it overlaps work already queued (the caller guarantees none of it uses
+ * dst); the stream waits for it before the work queued next. */
+static void cuda_upload_ahead(dt_backend *be, void *dst, const void *src, size_t bytes) {
+  cuda_impl *im = be->impl;
+  if (!bytes) return;
+  stage_copy(im, dst, src, bytes, 1);
+  CUDA_CHECK(cudaEventRecord(im->copied, im->copy));
+  CUDA_CHECK(cudaStreamWaitEvent(im->stream, im->copied, 0));
 }
 
 /* dst: pinned host memory from cuda_alloc_host; valid once cuda_done says so. */
@@ -609,7 +630,10 @@ static void cuda_destroy(dt_backend *be) {
   CUDA_CHECK(cudaFree(im->workspace));
   CUDA_CHECK(cudaFree(im->h16));
   if (im->stage) CUDA_CHECK(cudaFreeHost(im->stage));
-  for (int h = 0; h < 2; h++) CUDA_CHECK(cudaEventDestroy(im->staged[h]));
+  for (int h = 0; h < 2; h++)
+    for (int q = 0; q < 2; q++) CUDA_CHECK(cudaEventDestroy(im->staged[h][q]));
+  CUDA_CHECK(cudaEventDestroy(im->copied));
+  CUDA_CHECK(cudaStreamDestroy(im->copy));
   CUDA_CHECK(cudaFree(im->partials));
   CUDNN_CHECK(cudnnDestroy(im->dnn));
   CUBLAS_CHECK(cublasDestroy(im->blas));
@@ -631,7 +655,10 @@ dt_backend *backend_cuda_create(int device, int precision) {
   CUBLAS_CHECK(cublasSetMathMode(im->blas, precision == DT_PREC_FP32 ? CUBLAS_PEDANTIC_MATH : CUBLAS_DEFAULT_MATH));
   CUDNN_CHECK(cudnnCreate(&im->dnn));
   CUDNN_CHECK(cudnnSetStream(im->dnn, im->stream));
-  for (int h = 0; h < 2; h++) CUDA_CHECK(cudaEventCreateWithFlags(&im->staged[h], cudaEventDisableTiming));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&im->copy, cudaStreamNonBlocking));
+  for (int h = 0; h < 2; h++)
+    for (int q = 0; q < 2; q++) CUDA_CHECK(cudaEventCreateWithFlags(&im->staged[h][q], cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventCreateWithFlags(&im->copied, cudaEventDisableTiming));
   im->be = be;
   *be = (dt_backend){.name = "cuda",
                      .run = cuda_run,
@@ -640,6 +667,7 @@ dt_backend *backend_cuda_create(int device, int precision) {
                      .to_device = cuda_copy,
                      .to_host = cuda_copy,
                      .upload = cuda_upload,
+                     .upload_ahead = cuda_upload_ahead,
                      .download = cuda_download,
                      .done = cuda_done,
                      .alloc_host = cuda_alloc_host,

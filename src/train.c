@@ -86,21 +86,21 @@ static void dev_batch_free(dev_batch *db, dt_backend *be) {
 
 /* Queues the copy of a host batch (x; labels for cross_entropy, else targets) and its seed; with
  * data.cache device only its row numbers, gathered on the device by queue_gather. */
-static void dev_batch_upload(dev_batch *db, const dt_model *m, const dt_batch *b, int device_cache, uint64_t seed) {
+static void dev_batch_upload(dev_batch *db, const dt_model *m, const dt_batch *b, int device_cache, uint64_t seed,
+                             int ahead) {
   dt_backend *be = m->be;
+  void (*copy)(dt_backend *, void *, const void *, size_t) = ahead ? be->upload_ahead : be->upload;
   const int64_t rows = b->count;
-  be->upload(be, db->seed, &seed, sizeof seed);
+  copy(be, db->seed, &seed, sizeof seed);
   if (device_cache) {
-    be->upload(be, db->rows, b->rows, (size_t)rows * sizeof(int32_t));
+    copy(be, db->rows, b->rows, (size_t)rows * sizeof(int32_t));
     return;
   }
-  const float *x = b->x, *targets = b->targets;
-  const int32_t *labels = b->labels;
-  be->upload(be, db->raw, x, (size_t)(rows * shape_size(m->input)) * sizeof(float));
+  copy(be, db->raw, b->x, (size_t)(rows * shape_size(m->input)) * sizeof(float));
   if (m->loss.kind == DT_LOSS_CROSS_ENTROPY)
-    be->upload(be, db->labels, labels, (size_t)rows * sizeof(int32_t));
+    copy(be, db->labels, b->labels, (size_t)rows * sizeof(int32_t));
   else
-    be->upload(be, db->targets, targets, (size_t)(rows * m->n_outputs) * sizeof(float));
+    copy(be, db->targets, b->targets, (size_t)(rows * m->n_outputs) * sizeof(float));
 }
 
 /* Forward over this rank's validation rows with params and bufs (backend memory: the model's or
@@ -125,7 +125,7 @@ static void eval_rows(dt_model *m, const float *params, const float *bufs, dt_da
     for (int64_t k = 0; k < n; k++) idx[k] = s->lo + i + k;
     if (data_gather(d, s, idx, n, x, labels, targets, st)) break;
     dt_batch hb = {.x = x, .labels = labels, .targets = targets, .count = n};
-    dev_batch_upload(&db, m, &hb, 0, 0);
+    dev_batch_upload(&db, m, &hb, 0, 0, 0);
     model_input(m, db.raw, n);
     pass.batch = n;
     model_forward(m, &pass);
@@ -323,6 +323,8 @@ typedef struct {
   dt_ckpt_data scratch; /* rank 0 with checkpoints: host copies for writing */
   dev_batch in[2];      /* micro-batches alternate between the two */
   int64_t micro_count;  /* micro-batches uploaded so far: in[micro_count % 2] is next */
+  dev_batch *ahead;     /* the next step's batch, already uploaded (upload_ahead), or NULL */
+  int64_t ahead_rows;
   /* train.cuda_graph: a step of one micro-batch, captured once per input buffer and replayed */
   int graphs;                        /* steps may be captured */
   void *graph[2];                    /* the captured step reading in[i], or NULL */
@@ -517,7 +519,7 @@ static void queue_micro(dt_trainer *T, const dev_batch *db, int64_t rows, int fi
     }
   }
   if (T->cache_x) queue_gather(T, db, rows);
-  if (T->cache_x && T->inject == DT_FAULT_NAN && rows) { /* the gathered batch gets the NaN */
+  if (T->inject == DT_FAULT_NAN && rows) { /* DDP_TRAIN_FAULT nan: into the batch on the device */
     const float nan = NAN;
     be->upload(be, db->raw, &nan, sizeof nan);
   }
@@ -609,28 +611,31 @@ static void queue_single(dt_trainer *T, const dev_batch *db, int64_t rows) {
   T->warm_count = T->count;
 }
 
-/* Takes the next micro-batch from the loader and queues its upload (with its dropout seed) into
- * the next device batch. Returns it, or NULL with st set. */
-static dev_batch *upload_next(dt_trainer *T, int64_t j, int inject_nan, int64_t *rows, double *data_s, dt_status *st) {
+/* Takes the next micro-batch from the loader and queues its upload (with its dropout seed, from
+ * its place in the epoch) into the next device batch; ahead: overlapping the queued work, which
+ * must not use that buffer. Returns it, or NULL with st set. */
+static dev_batch *upload_next(dt_trainer *T, int ahead, int64_t *rows, double *data_s, dt_status *st) {
   double w0 = T->L.wait_s;
   dt_batch *b = loader_next(&T->L, st);
   if (!b) return NULL;
   *data_s += T->L.wait_s - w0;
-  if (inject_nan && b->count) b->x[0] = NAN;
-  uint64_t seed = dt_hash64(((uint64_t)T->v->seed << 32) ^ (uint64_t)(T->epoch * T->smp.steps + T->micro0 + j) ^
+  uint64_t seed = dt_hash64(((uint64_t)T->v->seed << 32) ^ (uint64_t)(b->epoch * T->smp.steps + b->step) ^
                             ((uint64_t)T->comm->rank << 52));
   dev_batch *db = &T->in[T->micro_count++ % 2];
-  dev_batch_upload(db, T->m, b, T->cache_x != NULL, seed);
+  dev_batch_upload(db, T->m, b, T->cache_x != NULL, seed, ahead);
   *rows = b->count;
   return db;
 }
 
 /* The step's one host wait: its results downloaded, polling (a failed NCCL peer, the deadline)
- * while the device works. */
-static void wait_step(dt_trainer *T) {
+ * while the device works. Before it, with one micro-batch per step and a step to follow, the next
+ * batch is taken and copied ahead, overlapping this step: its buffer was last read by the step
+ * before, which the host has waited for. */
+static void wait_step(dt_trainer *T, double *data_s, dt_status *st) {
   dt_backend *be = T->be;
   be->download(be, T->stats_host, T->stats, STATS * sizeof(double));
   if (T->scaler) be->download(be, T->scaler_host, T->scaler, 2 * sizeof(float));
+  if (T->accum == 1 && !T->ahead && T->ts.step + 1 < T->total) T->ahead = upload_next(T, 1, &T->ahead_rows, data_s, st);
   double since = dt_now();
   while (!be->done(be)) {
     if (T->opts->dev)
@@ -651,12 +656,12 @@ static void wait_step(dt_trainer *T) {
  * once. Adds this rank's loss and hits to *mine. */
 static void run_step(dt_trainer *T, dt_step_report *mine, double *data_s, dt_status *st) {
   T->inject = fault_fire(&T->opts->fault, T->comm->rank, T->ts.step + 1);
-  const int inject_nan = T->inject == DT_FAULT_NAN;
   T->lr = schedule_lr(T->v, T->ts.step, T->total);
   optim_prepare(&T->opt, T->be, T->lr);
   for (int64_t j = 0; j < T->k && !st->code; j++) {
-    int64_t rows = 0;
-    dev_batch *db = upload_next(T, j, inject_nan, &rows, data_s, st);
+    int64_t rows = T->ahead_rows;
+    dev_batch *db = j == 0 && T->ahead ? T->ahead : upload_next(T, 0, &rows, data_s, st);
+    T->ahead = NULL;
     if (!db) break;
     if (T->k == 1)
       queue_single(T, db, rows);
@@ -665,7 +670,8 @@ static void run_step(dt_trainer *T, dt_step_report *mine, double *data_s, dt_sta
   }
   if (st->code) return;
   if (T->k > 1) queue_update(T);
-  wait_step(T);
+  wait_step(T, data_s, st);
+  if (st->code) return;
   const double *r = T->stats_host;
   if (!isfinite(r[0]))
     dt_fail(st, DT_EXIT_NUMERIC,
