@@ -10,7 +10,7 @@
 #   make test-gpu   the GPU suites on real GPUs (make test runs them on the CPU stand-in, tests/gpusim)
 #   make fuzz       the libFuzzer harnesses, 30 min or 10^6 executions each (make test: 30 s each)
 #   make longrun    20,000 steps on 2 ranks: RSS, open fds and checkpoint files over time
-#   make bench      CPU throughput against PyTorch, same run
+#   make bench      throughput against PyTorch in the same run: on the GPU when there is one, else the CPU
 #   make install    PREFIX=/usr/local: the binary, scripts, configs and the man page
 
 CUDA_HOME ?= /usr/local/cuda
@@ -257,7 +257,7 @@ test-gpu: deps
 
 bench: deps
 	$(MAKE) ddp_train data
-	PYTHON=$(PYTHON) bash benchmarks/cpu_bench.sh
+	PYTHON=$(PYTHON) bash benchmarks/bench.sh
 
 docs: ddp_train
 	./ddp_train --config-keys > docs/config-keys.md

@@ -3,7 +3,8 @@
 # Cases: the default CNN at batch 256 and the MLP 784-1024-1024-10 at batch 1024, one process with
 # all cores (ddp_train: one rank, dist.threads = cores). ddp_train's figure is the median of its logged
 # windows after the first (warm-up) one; PyTorch's the median of 3 timed windows after warm-up.
-# Prints a Markdown table; `make bench` runs it.
+# Prints a Markdown table; `make bench` runs it (through benchmarks/bench.sh) where there is no GPU.
+# BENCH_STEPS: steps per logged window instead of each case's own (for a quick smoke run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-/usr/bin/python3}
@@ -26,6 +27,7 @@ PY
 
 printf '| case | ddp_train samples/s | PyTorch samples/s | ratio |\n|---|---|---|---|\n'
 while IFS='|' read -r name cfg batch steps; do
+  steps=${BENCH_STEPS:-$steps}
   a=$(ours "$cfg" "$batch" "$steps")
   b=$("$PYTHON" benchmarks/torch_train.py "$cfg" "$batch" "$steps" "$THREADS")
   printf '| %s | %s | %s | %.2fx |\n' "$name" "$a" "$b" "$("$PYTHON" -c "print($a / $b)")"

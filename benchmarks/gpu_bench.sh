@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# GPU training throughput, ddp_train next to PyTorch on the same GPU in one run (benchmarks/bench.sh
+# runs it when both see a GPU; `make bench`). Prints a Markdown table: per case ddp_train's samples/s
+# (the median of its logged windows after the first), PyTorch's eager and best samples/s
+# (benchmarks/torch_gpu_train.py: the median of timed windows after warm-up, for each setting it can
+# run), the ratio to the best, and the target; then the time from launch to the end of the first
+# step of each. Both sides train from data in device memory (ddp_train: data.cache device, the real
+# dataset; PyTorch: one synthetic batch). Timings are printed, never asserted.
+# Knobs (defaults are right for a GPU; the smoke test, tests/test_bench.py, shrinks them for the
+# CPU stand-in of tests/gpusim):
+#   BENCH_DDP_BINARY    ddp_train to run (./ddp_train)
+#   BENCH_STEPS         steps per timed window (50)
+#   BENCH_WINDOWS       timed windows after one warm-up window (5)
+#   BENCH_BATCH         one batch for every case instead of each case's own
+#   BENCH_LAUNCHES      launches for the first-step row, the median is printed (3)
+#   BENCH_DDP_SET       extra KEY=VALUE overrides for every ddp_train run, space-separated
+#                       (e.g. "train.cuda_graph=off dist.threads=4"; later ones win)
+#   BENCH_TORCH_PYTHON  the Python with PyTorch (PYTHON); BENCH_TORCH_DEVICE cuda (or cpu: smoke tests)
+#   BENCH_TORCH_SETTINGS  the PyTorch settings to try (see torch_gpu_train.py)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-/usr/bin/python3}
+TORCH_PYTHON=${BENCH_TORCH_PYTHON:-$PYTHON}
+DDP=${BENCH_DDP_BINARY:-./ddp_train}
+STEPS=${BENCH_STEPS:-50}
+WINDOWS=${BENCH_WINDOWS:-5}
+LAUNCHES=${BENCH_LAUNCHES:-3}
+export BENCH_TORCH_DEVICE=${BENCH_TORCH_DEVICE:-cuda}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+extra=()
+for kv in ${BENCH_DDP_SET:-}; do extra+=(--set "$kv"); done
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+
+ours() { # config batch precision -> samples/s
+  local log
+  log=$(mktemp -d "$out/run.XXXX")
+  if ! "$DDP" "$1" --device cuda --set train.global_batch_size="$2" --set train.precision="$3" \
+    --set train.max_steps=$((STEPS * (WINDOWS + 1))) --set log.every_steps="$STEPS" --set log.dir="$log" \
+    --set checkpoint.dir= --set data.val.x= --set data.drop_last=true --set data.cache=device \
+    --set optim.schedule.name=constant --set optim.lr=0.01 ${extra[@]+"${extra[@]}"} >"$log/out" 2>&1; then
+    cat "$log/out" >&2
+    return 1
+  fi
+  "$PYTHON" - "$log/metrics.jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"samples_per_s"' in l]
+print(f"{statistics.median(r['samples_per_s'] for r in rows[1:]):.1f}")
+PY
+}
+
+launch() { # N READY DONE command... -> median seconds from launch to the stdout lines matching DONE, READY
+  "$PYTHON" - "$@" <<'PY'
+import re, statistics, subprocess, sys, time
+n, ready, done, cmd = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
+got = []
+for _ in range(n):
+    seen = {}
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    for line in p.stdout:
+        for key, pattern in (("ready", ready), ("done", done)):
+            if key not in seen and re.match(pattern, line):
+                seen[key] = time.perf_counter() - t0
+    if p.wait() != 0 or len(seen) != 2:
+        sys.exit(f"gpu_bench: {' '.join(cmd)}: exit {p.returncode}, lines seen: {sorted(seen)}")
+    got.append((seen["done"], seen["ready"]))
+print(" ".join(f"{statistics.median(g[i] for g in got):.3f}" for i in range(2)))
+PY
+}
+
+ratio() { "$PYTHON" -c "print(f'{$1 / $2:.2f}x')"; }
+
+info=$("$DDP" --info)
+printf '| case | ddp_train samples/s | PyTorch eager samples/s | PyTorch best samples/s | PyTorch best setting |'
+printf ' ddp_train / PyTorch best | target |\n|---|---|---|---|---|---|---|\n'
+notes=()
+while IFS='|' read -r label cfg batch precision target; do
+  batch=${BENCH_BATCH:-$batch}
+  name="$label, $precision, batch $batch"
+  a=$(ours "$cfg" "$batch" "$precision")
+  b=$("$TORCH_PYTHON" benchmarks/torch_gpu_train.py "$cfg" "$batch" "$precision" "$STEPS" "$WINDOWS")
+  IFS=$'\t' read -r eager best setting tried <<<"$b"
+  printf '| %s | %s | %s | %s | %s | %s | %s |\n' "$name" "$a" "$eager" "$best" "$setting" "$(ratio "$a" "$best")" \
+    "${target:--}"
+  notes+=("- $name: $tried")
+done <<'CASES'
+default CNN (configs/model.yaml)|configs/model.yaml|256|fp32|>= 3x
+default CNN (configs/model.yaml)|configs/model.yaml|256|tf32|>= 3x
+default CNN (configs/model.yaml)|configs/model.yaml|256|bf16|>= 3x
+MLP 784-1024-1024-10 (configs/mlp.yaml)|configs/mlp.yaml|1024|tf32|
+ResNet-18 CIFAR (configs/resnet18_cifar.yaml)|configs/resnet18_cifar.yaml|256|bf16|>= 1.5x
+CASES
+
+# Launch to the end of the first step, last, when the files and libraries are in the page cache for both.
+# ddp_train: one process started directly (MPI's singleton start, as `./ddp_train CONFIG`); "training:" is
+# printed when start-up is over, "step 1/" when the first step has finished (log.every_steps=1).
+batch=${BENCH_BATCH:-256}
+a=$(launch "$LAUNCHES" '^training:' '^step 1/' "$DDP" configs/model.yaml --device cuda \
+  --set train.global_batch_size="$batch" --set train.max_steps=1 --set log.every_steps=1 \
+  --set log.dir="$out/first" --set checkpoint.dir= --set data.val.x= ${extra[@]+"${extra[@]}"})
+b=$(launch "$LAUNCHES" '^ready' '^first step' "$TORCH_PYTHON" benchmarks/torch_gpu_train.py --first-step \
+  configs/model.yaml "$batch" fp32)
+read -r ours_s ours_ready <<<"$a"
+read -r torch_s torch_ready <<<"$b"
+printf '| launch to end of first step (s, lower is better), default CNN, fp32, batch %s | %s s | %s s | - |' \
+  "$batch" "$ours_s" "$torch_s"
+printf ' eager | %s | <= 0.5 s |\n' "$(ratio "$ours_s" "$torch_s")"
+
+echo
+echo "Targets (issue 12, to be measured on a GPU): the default CNN at >= 3x PyTorch's best, ResNet-18 at"
+echo ">= 1.5x, launch to the end of the first step in <= 0.5 s."
+echo
+echo "Launch to the end of the first step, median of $LAUNCHES: ddp_train $ours_s s, of which $ours_ready s"
+echo "to its \"training:\" line (MPI, config, data into memory, CUDA, model and buffers); PyTorch $torch_s s,"
+echo "of which $torch_ready s to \"ready\" (python start, import torch, model, data and optimizer on the device)."
+echo
+echo "PyTorch settings (samples/s):"
+printf '%s\n' "${notes[@]}"
+echo
+gpu=$(grep -m1 '^  GPU 0:' <<<"$info" | sed 's/^  GPU 0: //; s/, .*//' || true)
+torch=$("$TORCH_PYTHON" -c 'import torch
+cuda = f" (CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()})" if torch.version.cuda else ""
+print(f"PyTorch {torch.__version__}{cuda}")')
+echo "$(date -u +%Y-%m-%d), GPU 0: $gpu; $(head -n 1 <<<"$info" | cut -d: -f1):" \
+  "$(grep -m1 'CUDA runtime' <<<"$info" | sed 's/^ *//'); $torch on $BENCH_TORCH_DEVICE;" \
+  "windows of $STEPS steps, median of $WINDOWS${BENCH_DDP_SET:+; ddp_train with $BENCH_DDP_SET}"
+if grep -q 'CPU stand-in' <<<"$info"; then
+  echo "ddp_train ran on the CPU stand-in (tests/gpusim): a smoke run, these figures say nothing about speed."
+fi
