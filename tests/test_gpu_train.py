@@ -58,8 +58,9 @@ def gpu_run(args, np_, env, timeout=300, mpmd=None):
     return run(args, np_=np_, timeout=timeout, binary=GPU_BINARY, env=env, mpmd=mpmd)
 
 
-@unittest.skipUnless(VISIBLE1, "no GPU visible (ddp_train --info)")
-class GpuTraining(unittest.TestCase):
+class GpuCase(unittest.TestCase):
+    """A work directory per test, and the losses a run logged."""
+
     def setUp(self):
         self.w = Workdir()
 
@@ -69,6 +70,9 @@ class GpuTraining(unittest.TestCase):
     def losses(self, sub):
         return [r["loss"] for r in self.w.metrics(sub) if "loss" in r]
 
+
+@unittest.skipUnless(VISIBLE1, "no GPU visible (ddp_train --info)")
+class GpuTraining(GpuCase):
     def test_50_steps_of_the_default_cnn_match_the_cpu(self):
         """The first 50 steps of `make run` (configs/model.yaml on 2 ranks, a GPU each where there are
         two) against the CPU backend. SIGUSR1 at step 50 stops the runs, so the learning-rate schedule
@@ -311,18 +315,9 @@ def meta(path):
 
 
 @unittest.skipUnless(VISIBLE1, "no GPU visible (ddp_train --info)")
-class GpuPrecision(unittest.TestCase):
+class GpuPrecision(GpuCase):
     """train.precision: tf32, bf16 and fp16 against fp32 on the CPU, fp16's loss scaling (an
     overflow skips the step and halves the scale; resume restores the scale), and the refusals."""
-
-    def setUp(self):
-        self.w = Workdir()
-
-    def tearDown(self):
-        self.w.cleanup()
-
-    def losses(self, sub):
-        return [r["loss"] for r in self.w.metrics(sub) if "loss" in r]
 
     def test_each_precision_trains_the_default_cnn_near_fp32_on_the_cpu(self):
         """50 steps of configs/model.yaml (a global batch of 64, one rank) in each precision against
