@@ -402,7 +402,8 @@ static double mib(size_t b) {
 
 /* --dry-run: the memory a rank needs against what it has (its GPU's free memory when there is
  * one, else the host's available memory shared by the ranks on the node). */
-static void check_memory(const dt_config *cfg, const dt_model *m, const dt_comm *comm, dt_status *st) {
+static void check_memory(const dt_config *cfg, const dt_model *m, const dt_data *d, const dt_comm *comm,
+                         dt_status *st) {
   const dt_config_values *v = &cfg->v;
   int64_t rows = max_local_rows(cfg, comm->size);
   int states = dt_optim_kinds[v->optim]->n_states(v);
@@ -412,6 +413,21 @@ static void check_memory(const dt_config *cfg, const dt_model *m, const dt_comm 
     mem.ema = (size_t)(m->n_params + m->n_bufs) * sizeof(float);
     mem.total += mem.ema;
     snprintf(ema_part, sizeof ema_part, " + ema %.1f", mib(mem.ema));
+  }
+  char extra[160] = "";
+  if (v->cache == DT_CACHE_DEVICE) { /* the rank's training rows as stored, and their labels or targets */
+    const dt_split *s = &d->train;
+    size_t rows_held = (size_t)(s->hi - s->lo);
+    size_t bytes =
+        rows_held * ((size_t)s->row_elems * s->x_elem + (s->labels ? sizeof(int32_t) : (size_t)s->y_k * sizeof(float)));
+    mem.total += bytes;
+    snprintf(extra, sizeof extra, " + data.cache device %.1f", mib(bytes));
+  }
+  if (v->grad_dtype == DT_GRAD_BF16) { /* one bucket in bf16 */
+    int64_t bucket = (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float));
+    size_t bytes = (size_t)(bucket < m->n_params ? bucket : m->n_params) * 2;
+    mem.total += bytes;
+    snprintf(extra + strlen(extra), sizeof extra - strlen(extra), " + bf16 bucket %.1f", mib(bytes));
   }
   char why[256];
   size_t have = 0;
@@ -428,9 +444,9 @@ static void check_memory(const dt_config *cfg, const dt_model *m, const dt_comm 
   if (comm->rank == 0) {
     printf(
         "memory per rank at %lld rows: %.1f MiB = parameters %.1f + gradients %.1f + optimizer %.1f%s + "
-        "buffers %.1f + activations %.1f + workspace %.1f; %.0f MiB %s\n",
+        "buffers %.1f + activations %.1f + workspace %.1f%s; %.0f MiB %s\n",
         (long long)rows, mib(mem.total), mib(mem.params), mib(mem.grads), mib(mem.optim), ema_part, mib(mem.buffers),
-        mib(mem.activations), mib(mem.workspace), mib(have), where);
+        mib(mem.activations), mib(mem.workspace), extra, mib(have), where);
     fflush(stdout);
   }
   if (have && mem.total > have)
@@ -512,7 +528,7 @@ int main(int argc, char **argv) {
       model_summary(&model, stdout);
       fflush(stdout);
     }
-    check_memory(&cfg, &model, &comm, &st);
+    check_memory(&cfg, &model, &data, &comm, &st);
     code = comm_agree(&comm, &st);
     goto done;
   }

@@ -45,6 +45,12 @@ class DryRunAndInfo(unittest.TestCase):
         self.assertEqual(rc, 0, err)
         self.assertRegex(out, r"memory per rank at 129 rows: [0-9.]+ MiB = parameters 3.3 \+ gradients 3.3 \+ "
                               r"optimizer 3.3 .* activations [0-9.]+ .*MiB (free on this rank's GPU|of available host)")
+        # by hand: 60,000 rows of 784 uint8 and an int32 label (every rank holds them all with global
+        # sharding) = 45.09 MiB; one 25 MiB bucket is more than the 870,826 parameters: 2 bytes each = 1.66 MiB
+        rc, out, err = run(["--dry-run", "configs/model.yaml", "--set", "data.cache=device", "--set",
+                            "dist.grad_dtype=bf16"], np_=2)
+        self.assertEqual(rc, 0, err)
+        self.assertRegex(out, r"workspace [0-9.]+ \+ data.cache device 45.1 \+ bf16 bucket 1.7; ")
         rc, out, err = run(["--dry-run", "configs/resnet18_cifar.yaml", "--set", "train.global_batch_size=2000000"])
         self.assertEqual(rc, 2, out + err)
         self.assertIn("the batch does not fit: a rank needs", errors(err)[0])
