@@ -1,5 +1,7 @@
 // optim.cu: SGD and AdamW over the flat parameter buffer, PyTorch's update rules (as backend_cpu.c),
 // and the weights' exponential moving average.
+#include <math.h>
+
 #include "common.cuh"
 #include "kernels.h"
 
@@ -43,7 +45,8 @@ __global__ void scaler_update_kernel(float *sc, const double *overflow, int64_t 
     sc[0] *= backoff;
     sc[1] = 0;
   } else if (sc[1] + 1 >= (float)interval) {
-    sc[0] *= growth;
+    float grown = sc[0] * growth;
+    if (isfinite(grown)) sc[0] = grown;  // as PyTorch: a scale that would overflow stays
     sc[1] = 0;
   } else {
     sc[1] += 1;

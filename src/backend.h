@@ -231,7 +231,7 @@ typedef struct {
       int64_t growth_interval;
       float growth, backoff;
       float *scaler; /* (2): scale *= backoff and good steps = 0 after an overflow; else good steps + 1, and at
-                        growth_interval scale *= growth and good steps = 0 */
+                        growth_interval scale *= growth (unless that overflows) and good steps = 0 */
     } scaler_update;
     struct {
       int64_t n, row; /* rows taken, values per row */

@@ -598,7 +598,8 @@ static void op_scaler_update(cpu_impl *im, const dt_op *op) {
     s[0] *= q->backoff;
     s[1] = 0;
   } else if (s[1] + 1 >= (float)q->growth_interval) {
-    s[0] *= q->growth;
+    float grown = s[0] * q->growth;
+    if (isfinite(grown)) s[0] = grown; /* as PyTorch: a scale that would overflow stays */
     s[1] = 0;
   } else {
     s[1] += 1;

@@ -160,6 +160,7 @@ int ckpt_write(const char *path, const dt_model *m, const dt_ckpt_data *d, const
            attr_num(meta, "bad_evals", H5T_STD_I64LE, H5T_NATIVE_INT64, &ts->bad_evals) ||
            attr_num(meta, "best_metric", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &ts->best_metric) ||
            attr_num(meta, "best_val_acc", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &ts->best_val_acc) ||
+           attr_num(meta, "optimizer_step", H5T_STD_I64LE, H5T_NATIVE_INT64, &ts->optim_step) ||
            (ts->loss_scale > 0 &&
             (attr_num(meta, "loss_scale", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &ts->loss_scale) ||
              attr_num(meta, "loss_scale_growth", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &ts->scale_growth)));
@@ -314,6 +315,14 @@ static int read_meta(const char *path, dt_train_state *ts, char **config_text, d
             path, h5_error_text(e, sizeof e));
   }
   ts->loss_scale = ts->scale_growth = 0; /* optional: written by fp16 runs */
+  ts->optim_step = ts->step;             /* optional: older files skipped no update */
+  if (!st->code && H5Aexists(meta, "optimizer_step") > 0 &&
+      (read_attr(meta, "optimizer_step", H5T_NATIVE_INT64, &ts->optim_step) || ts->optim_step < 0 ||
+       ts->optim_step > ts->step)) {
+    char e[256];
+    dt_fail(st, DT_EXIT_INPUT, "%s: /meta optimizer_step is unreadable or outside [0, step]: %s", path,
+            h5_error_text(e, sizeof e));
+  }
   if (!st->code && H5Aexists(meta, "loss_scale") > 0 &&
       (read_attr(meta, "loss_scale", H5T_NATIVE_DOUBLE, &ts->loss_scale) ||
        read_attr(meta, "loss_scale_growth", H5T_NATIVE_DOUBLE, &ts->scale_growth) || !(ts->loss_scale > 0))) {

@@ -7,7 +7,8 @@
  *   /ema/<name>                   with train.ema: the moving average, laid out as /model
  *   /meta (attributes)            config (effective config text), version, world_size, step, epoch,
  *                                 micro (next micro-batch of the epoch), global_batch, seed, optimizer,
- *                                 best_metric, bad_evals, best_val_acc; with train.precision fp16
+ *                                 best_metric, bad_evals, best_val_acc, optimizer_step (updates
+ *                                 applied: AdamW's t; step less skipped fp16 steps); with train.precision fp16
  *                                 also loss_scale and loss_scale_growth (GradScaler's growth tracker)
  * Datasets are chunked with Fletcher-32 checksums and the file uses HDF5's newer format with
  * checksummed metadata; both are verified on load. Files are written as step-00000123.h5 under a
@@ -31,6 +32,7 @@ typedef struct {
   int64_t bad_evals;
   double best_val_acc;
   double loss_scale, scale_growth; /* train.precision fp16: GradScaler's scale and good steps (0: none) */
+  int64_t optim_step;              /* optimizer updates applied: step less the skipped fp16 steps */
 } dt_train_state;
 
 /* Host copies of everything a checkpoint holds. opt[k]: the optimizer's state k (n_params

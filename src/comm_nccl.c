@@ -95,21 +95,21 @@ static void nccl_start(void *ctx, float *buf, int64_t count) {
   dt_nccl *n = ctx;
   CUDA_CHECK(cudaEventRecord(n->ready, n->compute));
   CUDA_CHECK(cudaStreamWaitEvent(n->comm_stream, n->ready, 0));
-  ncclResult_t rc;
-  if (n->bf16) { /* rounded to nearest even, summed by NCCL in bf16, widened back in place */
-    uint16_t *packed = packed_for(n, count);
-    k_pack16(n->comm_stream, buf, packed, count, 1, 1, 1);
-    rc = ncclAllReduce(packed, packed, (size_t)count, ncclBfloat16, ncclSum, n->comm, n->comm_stream);
-    if (rc == ncclSuccess || rc == ncclInProgress) k_unpack16(n->comm_stream, packed, buf, count, 1, 1, 1, 0);
-  } else {
-    rc = ncclAllReduce(buf, buf, (size_t)count, ncclFloat, ncclSum, n->comm, n->comm_stream);
-  }
+  /* bf16: rounded to nearest even, summed by NCCL in bf16, widened back in place */
+  uint16_t *packed = n->bf16 ? packed_for(n, count) : NULL;
+  if (packed) k_pack16(n->comm_stream, buf, packed, count, 1, 1, 1);
+  ncclResult_t rc = packed
+                        ? ncclAllReduce(packed, packed, (size_t)count, ncclBfloat16, ncclSum, n->comm, n->comm_stream)
+                        : ncclAllReduce(buf, buf, (size_t)count, ncclFloat, ncclSum, n->comm, n->comm_stream);
   if (rc != ncclSuccess && rc != ncclInProgress) {
     char why[256];
     snprintf(why, sizeof why, "failed for %lld values: %s", (long long)count, ncclGetErrorString(rc));
     give_up(n, "ncclAllReduce", why);
   }
+  /* a non-blocking communicator may still be queueing the sum: nothing else goes on its stream
+   * before it has (NCCL's rule), or the widening could run ahead of it */
   settle(n, "ncclAllReduce");
+  if (packed) k_unpack16(n->comm_stream, packed, buf, count, 1, 1, 1, 0);
 }
 
 static void nccl_join(void *ctx) {

@@ -281,6 +281,7 @@ static void snapshot(const dt_model *m, const dt_optim *o, const dt_ema *ema, co
     if (d->opt[k]) be->to_host(be, d->opt[k], o->states[k], pb);
   }
   d->ts = *ts;
+  d->ts.optim_step = o->step;
 }
 
 /* Rank 0 writes a step checkpoint (or best.h5); all ranks agree on the outcome. */
@@ -325,6 +326,7 @@ typedef struct {
   int64_t micro_count;  /* micro-batches uploaded so far: in[micro_count % 2] is next */
   dev_batch *ahead;     /* the next step's batch, already uploaded (upload_ahead), or NULL */
   int64_t ahead_rows;
+  dt_status ahead_st; /* why taking it failed: reported by the step that needed it */
   /* train.cuda_graph: a step of one micro-batch, captured once per input buffer and replayed */
   int graphs;                        /* steps may be captured */
   void *graph[2];                    /* the captured step reading in[i], or NULL */
@@ -436,7 +438,7 @@ static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_da
     size_t pb = (size_t)m->n_params * sizeof(float);
     for (int k = 0; k < T->opt.n_states; k++)
       if (opts->resume->opt[k]) be->to_device(be, T->opt.states[k], opts->resume->opt[k], pb);
-    T->opt.step = T->ts.step;
+    T->opt.step = T->ts.optim_step;
   }
   if (T->scaler) { /* a run that did not scale starts from GradScaler's initial scale */
     if (!(T->ts.loss_scale > 0)) T->ts.loss_scale = scale_init, T->ts.scale_growth = 0;
@@ -631,11 +633,12 @@ static dev_batch *upload_next(dt_trainer *T, int ahead, int64_t *rows, double *d
  * while the device works. Before it, with one micro-batch per step and a step to follow, the next
  * batch is taken and copied ahead, overlapping this step: its buffer was last read by the step
  * before, which the host has waited for. */
-static void wait_step(dt_trainer *T, double *data_s, dt_status *st) {
+static void wait_step(dt_trainer *T, double *data_s) {
   dt_backend *be = T->be;
   be->download(be, T->stats_host, T->stats, STATS * sizeof(double));
   if (T->scaler) be->download(be, T->scaler_host, T->scaler, 2 * sizeof(float));
-  if (T->accum == 1 && !T->ahead && T->ts.step + 1 < T->total) T->ahead = upload_next(T, 1, &T->ahead_rows, data_s, st);
+  if (T->accum == 1 && !T->ahead && !T->ahead_st.code && T->ts.step + 1 < T->total)
+    T->ahead = upload_next(T, 1, &T->ahead_rows, data_s, &T->ahead_st);
   double since = dt_now();
   while (!be->done(be)) {
     if (T->opts->dev)
@@ -660,7 +663,8 @@ static void run_step(dt_trainer *T, dt_step_report *mine, double *data_s, dt_sta
   optim_prepare(&T->opt, T->be, T->lr);
   for (int64_t j = 0; j < T->k && !st->code; j++) {
     int64_t rows = T->ahead_rows;
-    dev_batch *db = j == 0 && T->ahead ? T->ahead : upload_next(T, 0, &rows, data_s, st);
+    if (j == 0 && T->ahead_st.code) *st = T->ahead_st;
+    dev_batch *db = st->code ? NULL : j == 0 && T->ahead ? T->ahead : upload_next(T, 0, &rows, data_s, st);
     T->ahead = NULL;
     if (!db) break;
     if (T->k == 1)
@@ -670,8 +674,7 @@ static void run_step(dt_trainer *T, dt_step_report *mine, double *data_s, dt_sta
   }
   if (st->code) return;
   if (T->k > 1) queue_update(T);
-  wait_step(T, data_s, st);
-  if (st->code) return;
+  wait_step(T, data_s);
   const double *r = T->stats_host;
   if (!isfinite(r[0]))
     dt_fail(st, DT_EXIT_NUMERIC,

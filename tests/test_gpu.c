@@ -1043,11 +1043,10 @@ static void ops_scaler(void) {
     int overflow;
     int64_t interval;
     float want_scale, want_good;
-  } cases[] = {{512, 5, 0, 2000, 512, 6},
-               {512, 1999, 0, 2000, 1024, 0},
-               {512, 1999, 1, 2000, 256, 0},
-               {65536, 0, 1, 2000, 32768, 0},
-               {2, 0, 0, 1, 4, 0}};
+  } cases[] = {
+      {512, 5, 0, 2000, 512, 6},    {512, 1999, 0, 2000, 1024, 0},
+      {512, 1999, 1, 2000, 256, 0}, {65536, 0, 1, 2000, 32768, 0},
+      {2, 0, 0, 1, 4, 0},           {3e38f, 1999, 0, 2000, 3e38f, 0}}; /* growth that would overflow: the scale stays */
   for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
     const float before[2] = {cases[c].scale, cases[c].good};
     dbuf s = ot_buf(OT_F32, before, 2);

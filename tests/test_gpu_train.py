@@ -380,16 +380,19 @@ class GpuPrecision(GpuCase):
         self.assertEqual((meta(ck[6])["loss_scale"], meta(ck[6])["loss_scale_growth"]), (32768.0, 3.0))
 
     def test_fp16_resume_restores_the_loss_scale_bit_exactly(self):
-        """8 steps with an overflow at step 3, against 5 steps resumed to 8: the same bits in every
-        tensor, and the same loss scale (32768, not the initial 65536) and growth count."""
+        """AdamW, 8 steps with an overflow at step 3, against 5 steps resumed to 8: the same bits in
+        every tensor, the same loss scale (32768, not the initial 65536) and growth count, and the
+        optimizer's own step count (7 updates: AdamW's bias corrections depend on it)."""
         self.w.dataset(n=48)
-        self.fp16_run("straight", 8, fault="overflow@0:3")
-        self.fp16_run("resumed", 5, fault="overflow@0:3")
-        out = self.fp16_run("resumed", 8, resume=True)
+        adamw = ["--set", "optim.name=adamw", "--set", "optim.lr=0.01"]
+        self.fp16_run("straight", 8, fault="overflow@0:3", extra=adamw)
+        self.fp16_run("resumed", 5, fault="overflow@0:3", extra=adamw)
+        out = self.fp16_run("resumed", 8, resume=True, extra=adamw)
         self.assertIn("resuming at step 5", out)
         a, b = self.w.latest("straight"), self.w.latest("resumed")
         self.assertEqual((meta(a)["loss_scale"], meta(a)["loss_scale_growth"]), (32768.0, 5.0))
         self.assertEqual((meta(b)["loss_scale"], meta(b)["loss_scale_growth"]), (32768.0, 5.0))
+        self.assertEqual((meta(a)["optimizer_step"], meta(b)["optimizer_step"], meta(b)["step"]), (7, 7, 8))
         with h5py.File(a, "r") as fa, h5py.File(b, "r") as fb:
             names = []
             fa.visit(lambda n: names.append(n) if isinstance(fa[n], h5py.Dataset) else None)
