@@ -4,7 +4,7 @@
 #include "common.cuh"
 #include "kernels.h"
 
-enum { ACT_RELU, ACT_GELU, ACT_TANH, ACT_SIGMOID };  // backend.h's DT_ACT_*
+enum { ACT_RELU, ACT_GELU, ACT_TANH, ACT_SIGMOID, ACT_GELU_TANH };  // backend.h's DT_ACT_*
 
 __global__ void bias_add_kernel(float *y, const float *bias, int64_t n, fast_div c, fast_div sp) {
   GRID_STRIDE(i, n) y[i] += bias[channel_of(i, c, sp)];
@@ -26,22 +26,34 @@ __device__ __forceinline__ float gelu_grad(float x) {
   return 0.5f * (1.0f + erff(x * 0.70710678118654752f)) + x * 0.39894228040143268f * expf(-0.5f * x * x);
 }
 
+// PyTorch's gelu(approximate='tanh') and its exact derivative, as backend_cpu.c's gelu_tanh_f and gelu_tanh_grad
+__device__ __forceinline__ float gelu_tanh(float x) {
+  float inner = 0.79788456080286536f * (x + 0.044715f * (x * x * x));
+  return 0.5f * x * (1.0f + tanhf(inner));
+}
+__device__ __forceinline__ float gelu_tanh_grad(float x) {
+  float x2 = x * x, t = tanhf(0.79788456080286536f * (x + 0.044715f * (x2 * x)));
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * (0.79788456080286536f * (1.0f + 3.0f * 0.044715f * x2));
+}
+
 __global__ void act_fwd_kernel(int kind, const float *x, float *y, int64_t n) {
   GRID_STRIDE(i, n) {
     float v = x[i];
-    y[i] = kind == ACT_RELU   ? (v < 0 ? 0.0f : v)  // NaN passes, as in PyTorch
-           : kind == ACT_GELU ? gelu(v)
-           : kind == ACT_TANH ? tanhf(v)
-                              : 1.0f / (1.0f + expf(-v));
+    y[i] = kind == ACT_RELU        ? (v < 0 ? 0.0f : v)  // NaN passes, as in PyTorch
+           : kind == ACT_GELU      ? gelu(v)
+           : kind == ACT_TANH      ? tanhf(v)
+           : kind == ACT_GELU_TANH ? gelu_tanh(v)
+                                   : 1.0f / (1.0f + expf(-v));
   }
 }
 
 __global__ void act_bwd_kernel(int kind, const float *x, const float *y, const float *dy, float *dx, int64_t n) {
   GRID_STRIDE(i, n) {
-    float g = kind == ACT_RELU   ? (x[i] > 0 ? 1.0f : 0.0f)
-              : kind == ACT_GELU ? gelu_grad(x[i])
-              : kind == ACT_TANH ? 1.0f - y[i] * y[i]
-                                 : y[i] * (1.0f - y[i]);
+    float g = kind == ACT_RELU        ? (x[i] > 0 ? 1.0f : 0.0f)
+              : kind == ACT_GELU      ? gelu_grad(x[i])
+              : kind == ACT_TANH      ? 1.0f - y[i] * y[i]
+              : kind == ACT_GELU_TANH ? gelu_tanh_grad(x[i])
+                                      : y[i] * (1.0f - y[i]);
     dx[i] = g * dy[i];
   }
 }

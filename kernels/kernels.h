@@ -74,10 +74,29 @@ void k_pool_bwd(cudaStream_t s, int kind, const float *dy, const int32_t *argmax
 
 /* loss.cu: per-sample losses added to out[0], hits to out[1] (doubles; per-sample pairs in
  * `pairs`, 2 * b doubles, added in a fixed order); dlogits weighted by `weight` (1 / global count)
- * and by grad_scale[0] unless it is NULL */
+ * and by grad_scale[0] unless it is NULL; cross-entropy rows labelled ignore_index (>= 0; -1: none) add nothing */
 void k_loss(cudaStream_t s, int kind, const float *logits, const int32_t *labels, const float *targets, float *dlogits,
-            int64_t b, int64_t k, float label_smoothing, double weight, const float *grad_scale, double *out,
-            double *pairs);
+            int64_t b, int64_t k, float label_smoothing, int32_t ignore_index, double weight, const float *grad_scale,
+            double *out, double *pairs);
+
+/* transformer.cu: backend.h's DT_OP_EMBED_*, LN_*, SOFTMAX_* and PERMUTE. The embedding
+ * gradient adds rows in increasing order (as the CPU: the same bits); layernorm's dgamma and dbeta
+ * are summed per chunk of rows into `partials` (2 * K_LN_CHUNKS * d doubles), then over chunks in
+ * order. No atomics: results are the same on every run. */
+enum { K_LN_CHUNKS = 64 };
+void k_embed_fwd(cudaStream_t s, const float *tokens, const float *wte, const float *wpe, float *y, int64_t n,
+                 int64_t t, int64_t d);
+void k_embed_bwd(cudaStream_t s, const float *tokens, const float *dy, float *dwte, float *dwpe, int64_t n, int64_t t,
+                 int64_t d, int64_t vocab);
+void k_ln_fwd(cudaStream_t s, const float *x, const float *gamma, const float *beta, float *y, float *mean, float *rstd,
+              int64_t n, int64_t d, float eps);
+void k_ln_bwd(cudaStream_t s, const float *x, const float *dy, const float *gamma, const float *mean, const float *rstd,
+              float *dx, float *dgamma, float *dbeta, int64_t n, int64_t d, double *partials);
+void k_softmax_fwd(cudaStream_t s, const float *x, float *y, int64_t rows, int64_t t, int causal, float scale);
+void k_softmax_bwd(cudaStream_t s, const float *y, const float *dy, float *dx, int64_t rows, int64_t t, int causal,
+                   float scale);
+/* y = x with dims permuted (y's dim i is x's dim perm[i]); ndim 2..5, perm checked by the caller */
+void k_permute(cudaStream_t s, const float *x, float *y, int ndim, const int64_t *dims, const int *perm);
 
 #ifdef __cplusplus
 }

@@ -9,14 +9,18 @@
 enum { LOSS_CE, LOSS_MSE };  // backend.h's DT_LOSS_*
 
 __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels, const float *targets, float *dz,
-                            int64_t k, float ls, double weight, const float *grad_scale, double *pairs) {
+                            int64_t k, float ls, int32_t ignore, double weight, const float *grad_scale,
+                            double *pairs) {
   int64_t b = blockIdx.x;
   if (grad_scale) weight *= (double)grad_scale[0];
   const float *z = logits + b * k;
   float *d = dz + b * k;
   __shared__ float s_max;
   __shared__ int s_arg;
-  if (kind == LOSS_CE) {
+  if (kind == LOSS_CE && labels[b] == ignore) {  // padding: no loss, hit or gradient
+    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) d[j] = 0.0f;
+    if (threadIdx.x == 0) pairs[2 * b] = 0.0, pairs[2 * b + 1] = 0.0;
+  } else if (kind == LOSS_CE) {
     if (threadIdx.x == 0) {  // k is small (classes): one thread finds the max and its index
       float mx = z[0];
       int arg = 0;
@@ -55,9 +59,9 @@ __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels
 }
 
 extern "C" void k_loss(cudaStream_t s, int kind, const float *logits, const int32_t *labels, const float *targets,
-                       float *dlogits, int64_t b, int64_t k, float label_smoothing, double weight,
+                       float *dlogits, int64_t b, int64_t k, float label_smoothing, int32_t ignore_index, double weight,
                        const float *grad_scale, double *out, double *pairs) {
   if (b > 0) LAUNCH(loss_kernel, (unsigned)b, 128, 0, s)
-  (kind, logits, labels, targets, dlogits, k, label_smoothing, weight, grad_scale, pairs);
+  (kind, logits, labels, targets, dlogits, k, label_smoothing, ignore_index, weight, grad_scale, pairs);
   k_sum_pairs(s, pairs, b, out);  // zeros when b is 0
 }

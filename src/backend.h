@@ -16,7 +16,7 @@
 #include "hash.h"
 
 typedef enum {
-  DT_OP_GEMM,            /* C(m,n) = alpha op(A) op(B) + beta C; row-major */
+  DT_OP_GEMM,            /* C(m,n) = alpha op(A) op(B) + beta C; row-major; `batch` such products when > 1 */
   DT_OP_BIAS_ADD,        /* y(b,c,s) += bias(c) */
   DT_OP_BIAS_GRAD,       /* db(c) += sum_{b,s} dy(b,c,s) */
   DT_OP_CONV_FWD,        /* y(B,O,Ho,Wo) = x(B,C,H,W) * w(O,C,K,K) */
@@ -46,11 +46,24 @@ typedef enum {
   DT_OP_UNSCALE,       /* x /= scaler[0] (fp16 loss scaling) */
   DT_OP_SCALER_UPDATE, /* the loss scale after a step, by GradScaler's rules */
   DT_OP_GATHER,        /* out(n, row) = src rows idx[0..n), widened to float (data.cache device) */
+  DT_OP_EMBED_FWD,     /* y(N, D) = wte(tok[n]) + wpe(n % T) */
+  DT_OP_EMBED_BWD,     /* dwte(tok[n]) += dy(n), dwpe(n % T) += dy(n), summed in a fixed order */
+  DT_OP_LN_FWD,        /* y(N, D) = (x - mean) * rstd * gamma + beta per row; mean, rstd (N) written */
+  DT_OP_LN_BWD,        /* dx(N, D) overwritten; dgamma, dbeta (D) added, summed over rows in a fixed order */
+  DT_OP_SOFTMAX_FWD,   /* y(R, T) = softmax(scale * x) per row; causal: column j > r % T is masked (y = 0) */
+  DT_OP_SOFTMAX_BWD,   /* dx = scale * y * (dy - sum_j dy * y), per row */
+  DT_OP_PERMUTE,       /* y = x with its dims permuted: y's dim i is x's dim perm[i] */
   DT_OP_COUNT
 } dt_op_type;
 
 enum { DT_GATHER_U8, DT_GATHER_F32, DT_GATHER_F64, DT_GATHER_I32 }; /* data.h's DT_X_* order, then int32 */
-enum { DT_ACT_RELU, DT_ACT_GELU, DT_ACT_TANH, DT_ACT_SIGMOID };
+enum {
+  DT_ACT_RELU,
+  DT_ACT_GELU,
+  DT_ACT_TANH,
+  DT_ACT_SIGMOID,
+  DT_ACT_GELU_TANH
+}; /* GELU_TANH: PyTorch's approximate='tanh' */
 enum { DT_POOL_MAX, DT_POOL_AVG };
 enum { DT_LOSS_CROSS_ENTROPY, DT_LOSS_MSE };
 
@@ -69,6 +82,8 @@ typedef struct {
       float alpha, beta;
       const float *a, *b;
       float *c;
+      int64_t batch;                        /* 0 or 1: one product; else product i uses a + i * stride_a, ... */
+      int64_t stride_a, stride_b, stride_c; /* elements between consecutive products (batch > 1) */
     } gemm;
     struct {
       int64_t b, c, s;
@@ -177,6 +192,8 @@ typedef struct {
       int kind;
       int64_t b, k;
       float label_smoothing;
+      int ignore; /* cross_entropy: rows labelled ignore_index add no loss, hit or gradient */
+      int32_t ignore_index;
       double weight;           /* 1/global count */
       const float *grad_scale; /* (1) or NULL: dlogits also multiplied by it (fp16 loss scaling) */
       const float *logits;
@@ -245,6 +262,52 @@ typedef struct {
       const float *x;
       float *y;
     } copy;
+    struct {
+      int64_t n, t, d, vocab; /* n = B * T rows */
+      const float *tokens;    /* (N) token ids as floats, each in [0, vocab) (checked when the data is read) */
+      const float *wte;       /* (vocab, D) */
+      const float *wpe;       /* (T, D) or NULL: no positions */
+      float *y;               /* (N, D) */
+    } embed_fwd;
+    struct {
+      int64_t n, t, d, vocab;
+      const float *tokens, *dy; /* (N), (N, D) */
+      float *dwte, *dwpe;       /* added into; dwpe NULL when there are no positions */
+    } embed_bwd;
+    struct {
+      int64_t n, d;
+      float eps;
+      const float *x, *gamma, *beta; /* (N, D), (D), (D) */
+      float *y;                      /* (N, D) */
+      float *mean, *rstd;            /* (N), written for the backward */
+    } ln_fwd;
+    struct {
+      int64_t n, d;
+      const float *x, *dy, *gamma, *mean, *rstd;
+      float *dx;             /* (N, D) overwritten */
+      float *dgamma, *dbeta; /* (D) added into */
+    } ln_bwd;
+    struct {
+      int64_t rows, t; /* rows of t values; causal rows are (., T, T) score matrices */
+      int causal;
+      float scale;
+      const float *x;
+      float *y;
+    } softmax_fwd;
+    struct {
+      int64_t rows, t;
+      int causal;
+      float scale;
+      const float *y, *dy;
+      float *dx; /* overwritten */
+    } softmax_bwd;
+    struct {
+      int ndim;        /* 2..5 */
+      int64_t dims[5]; /* x's dims, row-major */
+      int perm[5];     /* y's dim i is x's dim perm[i] */
+      const float *x;
+      float *y;
+    } permute;
     struct {
       int64_t b, c, s;
       float scale;

@@ -10,11 +10,13 @@
 #include "backend.h"
 
 const char *const dt_op_names[DT_OP_COUNT] = {
-    "gemm",     "bias_add",    "bias_grad", "conv_fwd",     "conv_bwd_data", "conv_bwd_filter",
-    "bn_stats", "bn_finalize", "bn_apply",  "bn_bwd_stats", "bn_bwd_apply",  "act_fwd",
-    "act_bwd",  "pool_fwd",    "pool_bwd",  "dropout_fwd",  "dropout_bwd",   "add",
-    "loss",     "sgd",         "adamw",     "scale",        "sumsq",         "clip",
-    "copy",     "input",       "ema",       "unscale",      "scaler_update", "gather"};
+    "gemm",      "bias_add",    "bias_grad", "conv_fwd",     "conv_bwd_data", "conv_bwd_filter",
+    "bn_stats",  "bn_finalize", "bn_apply",  "bn_bwd_stats", "bn_bwd_apply",  "act_fwd",
+    "act_bwd",   "pool_fwd",    "pool_bwd",  "dropout_fwd",  "dropout_bwd",   "add",
+    "loss",      "sgd",         "adamw",     "scale",        "sumsq",         "clip",
+    "copy",      "input",       "ema",       "unscale",      "scaler_update", "gather",
+    "embed_fwd", "embed_bwd",   "ln_fwd",    "ln_bwd",       "softmax_fwd",   "softmax_bwd",
+    "permute"};
 _Static_assert(sizeof dt_op_names / sizeof *dt_op_names == DT_OP_COUNT, "dt_op_names must name every op");
 
 /* Per-thread workspaces, grown on first use at each new shape (the first steps). */
@@ -161,6 +163,17 @@ static inline float gelu_grad(float x) {
   return cdf + x * pdf;
 }
 
+/* PyTorch's gelu(approximate='tanh'): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), and its
+ * exact derivative, in the order of PyTorch's GeluBackward. */
+static inline float gelu_tanh_f(float x) {
+  float inner = 0.79788456080286536f * (x + 0.044715f * (x * x * x));
+  return 0.5f * x * (1.0f + tanhf(inner));
+}
+static inline float gelu_tanh_grad(float x) {
+  float x2 = x * x, t = tanhf(0.79788456080286536f * (x + 0.044715f * (x2 * x)));
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * (0.79788456080286536f * (1.0f + 3.0f * 0.044715f * x2));
+}
+
 /* One loop per kind, so each vectorises without a branch per element. */
 static void act_fwd(int kind, int64_t n, const float *x, float *y) {
   switch (kind) {
@@ -175,6 +188,10 @@ static void act_fwd(int kind, int64_t n, const float *x, float *y) {
     case DT_ACT_TANH:
 #pragma omp parallel for schedule(static)
       for (int64_t i = 0; i < n; i++) y[i] = tanhf(x[i]);
+      break;
+    case DT_ACT_GELU_TANH:
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; i++) y[i] = gelu_tanh_f(x[i]);
       break;
     default:
 #pragma omp parallel for schedule(static)
@@ -197,6 +214,10 @@ static void act_bwd(int kind, int64_t n, const float *x, const float *y, const f
 #pragma omp parallel for schedule(static)
       for (int64_t i = 0; i < n; i++) dx[i] = (1.0f - y[i] * y[i]) * dy[i];
       break;
+    case DT_ACT_GELU_TANH:
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; i++) dx[i] = gelu_tanh_grad(x[i]) * dy[i];
+      break;
     default:
 #pragma omp parallel for schedule(static)
       for (int64_t i = 0; i < n; i++) dx[i] = y[i] * (1.0f - y[i]) * dy[i];
@@ -204,12 +225,18 @@ static void act_bwd(int kind, int64_t n, const float *x, const float *y, const f
   }
 }
 
+/* batch > 1: the products one by one with a threaded GEMM each, or, when there are at least as
+ * many products as threads, in parallel with a single-threaded GEMM each (as conv_fwd's). */
 static void op_gemm(cpu_impl *im, const dt_op *op) {
-  (void)im;
   const typeof(op->p.gemm) *q = &op->p.gemm;
-  int lda = (int)(q->trans_a ? q->m : q->k), ldb = (int)(q->trans_b ? q->k : q->n);
-  cblas_sgemm(CblasRowMajor, q->trans_a ? CblasTrans : CblasNoTrans, q->trans_b ? CblasTrans : CblasNoTrans, (int)q->m,
-              (int)q->n, (int)q->k, q->alpha, q->a, lda, q->b, ldb, q->beta, q->c, (int)q->n);
+  if (!q->m || !q->n) return; /* a rank with no rows this batch */
+  int64_t lda = q->trans_a ? q->m : q->k, ldb = q->trans_b ? q->k : q->n, batch = q->batch > 1 ? q->batch : 1;
+  const CBLAS_TRANSPOSE ta = q->trans_a ? CblasTrans : CblasNoTrans, tb = q->trans_b ? CblasTrans : CblasNoTrans;
+#pragma omp parallel for schedule(static) if (batch > 1 && batch >= im->threads)
+  for (int64_t i = 0; i < batch; i++)
+    cblas_sgemm(CblasRowMajor, ta, tb, (int)q->m, (int)q->n, (int)q->k, q->alpha, q->a + i * q->stride_a,
+                (int)(lda > 1 ? lda : 1), q->b + i * q->stride_b, (int)(ldb > 1 ? ldb : 1), q->beta,
+                q->c + i * q->stride_c, (int)q->n);
 }
 
 static void op_bias_add(cpu_impl *im, const dt_op *op) {
@@ -454,7 +481,9 @@ static void op_loss(cpu_impl *im, const dt_op *op) {
   for (int64_t b = 0; b < q->b; b++) {
     const float *z = q->logits + b * q->k;
     float *dz = q->dlogits + b * q->k;
-    if (q->kind == DT_LOSS_CROSS_ENTROPY) {
+    if (q->kind == DT_LOSS_CROSS_ENTROPY && q->ignore && q->labels[b] == q->ignore_index) {
+      memset(dz, 0, (size_t)q->k * sizeof(float)); /* padding: no loss, no gradient */
+    } else if (q->kind == DT_LOSS_CROSS_ENTROPY) {
       float mx = z[0];
       int64_t arg = 0;
       for (int64_t j = 1; j < q->k; j++)
@@ -628,6 +657,215 @@ static void op_gather(cpu_impl *im, const dt_op *op) {
   }
 }
 
+/* Column loops go over chunks of this many columns (a cache line), rows in increasing order. */
+enum { COL_CHUNK = 16 };
+
+static void op_embed_fwd(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.embed_fwd) *q = &op->p.embed_fwd;
+  const int64_t d = q->d;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < q->n; r++) {
+    int64_t tok = (int64_t)q->tokens[r];
+    DT_ASSERT(tok >= 0 && tok < q->vocab);
+    const float *e = q->wte + tok * d;
+    float *y = q->y + r * d;
+    if (q->wpe) {
+      const float *p = q->wpe + (r % q->t) * d;
+      for (int64_t j = 0; j < d; j++) y[j] = e[j] + p[j];
+    } else {
+      memcpy(y, e, (size_t)d * sizeof(float));
+    }
+  }
+}
+
+/* As if the rows were added in turn, n = 0, 1, ...: dwte(tok[n]) += dy(n), dwpe(n % T) += dy(n).
+ * Parallel over columns (wte) and positions (wpe), never over rows, so the order is fixed; the
+ * CUDA kernels add in the same order and give the same bits. */
+static void op_embed_bwd(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.embed_bwd) *q = &op->p.embed_bwd;
+  const int64_t d = q->d, chunks = (d + COL_CHUNK - 1) / COL_CHUNK;
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < chunks; c++) {
+    int64_t j0 = c * COL_CHUNK, j1 = j0 + COL_CHUNK < d ? j0 + COL_CHUNK : d;
+    for (int64_t r = 0; r < q->n; r++) {
+      int64_t tok = (int64_t)q->tokens[r];
+      DT_ASSERT(tok >= 0 && tok < q->vocab);
+      float *w = q->dwte + tok * d;
+      const float *g = q->dy + r * d;
+      for (int64_t j = j0; j < j1; j++) w[j] += g[j];
+    }
+  }
+  if (!q->dwpe) return;
+  const int64_t positions = q->t < q->n ? q->t : q->n;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < positions; t++) {
+    float *w = q->dwpe + t * d;
+    for (int64_t r = t; r < q->n; r += q->t) {
+      const float *g = q->dy + r * d;
+      for (int64_t j = 0; j < d; j++) w[j] += g[j];
+    }
+  }
+}
+
+/* Per row: mean and biased variance in double (two passes), rstd = 1 / sqrt(var + eps);
+ * xhat = (x - mean) * rstd in double (a float mean would cost rows far from 0 their low bits),
+ * y = xhat * gamma + beta in float; mean and rstd stored as float for the backward. */
+static void op_ln_fwd(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.ln_fwd) *q = &op->p.ln_fwd;
+  const int64_t d = q->d;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < q->n; r++) {
+    const float *x = q->x + r * d;
+    float *y = q->y + r * d;
+    double s = 0, v = 0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = 0; j < d; j++) s += x[j];
+    double mu = s / (double)d;
+#pragma omp simd reduction(+ : v)
+    for (int64_t j = 0; j < d; j++) v += ((double)x[j] - mu) * ((double)x[j] - mu);
+    double rs = 1.0 / sqrt(v / (double)d + (double)q->eps);
+    for (int64_t j = 0; j < d; j++) y[j] = (float)(((double)x[j] - mu) * rs) * q->gamma[j] + q->beta[j];
+    q->mean[r] = (float)mu;
+    q->rstd[r] = (float)rs;
+  }
+}
+
+/* xhat = (x - mean) * rstd, g = dy * gamma: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) per
+ * row (means in double); dgamma += sum_n dy * xhat, dbeta += sum_n dy, in double over rows in
+ * increasing order. */
+static void op_ln_bwd(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.ln_bwd) *q = &op->p.ln_bwd;
+  const int64_t d = q->d, chunks = (d + COL_CHUNK - 1) / COL_CHUNK;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < q->n; r++) {
+    const float *x = q->x + r * d, *dy = q->dy + r * d;
+    float *dx = q->dx + r * d;
+    float m = q->mean[r], rs = q->rstd[r];
+    double a = 0, b = 0;
+    for (int64_t j = 0; j < d; j++) {
+      float g = dy[j] * q->gamma[j], xh = (x[j] - m) * rs;
+      a += g;
+      b += (double)g * xh;
+    }
+    float ma = (float)(a / (double)d), mb = (float)(b / (double)d);
+    for (int64_t j = 0; j < d; j++) {
+      float g = dy[j] * q->gamma[j], xh = (x[j] - m) * rs;
+      dx[j] = rs * (g - ma - xh * mb);
+    }
+  }
+  if (!q->n) return;
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < chunks; c++) {
+    int64_t j0 = c * COL_CHUNK, j1 = j0 + COL_CHUNK < d ? j0 + COL_CHUNK : d;
+    double sg[COL_CHUNK] = {0}, sb[COL_CHUNK] = {0};
+    for (int64_t r = 0; r < q->n; r++) {
+      const float *x = q->x + r * d, *dy = q->dy + r * d;
+      float m = q->mean[r], rs = q->rstd[r];
+      for (int64_t j = j0; j < j1; j++) {
+        sg[j - j0] += (double)dy[j] * ((x[j] - m) * rs);
+        sb[j - j0] += dy[j];
+      }
+    }
+    for (int64_t j = j0; j < j1; j++) {
+      q->dgamma[j] += (float)sg[j - j0];
+      q->dbeta[j] += (float)sb[j - j0];
+    }
+  }
+}
+
+/* Columns [0, valid) of row r take part: all t, or j <= r % t when causal (the rest are 0). */
+static inline int64_t softmax_valid(int64_t r, int64_t t, int causal) {
+  return causal ? r % t + 1 : t;
+}
+
+/* z = scale * x; y = exp(z - max z) / sum, the exponentials in float, their sum in double. */
+static void op_softmax_fwd(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.softmax_fwd) *q = &op->p.softmax_fwd;
+  const int64_t t = q->t;
+  if (!t) return;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < q->rows; r++) {
+    const float *x = q->x + r * t;
+    float *y = q->y + r * t;
+    int64_t valid = softmax_valid(r, t, q->causal);
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < valid; j++) mx = fmaxf(mx, q->scale * x[j]);
+    double s = 0;
+    for (int64_t j = 0; j < valid; j++) s += expf(q->scale * x[j] - mx);
+    float inv = (float)(1.0 / s);
+    for (int64_t j = 0; j < valid; j++) y[j] = expf(q->scale * x[j] - mx) * inv;
+    for (int64_t j = valid; j < t; j++) y[j] = 0.0f;
+  }
+}
+
+/* dx = scale * y * (dy - sum_j dy_j y_j) (sum in double over the valid columns); masked columns get 0. */
+static void op_softmax_bwd(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.softmax_bwd) *q = &op->p.softmax_bwd;
+  const int64_t t = q->t;
+  if (!t) return;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < q->rows; r++) {
+    const float *y = q->y + r * t, *dy = q->dy + r * t;
+    float *dx = q->dx + r * t;
+    int64_t valid = softmax_valid(r, t, q->causal);
+    double s = 0;
+    for (int64_t j = 0; j < valid; j++) s += (double)dy[j] * y[j];
+    float sf = (float)s;
+    for (int64_t j = 0; j < valid; j++) dx[j] = q->scale * y[j] * (dy[j] - sf);
+    for (int64_t j = valid; j < t; j++) dx[j] = 0.0f;
+  }
+}
+
+/* The permutation as 5 dims (leading ones of size 1): y's dims and, for each, x's stride. */
+typedef struct {
+  int64_t ydim[5], xstride[5];
+} perm5;
+
+static perm5 permute_geometry(const dt_op *op) {
+  const typeof(op->p.permute) *q = &op->p.permute;
+  DT_ASSERT(q->ndim >= 2 && q->ndim <= 5);
+  int64_t stride[5], s = 1;
+  int seen = 0;
+  for (int i = q->ndim - 1; i >= 0; i--) stride[i] = s, s *= q->dims[i];
+  perm5 g;
+  int pad = 5 - q->ndim;
+  for (int i = 0; i < 5; i++) {
+    if (i < pad) {
+      g.ydim[i] = 1, g.xstride[i] = 0;
+      continue;
+    }
+    int from = q->perm[i - pad];
+    DT_ASSERT(from >= 0 && from < q->ndim && !(seen & (1 << from)));
+    seen |= 1 << from;
+    g.ydim[i] = q->dims[from];
+    g.xstride[i] = stride[from];
+  }
+  return g;
+}
+
+static void op_permute(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const float *x = op->p.permute.x;
+  float *y = op->p.permute.y;
+  perm5 g = permute_geometry(op);
+  const int64_t *n = g.ydim, *s = g.xstride;
+#pragma omp parallel for collapse(3) schedule(static)
+  for (int64_t a = 0; a < n[0]; a++)
+    for (int64_t b = 0; b < n[1]; b++)
+      for (int64_t c = 0; c < n[2]; c++) {
+        float *out = y + ((a * n[1] + b) * n[2] + c) * n[3] * n[4];
+        const float *in = x + a * s[0] + b * s[1] + c * s[2];
+        for (int64_t e = 0; e < n[3]; e++)
+          for (int64_t f = 0; f < n[4]; f++) out[e * n[4] + f] = in[e * s[3] + f * s[4]];
+      }
+}
+
 typedef void (*cpu_op_fn)(cpu_impl *im, const dt_op *op);
 static const cpu_op_fn cpu_ops[DT_OP_COUNT] = {
     [DT_OP_GEMM] = op_gemm,
@@ -660,6 +898,13 @@ static const cpu_op_fn cpu_ops[DT_OP_COUNT] = {
     [DT_OP_UNSCALE] = op_unscale,
     [DT_OP_SCALER_UPDATE] = op_scaler_update,
     [DT_OP_GATHER] = op_gather,
+    [DT_OP_EMBED_FWD] = op_embed_fwd,
+    [DT_OP_EMBED_BWD] = op_embed_bwd,
+    [DT_OP_LN_FWD] = op_ln_fwd,
+    [DT_OP_LN_BWD] = op_ln_bwd,
+    [DT_OP_SOFTMAX_FWD] = op_softmax_fwd,
+    [DT_OP_SOFTMAX_BWD] = op_softmax_bwd,
+    [DT_OP_PERMUTE] = op_permute,
 };
 
 static void cpu_run(dt_backend *be, const dt_op *op) {

@@ -407,11 +407,18 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
       /* row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T; a leading dimension is at
        * least 1 even when k is 0 */
       int64_t lda = q->trans_a ? q->m : q->k, ldb = q->trans_b ? q->k : q->n;
-      CUBLAS_CHECK(cublasGemmEx(im->blas, q->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                q->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, (int)q->n, (int)q->m, (int)q->k, &q->alpha,
-                                q->b, CUDA_R_32F, (int)(ldb > 1 ? ldb : 1), q->a, CUDA_R_32F, (int)(lda > 1 ? lda : 1),
-                                &q->beta, q->c, CUDA_R_32F, (int)q->n, gemm_compute[im->precision],
-                                CUBLAS_GEMM_DEFAULT));
+      const cublasOperation_t ta = q->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = q->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+      if (q->batch > 1) { /* strides swap with the operands, as the leading dimensions do */
+        DT_ASSERT(q->batch < ((int64_t)1 << 31));
+        CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+            im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, q->b, CUDA_R_32F, (int)(ldb > 1 ? ldb : 1),
+            q->stride_b, q->a, CUDA_R_32F, (int)(lda > 1 ? lda : 1), q->stride_a, &q->beta, q->c, CUDA_R_32F, (int)q->n,
+            q->stride_c, (int)q->batch, gemm_compute[im->precision], CUBLAS_GEMM_DEFAULT));
+        break;
+      }
+      CUBLAS_CHECK(cublasGemmEx(im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, q->b, CUDA_R_32F,
+                                (int)(ldb > 1 ? ldb : 1), q->a, CUDA_R_32F, (int)(lda > 1 ? lda : 1), &q->beta, q->c,
+                                CUDA_R_32F, (int)q->n, gemm_compute[im->precision], CUBLAS_GEMM_DEFAULT));
       break;
     }
     case DT_OP_BIAS_ADD: {
@@ -493,8 +500,8 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
       double *pairs =
           grow_device(im, (void **)&im->partials, &im->partials_bytes,
                       (size_t)(q->b > K_SUM_BLOCKS ? q->b : K_SUM_BLOCKS) * 2 * sizeof(double), "loss sums");
-      k_loss(s, q->kind, q->logits, q->labels, q->targets, q->dlogits, q->b, q->k, q->label_smoothing, q->weight,
-             q->grad_scale, q->sums, pairs);
+      k_loss(s, q->kind, q->logits, q->labels, q->targets, q->dlogits, q->b, q->k, q->label_smoothing,
+             q->ignore ? q->ignore_index : -1, q->weight, q->grad_scale, q->sums, pairs);
       break;
     }
     case DT_OP_SGD: {
@@ -544,6 +551,62 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
       const typeof(op->p.gather) *q = &op->p.gather;
       CHECK_INDEXABLE(q->n * q->row);
       k_gather(s, q->type, q->src, q->idx, q->out, q->n, q->row);
+      break;
+    }
+    case DT_OP_EMBED_FWD: {
+      const typeof(op->p.embed_fwd) *q = &op->p.embed_fwd;
+      CHECK_INDEXABLE(q->n * q->d);
+      CHECK_INDEXABLE(q->vocab * q->d);
+      k_embed_fwd(s, q->tokens, q->wte, q->wpe, q->y, q->n, q->t, q->d);
+      break;
+    }
+    case DT_OP_EMBED_BWD: {
+      const typeof(op->p.embed_bwd) *q = &op->p.embed_bwd;
+      CHECK_INDEXABLE(q->n * q->d);
+      CHECK_INDEXABLE(q->vocab * q->d);
+      k_embed_bwd(s, q->tokens, q->dy, q->dwte, q->dwpe, q->n, q->t, q->d, q->vocab);
+      break;
+    }
+    case DT_OP_LN_FWD: {
+      const typeof(op->p.ln_fwd) *q = &op->p.ln_fwd;
+      CHECK_INDEXABLE(q->n * q->d);
+      k_ln_fwd(s, q->x, q->gamma, q->beta, q->y, q->mean, q->rstd, q->n, q->d, q->eps);
+      break;
+    }
+    case DT_OP_LN_BWD: {
+      const typeof(op->p.ln_bwd) *q = &op->p.ln_bwd;
+      CHECK_INDEXABLE(q->n * q->d);
+      if (!q->n) break;
+      size_t need = (size_t)(2 * K_LN_CHUNKS * q->d > 2 * K_SUM_BLOCKS ? 2 * K_LN_CHUNKS * q->d : 2 * K_SUM_BLOCKS);
+      double *partials =
+          grow_device(im, (void **)&im->partials, &im->partials_bytes, need * sizeof(double), "layernorm sums");
+      k_ln_bwd(s, q->x, q->dy, q->gamma, q->mean, q->rstd, q->dx, q->dgamma, q->dbeta, q->n, q->d, partials);
+      break;
+    }
+    case DT_OP_SOFTMAX_FWD: {
+      const typeof(op->p.softmax_fwd) *q = &op->p.softmax_fwd;
+      CHECK_INDEXABLE(q->rows * q->t);
+      k_softmax_fwd(s, q->x, q->y, q->rows, q->t, q->causal, q->scale);
+      break;
+    }
+    case DT_OP_SOFTMAX_BWD: {
+      const typeof(op->p.softmax_bwd) *q = &op->p.softmax_bwd;
+      CHECK_INDEXABLE(q->rows * q->t);
+      k_softmax_bwd(s, q->y, q->dy, q->dx, q->rows, q->t, q->causal, q->scale);
+      break;
+    }
+    case DT_OP_PERMUTE: {
+      const typeof(op->p.permute) *q = &op->p.permute;
+      DT_ASSERT(q->ndim >= 2 && q->ndim <= 5);
+      int64_t total = 1;
+      int seen = 0;
+      for (int i = 0; i < q->ndim; i++) {
+        DT_ASSERT(q->perm[i] >= 0 && q->perm[i] < q->ndim && !(seen & (1 << q->perm[i])));
+        seen |= 1 << q->perm[i];
+        total *= q->dims[i];
+      }
+      CHECK_INDEXABLE(total);
+      k_permute(s, q->x, q->y, q->ndim, q->dims, q->perm);
       break;
     }
     case DT_OP_COUNT: DT_ASSERT(0);

@@ -77,6 +77,9 @@ static const dt_key config_keys[] = {
     {"optim.nesterov", DT_KEY_BOOL, F(nesterov), "false", NOB, NULL, "SGD Nesterov momentum (needs momentum > 0)"},
     {"optim.weight_decay", DT_KEY_FLOAT, F(weight_decay), "0", 0, BIG, NULL,
      "SGD: L2 added to the gradient; AdamW: decoupled decay"},
+    {"optim.no_decay", DT_KEY_NODE, F(no_decay_node), "[]", NOB, NULL,
+     "tensor groups weight decay skips, any of [bias, norm, embedding] (GPT-2 fine-tuning: all three): biases, "
+     "batchnorm/layernorm weights, embedding matrices (and a head tied to one)"},
     {"optim.betas", DT_KEY_FLOATS, F(betas), "[0.9, 0.999]", 0, 0.999999, NULL, "AdamW betas (two numbers in [0,1))"},
     {"optim.eps", DT_KEY_FLOAT, F(eps), "1e-8", 0, BIG, NULL, "AdamW epsilon"},
     {"optim.schedule.name", DT_KEY_ENUM, F(schedule), "constant", NOB, "constant|step|cosine|onecycle",
@@ -221,6 +224,25 @@ static int check_cross(dt_config *cfg, dt_status *st) {
     return dt_fail(st, DT_EXIT_INPUT, "%s: data.std has %d values but the input has %d channels", cfg->path, v->std.n,
                    channels);
   if (v->betas.n != 2) return dt_fail(st, DT_EXIT_INPUT, "%s: optim.betas: expected two numbers", cfg->path);
+  const dt_node *nd = v->no_decay_node;
+  v->no_decay = 0;
+  if (nd && nd->kind != DT_NODE_SEQ)
+    return dt_fail(st, DT_EXIT_INPUT, "%s: optim.no_decay: expected a list such as [bias, norm, embedding]",
+                   yaml_where(nd, where, sizeof where));
+  for (int i = 0; nd && i < nd->n; i++) {
+    const dt_node *it = nd->items[i];
+    static const char *const groups[] = {"bias", "norm", "embedding"};
+    int bit = -1;
+    for (int g = 0; g < 3 && it->kind == DT_NODE_SCALAR; g++)
+      if (!strcmp(it->scalar, groups[g])) bit = g;
+    if (bit < 0) {
+      const char *near = it->kind == DT_NODE_SCALAR ? keys_suggest(it->scalar, groups, 3) : NULL;
+      return dt_fail(st, DT_EXIT_INPUT, "%s: optim.no_decay[%d]: expected bias, norm or embedding%s%s%s",
+                     yaml_where(it, where, sizeof where), i, near ? "; did you mean '" : "", near ? near : "",
+                     near ? "'?" : "");
+    }
+    v->no_decay |= 1 << bit;
+  }
   if ((v->early_metric == DT_METRIC_EMA_VAL_LOSS || v->early_metric == DT_METRIC_EMA_VAL_ACC) && v->ema_decay <= 0)
     return dt_fail(st, DT_EXIT_INPUT, "%s: train.early_stopping.metric %s needs train.ema.decay > 0", cfg->path,
                    v->early_metric == DT_METRIC_EMA_VAL_LOSS ? "ema_val_loss" : "ema_val_acc");

@@ -41,6 +41,8 @@ typedef struct {
   /* optim */
   int optim;
   double lr, momentum, weight_decay, eps;
+  const dt_node *no_decay_node;
+  int no_decay; /* DT_NO_DECAY_* bits: tensors weight decay skips */
   int nesterov;
   dt_list betas;
   int schedule;
@@ -80,5 +82,7 @@ void config_free(dt_config *cfg);
 void config_print_keys(FILE *out);
 
 uint64_t dt_fnv1a(const void *data, size_t len, uint64_t h);
+
+enum { DT_NO_DECAY_BIAS = 1, DT_NO_DECAY_NORM = 2, DT_NO_DECAY_EMBEDDING = 4 };
 
 #endif

@@ -2,6 +2,9 @@
  * background thread.
  * A split (train or val) is an x dataset (N, ...) of uint8/float32/float64 and a y dataset:
  * integer class labels (N,) for cross_entropy, float targets (N, K) or (N,) for mse.
+ * A token model's split is x alone: integer tokens (N, T+1), a row's first T the input and its last
+ * T the targets, or a flat stream (L,) cut into N = (L-1)/T such windows, each overlapping the
+ * next by one token; every token is checked to be in [0, vocab) and held in memory as int32.
  * Each rank holds the rows it may use ([lo, hi)): all of them for global sharding, its own 1/W
  * for contiguous sharding, its 1/W slice of the validation set. Labels are always in memory; x
  * is in memory when cached, otherwise read row by row from the file per batch.
@@ -29,6 +32,8 @@ typedef struct {
   void *x;         /* rows [lo, hi) in the file's type; NULL: read per batch */
   int32_t *labels; /* rows [lo, hi) (cross_entropy) */
   float *targets;  /* rows [lo, hi) x y_k (mse) */
+  int32_t *tokens; /* token model: row r's T+1 tokens start at tokens[(r - lo) * tok_stride] */
+  int64_t tok_stride;
   hid_t dset_x;
 } dt_split;
 
@@ -46,14 +51,15 @@ int data_open(dt_data *d, const dt_config *cfg, const dt_model *m, int world, in
 void data_close(dt_data *d);
 
 /* Rows idx[0..n) (absolute row numbers within [lo, hi)) of split as float (n, row_elems), with
- * labels (n) or targets (n, y_k). Returns 0 or st (exit 5 on a read failure). */
+ * labels (n * labels per row: T for a token model) or targets (n, y_k). Returns 0 or st (exit 5 on
+ * a read failure). */
 int data_gather(dt_data *d, dt_split *s, const int64_t *idx, int64_t n, float *x, int32_t *labels, float *targets,
                 dt_status *st);
 
 /* One micro-batch on the host. */
 typedef struct {
   float *x;        /* (count, row_elems); not filled by an indices-only loader */
-  int32_t *labels; /* (count), likewise */
+  int32_t *labels; /* (count * labels per row), likewise */
   float *targets;  /* (count, y_k), likewise */
   int32_t *rows;   /* (count) the rows taken, numbered within the split's [lo, hi) */
   int64_t count, global_count;

@@ -88,8 +88,69 @@ static int shape_matches(int nd, const hsize_t *dims, const dt_shape *in) {
   return 1;
 }
 
+/* A token model's split (see data.h): all of this rank's rows read as int32 and checked. */
+static int open_token_split(dt_data *d, dt_split *s, const char *xkey, const dt_model *m, int64_t lo_frac_r, int world,
+                            int contiguous, dt_status *st) {
+  char e[512], dt[128];
+  hid_t dx = open_dset(d, s->x_name, xkey, st);
+  if (dx < 0) return st->code;
+  hsize_t xd[8];
+  int xn = get_dims(dx, xd, 8), rc = 0;
+  const int64_t t = m->tokens, vocab = m->n_classes;
+  dims_text(xn, xd, dt, sizeof dt);
+  hid_t ty = H5Dget_type(dx);
+  H5T_class_t cls = H5Tget_class(ty);
+  H5Tclose(ty);
+  if (cls != H5T_INTEGER || !((xn == 2 && (int64_t)xd[1] == t + 1) || xn == 1)) {
+    rc = dt_fail(st, DT_EXIT_INPUT,
+                 "%s: dataset '%s' (%s) is %s %s; a token model with model.input [%lld] needs integer tokens (N, %lld) "
+                 "or a flat stream (L,)",
+                 d->path, s->x_name, xkey, cls == H5T_INTEGER ? "integer" : "non-integer", dt, (long long)t,
+                 (long long)(t + 1));
+    goto out;
+  }
+  int64_t len = (int64_t)xd[0];
+  s->tok_stride = xn == 2 ? t + 1 : t;
+  s->n = xn == 2 ? len : (len > t ? (len - 1) / t : 0);
+  s->row_elems = t;
+  s->x_type = DT_X_F32, s->x_elem = sizeof(float);
+  s->y_k = 0;
+  s->lo = contiguous ? split_lo(s->n, world, (int)lo_frac_r) : 0;
+  s->hi = contiguous ? split_lo(s->n, world, (int)lo_frac_r + 1) : s->n;
+  int64_t rows = s->hi - s->lo;
+  /* the values rows [lo, hi) span: as rows of the dataset, or a stretch of the stream */
+  int64_t first = xn == 2 ? s->lo : s->lo * t, count = rows ? (rows - 1) * s->tok_stride + t + 1 : 0;
+  s->tokens = dt_malloc((size_t)(count ? count : 1) * sizeof(int32_t));
+  if (count && (xn == 2 ? read_rows(dx, H5T_NATIVE_INT32, s->lo, s->hi, t + 1, s->tokens)
+                        : read_rows(dx, H5T_NATIVE_INT32, first, first + count, 1, s->tokens))) {
+    rc = dt_fail(st, DT_EXIT_INPUT, "%s: cannot read '%s' (corrupt or unreadable file?): %s", d->path, s->x_name,
+                 h5_error_text(e, sizeof e));
+    goto out;
+  }
+  for (int64_t i = 0; i < count; i++)
+    if (s->tokens[i] < 0 || s->tokens[i] >= vocab) {
+      if (xn == 2)
+        rc = dt_fail(st, DT_EXIT_INPUT, "%s: '%s'[%lld, %lld] = %d: token outside [0, %lld) (the model's vocabulary)",
+                     d->path, s->x_name, (long long)(first + i / (t + 1)), (long long)(i % (t + 1)), s->tokens[i],
+                     (long long)vocab);
+      else
+        rc = dt_fail(st, DT_EXIT_INPUT, "%s: '%s'[%lld] = %d: token outside [0, %lld) (the model's vocabulary)",
+                     d->path, s->x_name, (long long)(first + i), s->tokens[i], (long long)vocab);
+      goto out;
+    }
+  d->cached = 1;
+out:
+  H5Dclose(dx);
+  return rc;
+}
+
 static int open_split(dt_data *d, dt_split *s, const char *xkey, const char *ykey, const dt_model *m, int64_t lo_frac_r,
                       int world, int contiguous, int cache, dt_status *st) {
+  if (m->tokens) {
+    if (cache == DT_CACHE_DEVICE)
+      return dt_fail(st, DT_EXIT_INPUT, "data.cache: device is not available for token models yet (use auto)");
+    return open_token_split(d, s, xkey, m, lo_frac_r, world, contiguous, st);
+  }
   char e[512], dt[128];
   hid_t dx = open_dset(d, s->x_name, xkey, st);
   if (dx < 0) return st->code;
@@ -273,10 +334,11 @@ static int probe_splits(void *ctx, dt_status *st) {
       int64_t rows[2] = {s->lo, s->hi - 1};
       float *x = dt_malloc((size_t)(2 * s->row_elems) * sizeof(float));
       float *targets = dt_malloc((size_t)(2 * s->y_k + 1) * sizeof(float));
-      int32_t labels[2];
+      int32_t *labels = dt_malloc((size_t)(2 * a->m->n_labels) * sizeof(int32_t));
       data_gather(&d, s, rows, 2, x, labels, targets, st);
       free(x);
       free(targets);
+      free(labels);
     }
   }
   data_close(&d);
@@ -294,6 +356,8 @@ int data_open(dt_data *d, const dt_config *cfg, const dt_model *m, int world, in
 
 static void split_free(dt_split *s) {
   free(s->x);
+  free(s->tokens);
+  s->tokens = NULL;
   free(s->labels);
   free(s->targets);
   if (s->dset_x >= 0) H5Dclose(s->dset_x);
@@ -322,6 +386,18 @@ static void convert_row(const dt_split *s, const void *src, float *dst) {
 
 int data_gather(dt_data *d, dt_split *s, const int64_t *idx, int64_t n, float *x, int32_t *labels, float *targets,
                 dt_status *st) {
+  if (s->tokens) { /* inputs: a window's first T tokens; labels: its last T */
+    const int64_t t = s->row_elems;
+    for (int64_t i = 0; i < n; i++) {
+      DT_ASSERT(idx[i] >= s->lo && idx[i] < s->hi);
+      const int32_t *w = s->tokens + (idx[i] - s->lo) * s->tok_stride;
+      for (int64_t j = 0; j < t; j++) {
+        x[i * t + j] = (float)w[j]; /* exact below 2^24 */
+        labels[i * t + j] = w[j + 1];
+      }
+    }
+    return 0;
+  }
   unsigned char row[8 * 4096];
   void *tmp =
       s->x ? NULL
@@ -411,9 +487,9 @@ void loader_start(dt_loader *L, dt_data *d, dt_sampler *s, const dt_model *m, in
   L->idx = dt_malloc((size_t)cap * sizeof(int64_t));
   for (int i = 0; i < 2; i++) {
     L->slots[i].x = dt_malloc((size_t)(cap * shape_size(m->input)) * sizeof(float));
-    L->slots[i].labels = dt_malloc((size_t)cap * sizeof(int32_t));
+    L->slots[i].labels = dt_malloc((size_t)(cap * m->n_labels + 1) * sizeof(int32_t));
     L->slots[i].rows = dt_malloc((size_t)(cap ? cap : 1) * sizeof(int32_t));
-    L->slots[i].targets = dt_malloc((size_t)(cap * (m->n_outputs > 0 ? m->n_outputs : 1)) * sizeof(float));
+    L->slots[i].targets = dt_malloc((size_t)(cap * (m->loss.kind == DT_LOSS_MSE ? m->n_outputs : 1)) * sizeof(float));
   }
   pthread_mutex_init(&L->mu, NULL);
   pthread_cond_init(&L->cv, NULL);

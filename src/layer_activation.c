@@ -1,4 +1,5 @@
-/* layer_activation.c: elementwise layers that keep the shape: relu, gelu (erf form), tanh,
+/* layer_activation.c: elementwise layers that keep the shape: relu, gelu{approximate} (erf form, or
+ * PyTorch's tanh form), tanh,
  * sigmoid, dropout{p}; and flatten, (C,H,W) -> (C*H*W) in PyTorch's C,H,W order. */
 #include <stddef.h>
 
@@ -13,7 +14,7 @@ static int same_setup(dt_model *m, dt_layer *l, dt_status *st) {
 
 static int act_kind(const dt_layer *l) {
   if (l->ops == &dt_layer_relu) return DT_ACT_RELU;
-  if (l->ops == &dt_layer_gelu) return DT_ACT_GELU;
+  if (l->ops == &dt_layer_gelu) return l->args.approximate ? DT_ACT_GELU_TANH : DT_ACT_GELU;
   if (l->ops == &dt_layer_tanh) return DT_ACT_TANH;
   return DT_ACT_SIGMOID;
 }
@@ -40,7 +41,17 @@ static int64_t act_flops(const dt_layer *l) {
   const dt_layer_ops var = {  \
       .kind = name, .setup = same_setup, .forward = act_forward, .backward = act_backward, .flops = act_flops}
 ACTIVATION(dt_layer_relu, "relu");
-ACTIVATION(dt_layer_gelu, "gelu");
+static const dt_key gelu_keys[] = {
+    {"approximate", DT_KEY_ENUM, offsetof(dt_layer_args, approximate), "none", 1, 0, "none|tanh",
+     "PyTorch's approximate: tanh is GPT-2's form"},
+};
+const dt_layer_ops dt_layer_gelu = {.kind = "gelu",
+                                    .keys = gelu_keys,
+                                    .n_keys = 1,
+                                    .setup = same_setup,
+                                    .forward = act_forward,
+                                    .backward = act_backward,
+                                    .flops = act_flops};
 ACTIVATION(dt_layer_tanh, "tanh");
 ACTIVATION(dt_layer_sigmoid, "sigmoid");
 

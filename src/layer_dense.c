@@ -1,6 +1,9 @@
-/* layer_dense.c: linear{out, bias}. x (B, in) -> y (B, out) = x W^T + b; W (out, in) as PyTorch. */
+/* layer_dense.c: linear{out, bias, tie}. x (B, in) -> y (B, out) = x W^T + b; W (out, in) as PyTorch.
+ * On a sequence (B, T, in) it acts on each position's vector. tie: "<layer>" takes the weight from
+ * that (earlier) embedding's tok.weight (vocab, D): one tensor, whose gradient sums both uses. */
 #include <math.h>
 #include <stddef.h>
+#include <string.h>
 
 #include "layers.h"
 
@@ -8,19 +11,39 @@
 static const dt_key linear_keys[] = {
     {"out", DT_KEY_INT, A(out), NULL, 1, 1e9, NULL, "output features"},
     {"bias", DT_KEY_BOOL, A(bias), "true", 1, 0, NULL, "add a bias"},
+    {"tie", DT_KEY_STRING, A(tie), "", 1, 0, NULL, "name of an earlier embedding layer whose tok.weight is the weight"},
 };
 
+static dt_layer *find_layer(dt_model *m, const char *name) {
+  for (int i = 0; i < m->n_all; i++)
+    if (!strcmp(m->all[i]->name, name)) return m->all[i];
+  return NULL;
+}
+
 static int linear_setup(dt_model *m, dt_layer *l, dt_status *st) {
-  (void)m;
-  if (l->in.rank != 1) {
+  if (l->in.rank == 3) {
     char s[64];
     shape_text(l->in, s, sizeof s);
     return dt_fail(st, DT_EXIT_INPUT, "%s: layer %s linear: expects a vector input, got %s (add flatten before it)",
                    l->where, l->name, s);
   }
-  l->out = (dt_shape){1, l->args.out, 1, 1};
-  int64_t w[2] = {l->args.out, l->in.c};
-  layer_add_tensor(l, "weight", 0, 2, w);
+  l->out = (dt_shape){l->in.rank, l->args.out, l->in.h, 1};
+  if (l->args.tie && l->args.tie[0]) {
+    dt_layer *e = find_layer(m, l->args.tie);
+    if (!e || e == l || e->ops != &dt_layer_embedding)
+      return dt_fail(st, DT_EXIT_INPUT, "%s: layer %s linear: tie '%s' names no earlier embedding layer", l->where,
+                     l->name, l->args.tie);
+    if (e->args.vocab != l->args.out || e->args.dim != l->in.c)
+      return dt_fail(
+          st, DT_EXIT_INPUT,
+          "%s: layer %s linear: tied to %s's (%lld, %lld) tok.weight, but this layer is (%lld, %lld) (out, in)",
+          l->where, l->name, e->name, (long long)e->args.vocab, (long long)e->args.dim, (long long)l->args.out,
+          (long long)l->in.c);
+    l->tied = e;
+  } else {
+    int64_t w[2] = {l->args.out, l->in.c};
+    layer_add_tensor(l, "weight", 0, 2, w);
+  }
   if (l->args.bias) layer_add_tensor(l, "bias", 0, 1, &l->args.out);
   return 0;
 }
@@ -33,73 +56,70 @@ static void linear_init(dt_layer *l, float *params, float *bufs, uint64_t seed) 
     init_uniform(params + l->tensors[t].offset, l->tensors[t].count, bound, dt_hash64(seed + (uint64_t)t));
 }
 
-static void linear_forward(dt_layer *l, dt_pass *pass, const float *x) {
-  const float *w = pass->params + l->param_off;
-  dt_op op = {.type = DT_OP_GEMM};
-  op.p.gemm = (typeof(op.p.gemm)){.trans_a = 0,
-                                  .trans_b = 1,
-                                  .m = pass->batch,
-                                  .n = l->args.out,
-                                  .k = l->in.c,
-                                  .alpha = 1.0f,
-                                  .beta = 0.0f,
-                                  .a = x,
-                                  .b = w,
-                                  .c = l->y};
-  backend_run(pass->be, &op);
-  if (l->args.bias) {
+/* Offsets into the flat buffers of the weight (out, in) and the bias (out). */
+static int64_t weight_off(const dt_layer *l) {
+  return l->tied ? l->tied->tensors[0].offset : l->param_off;
+}
+static int64_t bias_off(const dt_layer *l) {
+  return l->tied ? l->param_off : l->param_off + l->args.out * l->in.c;
+}
+
+void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
+                   const float *bias, float *y) {
+  dt_op op = {.type = DT_OP_GEMM}; /* y(rows, out) = x(rows, in) W^T(in, out) */
+  op.p.gemm = (typeof(op.p.gemm)){
+      .trans_a = 0, .trans_b = 1, .m = rows, .n = out, .k = in, .alpha = 1.0f, .beta = 0.0f, .a = x, .b = w, .c = y};
+  backend_run(be, &op);
+  if (bias) {
     dt_op b = {.type = DT_OP_BIAS_ADD};
-    b.p.bias_add = (typeof(b.p.bias_add)){
-        .b = pass->batch, .c = l->args.out, .s = 1, .y = l->y, .bias = w + l->args.out * l->in.c};
-    backend_run(pass->be, &b);
+    b.p.bias_add = (typeof(b.p.bias_add)){.b = rows, .c = out, .s = 1, .y = y, .bias = bias};
+    backend_run(be, &b);
   }
+}
+
+void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
+                    const float *dy, float *dw, float *dbias, float *dx) {
+  dt_op op = {.type = DT_OP_GEMM}; /* dW(out, in) += dy^T(out, rows) x(rows, in) */
+  op.p.gemm = (typeof(op.p.gemm)){
+      .trans_a = 1, .trans_b = 0, .m = out, .n = in, .k = rows, .alpha = 1.0f, .beta = 1.0f, .a = dy, .b = x, .c = dw};
+  backend_run(be, &op);
+  if (dbias) {
+    dt_op b = {.type = DT_OP_BIAS_GRAD};
+    b.p.bias_grad = (typeof(b.p.bias_grad)){.b = rows, .c = out, .s = 1, .dy = dy, .db = dbias};
+    backend_run(be, &b);
+  }
+  if (dx) { /* dx(rows, in) = dy(rows, out) W(out, in) */
+    op.p.gemm = (typeof(op.p.gemm)){.trans_a = 0,
+                                    .trans_b = 0,
+                                    .m = rows,
+                                    .n = in,
+                                    .k = out,
+                                    .alpha = 1.0f,
+                                    .beta = 0.0f,
+                                    .a = dy,
+                                    .b = w,
+                                    .c = dx};
+    backend_run(be, &op);
+  }
+}
+
+static void linear_forward(dt_layer *l, dt_pass *pass, const float *x) {
+  dense_forward(pass->be, shape_rows(l->in, pass->batch), l->in.c, l->args.out, x, pass->params + weight_off(l),
+                l->args.bias ? pass->params + bias_off(l) : NULL, l->y);
 }
 
 static void linear_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
-  const float *w = pass->params + l->param_off;
-  float *dw = pass->grads + l->param_off;
-  dt_op op = {.type = DT_OP_GEMM};
-  /* dW(out, in) += dy^T(out, B) x(B, in) */
-  op.p.gemm = (typeof(op.p.gemm)){.trans_a = 1,
-                                  .trans_b = 0,
-                                  .m = l->args.out,
-                                  .n = l->in.c,
-                                  .k = pass->batch,
-                                  .alpha = 1.0f,
-                                  .beta = 1.0f,
-                                  .a = l->dy,
-                                  .b = x,
-                                  .c = dw};
-  backend_run(pass->be, &op);
-  if (l->args.bias) {
-    dt_op b = {.type = DT_OP_BIAS_GRAD};
-    b.p.bias_grad = (typeof(b.p.bias_grad)){
-        .b = pass->batch, .c = l->args.out, .s = 1, .dy = l->dy, .db = dw + l->args.out * l->in.c};
-    backend_run(pass->be, &b);
-  }
-  if (dx) {
-    /* dx(B, in) = dy(B, out) W(out, in) */
-    op.p.gemm = (typeof(op.p.gemm)){.trans_a = 0,
-                                    .trans_b = 0,
-                                    .m = pass->batch,
-                                    .n = l->in.c,
-                                    .k = l->args.out,
-                                    .alpha = 1.0f,
-                                    .beta = 0.0f,
-                                    .a = l->dy,
-                                    .b = w,
-                                    .c = dx};
-    backend_run(pass->be, &op);
-  }
+  dense_backward(pass->be, shape_rows(l->in, pass->batch), l->in.c, l->args.out, x, pass->params + weight_off(l), l->dy,
+                 pass->grads + weight_off(l), l->args.bias ? pass->grads + bias_off(l) : NULL, dx);
 }
 
 static int64_t linear_flops(const dt_layer *l) {
-  return 2 * l->in.c * l->args.out + (l->args.bias ? l->args.out : 0);
+  return shape_rows(l->in, 1) * (2 * l->in.c * l->args.out + (l->args.bias ? l->args.out : 0));
 }
 
 const dt_layer_ops dt_layer_linear = {.kind = "linear",
                                       .keys = linear_keys,
-                                      .n_keys = 2,
+                                      .n_keys = 3,
                                       .setup = linear_setup,
                                       .init = linear_init,
                                       .forward = linear_forward,

@@ -1,5 +1,6 @@
-/* layer_norm.c: batchnorm{momentum, eps, sync} over (B, C, H, W) per channel, or (B, D) per feature.
- * Tensors as PyTorch: weight, bias (params); running_mean, running_var (buffers).
+/* layer_norm.c: batchnorm{momentum, eps, sync} over (B, C, H, W) per channel, or (B, D) per feature;
+ * layernorm{eps} over the last dim of each row ((B, D), or (B, T, D) per position).
+ * Tensors as PyTorch: weight, bias (params); running_mean, running_var (batchnorm's buffers).
  * Training normalises with the batch statistics (biased variance) and updates the running ones
  * with the unbiased variance; sync: true reduces the sums over all ranks in forward and backward. */
 #include <stddef.h>
@@ -23,7 +24,9 @@ typedef struct {
 
 static int bn_setup(dt_model *m, dt_layer *l, dt_status *st) {
   (void)m;
-  (void)st;
+  if (l->in.rank == 2)
+    return dt_fail(st, DT_EXIT_INPUT, "%s: layer %s batchnorm: the input is a sequence; use layernorm", l->where,
+                   l->name);
   l->out = l->in;
   int64_t c = l->in.c;
   layer_add_tensor(l, "weight", 0, 1, &c);
@@ -151,3 +154,99 @@ const dt_layer_ops dt_layer_batchnorm = {.kind = "batchnorm",
                                          .backward = bn_backward,
                                          .release = bn_release,
                                          .flops = bn_flops};
+
+static const dt_key ln_keys[] = {
+    {"eps", DT_KEY_FLOAT, A(eps), "1e-5", 0, 1, NULL, "added to the variance"},
+};
+
+typedef struct {
+  float *mean, *rstd; /* (max_batch * rows per sample): what forward used, for backward */
+  float *dx_unused;   /* (max_batch, in): the first layer's dx, which nothing reads */
+} ln_state;
+
+static int ln_setup(dt_model *m, dt_layer *l, dt_status *st) {
+  (void)m;
+  if (l->in.rank == 3)
+    return dt_fail(st, DT_EXIT_INPUT, "%s: layer %s layernorm: expects vectors or a sequence, got an image", l->where,
+                   l->name);
+  l->out = l->in;
+  int64_t c = l->in.c;
+  layer_add_tensor(l, "weight", 0, 1, &c);
+  layer_add_tensor(l, "bias", 0, 1, &c);
+  return 0;
+}
+
+static void ln_init(dt_layer *l, float *params, float *bufs, uint64_t seed) {
+  (void)bufs;
+  (void)seed;
+  for (int64_t i = 0; i < l->in.c; i++) {
+    params[l->tensors[0].offset + i] = 1.0f;
+    params[l->tensors[1].offset + i] = 0.0f;
+  }
+}
+
+static void ln_alloc(dt_layer *l, dt_backend *be, int64_t max_batch) {
+  ln_state *s = dt_calloc(1, sizeof *s);
+  size_t bytes = (size_t)shape_rows(l->in, max_batch) * sizeof(float);
+  s->mean = be->alloc(be, bytes);
+  s->rstd = be->alloc(be, bytes);
+  if (l->index == 0) s->dx_unused = be->alloc(be, (size_t)(max_batch * shape_size(l->in)) * sizeof(float));
+  l->priv = s;
+}
+
+static void ln_release(dt_layer *l, dt_backend *be) {
+  ln_state *s = l->priv;
+  if (!s) return;
+  be->free(be, s->mean);
+  be->free(be, s->rstd);
+  if (s->dx_unused) be->free(be, s->dx_unused);
+}
+
+static void ln_forward(dt_layer *l, dt_pass *pass, const float *x) {
+  ln_state *s = l->priv;
+  dt_op op = {.type = DT_OP_LN_FWD,
+              .p.ln_fwd = {.n = shape_rows(l->in, pass->batch),
+                           .d = l->in.c,
+                           .eps = (float)l->args.eps,
+                           .x = x,
+                           .gamma = pass->params + l->tensors[0].offset,
+                           .beta = pass->params + l->tensors[1].offset,
+                           .y = l->y,
+                           .mean = s->mean,
+                           .rstd = s->rstd}};
+  backend_run(pass->be, &op);
+}
+
+static void ln_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
+  ln_state *s = l->priv;
+  DT_ASSERT(dx || s->dx_unused); /* only the model's first layer is given no dx */
+  dt_op op = {.type = DT_OP_LN_BWD,
+              .p.ln_bwd = {.n = shape_rows(l->in, pass->batch),
+                           .d = l->in.c,
+                           .x = x,
+                           .dy = l->dy,
+                           .gamma = pass->params + l->tensors[0].offset,
+                           .mean = s->mean,
+                           .rstd = s->rstd,
+                           .dx = dx ? dx : s->dx_unused,
+                           .dgamma = pass->grads + l->tensors[0].offset,
+                           .dbeta = pass->grads + l->tensors[1].offset}};
+  backend_run(pass->be, &op);
+}
+
+static void ln_memory(const dt_layer *l, int64_t batch, int threads, dt_memory *mem) {
+  (void)threads;
+  mem->activations += 2 * (size_t)shape_rows(l->in, batch) * sizeof(float);
+}
+
+const dt_layer_ops dt_layer_layernorm = {.kind = "layernorm",
+                                         .keys = ln_keys,
+                                         .n_keys = 1,
+                                         .setup = ln_setup,
+                                         .init = ln_init,
+                                         .alloc = ln_alloc,
+                                         .forward = ln_forward,
+                                         .backward = ln_backward,
+                                         .release = ln_release,
+                                         .flops = bn_flops,
+                                         .memory = ln_memory};

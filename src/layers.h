@@ -16,6 +16,16 @@ extern const dt_layer_ops dt_layer_tanh;
 extern const dt_layer_ops dt_layer_sigmoid;
 extern const dt_layer_ops dt_layer_dropout;
 extern const dt_layer_ops dt_layer_flatten;
-extern const dt_layer_ops dt_layer_residual; /* layer_residual.c */
+extern const dt_layer_ops dt_layer_residual;  /* layer_residual.c */
+extern const dt_layer_ops dt_layer_embedding; /* layer_embedding.c */
+extern const dt_layer_ops dt_layer_layernorm; /* layer_norm.c */
+extern const dt_layer_ops dt_layer_attention; /* layer_attention.c */
+
+/* Queues y(rows, out) = x(rows, in) W^T + bias (bias NULL: none); W (out, in). layer_dense.c. */
+void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
+                   const float *bias, float *y);
+/* Queues dW += dy^T x, dbias += column sums of dy (NULL: none), dx = dy W (NULL: none). */
+void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
+                    const float *dy, float *dw, float *dbias, float *dx);
 
 #endif

@@ -8,10 +8,14 @@
 
 typedef struct {
   double label_smoothing;
+  int64_t ignore_index;
 } ce_args;
 
+#define NO_IGNORE (-100) /* PyTorch's default ignore_index; labels are checked to be >= 0 */
 static const dt_key ce_keys[] = {
     {"label_smoothing", DT_KEY_FLOAT, offsetof(ce_args, label_smoothing), "0", 0, 1, NULL, "PyTorch's label smoothing"},
+    {"ignore_index", DT_KEY_INT, offsetof(ce_args, ignore_index), "-100", -100, 2147483647, NULL,
+     "token models: targets equal to it (padding) add no loss or gradient"},
 };
 
 int loss_parse(dt_loss *l, const dt_node *node, dt_status *st) {
@@ -19,6 +23,7 @@ int loss_parse(dt_loss *l, const dt_node *node, dt_status *st) {
   const char *name;
   const dt_node *params = NULL;
   memset(l, 0, sizeof *l);
+  l->ignore_index = NO_IGNORE;
   if (!node)
     name = "cross_entropy";
   else if (node->kind == DT_NODE_SCALAR)
@@ -35,8 +40,10 @@ int loss_parse(dt_loss *l, const dt_node *node, dt_status *st) {
   ce_args args = {0};
   if (!strcmp(name, "cross_entropy")) {
     l->kind = DT_LOSS_CROSS_ENTROPY;
-    if (keys_read(ce_keys, 1, &args, params, node, "model.loss cross_entropy: ", "parameter", st)) return st->code;
+    if (keys_read(ce_keys, 2, &args, params, node, "model.loss cross_entropy: ", "parameter", st)) return st->code;
     l->label_smoothing = args.label_smoothing;
+    l->ignore_index = args.ignore_index;
+    l->ignore_index_set = args.ignore_index != NO_IGNORE;
   } else if (!strcmp(name, "mse")) {
     l->kind = DT_LOSS_MSE;
     if (keys_read(NULL, 0, &args, params, node, "model.loss mse: ", "parameter", st)) return st->code;
@@ -61,6 +68,8 @@ void loss_run(const dt_loss *l, dt_backend *be, int64_t rows, int64_t k, double 
                          .b = rows,
                          .k = k,
                          .label_smoothing = (float)l->label_smoothing,
+                         .ignore = l->ignore_index_set,
+                         .ignore_index = (int32_t)l->ignore_index,
                          .weight = weight,
                          .grad_scale = grad_scale,
                          .logits = logits,

@@ -1,6 +1,6 @@
 /* loss.h: the model's loss on its logits (B, K): cross_entropy{label_smoothing} against integer
  * labels, or mse against float targets (B, K) (mean over K per sample). Per-sample losses are
- * summed and dlogits weighted by 1/global_count, so gradients summed over ranks are the gradient
+ * summed and dlogits weighted by 1/(targets in the global batch), so gradients summed over ranks are the gradient
  * of the global mean. The model owns one (dt_model.loss); this file knows nothing of models. */
 #ifndef DT_LOSS_H
 #define DT_LOSS_H
@@ -11,6 +11,8 @@
 typedef struct {
   int kind; /* DT_LOSS_CROSS_ENTROPY or DT_LOSS_MSE */
   double label_smoothing;
+  int64_t ignore_index; /* cross_entropy: labels equal to it add no loss and no gradient (padding) */
+  int ignore_index_set;
 } dt_loss;
 
 /* Parses model.loss (NULL: cross_entropy; a name; or a one-key map). Returns 0 or st (exit 2). */

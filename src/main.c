@@ -34,6 +34,10 @@ static const char usage_text[] =
     "  --resume PATH     continue from a checkpoint file; `--resume auto` takes the newest good one in\n"
     "                    checkpoint.dir (falling back past unreadable ones) or starts fresh when there is none\n"
     "  --predict OUT.h5  write the validation logits of the model (from --resume or model.init_from) and exit\n"
+    "  --sample N        print N tokens a token model (from --resume or model.init_from) samples after --prompt\n"
+    "  --prompt TEXT     the text to continue (bytes for a vocab-256 model, else token ids), default a newline\n"
+    "  --temperature X   sampling temperature (default 0.8; 0: always the most likely token)\n"
+    "  --top-k K         sample among the K most likely tokens (default 40; 0: all)\n"
     "  --info            print each node's host, GPUs, library versions and communicator, then exit\n"
     "  --config-keys     print every config key with its type, default and meaning (Markdown)\n"
     "  --version         print the versions of ddp_train and its libraries\n"
@@ -50,13 +54,29 @@ typedef struct {
   char **sets;
   int n_sets;
   int dry_run, help, version, config_keys, device, info;
-  const char *resume;  /* NULL, "auto" or a path */
-  const char *predict; /* NULL or the output path */
+  const char *resume;    /* NULL, "auto" or a path */
+  const char *predict;   /* NULL or the output path */
+  int64_t sample, top_k; /* --sample N (0: none) */
+  const char *prompt;
+  double temperature;
 } cli_args;
+
+/* A number option's value; 0 or st (exit 2) naming the option. */
+static int number_arg(const char *opt, const char *val, double lo, double hi, double *out, dt_status *st) {
+  char *end;
+  double x = val ? strtod(val, &end) : 0;
+  if (!val || !*val || *end || !(x >= lo && x <= hi))
+    return dt_fail(st, DT_EXIT_INPUT, "%s needs a number in [%g, %g], got '%s'", opt, lo, hi, val ? val : "");
+  *out = x;
+  return 0;
+}
 
 static int parse_args(int argc, char **argv, cli_args *a, dt_status *st) {
   memset(a, 0, sizeof *a);
   a->sets = dt_calloc((size_t)argc + 1, sizeof(char *));
+  a->temperature = 0.8;
+  a->top_k = 40;
+  a->prompt = "";
   for (int i = 1; i < argc; i++) {
     const char *s = argv[i];
     if (!strcmp(s, "--help") || !strcmp(s, "-h"))
@@ -88,6 +108,19 @@ static int parse_args(int argc, char **argv, cli_args *a, dt_status *st) {
       const char *val = s[9] == '=' ? s + 10 : (i + 1 < argc ? argv[++i] : NULL);
       if (!val || !*val) return dt_fail(st, DT_EXIT_INPUT, "--predict needs an output path");
       a->predict = val;
+    } else if (!strcmp(s, "--sample") || !strcmp(s, "--temperature") || !strcmp(s, "--top-k")) {
+      double x = 0;
+      if (number_arg(s, i + 1 < argc ? argv[++i] : NULL, 0, s[2] == 't' && s[3] == 'e' ? 100 : 1e9, &x, st))
+        return st->code;
+      if (!strcmp(s, "--sample"))
+        a->sample = (int64_t)x;
+      else if (!strcmp(s, "--top-k"))
+        a->top_k = (int64_t)x;
+      else
+        a->temperature = x;
+    } else if (!strcmp(s, "--prompt")) {
+      if (i + 1 >= argc) return dt_fail(st, DT_EXIT_INPUT, "--prompt needs the text to continue");
+      a->prompt = argv[++i];
     } else if (!strcmp(s, "--resume") || !strncmp(s, "--resume=", 9)) {
       const char *val = s[8] == '=' ? s + 9 : (i + 1 < argc ? argv[++i] : NULL);
       if (!val || !*val) return dt_fail(st, DT_EXIT_INPUT, "--resume needs a checkpoint path or auto");
@@ -459,11 +492,17 @@ static void check_memory(const dt_config *cfg, const dt_model *m, const dt_data 
 static void print_data_summary(const dt_data *d, const dt_config *cfg, int world) {
   const dt_config_values *v = &cfg->v;
   int64_t G = v->global_batch_size ? v->global_batch_size : v->batch_size * world;
-  printf("data: %s: train %lld rows ('%s', '%s'), ", d->path, (long long)d->train.n, d->train.x_name, d->train.y_name);
-  if (d->has_val)
-    printf("val %lld rows ('%s', '%s')\n", (long long)d->val.n, d->val.x_name, d->val.y_name);
-  else
-    printf("no validation split\n");
+  if (d->train.tokens) { /* a token model's targets are its inputs shifted by one */
+    int64_t t = d->train.row_elems;
+    printf("data: %s: train %lld sequences of %lld tokens ('%s'), ", d->path, (long long)d->train.n, (long long)t,
+           d->train.x_name);
+    if (d->has_val) printf("val %lld sequences ('%s'); targets: the next tokens\n", (long long)d->val.n, d->val.x_name);
+  } else {
+    printf("data: %s: train %lld rows ('%s', '%s'), ", d->path, (long long)d->train.n, d->train.x_name,
+           d->train.y_name);
+    if (d->has_val) printf("val %lld rows ('%s', '%s')\n", (long long)d->val.n, d->val.x_name, d->val.y_name);
+  }
+  if (!d->has_val) printf("no validation split\n");
   printf("batch: global %lld = %d rank%s x %s%lld, %s sharding\n", (long long)G, world, world > 1 ? "s" : "",
          v->global_batch_size && G % world ? "~" : "", (long long)(G / world),
          v->sharding == DT_SHARD_GLOBAL ? "global" : "contiguous");
@@ -570,6 +609,10 @@ int main(int argc, char **argv) {
   opts.resume = resumed ? &resume : NULL;
   if (args.predict) {
     code = train_predict(&cfg, &model, &data, &comm, args.predict);
+    goto done;
+  }
+  if (args.sample) {
+    code = train_sample(&cfg, &model, &comm, args.sample, args.prompt, args.temperature, args.top_k);
     goto done;
   }
   dt_train_result res;

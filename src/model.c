@@ -8,14 +8,17 @@
 #include "layers.h"
 
 static const dt_layer_ops *const layer_kinds[] = {
-    &dt_layer_linear,         &dt_layer_conv2d,  &dt_layer_batchnorm, &dt_layer_maxpool, &dt_layer_avgpool,
-    &dt_layer_global_avgpool, &dt_layer_relu,    &dt_layer_gelu,      &dt_layer_tanh,    &dt_layer_sigmoid,
-    &dt_layer_dropout,        &dt_layer_flatten, &dt_layer_residual};
+    &dt_layer_linear,   &dt_layer_conv2d,         &dt_layer_batchnorm, &dt_layer_maxpool,
+    &dt_layer_avgpool,  &dt_layer_global_avgpool, &dt_layer_relu,      &dt_layer_gelu,
+    &dt_layer_tanh,     &dt_layer_sigmoid,        &dt_layer_dropout,   &dt_layer_flatten,
+    &dt_layer_residual, &dt_layer_embedding,      &dt_layer_layernorm, &dt_layer_attention};
 #define N_LAYER_KINDS ((int)(sizeof layer_kinds / sizeof *layer_kinds))
 
 void shape_text(dt_shape s, char *buf, size_t cap) {
   if (s.rank == 1)
     snprintf(buf, cap, "(%lld)", (long long)s.c);
+  else if (s.rank == 2)
+    snprintf(buf, cap, "(%lld, %lld)", (long long)s.h, (long long)s.c);
   else
     snprintf(buf, cap, "(%lld, %lld, %lld)", (long long)s.c, (long long)s.h, (long long)s.w);
 }
@@ -42,10 +45,80 @@ void init_uniform(float *p, int64_t n, float bound, uint64_t seed) {
   for (int64_t i = 0; i < n; i++) p[i] = (2.0f * dt_hash_uniform(seed, (uint64_t)i) - 1.0f) * bound;
 }
 
+void init_normal(float *p, int64_t n, float std, uint64_t seed) {
+  for (int64_t i = 0; i < n; i++) { /* Box-Muller on two counter-based uniforms */
+    double u1 = dt_hash_uniform(seed, 2 * (uint64_t)i), u2 = dt_hash_uniform(seed, 2 * (uint64_t)i + 1);
+    p[i] = (float)(std * sqrt(-2.0 * log(1.0 - u1)) * cos(6.283185307179586 * u2));
+  }
+}
+
 static void register_layer(dt_model *m, dt_layer *l) {
   m->all = dt_realloc(m->all, (size_t)(m->n_all + 1) * sizeof *m->all);
   l->index = m->n_all;
   m->all[m->n_all++] = l;
+}
+
+/* Builds one list item into s (appending), updating *cur; a repeat{times, layers} item appends
+ * its layers `times` over, numbered on in the same list. */
+static int seq_add(dt_model *m, dt_seq *s, const dt_node *item, int i, dt_shape *cur, const char *prefix,
+                   const char *what, dt_status *st) {
+  char where[512];
+  yaml_where(item, where, sizeof where);
+  const char *kind;
+  const dt_node *params = NULL;
+  if (item->kind == DT_NODE_SCALAR) {
+    kind = item->scalar;
+  } else if (item->kind == DT_NODE_MAP && item->n == 1) {
+    kind = item->keys[0];
+    params = item->items[0];
+    if (params->kind == DT_NODE_SCALAR &&
+        (!strcmp(params->scalar, "") || !strcmp(params->scalar, "null") || !strcmp(params->scalar, "~")))
+      params = NULL;
+  } else {
+    return dt_fail(st, DT_EXIT_INPUT, "%s: %s[%d]: a layer is a one-key map such as `- relu: {}`", where, what, i);
+  }
+  if (!strcmp(kind, "repeat")) {
+    static const dt_key repeat_keys[] = {
+        {"times", DT_KEY_INT, offsetof(dt_layer_args, times), NULL, 1, 10000, NULL, "copies"},
+        {"layers", DT_KEY_NODE, offsetof(dt_layer_args, layers), NULL, 1, 0, NULL, "list of layers"},
+    };
+    dt_layer_args ra = {0};
+    char kp[256];
+    snprintf(kp, sizeof kp, "%s[%d] repeat: ", what, i);
+    if (keys_read(repeat_keys, 2, &ra, params, item, kp, "parameter", st)) return st->code;
+    if (ra.layers->kind != DT_NODE_SEQ || ra.layers->n == 0)
+      return dt_fail(st, DT_EXIT_INPUT, "%s: %s[%d] repeat: layers must be a non-empty list of layers", where, what, i);
+    for (int64_t r = 0; r < ra.times; r++)
+      for (int j = 0; j < ra.layers->n; j++)
+        if (seq_add(m, s, ra.layers->items[j], i, cur, prefix, what, st)) return st->code;
+    return 0;
+  }
+  const dt_layer_ops *ops = NULL;
+  const char *names[N_LAYER_KINDS + 1];
+  for (int k = 0; k < N_LAYER_KINDS; k++) {
+    names[k] = layer_kinds[k]->kind;
+    if (!strcmp(kind, layer_kinds[k]->kind)) ops = layer_kinds[k];
+  }
+  names[N_LAYER_KINDS] = "repeat";
+  if (!ops) {
+    const char *near = keys_suggest(kind, names, N_LAYER_KINDS + 1);
+    return dt_fail(st, DT_EXIT_INPUT, "%s: %s[%d]: unknown layer '%s'%s%s%s", where, what, i, kind,
+                   near ? "; did you mean '" : "", near ? near : "", near ? "'?" : "");
+  }
+  dt_layer *l = dt_calloc(1, sizeof *l);
+  s->layers = dt_realloc(s->layers, (size_t)(s->n + 1) * sizeof *s->layers);
+  s->layers[s->n++] = l;
+  l->ops = ops;
+  l->in = *cur;
+  snprintf(l->name, sizeof l->name, "%s%d", prefix, s->n - 1);
+  dt_strlcpy(l->where, where, sizeof l->where);
+  register_layer(m, l);
+  char kp[256];
+  snprintf(kp, sizeof kp, "%s[%d] %s: ", what, i, kind);
+  if (keys_read(ops->keys, ops->n_keys, &l->args, params, item, kp, "parameter", st)) return st->code;
+  if (ops->setup(m, l, st)) return st->code;
+  *cur = l->out;
+  return 0;
 }
 
 int seq_build(dt_model *m, dt_seq *s, const dt_node *list, dt_shape in, const char *prefix, const char *what,
@@ -54,48 +127,10 @@ int seq_build(dt_model *m, dt_seq *s, const dt_node *list, dt_shape in, const ch
   if (list->kind != DT_NODE_SEQ)
     return dt_fail(st, DT_EXIT_INPUT, "%s: %s: expected a list of layers", yaml_where(list, where, sizeof where), what);
   s->n = 0;
-  s->layers = dt_calloc((size_t)(list->n > 0 ? list->n : 1), sizeof *s->layers);
+  s->layers = NULL;
   dt_shape cur = in;
-  for (int i = 0; i < list->n; i++) {
-    const dt_node *item = list->items[i];
-    yaml_where(item, where, sizeof where);
-    const char *kind;
-    const dt_node *params = NULL;
-    if (item->kind == DT_NODE_SCALAR) {
-      kind = item->scalar;
-    } else if (item->kind == DT_NODE_MAP && item->n == 1) {
-      kind = item->keys[0];
-      params = item->items[0];
-      if (params->kind == DT_NODE_SCALAR &&
-          (!strcmp(params->scalar, "") || !strcmp(params->scalar, "null") || !strcmp(params->scalar, "~")))
-        params = NULL;
-    } else {
-      return dt_fail(st, DT_EXIT_INPUT, "%s: %s[%d]: a layer is a one-key map such as `- relu: {}`", where, what, i);
-    }
-    const dt_layer_ops *ops = NULL;
-    const char *names[N_LAYER_KINDS];
-    for (int k = 0; k < N_LAYER_KINDS; k++) {
-      names[k] = layer_kinds[k]->kind;
-      if (!strcmp(kind, layer_kinds[k]->kind)) ops = layer_kinds[k];
-    }
-    if (!ops) {
-      const char *near = keys_suggest(kind, names, N_LAYER_KINDS);
-      return dt_fail(st, DT_EXIT_INPUT, "%s: %s[%d]: unknown layer '%s'%s%s%s", where, what, i, kind,
-                     near ? "; did you mean '" : "", near ? near : "", near ? "'?" : "");
-    }
-    dt_layer *l = dt_calloc(1, sizeof *l);
-    s->layers[s->n++] = l;
-    l->ops = ops;
-    l->in = cur;
-    snprintf(l->name, sizeof l->name, "%s%d", prefix, i);
-    dt_strlcpy(l->where, where, sizeof l->where);
-    register_layer(m, l);
-    char kp[256];
-    snprintf(kp, sizeof kp, "%s[%d] %s: ", what, i, kind);
-    if (keys_read(ops->keys, ops->n_keys, &l->args, params, item, kp, "parameter", st)) return st->code;
-    if (ops->setup(m, l, st)) return st->code;
-    cur = l->out;
-  }
+  for (int i = 0; i < list->n; i++)
+    if (seq_add(m, s, list->items[i], i, &cur, prefix, what, st)) return st->code;
   return 0;
 }
 
@@ -117,16 +152,34 @@ static void layout(dt_model *m) {
   }
 }
 
+/* The kind of the first layer of model.layers ("" when it cannot be told). */
+static const char *first_kind(const dt_node *layers) {
+  if (!layers || layers->kind != DT_NODE_SEQ || layers->n == 0) return "";
+  const dt_node *item = layers->items[0];
+  if (item->kind == DT_NODE_SCALAR) return item->scalar;
+  if (item->kind == DT_NODE_MAP && item->n == 1) return item->keys[0];
+  return "";
+}
+
 int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
   memset(m, 0, sizeof *m);
   const dt_list *in = &cfg->v.input;
+  const dt_config_values *v = &cfg->v;
+  if (!strcmp(first_kind(cfg->v.layers), "embedding")) {
+    if (in->n != 1)
+      return dt_fail(st, DT_EXIT_INPUT,
+                     "model.input: a token model (first layer embedding) takes [T] tokens, got %d dims", in->n);
+    if (v->mean.n || v->std.n || v->scale != 1.0)
+      return dt_fail(st, DT_EXIT_INPUT,
+                     "data.scale, data.mean, data.std: a token model's input is token ids, unscaled");
+    m->tokens = (int64_t)in->v[0];
+  }
   if (in->n == 3)
     m->input = (dt_shape){3, (int64_t)in->v[0], (int64_t)in->v[1], (int64_t)in->v[2]};
   else if (in->n == 2)
     m->input = (dt_shape){3, 1, (int64_t)in->v[0], (int64_t)in->v[1]};
   else
     m->input = (dt_shape){1, (int64_t)in->v[0], 1, 1};
-  const dt_config_values *v = &cfg->v;
   m->in_scale = (float)v->scale;
   m->in_channels = m->input.rank == 3 ? (int)m->input.c : 1;
   m->has_mean = v->mean.n > 0;
@@ -135,17 +188,30 @@ int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
   for (int c = 0; c < v->std.n && c < DT_MAX_LIST; c++) m->in_std[c] = (float)v->std.v[c];
   if (seq_build(m, &m->top, cfg->v.layers, m->input, "", "model.layers", st)) return st->code;
   if (loss_parse(&m->loss, cfg->v.loss, st)) return st->code;
-  dt_shape out = m->top.layers[m->top.n - 1]->out;
+  const dt_layer *last = m->top.layers[m->top.n - 1];
+  dt_shape out = last->out;
   m->n_outputs = shape_size(out);
-  if (out.rank != 1) {
-    char s[64];
-    shape_text(out, s, sizeof s);
+  m->n_labels = 1;
+  char s[64];
+  shape_text(out, s, sizeof s);
+  if (m->tokens) {
+    if (out.rank != 2 || out.h != m->tokens)
+      return dt_fail(st, DT_EXIT_INPUT,
+                     "%s: the last layer outputs %s; a token model needs logits (T, vocab) = (%lld, V) per sample",
+                     last->where, s, (long long)m->tokens);
+    if (m->loss.kind != DT_LOSS_CROSS_ENTROPY)
+      return dt_fail(st, DT_EXIT_INPUT, "model.loss: a token model is trained with cross_entropy over its next tokens");
+    m->n_labels = m->tokens;
+  } else if (out.rank != 1) {
     return dt_fail(st, DT_EXIT_INPUT, "%s: the last layer outputs %s; the loss needs a vector (add flatten and linear)",
-                   m->top.layers[m->top.n - 1]->where, s);
+                   last->where, s);
   }
-  if (m->loss.kind == DT_LOSS_CROSS_ENTROPY && m->n_outputs < 2)
-    return dt_fail(st, DT_EXIT_INPUT, "%s: cross_entropy needs at least 2 outputs, the model has %lld",
-                   m->top.layers[m->top.n - 1]->where, (long long)m->n_outputs);
+  if (m->loss.ignore_index_set && !m->tokens)
+    return dt_fail(st, DT_EXIT_INPUT, "model.loss: ignore_index is for token models (padding in a sequence)");
+  m->n_classes = m->n_outputs / m->n_labels;
+  if (m->loss.kind == DT_LOSS_CROSS_ENTROPY && m->n_classes < 2)
+    return dt_fail(st, DT_EXIT_INPUT, "%s: cross_entropy needs at least 2 outputs, the model has %lld", last->where,
+                   (long long)m->n_classes);
   layout(m);
   return 0;
 }
@@ -196,6 +262,7 @@ static void free_seq(dt_seq *s, dt_backend *be) {
     }
     free_seq(&l->body, be);
     free_seq(&l->shortcut, be);
+    free(l->args.tie);
     free(l->priv);
     free(l);
   }
@@ -217,6 +284,41 @@ void model_free(dt_model *m) {
   free(m->all);
   free(m->tensors);
   memset(m, 0, sizeof *m);
+}
+
+/* The layer a parameter tensor belongs to. */
+static const dt_layer *tensor_layer(const dt_model *m, const dt_tensor *t) {
+  for (int i = 0; i < m->n_all; i++) {
+    const dt_layer *l = m->all[i];
+    if (t->offset >= l->param_off && t->offset < l->param_off + l->n_params) return l;
+  }
+  return NULL;
+}
+
+static int tensor_decays(const dt_model *m, const dt_tensor *t, int no_decay) {
+  const dt_layer *l = tensor_layer(m, t);
+  const char *leaf = strrchr(t->name, '.');
+  int norm = l && (l->ops == &dt_layer_layernorm || l->ops == &dt_layer_batchnorm);
+  if ((no_decay & DT_NO_DECAY_NORM) && norm) return 0;
+  if ((no_decay & DT_NO_DECAY_EMBEDDING) && l && l->ops == &dt_layer_embedding) return 0;
+  if ((no_decay & DT_NO_DECAY_BIAS) && !norm && leaf && !strcmp(leaf, ".bias")) return 0;
+  return 1;
+}
+
+int model_decay_runs(const dt_model *m, int no_decay, int64_t *off, int64_t *len, int *decay) {
+  int n = 0;
+  for (int i = 0; i < m->n_tensors; i++) {
+    const dt_tensor *t = &m->tensors[i];
+    if (t->is_buffer) continue;
+    int d = tensor_decays(m, t, no_decay);
+    if (n && decay[n - 1] == d && off[n - 1] + len[n - 1] == t->offset) {
+      len[n - 1] += t->count;
+    } else {
+      off[n] = t->offset, len[n] = t->count, decay[n] = d;
+      n++;
+    }
+  }
+  return n;
 }
 
 void model_print_layer_keys(FILE *out) {
@@ -347,6 +449,10 @@ float *model_dlogits(dt_model *m) {
 }
 
 void model_input(dt_model *m, const float *raw, int64_t rows) {
+  if (m->tokens) { /* token ids, taken as they are */
+    backend_copy(m->be, m->input_x, raw, rows * m->tokens);
+    return;
+  }
   int64_t ch = m->in_channels;
   dt_op op = {.type = DT_OP_INPUT,
               .p.input = {.b = rows,
@@ -361,6 +467,6 @@ void model_input(dt_model *m, const float *raw, int64_t rows) {
 }
 
 void model_loss(dt_model *m, dt_pass *pass, const int32_t *labels, const float *targets, double *sums) {
-  loss_run(&m->loss, pass->be, pass->batch, m->n_outputs, 1.0 / pass->global_count, pass->grad_scale, model_logits(m),
-           labels, targets, model_dlogits(m), sums);
+  loss_run(&m->loss, pass->be, pass->batch * m->n_labels, m->n_classes, 1.0 / pass->global_targets, pass->grad_scale,
+           model_logits(m), labels, targets, model_dlogits(m), sums);
 }

@@ -13,7 +13,8 @@
 #include "config.h"
 #include "loss.h"
 
-/* Per-sample shape: (C,H,W); a vector of D is (D,1,1) with rank 1. */
+/* Per-sample shape: (C,H,W); a vector of D is (D,1,1) with rank 1; a sequence of T vectors of D
+ * is rank 2 with c = D, h = T, stored (T, D) row-major: layers on sequences act on rows of D. */
 typedef struct {
   int rank;
   int64_t c, h, w;
@@ -29,7 +30,10 @@ typedef struct {
   int64_t out, kernel, stride, pad;
   int bias, sync;
   double momentum, eps, p, label_smoothing;
-  const dt_node *body, *shortcut;
+  const dt_node *body, *shortcut, *layers;
+  int64_t vocab, dim, max_len, heads, times;
+  int positions, causal, approximate;
+  char *tie; /* linear: the embedding layer whose token matrix is the weight */
 } dt_layer_args;
 
 /* A named tensor of a layer: in the flat params (is_buffer 0) or the flat buffers (1). */
@@ -89,17 +93,23 @@ struct dt_layer {
   int n_tensors;
   float *y, *dy;         /* (B, out) backend memory */
   dt_seq body, shortcut; /* residual only */
+  dt_layer *tied;        /* linear{tie}: the embedding whose token matrix it uses (borrowed) */
   void *priv;            /* per-kind state */
 };
+
+/* Rows a layer's ops see for `batch` samples: B for vectors and images, B * T for sequences. */
+static inline int64_t shape_rows(dt_shape s, int64_t batch) {
+  return s.rank == 2 ? batch * s.h : batch;
+}
 
 /* Everything a pass needs; the train loop fills it for each micro-step. */
 struct dt_pass {
   dt_backend *be;
   int64_t batch; /* local rows */
   int training;
-  double global_count;          /* rows in the global batch (the loss's weight) */
-  const float *grad_scale;      /* (1) backend memory or NULL: the fp16 loss scale dlogits carry */
-  const uint64_t *step_seed;    /* (1) backend memory: the micro-batch's dropout seed; NULL when not training */
+  double global_targets;     /* targets in the global batch (rows x labels per row, less ignored): the loss's weight */
+  const float *grad_scale;   /* (1) backend memory or NULL: the fp16 loss scale dlogits carry */
+  const uint64_t *step_seed; /* (1) backend memory: the micro-batch's dropout seed; NULL when not training */
   float *params, *grads, *bufs; /* flat, backend memory */
   /* sync batchnorm: sums (n doubles, backend memory) over all ranks in place, queued where the
    * communicator allows; NULL: single process */
@@ -116,6 +126,9 @@ struct dt_model {
   int n_all;
   dt_loss loss;
   int64_t n_outputs; /* logits per sample */
+  int64_t tokens;    /* T for a token model (first layer embedding: the input is T token ids), else 0 */
+  int64_t n_labels;  /* labels per sample: T for a token model, else 1 */
+  int64_t n_classes; /* logits per label: n_outputs / n_labels */
   int64_t n_params, n_bufs;
   dt_tensor *tensors; /* every tensor, in PyTorch state_dict order */
   int n_tensors;
@@ -138,6 +151,11 @@ void model_alloc(dt_model *m, dt_backend *be, int64_t max_batch, uint64_t seed);
 void model_free(dt_model *m);
 
 dt_memory model_memory(const dt_model *m, int64_t batch, int optim_states, int threads);
+
+/* Splits the flat parameters into runs of consecutive tensors that do or do not take weight decay
+ * under optim.no_decay's DT_NO_DECAY_* bits. Fills off/len/decay (capacity: m->n_tensors) and
+ * returns the number of runs. */
+int model_decay_runs(const dt_model *m, int no_decay, int64_t *off, int64_t *len, int *decay);
 
 /* Prints every layer kind with its parameters (Markdown), from the layers' own key tables. */
 void model_print_layer_keys(FILE *out);
@@ -170,5 +188,6 @@ int seq_build(dt_model *m, dt_seq *s, const dt_node *list, dt_shape in, const ch
 /* Layer helpers for families. */
 void layer_add_tensor(dt_layer *l, const char *name, int is_buffer, int ndim, const int64_t *dims);
 void init_uniform(float *p, int64_t n, float bound, uint64_t seed);
+void init_normal(float *p, int64_t n, float std, uint64_t seed); /* normal(0, std) */
 
 #endif

@@ -1,6 +1,7 @@
 #include "optim.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 static double cos_anneal(double start, double end, double pct) {
@@ -58,7 +59,20 @@ void optim_init(dt_optim *o, const dt_config_values *cfg, dt_backend *be, int64_
   o->hyper = be->alloc(be, DT_OPTIM_HYPER * sizeof(float));
 }
 
+void optim_set_runs(dt_optim *o, int n, const int64_t *off, const int64_t *len, const int *decay) {
+  o->n_runs = n;
+  o->run_off = dt_malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+  o->run_len = dt_malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+  o->run_decay = dt_malloc((size_t)(n ? n : 1) * sizeof(int));
+  memcpy(o->run_off, off, (size_t)n * sizeof(int64_t));
+  memcpy(o->run_len, len, (size_t)n * sizeof(int64_t));
+  memcpy(o->run_decay, decay, (size_t)n * sizeof(int));
+}
+
 void optim_free(dt_optim *o, dt_backend *be) {
+  free(o->run_off);
+  free(o->run_len);
+  free(o->run_decay);
   for (int i = 0; i < o->n_states; i++) be->free(be, o->states[i]);
   if (o->hyper) be->free(be, o->hyper);
   memset(o, 0, sizeof *o);
@@ -71,7 +85,18 @@ void optim_prepare(dt_optim *o, dt_backend *be, double lr) {
 }
 
 void optim_apply(dt_optim *o, dt_backend *be, float *params, const float *grads) {
-  o->ops->step(o->cfg, be, o->n, o->step, o->hyper, o->skip, params, grads, o->states);
+  const float wd = (float)o->cfg->weight_decay;
+  if (o->n_runs == 0) {
+    o->ops->step(o->cfg, be, o->n, o->step, o->hyper, o->skip, wd, params, grads, o->states);
+  } else {
+    for (int r = 0; r < o->n_runs; r++) {
+      const int64_t off = o->run_off[r];
+      float *states[DT_OPTIM_MAX_STATES] = {0};
+      for (int i = 0; i < o->n_states; i++) states[i] = o->states[i] + off;
+      o->ops->step(o->cfg, be, o->run_len[r], o->step, o->hyper, o->skip, o->run_decay[r] ? wd : 0.0f, params + off,
+                   grads + off, states);
+    }
+  }
   o->step++;
 }
 

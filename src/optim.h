@@ -24,7 +24,7 @@ typedef struct {
    * replays. skip: NULL, or device memory that, above 0, makes the step a no-op (fp16 overflow).
    * states: n_states tensors of n. */
   void (*step)(const dt_config_values *c, dt_backend *be, int64_t n, int64_t t, const float *hyper, const double *skip,
-               float *params, const float *grads, float *const *states);
+               float weight_decay, float *params, const float *grads, float *const *states);
 } dt_optim_ops;
 
 extern const dt_optim_ops dt_optim_sgd;   /* optim_sgd.c */
@@ -46,12 +46,19 @@ typedef struct {
   float *hyper;                       /* (DT_OPTIM_HYPER) backend memory: this step's learning rate etc. */
   const double *skip;                 /* (1) backend memory or NULL: the op's skip (set by the trainer) */
   int64_t step;                       /* optimizer steps taken */
+  /* optim.no_decay: runs of the flat buffer stepped with or without weight decay (n_runs 0: one
+   * run of everything, with decay) */
+  int n_runs;
+  int64_t *run_off, *run_len;
+  int *run_decay;
 } dt_optim;
 
 double schedule_lr(const dt_config_values *cfg, int64_t t, int64_t total);
 
 void optim_init(dt_optim *o, const dt_config_values *cfg, dt_backend *be, int64_t n, int64_t total_steps);
 void optim_free(dt_optim *o, dt_backend *be);
+/* Steps runs [off, off + len) with weight decay where decay[i], without elsewhere (copied). */
+void optim_set_runs(dt_optim *o, int n, const int64_t *off, const int64_t *len, const int *decay);
 /* Uploads the next step's values at lr (queued; outside a captured step). */
 void optim_prepare(dt_optim *o, dt_backend *be, double lr);
 /* Queues the step prepared last over params with grads; advances o->step. */

@@ -19,14 +19,15 @@ static void adamw_hyper(const dt_config_values *c, int64_t t, double lr, float *
 }
 
 static void adamw_step(const dt_config_values *c, dt_backend *be, int64_t n, int64_t t, const float *hyper,
-                       const double *skip, float *params, const float *grads, float *const *states) {
+                       const double *skip, float weight_decay, float *params, const float *grads,
+                       float *const *states) {
   (void)t;
   dt_op op = {.type = DT_OP_ADAMW,
               .p.adamw = {.n = n,
                           .beta1 = (float)c->betas.v[0],
                           .beta2 = (float)c->betas.v[1],
                           .eps = (float)c->eps,
-                          .weight_decay = (float)c->weight_decay,
+                          .weight_decay = weight_decay,
                           .hyper = hyper,
                           .skip = skip,
                           .param = params,

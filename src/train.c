@@ -61,7 +61,7 @@ static void ctx_check(void *ctx, int64_t begin, int64_t end) {
  * seed. Backend memory for `cap` rows; filled by upload (queued). */
 typedef struct {
   float *raw;      /* (cap, input) */
-  int32_t *labels; /* (cap) */
+  int32_t *labels; /* (cap * labels per row) */
   float *targets;  /* (cap, outputs) */
   uint64_t *seed;  /* (1) */
   int32_t *rows;   /* (cap) data.cache device: the rows to gather, within the rank's cached rows */
@@ -70,8 +70,8 @@ typedef struct {
 static void dev_batch_alloc(dev_batch *db, const dt_model *m, int64_t cap) {
   dt_backend *be = m->be;
   db->raw = be->alloc(be, (size_t)(cap * shape_size(m->input)) * sizeof(float));
-  db->labels = (int32_t *)be->alloc(be, (size_t)cap * sizeof(int32_t));
-  db->targets = be->alloc(be, (size_t)(cap * m->n_outputs) * sizeof(float));
+  db->labels = (int32_t *)be->alloc(be, (size_t)(cap * m->n_labels) * sizeof(int32_t));
+  db->targets = be->alloc(be, (size_t)(cap * (m->loss.kind == DT_LOSS_MSE ? m->n_outputs : 1)) * sizeof(float));
   db->seed = (uint64_t *)be->alloc(be, sizeof(uint64_t));
   db->rows = (int32_t *)be->alloc(be, (size_t)cap * sizeof(int32_t));
 }
@@ -98,9 +98,19 @@ static void dev_batch_upload(dev_batch *db, const dt_model *m, const dt_batch *b
   }
   copy(be, db->raw, b->x, (size_t)(rows * shape_size(m->input)) * sizeof(float));
   if (m->loss.kind == DT_LOSS_CROSS_ENTROPY)
-    copy(be, db->labels, b->labels, (size_t)rows * sizeof(int32_t));
+    copy(be, db->labels, b->labels, (size_t)(rows * m->n_labels) * sizeof(int32_t));
   else
     copy(be, db->targets, b->targets, (size_t)(rows * m->n_outputs) * sizeof(float));
+}
+
+/* The targets of split rows idx[0..n) that ignore_index leaves in (a token model's). */
+static double count_targets(const dt_split *s, const int64_t *idx, int64_t n, int64_t ignore) {
+  double c = 0;
+  for (int64_t i = 0; i < n; i++) {
+    const int32_t *w = s->tokens + (idx[i] - s->lo) * s->tok_stride;
+    for (int64_t j = 1; j <= s->row_elems; j++) c += w[j] != ignore;
+  }
+  return c;
 }
 
 /* Forward over this rank's validation rows with params and bufs (backend memory: the model's or
@@ -112,14 +122,18 @@ static void eval_rows(dt_model *m, const float *params, const float *bufs, dt_da
   dt_backend *be = m->be;
   int64_t rows = s->hi - s->lo, cap = m->max_batch;
   float *x = dt_malloc((size_t)(cap * shape_size(m->input)) * sizeof(float));
-  int32_t *labels = dt_malloc((size_t)cap * sizeof(int32_t));
-  float *targets = dt_malloc((size_t)(cap * m->n_outputs) * sizeof(float));
+  int32_t *labels = dt_malloc((size_t)(cap * m->n_labels) * sizeof(int32_t));
+  float *targets = dt_malloc((size_t)(cap * (m->loss.kind == DT_LOSS_MSE ? m->n_outputs : 1)) * sizeof(float));
   int64_t *idx = dt_malloc((size_t)cap * sizeof(int64_t));
   dev_batch db;
   dev_batch_alloc(&db, m, cap);
   double *dev_sums = (double *)be->alloc(be, 2 * sizeof(double));
-  dt_pass pass = {
-      .be = be, .training = 0, .global_count = 1, .params = (float *)params, .grads = m->grads, .bufs = (float *)bufs};
+  dt_pass pass = {.be = be,
+                  .training = 0,
+                  .global_targets = 1,
+                  .params = (float *)params,
+                  .grads = m->grads,
+                  .bufs = (float *)bufs};
   for (int64_t i = 0; i < rows && !st->code; i += cap) {
     int64_t n = rows - i < cap ? rows - i : cap;
     for (int64_t k = 0; k < n; k++) idx[k] = s->lo + i + k;
@@ -131,7 +145,8 @@ static void eval_rows(dt_model *m, const float *params, const float *bufs, dt_da
     model_forward(m, &pass);
     model_loss(m, &pass, db.labels, db.targets, dev_sums);
     if (logits) be->to_host(be, logits + i * m->n_outputs, model_logits(m), (size_t)(n * m->n_outputs) * sizeof(float));
-    if (all_labels && s->y_k == 0) memcpy(all_labels + i, labels, (size_t)n * sizeof(int32_t));
+    if (all_labels && s->y_k == 0)
+      memcpy(all_labels + i * m->n_labels, labels, (size_t)(n * m->n_labels) * sizeof(int32_t));
   }
   double host[2];
   be->to_host(be, host, dev_sums, sizeof host);
@@ -149,7 +164,13 @@ void train_evaluate(const dt_config *cfg, dt_model *m, const float *params, cons
                     dt_comm *comm, double *loss, double *acc, dt_status *st) {
   (void)cfg;
   int64_t rows = d->val.hi - d->val.lo;
-  double sums[3] = {0, 0, (double)rows};
+  double sums[3] = {0, 0, (double)(rows * m->n_labels)}; /* per target: a token model's are T per row */
+  if (m->loss.ignore_index_set) {
+    int64_t *idx = dt_malloc((size_t)(rows + 1) * sizeof(int64_t));
+    for (int64_t i = 0; i < rows; i++) idx[i] = d->val.lo + i;
+    sums[2] = count_targets(&d->val, idx, rows, m->loss.ignore_index);
+    free(idx);
+  }
   eval_rows(m, params ? params : m->params, bufs ? bufs : m->bufs, d, sums, NULL, NULL, st);
   comm_allreduce_sum_f64(comm, sums, 3, "validation allreduce");
   *loss = sums[2] > 0 ? sums[0] / sums[2] : 0;
@@ -195,22 +216,24 @@ int train_predict(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, 
   if (!d->has_val) dt_fail(&st, DT_EXIT_INPUT, "--predict: there is no validation split (data.val.x is empty)");
   int code = comm_agree(comm, &st);
   if (code) return code;
-  int64_t rows = d->val.hi - d->val.lo, k = m->n_outputs, n = d->val.n;
+  int64_t rows = d->val.hi - d->val.lo, k = m->n_outputs, n = d->val.n, per = m->n_labels;
   float *logits = dt_malloc((size_t)(rows * k + 1) * sizeof(float));
-  float *labels_f = dt_malloc((size_t)(rows + 1) * sizeof(float));
-  int32_t *labels = dt_malloc((size_t)(rows + 1) * sizeof(int32_t));
+  float *labels_f = dt_malloc((size_t)(rows * per + 1) * sizeof(float));
+  int32_t *labels = dt_malloc((size_t)(rows * per + 1) * sizeof(int32_t));
   double sums[2] = {0, 0};
   eval_rows(m, m->params, m->bufs, d, sums, logits, labels, &st);
   if ((code = comm_agree(comm, &st))) goto out;
-  for (int64_t i = 0; i < rows; i++) labels_f[i] = (float)labels[i]; /* exact for class indices */
+  for (int64_t i = 0; i < rows * per; i++) labels_f[i] = (float)labels[i]; /* exact for class indices */
   float *all = comm->rank == 0 ? dt_malloc((size_t)(n * k + 1) * sizeof(float)) : NULL;
-  float *all_labels = comm->rank == 0 ? dt_malloc((size_t)(n + 1) * sizeof(float)) : NULL;
+  float *all_labels = comm->rank == 0 ? dt_malloc((size_t)(n * per + 1) * sizeof(float)) : NULL;
   comm_gather_rows(comm, logits, rows, k, all);
-  comm_gather_rows(comm, labels_f, rows, 1, all_labels);
+  comm_gather_rows(comm, labels_f, rows, per, all_labels);
   if (comm->rank == 0) {
-    int32_t *li = dt_malloc((size_t)(n + 1) * sizeof(int32_t));
-    for (int64_t i = 0; i < n; i++) li[i] = (int32_t)all_labels[i];
-    if (!ckpt_write_predictions(path, all, m->loss.kind == DT_LOSS_CROSS_ENTROPY ? li : NULL, n, k, &st))
+    int32_t *li = dt_malloc((size_t)(n * per + 1) * sizeof(int32_t));
+    for (int64_t i = 0; i < n * per; i++) li[i] = (int32_t)all_labels[i];
+    /* a token model's targets are its data, shifted: only class labels are written */
+    const int32_t *written = m->loss.kind == DT_LOSS_CROSS_ENTROPY && per == 1 ? li : NULL;
+    if (!ckpt_write_predictions(path, all, written, n, k, &st))
       printf("wrote the logits of %lld validation rows to %s\n", (long long)n, path);
     free(li);
   }
@@ -222,6 +245,112 @@ out:
   free(labels_f);
   free(labels);
   return code;
+}
+
+static int cmp_desc(const void *a, const void *b) {
+  float x = *(const float *)a, y = *(const float *)b;
+  return (x < y) - (x > y);
+}
+
+/* Draws a token from logits (V) at temperature among the top_k; u uniform in [0, 1). */
+static int32_t sample_token(const float *logits, int64_t v, double temperature, int64_t top_k, double u,
+                            float *scratch) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < v; i++)
+    if (logits[i] > logits[best]) best = i;
+  if (temperature <= 0) return (int32_t)best;
+  float floor_logit = -INFINITY; /* logits below the k-th largest are left out */
+  if (top_k > 0 && top_k < v) {
+    memcpy(scratch, logits, (size_t)v * sizeof(float));
+    qsort(scratch, (size_t)v, sizeof(float), cmp_desc);
+    floor_logit = scratch[top_k - 1];
+  }
+  double total = 0;
+  for (int64_t i = 0; i < v; i++)
+    total += logits[i] >= floor_logit ? exp((logits[i] - logits[best]) / temperature) : 0.0;
+  double target = u * total, run = 0;
+  for (int64_t i = 0; i < v; i++) {
+    if (logits[i] < floor_logit) continue;
+    run += exp((logits[i] - logits[best]) / temperature);
+    if (run > target) return (int32_t)i;
+  }
+  return (int32_t)best;
+}
+
+int train_sample(const dt_config *cfg, dt_model *m, dt_comm *comm, int64_t n, const char *prompt, double temperature,
+                 int64_t top_k) {
+  dt_status st = {0};
+  const int64_t t = m->tokens, v = m->n_classes;
+  const int bytes = v == 256;
+  int64_t len = 0, cap = (int64_t)strlen(prompt) + n + 2;
+  int32_t *ctx = dt_malloc((size_t)cap * sizeof(int32_t));
+  if (!t) {
+    dt_fail(&st, DT_EXIT_INPUT, "--sample: the model is not a token model (its first layer is not an embedding)");
+  } else if (bytes) {
+    for (const unsigned char *p = (const unsigned char *)prompt; *p; p++) ctx[len++] = *p;
+  } else {
+    for (const char *p = prompt; *p && !st.code;) {
+      char *end;
+      long id = strtol(p, &end, 10);
+      if (end == p) {
+        if (*p == ' ' || *p == ',') {
+          p++;
+          continue;
+        }
+        dt_fail(&st, DT_EXIT_INPUT, "--prompt: with vocab %lld the prompt is token ids separated by spaces; got '%s'",
+                (long long)v, prompt);
+      } else if (id < 0 || id >= v) {
+        dt_fail(&st, DT_EXIT_INPUT, "--prompt: token %ld is outside [0, %lld)", id, (long long)v);
+      } else {
+        ctx[len++] = (int32_t)id;
+      }
+      p = end == p ? p : end;
+    }
+  }
+  int code = comm_agree(comm, &st);
+  if (code) {
+    free(ctx);
+    return code;
+  }
+  if (len == 0) ctx[len++] = bytes ? '\n' : 0; /* an empty prompt starts a new line */
+  dt_backend *be = m->be;
+  float *x = dt_calloc((size_t)t, sizeof(float)), *logits = dt_malloc((size_t)v * sizeof(float));
+  float *scratch = dt_malloc((size_t)v * sizeof(float));
+  float *raw = be->alloc(be, (size_t)t * sizeof(float));
+  dt_pass pass = {.be = be,
+                  .batch = 1,
+                  .training = 0,
+                  .global_targets = 1,
+                  .params = m->params,
+                  .grads = m->grads,
+                  .bufs = m->bufs};
+  if (comm->rank == 0 && bytes) fwrite(prompt, 1, strlen(prompt), stdout);
+  for (int64_t i = 0; i < n; i++) {
+    /* the last T tokens, left-aligned: causal attention keeps the zero padding after them unseen */
+    int64_t start = len > t ? len - t : 0, w = len - start;
+    for (int64_t j = 0; j < t; j++) x[j] = j < w ? (float)ctx[start + j] : 0.0f;
+    be->to_device(be, raw, x, (size_t)t * sizeof(float));
+    model_input(m, raw, 1);
+    model_forward(m, &pass);
+    be->to_host(be, logits, model_logits(m) + (w - 1) * v, (size_t)v * sizeof(float));
+    int32_t tok =
+        sample_token(logits, v, temperature, top_k, dt_hash_uniform((uint64_t)cfg->v.seed, (uint64_t)i), scratch);
+    ctx[len++] = tok;
+    if (comm->rank == 0) {
+      if (bytes)
+        fputc(tok, stdout);
+      else
+        printf("%s%d", i ? " " : "", tok);
+      fflush(stdout);
+    }
+  }
+  if (comm->rank == 0) printf("\n");
+  be->free(be, raw);
+  free(x);
+  free(logits);
+  free(scratch);
+  free(ctx);
+  return comm_agree(comm, &st);
 }
 
 /* Collective at log steps on GPU runs: every rank's NVML reading, written by rank 0 into the
@@ -349,6 +478,9 @@ typedef struct {
   /* this optimizer step */
   int64_t epoch, os, micro0, k; /* epoch, step within it, its first micro-batch, micro-batches */
   double count;                 /* rows in its global batch */
+  double targets;               /* targets in it the loss averages over: rows x labels per row, less ignore_index's */
+  dt_sampler target_smp;        /* ignore_index: the sampler's twin for counting them (the loader's is its thread's) */
+  int64_t *target_idx;          /* (local rows cap) scratch for counting them */
   double lr;
   dt_step_report all; /* the ranks' summed report */
   /* the log window */
@@ -369,6 +501,11 @@ static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_da
   const int64_t G = v->global_batch_size ? v->global_batch_size : v->batch_size * W;
   sampler_init(&T->smp, d->train.n, W, comm->rank, G, v->sharding == DT_SHARD_CONTIGUOUS, v->drop_last, v->shuffle,
                (uint64_t)v->seed);
+  if (m->loss.ignore_index_set) {
+    sampler_init(&T->target_smp, d->train.n, W, comm->rank, G, v->sharding == DT_SHARD_CONTIGUOUS, v->drop_last,
+                 v->shuffle, (uint64_t)v->seed);
+    T->target_idx = dt_malloc((size_t)(sampler_max_local(&T->target_smp) + 1) * sizeof(int64_t));
+  }
   if (v->sharding == DT_SHARD_CONTIGUOUS && G < W)
     dt_fail(&st, DT_EXIT_INPUT,
             "data.sharding contiguous: the global batch (%lld) must be at least the number of "
@@ -393,6 +530,7 @@ static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_da
   int code = comm_agree(comm, &st);
   if (code) {
     sampler_free(&T->smp);
+    if (T->target_idx) sampler_free(&T->target_smp), free(T->target_idx);
     log_close(&T->lg);
     return code;
   }
@@ -403,6 +541,15 @@ static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_da
 
   dt_backend *be = T->be;
   optim_init(&T->opt, v, be, m->n_params, T->total);
+  if (v->no_decay) { /* optim.no_decay: weight decay only on the other tensors */
+    int64_t *off = dt_malloc((size_t)m->n_tensors * sizeof(int64_t)),
+            *len = dt_malloc((size_t)m->n_tensors * sizeof(int64_t));
+    int *decay = dt_malloc((size_t)m->n_tensors * sizeof(int));
+    optim_set_runs(&T->opt, model_decay_runs(m, v->no_decay, off, len, decay), off, len, decay);
+    free(off);
+    free(len);
+    free(decay);
+  }
   T->stats = (double *)be->alloc(be, STATS * sizeof(double));
   T->stats_host = be->alloc_host(be, STATS * sizeof(double));
   if (v->precision == DT_PREC_FP16) {
@@ -529,7 +676,7 @@ static void queue_micro(dt_trainer *T, const dev_batch *db, int64_t rows, int fi
   dt_pass pass = {.be = be,
                   .batch = rows,
                   .training = 1,
-                  .global_count = T->count,
+                  .global_targets = T->targets,
                   .grad_scale = T->scaler,
                   .step_seed = db->seed,
                   .params = m->params,
@@ -584,7 +731,7 @@ static void queue_update(dt_trainer *T) {
 static void queue_single(dt_trainer *T, const dev_batch *db, int64_t rows) {
   dt_backend *be = T->be;
   const int i = (int)(db - T->in);
-  const int same_shape = T->graph_rows[i] == rows && T->graph_count[i] == T->count;
+  const int same_shape = T->graph_rows[i] == rows && T->graph_count[i] == T->targets;
   const int eager = T->inject != DT_FAULT_NONE; /* a one-off: not captured */
   if (eager) {
     queue_micro(T, db, rows, 1, 1);
@@ -594,7 +741,7 @@ static void queue_single(dt_trainer *T, const dev_batch *db, int64_t rows) {
     optim_advance(&T->opt);
     T->gs.wait_s = 0;
     T->replays++;
-  } else if (T->graphs && rows == T->warm_rows && T->count == T->warm_count) {
+  } else if (T->graphs && rows == T->warm_rows && T->targets == T->warm_count) {
     be->graph_free(be, T->graph[i]);
     T->graph_gen[i] = be->generation;
     be->capture_begin(be);
@@ -602,7 +749,7 @@ static void queue_single(dt_trainer *T, const dev_batch *db, int64_t rows) {
     queue_update(T);
     T->graph[i] = be->capture_end(be);
     T->graph_rows[i] = rows;
-    T->graph_count[i] = T->count;
+    T->graph_count[i] = T->targets;
     be->replay(be, T->graph[i]);
     T->captures++;
   } else {
@@ -610,7 +757,7 @@ static void queue_single(dt_trainer *T, const dev_batch *db, int64_t rows) {
     queue_update(T);
   }
   T->warm_rows = rows;
-  T->warm_count = T->count;
+  T->warm_count = T->targets;
 }
 
 /* Takes the next micro-batch from the loader and queues its upload (with its dropout seed, from
@@ -717,7 +864,7 @@ static int agree_and_advance(dt_trainer *T, dt_step_report *mine, dt_status *st)
  * straggler report and, on GPUs, each rank's NVML reading (collectives). */
 static void log_step(dt_trainer *T, double data_s) {
   const dt_config_values *v = T->v;
-  double loss = T->all.loss_sum / T->count;
+  double loss = T->all.loss_sum / T->targets;
   T->win_loss += loss;
   T->win_steps++;
   T->win_samples += (int64_t)T->count;
@@ -734,7 +881,12 @@ static void log_step(dt_trainer *T, double data_s) {
   int slow;
   straggler_line(T->comm, &T->lg, ms - data_ms - comm_ms, &min_ms, &max_ms, &slow);
   char gpu_json[8192] = "";
-  if (T->opts->gpu >= 0) gpu_metrics(T->comm, T->opts->gpu, &T->gpu_peak_mib, gpu_json, sizeof gpu_json);
+  if (T->m->tokens) /* a token model's throughput in tokens too */
+    snprintf(gpu_json, sizeof gpu_json, ", \"tokens_per_s\": %.1f", sps * (double)T->m->tokens);
+  if (T->opts->gpu >= 0) {
+    size_t used = strlen(gpu_json);
+    gpu_metrics(T->comm, T->opts->gpu, &T->gpu_peak_mib, gpu_json + used, sizeof gpu_json - used);
+  }
   log_line(&T->lg,
            "step %lld/%lld epoch %lld loss %.4f lr %.5f | %.0f samples/s | %.1f ms/step (compute %.1f, data %.1f, "
            "comm %.1f)",
@@ -817,6 +969,18 @@ static int checkpoint_if_due(dt_trainer *T, int end_of_epoch, int new_best) {
   return code;
 }
 
+/* model.loss ignore_index: the targets the step's global batch averages over, summed over ranks
+ * (a collective; the sampler gives each rank its rows without reading them). At least 1. */
+static double step_targets(dt_trainer *T) {
+  double c = 0;
+  for (int64_t j = 0; j < T->k; j++) {
+    int64_t global, n = sampler_batch(&T->target_smp, T->epoch, T->micro0 + j, T->target_idx, &global);
+    c += count_targets(&T->d->train, T->target_idx, n, T->m->loss.ignore_index);
+  }
+  comm_allreduce_sum_f64(T->comm, &c, 1, "target count");
+  return c > 0 ? c : 1;
+}
+
 /* One optimizer step: micro-batches, reduce and agree, step, log, evaluate, checkpoint. */
 static int train_step(dt_trainer *T, dt_train_result *res) {
   const dt_config_values *v = T->v;
@@ -825,6 +989,7 @@ static int train_step(dt_trainer *T, dt_train_result *res) {
   T->k = T->smp.steps - T->micro0 < T->accum ? T->smp.steps - T->micro0 : T->accum;
   T->count = 0;
   for (int64_t j = 0; j < T->k; j++) T->count += (double)sampler_count(&T->smp, T->micro0 + j);
+  T->targets = T->m->loss.ignore_index_set ? step_targets(T) : T->count * (double)T->m->n_labels;
   dt_status st = {0};
   dt_step_report mine = {0};
   double data_s = 0;
@@ -862,6 +1027,7 @@ static int trainer_finish(dt_trainer *T, int code, dt_train_result *res) {
     if (T->captures)
       log_line(&T->lg, "cuda graph: %lld steps captured, %lld replayed", (long long)T->captures, (long long)T->replays);
   }
+  free(T->target_idx);
   free(T->scratch.params);
   free(T->scratch.bufs);
   free(T->scratch.ema_params);
@@ -883,6 +1049,7 @@ static int trainer_finish(dt_trainer *T, int code, dt_train_result *res) {
   optim_free(&T->opt, T->be);
   grad_sync_free(&T->gs);
   sampler_free(&T->smp);
+  if (T->target_idx) sampler_free(&T->target_smp);
   log_close(&T->lg);
   return code;
 }

@@ -38,4 +38,11 @@ void train_evaluate(const dt_config *cfg, dt_model *m, const float *params, cons
  * labels to path; collective. Returns the agreed exit code. */
 int train_predict(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, const char *path);
 
+/* --sample: continues `prompt` (bytes for a vocab-256 model, else token ids separated by spaces)
+ * by n tokens drawn from the model's softmax at `temperature` (0: the most likely) among the top_k
+ * (0: all), from a stream seeded by train.seed; rank 0 prints them (bytes, or ids) to stdout.
+ * Returns 0 or an exit code, agreed on all ranks. */
+int train_sample(const dt_config *cfg, dt_model *m, dt_comm *comm, int64_t n, const char *prompt, double temperature,
+                 int64_t top_k);
+
 #endif

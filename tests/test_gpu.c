@@ -92,7 +92,7 @@ static void check_model(const char *model_yaml, int64_t batch) {
     dt_pass p = {.be = be,
                  .batch = batch,
                  .training = 1,
-                 .global_count = (double)batch,
+                 .global_targets = (double)batch,
                  .step_seed = seed,
                  .params = sd->m.params,
                  .grads = sd->m.grads,
@@ -651,10 +651,10 @@ static void ops_batchnorm(void) {
 }
 
 static void ops_activation(void) {
-  static const char *const kinds[] = {"relu", "gelu", "tanh", "sigmoid"};
+  static const char *const kinds[] = {"relu", "gelu", "tanh", "sigmoid", "gelu_tanh"};
   const int64_t feat = 10;
   FOR_ROWS(r) {
-    for (int kind = 0; kind < 4; kind++) {
+    for (int kind = 0; kind < 5; kind++) {
       int64_t n = rows * feat;
       dbuf x = ot_rand(cap * feat, -3, 3), y = ot_rand(cap * feat, -1, 1), dy = ot_rand(cap * feat, -1, 1);
       dbuf yin = ot_rand(cap * feat, 0.05f, 0.95f), dx = ot_rand(cap * feat, -1, 1);
@@ -913,6 +913,38 @@ static void ops_loss(void) {
       if (kind == DT_LOSS_CROSS_ENTROPY && hits < (double)((rows + 1) / 2))
         fail_msg("op loss [%s]: %g correct, at least %lld expected", ot.kase, hits, (long long)((rows + 1) / 2));
       ot_check("dlogits", dz, rows * K);
+      if (kind != DT_LOSS_CROSS_ENTROPY) continue;
+      const int32_t ignored_label = (int32_t)ot_get(lab, 0, 0); /* row 0's, so at least one row is ignored */
+      ot_case(DT_OP_LOSS, "cross entropy, rows labelled %d ignored, %s", ignored_label, ROWS_NAME(r));
+      dbuf dz_ignored = ot_rand(cap * K, -1, 1), sums_ignored = ot_buf(OT_F64, before, 2);
+      BOTH {
+        dt_op op = {.type = DT_OP_LOSS,
+                    .p.loss = {.kind = kind,
+                               .b = rows,
+                               .k = K,
+                               .ignore = 1,
+                               .ignore_index = ignored_label,
+                               .weight = 1.0 / (double)(2 * cap),
+                               .logits = F(z),
+                               .labels = I(lab),
+                               .dlogits = F(dz_ignored),
+                               .sums = D(sums_ignored)}};
+        RUN(op);
+      }
+      ot_check("dlogits with ignored rows", dz_ignored, rows * K);
+      ot_check("loss sum and hits with ignored rows", sums_ignored, 2);
+      int64_t ignored = 0;
+      for (int64_t b = 0; b < rows; b++) {
+        if (ot_get(lab, 0, b) != ignored_label) continue;
+        ignored++;
+        for (int64_t j = 0; j < K; j++)
+          if (ot_get(dz_ignored, 0, b * K + j) != 0.0)
+            fail_msg("op loss [%s]: ignored row %lld has dlogits[%lld] = %g", ot.kase, (long long)b, (long long)j,
+                     ot_get(dz_ignored, 0, b * K + j));
+      }
+      if (rows > 0 && ignored == 0) fail_msg("op loss [%s]: no row is ignored; the case tests nothing", ot.kase);
+      if (rows > 0 && !(ot_get(sums_ignored, 0, 0) < ot_get(sums, 0, 0)))
+        fail_msg("op loss [%s]: ignoring rows did not lower the loss sum", ot.kase);
     }
   }
 }
@@ -1194,7 +1226,332 @@ static void ops_upload_download(void) {
   }
 }
 
+/* A buffer's contents on one side (0: CPU, 1: CUDA), in a fresh host array. */
+static void *ot_fetch(dbuf b, int side) {
+  size_t bytes = (size_t)b.n * ot_size(b.type);
+  void *h = malloc(bytes + 8);
+  ot.be[side]->to_host(ot.be[side], h, b.p[side], bytes);
+  return h;
+}
+
+/* Buffer b holds the same bits on the CPU and on CUDA. */
+static void ot_check_bits(const char *what, dbuf b) {
+  void *h[2] = {ot_fetch(b, 0), ot_fetch(b, 1)};
+  int same = !memcmp(h[0], h[1], (size_t)b.n * ot_size(b.type));
+  free(h[0]);
+  free(h[1]);
+  if (!same) fail_msg("op %s [%s]: %s: not the same bits on CUDA as on the CPU", dt_op_names[ot.op], ot.kase, what);
+}
+
+/* Strided batched GEMM (attention's scores and context): products at element strides with gaps
+ * between them, or B shared by all (stride 0), every transpose combination, alpha and beta; the
+ * gaps keep their values on both. Then no rows (m = 0): nothing written. */
+static void ops_gemm_batched(void) {
+  const int64_t m = 5, n = 7, k = 6;
+  for (int batch = 2; batch <= 5; batch += 3)
+    for (int shared_b = 0; shared_b < 2; shared_b++)
+      for (int ta = 0; ta < 2; ta++)
+        for (int tb = 0; tb < 2; tb++) {
+          const int64_t sa = m * k + 3, sb = shared_b ? 0 : k * n + 1, sc = m * n + 2;
+          dbuf a = ot_rand(batch * sa, -1, 1), b = ot_rand(batch * (k * n + 1), -1, 1), c = ot_rand(batch * sc, -1, 1);
+          ot_case(DT_OP_GEMM, "batched: %d products, trans_a %d, trans_b %d, %s, alpha 0.7, beta 0.3", batch, ta, tb,
+                  shared_b ? "B shared (stride 0)" : "strides with gaps");
+          BOTH {
+            dt_op op = {.type = DT_OP_GEMM,
+                        .p.gemm = {.trans_a = ta,
+                                   .trans_b = tb,
+                                   .m = m,
+                                   .n = n,
+                                   .k = k,
+                                   .alpha = 0.7f,
+                                   .beta = 0.3f,
+                                   .a = F(a),
+                                   .b = F(b),
+                                   .c = F(c),
+                                   .batch = batch,
+                                   .stride_a = sa,
+                                   .stride_b = sb,
+                                   .stride_c = sc}};
+            RUN(op);
+          }
+          ot_check("C", c, c.n);
+          for (int side = 0; side < 2; side++) {
+            float *h = ot_fetch(c, side);
+            for (int64_t i = 0; i < c.n; i++)
+              if (i % sc >= m * n && h[i] != ((float *)c.init)[i]) {
+                free(h);
+                fail_msg("op gemm [%s]: C[%lld], between products, changed on %s", ot.kase, (long long)i,
+                         side ? "CUDA" : "CPU");
+              }
+            free(h);
+          }
+        }
+  dbuf a = ot_rand(4 * 12, -1, 1), b = ot_rand(4 * 12, -1, 1), c = ot_rand(4 * 12, -1, 1);
+  ot_case(DT_OP_GEMM, "batched: 4 products of no rows");
+  BOTH {
+    dt_op op = {.type = DT_OP_GEMM,
+                .p.gemm = {.m = 0,
+                           .n = 4,
+                           .k = 3,
+                           .alpha = 1.0f,
+                           .a = F(a),
+                           .b = F(b),
+                           .c = F(c),
+                           .batch = 4,
+                           .stride_a = 12,
+                           .stride_b = 12,
+                           .stride_c = 12}};
+    RUN(op);
+  }
+  ot_check("C", c, 0);
+}
+
+/* n tokens (as floats) in [0, vocab), every third one the same token. */
+static dbuf ot_tokens(int64_t n, int64_t vocab) {
+  float *h = calloc((size_t)n + 1, sizeof(float));
+  uint64_t seed = ot.seed++;
+  for (int64_t i = 0; i < n; i++) h[i] = (float)(i % 3 ? dt_hash64(seed ^ (uint64_t)i) % (uint64_t)vocab : 1);
+  dbuf b = ot_buf(OT_F32, h, n);
+  free(h);
+  return b;
+}
+
+/* Token and position embeddings: (B, T = 5) tokens with repeats, D = 37 (not a multiple of 32) and
+ * D = 300 (several column blocks), vocabularies below and above the 32 token ranges; with and
+ * without positions. The backward adds rows in the CPU's order: the same bits on both. */
+static void ops_embed(void) {
+  const int64_t T = 5, shapes[][2] = {{37, 11}, {300, 70}}; /* D, vocab */
+  FOR_ROWS(r) {
+    for (int si = 0; si < 2; si++)
+      for (int pos = 1; pos >= 0; pos--) {
+        const int64_t D = shapes[si][0], V = shapes[si][1], n = rows * T, ncap = cap * T;
+        dbuf tok = ot_tokens(ncap, V), wte = ot_rand(V * D, -1, 1), wpe = ot_rand(T * D, -1, 1);
+        dbuf y = ot_rand(ncap * D, -1, 1), dy = ot_rand(ncap * D, -1, 1), dwte = ot_rand(V * D, -1, 1);
+        dbuf dwpe = ot_rand(T * D, -1, 1);
+        ot_case(DT_OP_EMBED_FWD, "D %lld, vocab %lld, %s, %s", (long long)D, (long long)V,
+                pos ? "positions" : "no positions", ROWS_NAME(r));
+        BOTH {
+          dt_op op = {.type = DT_OP_EMBED_FWD,
+                      .p.embed_fwd = {.n = n,
+                                      .t = T,
+                                      .d = D,
+                                      .vocab = V,
+                                      .tokens = F(tok),
+                                      .wte = F(wte),
+                                      .wpe = pos ? F(wpe) : NULL,
+                                      .y = F(y)}};
+          RUN(op);
+        }
+        ot_check("y", y, n * D);
+        ot_case(DT_OP_EMBED_BWD, "D %lld, vocab %lld, %s, %s", (long long)D, (long long)V,
+                pos ? "positions" : "no positions", ROWS_NAME(r));
+        BOTH {
+          dt_op op = {.type = DT_OP_EMBED_BWD,
+                      .p.embed_bwd = {.n = n,
+                                      .t = T,
+                                      .d = D,
+                                      .vocab = V,
+                                      .tokens = F(tok),
+                                      .dy = F(dy),
+                                      .dwte = F(dwte),
+                                      .dwpe = pos ? F(dwpe) : NULL}};
+          RUN(op);
+        }
+        ot_check("dwte (added into)", dwte, n ? dwte.n : 0);
+        ot_check("dwpe (added into)", dwpe, n && pos ? dwpe.n : 0);
+        ot_check_bits("dwte", dwte);
+        ot_check_bits("dwpe", dwpe);
+      }
+  }
+}
+
+/* Layernorm over D = 37 and D = 300 (more than a block's threads), rows of (B, T = 5), and 130
+ * rows (more than K_LN_CHUNKS chunks of dgamma, dbeta): y, mean, rstd; dx overwritten, dgamma
+ * and dbeta added into. */
+static void ln_case(int64_t D, int64_t cap, int64_t n, const char *rows_name) {
+  dbuf x = ot_rand(cap * D, -2, 3), gamma = ot_rand(D, 0.5f, 1.5f), beta = ot_rand(D, -0.5f, 0.5f);
+  dbuf y = ot_rand(cap * D, -1, 1), mean = ot_rand(cap, -1, 1), rstd = ot_rand(cap, -1, 1);
+  dbuf dy = ot_rand(cap * D, -1, 1), dx = ot_rand(cap * D, -1, 1), dgamma = ot_rand(D, -1, 1);
+  dbuf dbeta = ot_rand(D, -1, 1);
+  ot_case(DT_OP_LN_FWD, "D %lld, %s", (long long)D, rows_name);
+  BOTH {
+    dt_op op = {.type = DT_OP_LN_FWD,
+                .p.ln_fwd = {.n = n,
+                             .d = D,
+                             .eps = 1e-5f,
+                             .x = F(x),
+                             .gamma = F(gamma),
+                             .beta = F(beta),
+                             .y = F(y),
+                             .mean = F(mean),
+                             .rstd = F(rstd)}};
+    RUN(op);
+  }
+  ot_check("y", y, n * D);
+  ot_check("mean", mean, n);
+  ot_check("rstd", rstd, n);
+  ot_case(DT_OP_LN_BWD, "D %lld, %s", (long long)D, rows_name);
+  BOTH {
+    dt_op op = {.type = DT_OP_LN_BWD,
+                .p.ln_bwd = {.n = n,
+                             .d = D,
+                             .x = F(x),
+                             .dy = F(dy),
+                             .gamma = F(gamma),
+                             .mean = F(mean),
+                             .rstd = F(rstd),
+                             .dx = F(dx),
+                             .dgamma = F(dgamma),
+                             .dbeta = F(dbeta)}};
+    RUN(op);
+  }
+  ot_check("dx", dx, n * D);
+  ot_check("dgamma (added into)", dgamma, n ? D : 0);
+  ot_check("dbeta (added into)", dbeta, n ? D : 0);
+}
+
+static void ops_layernorm(void) {
+  const int64_t T = 5;
+  FOR_ROWS(r) {
+    ln_case(37, cap * T, rows * T, ROWS_NAME(r));
+    ln_case(300, cap * T, rows * T, ROWS_NAME(r));
+  }
+  ln_case(37, 130, 130, "130 rows");
+}
+
+/* Softmax over rows of (B, H, T, T) scores, causal (row r: columns j <= r % T) and not, scale
+ * 1/sqrt(8): T = 5 and 33 (a partial warp), then T = 300 (more than a block's threads). Every
+ * seventh row is shifted by 250 (exp(scale * x) overflows a float unless the max is taken out). */
+static void softmax_case(int64_t T, int64_t cap_rows, int64_t rows, const char *rows_name) {
+  for (int causal = 0; causal < 2; causal++) {
+    float *xh = ot_host_rand(cap_rows * T, -4, 4);
+    for (int64_t i = 0; i < cap_rows * T; i++) xh[i] += (i / T) % 7 == 3 ? 250.0f : 0.0f;
+    dbuf x = ot_buf(OT_F32, xh, cap_rows * T);
+    free(xh);
+    dbuf y = ot_rand(cap_rows * T, -1, 1), dy = ot_rand(cap_rows * T, -1, 1);
+    dbuf dx = ot_rand(cap_rows * T, -1, 1);
+    ot_case(DT_OP_SOFTMAX_FWD, "T %lld, %s, %s", (long long)T, causal ? "causal" : "not causal", rows_name);
+    BOTH {
+      dt_op op = {
+          .type = DT_OP_SOFTMAX_FWD,
+          .p.softmax_fwd = {.rows = rows, .t = T, .causal = causal, .scale = 0.35355339f, .x = F(x), .y = F(y)}};
+      RUN(op);
+    }
+    ot_check("y", y, rows * T);
+    ot_case(DT_OP_SOFTMAX_BWD, "T %lld, %s, %s", (long long)T, causal ? "causal" : "not causal", rows_name);
+    BOTH {
+      dt_op op = {
+          .type = DT_OP_SOFTMAX_BWD,
+          .p.softmax_bwd = {
+              .rows = rows, .t = T, .causal = causal, .scale = 0.35355339f, .y = F(y), .dy = F(dy), .dx = F(dx)}};
+      RUN(op);
+    }
+    ot_check("dx", dx, rows * T);
+  }
+}
+
+static void ops_softmax(void) {
+  const int64_t H = 2;
+  FOR_ROWS(r) {
+    softmax_case(5, cap * H * 5, rows * H * 5, ROWS_NAME(r));
+    softmax_case(33, cap * H * 33, rows * H * 33, ROWS_NAME(r));
+  }
+  softmax_case(300, 2 * 300, 2 * 300, "(1, 2, 300, 300)");
+}
+
+/* Permutes with the batch as x's first dim: (B, T, H, hd) to (B, H, T, hd), the attention's
+ * (B, T, 3, H, hd) to (3, B, H, T, hd), a 3-d and a 2-d transpose. */
+static void ops_permute(void) {
+  FOR_ROWS(r) {
+    const struct {
+      int ndim;
+      int64_t dims[5];
+      int perm[5];
+      int64_t per_row; /* elements per batch row */
+    } cases[] = {{4, {rows, 5, 3, 4}, {0, 2, 1, 3}, 5 * 3 * 4},
+                 {5, {rows, 5, 3, 2, 4}, {2, 0, 3, 1, 4}, 5 * 3 * 2 * 4},
+                 {3, {rows, 5, 37}, {0, 2, 1}, 5 * 37},
+                 {2, {rows * 5, 37}, {1, 0}, 5 * 37}};
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+      int64_t per_row = cases[k].per_row, total = rows * per_row;
+      dbuf x = ot_rand(cap * per_row, -1, 1), y = ot_rand(cap * per_row, -1, 1);
+      ot_case(DT_OP_PERMUTE, "%d dims, case %zu, %s", cases[k].ndim, k, ROWS_NAME(r));
+      BOTH {
+        dt_op op = {.type = DT_OP_PERMUTE, .p.permute = {.ndim = cases[k].ndim, .x = F(x), .y = F(y)}};
+        memcpy(op.p.permute.dims, cases[k].dims, sizeof op.p.permute.dims);
+        memcpy(op.p.permute.perm, cases[k].perm, sizeof op.p.permute.perm);
+        RUN(op);
+      }
+      ot_check("y", y, total);
+      ot_check_bits("y", y);
+    }
+  }
+}
+
+/* The gradients that sum over rows (embedding: repeated tokens; layernorm: dgamma, dbeta) come
+ * out with the same bits launch after launch (the stand-in changes its block order with every
+ * launch), and the embedding gradient with the CPU's bits. */
+static void transformer_grads_same_bits(void) {
+  const int64_t T = 5, D = 37, V = 3, n = 4 * T;
+  dbuf tok = ot_tokens(n, V), dy = ot_rand(n * D, -1, 1), x = ot_rand(n * D, -2, 2), mean = ot_rand(n, -0.1f, 0.1f);
+  dbuf rstd = ot_rand(n, 0.5f, 2), gamma = ot_rand(D, 0.5f, 1.5f), dx = ot_rand(n * D, -1, 1);
+  dbuf g[2][4]; /* two runs of dwte, dwpe, dgamma, dbeta, from the same values */
+  float *init[4] = {ot_host_rand(V * D, -1, 1), ot_host_rand(T * D, -1, 1), ot_host_rand(D, -1, 1),
+                    ot_host_rand(D, -1, 1)};
+  const int64_t len[4] = {V * D, T * D, D, D};
+  for (int run = 0; run < 2; run++)
+    for (int i = 0; i < 4; i++) g[run][i] = ot_buf(OT_F32, init[i], len[i]);
+  for (int i = 0; i < 4; i++) free(init[i]);
+  for (int run = 0; run < 2; run++) {
+    ot_case(DT_OP_EMBED_BWD, "repeated tokens (vocab 3), D 37, T 5, run %d", run);
+    BOTH {
+      dt_op op = {.type = DT_OP_EMBED_BWD,
+                  .p.embed_bwd = {.n = n,
+                                  .t = T,
+                                  .d = D,
+                                  .vocab = V,
+                                  .tokens = F(tok),
+                                  .dy = F(dy),
+                                  .dwte = F(g[run][0]),
+                                  .dwpe = F(g[run][1])}};
+      RUN(op);
+      RUN(op); /* twice: added into */
+    }
+    ot_check_bits("dwte", g[run][0]);
+    ot_check_bits("dwpe", g[run][1]);
+    ot_case(DT_OP_LN_BWD, "D 37, 20 rows, run %d", run);
+    BOTH {
+      dt_op op = {.type = DT_OP_LN_BWD,
+                  .p.ln_bwd = {.n = n,
+                               .d = D,
+                               .x = F(x),
+                               .dy = F(dy),
+                               .gamma = F(gamma),
+                               .mean = F(mean),
+                               .rstd = F(rstd),
+                               .dx = F(dx),
+                               .dgamma = F(g[run][2]),
+                               .dbeta = F(g[run][3])}};
+      RUN(op);
+    }
+  }
+  for (int i = 0; i < 4; i++) {
+    float *a = ot_fetch(g[0][i], 1), *b = ot_fetch(g[1][i], 1);
+    int same = !memcmp(a, b, (size_t)len[i] * sizeof(float));
+    free(a);
+    free(b);
+    if (!same)
+      fail_msg("%s: two runs on CUDA gave different bits", (const char *[]){"dwte", "dwpe", "dgamma", "dbeta"}[i]);
+  }
+}
+
 GPU_TEST(cuda_op_gemm, (ot_begin(), ops_gemm(), ot_end()))
+GPU_TEST(cuda_op_gemm_batched, (ot_begin(), ops_gemm_batched(), ot_end()))
+GPU_TEST(cuda_op_embed, (ot_begin(), ops_embed(), ot_end()))
+GPU_TEST(cuda_op_layernorm, (ot_begin(), ops_layernorm(), ot_end()))
+GPU_TEST(cuda_op_softmax, (ot_begin(), ops_softmax(), ot_end()))
+GPU_TEST(cuda_op_permute, (ot_begin(), ops_permute(), ot_end()))
+GPU_TEST(cuda_transformer_grads_same_bits_every_run, (ot_begin(), transformer_grads_same_bits(), ot_end()))
 GPU_TEST(cuda_op_bias, (ot_begin(), ops_bias(), ot_end()))
 GPU_TEST(cuda_op_conv, (ot_begin(), ops_conv(), ot_end()))
 GPU_TEST(cuda_op_batchnorm, (ot_begin(), ops_batchnorm(), ot_end()))
@@ -1271,6 +1628,12 @@ int main(void) {
       cmocka_unit_test(cuda_activations_dropout_avgpool),
       cmocka_unit_test(cuda_residual_global_pool_mse),
       cmocka_unit_test(cuda_op_gemm),
+      cmocka_unit_test(cuda_op_gemm_batched),
+      cmocka_unit_test(cuda_op_embed),
+      cmocka_unit_test(cuda_op_layernorm),
+      cmocka_unit_test(cuda_op_softmax),
+      cmocka_unit_test(cuda_op_permute),
+      cmocka_unit_test(cuda_transformer_grads_same_bits_every_run),
       cmocka_unit_test(cuda_op_bias),
       cmocka_unit_test(cuda_op_conv),
       cmocka_unit_test(cuda_op_batchnorm),

@@ -1,6 +1,8 @@
 /* test_ops: a finite-difference gradient check of every layer and loss on the CPU backend.
  * For a tiny model around the layer, the analytic gradients of the loss with respect to the
- * parameters and to the input (backward's dx) are compared with central differences. */
+ * parameters and to the input (backward's dx) are compared with central differences. The
+ * transformer ops (embedding, layernorm, softmax, GELU tanh, permute, batched GEMM) are also
+ * checked op by op, forward against independent references. */
 #include <math.h>
 
 #include "dt_test.h"
@@ -59,7 +61,7 @@ static dt_pass make_pass(fixture *f) {
   return (dt_pass){.be = f->be,
                    .batch = f->batch,
                    .training = 1,
-                   .global_count = (double)f->batch,
+                   .global_targets = (double)f->batch,
                    .step_seed = &f->step_seed,
                    .params = f->m.params,
                    .grads = f->m.grads,
@@ -214,11 +216,434 @@ static void loss_values_by_hand(void **s) {
   teardown(&f);
 }
 
+/* ---- transformer ops, op by op on the CPU backend ------------------------------------------
+ * Each forward is checked against an independent reference (a naive loop, in double where it
+ * sums), each backward against central differences of L = sum_i w_i y_i (so dy = w), with
+ * gradients that are added into starting from nonzero values. Two threads, so the parallel
+ * loops split their work. */
+
+static float *rand_floats(uint64_t seed, int64_t n, float lo, float hi) {
+  float *h = malloc((size_t)(n + 1) * sizeof(float));
+  for (int64_t i = 0; i < n; i++) h[i] = lo + (hi - lo) * dt_hash_uniform(seed, (uint64_t)i);
+  return h;
+}
+
+static float *copy_floats(const float *x, int64_t n) {
+  float *h = malloc((size_t)(n + 1) * sizeof(float));
+  memcpy(h, x, (size_t)n * sizeof(float));
+  return h;
+}
+
+static double dot_d(const float *a, const float *b, int64_t n) {
+  double s = 0;
+  for (int64_t i = 0; i < n; i++) s += (double)a[i] * b[i];
+  return s;
+}
+
+/* The scalar L(values) that an op test differentiates; ctx is the test's state. */
+typedef double (*loss_fn)(void *ctx);
+
+/* Relative error (norm-wise, as check_buffer) of analytic against central differences of L over
+ * up to 64 entries of values. */
+static double fd_error(loss_fn loss, void *ctx, float *values, const float *analytic, int64_t n, double h) {
+  double diff = 0, na = 0, nn = 0;
+  int64_t stride = n > 64 ? n / 64 : 1;
+  for (int64_t i = 0; i < n; i += stride) {
+    float save = values[i];
+    values[i] = save + (float)h;
+    double up = loss(ctx);
+    values[i] = save - (float)h;
+    double down = loss(ctx);
+    values[i] = save;
+    double num = (up - down) / (2 * h);
+    diff += (analytic[i] - num) * (analytic[i] - num);
+    na += (double)analytic[i] * analytic[i];
+    nn += num * num;
+  }
+  double scale = sqrt(na > nn ? na : nn);
+  return sqrt(diff) / (scale > 1e-3 ? scale : 1e-3);
+}
+
+#define FD_EXPECT(what, err, tol)                                                    \
+  do {                                                                               \
+    double e_ = (err);                                                               \
+    if (!(e_ <= (tol))) fail_msg("%s: gradient off by %.3g (relative)", (what), e_); \
+  } while (0)
+
+/* after - before: what a backward added into a gradient that started at `before` */
+static float *added(const float *after, const float *before, int64_t n) {
+  float *d = malloc((size_t)(n + 1) * sizeof(float));
+  for (int64_t i = 0; i < n; i++) d[i] = after[i] - before[i];
+  return d;
+}
+
+typedef struct {
+  dt_backend *be;
+  int64_t n, t, d, vocab;
+  float *tokens, *wte, *wpe, *y, *w;
+} embed_ctx;
+
+static double embed_loss(void *p) {
+  embed_ctx *c = p;
+  dt_op op = {.type = DT_OP_EMBED_FWD,
+              .p.embed_fwd = {.n = c->n,
+                              .t = c->t,
+                              .d = c->d,
+                              .vocab = c->vocab,
+                              .tokens = c->tokens,
+                              .wte = c->wte,
+                              .wpe = c->wpe,
+                              .y = c->y}};
+  backend_run(c->be, &op);
+  return dot_d(c->y, c->w, c->n * c->d);
+}
+
+/* Forward against a naive loop (exactly); wte and wpe gradients against central differences
+ * (repeated tokens, two sequences); the backward against rows added in turn, n = 0, 1, ...
+ * (bit for bit: the order the spec fixes), and without positions. */
+static void embed_forward_and_grads(void **s) {
+  (void)s;
+  embed_ctx c = {.be = backend_cpu_create(2), .n = 2 * 5, .t = 5, .d = 37, .vocab = 7};
+  const float toks[10] = {3, 1, 3, 0, 6, 6, 2, 3, 1, 3};
+  c.tokens = copy_floats(toks, c.n);
+  c.wte = rand_floats(1, c.vocab * c.d, -1, 1);
+  c.wpe = rand_floats(2, c.t * c.d, -1, 1);
+  c.y = calloc((size_t)(c.n * c.d), sizeof(float));
+  c.w = rand_floats(3, c.n * c.d, -1, 1);
+  embed_loss(&c);
+  for (int64_t r = 0; r < c.n; r++)
+    for (int64_t j = 0; j < c.d; j++) {
+      float want = c.wte[(int64_t)toks[r] * c.d + j] + c.wpe[(r % c.t) * c.d + j];
+      if (c.y[r * c.d + j] != want)
+        fail_msg("embed_fwd: y[%lld][%lld] = %g, expected %g", (long long)r, (long long)j, c.y[r * c.d + j], want);
+    }
+  float *dwte0 = rand_floats(4, c.vocab * c.d, -1, 1), *dwpe0 = rand_floats(5, c.t * c.d, -1, 1);
+  float *dwte = copy_floats(dwte0, c.vocab * c.d), *dwpe = copy_floats(dwpe0, c.t * c.d);
+  dt_op op = {
+      .type = DT_OP_EMBED_BWD,
+      .p.embed_bwd = {
+          .n = c.n, .t = c.t, .d = c.d, .vocab = c.vocab, .tokens = c.tokens, .dy = c.w, .dwte = dwte, .dwpe = dwpe}};
+  backend_run(c.be, &op);
+  /* the reference: each row added in turn */
+  float *ref_wte = copy_floats(dwte0, c.vocab * c.d), *ref_wpe = copy_floats(dwpe0, c.t * c.d);
+  for (int64_t r = 0; r < c.n; r++)
+    for (int64_t j = 0; j < c.d; j++) {
+      ref_wte[(int64_t)toks[r] * c.d + j] += c.w[r * c.d + j];
+      ref_wpe[(r % c.t) * c.d + j] += c.w[r * c.d + j];
+    }
+  if (memcmp(ref_wte, dwte, (size_t)(c.vocab * c.d) * sizeof(float)) ||
+      memcmp(ref_wpe, dwpe, (size_t)(c.t * c.d) * sizeof(float)))
+    fail_msg("embed_bwd: not the bits of rows added in increasing order");
+  float *gwte = added(dwte, dwte0, c.vocab * c.d), *gwpe = added(dwpe, dwpe0, c.t * c.d);
+  FD_EXPECT("embed wte", fd_error(embed_loss, &c, c.wte, gwte, c.vocab * c.d, 1e-2), 1e-5);
+  FD_EXPECT("embed wpe", fd_error(embed_loss, &c, c.wpe, gwpe, c.t * c.d, 1e-2), 1e-5);
+  /* no positions: y is the token row; dwpe NULL is left alone */
+  float *wpe = c.wpe;
+  c.wpe = NULL;
+  embed_loss(&c);
+  for (int64_t r = 0; r < c.n; r++)
+    if (memcmp(c.y + r * c.d, c.wte + (int64_t)toks[r] * c.d, (size_t)c.d * sizeof(float)))
+      fail_msg("embed_fwd without positions: row %lld is not its token's row", (long long)r);
+  memcpy(dwte, dwte0, (size_t)(c.vocab * c.d) * sizeof(float));
+  op.p.embed_bwd.dwpe = NULL;
+  backend_run(c.be, &op);
+  float *g2 = added(dwte, dwte0, c.vocab * c.d);
+  FD_EXPECT("embed wte (no positions)", fd_error(embed_loss, &c, c.wte, g2, c.vocab * c.d, 1e-2), 1e-5);
+  free(g2), free(gwte), free(gwpe), free(ref_wte), free(ref_wpe), free(dwte0), free(dwpe0), free(dwte), free(dwpe);
+  free(c.tokens), free(c.wte), free(wpe), free(c.y), free(c.w);
+  c.be->destroy(c.be);
+}
+
+typedef struct {
+  dt_backend *be;
+  int64_t n, d;
+  float eps;
+  float *x, *gamma, *beta, *y, *mean, *rstd, *w;
+} ln_ctx;
+
+static double ln_loss(void *p) {
+  ln_ctx *c = p;
+  dt_op op = {.type = DT_OP_LN_FWD,
+              .p.ln_fwd = {.n = c->n,
+                           .d = c->d,
+                           .eps = c->eps,
+                           .x = c->x,
+                           .gamma = c->gamma,
+                           .beta = c->beta,
+                           .y = c->y,
+                           .mean = c->mean,
+                           .rstd = c->rstd}};
+  backend_run(c->be, &op);
+  return dot_d(c->y, c->w, c->n * c->d);
+}
+
+/* Forward, mean and rstd against a naive double computation (biased variance); dx, dgamma and
+ * dbeta against central differences, dx overwritten, dgamma and dbeta added into. */
+static void layernorm_forward_and_grads(void **s) {
+  (void)s;
+  const int64_t dims[][2] = {{6, 37}, {3, 5}};
+  for (int k = 0; k < 2; k++) {
+    ln_ctx c = {.be = backend_cpu_create(2), .n = dims[k][0], .d = dims[k][1], .eps = 1e-5f};
+    int64_t nd = c.n * c.d;
+    c.x = rand_floats(10, nd, -2, 3);
+    for (int64_t i = 0; i < c.d; i++) c.x[i] = 1000.0f + c.x[i]; /* a row far from 0: two-pass variance */
+    c.gamma = rand_floats(11, c.d, 0.5f, 1.5f), c.beta = rand_floats(12, c.d, -0.5f, 0.5f);
+    c.y = calloc((size_t)nd, sizeof(float)), c.mean = calloc((size_t)c.n, 4), c.rstd = calloc((size_t)c.n, 4);
+    c.w = rand_floats(13, nd, -1, 1);
+    ln_loss(&c);
+    for (int64_t r = 0; r < c.n; r++) {
+      double mu = 0, var = 0;
+      for (int64_t j = 0; j < c.d; j++) mu += c.x[r * c.d + j];
+      mu /= (double)c.d;
+      for (int64_t j = 0; j < c.d; j++) var += (c.x[r * c.d + j] - mu) * (c.x[r * c.d + j] - mu);
+      double rs = 1.0 / sqrt(var / (double)c.d + c.eps);
+      if (fabs(c.mean[r] - mu) > 1e-6 * (1 + fabs(mu)) || fabs(c.rstd[r] - rs) > 1e-6 * rs)
+        fail_msg("ln_fwd row %lld: mean %.9g rstd %.9g, expected %.9g %.9g", (long long)r, c.mean[r], c.rstd[r], mu,
+                 rs);
+      for (int64_t j = 0; j < c.d; j++) {
+        double want = (c.x[r * c.d + j] - mu) * rs * c.gamma[j] + c.beta[j];
+        if (fabs(c.y[r * c.d + j] - want) > 2e-6 * (1 + fabs(want)))
+          fail_msg("ln_fwd y[%lld][%lld] = %.9g, expected %.9g", (long long)r, (long long)j, c.y[r * c.d + j], want);
+      }
+    }
+    for (int64_t i = 0; i < c.d; i++) c.x[i] -= 1000.0f; /* central differences need O(1) values */
+    ln_loss(&c);
+    float *dx = rand_floats(14, nd, -9, 9); /* overwritten */
+    float *dg0 = rand_floats(15, c.d, -1, 1), *db0 = rand_floats(16, c.d, -1, 1);
+    float *dg = copy_floats(dg0, c.d), *db = copy_floats(db0, c.d);
+    dt_op op = {.type = DT_OP_LN_BWD,
+                .p.ln_bwd = {.n = c.n,
+                             .d = c.d,
+                             .x = c.x,
+                             .dy = c.w,
+                             .gamma = c.gamma,
+                             .mean = c.mean,
+                             .rstd = c.rstd,
+                             .dx = dx,
+                             .dgamma = dg,
+                             .dbeta = db}};
+    backend_run(c.be, &op);
+    float *gg = added(dg, dg0, c.d), *gb = added(db, db0, c.d);
+    FD_EXPECT("layernorm dx", fd_error(ln_loss, &c, c.x, dx, nd, 1e-3), 2e-3);
+    FD_EXPECT("layernorm dgamma", fd_error(ln_loss, &c, c.gamma, gg, c.d, 1e-3), 5e-4);
+    FD_EXPECT("layernorm dbeta", fd_error(ln_loss, &c, c.beta, gb, c.d, 1e-3), 5e-4);
+    free(dx), free(dg0), free(db0), free(dg), free(db), free(gg), free(gb);
+    free(c.x), free(c.gamma), free(c.beta), free(c.y), free(c.mean), free(c.rstd), free(c.w);
+    c.be->destroy(c.be);
+  }
+}
+
+typedef struct {
+  dt_backend *be;
+  int64_t rows, t;
+  int causal;
+  float scale;
+  float *x, *y, *w;
+} softmax_ctx;
+
+static double softmax_loss(void *p) {
+  softmax_ctx *c = p;
+  dt_op op = {
+      .type = DT_OP_SOFTMAX_FWD,
+      .p.softmax_fwd = {.rows = c->rows, .t = c->t, .causal = c->causal, .scale = c->scale, .x = c->x, .y = c->y}};
+  backend_run(c->be, &op);
+  return dot_d(c->y, c->w, c->rows * c->t);
+}
+
+/* Rows of (2 sequences, T = 5, T) scores: forward against a double softmax of scale * x over the
+ * columns j <= r % T (causal; the rest exactly 0) or all; inputs up to 80 (exp would overflow
+ * without the max); dx against central differences, overwritten (0 where masked). */
+static void softmax_forward_and_grads(void **s) {
+  (void)s;
+  for (int causal = 0; causal < 2; causal++) {
+    softmax_ctx c = {.be = backend_cpu_create(2), .rows = 2 * 5, .t = 5, .causal = causal, .scale = 0.37f};
+    int64_t n = c.rows * c.t;
+    c.x = rand_floats(20, n, -3, 3), c.y = calloc((size_t)n, sizeof(float)), c.w = rand_floats(21, n, -1, 1);
+    for (int64_t j = 0; j < c.t; j++) c.x[3 * c.t + j] = 200.0f + 10.0f * (float)j; /* scale * x up to 88 */
+    softmax_loss(&c);
+    for (int64_t r = 0; r < c.rows; r++) {
+      int64_t valid = causal ? r % c.t + 1 : c.t;
+      double mx = -INFINITY, sum = 0;
+      for (int64_t j = 0; j < valid; j++) mx = fmax(mx, (double)(c.scale * c.x[r * c.t + j]));
+      for (int64_t j = 0; j < valid; j++) sum += exp((double)(c.scale * c.x[r * c.t + j]) - mx);
+      for (int64_t j = 0; j < c.t; j++) {
+        double want = j < valid ? exp((double)(c.scale * c.x[r * c.t + j]) - mx) / sum : 0.0;
+        float got = c.y[r * c.t + j];
+        if (j >= valid ? got != 0.0f : !(fabs(got - want) <= 1e-6 * want + 1e-9))
+          fail_msg("softmax_fwd (causal %d) y[%lld][%lld] = %.9g, expected %.9g", causal, (long long)r, (long long)j,
+                   got, want);
+      }
+    }
+    for (int64_t j = 0; j < c.t; j++) c.x[3 * c.t + j] = 0.1f * (float)j; /* central differences need O(1) values */
+    softmax_loss(&c);
+    float *dx = rand_floats(22, n, -9, 9);
+    dt_op op = {
+        .type = DT_OP_SOFTMAX_BWD,
+        .p.softmax_bwd = {.rows = c.rows, .t = c.t, .causal = causal, .scale = c.scale, .y = c.y, .dy = c.w, .dx = dx}};
+    backend_run(c.be, &op);
+    for (int64_t r = 0; r < c.rows; r++)
+      for (int64_t j = causal ? r % c.t + 1 : c.t; j < c.t; j++)
+        if (dx[r * c.t + j] != 0.0f)
+          fail_msg("softmax_bwd: masked dx[%lld][%lld] = %g", (long long)r, (long long)j, dx[r * c.t + j]);
+    FD_EXPECT(causal ? "causal softmax dx" : "softmax dx", fd_error(softmax_loss, &c, c.x, dx, n, 1e-3), 2e-3);
+    free(dx), free(c.x), free(c.y), free(c.w);
+    c.be->destroy(c.be);
+  }
+}
+
+typedef struct {
+  dt_backend *be;
+  int64_t n;
+  float *x, *y, *w;
+} act_ctx;
+
+static double gelu_tanh_loss(void *p) {
+  act_ctx *c = p;
+  dt_op op = {.type = DT_OP_ACT_FWD, .p.act_fwd = {.kind = DT_ACT_GELU_TANH, .n = c->n, .x = c->x, .y = c->y}};
+  backend_run(c->be, &op);
+  return dot_d(c->y, c->w, c->n);
+}
+
+/* PyTorch's gelu(approximate='tanh'): against the formula in double, and its derivative against
+ * central differences. */
+static void gelu_tanh_forward_and_grads(void **s) {
+  (void)s;
+  act_ctx c = {.be = backend_cpu_create(2), .n = 64};
+  c.x = rand_floats(30, c.n, -5, 5), c.y = calloc((size_t)c.n, sizeof(float)), c.w = rand_floats(31, c.n, -1, 1);
+  c.x[0] = 1.0f, c.x[1] = -2.0f, c.x[2] = 0.0f;
+  gelu_tanh_loss(&c);
+  for (int64_t i = 0; i < c.n; i++) {
+    double x = c.x[i], want = 0.5 * x * (1.0 + tanh(sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x)));
+    if (fabs(c.y[i] - want) > 1e-6 * (1 + fabs(want)))
+      fail_msg("gelu_tanh(%.9g) = %.9g, expected %.9g", x, c.y[i], want);
+  }
+  if (fabs(c.y[0] - 0.841191990607) > 1e-6) fail_msg("gelu_tanh(1) = %.9g", c.y[0]);
+  float *dx = calloc((size_t)c.n, sizeof(float));
+  dt_op op = {.type = DT_OP_ACT_BWD,
+              .p.act_bwd = {.kind = DT_ACT_GELU_TANH, .n = c.n, .x = c.x, .y = c.y, .dy = c.w, .dx = dx}};
+  backend_run(c.be, &op);
+  FD_EXPECT("gelu_tanh", fd_error(gelu_tanh_loss, &c, c.x, dx, c.n, 1e-3), 1e-3);
+  free(dx), free(c.x), free(c.y), free(c.w);
+  c.be->destroy(c.be);
+}
+
+/* Against a naive loop over x's indices, for 2 to 5 dims (the attention head split among them). */
+static void permute_matches_index_loop(void **s) {
+  (void)s;
+  dt_backend *be = backend_cpu_create(2);
+  const struct {
+    int ndim;
+    int64_t dims[5];
+    int perm[5];
+  } cases[] = {{2, {7, 37}, {1, 0}},
+               {3, {4, 3, 5}, {2, 0, 1}},
+               {4, {2, 5, 3, 4}, {0, 2, 1, 3}},
+               {4, {2, 3, 5, 4}, {0, 2, 1, 3}},
+               {5, {2, 3, 2, 4, 3}, {2, 0, 3, 1, 4}},
+               {3, {0, 3, 5}, {1, 0, 2}}};
+  for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+    int nd = cases[k].ndim;
+    int64_t total = 1, ydims[5], ystride[5];
+    for (int i = 0; i < nd; i++) total *= cases[k].dims[i];
+    for (int i = 0; i < nd; i++) ydims[i] = cases[k].dims[cases[k].perm[i]];
+    for (int i = nd - 1, st = 1; i >= 0; i--) ystride[i] = st, st *= (int)ydims[i];
+    float *x = rand_floats(40 + k, total, -1, 1), *y = rand_floats(50, total + 1, -1, 1);
+    dt_op op = {.type = DT_OP_PERMUTE, .p.permute = {.ndim = nd, .x = x, .y = y}};
+    memcpy(op.p.permute.dims, cases[k].dims, sizeof op.p.permute.dims);
+    memcpy(op.p.permute.perm, cases[k].perm, sizeof op.p.permute.perm);
+    float guard = y[total];
+    backend_run(be, &op);
+    for (int64_t i = 0; i < total; i++) { /* x's element i lands at y's index with y's dim j = x's dim perm[j] */
+      int64_t rest = i, idx[5], to = 0;
+      for (int a = nd - 1; a >= 0; a--) idx[a] = rest % cases[k].dims[a], rest /= cases[k].dims[a];
+      for (int j = 0; j < nd; j++) to += idx[cases[k].perm[j]] * ystride[j];
+      if (y[to] != x[i])
+        fail_msg("permute case %zu: y[%lld] = %g, expected x[%lld] = %g", k, (long long)to, y[to], (long long)i, x[i]);
+    }
+    if (y[total] != guard) fail_msg("permute case %zu wrote past its output", k);
+    free(x), free(y);
+  }
+  be->destroy(be);
+}
+
+/* C_i = alpha op(A_i) op(B_i) + beta C_i for batch products at element strides (with gaps between
+ * them, and B shared by all with stride 0): against a naive double product, and against the same
+ * products run one by one; the gaps stay as they were. */
+static void gemm_batched_matches_separate(void **s) {
+  (void)s;
+  dt_backend *be = backend_cpu_create(2);
+  const int64_t m = 4, n = 5, k = 3;
+  for (int batch = 1; batch <= 3; batch += 2)
+    for (int shared_b = 0; shared_b < 2; shared_b++)
+      for (int ta = 0; ta < 2; ta++)
+        for (int tb = 0; tb < 2; tb++) {
+          const int64_t sa = m * k + 2, sb = shared_b ? 0 : k * n + 1, sc = m * n + 3;
+          float *a = rand_floats(60, batch * sa, -1, 1), *b = rand_floats(61, batch * (k * n + 1), -1, 1);
+          float *c0 = rand_floats(62, batch * sc, -1, 1);
+          float *c = copy_floats(c0, batch * sc), *c1 = copy_floats(c0, batch * sc);
+          dt_op op = {.type = DT_OP_GEMM,
+                      .p.gemm = {.trans_a = ta,
+                                 .trans_b = tb,
+                                 .m = m,
+                                 .n = n,
+                                 .k = k,
+                                 .alpha = 0.7f,
+                                 .beta = 0.3f,
+                                 .a = a,
+                                 .b = b,
+                                 .c = c,
+                                 .batch = batch,
+                                 .stride_a = sa,
+                                 .stride_b = sb,
+                                 .stride_c = sc}};
+          backend_run(be, &op);
+          for (int i = 0; i < batch; i++) {
+            dt_op one = op;
+            one.p.gemm.batch = 0;
+            one.p.gemm.a = a + i * sa, one.p.gemm.b = b + i * sb, one.p.gemm.c = c1 + i * sc;
+            backend_run(be, &one);
+            for (int64_t r = 0; r < m; r++)
+              for (int64_t col = 0; col < n; col++) {
+                double acc = 0;
+                for (int64_t p = 0; p < k; p++)
+                  acc +=
+                      (double)a[i * sa + (ta ? p * m + r : r * k + p)] * b[i * sb + (tb ? col * k + p : p * n + col)];
+                double want = 0.7 * acc + 0.3 * c0[i * sc + r * n + col], got = c[i * sc + r * n + col];
+                if (fabs(got - want) > 1e-5 * (1 + fabs(want)))
+                  fail_msg(
+                      "batched gemm (batch %d, ta %d, tb %d, shared B %d) product %d C[%lld][%lld] = %.9g, "
+                      "expected %.9g",
+                      batch, ta, tb, shared_b, i, (long long)r, (long long)col, got, want);
+              }
+          }
+          for (int64_t i = 0; i < batch * sc; i++) {
+            if (fabs(c[i] - c1[i]) > 1e-6 * (1 + fabs(c1[i])))
+              fail_msg("batched gemm: C[%lld] = %.9g, %.9g one product at a time", (long long)i, c[i], c1[i]);
+            if (i % sc >= m * n && c[i] != c0[i])
+              fail_msg("batched gemm wrote C[%lld], between products", (long long)i);
+          }
+          free(a), free(b), free(c0), free(c), free(c1);
+        }
+  be->destroy(be);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(linear_grads),     cmocka_unit_test(conv2d_grads),  cmocka_unit_test(batchnorm_grads),
-      cmocka_unit_test(activation_grads), cmocka_unit_test(pooling_grads), cmocka_unit_test(dropout_and_flatten_grads),
-      cmocka_unit_test(residual_grads),   cmocka_unit_test(loss_grads),    cmocka_unit_test(loss_values_by_hand),
+      cmocka_unit_test(linear_grads),
+      cmocka_unit_test(conv2d_grads),
+      cmocka_unit_test(batchnorm_grads),
+      cmocka_unit_test(activation_grads),
+      cmocka_unit_test(pooling_grads),
+      cmocka_unit_test(dropout_and_flatten_grads),
+      cmocka_unit_test(residual_grads),
+      cmocka_unit_test(loss_grads),
+      cmocka_unit_test(loss_values_by_hand),
+      cmocka_unit_test(embed_forward_and_grads),
+      cmocka_unit_test(layernorm_forward_and_grads),
+      cmocka_unit_test(softmax_forward_and_grads),
+      cmocka_unit_test(gelu_tanh_forward_and_grads),
+      cmocka_unit_test(permute_matches_index_loop),
+      cmocka_unit_test(gemm_batched_matches_separate),
   };
   return cmocka_run_group_tests_name("ops", tests, NULL, NULL);
 }

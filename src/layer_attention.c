@@ -1,0 +1,233 @@
+/* layer_attention.c: attention{heads, causal, dropout}: multi-head self-attention over a sequence
+ * (T, C), as GPT-2's: qkv = x Wqkv^T + b (T, 3C) = [q | k | v], each C split into H heads of
+ * hd = C/H; per head softmax(q k^T / sqrt(hd)) (causal: position i sees j <= i), dropout on the
+ * probabilities, times v; heads concatenated (T, C); y = that Wproj^T + b.
+ * Tensors as two torch.nn.Linear: qkv.weight (3C, C), qkv.bias, proj.weight (C, C), proj.bias.
+ * Work per layer: GEMMs for the projections, strided-batched GEMMs over B*H heads, a softmax op
+ * and permutes between the (B, T, 3, H, hd) and (3, B, H, T, hd) layouts. */
+#include <math.h>
+#include <stddef.h>
+
+#include "layers.h"
+
+#define A(field) offsetof(dt_layer_args, field)
+static const dt_key attention_keys[] = {
+    {"heads", DT_KEY_INT, A(heads), NULL, 1, 4096, NULL, "heads; the width must divide by it"},
+    {"causal", DT_KEY_BOOL, A(causal), "true", 1, 0, NULL, "position i attends to positions <= i"},
+    {"dropout", DT_KEY_FLOAT, A(p), "0", 0, 0.999, NULL, "dropout on the attention probabilities (training)"},
+};
+
+/* Backend memory for max_batch samples; forward keeps what backward reads. */
+typedef struct {
+  float *qkv;    /* (B*T, 3C) */
+  float *heads;  /* (3, B, H, T, hd): q, k, v per head */
+  float *probs;  /* (B*H, T, T) softmax output */
+  float *kept;   /* (B*H, T, T) after dropout; == probs without dropout */
+  float *att;    /* (B*H, T, hd) */
+  float *merged; /* (B*T, C): heads concatenated per position */
+  /* backward scratch */
+  float *d_merged, *d_att, *d_kept, *d_probs, *d_scores, *d_heads, *d_qkv;
+} attention_state;
+
+static int attention_setup(dt_model *m, dt_layer *l, dt_status *st) {
+  (void)m;
+  if (l->in.rank != 2)
+    return dt_fail(st, DT_EXIT_INPUT, "%s: layer %s attention: expects a sequence (T, C) (after an embedding)",
+                   l->where, l->name);
+  int64_t c = l->in.c;
+  if (c % l->args.heads)
+    return dt_fail(st, DT_EXIT_INPUT, "%s: layer %s attention: width %lld does not divide into %lld heads", l->where,
+                   l->name, (long long)c, (long long)l->args.heads);
+  l->out = l->in;
+  int64_t wqkv[2] = {3 * c, c}, bqkv = 3 * c, wproj[2] = {c, c};
+  layer_add_tensor(l, "qkv.weight", 0, 2, wqkv);
+  layer_add_tensor(l, "qkv.bias", 0, 1, &bqkv);
+  layer_add_tensor(l, "proj.weight", 0, 2, wproj);
+  layer_add_tensor(l, "proj.bias", 0, 1, &c);
+  return 0;
+}
+
+/* As two nn.Linear: uniform(+-1/sqrt(C)) for weights and biases. */
+static void attention_init(dt_layer *l, float *params, float *bufs, uint64_t seed) {
+  (void)bufs;
+  float bound = 1.0f / sqrtf((float)l->in.c);
+  for (int t = 0; t < l->n_tensors; t++)
+    init_uniform(params + l->tensors[t].offset, l->tensors[t].count, bound, dt_hash64(seed + (uint64_t)t));
+}
+
+static void sizes(const dt_layer *l, int64_t batch, size_t *seq, size_t *square) {
+  int64_t t = l->in.h;
+  *seq = (size_t)(batch * t * l->in.c) * sizeof(float);
+  *square = (size_t)(batch * l->args.heads * t * t) * sizeof(float);
+}
+
+static void attention_alloc(dt_layer *l, dt_backend *be, int64_t max_batch) {
+  attention_state *s = dt_calloc(1, sizeof *s);
+  size_t seq, sq;
+  sizes(l, max_batch, &seq, &sq);
+  s->qkv = be->alloc(be, 3 * seq);
+  s->heads = be->alloc(be, 3 * seq);
+  s->probs = be->alloc(be, sq);
+  s->kept = l->args.p > 0 ? be->alloc(be, sq) : s->probs;
+  s->att = be->alloc(be, seq);
+  s->merged = be->alloc(be, seq);
+  s->d_merged = be->alloc(be, seq);
+  s->d_att = be->alloc(be, seq);
+  s->d_kept = be->alloc(be, sq);
+  s->d_probs = l->args.p > 0 ? be->alloc(be, sq) : s->d_kept;
+  s->d_scores = be->alloc(be, sq);
+  s->d_heads = be->alloc(be, 3 * seq);
+  s->d_qkv = be->alloc(be, 3 * seq);
+  l->priv = s;
+}
+
+static void attention_release(dt_layer *l, dt_backend *be) {
+  attention_state *s = l->priv;
+  if (!s) return;
+  if (s->kept != s->probs) be->free(be, s->kept);
+  if (s->d_probs != s->d_kept) be->free(be, s->d_probs);
+  float *all[] = {s->qkv,   s->heads,  s->probs,    s->att,     s->merged, s->d_merged,
+                  s->d_att, s->d_kept, s->d_scores, s->d_heads, s->d_qkv};
+  for (size_t i = 0; i < sizeof all / sizeof *all; i++) be->free(be, all[i]);
+}
+
+static void attention_memory(const dt_layer *l, int64_t batch, int threads, dt_memory *mem) {
+  (void)threads;
+  size_t seq, sq;
+  sizes(l, batch, &seq, &sq);
+  int drop = l->args.p > 0;
+  mem->activations += 3 * seq * 4 + seq * 4 + sq * (size_t)(3 + 2 * drop);
+}
+
+/* Queues `count` row-major products C = op(A) op(B) of (m, k) and (k, n), strided by their sizes. */
+static void batched_gemm(dt_backend *be, int64_t count, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
+                         const float *b, float *c) {
+  if (count == 0) return; /* a rank with no rows: batch 0 would mean one product */
+  dt_op op = {.type = DT_OP_GEMM,
+              .p.gemm = {.trans_a = ta,
+                         .trans_b = tb,
+                         .m = m,
+                         .n = n,
+                         .k = k,
+                         .alpha = 1.0f,
+                         .beta = 0.0f,
+                         .a = a,
+                         .b = b,
+                         .c = c,
+                         .batch = count,
+                         .stride_a = m * k,
+                         .stride_b = k * n,
+                         .stride_c = m * n}};
+  backend_run(be, &op);
+}
+
+static void permute(dt_backend *be, int ndim, const int64_t *dims, const int *perm, const float *x, float *y) {
+  dt_op op = {.type = DT_OP_PERMUTE, .p.permute = {.ndim = ndim, .x = x, .y = y}};
+  for (int i = 0; i < ndim; i++) op.p.permute.dims[i] = dims[i], op.p.permute.perm[i] = perm[i];
+  backend_run(be, &op);
+}
+
+/* The layouts, for b samples: qkv (B, T, 3, H, hd) <-> heads (3, B, H, T, hd), and
+ * att (B, H, T, hd) <-> merged (B, T, H, hd). */
+static const int to_heads[5] = {2, 0, 3, 1, 4}, from_heads[5] = {1, 3, 0, 2, 4}, swap_th[4] = {0, 2, 1, 3};
+
+static uint64_t attention_seed(const dt_layer *l) {
+  return (uint64_t)l->index * 0x9e3779b97f4a7c15ULL + 0x5bd1e995ULL;
+}
+
+static void attention_forward(dt_layer *l, dt_pass *pass, const float *x) {
+  attention_state *s = l->priv;
+  dt_backend *be = pass->be;
+  const float *w = pass->params;
+  const int64_t b = pass->batch, t = l->in.h, c = l->in.c, h = l->args.heads, hd = c / h, bh = b * h;
+  dense_forward(be, b * t, c, 3 * c, x, w + l->tensors[0].offset, w + l->tensors[1].offset, s->qkv);
+  int64_t qkv_dims[5] = {b, t, 3, h, hd};
+  permute(be, 5, qkv_dims, to_heads, s->qkv, s->heads);
+  const float *q = s->heads, *k = s->heads + b * t * c, *v = s->heads + 2 * b * t * c;
+  batched_gemm(be, bh, 0, 1, t, t, hd, q, k, s->d_scores); /* raw scores (B*H, T, T), as scratch */
+  dt_op sm = {.type = DT_OP_SOFTMAX_FWD,
+              .p.softmax_fwd = {.rows = bh * t,
+                                .t = t,
+                                .causal = l->args.causal,
+                                .scale = 1.0f / sqrtf((float)hd),
+                                .x = s->d_scores,
+                                .y = s->probs}};
+  backend_run(be, &sm);
+  if (s->kept != s->probs) {
+    if (pass->training) {
+      dt_op d = {.type = DT_OP_DROPOUT_FWD,
+                 .p.dropout_fwd = {.n = bh * t * t,
+                                   .p = (float)l->args.p,
+                                   .seed = attention_seed(l),
+                                   .step_seed = pass->step_seed,
+                                   .x = s->probs,
+                                   .y = s->kept}};
+      backend_run(be, &d);
+    } else {
+      backend_copy(be, s->kept, s->probs, bh * t * t);
+    }
+  }
+  batched_gemm(be, bh, 0, 0, t, hd, t, s->kept, v, s->att);
+  int64_t att_dims[4] = {b, h, t, hd};
+  permute(be, 4, att_dims, swap_th, s->att, s->merged);
+  dense_forward(be, b * t, c, c, s->merged, w + l->tensors[2].offset, w + l->tensors[3].offset, l->y);
+}
+
+static void attention_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
+  attention_state *s = l->priv;
+  dt_backend *be = pass->be;
+  const float *w = pass->params;
+  float *g = pass->grads;
+  const int64_t b = pass->batch, t = l->in.h, c = l->in.c, h = l->args.heads, hd = c / h, bh = b * h;
+  dense_backward(be, b * t, c, c, s->merged, w + l->tensors[2].offset, l->dy, g + l->tensors[2].offset,
+                 g + l->tensors[3].offset, s->d_merged);
+  int64_t merged_dims[4] = {b, t, h, hd};
+  permute(be, 4, merged_dims, swap_th, s->d_merged, s->d_att);
+  const float *q = s->heads, *k = s->heads + b * t * c, *v = s->heads + 2 * b * t * c;
+  float *dq = s->d_heads, *dk = s->d_heads + b * t * c, *dv = s->d_heads + 2 * b * t * c;
+  batched_gemm(be, bh, 0, 1, t, t, hd, s->d_att, v, s->d_kept); /* d kept (T, T) = d att v^T */
+  batched_gemm(be, bh, 1, 0, t, hd, t, s->kept, s->d_att, dv);  /* dv (T, hd) = kept^T d att */
+  if (s->d_probs != s->d_kept) {
+    dt_op d = {.type = DT_OP_DROPOUT_BWD,
+               .p.dropout_bwd = {.n = bh * t * t,
+                                 .p = (float)l->args.p,
+                                 .seed = attention_seed(l),
+                                 .step_seed = pass->step_seed,
+                                 .dy = s->d_kept,
+                                 .dx = s->d_probs}};
+    backend_run(be, &d);
+  }
+  dt_op sm = {.type = DT_OP_SOFTMAX_BWD,
+              .p.softmax_bwd = {.rows = bh * t,
+                                .t = t,
+                                .causal = l->args.causal,
+                                .scale = 1.0f / sqrtf((float)hd),
+                                .y = s->probs,
+                                .dy = s->d_probs,
+                                .dx = s->d_scores}};
+  backend_run(be, &sm);
+  batched_gemm(be, bh, 0, 0, t, hd, t, s->d_scores, k, dq); /* dq = dS k */
+  batched_gemm(be, bh, 1, 0, t, hd, t, s->d_scores, q, dk); /* dk = dS^T q */
+  int64_t head_dims[5] = {3, b, h, t, hd};
+  permute(be, 5, head_dims, from_heads, s->d_heads, s->d_qkv);
+  dense_backward(be, b * t, c, 3 * c, x, w + l->tensors[0].offset, s->d_qkv, g + l->tensors[0].offset,
+                 g + l->tensors[1].offset, dx);
+}
+
+/* Forward FLOPs per sample: the projections and the two products over heads. */
+static int64_t attention_flops(const dt_layer *l) {
+  int64_t t = l->in.h, c = l->in.c;
+  return t * (2 * c * 3 * c + 2 * c * c) + 2 * 2 * t * t * c;
+}
+
+const dt_layer_ops dt_layer_attention = {.kind = "attention",
+                                         .keys = attention_keys,
+                                         .n_keys = 3,
+                                         .setup = attention_setup,
+                                         .init = attention_init,
+                                         .alloc = attention_alloc,
+                                         .forward = attention_forward,
+                                         .backward = attention_backward,
+                                         .release = attention_release,
+                                         .flops = attention_flops,
+                                         .memory = attention_memory};
