@@ -1,7 +1,9 @@
 # ddp_train: `make run` and `make test` do all set-up on a fresh Debian machine.
 #   make            build ./ddp_train (with CUDA when nvcc is found; CUDA=0 for a CPU-only binary)
 #   make deps       install missing Debian packages (as root) or print the command
-#   make data       data/fashion_mnist.h5 from Debian's dataset-fashion-mnist, data/synthetic_cifar.h5
+#   make pydeps     transformers (tests/requirements-hf.txt) from PyPI into build/pydeps, for tests/test_gpt2.py
+#   make data       data/fashion_mnist.h5 from Debian's dataset-fashion-mnist, data/synthetic_cifar.h5,
+#                   data/fortunes.h5 (make text-data: byte-level tokens of Debian's fortunes, for configs/gpt_tiny.yaml)
 #   make run        deps + build + data, then train configs/model.yaml on 2 ranks
 #   make test       deps + build + data, then the whole test suite
 #   make repeat     N=20 SUITES="...": the suites N times in a row, reporting any test that failed once
@@ -31,7 +33,7 @@ SAN_FLAGS_tsan := -fsanitize=thread -fno-omit-frame-pointer
 SAN_FLAGS := $(SAN_FLAGS_$(SAN))
 
 DEB_PKGS := pkg-config libopenmpi-dev openmpi-bin libhdf5-dev hdf5-tools libyaml-dev libopenblas-openmp-dev \
-            dataset-fashion-mnist libcmocka-dev python3-numpy python3-h5py python3-torch python3-yaml python3-matplotlib help2man slurmctld slurmd slurm-client \
+            dataset-fashion-mnist fortunes libcmocka-dev python3-numpy python3-h5py python3-torch python3-yaml python3-matplotlib help2man slurmctld slurmd slurm-client \
             clang libclang-rt-14-dev
 OPENBLAS_DIR := /usr/lib/x86_64-linux-gnu/openblas-openmp
 OPENBLAS_INC := /usr/include/x86_64-linux-gnu/openblas-openmp
@@ -49,7 +51,7 @@ override CFLAGS += -std=gnu11 -Wall -Wextra -Werror -Wno-format-truncation -fope
 LDLIBS = $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -lgomp -lpthread -lm
 
 SRCS := common.c yaml_tree.c keys.c config.c model.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
-        layer_activation.c layer_residual.c loss.c backend_cpu.c comm_mpi.c sampler.c data_hdf5.c optim.c \
+        layer_activation.c layer_residual.c layer_embedding.c layer_attention.c loss.c backend_cpu.c comm_mpi.c sampler.c data_hdf5.c optim.c \
         optim_sgd.c optim_adamw.c ema.c \
         checkpoint.c log.c train.c signals.c fault.c h5util.c
 CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=compute_90
@@ -94,13 +96,13 @@ TEST_BINS := $(TESTS:%=$(BUILD)/tests/%) $(if $(filter 1,$(CUDA)),$(SIM_BINS))
 FUZZ := build/fuzz
 FUZZERS := config data checkpoint
 FUZZ_SRCS := common.c yaml_tree.c keys.c config.c model.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
-             layer_activation.c layer_residual.c loss.c sampler.c data_hdf5.c checkpoint.c h5util.c \
+             layer_activation.c layer_residual.c layer_embedding.c layer_attention.c loss.c sampler.c data_hdf5.c checkpoint.c h5util.c \
              optim.c optim_sgd.c optim_adamw.c
 FUZZ_FLAGS := -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
 FUZZ_BINS := $(FUZZERS:%=$(FUZZ)/fuzz_%)
 TEST_BINS += $(FUZZ_BINS)
 
-.PHONY: all deps data run test test-gpu test-asan test-tsan test-bins repeat fuzz longrun bench clean docs ddp_train install
+.PHONY: all deps data text-data pydeps run test test-gpu test-asan test-tsan test-bins repeat fuzz longrun bench clean docs ddp_train install
 PREFIX ?= /usr/local
 all: ddp_train
 
@@ -180,13 +182,31 @@ deps:
 	  fi; \
 	fi
 
-data: data/fashion_mnist.h5 data/synthetic_cifar.h5
+data: data/fashion_mnist.h5 data/synthetic_cifar.h5 data/fortunes.h5
 data/fashion_mnist.h5: scripts/make_fashion_mnist.py
 	mkdir -p data
 	$(PYTHON) scripts/make_fashion_mnist.py /usr/share/datasets/fashion-mnist $@
 data/synthetic_cifar.h5: scripts/make_synthetic.py
 	mkdir -p data
 	$(PYTHON) scripts/make_synthetic.py $@
+
+# byte-level tokens (vocab 256) of Debian's fortunes package, T = 128: /train/tokens, /val/tokens (N, 129)
+text-data: deps
+	$(MAKE) data/fortunes.h5
+data/fortunes.h5: scripts/make_text_data.py
+	mkdir -p data
+	$(PYTHON) scripts/make_text_data.py /usr/share/games/fortunes $@
+
+# transformers and what it imports, pinned, into a private directory: tests/test_gpt2.py checks GPT-2
+# import and fine-tuning against a real GPT2LMHeadModel (it skips those tests when this is missing)
+PYDEPS := build/pydeps
+pydeps: $(PYDEPS)/.stamp
+$(PYDEPS)/.stamp: tests/requirements-hf.txt
+	rm -rf $(PYDEPS)
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps --no-compile --target $(PYDEPS) \
+	  -r tests/requirements-hf.txt
+	PYTHONPATH=$(PYDEPS) $(PYTHON) -c "from transformers import GPT2Config, GPT2LMHeadModel"
+	touch $@
 
 export OMPI_ALLOW_RUN_AS_ROOT=1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -200,6 +220,7 @@ test-bins: $(TEST_BINS)
 # with CUDA, the GPU suites run on the stand-in (build/sim); test-gpu runs them on real GPUs
 test: deps
 	$(MAKE) ddp_train data $(TEST_BINS)
+	$(MAKE) pydeps || echo "make pydeps failed (no PyPI?): tests/test_gpt2.py skips its Hugging Face tests"
 	BUILD=$(BUILD) PYTHON=$(PYTHON) $(if $(filter 1,$(CUDA)),SIM=$(SIM) DDP_TRAIN_GPU_BINARY=$(SIM)/ddp_train) \
 	  bash tests/run.sh
 

@@ -284,7 +284,10 @@ static int open_splits(dt_data *d, const dt_config *cfg, const dt_model *m, int 
   struct stat sb;
   if (stat(d->path, &sb) != 0)
     return dt_fail(st, DT_EXIT_INPUT, "%s: data.path: cannot open: %s%s", d->path, strerror(errno),
-                   errno == ENOENT ? " (for Fashion-MNIST, run `make data`)" : "");
+                   errno != ENOENT ? ""
+                   : m->tokens     ? " (`make text-data` writes data/fortunes.h5; `--dry-run --set data.path=` shows "
+                                     "the model without data)"
+                                   : " (for Fashion-MNIST, run `make data`)");
   if (H5Fis_hdf5(d->path) <= 0) {
     char e[512];
     h5_error_text(e, sizeof e);

@@ -474,12 +474,14 @@ static void check_memory(const dt_config *cfg, const dt_model *m, const dt_data 
     have = pages > 0 && page > 0 ? (size_t)pages * (size_t)page / (size_t)comm->local_size : 0;
     where = "of available host memory per rank on this node";
   }
+  char tokens[64] = ""; /* a token model's rows are sequences */
+  if (m->tokens) snprintf(tokens, sizeof tokens, " of %lld tokens", (long long)m->tokens);
   if (comm->rank == 0) {
     printf(
-        "memory per rank at %lld rows: %.1f MiB = parameters %.1f + gradients %.1f + optimizer %.1f%s + "
+        "memory per rank at %lld rows%s: %.1f MiB = parameters %.1f + gradients %.1f + optimizer %.1f%s + "
         "buffers %.1f + activations %.1f + workspace %.1f%s; %.0f MiB %s\n",
-        (long long)rows, mib(mem.total), mib(mem.params), mib(mem.grads), mib(mem.optim), ema_part, mib(mem.buffers),
-        mib(mem.activations), mib(mem.workspace), extra, mib(have), where);
+        (long long)rows, tokens, mib(mem.total), mib(mem.params), mib(mem.grads), mib(mem.optim), ema_part,
+        mib(mem.buffers), mib(mem.activations), mib(mem.workspace), extra, mib(have), where);
     fflush(stdout);
   }
   if (have && mem.total > have)
@@ -556,13 +558,18 @@ int main(int argc, char **argv) {
   if ((code = comm_agree(&comm, &st))) goto done;
   int gpu = select_device(&args, &cfg, &model, &comm, &st);
   if ((code = comm_agree(&comm, &st))) goto done;
-  data_open(&data, &cfg, &model, comm.size, comm.rank, &st);
+  /* --dry-run with data.path empty plans a job whose data does not exist yet: model and memory only */
+  int no_data = args.dry_run && !cfg.v.data_path[0]; /* --set data.path= */
+  if (!no_data) data_open(&data, &cfg, &model, comm.size, comm.rank, &st);
   if ((code = comm_agree(&comm, &st))) goto done;
   if (args.dry_run) {
     if (comm.rank == 0) {
       printf("config: %s (hash %016llx), %d rank%s\n", cfg.path, (unsigned long long)cfg.hash, comm.size,
              comm.size > 1 ? "s" : "");
-      print_data_summary(&data, &cfg, comm.size);
+      if (no_data)
+        printf("data: none (data.path is empty): the model and its memory only\n");
+      else
+        print_data_summary(&data, &cfg, comm.size);
       printf("model:\n");
       model_summary(&model, stdout);
       fflush(stdout);

@@ -409,7 +409,8 @@ void model_summary(const dt_model *m, FILE *out) {
   summary_seq(&m->top, out, 0);
   fprintf(out, "  total parameters: ");
   print_int(out, m->n_params, 0);
-  fprintf(out, " (plus %lld batchnorm running-statistics values)\n", (long long)m->n_bufs);
+  if (m->n_bufs) fprintf(out, " (plus %lld batchnorm running-statistics values)", (long long)m->n_bufs);
+  fprintf(out, "\n");
   fprintf(out, "  forward FLOPs per sample: ");
   print_int(out, model_flops(m), 0);
   fprintf(out, " (%.2f MFLOP)\n", (double)model_flops(m) / 1e6);
