@@ -76,6 +76,30 @@ static __device__ __forceinline__ double block_sum(double v) {
   return v;
 }
 
+// Max of v over the lanes [0, lanes) of a warp; the result is valid in lane 0 (as warp_sum).
+static __device__ __forceinline__ float warp_max(float v, int lanes) {
+  unsigned mask = lanes >= 32 ? 0xffffffffu : (1u << lanes) - 1u;
+  int lane = threadIdx.x & 31;
+  for (int o = 16; o > 0; o >>= 1) {
+    float other = __shfl_down_sync(mask, v, o);
+    if (lane + o < lanes) v = fmaxf(v, other);
+  }
+  return v;
+}
+
+// Block-wide max for any blockDim.x (1-D blocks); the result is valid in thread 0.
+static __device__ __forceinline__ float block_max(float v) {
+  __shared__ float warp_maxes[32];
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int warps = (blockDim.x + 31) >> 5, in_warp = (int)blockDim.x - warp * 32;
+  v = warp_max(v, in_warp < 32 ? in_warp : 32);
+  if (lane == 0) warp_maxes[warp] = v;
+  __syncthreads();
+  if (warp == 0) v = warp_max(lane < warps ? warp_maxes[lane] : -INFINITY, (int)blockDim.x < 32 ? (int)blockDim.x : 32);
+  __syncthreads();
+  return v;
+}
+
 // Channel of element i of a (B, C, S) tensor.
 static __device__ __forceinline__ uint32_t channel_of(int64_t i, fast_div c, fast_div sp) {
   uint32_t plane = div_by((uint32_t)i, sp);

@@ -9,9 +9,10 @@
 enum { LOSS_CE, LOSS_MSE };  // backend.h's DT_LOSS_*
 
 __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels, const float *targets, float *dz,
-                            int64_t k, float ls, int32_t ignore, double weight, const float *grad_scale,
-                            double *pairs) {
+                            int64_t k, float ls, int32_t ignore, double weight, const double *weight_dev,
+                            const float *grad_scale, double *pairs) {
   int64_t b = blockIdx.x;
+  if (weight_dev) weight = weight_dev[0];
   if (grad_scale) weight *= (double)grad_scale[0];
   const float *z = logits + b * k;
   float *d = dz + b * k;
@@ -21,14 +22,17 @@ __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels
     for (int64_t j = threadIdx.x; j < k; j += blockDim.x) d[j] = 0.0f;
     if (threadIdx.x == 0) pairs[2 * b] = 0.0, pairs[2 * b + 1] = 0.0;
   } else if (kind == LOSS_CE) {
-    if (threadIdx.x == 0) {  // k is small (classes): one thread finds the max and its index
-      float mx = z[0];
-      int arg = 0;
-      for (int64_t j = 1; j < k; j++)
-        if (z[j] > mx) mx = z[j], arg = (int)j;
-      s_max = mx;
-      s_arg = arg;
-    }
+    // the max over the block, then its first index (the CPU's argmax): k may be a vocabulary
+    float mx = -INFINITY;
+    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) mx = fmaxf(mx, z[j]);
+    mx = block_max(mx);
+    if (threadIdx.x == 0) s_max = mx, s_arg = (int)k;
+    __syncthreads();
+    for (int64_t j = threadIdx.x; j < k; j += blockDim.x)
+      if (z[j] == s_max) {
+        atomicMin(&s_arg, (int)j);  // the smallest such index, whatever the order
+        break;
+      }
     __syncthreads();
     double se = 0;
     for (int64_t j = threadIdx.x; j < k; j += blockDim.x) se += exp((double)(z[j] - s_max));
@@ -60,8 +64,8 @@ __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels
 
 extern "C" void k_loss(cudaStream_t s, int kind, const float *logits, const int32_t *labels, const float *targets,
                        float *dlogits, int64_t b, int64_t k, float label_smoothing, int32_t ignore_index, double weight,
-                       const float *grad_scale, double *out, double *pairs) {
+                       const double *weight_dev, const float *grad_scale, double *out, double *pairs) {
   if (b > 0) LAUNCH(loss_kernel, (unsigned)b, 128, 0, s)
-  (kind, logits, labels, targets, dlogits, k, label_smoothing, ignore_index, weight, grad_scale, pairs);
+  (kind, logits, labels, targets, dlogits, k, label_smoothing, ignore_index, weight, weight_dev, grad_scale, pairs);
   k_sum_pairs(s, pairs, b, out);  // zeros when b is 0
 }

@@ -13,30 +13,6 @@ static inline unsigned row_threads(int64_t len) {
   return (unsigned)(t < 32 ? 32 : t > kThreads ? kThreads : t);
 }
 
-// Max of v over the lanes [0, lanes) of a warp; the result is valid in lane 0 (as warp_sum).
-static __device__ __forceinline__ float warp_max(float v, int lanes) {
-  unsigned mask = lanes >= 32 ? 0xffffffffu : (1u << lanes) - 1u;
-  int lane = threadIdx.x & 31;
-  for (int o = 16; o > 0; o >>= 1) {
-    float other = __shfl_down_sync(mask, v, o);
-    if (lane + o < lanes) v = fmaxf(v, other);
-  }
-  return v;
-}
-
-// Block-wide max for any blockDim.x (1-D blocks); the result is valid in thread 0.
-static __device__ __forceinline__ float block_max(float v) {
-  __shared__ float warp_maxes[32];
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int warps = (blockDim.x + 31) >> 5, in_warp = (int)blockDim.x - warp * 32;
-  v = warp_max(v, in_warp < 32 ? in_warp : 32);
-  if (lane == 0) warp_maxes[warp] = v;
-  __syncthreads();
-  if (warp == 0) v = warp_max(lane < warps ? warp_maxes[lane] : -INFINITY, (int)blockDim.x < 32 ? (int)blockDim.x : 32);
-  __syncthreads();
-  return v;
-}
-
 // y(N, D) = wte(tok[n]) + wpe(n % T); one thread per element.
 __global__ void embed_fwd_kernel(const float *tokens, const float *wte, const float *wpe, float *y, int64_t total,
                                  fast_div t, fast_div d) {
@@ -234,7 +210,7 @@ void k_ln_fwd(cudaStream_t s, const float *x, const float *gamma, const float *b
 void k_ln_bwd(cudaStream_t s, const float *x, const float *dy, const float *gamma, const float *mean, const float *rstd,
               float *dx, float *dgamma, float *dbeta, int64_t n, int64_t d, double *partials) {
   if (!n || !d) return;
-  LAUNCH(ln_bwd_dx_kernel, (unsigned)n, row_threads(d), 0, s)(x, dy, gamma, mean, rstd, dx, d);
+  if (dx) LAUNCH(ln_bwd_dx_kernel, (unsigned)n, row_threads(d), 0, s)(x, dy, gamma, mean, rstd, dx, d);
   const int64_t COLS = 128, most = K_LN_CHUNKS;
   int64_t chunks = n < most ? n : most, per = (n + chunks - 1) / chunks;
   chunks = (n + per - 1) / per;  // no empty chunk

@@ -194,8 +194,10 @@ typedef struct {
       float label_smoothing;
       int ignore; /* cross_entropy: rows labelled ignore_index add no loss, hit or gradient */
       int32_t ignore_index;
-      double weight;           /* 1/global count */
-      const float *grad_scale; /* (1) or NULL: dlogits also multiplied by it (fp16 loss scaling) */
+      double weight;            /* 1/global count */
+      const double *weight_dev; /* (1) or NULL: the weight, read when the op runs (a captured step replays with
+                                   the value uploaded for it) */
+      const float *grad_scale;  /* (1) or NULL: dlogits also multiplied by it (fp16 loss scaling) */
       const float *logits;
       const int32_t *labels;
       const float *targets;
@@ -284,7 +286,7 @@ typedef struct {
     struct {
       int64_t n, d;
       const float *x, *dy, *gamma, *mean, *rstd;
-      float *dx;             /* (N, D) overwritten */
+      float *dx;             /* (N, D) overwritten; NULL: only the parameter gradients */
       float *dgamma, *dbeta; /* (D) added into */
     } ln_bwd;
     struct {

@@ -475,7 +475,7 @@ static void op_add(cpu_impl *im, const dt_op *op) {
 static void op_loss(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.loss) *q = &op->p.loss;
-  const double weight = q->weight * (q->grad_scale ? (double)q->grad_scale[0] : 1.0);
+  const double weight = (q->weight_dev ? *q->weight_dev : q->weight) * (q->grad_scale ? (double)q->grad_scale[0] : 1.0);
   double total = 0, hits = 0;
 #pragma omp parallel for reduction(+ : total, hits) schedule(static)
   for (int64_t b = 0; b < q->b; b++) {
@@ -741,7 +741,7 @@ static void op_ln_bwd(cpu_impl *im, const dt_op *op) {
   const typeof(op->p.ln_bwd) *q = &op->p.ln_bwd;
   const int64_t d = q->d, chunks = (d + COL_CHUNK - 1) / COL_CHUNK;
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < q->n; r++) {
+  for (int64_t r = 0; r < (q->dx ? q->n : 0); r++) { /* dx NULL: the parameter gradients only */
     const float *x = q->x + r * d, *dy = q->dy + r * d;
     float *dx = q->dx + r * d;
     float m = q->mean[r], rs = q->rstd[r];

@@ -501,7 +501,7 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
           grow_device(im, (void **)&im->partials, &im->partials_bytes,
                       (size_t)(q->b > K_SUM_BLOCKS ? q->b : K_SUM_BLOCKS) * 2 * sizeof(double), "loss sums");
       k_loss(s, q->kind, q->logits, q->labels, q->targets, q->dlogits, q->b, q->k, q->label_smoothing,
-             q->ignore ? q->ignore_index : -1, q->weight, q->grad_scale, q->sums, pairs);
+             q->ignore ? q->ignore_index : -1, q->weight, q->weight_dev, q->grad_scale, q->sums, pairs);
       break;
     }
     case DT_OP_SGD: {

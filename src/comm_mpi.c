@@ -219,6 +219,7 @@ void comm_gather_text(dt_comm *c, const char *text, size_t cap, char *all) {
 
 void comm_gather_rows(dt_comm *c, const float *mine, int64_t n_mine, int64_t width, float *all) {
   int *counts = dt_calloc((size_t)c->size, sizeof(int)), *displs = dt_calloc((size_t)c->size, sizeof(int));
+  DT_ASSERT(n_mine * width <= 2147483647); /* callers keep the whole under MPI's int counts */
   int count = (int)(n_mine * width);
   MPI_Request req;
   MPI_CHECK(MPI_Igather(&count, 1, MPI_INT, counts, 1, MPI_INT, 0, c->world, &req));

@@ -9,7 +9,8 @@
 
 #define A(field) offsetof(dt_layer_args, field)
 static const dt_key embedding_keys[] = {
-    {"vocab", DT_KEY_INT, A(vocab), NULL, 2, 2147483647, NULL, "token ids are in [0, vocab)"},
+    {"vocab", DT_KEY_INT, A(vocab), NULL, 2, 16777216, NULL,
+     "token ids are in [0, vocab) (at most 2^24: ids travel as floats)"},
     {"dim", DT_KEY_INT, A(dim), NULL, 1, 1e6, NULL, "width D of each position's vector"},
     {"positions", DT_KEY_BOOL, A(positions), "true", 1, 0, NULL, "add a learned position vector (GPT-2's wpe)"},
     {"max_len", DT_KEY_INT, A(max_len), "0", 0, 1e7, NULL, "rows of pos.weight (0: T); T may be fewer"},

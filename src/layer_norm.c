@@ -161,7 +161,6 @@ static const dt_key ln_keys[] = {
 
 typedef struct {
   float *mean, *rstd; /* (max_batch * rows per sample): what forward used, for backward */
-  float *dx_unused;   /* (max_batch, in): the first layer's dx, which nothing reads */
 } ln_state;
 
 static int ln_setup(dt_model *m, dt_layer *l, dt_status *st) {
@@ -190,7 +189,6 @@ static void ln_alloc(dt_layer *l, dt_backend *be, int64_t max_batch) {
   size_t bytes = (size_t)shape_rows(l->in, max_batch) * sizeof(float);
   s->mean = be->alloc(be, bytes);
   s->rstd = be->alloc(be, bytes);
-  if (l->index == 0) s->dx_unused = be->alloc(be, (size_t)(max_batch * shape_size(l->in)) * sizeof(float));
   l->priv = s;
 }
 
@@ -199,7 +197,6 @@ static void ln_release(dt_layer *l, dt_backend *be) {
   if (!s) return;
   be->free(be, s->mean);
   be->free(be, s->rstd);
-  if (s->dx_unused) be->free(be, s->dx_unused);
 }
 
 static void ln_forward(dt_layer *l, dt_pass *pass, const float *x) {
@@ -219,7 +216,6 @@ static void ln_forward(dt_layer *l, dt_pass *pass, const float *x) {
 
 static void ln_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
   ln_state *s = l->priv;
-  DT_ASSERT(dx || s->dx_unused); /* only the model's first layer is given no dx */
   dt_op op = {.type = DT_OP_LN_BWD,
               .p.ln_bwd = {.n = shape_rows(l->in, pass->batch),
                            .d = l->in.c,
@@ -228,7 +224,7 @@ static void ln_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
                            .gamma = pass->params + l->tensors[0].offset,
                            .mean = s->mean,
                            .rstd = s->rstd,
-                           .dx = dx ? dx : s->dx_unused,
+                           .dx = dx,
                            .dgamma = pass->grads + l->tensors[0].offset,
                            .dbeta = pass->grads + l->tensors[1].offset}};
   backend_run(pass->be, &op);

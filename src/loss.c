@@ -60,8 +60,9 @@ const char *loss_name(const dt_loss *l) {
   return l->kind == DT_LOSS_CROSS_ENTROPY ? "cross_entropy" : "mse";
 }
 
-void loss_run(const dt_loss *l, dt_backend *be, int64_t rows, int64_t k, double weight, const float *grad_scale,
-              const float *logits, const int32_t *labels, const float *targets, float *dlogits, double *sums) {
+void loss_run(const dt_loss *l, dt_backend *be, int64_t rows, int64_t k, double weight, const double *weight_dev,
+              const float *grad_scale, const float *logits, const int32_t *labels, const float *targets, float *dlogits,
+              double *sums) {
   if (rows == 0) return; /* a rank with no rows this batch */
   dt_op op = {.type = DT_OP_LOSS,
               .p.loss = {.kind = l->kind,
@@ -71,6 +72,7 @@ void loss_run(const dt_loss *l, dt_backend *be, int64_t rows, int64_t k, double 
                          .ignore = l->ignore_index_set,
                          .ignore_index = (int32_t)l->ignore_index,
                          .weight = weight,
+                         .weight_dev = weight_dev,
                          .grad_scale = grad_scale,
                          .logits = logits,
                          .labels = labels,

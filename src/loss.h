@@ -24,7 +24,8 @@ const char *loss_name(const dt_loss *l);
 /* Queues the loss over rows x k logits: overwrites dlogits (weighted by `weight`, 1/global
  * count, and by grad_scale[0] unless it is NULL) and adds the summed per-sample loss and the hits
  * to sums[0], sums[1]. Every pointer is backend memory (labels: rows int32; targets: rows x k). */
-void loss_run(const dt_loss *l, dt_backend *be, int64_t rows, int64_t k, double weight, const float *grad_scale,
-              const float *logits, const int32_t *labels, const float *targets, float *dlogits, double *sums);
+void loss_run(const dt_loss *l, dt_backend *be, int64_t rows, int64_t k, double weight, const double *weight_dev,
+              const float *grad_scale, const float *logits, const int32_t *labels, const float *targets, float *dlogits,
+              double *sums);
 
 #endif

@@ -110,8 +110,11 @@ static int parse_args(int argc, char **argv, cli_args *a, dt_status *st) {
       a->predict = val;
     } else if (!strcmp(s, "--sample") || !strcmp(s, "--temperature") || !strcmp(s, "--top-k")) {
       double x = 0;
-      if (number_arg(s, i + 1 < argc ? argv[++i] : NULL, 0, s[2] == 't' && s[3] == 'e' ? 100 : 1e9, &x, st))
+      const int temperature = !strcmp(s, "--temperature"), sample = !strcmp(s, "--sample");
+      if (number_arg(s, i + 1 < argc ? argv[++i] : NULL, sample ? 1 : 0, temperature ? 100 : 1e9, &x, st))
         return st->code;
+      if (!temperature && x != (double)(int64_t)x)
+        return dt_fail(st, DT_EXIT_INPUT, "%s needs a whole number, got %g", s, x);
       if (!strcmp(s, "--sample"))
         a->sample = (int64_t)x;
       else if (!strcmp(s, "--top-k"))
@@ -559,8 +562,8 @@ int main(int argc, char **argv) {
   int gpu = select_device(&args, &cfg, &model, &comm, &st);
   if ((code = comm_agree(&comm, &st))) goto done;
   /* --dry-run with data.path empty plans a job whose data does not exist yet: model and memory only */
-  int no_data = args.dry_run && !cfg.v.data_path[0]; /* --set data.path= */
-  if (!no_data) data_open(&data, &cfg, &model, comm.size, comm.rank, &st);
+  int no_data = args.dry_run && !cfg.v.data_path[0];                                       /* --set data.path= */
+  if (!no_data && !args.sample) data_open(&data, &cfg, &model, comm.size, comm.rank, &st); /* --sample reads none */
   if ((code = comm_agree(&comm, &st))) goto done;
   if (args.dry_run) {
     if (comm.rank == 0) {

@@ -468,6 +468,6 @@ void model_input(dt_model *m, const float *raw, int64_t rows) {
 }
 
 void model_loss(dt_model *m, dt_pass *pass, const int32_t *labels, const float *targets, double *sums) {
-  loss_run(&m->loss, pass->be, pass->batch * m->n_labels, m->n_classes, 1.0 / pass->global_targets, pass->grad_scale,
-           model_logits(m), labels, targets, model_dlogits(m), sums);
+  loss_run(&m->loss, pass->be, pass->batch * m->n_labels, m->n_classes, 1.0 / pass->global_targets, pass->loss_weight,
+           pass->grad_scale, model_logits(m), labels, targets, model_dlogits(m), sums);
 }

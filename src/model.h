@@ -108,6 +108,8 @@ struct dt_pass {
   int64_t batch; /* local rows */
   int training;
   double global_targets;     /* targets in the global batch (rows x labels per row, less ignored): the loss's weight */
+  const double *loss_weight; /* (1) backend memory or NULL: 1 / global_targets, uploaded each step (so a captured
+                                step replays whatever the count) */
   const float *grad_scale;   /* (1) backend memory or NULL: the fp16 loss scale dlogits carry */
   const uint64_t *step_seed; /* (1) backend memory: the micro-batch's dropout seed; NULL when not training */
   float *params, *grads, *bufs; /* flat, backend memory */

@@ -213,7 +213,12 @@ static void straggler_line(dt_comm *comm, dt_log *lg, double compute_ms, double 
 int train_predict(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, const char *path) {
   (void)cfg;
   dt_status st = {0};
-  if (!d->has_val) dt_fail(&st, DT_EXIT_INPUT, "--predict: there is no validation split (data.val.x is empty)");
+  if (!d->has_val)
+    dt_fail(&st, DT_EXIT_INPUT, "--predict: there is no validation split (data.val.x is empty)");
+  else if ((double)d->val.n * (double)m->n_outputs > 2147483647.0) /* MPI's counts are ints */
+    dt_fail(&st, DT_EXIT_INPUT,
+            "--predict: %lld validation rows of %lld logits%s are more than 2^31 values; use fewer rows (data.val.x)",
+            (long long)d->val.n, (long long)m->n_outputs, m->tokens ? " (T x vocab)" : "");
   int code = comm_agree(comm, &st);
   if (code) return code;
   int64_t rows = d->val.hi - d->val.lo, k = m->n_outputs, n = d->val.n, per = m->n_labels;
@@ -284,8 +289,15 @@ int train_sample(const dt_config *cfg, dt_model *m, dt_comm *comm, int64_t n, co
   const int bytes = v == 256;
   int64_t len = 0, cap = (int64_t)strlen(prompt) + n + 2;
   int32_t *ctx = dt_malloc((size_t)cap * sizeof(int32_t));
+  int causal = 1; /* the context is padded after the prompt: only causal attention leaves that unseen */
+  for (int i = 0; i < m->n_all; i++)
+    if (m->all[i]->ops == &dt_layer_attention && !m->all[i]->args.causal) causal = 0;
   if (!t) {
     dt_fail(&st, DT_EXIT_INPUT, "--sample: the model is not a token model (its first layer is not an embedding)");
+  } else if (!causal) {
+    dt_fail(&st, DT_EXIT_INPUT,
+            "--sample: the model has attention with causal: false, which sees the tokens after "
+            "each position; sampling needs causal attention");
   } else if (bytes) {
     for (const unsigned char *p = (const unsigned char *)prompt; *p; p++) ctx[len++] = *p;
   } else {
@@ -480,6 +492,7 @@ typedef struct {
   double count;                 /* rows in its global batch */
   double targets;               /* targets in it the loss averages over: rows x labels per row, less ignore_index's */
   dt_sampler target_smp;        /* ignore_index: the sampler's twin for counting them (the loader's is its thread's) */
+  double *loss_weight;          /* ignore_index: (1) backend memory, 1 / targets, uploaded each step */
   int64_t *target_idx;          /* (local rows cap) scratch for counting them */
   double lr;
   dt_step_report all; /* the ranks' summed report */
@@ -505,6 +518,7 @@ static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_da
     sampler_init(&T->target_smp, d->train.n, W, comm->rank, G, v->sharding == DT_SHARD_CONTIGUOUS, v->drop_last,
                  v->shuffle, (uint64_t)v->seed);
     T->target_idx = dt_malloc((size_t)(sampler_max_local(&T->target_smp) + 1) * sizeof(int64_t));
+    T->loss_weight = (double *)T->be->alloc(T->be, sizeof(double));
   }
   if (v->sharding == DT_SHARD_CONTIGUOUS && G < W)
     dt_fail(&st, DT_EXIT_INPUT,
@@ -530,7 +544,7 @@ static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_da
   int code = comm_agree(comm, &st);
   if (code) {
     sampler_free(&T->smp);
-    if (T->target_idx) sampler_free(&T->target_smp), free(T->target_idx);
+    if (T->target_idx) sampler_free(&T->target_smp), free(T->target_idx), T->be->free(T->be, T->loss_weight);
     log_close(&T->lg);
     return code;
   }
@@ -677,6 +691,7 @@ static void queue_micro(dt_trainer *T, const dev_batch *db, int64_t rows, int fi
                   .batch = rows,
                   .training = 1,
                   .global_targets = T->targets,
+                  .loss_weight = T->loss_weight,
                   .grad_scale = T->scaler,
                   .step_seed = db->seed,
                   .params = m->params,
@@ -731,7 +746,7 @@ static void queue_update(dt_trainer *T) {
 static void queue_single(dt_trainer *T, const dev_batch *db, int64_t rows) {
   dt_backend *be = T->be;
   const int i = (int)(db - T->in);
-  const int same_shape = T->graph_rows[i] == rows && T->graph_count[i] == T->targets;
+  const int same_shape = T->graph_rows[i] == rows && T->graph_count[i] == T->count;
   const int eager = T->inject != DT_FAULT_NONE; /* a one-off: not captured */
   if (eager) {
     queue_micro(T, db, rows, 1, 1);
@@ -741,7 +756,7 @@ static void queue_single(dt_trainer *T, const dev_batch *db, int64_t rows) {
     optim_advance(&T->opt);
     T->gs.wait_s = 0;
     T->replays++;
-  } else if (T->graphs && rows == T->warm_rows && T->targets == T->warm_count) {
+  } else if (T->graphs && rows == T->warm_rows && T->count == T->warm_count) {
     be->graph_free(be, T->graph[i]);
     T->graph_gen[i] = be->generation;
     be->capture_begin(be);
@@ -749,7 +764,7 @@ static void queue_single(dt_trainer *T, const dev_batch *db, int64_t rows) {
     queue_update(T);
     T->graph[i] = be->capture_end(be);
     T->graph_rows[i] = rows;
-    T->graph_count[i] = T->targets;
+    T->graph_count[i] = T->count;
     be->replay(be, T->graph[i]);
     T->captures++;
   } else {
@@ -757,7 +772,7 @@ static void queue_single(dt_trainer *T, const dev_batch *db, int64_t rows) {
     queue_update(T);
   }
   T->warm_rows = rows;
-  T->warm_count = T->targets;
+  T->warm_count = T->count;
 }
 
 /* Takes the next micro-batch from the loader and queues its upload (with its dropout seed, from
@@ -990,6 +1005,10 @@ static int train_step(dt_trainer *T, dt_train_result *res) {
   T->count = 0;
   for (int64_t j = 0; j < T->k; j++) T->count += (double)sampler_count(&T->smp, T->micro0 + j);
   T->targets = T->m->loss.ignore_index_set ? step_targets(T) : T->count * (double)T->m->n_labels;
+  if (T->loss_weight) { /* queued before the step (a graph replay reads it) */
+    const double w = 1.0 / T->targets;
+    T->be->upload(T->be, T->loss_weight, &w, sizeof w);
+  }
   dt_status st = {0};
   dt_step_report mine = {0};
   double data_s = 0;
@@ -1042,6 +1061,7 @@ static int trainer_finish(dt_trainer *T, int code, dt_train_result *res) {
     T->be->free_host(T->be, T->scaler_host);
   }
   T->be->free(T->be, T->clip_sq);
+  if (T->loss_weight) T->be->free(T->be, T->loss_weight);
   T->be->free(T->be, T->cache_x);
   T->be->free(T->be, T->cache_y);
   T->be->free_host(T->be, T->stats_host);
@@ -1049,7 +1069,7 @@ static int trainer_finish(dt_trainer *T, int code, dt_train_result *res) {
   optim_free(&T->opt, T->be);
   grad_sync_free(&T->gs);
   sampler_free(&T->smp);
-  if (T->target_idx) sampler_free(&T->target_smp);
+  sampler_free(&T->target_smp); /* zeroed when unused */
   log_close(&T->lg);
   return code;
 }

@@ -1408,6 +1408,22 @@ static void ln_case(int64_t D, int64_t cap, int64_t n, const char *rows_name) {
   ot_check("dx", dx, n * D);
   ot_check("dgamma (added into)", dgamma, n ? D : 0);
   ot_check("dbeta (added into)", dbeta, n ? D : 0);
+  ot_case(DT_OP_LN_BWD, "D %lld, no dx (the first layer's), %s", (long long)D, rows_name);
+  BOTH {
+    dt_op op = {.type = DT_OP_LN_BWD,
+                .p.ln_bwd = {.n = n,
+                             .d = D,
+                             .x = F(x),
+                             .dy = F(dy),
+                             .gamma = F(gamma),
+                             .mean = F(mean),
+                             .rstd = F(rstd),
+                             .dgamma = F(dgamma),
+                             .dbeta = F(dbeta)}};
+    RUN(op);
+  }
+  ot_check("dgamma (added into twice)", dgamma, n ? D : 0);
+  ot_check("dbeta (added into twice)", dbeta, n ? D : 0);
 }
 
 static void ops_layernorm(void) {

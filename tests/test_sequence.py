@@ -159,6 +159,60 @@ class Sampling(unittest.TestCase):
         self.assertIn("--top-k needs a number", errors(err)[0])
 
 
+class Layers(unittest.TestCase):
+    def test_layernorm_opening_a_residual_at_the_start(self):
+        """The first layer's input has no gradient: a layernorm opening the model's first residual
+        body computes only its own parameters' gradients (it once asserted for want of a dx)."""
+        w = Workdir()
+        try:
+            w.dataset(shape=(6,), classes=3)
+            cfg = w.config("""\
+                model:
+                  input: [6]
+                  layers: [{{residual: {{body: [layernorm: {{}}, {{linear: {{out: 6}}}}]}}}}, {{linear: {{out: 3}}}}]
+                data: {{path: {dir}/data.h5, scale: 0.004}}
+                train: {{epochs: 1, global_batch_size: 8}}
+                checkpoint: {{dir: {dir}/ckpt}}
+                log: {{dir: {dir}/log}}
+                """)
+            for device in (["--device", "cpu"],):
+                rc, out, err = run([cfg] + device, np_=2)
+                self.assertEqual(rc, 0, out + err)
+            p = params(w.latest())
+            self.assertFalse(np.array_equal(p["0.body.0.weight"], np.ones(6, np.float32)))  # it trained
+        finally:
+            w.cleanup()
+
+    def test_bad_token_layers_exit_2(self):
+        w = Workdir()
+        try:
+            with h5py.File(w.file("tokens.h5"), "w") as f:
+                f["train/tokens"] = rule_rows(8)
+                f["val/tokens"] = rule_rows(8)
+            cfg = w.config(GPT, loss="cross_entropy", optim="sgd", lr=0.1, epochs=1)
+            cases = [
+                (["--set", "model.layers=[{embedding: {vocab: 16777217, dim: 4}}]"], "vocab"),
+                (["--set", "model.layers=[{linear: {out: 4}}, {embedding: {vocab: 20, dim: 4}}]"],
+                 "only the first layer of model.layers may be an embedding"),
+                (["--set", "model.layers=[{embedding: {vocab: 20, dim: 6}}, {attention: {heads: 4}}]"],
+                 "width 6 does not divide into 4 heads"),
+                (["--set", "model.layers=[{embedding: {vocab: 20, dim: 6}}, {linear: {out: 20, tie: '3'}}]"],
+                 "tie '3' names no earlier embedding layer"),
+                (["--set", "model.layers=[{embedding: {vocab: 20, dim: 6}}, {linear: {out: 19, tie: '0'}}]"],
+                 "tied to 0's (20, 6) tok.weight"),
+                (["--set", "model.layers=[{embedding: {vocab: 20, dim: 6}}, {batchnorm: {}}]"], "use layernorm"),
+                (["--set", "data.train.x=/val/tokens", "--set", "model.layers=[{embedding: {vocab: 10, dim: 4}}, "
+                  "{linear: {out: 10}}]"], "token outside [0, 10)"),
+                (["--sample", "0"], "--sample needs a number in [1,"),
+            ]
+            for extra, needle in cases:
+                rc, out, err = run([cfg] + extra)
+                self.assertEqual(rc, 2, f"{extra}: {out + err}")
+                self.assertIn(needle, errors(err)[0], extra)
+        finally:
+            w.cleanup()
+
+
 class Resume(unittest.TestCase):
     def test_transformer_resume_is_bit_exact(self):
         """6 AdamW steps straight, against 3, a stop, and 3 more from the checkpoint."""
