@@ -21,6 +21,7 @@
 #include "sampler.h"
 
 enum { DT_X_U8, DT_X_F32, DT_X_F64 };
+enum { DT_CACHE_PROBE = -1 }; /* data_hdf5.c: the forked probe's open, which reads no more than it must */
 
 typedef struct {
   char x_name[256], y_name[256];

@@ -89,8 +89,9 @@ static int shape_matches(int nd, const hsize_t *dims, const dt_shape *in) {
 }
 
 /* A token model's split (see data.h): all of this rank's rows read as int32 and checked. */
+/* A probe (cache DT_CACHE_PROBE) reads only the first and last window: the real open checks the rest. */
 static int open_token_split(dt_data *d, dt_split *s, const char *xkey, const dt_model *m, int64_t lo_frac_r, int world,
-                            int contiguous, dt_status *st) {
+                            int contiguous, int probe, dt_status *st) {
   char e[512], dt[128];
   hid_t dx = open_dset(d, s->x_name, xkey, st);
   if (dx < 0) return st->code;
@@ -120,6 +121,19 @@ static int open_token_split(dt_data *d, dt_split *s, const char *xkey, const dt_
   int64_t rows = s->hi - s->lo;
   /* the values rows [lo, hi) span: as rows of the dataset, or a stretch of the stream */
   int64_t first = xn == 2 ? s->lo : s->lo * t, count = rows ? (rows - 1) * s->tok_stride + t + 1 : 0;
+  if (probe) { /* the rows this rank holds, at both ends (the chunk index is walked to reach them) */
+    int32_t *ends = dt_malloc((size_t)(2 * (t + 1)) * sizeof(int32_t));
+    int64_t last = xn == 2 ? s->hi - 1 : first + count - (t + 1);
+    int bad = rows && (xn == 2 ? read_rows(dx, H5T_NATIVE_INT32, s->lo, s->lo + 1, t + 1, ends) ||
+                                     read_rows(dx, H5T_NATIVE_INT32, last, last + 1, t + 1, ends + t + 1)
+                               : read_rows(dx, H5T_NATIVE_INT32, first, first + t + 1, 1, ends) ||
+                                     read_rows(dx, H5T_NATIVE_INT32, last, last + t + 1, 1, ends + t + 1));
+    free(ends);
+    if (bad)
+      rc = dt_fail(st, DT_EXIT_INPUT, "%s: cannot read '%s' (corrupt or unreadable file?): %s", d->path, s->x_name,
+                   h5_error_text(e, sizeof e));
+    goto out;
+  }
   s->tokens = dt_malloc((size_t)(count ? count : 1) * sizeof(int32_t));
   if (count && (xn == 2 ? read_rows(dx, H5T_NATIVE_INT32, s->lo, s->hi, t + 1, s->tokens)
                         : read_rows(dx, H5T_NATIVE_INT32, first, first + count, 1, s->tokens))) {
@@ -149,7 +163,7 @@ static int open_split(dt_data *d, dt_split *s, const char *xkey, const char *yke
   if (m->tokens) {
     if (cache == DT_CACHE_DEVICE)
       return dt_fail(st, DT_EXIT_INPUT, "data.cache: device is not available for token models yet (use auto)");
-    return open_token_split(d, s, xkey, m, lo_frac_r, world, contiguous, st);
+    return open_token_split(d, s, xkey, m, lo_frac_r, world, contiguous, cache == DT_CACHE_PROBE, st);
   }
   char e[512], dt[128];
   hid_t dx = open_dset(d, s->x_name, xkey, st);
@@ -329,11 +343,11 @@ typedef struct {
 static int probe_splits(void *ctx, dt_status *st) {
   const probe_args *a = ctx;
   dt_data d;
-  if (!open_splits(&d, a->cfg, a->m, a->world, a->rank, DT_CACHE_NONE, st)) {
+  if (!open_splits(&d, a->cfg, a->m, a->world, a->rank, DT_CACHE_PROBE, st)) {
     dt_split *splits[2] = {&d.train, d.has_val ? &d.val : NULL};
     for (int k = 0; k < 2 && splits[k] && !st->code; k++) {
       dt_split *s = splits[k];
-      if (s->hi == s->lo) continue;
+      if (s->hi == s->lo || a->m->tokens) continue; /* a token split's probe has read its ends */
       int64_t rows[2] = {s->lo, s->hi - 1};
       float *x = dt_malloc((size_t)(2 * s->row_elems) * sizeof(float));
       float *targets = dt_malloc((size_t)(2 * s->y_k + 1) * sizeof(float));
