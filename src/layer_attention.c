@@ -47,14 +47,6 @@ static int attention_setup(dt_model *m, dt_layer *l, dt_status *st) {
   return 0;
 }
 
-/* As two nn.Linear: uniform(+-1/sqrt(C)) for weights and biases. */
-static void attention_init(dt_layer *l, float *params, float *bufs, uint64_t seed) {
-  (void)bufs;
-  float bound = 1.0f / sqrtf((float)l->in.c);
-  for (int t = 0; t < l->n_tensors; t++)
-    init_uniform(params + l->tensors[t].offset, l->tensors[t].count, bound, dt_hash64(seed + (uint64_t)t));
-}
-
 static void sizes(const dt_layer *l, int64_t batch, size_t *seq, size_t *square) {
   int64_t t = l->in.h;
   *seq = (size_t)(batch * t * l->in.c) * sizeof(float);
@@ -224,7 +216,7 @@ const dt_layer_ops dt_layer_attention = {.kind = "attention",
                                          .keys = attention_keys,
                                          .n_keys = 3,
                                          .setup = attention_setup,
-                                         .init = attention_init,
+                                         .init = dense_init, /* as two nn.Linear of C inputs */
                                          .alloc = attention_alloc,
                                          .forward = attention_forward,
                                          .backward = attention_backward,

@@ -49,7 +49,7 @@ static int linear_setup(dt_model *m, dt_layer *l, dt_status *st) {
 }
 
 /* PyTorch: kaiming_uniform(a=sqrt(5)) gives bound 1/sqrt(fan_in) for weight and bias alike. */
-static void linear_init(dt_layer *l, float *params, float *bufs, uint64_t seed) {
+void dense_init(dt_layer *l, float *params, float *bufs, uint64_t seed) {
   (void)bufs;
   float bound = 1.0f / sqrtf((float)l->in.c);
   for (int t = 0; t < l->n_tensors; t++)
@@ -121,7 +121,7 @@ const dt_layer_ops dt_layer_linear = {.kind = "linear",
                                       .keys = linear_keys,
                                       .n_keys = 3,
                                       .setup = linear_setup,
-                                      .init = linear_init,
+                                      .init = dense_init,
                                       .forward = linear_forward,
                                       .backward = linear_backward,
                                       .flops = linear_flops};

@@ -21,6 +21,8 @@ extern const dt_layer_ops dt_layer_embedding; /* layer_embedding.c */
 extern const dt_layer_ops dt_layer_layernorm; /* layer_norm.c */
 extern const dt_layer_ops dt_layer_attention; /* layer_attention.c */
 
+/* PyTorch's nn.Linear initialisation of every tensor of l: uniform(+-1/sqrt(in)). layer_dense.c. */
+void dense_init(dt_layer *l, float *params, float *bufs, uint64_t seed);
 /* Queues y(rows, out) = x(rows, in) W^T + bias (bias NULL: none); W (out, in). layer_dense.c. */
 void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
                    const float *bias, float *y);
