@@ -13,6 +13,8 @@
 #   make fuzz       the libFuzzer harnesses, 30 min or 10^6 executions each (make test: 30 s each)
 #   make longrun    20,000 steps on 2 ranks: RSS, open fds and checkpoint files over time
 #   make bench      throughput against PyTorch in the same run: on the GPU when there is one, else the CPU
+#   make bench-gpt  configs/gpt_tiny.yaml's recipe on 2 ranks against its PyTorch twin, seeds 1-3: validation
+#                   loss (mean of ddp_train's within 2% of PyTorch's: PASS/FAIL, the exit status), tokens/s (~25 min)
 #   make install    PREFIX=/usr/local: the binary, scripts, configs and the man page
 
 CUDA_HOME ?= /usr/local/cuda
@@ -102,7 +104,7 @@ FUZZ_FLAGS := -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-s
 FUZZ_BINS := $(FUZZERS:%=$(FUZZ)/fuzz_%)
 TEST_BINS += $(FUZZ_BINS)
 
-.PHONY: all deps data text-data pydeps run test test-gpu test-asan test-tsan test-bins repeat fuzz longrun bench clean docs ddp_train install
+.PHONY: all deps data text-data pydeps run test test-gpu test-asan test-tsan test-bins repeat fuzz longrun bench bench-gpt clean docs ddp_train install
 PREFIX ?= /usr/local
 all: ddp_train
 
@@ -279,6 +281,13 @@ test-gpu: deps
 bench: deps
 	$(MAKE) ddp_train data
 	PYTHON=$(PYTHON) bash benchmarks/bench.sh
+
+# the gpt_tiny recipe in ddp_train (mpirun -np $(NP)) and in PyTorch (one process, every core), one run;
+# one pair per seed of BENCH_GPT_ARGS, judged on the means (~25 min; one run moves 2-3% with the seed)
+BENCH_GPT_ARGS ?= --seeds 1,2,3
+bench-gpt: deps
+	$(MAKE) ddp_train text-data
+	MPIRUN=$(MPIRUN) $(PYTHON) benchmarks/gpt_tiny_compare.py --np $(NP) $(BENCH_GPT_ARGS)
 
 docs: ddp_train
 	./ddp_train --config-keys > docs/config-keys.md

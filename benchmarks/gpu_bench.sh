@@ -5,7 +5,9 @@
 # (benchmarks/torch_gpu_train.py: the median of timed windows after warm-up, for each setting it can
 # run), the ratio to the best, and the target; then the time from launch to the end of the first
 # step of each. Both sides train from data in device memory (ddp_train: data.cache device, the real
-# dataset; PyTorch: one synthetic batch). Timings are printed, never asserted.
+# dataset; PyTorch: one synthetic batch). Then a second table: GPT-2 124M (configs/gpt2_124m.yaml at
+# sequence 1024, fp32 and bf16), target tokens/s and MFU of ddp_train, PyTorch eager and PyTorch's best,
+# both on random token ids. Timings are printed, never asserted.
 # Knobs (defaults are right for a GPU; the smoke test, tests/test_bench.py, shrinks them for the
 # CPU stand-in of tests/gpusim):
 #   BENCH_DDP_BINARY    ddp_train to run (./ddp_train)
@@ -17,6 +19,11 @@
 #                       (e.g. "train.cuda_graph=off dist.threads=4"; later ones win)
 #   BENCH_TORCH_PYTHON  the Python with PyTorch (PYTHON); BENCH_TORCH_DEVICE cuda (or cpu: smoke tests)
 #   BENCH_TORCH_SETTINGS  the PyTorch settings to try (see torch_gpu_train.py)
+#   BENCH_GPT_CONFIG    the GPT rows' config (configs/gpt2_124m.yaml; the smoke test gives a tiny one)
+#   BENCH_GPT_SEQ       their sequence length, model.input (1024)
+#   BENCH_GPT_BATCH     their batch in sequences (BENCH_BATCH, else 8: the fine-tuning recipe's per GPU)
+#   BENCH_PEAK_TFLOPS   the peaks MFU divides by, per precision ("fp32=67 tf32=494.7 bf16=989.4": an
+#                       H100 SXM's dense figures; TF32 off in the fp32 rows, so fp32 is FP32's peak)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-/usr/bin/python3}
@@ -32,20 +39,22 @@ for kv in ${BENCH_DDP_SET:-}; do extra+=(--set "$kv"); done
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
-ours() { # config batch precision -> samples/s
-  local log
+ours() { # config batch precision [metric [more ddp_train arguments]] -> samples/s (or the logged metric)
+  local log cfg=$1 batch=$2 precision=$3 metric=${4:-samples_per_s}
+  shift $(($# < 4 ? $# : 4))
   log=$(mktemp -d "$out/run.XXXX")
-  if ! "$DDP" "$1" --device cuda --set train.global_batch_size="$2" --set train.precision="$3" \
+  if ! "$DDP" "$cfg" --device cuda --set train.global_batch_size="$batch" --set train.precision="$precision" \
     --set train.max_steps=$((STEPS * (WINDOWS + 1))) --set log.every_steps="$STEPS" --set log.dir="$log" \
     --set checkpoint.dir= --set data.val.x= --set data.drop_last=true --set data.cache=device \
-    --set optim.schedule.name=constant --set optim.lr=0.01 ${extra[@]+"${extra[@]}"} >"$log/out" 2>&1; then
+    --set optim.schedule.name=constant --set optim.lr=0.01 "$@" ${extra[@]+"${extra[@]}"} >"$log/out" 2>&1; then
     cat "$log/out" >&2
     return 1
   fi
-  "$PYTHON" - "$log/metrics.jsonl" <<'PY'
+  "$PYTHON" - "$log/metrics.jsonl" "$metric" <<'PY'
 import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if '"samples_per_s"' in l]
-print(f"{statistics.median(r['samples_per_s'] for r in rows[1:]):.1f}")
+key = sys.argv[2]
+rows = [json.loads(l) for l in open(sys.argv[1]) if f'"{key}"' in l]
+print(f"{statistics.median(r[key] for r in rows[1:]):.1f}")
 PY
 }
 
@@ -107,9 +116,57 @@ printf '| launch to end of first step (s, lower is better), default CNN, fp32, b
   "$batch" "$ours_s" "$torch_s"
 printf ' eager | %s | <= 0.5 s |\n' "$(ratio "$ours_s" "$torch_s")"
 
+# GPT-2 124M at sequence 1024 (or BENCH_GPT_CONFIG / BENCH_GPT_SEQ): target tokens/s and MFU, fp32 and
+# bf16. ddp_train: the config with model.input [SEQ], one rank, its AdamW (no_decay groups,
+# clip_grad_norm 1.0) at a constant lr 1e-4, no gradient accumulation, on random token ids (a file
+# written here, one distinct row per sequence of the run, in host memory: data.cache device is not
+# available for token models yet, so each step's 8 x 1025 tokens are copied ahead, overlapping the step
+# before); PyTorch: the twin, the same AdamW and clipping, one random batch on the device.
+gpt_cfg=${BENCH_GPT_CONFIG:-configs/gpt2_124m.yaml}
+gpt_label="GPT-2 124M ($gpt_cfg)"
+[ -n "${BENCH_GPT_CONFIG:-}" ] && gpt_label="GPT ($gpt_cfg)"
+gpt_seq=${BENCH_GPT_SEQ:-1024}
+gpt_batch=${BENCH_GPT_BATCH:-${BENCH_BATCH:-8}}
+gpt_flops=$("$TORCH_PYTHON" benchmarks/torch_gpu_train.py --flops-per-token "$gpt_cfg" "$gpt_seq")
+peaks=${BENCH_PEAK_TFLOPS:-fp32=67 tf32=494.7 bf16=989.4}
+"$PYTHON" - "$gpt_cfg" "$out/gpt_tokens.h5" $((gpt_batch * STEPS * (WINDOWS + 1))) "$gpt_seq" <<'PY'
+import sys, h5py, numpy as np, yaml
+cfg, path, rows, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+(kind, args), = yaml.safe_load(open(cfg))["model"]["layers"][0].items()
+vocab = args["vocab"]
+with h5py.File(path, "w") as f:
+    f["train/tokens"] = np.random.default_rng(0).integers(0, vocab, (rows, seq + 1)).astype(
+        np.uint16 if vocab <= 65536 else np.int32)
+PY
+mfu() { # tokens/s precision -> percent of the precision's peak
+  "$PYTHON" -c "import sys; p = dict(kv.split('=') for kv in sys.argv[3].split()); \
+print(f'{100 * float(sys.argv[1]) * $gpt_flops / (float(p[sys.argv[2]]) * 1e12):.2f}%')" "$1" "$2" "$peaks"
+}
+echo
+printf '| case | ddp_train tokens/s | ddp_train MFU | PyTorch eager tokens/s | PyTorch eager MFU |'
+printf ' PyTorch best tokens/s | PyTorch best MFU | PyTorch best setting | ddp_train / PyTorch best |\n'
+printf '|---|---|---|---|---|---|---|---|---|\n'
+for precision in fp32 bf16; do
+  name="$gpt_label, seq $gpt_seq, $precision, batch $gpt_batch"
+  a=$(ours "$gpt_cfg" "$gpt_batch" "$precision" tokens_per_s --set "model.input=[$gpt_seq]" \
+    --set data.path="$out/gpt_tokens.h5" --set data.train.x=/train/tokens --set train.batch_size=0 \
+    --set train.grad_accum=1 --set train.epochs=1 --set model.init_from= --set optim.lr=0.0001 --set data.cache=auto)
+  b=$("$TORCH_PYTHON" benchmarks/torch_gpu_train.py --seq "$gpt_seq" "$gpt_cfg" "$gpt_batch" "$precision" "$STEPS" \
+    "$WINDOWS")
+  IFS=$'\t' read -r eager best setting tried <<<"$b"
+  eager_mfu=-
+  [ "$eager" != - ] && eager_mfu=$(mfu "$eager" "$precision")
+  printf '| %s | %s | %s | %s | %s | %s | %s | %s | %s |\n' "$name" "$a" "$(mfu "$a" "$precision")" "$eager" \
+    "$eager_mfu" "$best" "$(mfu "$best" "$precision")" "$setting" "$(ratio "$a" "$best")"
+  notes+=("- $name (tokens/s): $tried")
+done
+
 echo
 echo "Targets (issue 12, to be measured on a GPU): the default CNN at >= 3x PyTorch's best, ResNet-18 at"
 echo ">= 1.5x, launch to the end of the first step in <= 0.5 s."
+echo
+echo "MFU: target tokens/s x $gpt_flops FLOPs per token (6 N + 12 L T C: N the parameters less the"
+echo "position embedding, L layers, T = $gpt_seq, C the width) / the precision's peak ($peaks TFLOP/s)."
 echo
 echo "Launch to the end of the first step, median of $LAUNCHES: ddp_train $ours_s s, of which $ours_ready s"
 echo "to its \"training:\" line (MPI, config, data into memory, CUDA, model and buffers); PyTorch $torch_s s,"

@@ -1,7 +1,10 @@
 """`make bench` (benchmarks/bench.sh): the GPU table, run on the GPU of the GPU suites (in `make test` the
 CPU stand-in, build/sim/ddp_train) with tiny batches and windows and PyTorch on the CPU
-(BENCH_TORCH_DEVICE=cpu), must print every row with numbers and a ratio; without a GPU the driver
-says so and starts the CPU table. Only the shape of the output is checked, never a timing."""
+(BENCH_TORCH_DEVICE=cpu), must print every row with numbers and a ratio, its GPT-2 rows on a tiny GPT
+(BENCH_GPT_CONFIG, a 124M model is far too slow for the stand-in); without a GPU the driver says so and
+starts the CPU table, whose every row (the tiny GPT's in tokens/s too) is checked at one step a window;
+`make bench-gpt`'s script runs 2 steps from the same weights and rows on both sides. Only the shape of
+the output is checked, never a timing."""
 import os
 import re
 import signal
@@ -14,23 +17,39 @@ from helpers import BINARY, ENV, GPU_BINARY, ROOT, gpu_setup
 
 ENV1, VISIBLE1, SIM = gpu_setup(1)
 NUMBER = r"\d+(\.\d+)?"
+SETTING = r"^(eager|channels-last|sdpa|cuda-graph|reduce-overhead|max-autotune)\b"
 
 
 def cells(line):
     return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
+def tables(out):
+    """The Markdown tables of the output: a list of (header cells, [row cells])."""
+    got, lines = [], out.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("| case ") and i + 1 < len(lines) and lines[i + 1].startswith("|---"):
+            rows = []
+            for l in lines[i + 2:]:
+                if not l.startswith("| "):
+                    break
+                rows.append(cells(l))
+            got.append((cells(line), rows))
+    return got
+
+
 class Bench(unittest.TestCase):
     @unittest.skipUnless(VISIBLE1, "no GPU visible (ddp_train --info of DDP_TRAIN_GPU_BINARY)")
     def test_the_gpu_table_has_every_row(self):
         env = dict(ENV, **ENV1, PYTHON=sys.executable, BENCH_DDP_BINARY=GPU_BINARY, BENCH_STEPS="1",
-                   BENCH_WINDOWS="1", BENCH_BATCH="4", BENCH_LAUNCHES="1", BENCH_TORCH_DEVICE="cpu")
+                   BENCH_WINDOWS="1", BENCH_BATCH="4", BENCH_LAUNCHES="1", BENCH_TORCH_DEVICE="cpu",
+                   BENCH_GPT_CONFIG="configs/gpt_tiny.yaml", BENCH_GPT_SEQ="16", BENCH_GPT_BATCH="2")
         p = subprocess.run(["bash", "benchmarks/bench.sh"], capture_output=True, text=True, env=env, cwd=ROOT,
                            timeout=600)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         out = p.stdout
         self.assertTrue(out.startswith("GPU table"), out)
-        rows = [cells(l) for l in out.splitlines() if l.startswith("| ") and not l.startswith("| case ")]
+        (_, rows), (gpt_header, gpt_rows) = tables(out)
         names = [r[0] for r in rows]
         cnn = "default CNN (configs/model.yaml)"
         want = [f"{cnn}, fp32, batch 4", f"{cnn}, tf32, batch 4", f"{cnn}, bf16, batch 4",
@@ -42,7 +61,7 @@ class Bench(unittest.TestCase):
             self.assertEqual(len(r), 7, r)
             for c in r[1:4]:
                 self.assertRegex(c, f"^{NUMBER}$", r)
-            self.assertRegex(r[4], r"^(eager|channels-last|cuda-graph|reduce-overhead|max-autotune)\b", r)
+            self.assertRegex(r[4], SETTING, r)
             self.assertRegex(r[5], f"^{NUMBER}x$", r)
         self.assertEqual([r[6] for r in rows], [">= 3x"] * 3 + ["-", ">= 1.5x", "<= 0.5 s"])
         first = rows[-1]
@@ -51,9 +70,61 @@ class Bench(unittest.TestCase):
         self.assertRegex(first[5], f"^{NUMBER}x$", first)
         self.assertIn("Targets", out)
         self.assertRegex(out, rf"ddp_train {NUMBER} s, of which {NUMBER} s\s+to its")
-        self.assertEqual(len(re.findall(rf"^- .*: eager {NUMBER}", out, re.M)), 5, out)  # settings tried
+        self.assertEqual(gpt_header[1:3], ["ddp_train tokens/s", "ddp_train MFU"], out)
+        gpt = "GPT (configs/gpt_tiny.yaml), seq 16"
+        self.assertEqual([r[0] for r in gpt_rows], [f"{gpt}, fp32, batch 2", f"{gpt}, bf16, batch 2"], out)
+        for r in gpt_rows:  # tokens/s and MFU of ddp_train, PyTorch eager, PyTorch best; setting; ratio
+            self.assertEqual(len(r), 9, r)
+            for c in (r[1], r[3], r[5]):
+                self.assertRegex(c, f"^{NUMBER}$", r)
+            for c in (r[2], r[4], r[6]):
+                self.assertRegex(c, f"^{NUMBER}%$", r)
+            self.assertRegex(r[7], SETTING, r)
+            self.assertRegex(r[8], f"^{NUMBER}x$", r)
+        self.assertRegex(out, r"MFU: target tokens/s x \d+ FLOPs per token")
+        self.assertEqual(len(re.findall(rf"^- .*: eager {NUMBER}", out, re.M)), 7, out)  # settings tried
         if SIM:
             self.assertIn("a smoke run", out)
+
+    def test_the_cpu_table_has_every_row(self):
+        """The CPU table at one step a window (BENCH_STEPS=1): the sample rows and the tiny GPT's tokens/s."""
+        tmp = tempfile.TemporaryDirectory(prefix="ddp_train_bench_")
+        self.addCleanup(tmp.cleanup)
+        env = dict(ENV, PYTHON=sys.executable, BENCH_STEPS="1", TMPDIR=tmp.name)
+        p = subprocess.run(["bash", "benchmarks/cpu_bench.sh"], capture_output=True, text=True, env=env, cwd=ROOT,
+                           timeout=300)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        (h1, rows), (h2, token_rows) = tables(p.stdout)
+        self.assertEqual(h1, ["case", "ddp_train samples/s", "PyTorch samples/s", "ratio"])
+        self.assertEqual(h2, ["case", "ddp_train tokens/s", "PyTorch tokens/s", "ratio"])
+        self.assertEqual([r[0] for r in rows], ["default CNN (configs/model.yaml), batch 256",
+                                                "MLP 784-1024-1024-10, batch 1024"])
+        self.assertEqual([r[0] for r in token_rows], ["tiny GPT (configs/gpt_tiny.yaml), 32 x 128 tokens"])
+        for r in rows + token_rows:
+            self.assertEqual(len(r), 4, r)
+            self.assertRegex(r[1], f"^{NUMBER}$", r)
+            self.assertRegex(r[2], f"^{NUMBER}$", r)
+            self.assertRegex(r[3], f"^{NUMBER}x$", r)
+
+    def test_the_gpt_tiny_comparison_runs_and_agrees_from_the_same_start(self):
+        """make bench-gpt's script for 2 steps, both sides from the same weights and rows (--same-init
+        --ddp-order): the table, PASS, and the two training losses equal to float rounding."""
+        tmp = tempfile.TemporaryDirectory(prefix="ddp_train_bench_")
+        self.addCleanup(tmp.cleanup)
+        p = subprocess.run([sys.executable, "benchmarks/gpt_tiny_compare.py", "--max-steps", "2", "--every", "1",
+                            "--same-init", "--ddp-order", "--binary", BINARY, "--keep", tmp.name],
+                           capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        (header, rows), = tables(p.stdout.replace("| run |", "| case |"))
+        self.assertEqual(header, ["case", "final val loss", "wall s", "train s", "tokens/s"])
+        self.assertEqual([r[0].split(",")[0] for r in rows], ["ddp_train", "PyTorch " + __import__("torch").__version__])
+        a, b = float(rows[0][1]), float(rows[1][1])
+        self.assertLess(abs(a - b) / b, 1e-4, p.stdout)
+        self.assertIn("within 2% of PyTorch: PASS", p.stdout)
+        curve = re.search(r"1: ([\d.]+)/([\d.]+), 2: ([\d.]+)/([\d.]+)", p.stdout)
+        self.assertIsNotNone(curve, p.stdout)
+        self.assertAlmostEqual(float(curve[1]), float(curve[2]), places=3)
+        self.assertAlmostEqual(float(curve[3]), float(curve[4]), places=3)
 
     def test_without_a_gpu_it_says_so_and_starts_the_cpu_table(self):
         """The CPU table itself takes minutes: stopped once its header is out (its temporary files in a
