@@ -36,13 +36,13 @@ SAN_FLAGS := $(SAN_FLAGS_$(SAN))
 
 DEB_PKGS := pkg-config libopenmpi-dev openmpi-bin libhdf5-dev hdf5-tools libyaml-dev libopenblas-openmp-dev \
             dataset-fashion-mnist fortunes libcmocka-dev python3-numpy python3-h5py python3-torch python3-yaml python3-matplotlib help2man slurmctld slurmd slurm-client \
-            clang libclang-rt-14-dev
+            clang libclang-rt-14-dev libmicrohttpd-dev python3-prometheus-client
 OPENBLAS_DIR := /usr/lib/x86_64-linux-gnu/openblas-openmp
 OPENBLAS_INC := /usr/include/x86_64-linux-gnu/openblas-openmp
 
 BUILD := build/$(if $(SAN),$(SAN),$(if $(filter 1,$(CUDA)),cuda,cpu))
-PKG_CFLAGS = $(shell pkg-config --cflags ompi-c hdf5 yaml-0.1 2>/dev/null)
-PKG_LIBS = $(shell pkg-config --libs ompi-c hdf5 yaml-0.1 2>/dev/null)
+PKG_CFLAGS = $(shell pkg-config --cflags ompi-c hdf5 yaml-0.1 libmicrohttpd 2>/dev/null)
+PKG_LIBS = $(shell pkg-config --libs ompi-c hdf5 yaml-0.1 libmicrohttpd 2>/dev/null)
 ifneq ($(SAN),)
   override CFLAGS := -O1 -g $(SAN_FLAGS)
 else
@@ -55,7 +55,7 @@ LDLIBS = $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -lg
 SRCS := common.c yaml_tree.c keys.c config.c model.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
         layer_activation.c layer_residual.c layer_embedding.c layer_attention.c loss.c backend_cpu.c comm_mpi.c sampler.c data_hdf5.c optim.c \
         optim_sgd.c optim_adamw.c ema.c \
-        checkpoint.c log.c train.c signals.c fault.c h5util.c
+        checkpoint.c log.c train.c signals.c fault.c h5util.c monitor.c
 CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=compute_90
 NVCCFLAGS ?= -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra,-Werror
 ifeq ($(CUDA),1)

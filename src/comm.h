@@ -30,6 +30,11 @@ typedef struct {
   int64_t *arrived_seq;    /* rank 0: (size) */
   MPI_Request *arrive_req; /* rank 0: (size) */
   MPI_Request send_req;
+  /* rank 0 (optional): told about a wait once it has lasted a second, every half second after,
+   * and once more with what NULL when it ends: the collective, the step and the ranks that have
+   * not arrived ("1, 3"). It runs on the waiting thread and must not block (monitor_note_wait). */
+  void (*wait_hook)(void *ctx, const char *what, int64_t step, double waited_s, const char *missing);
+  void *wait_ctx;
 } dt_comm;
 
 int comm_init(dt_comm *c, int *argc, char ***argv);
@@ -55,6 +60,10 @@ int comm_failed_peer(dt_comm *c);
  * allocated by the caller on rank 0; NULL elsewhere). */
 void comm_gather_text(dt_comm *c, const char *text, size_t cap, char *all);
 
+/* Rank 0 receives every rank's n doubles in rank order into all (size * n, allocated by the caller
+ * on rank 0; NULL elsewhere). */
+void comm_gather_f64(dt_comm *c, const double *mine, int n, double *all);
+
 /* Rank 0 receives every rank's rows (n_mine x width floats) in rank order into all (caller
  * allocates total rows x width on rank 0). */
 void comm_gather_rows(dt_comm *c, const float *mine, int64_t n_mine, int64_t width, float *all);
@@ -64,13 +73,15 @@ void comm_allgather_f64(dt_comm *c, double mine, double *all, const char *what);
 void comm_allreduce_sum_f64(dt_comm *c, double *data, int n, const char *what);
 
 /* The per-step agreement: one small all-gather of every rank's report. out gets the sums and
- * whether any rank asked to stop; the return is the agreed exit code (0: all well), with the
+ * whether any rank asked to stop or for a checkpoint; the return is the agreed exit code (0: all well), with the
  * lowest failing rank's message printed once. */
 typedef struct {
   double loss_sum, correct;
-  int32_t code; /* this rank's status code (st) */
-  int32_t stop; /* this rank got a signal or hit the time limit: the signal number, or -1 */
+  int32_t code;       /* this rank's status code (st) */
+  int32_t stop;       /* this rank was asked to stop: the signal number, DT_STOP_TIME_LIMIT or DT_STOP_HTTP */
+  int32_t checkpoint; /* a checkpoint was asked for (POST /checkpoint): every rank writes one at this step */
 } dt_step_report;
+enum { DT_STOP_TIME_LIMIT = -1, DT_STOP_HTTP = -2 };
 int comm_step_agree(dt_comm *c, const dt_step_report *mine, const dt_status *st, dt_step_report *out);
 
 typedef struct {

@@ -101,8 +101,8 @@ void comm_wait(dt_comm *c, MPI_Request *reqs, int n, const char *what) {
     for (int r = 1; r < c->size; r++)
       MPI_CHECK(MPI_Irecv(&c->arrived_seq[r], 1, MPI_INT64_T, r, TAG_ARRIVE, c->world, &c->arrive_req[r]));
   }
-  double t0 = dt_now(), warn_at = c->timeout_s / 2;
-  int warned = 0, spins = 0;
+  double t0 = dt_now(), warn_at = c->timeout_s / 2, hook_at = 1.0;
+  int warned = 0, spins = 0, hooked = 0;
   for (;;) {
     int done = 0;
     MPI_CHECK(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE));
@@ -117,6 +117,11 @@ void comm_wait(dt_comm *c, MPI_Request *reqs, int n, const char *what) {
     int n_missing = 0;
     where_text(c, at, sizeof at);
     if (c->rank == 0) missing_ranks(c, missing, sizeof missing, &n_missing);
+    if (c->wait_hook && waited >= hook_at) {
+      c->wait_hook(c->wait_ctx, what, c->step, waited, missing);
+      hooked = 1;
+      hook_at = waited + 0.5;
+    }
     if (!warned && waited > warn_at) {
       warned = 1;
       if (c->rank == 0 && n_missing)
@@ -143,6 +148,7 @@ void comm_wait(dt_comm *c, MPI_Request *reqs, int n, const char *what) {
   }
   /* every rank sent its arrival before joining, so these complete */
   if (c->rank == 0) MPI_CHECK(MPI_Waitall(c->size - 1, c->arrive_req + 1, MPI_STATUSES_IGNORE));
+  if (hooked) c->wait_hook(c->wait_ctx, NULL, c->step, 0, "");
 }
 
 /* The lowest failing rank prints its message once, naming itself when not every rank failed. */
@@ -217,6 +223,12 @@ void comm_gather_text(dt_comm *c, const char *text, size_t cap, char *all) {
   free(mine);
 }
 
+void comm_gather_f64(dt_comm *c, const double *mine, int n, double *all) {
+  MPI_Request req;
+  MPI_CHECK(MPI_Igather(mine, n, MPI_DOUBLE, all, n, MPI_DOUBLE, 0, c->world, &req));
+  comm_wait(c, &req, 1, "gather");
+}
+
 void comm_gather_rows(dt_comm *c, const float *mine, int64_t n_mine, int64_t width, float *all) {
   int *counts = dt_calloc((size_t)c->size, sizeof(int)), *displs = dt_calloc((size_t)c->size, sizeof(int));
   DT_ASSERT(n_mine * width <= 2147483647); /* callers keep the whole under MPI's int counts */
@@ -255,6 +267,7 @@ int comm_step_agree(dt_comm *c, const dt_step_report *mine, const dt_status *st,
     out->loss_sum += all[r].loss_sum;
     out->correct += all[r].correct;
     if (all[r].stop && !out->stop) out->stop = all[r].stop;
+    if (all[r].checkpoint) out->checkpoint = 1;
     if (all[r].code) {
       if (first < 0) first = r;
       failed++;

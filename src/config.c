@@ -115,6 +115,15 @@ static const dt_key config_keys[] = {
     {"dist.timeout_s", DT_KEY_FLOAT, F(timeout_s), "600", 1, BIG, NULL,
      "deadline of every collective: a warning naming the missing ranks at half of it, exit 3 at it"},
     {"dist.threads", DT_KEY_INT, F(threads), "0", 0, 1024, NULL, "CPU threads per rank (0: cores / ranks on the node)"},
+    {"monitor.listen", DT_KEY_STRING, F(monitor_listen), "\"\"", NOB, NULL,
+     "HOST:PORT where rank 0 serves /health, /metrics (Prometheus), /status, /history and POST /checkpoint, /stop, "
+     "e.g. 127.0.0.1:9400 (\"[::1]:9400\", quoted, for IPv6; port 0: any free port, logged); empty: off. An address "
+     "other than loopback needs monitor.token_file, and then every request needs the token"},
+    {"monitor.stall_s", DT_KEY_DURATION, F(monitor_stall_s), "0", NOB, NULL,
+     "GET /health answers 503 once no step has finished for this long (0: half of dist.timeout_s)"},
+    {"monitor.token_file", DT_KEY_STRING, F(monitor_token_file), "\"\"", NOB, NULL,
+     "file holding the bearer token that POST /checkpoint and /stop (and every request off loopback) must send as "
+     "`Authorization: Bearer TOKEN`; read at start-up, and it must not be readable by group or others"},
 };
 #define N_CONFIG_KEYS ((int)(sizeof config_keys / sizeof *config_keys))
 

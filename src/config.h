@@ -61,6 +61,9 @@ typedef struct {
   int comm, grad_dtype;
   double bucket_mb, timeout_s;
   int64_t threads;
+  /* monitor */
+  char *monitor_listen, *monitor_token_file;
+  double monitor_stall_s;
 } dt_config_values;
 
 typedef struct {

@@ -18,6 +18,7 @@
 #include "gpu.h"
 #include "model.h"
 #include "fault.h"
+#include "monitor.h"
 #include "signals.h"
 #include "train.h"
 
@@ -293,6 +294,44 @@ static void print_device_table(dt_comm *comm, int gpu) {
 }
 #endif
 
+/* monitor.listen: every rank sends its host and device; rank 0 starts serving (monitor.h) and
+ * hears about its long collective waits. Collective; returns the agreed code. */
+static int start_monitor(const dt_config *cfg, dt_comm *comm, dt_monitor *mon, int gpu) {
+  enum { CAP = 512 };
+  dt_status st = {0};
+  char mine[CAP] = "cpu";
+  size_t free_b;
+  if (gpu >= 0) gpu_describe(gpu, mine, sizeof mine, &free_b); /* "GPU 0: name, memory, ..., PCI bus id" */
+  char *all = comm->rank == 0 ? dt_calloc((size_t)comm->size, 2 * CAP) : NULL;
+  comm_gather_text(comm, comm->host, CAP, all);
+  comm_gather_text(comm, mine, CAP, all ? all + (size_t)comm->size * CAP : NULL);
+  if (comm->rank == 0) {
+    const char **hosts = dt_calloc((size_t)comm->size, sizeof(char *)),
+               **devices = dt_calloc((size_t)comm->size, sizeof(char *));
+    for (int r = 0; r < comm->size; r++) {
+      hosts[r] = all + (size_t)r * CAP;
+      devices[r] = all + (size_t)(comm->size + r) * CAP;
+    }
+    const dt_config_values *v = &cfg->v;
+    dt_monitor_run run = {
+        .config_path = cfg->path,
+        .config_hash = cfg->hash,
+        .world_size = comm->size,
+        .hosts = hosts,
+        .devices = devices,
+        .global_batch = (v->global_batch_size ? v->global_batch_size : v->batch_size * comm->size) * v->grad_accum,
+        .epochs = v->epochs};
+    if (!monitor_start(mon, &run, &st)) {
+      comm->wait_hook = monitor_note_wait;
+      comm->wait_ctx = mon;
+    }
+    free(hosts);
+    free(devices);
+  }
+  free(all);
+  return comm_agree(comm, &st);
+}
+
 /* Rank 0's parameters (from init_from or the seed) become everyone's. */
 static int init_params(const dt_config *cfg, dt_model *m, dt_comm *comm) {
   dt_status st = {0};
@@ -532,6 +571,7 @@ int main(int argc, char **argv) {
   data.train.dset_x = data.val.dset_x = -1;
   dt_backend *be = NULL;
   dt_nccl *nccl = NULL;
+  dt_monitor *mon = NULL;
   int code = 0;
 
   parse_args(argc, argv, &args, &st);
@@ -556,6 +596,16 @@ int main(int argc, char **argv) {
   if ((code = comm_agree(&comm, &st))) goto done;
   comm.timeout_s = cfg.v.timeout_s;
   comm_check_same(&comm, cfg.hash, "the effective config", &st);
+  if ((code = comm_agree(&comm, &st))) goto done;
+  if (comm.rank == 0 && cfg.v.monitor_listen[0]) { /* found before any data is read; served once training starts */
+    const int trains = !args.dry_run && !args.predict && !args.sample;
+    dt_monitor_opts mo = {.listen = cfg.v.monitor_listen,
+                          .token_file = cfg.v.monitor_token_file,
+                          .stall_s = cfg.v.monitor_stall_s > 0 ? cfg.v.monitor_stall_s : cfg.v.timeout_s / 2,
+                          .log_dir = cfg.v.log_dir,
+                          .checkpoints = cfg.v.ckpt_dir[0] != 0};
+    mon = monitor_open(&mo, trains, &st);
+  }
   if ((code = comm_agree(&comm, &st))) goto done;
   model_build(&model, &cfg, &st);
   if ((code = comm_agree(&comm, &st))) goto done;
@@ -625,10 +675,14 @@ int main(int argc, char **argv) {
     code = train_sample(&cfg, &model, &comm, args.sample, args.prompt, args.temperature, args.top_k);
     goto done;
   }
+  if (cfg.v.monitor_listen[0] && (code = start_monitor(&cfg, &comm, mon, opts.gpu))) goto done;
+  opts.monitor = mon;
   dt_train_result res;
   code = train_run(&cfg, &model, &data, &comm, &opts, &res);
 
 done:
+  comm.wait_hook = NULL;
+  monitor_close(mon);
 #ifdef DT_WITH_CUDA
   nccl_destroy(nccl, code != 0 && code != DT_EXIT_STOPPED);
 #endif

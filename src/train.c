@@ -177,11 +177,12 @@ void train_evaluate(const dt_config *cfg, dt_model *m, const float *params, cons
   *acc = m->loss.kind == DT_LOSS_CROSS_ENTROPY && sums[2] > 0 ? sums[1] / sums[2] : -1;
 }
 
-/* Collective at log steps: every rank's mean compute time per step. Returns the slowest rank and
- * fills min/max/median; prints a straggler line when W > 1. */
-static void straggler_line(dt_comm *comm, dt_log *lg, double compute_ms, double *min_ms, double *max_ms, int *slow) {
+/* Collective at log steps: every rank's mean compute time per step into all (W). Returns the
+ * slowest rank and fills min/max/median; prints a straggler line when W > 1. */
+static void straggler_line(dt_comm *comm, dt_log *lg, double compute_ms, double *all, double *min_ms, double *max_ms,
+                           int *slow) {
   int W = comm->size;
-  double *all = dt_malloc((size_t)W * sizeof(double)), *sorted = dt_malloc((size_t)W * sizeof(double));
+  double *sorted = dt_malloc((size_t)W * sizeof(double));
   comm_allgather_f64(comm, compute_ms, all, "straggler report");
   int lo = 0, hi = 0;
   for (int r = 0; r < W; r++) {
@@ -206,7 +207,6 @@ static void straggler_line(dt_comm *comm, dt_log *lg, double compute_ms, double 
     else
       log_line(lg, "ranks: compute %.1f to %.1f ms/step (slowest rank %d, fastest rank %d)", all[lo], all[hi], hi, lo);
   }
-  free(all);
   free(sorted);
 }
 
@@ -365,31 +365,36 @@ int train_sample(const dt_config *cfg, dt_model *m, dt_comm *comm, int64_t n, co
   return comm_agree(comm, &st);
 }
 
-/* Collective at log steps on GPU runs: every rank's NVML reading, written by rank 0 into the
- * metrics line as "gpu": [{rank, mem_used_mib, mem_peak_mib, util_pct, power_w, temp_c}, ...]. */
-static void gpu_metrics(dt_comm *comm, int gpu, double *peak, char *json, size_t cap) {
-  enum { CAP = 160 };
+/* Collective at log steps on GPU runs: every rank's NVML reading, gathered by rank 0 into all
+ * (W x DT_MON_GPU_FIELDS, for the monitor) and written into the metrics line as
+ * "gpu": [{rank, mem_used_mib, mem_peak_mib, util_pct, power_w, temp_c}, ...]. */
+static void gpu_metrics(dt_comm *comm, int gpu, double *peak, double *all, char *json, size_t cap) {
   dt_gpu_reading r;
   gpu_read(gpu, peak, &r);
-  char mine[CAP] = "";
-  if (r.valid)
-    snprintf(mine, CAP,
-             "{\"rank\": %d, \"mem_used_mib\": %.0f, \"mem_peak_mib\": %.0f, \"util_pct\": %.0f, "
-             "\"power_w\": %.0f, \"temp_c\": %.0f}",
-             comm->rank, r.mem_used_mib, r.mem_peak_mib, r.util_pct, r.power_w, r.temp_c);
-  char *all = comm->rank == 0 ? dt_calloc((size_t)comm->size, CAP) : NULL;
-  comm_gather_text(comm, mine, CAP, all);
+  const double mine[DT_MON_GPU_FIELDS] = {[DT_MON_GPU_VALID] = r.valid,
+                                          [DT_MON_GPU_INDEX] = gpu,
+                                          [DT_MON_GPU_MEM_USED] = r.mem_used_mib,
+                                          [DT_MON_GPU_MEM_PEAK] = r.mem_peak_mib,
+                                          [DT_MON_GPU_UTIL] = r.util_pct,
+                                          [DT_MON_GPU_POWER] = r.power_w,
+                                          [DT_MON_GPU_TEMP] = r.temp_c};
+  comm_gather_f64(comm, mine, DT_MON_GPU_FIELDS, all);
   json[0] = 0;
   if (comm->rank == 0) {
     size_t len = (size_t)snprintf(json, cap, ", \"gpu\": [");
     int any = 0;
-    for (int k = 0; k < comm->size && len < cap; k++)
-      if (all[(size_t)k * CAP])
-        len += (size_t)snprintf(json + len, cap - len, "%s%s", any++ ? ", " : "", all + (size_t)k * CAP);
+    for (int k = 0; k < comm->size && len < cap; k++) {
+      const double *x = all + (size_t)k * DT_MON_GPU_FIELDS;
+      if (!x[DT_MON_GPU_VALID]) continue;
+      len += (size_t)snprintf(json + len, cap - len,
+                              "%s{\"rank\": %d, \"mem_used_mib\": %.0f, \"mem_peak_mib\": %.0f, \"util_pct\": %.0f, "
+                              "\"power_w\": %.0f, \"temp_c\": %.0f}",
+                              any++ ? ", " : "", k, x[DT_MON_GPU_MEM_USED], x[DT_MON_GPU_MEM_PEAK], x[DT_MON_GPU_UTIL],
+                              x[DT_MON_GPU_POWER], x[DT_MON_GPU_TEMP]);
+    }
     if (len < cap) snprintf(json + len, cap - len, "]");
     if (!any) json[0] = 0;
   }
-  free(all);
 }
 
 static int lower_is_better(int metric) {
@@ -501,6 +506,13 @@ typedef struct {
   int64_t win_samples, win_steps, run_samples;
   double gpu_peak_mib;
   int stop, stop_signal;
+  int ckpt_asked; /* some rank asked for a checkpoint at this step (POST /checkpoint) */
+  /* for the monitor: the state after the last step (rank 0 publishes it), every rank's compute
+   * time and (GPU runs) NVML reading at the last log step */
+  dt_monitor_snapshot snap;
+  double *rank_compute_ms; /* (W) */
+  double *gpu_all;         /* rank 0 on GPU runs: (W x DT_MON_GPU_FIELDS), else NULL */
+  int64_t steps_run;
 } dt_trainer;
 
 /* Sampler, log, optimizer, gradient sync, resume state and loader. Returns the agreed code. */
@@ -643,8 +655,12 @@ static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_da
              : v->cuda_graph == DT_GRAPH_OFF ? "off (train.cuda_graph off)"
              : v->grad_accum > 1             ? "off (train.grad_accum > 1)"
                                              : "off (gradients over MPI)");
+  T->rank_compute_ms = dt_calloc((size_t)W, sizeof(double));
+  if (opts->gpu >= 0 && leader) T->gpu_all = dt_calloc((size_t)W * DT_MON_GPU_FIELDS, sizeof(double));
   T->t_start = T->t_window = dt_now();
   if (T->ts.step >= T->total) T->stop = 1; /* nothing left: the final checkpoint is rewritten below */
+  T->snap = (dt_monitor_snapshot){.step = T->ts.step, .total_steps = T->total, .epoch = T->ts.epoch + 1};
+  monitor_publish(opts->monitor, &T->snap); /* the stall clock starts now */
   return 0;
 }
 
@@ -863,8 +879,10 @@ static void run_step(dt_trainer *T, dt_step_report *mine, double *data_s, dt_sta
  * limit on any rank stops every rank at this same step), then the state advances. A failed
  * step ends the run without a checkpoint. Returns the agreed code. */
 static int agree_and_advance(dt_trainer *T, dt_step_report *mine, dt_status *st) {
-  int sig = signals_caught();
-  mine->stop = sig ? sig : (T->v->time_limit > 0 && dt_now() - T->opts->t_launch >= T->v->time_limit ? -1 : 0);
+  int sig = signals_caught(), asked = monitor_take_requests(T->opts->monitor);
+  int out_of_time = T->v->time_limit > 0 && dt_now() - T->opts->t_launch >= T->v->time_limit;
+  mine->stop = sig ? sig : asked & DT_MON_STOP ? DT_STOP_HTTP : out_of_time ? DT_STOP_TIME_LIMIT : 0;
+  mine->checkpoint = (asked & DT_MON_CHECKPOINT) != 0;
   mine->code = st->code;
   int code = comm_step_agree(T->comm, mine, st, &T->all);
   if (code) return code;
@@ -894,14 +912,27 @@ static void log_step(dt_trainer *T, double data_s) {
   double sps = span > 0 ? (double)T->win_samples / span : 0, mean_loss = T->win_loss / (double)T->win_steps;
   double min_ms, max_ms;
   int slow;
-  straggler_line(T->comm, &T->lg, ms - data_ms - comm_ms, &min_ms, &max_ms, &slow);
+  straggler_line(T->comm, &T->lg, ms - data_ms - comm_ms, T->rank_compute_ms, &min_ms, &max_ms, &slow);
   char gpu_json[8192] = "";
   if (T->m->tokens) /* a token model's throughput in tokens too */
     snprintf(gpu_json, sizeof gpu_json, ", \"tokens_per_s\": %.1f", sps * (double)T->m->tokens);
   if (T->opts->gpu >= 0) {
     size_t used = strlen(gpu_json);
-    gpu_metrics(T->comm, T->opts->gpu, &T->gpu_peak_mib, gpu_json + used, sizeof gpu_json - used);
+    gpu_metrics(T->comm, T->opts->gpu, &T->gpu_peak_mib, T->gpu_all, gpu_json + used, sizeof gpu_json - used);
   }
+  dt_monitor_snapshot *sn = &T->snap;
+  sn->log_step = T->ts.step;
+  sn->loss = mean_loss;
+  sn->lr = T->lr;
+  sn->samples_per_s = sps;
+  sn->tokens_per_s = T->m->tokens ? sps * (double)T->m->tokens : 0;
+  sn->step_ms = ms;
+  sn->compute_ms = ms - data_ms - comm_ms;
+  sn->data_ms = data_ms;
+  sn->comm_ms = comm_ms;
+  sn->straggler_rank = slow;
+  sn->rank_compute_ms = T->rank_compute_ms;
+  sn->gpu = T->gpu_all;
   log_line(&T->lg,
            "step %lld/%lld epoch %lld loss %.4f lr %.5f | %.0f samples/s | %.1f ms/step (compute %.1f, data %.1f, "
            "comm %.1f)",
@@ -935,6 +966,12 @@ static int evaluate_if_due(dt_trainer *T, int end_of_epoch, dt_train_result *res
   if (code) return code;
   res->final_val_loss = vl;
   res->final_val_acc = va;
+  T->snap.val_step = ts->step;
+  T->snap.val_loss = vl;
+  T->snap.val_acc = va;
+  T->snap.has_ema = T->ema.params != NULL;
+  T->snap.ema_val_loss = evl;
+  T->snap.ema_val_acc = eva;
   if (va > ts->best_val_acc) ts->best_val_acc = va;
   res->best_val_acc = ts->best_val_acc;
   long long step = (long long)ts->step, epoch = (long long)T->epoch + 1;
@@ -979,8 +1016,10 @@ static int checkpoint_if_due(dt_trainer *T, int end_of_epoch, int new_best) {
     return code;
   int periodic = (v->ckpt_every_steps && T->ts.step % v->ckpt_every_steps == 0) ||
                  (end_of_epoch && v->ckpt_every_epochs && (T->epoch + 1) % v->ckpt_every_epochs == 0);
-  if (periodic || T->stop || T->ts.step == T->total)
+  if (periodic || T->ckpt_asked || T->stop || T->ts.step == T->total) {
     code = save_checkpoint(T->cfg, T->m, &T->opt, &T->ema, &T->ts, T->comm, &T->scratch, 0, &T->lg);
+    if (!code) T->snap.ckpt_step = T->ts.step, T->snap.ckpt_time = dt_now();
+  }
   return code;
 }
 
@@ -1017,10 +1056,21 @@ static int train_step(dt_trainer *T, dt_train_result *res) {
   if (code) return code;
   log_step(T, data_s);
   if (T->all.stop) T->stop = 1, T->stop_signal = T->all.stop;
+  T->ckpt_asked = T->all.checkpoint;
+  if (T->ckpt_asked)
+    log_line(&T->lg, "step %lld: a checkpoint was asked for (POST /checkpoint)", (long long)T->ts.step);
   int end_of_epoch = T->os == T->opt_per_epoch - 1, new_best;
   if (v->max_steps && T->ts.step >= v->max_steps) T->stop = 1;
   if ((code = evaluate_if_due(T, end_of_epoch, res, &new_best))) return code;
-  return checkpoint_if_due(T, end_of_epoch, new_best);
+  code = checkpoint_if_due(T, end_of_epoch, new_best);
+  T->steps_run++;
+  T->snap.step = T->ts.step;
+  T->snap.total_steps = T->total;
+  T->snap.epoch = T->epoch + 1;
+  T->snap.steps_run = T->steps_run;
+  T->snap.train_s = dt_now() - T->t_start;
+  monitor_publish(T->opts->monitor, &T->snap);
+  return code;
 }
 
 /* The stop message (signal or time limit: exit 75) or the summary; frees the trainer. */
@@ -1031,7 +1081,10 @@ static int trainer_finish(dt_trainer *T, int code, dt_train_result *res) {
   if (!code && T->stop_signal) {
     if (T->comm->rank == 0) {
       int s = T->stop_signal;
-      const char *why = s == SIGUSR1 ? "SIGUSR1" : s == SIGTERM ? "SIGTERM" : "train.time_limit";
+      const char *why = s == SIGUSR1        ? "SIGUSR1"
+                        : s == SIGTERM      ? "SIGTERM"
+                        : s == DT_STOP_HTTP ? "POST /stop"
+                                            : "train.time_limit";
       fprintf(stderr,
               "ddp_train: stopped by %s at step %lld after saving a checkpoint%s; continue with --resume auto\n", why,
               (long long)T->ts.step, T->v->ckpt_dir[0] ? "" : " (none: checkpoint.dir is empty)");
@@ -1047,6 +1100,8 @@ static int trainer_finish(dt_trainer *T, int code, dt_train_result *res) {
       log_line(&T->lg, "cuda graph: %lld steps captured, %lld replayed", (long long)T->captures, (long long)T->replays);
   }
   free(T->target_idx);
+  free(T->rank_compute_ms);
+  free(T->gpu_all);
   free(T->scratch.params);
   free(T->scratch.bufs);
   free(T->scratch.ema_params);

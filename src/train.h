@@ -9,6 +9,7 @@
 #include "data.h"
 #include "fault.h"
 #include "model.h"
+#include "monitor.h"
 
 typedef struct {
   double best_val_acc, final_val_acc, final_val_loss;
@@ -22,6 +23,8 @@ typedef struct {
   double t_launch;             /* dt_now() at start-up, for train.time_limit */
   const dt_device_reduce *dev; /* gradient sums on the device (NCCL); NULL: MPI */
   int gpu;                     /* this rank's visible GPU for monitoring; -1 on the CPU */
+  dt_monitor *monitor;         /* rank 0 with monitor.listen: snapshots go to it after each step, and its
+                                  POST /stop and /checkpoint come back through the step agreement; else NULL */
 } dt_train_opts;
 
 /* Runs training to the end (epochs, max_steps, early stopping, or a stop request); returns 0
