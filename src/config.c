@@ -268,6 +268,10 @@ static int check_cross(dt_config *cfg, dt_status *st) {
   return 0;
 }
 
+int64_t config_global_batch(const dt_config_values *v, int world) {
+  return v->global_batch_size ? v->global_batch_size : v->batch_size * world;
+}
+
 int config_load(dt_config *cfg, const char *path, char *const *sets, int n_sets, dt_status *st) {
   memset(cfg, 0, sizeof *cfg);
   cfg->path = dt_strdup(path);

@@ -80,6 +80,8 @@ typedef struct {
  * Returns 0, or sets st (exit 2 for config errors). cfg must be freed with config_free either way. */
 int config_load(dt_config *cfg, const char *path, char *const *sets, int n_sets, dt_status *st);
 void config_free(dt_config *cfg);
+/* Rows of one global micro-batch on `world` ranks: train.global_batch_size, or train.batch_size per rank. */
+int64_t config_global_batch(const dt_config_values *v, int world);
 
 /* Prints the key table as a Markdown table (docs/config.md). */
 void config_print_keys(FILE *out);

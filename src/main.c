@@ -116,12 +116,12 @@ static int parse_args(int argc, char **argv, cli_args *a, dt_status *st) {
         return st->code;
       if (!temperature && x != (double)(int64_t)x)
         return dt_fail(st, DT_EXIT_INPUT, "%s needs a whole number, got %g", s, x);
-      if (!strcmp(s, "--sample"))
+      if (sample)
         a->sample = (int64_t)x;
-      else if (!strcmp(s, "--top-k"))
-        a->top_k = (int64_t)x;
-      else
+      else if (temperature)
         a->temperature = x;
+      else
+        a->top_k = (int64_t)x;
     } else if (!strcmp(s, "--prompt")) {
       if (i + 1 >= argc) return dt_fail(st, DT_EXIT_INPUT, "--prompt needs the text to continue");
       a->prompt = argv[++i];
@@ -220,7 +220,7 @@ static int pick_threads(const dt_config *cfg, const dt_comm *c) {
 
 /* Rows of the largest local batch: the global batch split over W ranks, plus one for the uneven split. */
 static int64_t max_local_rows(const dt_config *cfg, int64_t W) {
-  int64_t G = cfg->v.global_batch_size ? cfg->v.global_batch_size : cfg->v.batch_size * W;
+  int64_t G = config_global_batch(&cfg->v, (int)W);
   return (G + W - 1) / W + 1;
 }
 
@@ -313,14 +313,13 @@ static int start_monitor(const dt_config *cfg, dt_comm *comm, dt_monitor *mon, i
       devices[r] = all + (size_t)(comm->size + r) * CAP;
     }
     const dt_config_values *v = &cfg->v;
-    dt_monitor_run run = {
-        .config_path = cfg->path,
-        .config_hash = cfg->hash,
-        .world_size = comm->size,
-        .hosts = hosts,
-        .devices = devices,
-        .global_batch = (v->global_batch_size ? v->global_batch_size : v->batch_size * comm->size) * v->grad_accum,
-        .epochs = v->epochs};
+    dt_monitor_run run = {.config_path = cfg->path,
+                          .config_hash = cfg->hash,
+                          .world_size = comm->size,
+                          .hosts = hosts,
+                          .devices = devices,
+                          .global_batch = config_global_batch(v, comm->size) * v->grad_accum,
+                          .epochs = v->epochs};
     if (!monitor_start(mon, &run, &st)) {
       comm->wait_hook = monitor_note_wait;
       comm->wait_ctx = mon;
@@ -408,7 +407,7 @@ static int load_resume(const cli_args *args, const dt_config *cfg, dt_model *m, 
     d->ema_bufs = dt_malloc((size_t)(m->n_bufs ? m->n_bufs : 1) * sizeof(float));
   }
   int64_t W = comm->size;
-  int64_t G = (v->global_batch_size ? v->global_batch_size : v->batch_size * W) * v->grad_accum;
+  int64_t G = config_global_batch(v, (int)W) * v->grad_accum;
   int found = 0;
   if (comm->rank == 0) {
     char names[64][1024];
@@ -535,7 +534,7 @@ static void check_memory(const dt_config *cfg, const dt_model *m, const dt_data 
 
 static void print_data_summary(const dt_data *d, const dt_config *cfg, int world) {
   const dt_config_values *v = &cfg->v;
-  int64_t G = v->global_batch_size ? v->global_batch_size : v->batch_size * world;
+  int64_t G = config_global_batch(v, world);
   if (d->train.tokens) { /* a token model's targets are its inputs shifted by one */
     int64_t t = d->train.row_elems;
     printf("data: %s: train %lld sequences of %lld tokens ('%s'), ", d->path, (long long)d->train.n, (long long)t,

@@ -58,25 +58,28 @@ static void register_layer(dt_model *m, dt_layer *l) {
   m->all[m->n_all++] = l;
 }
 
+/* The kind of a list item, `- relu` or `- conv2d: {...}` (NULL when it is neither), and in
+ * *params its parameter map (NULL when none is given). */
+static const char *item_kind(const dt_node *item, const dt_node **params) {
+  *params = NULL;
+  if (item->kind == DT_NODE_SCALAR) return item->scalar;
+  if (item->kind != DT_NODE_MAP || item->n != 1) return NULL;
+  const dt_node *p = item->items[0];
+  if (!(p->kind == DT_NODE_SCALAR && (!strcmp(p->scalar, "") || !strcmp(p->scalar, "null") || !strcmp(p->scalar, "~"))))
+    *params = p;
+  return item->keys[0];
+}
+
 /* Builds one list item into s (appending), updating *cur; a repeat{times, layers} item appends
  * its layers `times` over, numbered on in the same list. */
 static int seq_add(dt_model *m, dt_seq *s, const dt_node *item, int i, dt_shape *cur, const char *prefix,
                    const char *what, dt_status *st) {
   char where[512];
   yaml_where(item, where, sizeof where);
-  const char *kind;
-  const dt_node *params = NULL;
-  if (item->kind == DT_NODE_SCALAR) {
-    kind = item->scalar;
-  } else if (item->kind == DT_NODE_MAP && item->n == 1) {
-    kind = item->keys[0];
-    params = item->items[0];
-    if (params->kind == DT_NODE_SCALAR &&
-        (!strcmp(params->scalar, "") || !strcmp(params->scalar, "null") || !strcmp(params->scalar, "~")))
-      params = NULL;
-  } else {
+  const dt_node *params;
+  const char *kind = item_kind(item, &params);
+  if (!kind)
     return dt_fail(st, DT_EXIT_INPUT, "%s: %s[%d]: a layer is a one-key map such as `- relu: {}`", where, what, i);
-  }
   if (!strcmp(kind, "repeat")) {
     static const dt_key repeat_keys[] = {
         {"times", DT_KEY_INT, offsetof(dt_layer_args, times), NULL, 1, 10000, NULL, "copies"},
@@ -152,20 +155,14 @@ static void layout(dt_model *m) {
   }
 }
 
-/* The kind of the first layer of model.layers ("" when it cannot be told). */
-static const char *first_kind(const dt_node *layers) {
-  if (!layers || layers->kind != DT_NODE_SEQ || layers->n == 0) return "";
-  const dt_node *item = layers->items[0];
-  if (item->kind == DT_NODE_SCALAR) return item->scalar;
-  if (item->kind == DT_NODE_MAP && item->n == 1) return item->keys[0];
-  return "";
-}
-
 int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
   memset(m, 0, sizeof *m);
   const dt_list *in = &cfg->v.input;
   const dt_config_values *v = &cfg->v;
-  if (!strcmp(first_kind(cfg->v.layers), "embedding")) {
+  const dt_node *first_params, *layers = cfg->v.layers;
+  const char *first =
+      layers && layers->kind == DT_NODE_SEQ && layers->n ? item_kind(layers->items[0], &first_params) : NULL;
+  if (first && !strcmp(first, "embedding")) {
     if (in->n != 1)
       return dt_fail(st, DT_EXIT_INPUT,
                      "model.input: a token model (first layer embedding) takes [T] tokens, got %d dims", in->n);

@@ -523,7 +523,7 @@ static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_da
   *T = (dt_trainer){.cfg = cfg, .v = v, .m = m, .d = d, .comm = comm, .opts = opts, .be = m->be};
   dt_status st = {0};
   const int W = comm->size, leader = comm->rank == 0;
-  const int64_t G = v->global_batch_size ? v->global_batch_size : v->batch_size * W;
+  const int64_t G = config_global_batch(v, W);
   sampler_init(&T->smp, d->train.n, W, comm->rank, G, v->sharding == DT_SHARD_CONTIGUOUS, v->drop_last, v->shuffle,
                (uint64_t)v->seed);
   if (m->loss.ignore_index_set) {
