@@ -3,6 +3,7 @@
 #include <cblas.h>
 #include <math.h>
 #include <omp.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -225,18 +226,27 @@ static void act_bwd(int kind, int64_t n, const float *x, const float *y, const f
   }
 }
 
-/* batch > 1: the products one by one with a threaded GEMM each, or, when there are at least as
- * many products as threads, in parallel with a single-threaded GEMM each (as conv_fwd's). */
+static void gemm_one(const typeof(((dt_op *)0)->p.gemm) *q, int64_t i) {
+  int64_t lda = q->trans_a ? q->m : q->k, ldb = q->trans_b ? q->k : q->n;
+  cblas_sgemm(CblasRowMajor, q->trans_a ? CblasTrans : CblasNoTrans, q->trans_b ? CblasTrans : CblasNoTrans, (int)q->m,
+              (int)q->n, (int)q->k, q->alpha, q->a + i * q->stride_a, (int)(lda > 1 ? lda : 1), q->b + i * q->stride_b,
+              (int)(ldb > 1 ? ldb : 1), q->beta, q->c + i * q->stride_c, (int)q->n);
+}
+
+/* The products one by one with a threaded GEMM each, or, when there are at least as many products
+ * as threads, in parallel with a single-threaded GEMM each (as conv_fwd's). The threaded GEMM is
+ * called outside any parallel region: inside even an if(0) one, OpenBLAS's own region is nested,
+ * and libgomp starts fresh threads for it on every call while the pool's threads spin. */
 static void op_gemm(cpu_impl *im, const dt_op *op) {
   const typeof(op->p.gemm) *q = &op->p.gemm;
   if (!q->m || !q->n) return; /* a rank with no rows this batch */
-  int64_t lda = q->trans_a ? q->m : q->k, ldb = q->trans_b ? q->k : q->n, batch = q->batch > 1 ? q->batch : 1;
-  const CBLAS_TRANSPOSE ta = q->trans_a ? CblasTrans : CblasNoTrans, tb = q->trans_b ? CblasTrans : CblasNoTrans;
-#pragma omp parallel for schedule(static) if (batch > 1 && batch >= im->threads)
-  for (int64_t i = 0; i < batch; i++)
-    cblas_sgemm(CblasRowMajor, ta, tb, (int)q->m, (int)q->n, (int)q->k, q->alpha, q->a + i * q->stride_a,
-                (int)(lda > 1 ? lda : 1), q->b + i * q->stride_b, (int)(ldb > 1 ? ldb : 1), q->beta,
-                q->c + i * q->stride_c, (int)q->n);
+  int64_t batch = q->batch > 1 ? q->batch : 1;
+  if (batch > 1 && batch >= im->threads) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < batch; i++) gemm_one(q, i);
+  } else {
+    for (int64_t i = 0; i < batch; i++) gemm_one(q, i);
+  }
 }
 
 static void op_bias_add(cpu_impl *im, const dt_op *op) {
@@ -253,6 +263,21 @@ static void op_bias_add(cpu_impl *im, const dt_op *op) {
 static void op_bias_grad(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.bias_grad) *q = &op->p.bias_grad;
+  if (q->s == 1) { /* dy (b, c) row-major: each thread streams the rows over its own block of columns */
+    enum { CHUNK = 256 };
+#pragma omp parallel for schedule(static)
+    for (int64_t c0 = 0; c0 < q->c; c0 += CHUNK) {
+      int64_t n = q->c - c0 < CHUNK ? q->c - c0 : CHUNK;
+      double acc[CHUNK] = {0}; /* the same order of additions as the per-column loop below */
+      for (int64_t b = 0; b < q->b; b++) {
+        const float *dy = q->dy + b * q->c + c0;
+#pragma omp simd
+        for (int64_t j = 0; j < n; j++) acc[j] += dy[j];
+      }
+      for (int64_t j = 0; j < n; j++) q->db[c0 + j] += (float)acc[j];
+    }
+    return;
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < q->c; c++) {
     double acc = 0;
@@ -389,9 +414,37 @@ static void op_act_bwd(cpu_impl *im, const dt_op *op) {
   act_bwd(op->p.act_bwd.kind, op->p.act_bwd.n, op->p.act_bwd.x, op->p.act_bwd.y, op->p.act_bwd.dy, op->p.act_bwd.dx);
 }
 
+/* Max pooling 2x2, stride 2, no padding (every CNN here): the same choices as the general loop
+ * below (first maximum in row-major order wins, a NaN wins over numbers). */
+static void max_pool_2x2(const typeof(((dt_op *)0)->p.pool_fwd) *q) {
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < q->b * q->c; p++) {
+    const float *x = q->x + p * q->h * q->w;
+    float *y = q->y + p * q->ho * q->wo;
+    int32_t *am = q->argmax + p * q->ho * q->wo;
+    for (int64_t oh = 0; oh < q->ho; oh++) {
+      const float *r0 = x + 2 * oh * q->w, *r1 = r0 + q->w;
+      for (int64_t ow = 0; ow < q->wo; ow++) {
+        int64_t j = 2 * ow, base = 2 * oh * q->w + j;
+        float v[4] = {r0[j], r0[j + 1], r1[j], r1[j + 1]};
+        int64_t at[4] = {base, base + 1, base + q->w, base + q->w + 1};
+        int k = 0;
+        for (int i = 1; i < 4; i++)
+          if (v[i] > v[k] || (isnan(v[i]) && !isnan(v[k]))) k = i;
+        y[oh * q->wo + ow] = v[k];
+        am[oh * q->wo + ow] = (int32_t)at[k];
+      }
+    }
+  }
+}
+
 static void op_pool_fwd(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.pool_fwd) *q = &op->p.pool_fwd;
+  if (q->kind == DT_POOL_MAX && q->k == 2 && q->stride == 2 && q->ho * 2 <= q->h && q->wo * 2 <= q->w) {
+    max_pool_2x2(q);
+    return;
+  }
   float inv = 1.0f / (float)(q->k * q->k);
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < q->b; b++)
@@ -912,21 +965,28 @@ static void cpu_run(dt_backend *be, const dt_op *op) {
   cpu_ops[op->type](be->impl, op);
 }
 
+/* 64-byte aligned and zeroed. calloc takes large blocks straight from the kernel, whose pages are
+ * already zero and are only touched on first use: no start-up pass over every activation buffer.
+ * The block's own address sits just below the aligned one, for cpu_free. */
 static float *cpu_alloc(dt_backend *be, size_t bytes) {
   (void)be;
-  float *p = NULL;
-  if (posix_memalign((void **)&p, 64, bytes ? bytes : 64))
+  char *raw = calloc(1, (bytes ? bytes : 64) + 64);
+  if (!raw)
     dt_die(
         "out of host memory allocating %zu bytes (%.1f MiB) for model buffers; lower train.batch_size or "
         "train.global_batch_size, or use more ranks",
         bytes, (double)bytes / 1048576.0);
-  memset(p, 0, bytes);
-  return p;
+  char *p = raw + 64 - ((uintptr_t)raw & 63); /* 16 to 64 bytes above raw (malloc aligns to 16) */
+  memcpy(p - sizeof raw, &raw, sizeof raw);
+  return (float *)p;
 }
 
 static void cpu_free(dt_backend *be, void *p) {
   (void)be;
-  free(p);
+  if (!p) return;
+  char *raw;
+  memcpy(&raw, (char *)p - sizeof raw, sizeof raw);
+  free(raw);
 }
 
 static void cpu_copy(dt_backend *be, void *dst, const void *src, size_t bytes) {

@@ -627,6 +627,68 @@ static void gemm_batched_matches_separate(void **s) {
   be->destroy(be);
 }
 
+/* DT_OP_BIAS_GRAD on (b, c) rows (a linear layer's, s = 1, over more columns than one block of
+ * the CPU's column-blocked sum) and on (b, c, s) planes: db += the sums, against a double loop. */
+static void bias_grad_matches_sums(void **s) {
+  (void)s;
+  dt_backend *be = backend_cpu_create(2);
+  const int64_t shapes[][3] = {{37, 300, 1}, {5, 7, 1}, {3, 4, 9}};
+  for (int t = 0; t < 3; t++) {
+    int64_t b = shapes[t][0], c = shapes[t][1], sp = shapes[t][2];
+    float *dy = rand_floats(70 + (uint64_t)t, b * c * sp, -1, 1), *db = rand_floats(80 + (uint64_t)t, c, -1, 1);
+    float *db0 = copy_floats(db, c);
+    dt_op op = {.type = DT_OP_BIAS_GRAD, .p.bias_grad = {.b = b, .c = c, .s = sp, .dy = dy, .db = db}};
+    backend_run(be, &op);
+    for (int64_t j = 0; j < c; j++) {
+      double want = 0;
+      for (int64_t i = 0; i < b; i++)
+        for (int64_t k = 0; k < sp; k++) want += dy[(i * c + j) * sp + k];
+      want += db0[j];
+      if (fabs(db[j] - want) > 1e-5 * (1 + fabs(want)))
+        fail_msg("bias grad (%lld, %lld, %lld): db[%lld] = %.9g, expected %.9g", (long long)b, (long long)c,
+                 (long long)sp, (long long)j, db[j], want);
+    }
+    free(dy), free(db), free(db0);
+  }
+  be->destroy(be);
+}
+
+/* Max pooling 2x2 stride 2 (the CPU's fast path) on odd sizes, with ties, NaN and -inf: the value
+ * and the argmax of a row-major scan where the first maximum wins and NaN wins over numbers. */
+static void max_pool_2x2_matches_scan(void **s) {
+  (void)s;
+  dt_backend *be = backend_cpu_create(2);
+  const int64_t B = 2, C = 3, H = 7, W = 5, Ho = 3, Wo = 2;
+  float *x = rand_floats(90, B * C * H * W, -1, 1);
+  for (int64_t i = 0; i < B * C * H * W; i += 7) x[i] = x[i + 1 < B * C * H * W ? i + 1 : i]; /* ties */
+  x[3] = NAN, x[W + 12] = -INFINITY, x[W * H + 1] = -INFINITY, x[W * H] = -INFINITY;
+  x[W * H + W] = -INFINITY, x[W * H + W + 1] = -INFINITY;
+  float *y = rand_floats(91, B * C * Ho * Wo, -1, 1);
+  int32_t *am = calloc((size_t)(B * C * Ho * Wo), sizeof(int32_t));
+  dt_op op = {.type = DT_OP_POOL_FWD,
+              .p.pool_fwd = {.kind = DT_POOL_MAX, .b = B, .c = C, .h = H, .w = W, .ho = Ho, .wo = Wo, .k = 2,
+                             .stride = 2, .x = x, .y = y, .argmax = am}};
+  backend_run(be, &op);
+  for (int64_t p = 0; p < B * C; p++)
+    for (int64_t oh = 0; oh < Ho; oh++)
+      for (int64_t ow = 0; ow < Wo; ow++) {
+        int64_t best = (2 * oh) * W + 2 * ow;
+        for (int i = 0; i < 2; i++)
+          for (int j = 0; j < 2; j++) {
+            int64_t at = (2 * oh + i) * W + 2 * ow + j;
+            float v = x[p * H * W + at], b = x[p * H * W + best];
+            if (v > b || (isnan(v) && !isnan(b))) best = at;
+          }
+        int64_t o = p * Ho * Wo + oh * Wo + ow;
+        float want = x[p * H * W + best];
+        if (am[o] != best || !(y[o] == want || (isnan(y[o]) && isnan(want))))
+          fail_msg("max pool plane %lld (%lld, %lld): %g at %d, expected %g at %lld", (long long)p, (long long)oh,
+                   (long long)ow, y[o], am[o], want, (long long)best);
+      }
+  free(x), free(y), free(am);
+  be->destroy(be);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(linear_grads),
@@ -644,6 +706,8 @@ int main(void) {
       cmocka_unit_test(gelu_tanh_forward_and_grads),
       cmocka_unit_test(permute_matches_index_loop),
       cmocka_unit_test(gemm_batched_matches_separate),
+      cmocka_unit_test(bias_grad_matches_sums),
+      cmocka_unit_test(max_pool_2x2_matches_scan),
   };
   return cmocka_run_group_tests_name("ops", tests, NULL, NULL);
 }
