@@ -154,6 +154,54 @@ static void library_versions(char *buf, size_t cap) {
   snprintf(buf, cap, "%s, HDF5 %u.%u.%u, libyaml %s; %s", mpi, maj, min, rel, yaml_get_version_string(), gpu);
 }
 
+/* Threads per rank: the cores this rank may run on, shared with the other ranks on the node.
+ * cfg NULL: the default (dist.threads unset). */
+static int pick_threads(const dt_config *cfg, const dt_comm *c) {
+  if (cfg && cfg->v.threads > 0) return (int)cfg->v.threads;
+  cpu_set_t set;
+  int mine = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+  long online = sysconf(_SC_NPROCESSORS_ONLN);
+  int share = (int)(online > 0 ? online : 1) / (c->local_size > 0 ? c->local_size : 1);
+  if (share < 1) share = 1;
+  return mine < share ? mine : share;
+}
+
+/* The CPUs this rank may run on, as ranges: "0-3,8". */
+static void affinity_text(char *buf, size_t cap) {
+  cpu_set_t set;
+  size_t len = 0;
+  buf[0] = 0;
+  if (sched_getaffinity(0, sizeof set, &set)) {
+    snprintf(buf, cap, "?");
+    return;
+  }
+  for (int i = 0; i < CPU_SETSIZE && len < cap; i++) {
+    if (!CPU_ISSET(i, &set)) continue;
+    int j = i;
+    while (j + 1 < CPU_SETSIZE && CPU_ISSET(j + 1, &set)) j++;
+    len += (size_t)snprintf(buf + len, cap - len, j > i ? "%s%d-%d" : "%s%d", len ? "," : "", i, j);
+    i = j;
+  }
+}
+
+/* Collective: rank 0 prints each rank's host, local rank, CPU threads and CPUs (the start-up table of
+ * CPU runs, and --info's, where threads is the default for dist.threads unset). */
+static void print_placement(dt_comm *comm, int threads) {
+  enum { CAP = 512 };
+  char line[CAP], cpus[256];
+  affinity_text(cpus, sizeof cpus);
+  snprintf(line, CAP, "  rank %-4d %-20s local rank %d of %d, %d thread%s, cpus %s\n", comm->rank, comm->host,
+           comm->local_rank, comm->local_size, threads, threads > 1 ? "s" : "", cpus);
+  char *all = comm->rank == 0 ? dt_calloc((size_t)comm->size, CAP) : NULL;
+  comm_gather_text(comm, line, CAP, all);
+  if (comm->rank == 0) {
+    printf("placement:\n");
+    for (int r = 0; r < comm->size; r++) fputs(all + (size_t)r * CAP, stdout);
+    fflush(stdout);
+  }
+  free(all);
+}
+
 /* --info: one block per node, gathered to rank 0, so a node with a missing GPU shows before training. */
 static void print_info(dt_comm *comm) {
   enum { CAP = 4096 };
@@ -185,6 +233,7 @@ static void print_info(dt_comm *comm) {
     fflush(stdout);
   }
   free(all);
+  print_placement(comm, pick_threads(NULL, comm));
 }
 
 static void print_version(void) {
@@ -205,17 +254,6 @@ static void print_version(void) {
   printf("  libyaml: %s\n", yaml_get_version_string());
   printf("  OpenBLAS: %s\n", openblas_get_config());
   printf("  %s\n", gpu);
-}
-
-/* Threads per rank: the cores this rank may run on, shared with the other ranks on the node. */
-static int pick_threads(const dt_config *cfg, const dt_comm *c) {
-  if (cfg->v.threads > 0) return (int)cfg->v.threads;
-  cpu_set_t set;
-  int mine = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
-  long online = sysconf(_SC_NPROCESSORS_ONLN);
-  int share = (int)(online > 0 ? online : 1) / (c->local_size > 0 ? c->local_size : 1);
-  if (share < 1) share = 1;
-  return mine < share ? mine : share;
 }
 
 /* Rows of the largest local batch: the global batch split over W ranks, plus one for the uneven split. */
@@ -551,15 +589,48 @@ static void print_data_summary(const dt_data *d, const dt_config *cfg, int world
          v->sharding == DT_SHARD_GLOBAL ? "global" : "contiguous");
 }
 
+/* The launcher's rank of this process (Open MPI, PMIx, PMI, Slurm), or 0 when run alone. */
+static int launcher_rank(void) {
+  static const char *const vars[] = {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"};
+  for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
+    const char *v = getenv(vars[i]);
+    if (v && *v) return atoi(v);
+  }
+  return 0;
+}
+
+/* Open MPI defaults chosen for start-up time, each only where the user set nothing (README
+ * "Start-up time"): the cm PML probes the PSM, PSM2 and OFI (libfabric) providers, 0.2 s of every
+ * MPI_Init here, for Omni-Path and EFA networks only (ob1 and ucx stay: TCP, shared memory,
+ * InfiniBand); a process started without mpirun does not start an orted beside itself (0.1 s). */
+static void mpi_start_defaults(void) {
+  setenv("OMPI_MCA_pml", "^cm", 0);
+  if (!getenv("OMPI_COMM_WORLD_SIZE") && !getenv("PMIX_RANK")) setenv("OMPI_MCA_ess_singleton_isolated", "1", 0);
+}
+
 int main(int argc, char **argv) {
   double t_launch = dt_now();
+  cli_args args;
+  dt_status st = {0};
+  /* --help, --version and --config-keys need neither MPI nor a device: rank 0 of the launch prints */
+  if (!parse_args(argc, argv, &args, &st) && !args.info && (args.help || args.version || args.config_keys)) {
+    if (launcher_rank() == 0) {
+      if (args.help) fputs(usage_text, stdout);
+      if (args.version) print_version();
+      if (args.config_keys) {
+        config_print_keys(stdout);
+        model_print_layer_keys(stdout);
+      }
+    }
+    free(args.sets);
+    return 0;
+  }
+  mpi_start_defaults();
   dt_comm comm;
   comm_init(&comm, &argc, &argv);
   signals_install();
-  dt_status st = {0};
   dt_train_opts opts = {.t_launch = t_launch, .gpu = -1};
   dt_ckpt_data resume = {0};
-  cli_args args;
   dt_config cfg;
   memset(&cfg, 0, sizeof cfg);
   dt_model model;
@@ -573,21 +644,9 @@ int main(int argc, char **argv) {
   dt_monitor *mon = NULL;
   int code = 0;
 
-  parse_args(argc, argv, &args, &st);
   if ((code = comm_agree(&comm, &st))) goto done;
   if (args.info) {
     print_info(&comm);
-    goto done;
-  }
-  if (args.help || args.version || args.config_keys) {
-    if (comm.rank == 0) {
-      if (args.help) fputs(usage_text, stdout);
-      if (args.version) print_version();
-      if (args.config_keys) {
-        config_print_keys(stdout);
-        model_print_layer_keys(stdout);
-      }
-    }
     goto done;
   }
   config_load(&cfg, args.config, args.sets, args.n_sets, &st);
@@ -660,7 +719,8 @@ int main(int argc, char **argv) {
             "dist.grad_dtype bf16: gradients are summed in bf16 only over NCCL (--device cuda, a GPU per rank), "
             "and this run sums them over MPI; use dist.grad_dtype fp32");
   if ((code = comm_agree(&comm, &st))) goto done;
-  if (!be) be = backend_cpu_create(pick_threads(&cfg, &comm));
+  int cpu_threads = 0; /* the CPU backend's, on every rank or none (a rank without its GPU failed above) */
+  if (!be) be = backend_cpu_create(cpu_threads = pick_threads(&cfg, &comm));
   model_alloc(&model, be, max_local_rows(&cfg, comm.size), (uint64_t)cfg.v.seed);
   int resumed = 0;
   if (args.resume && (code = load_resume(&args, &cfg, &model, &comm, &resume, &resumed))) goto done;
@@ -676,6 +736,7 @@ int main(int argc, char **argv) {
   }
   if (cfg.v.monitor_listen[0] && (code = start_monitor(&cfg, &comm, mon, opts.gpu))) goto done;
   opts.monitor = mon;
+  if (cpu_threads) print_placement(&comm, cpu_threads);
   dt_train_result res;
   code = train_run(&cfg, &model, &data, &comm, &opts, &res);
 

@@ -9,7 +9,7 @@ import unittest
 import h5py
 import numpy as np
 
-from helpers import ENV, ROOT, TINY_CNN, Workdir, errors, run
+from helpers import BINARY, ENV, ROOT, TINY_CNN, Workdir, errors, run
 
 
 class DryRunAndInfo(unittest.TestCase):
@@ -78,6 +78,23 @@ class DryRunAndInfo(unittest.TestCase):
         self.assertEqual(rc, 0)
         for lib in ("MPI:", "HDF5:", "libyaml:", "OpenBLAS:"):
             self.assertIn(lib, out)
+
+    def test_help_version_and_keys_start_no_mpi(self):
+        # An MPI transport that does not exist makes MPI_Init fail: --help, --version and
+        # --config-keys still answer (they never start MPI), alone and on 2 ranks (printed once),
+        # while a run that needs MPI fails.
+        bad = dict(ENV, OMPI_MCA_pml="no_such_pml")
+        binary = BINARY
+        for args in (["--help"], ["--version"], ["--config-keys"]):
+            p = subprocess.run([binary] + args, capture_output=True, text=True, env=bad, timeout=60)
+            self.assertEqual(p.returncode, 0, p.stderr)
+            self.assertTrue(p.stdout)
+        rc, out, err = run(["--version"], np_=2, env={"OMPI_MCA_pml": "no_such_pml"})
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(out.count("ddp_train "), 1)
+        p = subprocess.run([binary, "--dry-run", "configs/model.yaml"], capture_output=True, text=True, env=bad,
+                           timeout=60, cwd=ROOT)
+        self.assertNotEqual(p.returncode, 0, "MPI_Init should have failed: the check above proves nothing")
 
     def test_config_keys_table_matches_docs(self):
         rc, out, _ = run(["--config-keys"])
