@@ -36,7 +36,7 @@ SAN_FLAGS := $(SAN_FLAGS_$(SAN))
 
 DEB_PKGS := pkg-config libopenmpi-dev openmpi-bin libhdf5-dev hdf5-tools libyaml-dev libopenblas-openmp-dev \
             dataset-fashion-mnist fortunes libcmocka-dev python3-numpy python3-h5py python3-torch python3-yaml python3-matplotlib help2man slurmctld slurmd slurm-client \
-            clang libclang-rt-14-dev libmicrohttpd-dev python3-prometheus-client
+            clang libclang-rt-14-dev libmicrohttpd-dev python3-prometheus-client libdnnl-dev
 OPENBLAS_DIR := /usr/lib/x86_64-linux-gnu/openblas-openmp
 OPENBLAS_INC := /usr/include/x86_64-linux-gnu/openblas-openmp
 
@@ -50,10 +50,10 @@ else
 endif
 # format-truncation: messages are cut to bounded buffers on purpose
 override CFLAGS += -std=gnu11 -Wall -Wextra -Werror -Wno-format-truncation -fopenmp -pthread $(PKG_CFLAGS) -I$(OPENBLAS_INC) -Isrc
-LDLIBS = $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -lgomp -lpthread -lm
+LDLIBS = $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -ldnnl -lgomp -lpthread -lm
 
 SRCS := common.c yaml_tree.c keys.c config.c model.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
-        layer_activation.c layer_residual.c layer_embedding.c layer_attention.c loss.c backend_cpu.c comm_mpi.c sampler.c data_hdf5.c optim.c \
+        layer_activation.c layer_residual.c layer_embedding.c layer_attention.c loss.c backend_cpu.c cpu_dnnl.c comm_mpi.c sampler.c data_hdf5.c optim.c \
         optim_sgd.c optim_adamw.c ema.c \
         checkpoint.c log.c train.c signals.c fault.c h5util.c monitor.c
 CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=compute_90
@@ -80,7 +80,7 @@ SIM_KERNEL_OBJS := $(patsubst kernels/%.cu,$(SIM)/kernels/%.o,$(wildcard kernels
 SIM_HEADERS := $(wildcard tests/gpusim/*.h)
 # DT_RPATH, not RUNPATH: under ASan dlopen (NVML) is called from the sanitizer runtime, where the
 # executable's RUNPATH does not apply
-SIM_LDLIBS = -Wl,--disable-new-dtags $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -lgomp -lpthread -lm -L$(SIM) -lgpusim -lstdc++
+SIM_LDLIBS = -Wl,--disable-new-dtags $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -ldnnl -lgomp -lpthread -lm -L$(SIM) -lgpusim -lstdc++
 SIM_BINS := $(SIM)/ddp_train $(SIM)/tests/test_gpu $(SIM)/tests/test_gpusim $(SIM)/tests/test_gpusim_nccl
 ifneq ($(SAN),)
 ifeq ($(CUDA),1)

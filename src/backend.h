@@ -379,8 +379,13 @@ static inline void backend_copy(dt_backend *be, float *y, const float *x, int64_
   backend_run(be, &op);
 }
 
-/* CPU backend with `threads` threads for BLAS and loops. Caller owns; destroy frees. */
+/* CPU backend with `threads` threads for BLAS and loops. Caller owns; destroy frees.
+ * Convolutions run through oneDNN (cpu_dnnl.c) where it has them; _with(threads, 0): im2col and
+ * GEMM for all (the reference the tests compare oneDNN's with). */
 dt_backend *backend_cpu_create(int threads);
+dt_backend *backend_cpu_create_with(int threads, int onednn);
+/* The convolutions a CPU backend has run through oneDNN. */
+int64_t backend_cpu_onednn_runs(const dt_backend *be);
 
 /* CUDA backend on visible device `device` (backend_cuda.c; only in CUDA builds). */
 dt_backend *backend_cuda_create(int device, int precision);

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "backend.h"
+#include "cpu_dnnl.h"
 
 const char *const dt_op_names[DT_OP_COUNT] = {
     "gemm",      "bias_add",    "bias_grad", "conv_fwd",     "conv_bwd_data", "conv_bwd_filter",
@@ -27,6 +28,7 @@ typedef struct {
   float **dw; /* [threads] private filter gradients (O, C*K*K) */
   size_t dw_bytes;
   int threads;
+  cpu_dnnl *dnnl; /* oneDNN's convolutions; NULL: im2col + GEMM for all */
 } cpu_impl;
 
 static void grow_all(float **bufs, size_t *have, size_t need, int n) {
@@ -104,6 +106,7 @@ static void col2im(const dt_conv_geom *g, const float *col, float *dx) {
 /* Samples run in parallel, each with a single-threaded GEMM (OpenBLAS's OpenMP build runs
  * serially inside a parallel region), so one sample's columns stay in cache. */
 static void conv_fwd(cpu_impl *im, const dt_conv_geom *g, const float *x, const float *w, float *y) {
+  if (im->dnnl && cpu_dnnl_conv(im->dnnl, CPU_DNNL_FWD, g, x, w, y)) return;
   const int64_t ckk = g->c * g->k * g->k, hw = g->ho * g->wo;
   grow_all(im->col, &im->col_bytes, (size_t)(ckk * hw) * sizeof(float), im->threads);
 #pragma omp parallel for schedule(static)
@@ -117,6 +120,7 @@ static void conv_fwd(cpu_impl *im, const dt_conv_geom *g, const float *x, const 
 }
 
 static void conv_bwd_data(cpu_impl *im, const dt_conv_geom *g, const float *dy, const float *w, float *dx) {
+  if (im->dnnl && cpu_dnnl_conv(im->dnnl, CPU_DNNL_BWD_DATA, g, dy, w, dx)) return;
   const int64_t ckk = g->c * g->k * g->k, hw = g->ho * g->wo;
   grow_all(im->col, &im->col_bytes, (size_t)(ckk * hw) * sizeof(float), im->threads);
 #pragma omp parallel for schedule(static)
@@ -130,6 +134,7 @@ static void conv_bwd_data(cpu_impl *im, const dt_conv_geom *g, const float *dy, 
 }
 
 static void conv_bwd_filter(cpu_impl *im, const dt_conv_geom *g, const float *x, const float *dy, float *dw) {
+  if (im->dnnl && cpu_dnnl_conv(im->dnnl, CPU_DNNL_BWD_FILTER, g, x, dy, dw)) return;
   const int64_t ckk = g->c * g->k * g->k, hw = g->ho * g->wo, nw = g->o * ckk;
   grow_all(im->col, &im->col_bytes, (size_t)(ckk * hw) * sizeof(float), im->threads);
   grow_all(im->dw, &im->dw_bytes, (size_t)nw * sizeof(float), im->threads);
@@ -1020,11 +1025,20 @@ static void cpu_destroy(dt_backend *be) {
   }
   free(im->col);
   free(im->dw);
+  cpu_dnnl_destroy(im->dnnl);
   free(im);
   free(be);
 }
 
+int64_t backend_cpu_onednn_runs(const dt_backend *be) {
+  return cpu_dnnl_runs(((const cpu_impl *)be->impl)->dnnl);
+}
+
 dt_backend *backend_cpu_create(int threads) {
+  return backend_cpu_create_with(threads, 1);
+}
+
+dt_backend *backend_cpu_create_with(int threads, int onednn) {
   dt_backend *be = dt_calloc(1, sizeof *be);
   cpu_impl *im = dt_calloc(1, sizeof *im);
   if (threads < 1) threads = 1;
@@ -1033,6 +1047,7 @@ dt_backend *backend_cpu_create(int threads) {
   im->dw = dt_calloc((size_t)threads, sizeof(float *));
   omp_set_num_threads(threads);
   openblas_set_num_threads(threads);
+  if (onednn) im->dnnl = cpu_dnnl_create();
   *be = (dt_backend){.name = "cpu",
                      .run = cpu_run,
                      .alloc = cpu_alloc,

@@ -1,0 +1,234 @@
+/* cpu_dnnl.c: the CPU backend's convolutions through oneDNN (Debian's libdnnl, the library PyTorch's
+ * CPU convolutions use). Each (kind, geometry) gets, on first use, a convolution primitive in the
+ * layouts oneDNN prefers (channel-blocked, nChw16c on AVX-512) and reorders from our NCHW / OIHW
+ * buffers into them and back. The blocked copies live in three scratch buffers shared by every
+ * primitive (ops run one at a time), grown to the largest need. Calls on one geometry always run
+ * the same primitive with the same threads, so results repeat bit for bit. */
+#include "cpu_dnnl.h"
+
+#include <oneapi/dnnl/dnnl.h>
+#include <oneapi/dnnl/dnnl_debug.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#define DNNL_CHECK(call)                                                                                  \
+  do {                                                                                                    \
+    dnnl_status_t s_ = (call);                                                                            \
+    if (s_ != dnnl_success) dt_abort(__FILE__, __LINE__, dnnl_status2str(s_)); /* a library failure */ \
+  } while (0)
+
+/* One operand of a convolution: our buffer (user, NCHW/OIHW) and the primitive's layout (inner). */
+typedef struct {
+  dnnl_memory_desc_t user_md, inner_md;
+  dnnl_primitive_t reorder; /* user -> inner (inputs) or inner -> user (the output); NULL: same layout */
+  dnnl_memory_t user, inner;
+  int slot; /* scratch buffer holding inner when reordered */
+} operand;
+
+typedef struct {
+  int kind;
+  dt_conv_geom g;
+  int supported;
+  dnnl_primitive_t conv;
+  operand op[3]; /* a, b, out as cpu_dnnl_conv names them */
+  int arg[3];    /* DNNL_ARG_* of each */
+} conv_entry;
+
+enum { MAX_ENTRIES = 256 };
+
+struct cpu_dnnl {
+  dnnl_engine_t engine;
+  dnnl_stream_t stream;
+  conv_entry *entries[MAX_ENTRIES];
+  int n_entries;
+  void *scratch[3];
+  size_t scratch_bytes[3];
+  float *dw; /* the filter gradient in OIHW before it is added into the caller's */
+  size_t dw_bytes;
+  int64_t runs; /* convolutions done here */
+};
+
+cpu_dnnl *cpu_dnnl_create(void) {
+  cpu_dnnl *d = dt_calloc(1, sizeof *d);
+  if (dnnl_engine_create(&d->engine, dnnl_cpu, 0) != dnnl_success) {
+    free(d);
+    return NULL;
+  }
+  DNNL_CHECK(dnnl_stream_create(&d->stream, d->engine, dnnl_stream_default_flags));
+  return d;
+}
+
+static void operand_free(operand *o) {
+  if (o->reorder) dnnl_primitive_destroy(o->reorder);
+  if (o->user) dnnl_memory_destroy(o->user);
+  if (o->inner) dnnl_memory_destroy(o->inner);
+}
+
+void cpu_dnnl_destroy(cpu_dnnl *d) {
+  if (!d) return;
+  for (int i = 0; i < d->n_entries; i++) {
+    conv_entry *e = d->entries[i];
+    if (e->conv) dnnl_primitive_destroy(e->conv);
+    for (int k = 0; k < 3; k++) operand_free(&e->op[k]);
+    free(e);
+  }
+  for (int k = 0; k < 3; k++) free(d->scratch[k]);
+  free(d->dw);
+  dnnl_stream_destroy(d->stream);
+  dnnl_engine_destroy(d->engine);
+  free(d);
+}
+
+static void md_plain(dnnl_memory_desc_t *md, int64_t n0, int64_t n1, int64_t n2, int64_t n3, dnnl_format_tag_t tag) {
+  dnnl_dims_t dims = {n0, n1, n2, n3};
+  DNNL_CHECK(dnnl_memory_desc_init_by_tag(md, 4, dims, dnnl_f32, tag));
+}
+
+/* The operand's memories and, when the layouts differ, its reorder. */
+static void operand_init(cpu_dnnl *d, operand *o, const dnnl_memory_desc_t *inner, int is_output, int slot) {
+  o->inner_md = *inner;
+  o->slot = slot;
+  DNNL_CHECK(dnnl_memory_create(&o->user, &o->user_md, d->engine, DNNL_MEMORY_NONE));
+  if (dnnl_memory_desc_equal(&o->user_md, inner)) return;
+  DNNL_CHECK(dnnl_memory_create(&o->inner, inner, d->engine, DNNL_MEMORY_NONE));
+  dnnl_primitive_desc_t rpd;
+  if (is_output)
+    DNNL_CHECK(dnnl_reorder_primitive_desc_create(&rpd, inner, d->engine, &o->user_md, d->engine, NULL));
+  else
+    DNNL_CHECK(dnnl_reorder_primitive_desc_create(&rpd, &o->user_md, d->engine, inner, d->engine, NULL));
+  DNNL_CHECK(dnnl_primitive_create(&o->reorder, rpd));
+  DNNL_CHECK(dnnl_primitive_desc_destroy(rpd));
+}
+
+/* Builds the entry's primitive; supported = 0 when oneDNN has none for it. */
+static void entry_build(cpu_dnnl *d, conv_entry *e) {
+  const dt_conv_geom *g = &e->g;
+  /* oneDNN sizes the output as ours, (h + pad_l + pad_r - k) / stride + 1 rounded down */
+  if ((g->h + 2 * g->pad - g->k) / g->stride + 1 != g->ho || (g->w + 2 * g->pad - g->k) / g->stride + 1 != g->wo) return;
+  dnnl_dims_t strides = {g->stride, g->stride}, pad_l = {g->pad, g->pad}, pad_r = {g->pad, g->pad};
+  dnnl_memory_desc_t x_any, w_any, y_any, x_user, w_user, y_user;
+  md_plain(&x_any, g->b, g->c, g->h, g->w, dnnl_format_tag_any);
+  md_plain(&w_any, g->o, g->c, g->k, g->k, dnnl_format_tag_any);
+  md_plain(&y_any, g->b, g->o, g->ho, g->wo, dnnl_format_tag_any);
+  md_plain(&x_user, g->b, g->c, g->h, g->w, dnnl_nchw);
+  md_plain(&w_user, g->o, g->c, g->k, g->k, dnnl_oihw);
+  md_plain(&y_user, g->b, g->o, g->ho, g->wo, dnnl_nchw);
+
+  dnnl_convolution_desc_t fwd_desc, desc;
+  DNNL_CHECK(dnnl_convolution_forward_desc_init(&fwd_desc, dnnl_forward_training, dnnl_convolution_direct, &x_any,
+                                                &w_any, NULL, &y_any, strides, pad_l, pad_r));
+  dnnl_primitive_desc_t fwd_pd = NULL, pd = NULL;
+  if (dnnl_primitive_desc_create(&fwd_pd, &fwd_desc, NULL, d->engine, NULL) != dnnl_success) return;
+  if (e->kind == CPU_DNNL_FWD) {
+    pd = fwd_pd;
+    fwd_pd = NULL;
+  } else {
+    if (e->kind == CPU_DNNL_BWD_DATA)
+      DNNL_CHECK(dnnl_convolution_backward_data_desc_init(&desc, dnnl_convolution_direct, &x_any, &w_any, &y_any,
+                                                          strides, pad_l, pad_r));
+    else
+      DNNL_CHECK(dnnl_convolution_backward_weights_desc_init(&desc, dnnl_convolution_direct, &x_any, &w_any, NULL,
+                                                             &y_any, strides, pad_l, pad_r));
+    dnnl_status_t s = dnnl_primitive_desc_create(&pd, &desc, NULL, d->engine, fwd_pd);
+    DNNL_CHECK(dnnl_primitive_desc_destroy(fwd_pd));
+    if (s != dnnl_success) return;
+  }
+  /* a, b, out in our order, with the query that gives each one's layout */
+  static const struct {
+    int arg[3];
+    dnnl_query_t q[3];
+  } roles[3] = {
+      [CPU_DNNL_FWD] = {{DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_DST},
+                        {dnnl_query_src_md, dnnl_query_weights_md, dnnl_query_dst_md}},
+      [CPU_DNNL_BWD_DATA] = {{DNNL_ARG_DIFF_DST, DNNL_ARG_WEIGHTS, DNNL_ARG_DIFF_SRC},
+                             {dnnl_query_diff_dst_md, dnnl_query_weights_md, dnnl_query_diff_src_md}},
+      [CPU_DNNL_BWD_FILTER] = {{DNNL_ARG_SRC, DNNL_ARG_DIFF_DST, DNNL_ARG_DIFF_WEIGHTS},
+                               {dnnl_query_src_md, dnnl_query_diff_dst_md, dnnl_query_diff_weights_md}},
+  };
+  const dnnl_memory_desc_t *users[3][3] = {
+      [CPU_DNNL_FWD] = {&x_user, &w_user, &y_user},
+      [CPU_DNNL_BWD_DATA] = {&y_user, &w_user, &x_user},
+      [CPU_DNNL_BWD_FILTER] = {&x_user, &y_user, &w_user},
+  };
+  for (int k = 0; k < 3; k++) {
+    e->arg[k] = roles[e->kind].arg[k];
+    e->op[k].user_md = *users[e->kind][k];
+    operand_init(d, &e->op[k], dnnl_primitive_desc_query_md(pd, roles[e->kind].q[k], 0), k == 2, k);
+  }
+  DNNL_CHECK(dnnl_primitive_create(&e->conv, pd));
+  DNNL_CHECK(dnnl_primitive_desc_destroy(pd));
+  e->supported = 1;
+}
+
+static conv_entry *entry_find(cpu_dnnl *d, int kind, const dt_conv_geom *g) {
+  for (int i = 0; i < d->n_entries; i++)
+    if (d->entries[i]->kind == kind && !memcmp(&d->entries[i]->g, g, sizeof *g)) return d->entries[i];
+  if (d->n_entries == MAX_ENTRIES) return NULL; /* more shapes than any model here: im2col for the rest */
+  conv_entry *e = dt_calloc(1, sizeof *e);
+  e->kind = kind;
+  e->g = *g;
+  entry_build(d, e);
+  d->entries[d->n_entries++] = e;
+  return e;
+}
+
+int64_t cpu_dnnl_runs(const cpu_dnnl *d) {
+  return d ? d->runs : 0;
+}
+
+static void *scratch(cpu_dnnl *d, int slot, size_t bytes) {
+  if (d->scratch_bytes[slot] < bytes) {
+    free(d->scratch[slot]);
+    if (posix_memalign(&d->scratch[slot], 64, bytes))
+      dt_die("out of host memory allocating %zu bytes for a convolution's blocked copy", bytes);
+    d->scratch_bytes[slot] = bytes;
+  }
+  return d->scratch[slot];
+}
+
+static void run(cpu_dnnl *d, dnnl_primitive_t p, int n, const dnnl_exec_arg_t *args) {
+  DNNL_CHECK(dnnl_primitive_execute(p, d->stream, n, args));
+}
+
+int cpu_dnnl_conv(cpu_dnnl *d, int kind, const dt_conv_geom *g, const float *a, const float *b, float *out) {
+  conv_entry *e = entry_find(d, kind, g);
+  if (!e || !e->supported) return 0;
+  size_t nw = (size_t)(g->o * g->c * g->k * g->k);
+  if (kind == CPU_DNNL_BWD_FILTER && d->dw_bytes < nw * sizeof(float)) {
+    free(d->dw);
+    d->dw = dt_malloc(nw * sizeof(float));
+    d->dw_bytes = nw * sizeof(float);
+  }
+  void *user_ptr[3] = {(void *)a, (void *)b, kind == CPU_DNNL_BWD_FILTER ? (void *)d->dw : (void *)out};
+  dnnl_exec_arg_t args[3];
+  for (int k = 0; k < 3; k++) {
+    operand *o = &e->op[k];
+    DNNL_CHECK(dnnl_memory_set_data_handle(o->user, user_ptr[k]));
+    dnnl_memory_t m = o->user;
+    if (o->reorder) {
+      DNNL_CHECK(dnnl_memory_set_data_handle(o->inner, scratch(d, o->slot, dnnl_memory_desc_get_size(&o->inner_md))));
+      m = o->inner;
+      if (k < 2) {
+        dnnl_exec_arg_t r[2] = {{DNNL_ARG_FROM, o->user}, {DNNL_ARG_TO, o->inner}};
+        run(d, o->reorder, 2, r);
+      }
+    }
+    args[k] = (dnnl_exec_arg_t){e->arg[k], m};
+  }
+  run(d, e->conv, 3, args);
+  operand *o = &e->op[2];
+  if (o->reorder) {
+    dnnl_exec_arg_t r[2] = {{DNNL_ARG_FROM, o->inner}, {DNNL_ARG_TO, o->user}};
+    run(d, o->reorder, 2, r);
+  }
+  DNNL_CHECK(dnnl_stream_wait(d->stream));
+  d->runs++;
+  if (kind == CPU_DNNL_BWD_FILTER) {
+    const float *dw = d->dw;
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < nw; i++) out[i] += dw[i];
+  }
+  return 1;
+}

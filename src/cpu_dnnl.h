@@ -1,0 +1,22 @@
+/* cpu_dnnl.h: the CPU backend's convolutions through oneDNN (Debian's libdnnl). */
+#pragma once
+
+#include "backend.h"
+
+typedef struct cpu_dnnl cpu_dnnl;
+
+enum { CPU_DNNL_FWD, CPU_DNNL_BWD_DATA, CPU_DNNL_BWD_FILTER };
+
+/* NULL when oneDNN has no CPU engine here (the caller keeps its own convolution). */
+cpu_dnnl *cpu_dnnl_create(void);
+void cpu_dnnl_destroy(cpu_dnnl *d);
+
+/* One convolution with the semantics of the backend's ops, on NCHW activations and OIHW weights:
+ *   CPU_DNNL_FWD:        a = x, b = w, out = y  (y overwritten)
+ *   CPU_DNNL_BWD_DATA:   a = dy, b = w, out = dx (dx overwritten)
+ *   CPU_DNNL_BWD_FILTER: a = x, b = dy, out = dw (dw += the filter gradient)
+ * Returns 1 when done, 0 when oneDNN has no implementation for this geometry (nothing written). */
+int cpu_dnnl_conv(cpu_dnnl *d, int kind, const dt_conv_geom *g, const float *a, const float *b, float *out);
+
+/* Convolutions run through oneDNN so far (0 for NULL). */
+int64_t cpu_dnnl_runs(const cpu_dnnl *d);
