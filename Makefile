@@ -36,7 +36,7 @@ SAN_FLAGS := $(SAN_FLAGS_$(SAN))
 
 DEB_PKGS := pkg-config libopenmpi-dev openmpi-bin libhdf5-dev hdf5-tools libyaml-dev libopenblas-openmp-dev \
             dataset-fashion-mnist fortunes libcmocka-dev python3-numpy python3-h5py python3-torch python3-yaml python3-matplotlib help2man slurmctld slurmd slurm-client \
-            clang libclang-rt-14-dev libmicrohttpd-dev python3-prometheus-client libdnnl-dev
+            clang libclang-rt-14-dev libmicrohttpd-dev python3-prometheus-client libdnnl-dev openssh-server
 OPENBLAS_DIR := /usr/lib/x86_64-linux-gnu/openblas-openmp
 OPENBLAS_INC := /usr/include/x86_64-linux-gnu/openblas-openmp
 
