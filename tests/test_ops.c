@@ -736,6 +736,39 @@ static void onednn_convolutions_match_im2col(void **s) {
   ref->destroy(ref);
 }
 
+/* The CPU's tanh (a polynomial GCC vectorises, for tanh and GELU tanh): every 61st float in
+ * [1e-30, 12] and its negative, within 2 ulp of tanh in double; odd, and saturating to +-1. */
+static int64_t ordered(float f) {
+  int32_t i;
+  memcpy(&i, &f, sizeof i);
+  return i < 0 ? -(int64_t)(i & 0x7fffffff) : (int64_t)i;
+}
+
+static void tanh_within_2_ulp(void **s) {
+  (void)s;
+  dt_backend *be = backend_cpu_create(2);
+  int32_t lo, hi;
+  float flo = 1e-30f, fhi = 12.0f;
+  memcpy(&lo, &flo, sizeof lo), memcpy(&hi, &fhi, sizeof hi);
+  int64_t n = 2 * ((int64_t)(hi - lo) / 61 + 1) + 4, i = 0;
+  float *x = malloc((size_t)n * sizeof(float)), *y = malloc((size_t)n * sizeof(float));
+  for (int32_t b = lo; b <= hi; b += 61) {
+    float v;
+    memcpy(&v, &b, sizeof v);
+    x[i++] = v, x[i++] = -v;
+  }
+  x[i++] = 0.0f, x[i++] = 50.0f, x[i++] = -1e30f, x[i++] = INFINITY;
+  dt_op op = {.type = DT_OP_ACT_FWD, .p.act_fwd = {.kind = DT_ACT_TANH, .n = i, .x = x, .y = y}};
+  backend_run(be, &op);
+  for (int64_t j = 0; j < i; j++) {
+    float want = (float)tanh((double)x[j]);
+    if (llabs(ordered(y[j]) - ordered(want)) > 2)
+      fail_msg("tanh(%.9g) = %.9g, tanh in double rounds to %.9g", x[j], y[j], want);
+  }
+  free(x), free(y);
+  be->destroy(be);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(linear_grads),
@@ -756,6 +789,7 @@ int main(void) {
       cmocka_unit_test(bias_grad_matches_sums),
       cmocka_unit_test(max_pool_2x2_matches_scan),
       cmocka_unit_test(onednn_convolutions_match_im2col),
+      cmocka_unit_test(tanh_within_2_ulp),
   };
   return cmocka_run_group_tests_name("ops", tests, NULL, NULL);
 }
