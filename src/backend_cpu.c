@@ -188,8 +188,8 @@ static inline float tanh_vec(float x) {
   int32_t bits = (n + 127) * (1 << 23);
   float two_n;
   memcpy(&two_n, &bits, sizeof two_n);
-  float e = p * two_n;
-  return copysignf(a < 0.3f ? series : (1.0f - e) / (1.0f + e), x);
+  float e = p * two_n, far = (1.0f - e) / (1.0f + e);
+  return copysignf(a < 0.3f ? series : far, x);
 }
 
 /* PyTorch's gelu(approximate='tanh'): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), and its
