@@ -3,11 +3,17 @@
 
 #include "common.cuh"
 #include "kernels.h"
+#include "tanh_poly.h"  // the CPU backend's tanh, bit for bit
 
 enum { ACT_RELU, ACT_GELU, ACT_TANH, ACT_SIGMOID, ACT_GELU_TANH };  // backend.h's DT_ACT_*
 
 __global__ void bias_add_kernel(float *y, const float *bias, int64_t n, fast_div c, fast_div sp) {
   GRID_STRIDE(i, n) y[i] += bias[channel_of(i, c, sp)];
+}
+
+// y (m, n) = the bias (n) on every row: a GEMM with beta 1 then adds its product (one rounding)
+__global__ void fill_rows_kernel(float *y, const float *bias, int64_t total, fast_div n) {
+  GRID_STRIDE(i, total) y[i] = bias[(uint32_t)i - div_by((uint32_t)i, n) * n.d];
 }
 
 // One block per channel: db[c] += sum over (b, s) of dy.
@@ -29,10 +35,10 @@ __device__ __forceinline__ float gelu_grad(float x) {
 // PyTorch's gelu(approximate='tanh') and its exact derivative, as backend_cpu.c's gelu_tanh_f and gelu_tanh_grad
 __device__ __forceinline__ float gelu_tanh(float x) {
   float inner = 0.79788456080286536f * (x + 0.044715f * (x * x * x));
-  return 0.5f * x * (1.0f + tanhf(inner));
+  return 0.5f * x * (1.0f + dt_tanhf(inner));
 }
 __device__ __forceinline__ float gelu_tanh_grad(float x) {
-  float x2 = x * x, t = tanhf(0.79788456080286536f * (x + 0.044715f * (x2 * x)));
+  float x2 = x * x, t = dt_tanhf(0.79788456080286536f * (x + 0.044715f * (x2 * x)));
   return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * (0.79788456080286536f * (1.0f + 3.0f * 0.044715f * x2));
 }
 
@@ -41,7 +47,7 @@ __global__ void act_fwd_kernel(int kind, const float *x, float *y, int64_t n) {
     float v = x[i];
     y[i] = kind == ACT_RELU        ? (v < 0 ? 0.0f : v)  // NaN passes, as in PyTorch
            : kind == ACT_GELU      ? gelu(v)
-           : kind == ACT_TANH      ? tanhf(v)
+           : kind == ACT_TANH      ? dt_tanhf(v)
            : kind == ACT_GELU_TANH ? gelu_tanh(v)
                                    : 1.0f / (1.0f + expf(-v));
   }
@@ -133,6 +139,10 @@ extern "C" {
 void k_bias_add(cudaStream_t s, float *y, const float *bias, int64_t b, int64_t c, int64_t sp) {
   LAUNCH(bias_add_kernel, blocks_for(b * c * sp), kThreads, 0, s)
   (y, bias, b * c * sp, make_fast_div(c), make_fast_div(sp));
+}
+
+void k_fill_rows(cudaStream_t s, float *y, const float *bias, int64_t m, int64_t n) {
+  LAUNCH(fill_rows_kernel, blocks_for(m * n), kThreads, 0, s)(y, bias, m * n, make_fast_div(n));
 }
 
 void k_bias_grad(cudaStream_t s, const float *dy, float *db, int64_t b, int64_t c, int64_t sp) {

@@ -14,6 +14,8 @@ extern "C" {
 
 /* elementwise.cu */
 void k_bias_add(cudaStream_t s, float *y, const float *bias, int64_t b, int64_t c, int64_t sp);
+/* y (m, n) = bias (n) on every row (a GEMM with a bias starts from it) */
+void k_fill_rows(cudaStream_t s, float *y, const float *bias, int64_t m, int64_t n);
 void k_bias_grad(cudaStream_t s, const float *dy, float *db, int64_t b, int64_t c, int64_t sp);
 void k_act_fwd(cudaStream_t s, int kind, const float *x, float *y, int64_t n);
 void k_act_bwd(cudaStream_t s, int kind, const float *x, const float *y, const float *dy, float *dx, int64_t n);

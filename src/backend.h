@@ -84,6 +84,8 @@ typedef struct {
       float *c;
       int64_t batch;                        /* 0 or 1: one product; else product i uses a + i * stride_a, ... */
       int64_t stride_a, stride_b, stride_c; /* elements between consecutive products (batch > 1) */
+      const float *bias;                    /* NULL, or (n): then C = alpha op(A) op(B) + bias on each row
+                                               (one product, beta 0): the CPU starts C at the bias */
     } gemm;
     struct {
       int64_t b, c, s;

@@ -10,6 +10,7 @@
 
 #include "backend.h"
 #include "cpu_dnnl.h"
+#include "tanh_poly.h"
 
 const char *const dt_op_names[DT_OP_COUNT] = {
     "gemm",      "bias_add",    "bias_grad", "conv_fwd",     "conv_bwd_data", "conv_bwd_filter",
@@ -169,37 +170,14 @@ static inline float gelu_grad(float x) {
   return cdf + x * pdf;
 }
 
-/* tanh in a form GCC vectorises (libm's tanhf is a call per element, 16% of a GPT's step): the
- * odd Taylor series to x^13 below |x| = 0.3, else (1 - e) / (1 + e) with e = exp(-2|x|) by
- * Cody-Waite reduction (n ln 2 + r) and a degree-7 polynomial, scaled by 2^n through the exponent
- * bits. Within 2 ulp of tanh over all floats in [-12, 12] (test_ops: tanh_within_2_ulp). */
-static inline float tanh_vec(float x) {
-  float a = fabsf(x);
-  a = a < 9.0f ? a : 9.0f; /* tanh(9) rounds to 1 - 6e-8 */
-  float s = a * a;
-  float series =
-      a + a * s *
-              (-1.0f / 3 +
-               s * (2.0f / 15 + s * (-17.0f / 315 + s * (62.0f / 2835 + s * (-1382.0f / 155925 + s * (21844.0f / 6081075))))));
-  float y = -2.0f * a; /* [-18, 0] */
-  int32_t n = (int32_t)(y * 1.44269504088896341f - 0.5f); /* round(y / ln 2), y <= 0 */
-  float r = (y - (float)n * 0.693145751953125f) - (float)n * 1.42860682030941723212e-6f;
-  float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720 + r * (1.0f / 5040)))))));
-  int32_t bits = (n + 127) * (1 << 23);
-  float two_n;
-  memcpy(&two_n, &bits, sizeof two_n);
-  float e = p * two_n, far = (1.0f - e) / (1.0f + e);
-  return copysignf(a < 0.3f ? series : far, x);
-}
-
 /* PyTorch's gelu(approximate='tanh'): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), and its
  * exact derivative, in the order of PyTorch's GeluBackward. */
 static inline float gelu_tanh_f(float x) {
   float inner = 0.79788456080286536f * (x + 0.044715f * (x * x * x));
-  return 0.5f * x * (1.0f + tanh_vec(inner));
+  return 0.5f * x * (1.0f + dt_tanhf(inner));
 }
 static inline float gelu_tanh_grad(float x) {
-  float x2 = x * x, t = tanh_vec(0.79788456080286536f * (x + 0.044715f * (x2 * x)));
+  float x2 = x * x, t = dt_tanhf(0.79788456080286536f * (x + 0.044715f * (x2 * x)));
   return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * (0.79788456080286536f * (1.0f + 3.0f * 0.044715f * x2));
 }
 
@@ -216,7 +194,7 @@ static void act_fwd(int kind, int64_t n, const float *x, float *y) {
       break;
     case DT_ACT_TANH:
 #pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < n; i++) y[i] = tanh_vec(x[i]);
+      for (int64_t i = 0; i < n; i++) y[i] = dt_tanhf(x[i]);
       break;
     case DT_ACT_GELU_TANH:
 #pragma omp parallel for schedule(static)
@@ -268,6 +246,15 @@ static void gemm_one(const typeof(((dt_op *)0)->p.gemm) *q, int64_t i) {
 static void op_gemm(cpu_impl *im, const dt_op *op) {
   const typeof(op->p.gemm) *q = &op->p.gemm;
   if (!q->m || !q->n) return; /* a rank with no rows this batch */
+  if (q->bias) { /* C starts as the bias rows and the GEMM adds to it: one pass fewer over C */
+    DT_ASSERT(q->beta == 0.0f && q->batch <= 1);
+    typeof(((dt_op *)0)->p.gemm) with = *q;
+    with.beta = 1.0f;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < q->m; r++) memcpy(q->c + r * q->n, q->bias, (size_t)q->n * sizeof(float));
+    gemm_one(&with, 0);
+    return;
+  }
   int64_t batch = q->batch > 1 ? q->batch : 1;
   if (batch > 1 && batch >= im->threads) {
 #pragma omp parallel for schedule(static)

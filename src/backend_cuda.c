@@ -409,15 +409,22 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
       int64_t lda = q->trans_a ? q->m : q->k, ldb = q->trans_b ? q->k : q->n;
       const cublasOperation_t ta = q->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = q->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
       if (q->batch > 1) { /* strides swap with the operands, as the leading dimensions do */
-        DT_ASSERT(q->batch < ((int64_t)1 << 31));
+        DT_ASSERT(q->batch < ((int64_t)1 << 31) && !q->bias);
         CUBLAS_CHECK(cublasGemmStridedBatchedEx(
             im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, q->b, CUDA_R_32F, (int)(ldb > 1 ? ldb : 1),
             q->stride_b, q->a, CUDA_R_32F, (int)(lda > 1 ? lda : 1), q->stride_a, &q->beta, q->c, CUDA_R_32F, (int)q->n,
             q->stride_c, (int)q->batch, gemm_compute[im->precision], CUBLAS_GEMM_DEFAULT));
         break;
       }
+      /* with a bias, C starts as the bias rows and the GEMM adds to it (beta 1), one rounding as on the CPU */
+      const float one = 1.0f, *beta = &q->beta;
+      if (q->bias) {
+        DT_ASSERT(q->beta == 0.0f);
+        k_fill_rows(s, q->c, q->bias, q->m, q->n);
+        beta = &one;
+      }
       CUBLAS_CHECK(cublasGemmEx(im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, q->b, CUDA_R_32F,
-                                (int)(ldb > 1 ? ldb : 1), q->a, CUDA_R_32F, (int)(lda > 1 ? lda : 1), &q->beta, q->c,
+                                (int)(ldb > 1 ? ldb : 1), q->a, CUDA_R_32F, (int)(lda > 1 ? lda : 1), beta, q->c,
                                 CUDA_R_32F, (int)q->n, gemm_compute[im->precision], CUBLAS_GEMM_DEFAULT));
       break;
     }

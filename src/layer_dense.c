@@ -66,15 +66,19 @@ static int64_t bias_off(const dt_layer *l) {
 
 void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
                    const float *bias, float *y) {
-  dt_op op = {.type = DT_OP_GEMM}; /* y(rows, out) = x(rows, in) W^T(in, out) */
-  op.p.gemm = (typeof(op.p.gemm)){
-      .trans_a = 0, .trans_b = 1, .m = rows, .n = out, .k = in, .alpha = 1.0f, .beta = 0.0f, .a = x, .b = w, .c = y};
+  dt_op op = {.type = DT_OP_GEMM}; /* y(rows, out) = x(rows, in) W^T(in, out) + bias */
+  op.p.gemm = (typeof(op.p.gemm)){.trans_a = 0,
+                                  .trans_b = 1,
+                                  .m = rows,
+                                  .n = out,
+                                  .k = in,
+                                  .alpha = 1.0f,
+                                  .beta = 0.0f,
+                                  .a = x,
+                                  .b = w,
+                                  .c = y,
+                                  .bias = bias};
   backend_run(be, &op);
-  if (bias) {
-    dt_op b = {.type = DT_OP_BIAS_ADD};
-    b.p.bias_add = (typeof(b.p.bias_add)){.b = rows, .c = out, .s = 1, .y = y, .bias = bias};
-    backend_run(be, &b);
-  }
 }
 
 void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,

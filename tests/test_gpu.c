@@ -366,6 +366,25 @@ static void ops_gemm(void) {
       RUN(op);
     }
     ot_check("y", y, rows * out);
+    ot_case(DT_OP_GEMM, "linear forward with its bias, %s", ROWS_NAME(r));
+    dbuf bias = ot_rand(out, -1, 1);
+    BOTH {
+      dt_op op = {.type = DT_OP_GEMM};
+      op.p.gemm = (typeof(op.p.gemm)){.trans_a = 0,
+                                      .trans_b = 1,
+                                      .m = rows,
+                                      .n = out,
+                                      .k = in,
+                                      .alpha = 1.0f,
+                                      .beta = 0.0f,
+                                      .a = F(x),
+                                      .b = F(w),
+                                      .c = F(y),
+                                      .bias = F(bias)};
+      RUN(op);
+    }
+    ot_check("y", y, rows * out);
+    ot_check("bias", bias, 0);
     ot_case(DT_OP_GEMM, "linear weight gradient (k = batch), %s", ROWS_NAME(r));
     BOTH {
       dt_op op = {.type = DT_OP_GEMM};
