@@ -59,16 +59,26 @@ SRCS := common.c yaml_tree.c keys.c config.c model.c layer_dense.c layer_conv.c 
         checkpoint.c log.c train.c signals.c fault.c h5util.c monitor.c
 CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=compute_90
 NVCCFLAGS ?= -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra,-Werror
+# With CUDA the GPU code (GPU_SRCS and kernels/) is a library of its own, libddp_train_cuda.so
+# beside the binary, linked against cuDNN, cuBLAS, cudart and NCCL and loaded on the first GPU use
+# (src/gpu_plugin.c): a process that never uses a GPU does not load them (56 ms of every start).
+# It calls back into the binary, which exports its symbols (-rdynamic).
 ifeq ($(CUDA),1)
-  SRCS += gpu_cuda.c backend_cuda.c comm_nccl.c
+  SRCS += gpu_plugin.c
+  GPU_SRCS := gpu_cuda.c backend_cuda.c comm_nccl.c
   override CFLAGS += -I$(CUDA_HOME)/include -Ikernels -DDT_WITH_CUDA=1
-  LDLIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudnn -lcublas -lcudart -lnccl -lstdc++ -ldl
+  LDLIBS += -ldl -rdynamic
+  CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudnn -lcublas -lcudart -lnccl -lstdc++ -ldl
   KERNEL_OBJS := $(patsubst kernels/%.cu,$(BUILD)/kernels/%.o,$(wildcard kernels/*.cu))
+  GPU_OBJS := $(GPU_SRCS:%.c=$(BUILD)/pic/%.o)
+  PLUGIN := $(BUILD)/libddp_train_cuda.so
 else
   SRCS += gpu_none.c
 endif
 HOST_OBJS := $(SRCS:%.c=$(BUILD)/%.o)
-OBJS := $(HOST_OBJS) $(KERNEL_OBJS)
+OBJS := $(HOST_OBJS)
+# the GPU code linked in, for the test binaries that call it directly
+DIRECT_OBJS := $(filter-out $(BUILD)/gpu_plugin.o,$(HOST_OBJS)) $(GPU_SRCS:%.c=$(BUILD)/%.o)
 
 # The GPU stand-in (tests/gpusim): the CUDA variant of ddp_train built from the same sources, with
 # kernels/*.cu compiled by the host C++ compiler and the CUDA runtime, cuBLAS, cuDNN, NCCL and NVML
@@ -85,10 +95,17 @@ SIM_LDLIBS = -Wl,--disable-new-dtags $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(
 SIM_BINS := $(SIM)/ddp_train $(SIM)/tests/test_gpu $(SIM)/tests/test_gpusim $(SIM)/tests/test_gpusim_nccl
 ifneq ($(SAN),)
 ifeq ($(CUDA),1)
-  OBJS := $(HOST_OBJS) $(SIM_KERNEL_OBJS)
-  LDLIBS = $(SIM_LDLIBS) -Wl,-rpath,$(abspath $(SIM))
+  LDLIBS = $(SIM_LDLIBS) -ldl -rdynamic -Wl,-rpath,$(abspath $(SIM))
   SAN_DEPS := $(SIM)/libgpusim.so $(SIM)/libnvidia-ml.so.1
 endif
+endif
+# the kernels and libraries of $(PLUGIN): the real ones, or the stand-in's in a sanitizer build
+ifeq ($(SAN),)
+  PLUGIN_KERNELS = $(KERNEL_OBJS)
+  PLUGIN_LIBS = $(CUDA_LIBS)
+else
+  PLUGIN_KERNELS = $(SIM_KERNEL_OBJS)
+  PLUGIN_LIBS = -Wl,--disable-new-dtags -L$(SIM) -lgpusim -lstdc++ -Wl,-rpath,$(abspath $(SIM))
 endif
 
 TESTS := test_config test_sampler test_model test_ops test_optim $(if $(filter 1,$(CUDA)),test_gpu)
@@ -109,11 +126,28 @@ TEST_BINS += $(FUZZ_BINS)
 PREFIX ?= /usr/local
 all: ddp_train
 
+# copied then renamed: a running ./ddp_train keeps its old files (no "Text file busy", no torn library)
 ddp_train: $(BUILD)/ddp_train
-	cp $< $@
+	cp $< $@.tmp && mv -f $@.tmp $@
+	$(if $(PLUGIN),cp $(PLUGIN) libddp_train_cuda.so.tmp && mv -f libddp_train_cuda.so.tmp libddp_train_cuda.so)
 
-$(BUILD)/ddp_train: $(OBJS) $(BUILD)/main.o $(SAN_DEPS)
+$(BUILD)/ddp_train: $(OBJS) $(BUILD)/main.o $(SAN_DEPS) $(PLUGIN)
 	$(CC) $(CFLAGS) -o $@ $(filter %.o,$^) $(LDLIBS)
+
+ifeq ($(CUDA),1)
+$(PLUGIN): $(GPU_OBJS) $(PLUGIN_KERNELS) $(SAN_DEPS)
+	$(CC) $(CFLAGS) -shared -o $@ $(GPU_OBJS) $(PLUGIN_KERNELS) $(PLUGIN_LIBS)
+endif
+
+$(BUILD)/pic/%.o: src/%.c src/*.h
+	@mkdir -p $(BUILD)/pic
+	$(CC) $(CFLAGS) -fPIC -c -o $@ $<
+
+# test_gpu calls the GPU code directly (not through the plugin)
+ifeq ($(CUDA),1)
+$(BUILD)/tests/test_gpu: tests/test_gpu.c $(DIRECT_OBJS) $(PLUGIN_KERNELS) tests/*.h $(SAN_DEPS) | $(BUILD)/tests
+	$(CC) $(CFLAGS) -Itests -o $@ $< $(DIRECT_OBJS) $(PLUGIN_KERNELS) $(LDLIBS) $(if $(SAN),,$(CUDA_LIBS)) -lcmocka
+endif
 
 $(BUILD)/%.o: src/%.c src/*.h | $(BUILD)/tests
 	$(CC) $(CFLAGS) -c -o $@ $<
@@ -123,7 +157,7 @@ $(BUILD)/tests/%: tests/%.c $(OBJS) tests/*.h $(SAN_DEPS) | $(BUILD)/tests
 
 $(BUILD)/kernels/%.o: kernels/%.cu kernels/*.h kernels/*.cuh src/hash.h
 	@mkdir -p $(BUILD)/kernels
-	$(NVCC) $(NVCCFLAGS) -Ikernels -Isrc -c -o $@ $<
+	$(NVCC) $(NVCCFLAGS) -Xcompiler -fPIC -Ikernels -Isrc -c -o $@ $<
 
 $(BUILD)/tests:
 	mkdir -p $@
@@ -155,12 +189,17 @@ $(SIM)/kernels/%.o: kernels/%.cu kernels/*.h kernels/*.cuh src/hash.h $(SIM_HEAD
 	@mkdir -p $(SIM)/kernels
 	$(CXX) -x c++ $(SIM_CXXFLAGS) -include tests/gpusim/gpusim_device.h -Ikernels -Isrc -c -o $@ $<
 
-$(SIM)/ddp_train: $(HOST_OBJS) $(SIM_KERNEL_OBJS) $(BUILD)/main.o $(SIM)/libgpusim.so $(SIM)/libnvidia-ml.so.1
-	$(CC) $(CFLAGS) -o $@ $(HOST_OBJS) $(SIM_KERNEL_OBJS) $(BUILD)/main.o $(SIM_LDLIBS) -Wl,-rpath,'$$ORIGIN'
+$(SIM)/ddp_train: $(HOST_OBJS) $(BUILD)/main.o $(SIM)/libddp_train_cuda.so $(SIM)/libnvidia-ml.so.1
+	$(CC) $(CFLAGS) -o $@ $(HOST_OBJS) $(BUILD)/main.o $(SIM_LDLIBS) -ldl -rdynamic -Wl,-rpath,'$$ORIGIN'
 
-$(SIM)/tests/test_gpu: tests/test_gpu.c $(HOST_OBJS) $(SIM_KERNEL_OBJS) tests/*.h $(SIM)/libgpusim.so $(SIM)/libnvidia-ml.so.1
+# the GPU code on the stand-in, loaded by $(SIM)/ddp_train as the real one is
+$(SIM)/libddp_train_cuda.so: $(GPU_OBJS) $(SIM_KERNEL_OBJS) $(SIM)/libgpusim.so
+	$(CC) $(CFLAGS) -shared -o $@ $(GPU_OBJS) $(SIM_KERNEL_OBJS) -Wl,--disable-new-dtags -L$(SIM) -lgpusim -lstdc++ \
+	  -Wl,-rpath,'$$ORIGIN'
+
+$(SIM)/tests/test_gpu: tests/test_gpu.c $(DIRECT_OBJS) $(SIM_KERNEL_OBJS) tests/*.h $(SIM)/libgpusim.so $(SIM)/libnvidia-ml.so.1
 	@mkdir -p $(SIM)/tests
-	$(CC) $(CFLAGS) -Itests -o $@ $< $(HOST_OBJS) $(SIM_KERNEL_OBJS) $(SIM_LDLIBS) -lcmocka -Wl,-rpath,'$$ORIGIN/..'
+	$(CC) $(CFLAGS) -Itests -o $@ $< $(DIRECT_OBJS) $(SIM_KERNEL_OBJS) $(SIM_LDLIBS) -lcmocka -Wl,-rpath,'$$ORIGIN/..'
 
 # the stand-in's own checks: deliberately broken kernels and call sequences beside correct ones
 $(SIM)/tests/test_gpusim: tests/gpusim/test_gpusim.cu kernels/common.cuh $(SIM_HEADERS) $(SIM)/libgpusim.so
@@ -300,6 +339,7 @@ $(BUILD)/ddp_train.1: $(BUILD)/ddp_train
 
 install: ddp_train $(BUILD)/ddp_train.1
 	install -D -m 755 ddp_train $(DESTDIR)$(PREFIX)/bin/ddp_train
+	$(if $(PLUGIN),install -D -m 755 $(PLUGIN) $(DESTDIR)$(PREFIX)/lib/ddp_train/libddp_train_cuda.so)
 	install -D -m 644 $(BUILD)/ddp_train.1 $(DESTDIR)$(PREFIX)/share/man/man1/ddp_train.1
 	install -d $(DESTDIR)$(PREFIX)/share/ddp_train/scripts/slurm $(DESTDIR)$(PREFIX)/share/ddp_train/configs
 	install -m 755 scripts/*.py $(DESTDIR)$(PREFIX)/share/ddp_train/scripts/
@@ -308,4 +348,4 @@ install: ddp_train $(BUILD)/ddp_train.1
 	install -m 644 configs/*.yaml $(DESTDIR)$(PREFIX)/share/ddp_train/configs/
 
 clean:
-	rm -rf build ddp_train
+	rm -rf build ddp_train libddp_train_cuda.so

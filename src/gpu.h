@@ -9,6 +9,8 @@
 int gpu_count(char *why, size_t cap);
 /* "CUDA runtime 13.0, driver 13.0, cuDNN 9.x, cuBLAS ..., NCCL 2.28.x", or "" without CUDA. */
 void gpu_versions(char *buf, size_t cap);
+/* The CUDA libraries' versions this binary was built against, without loading them (--version). */
+void gpu_build_versions(char *buf, size_t cap);
 
 /* Compute capability of visible device i as major * 10 + minor (0 when unknown); makes no context. */
 int gpu_compute_capability(int i);

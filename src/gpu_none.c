@@ -12,6 +12,10 @@ void gpu_versions(char *buf, size_t cap) {
   snprintf(buf, cap, "CUDA: not built in");
 }
 
+void gpu_build_versions(char *buf, size_t cap) {
+  snprintf(buf, cap, "CUDA: not built in");
+}
+
 int gpu_compute_capability(int i) {
   (void)i;
   return 0;

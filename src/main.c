@@ -247,7 +247,7 @@ static void print_version(void) {
   unsigned maj, min, rel;
   H5get_libversion(&maj, &min, &rel);
   char gpu[512];
-  gpu_versions(gpu, sizeof gpu);
+  gpu_build_versions(gpu, sizeof gpu); /* --info loads them and prints what it found */
   printf("ddp_train %s\n", DT_VERSION);
   printf("  MPI: %s\n", mpi);
   printf("  HDF5: %u.%u.%u\n", maj, min, rel);
@@ -512,9 +512,9 @@ static double mib(size_t b) {
   return (double)b / 1048576.0;
 }
 
-/* --dry-run: the memory a rank needs against what it has (its GPU's free memory when there is
+/* --dry-run: the memory a rank needs against what it has (its GPU's free memory when it runs on
  * one, else the host's available memory shared by the ranks on the node). */
-static void check_memory(const dt_config *cfg, const dt_model *m, const dt_data *d, const dt_comm *comm,
+static void check_memory(const dt_config *cfg, const dt_model *m, const dt_data *d, const dt_comm *comm, int gpu,
                          dt_status *st) {
   const dt_config_values *v = &cfg->v;
   int64_t rows = max_local_rows(cfg, comm->size);
@@ -541,12 +541,11 @@ static void check_memory(const dt_config *cfg, const dt_model *m, const dt_data 
     mem.total += bytes;
     snprintf(extra + strlen(extra), sizeof extra - strlen(extra), " + bf16 bucket %.1f", mib(bytes));
   }
-  char why[256];
   size_t have = 0;
   const char *where;
   char gpu_line[512];
-  if (gpu_count(why, sizeof why) > comm->local_rank) {
-    gpu_describe(comm->local_rank, gpu_line, sizeof gpu_line, &have);
+  if (gpu >= 0) { /* the run's device: a CPU run never looks for a GPU */
+    gpu_describe(gpu, gpu_line, sizeof gpu_line, &have);
     where = "free on this rank's GPU";
   } else {
     long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
@@ -671,7 +670,12 @@ int main(int argc, char **argv) {
   if ((code = comm_agree(&comm, &st))) goto done;
   /* --dry-run with data.path empty plans a job whose data does not exist yet: model and memory only */
   int no_data = args.dry_run && !cfg.v.data_path[0];                                       /* --set data.path= */
-  if (!no_data && !args.sample) data_open(&data, &cfg, &model, comm.size, comm.rank, &st); /* --sample reads none */
+  if (!no_data && !args.sample) { /* --sample reads none */
+    /* --dry-run checks datasets, shapes, types and labels but need not load the rows (data.cache none) */
+    dt_config opened = cfg;
+    if (args.dry_run && (cfg.v.cache == DT_CACHE_AUTO || cfg.v.cache == DT_CACHE_MEMORY)) opened.v.cache = DT_CACHE_NONE;
+    data_open(&data, &opened, &model, comm.size, comm.rank, &st);
+  }
   if ((code = comm_agree(&comm, &st))) goto done;
   if (args.dry_run) {
     if (comm.rank == 0) {
@@ -685,7 +689,7 @@ int main(int argc, char **argv) {
       model_summary(&model, stdout);
       fflush(stdout);
     }
-    check_memory(&cfg, &model, &data, &comm, &st);
+    check_memory(&cfg, &model, &data, &comm, gpu, &st);
     code = comm_agree(&comm, &st);
     goto done;
   }
