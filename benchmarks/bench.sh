@@ -20,7 +20,11 @@ fi
 if [ -n "$why" ]; then
   echo "no GPU: CPU table ($why)"
   echo
-  exec bash benchmarks/cpu_bench.sh
+  bash benchmarks/cpu_bench.sh
+  echo
+  echo "start-up (benchmarks/startup.py):"
+  echo
+  exec "${PYTHON:-/usr/bin/python3}" benchmarks/startup.py --runs "${BENCH_PAIRS:-5}"
 fi
 if [ "${BENCH_TORCH_DEVICE:-cuda}" = cuda ]; then
   echo "GPU table: ddp_train ($ddp) and PyTorch on the same GPU"

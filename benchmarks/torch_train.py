@@ -1,7 +1,9 @@
 #!/usr/bin/python3
 """PyTorch's training throughput on the model of a ddp_train config, for comparison in the same run.
-usage: torch_train.py CONFIG.yaml BATCH STEPS THREADS  -> prints samples/s (median of 3 windows);
+usage: torch_train.py CONFIG.yaml BATCH STEPS THREADS [WINDOWS]  -> prints samples/s;
        for a token model (first layer `embedding`, e.g. configs/gpt_tiny.yaml) target tokens/s
+WINDOWS (default 4) windows of STEPS steps, as ddp_train's logged windows in benchmarks/cpu_bench.sh: the
+first is the warm-up, the figure is the median of the others, so both sides train the same number of steps.
 Same model (scripts/ddp_model.py), same batch, float32, data already in memory (PyTorch's best case on
 the CPU). Image and vector models: SGD with Nesterov momentum and weight decay, float tensors. Token
 models: random token ids, a LongTensor (BATCH, T) of inputs and (BATCH, T) targets, the loss the
@@ -20,7 +22,12 @@ import ddp_model  # noqa: E402
 
 
 def main():
+    if len(sys.argv) not in (5, 6):
+        sys.exit(__doc__)
     cfg, batch, steps, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    windows = int(sys.argv[5]) if len(sys.argv) > 5 else 4
+    if steps < 1 or windows < 2:
+        sys.exit("torch_train.py: STEPS must be >= 1 and WINDOWS >= 2 (a warm-up window and a timed one)")
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     with open(cfg) as f:
@@ -54,10 +61,10 @@ def main():
             torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
 
-    for _ in range(3):  # warm-up
+    for _ in range(steps):  # the warm-up window
         step()
     rates = []
-    for _ in range(3):
+    for _ in range(windows - 1):
         t0 = time.perf_counter()
         for _ in range(steps):
             step()

@@ -2,7 +2,8 @@
 CPU stand-in, build/sim/ddp_train) with tiny batches and windows and PyTorch on the CPU
 (BENCH_TORCH_DEVICE=cpu), must print every row with numbers and a ratio, its GPT-2 rows on a tiny GPT
 (BENCH_GPT_CONFIG, a 124M model is far too slow for the stand-in); without a GPU the driver says so and
-starts the CPU table, whose every row (the tiny GPT's in tokens/s too) is checked at one step a window;
+starts the CPU table, whose every row (ResNet-18, the tiny GPT's in tokens/s and the 2-rank DDP row too) is
+checked at one pair of runs with one timed window of 2 steps;
 `make bench-gpt`'s script runs 2 steps from the same weights and rows on both sides. Only the shape of
 the output is checked, never a timing."""
 import os
@@ -87,24 +88,42 @@ class Bench(unittest.TestCase):
             self.assertIn("a smoke run", out)
 
     def test_the_cpu_table_has_every_row(self):
-        """The CPU table at one step a window (BENCH_STEPS=1): the sample rows and the tiny GPT's tokens/s."""
+        """The CPU table at its smallest (BENCH_STEPS=2 BENCH_PAIRS=1 BENCH_WINDOWS=2: one pair a row, a
+        warm-up window and one timed window of 2 steps a side): one table, every model family and the 2-rank
+        DDP row, each cell a median with its range, GFLOP/s consistent with the FLOPs under the table."""
         tmp = tempfile.TemporaryDirectory(prefix="ddp_train_bench_")
         self.addCleanup(tmp.cleanup)
-        env = dict(ENV, PYTHON=sys.executable, BENCH_STEPS="1", TMPDIR=tmp.name)
+        env = dict(ENV, PYTHON=sys.executable, BENCH_STEPS="2", BENCH_PAIRS="1", BENCH_WINDOWS="2", TMPDIR=tmp.name)
         p = subprocess.run(["bash", "benchmarks/cpu_bench.sh"], capture_output=True, text=True, env=env, cwd=ROOT,
                            timeout=300)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-        (h1, rows), (h2, token_rows) = tables(p.stdout)
-        self.assertEqual(h1, ["case", "ddp_train samples/s", "PyTorch samples/s", "ratio"])
-        self.assertEqual(h2, ["case", "ddp_train tokens/s", "PyTorch tokens/s", "ratio"])
-        self.assertEqual([r[0] for r in rows], ["default CNN (configs/model.yaml), batch 256",
-                                                "MLP 784-1024-1024-10, batch 1024"])
-        self.assertEqual([r[0] for r in token_rows], ["tiny GPT (configs/gpt_tiny.yaml), 32 x 128 tokens"])
-        for r in rows + token_rows:
-            self.assertEqual(len(r), 4, r)
-            self.assertRegex(r[1], f"^{NUMBER}$", r)
-            self.assertRegex(r[2], f"^{NUMBER}$", r)
-            self.assertRegex(r[3], f"^{NUMBER}x$", r)
+        out = p.stdout
+        (header, rows), = tables(out)
+        self.assertEqual(header, ["case", "unit", "ddp_train", "ddp_train GFLOP/s", "PyTorch", "PyTorch GFLOP/s",
+                                  "ddp_train / PyTorch"])
+        want = [("default CNN (configs/model.yaml), batch 256", "samples/s", "configs/model.yaml"),
+                ("MLP 784-1024-1024-10 (configs/mlp.yaml), batch 1024", "samples/s", "configs/mlp.yaml"),
+                ("ResNet-18 CIFAR (configs/resnet18_cifar.yaml), batch 64", "samples/s",
+                 "configs/resnet18_cifar.yaml"),
+                ("tiny GPT (configs/gpt_tiny.yaml), 32 x 128 tokens", "tokens/s", "configs/gpt_tiny.yaml"),
+                ("make run: default CNN, 2 ranks x 1 thread (PyTorch: DDP, gloo), global batch 256", "samples/s",
+                 "configs/model.yaml")]
+        self.assertEqual([(r[0], r[1]) for r in rows], [w[:2] for w in want], out)
+        mflops = dict(re.findall(r"(configs/\S+\.yaml) ([\d.]+) MFLOP a (?:sample|token)", out))
+        self.assertEqual(set(mflops), {w[2] for w in want}, out)
+        span = rf"^({NUMBER}) \({NUMBER}–{NUMBER}\)$"
+        for r, (_, _, cfg) in zip(rows, want):
+            self.assertEqual(len(r), 7, r)
+            for rate, gflops in ((r[2], r[3]), (r[4], r[5])):  # one pair: median = min = max
+                m = re.match(span, rate)
+                self.assertIsNotNone(m, r)
+                self.assertEqual(rate, f"{m[1]} ({m[1]}–{m[1]})", r)
+                self.assertRegex(gflops, f"^{NUMBER}$", r)
+                self.assertAlmostEqual(float(gflops), float(m[1]) * float(mflops[cfg]) / 1e3,
+                                       delta=0.1 + 0.01 * float(gflops), msg=r)
+            self.assertRegex(r[6], rf"^{NUMBER}x \({NUMBER}x–{NUMBER}x\)$", r)
+        self.assertIn("median (min–max) of 1 paired runs of 2 windows of 2 steps", out)
+        self.assertRegex(out.rstrip().splitlines()[-1], r"threads; OpenBLAS.*; PyTorch \S+$")
 
     def test_the_gpt_tiny_comparison_runs_and_agrees_from_the_same_start(self):
         """make bench-gpt's script for 2 steps, both sides from the same weights and rows (--same-init
@@ -147,7 +166,24 @@ class Bench(unittest.TestCase):
             p.wait()
             p.stdout.close()
         self.assertTrue(first.startswith("no GPU: CPU table ("), first)
-        self.assertEqual(header, "| case | ddp_train samples/s | PyTorch samples/s | ratio |\n")
+        self.assertEqual(header, "| case | unit | ddp_train | ddp_train GFLOP/s | PyTorch | PyTorch GFLOP/s | "
+                                 "ddp_train / PyTorch |\n")
+
+
+class StartupTable(unittest.TestCase):
+    def test_startup_rows(self):
+        """benchmarks/startup.py with one run each: --version, --help, --dry-run, launch to step 1 beside
+        PyTorch DDP, and the CUDA libraries' load cost, each a number of seconds."""
+        p = subprocess.run([sys.executable, "benchmarks/startup.py", "--runs", "1", "--binary", BINARY],
+                           capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        rows = [l for l in p.stdout.splitlines() if l.startswith("| `ddp_train") or l.startswith("| launch")]
+        self.assertEqual(len(rows), 4, p.stdout)
+        for row in rows:
+            ours = row.split("|")[2].split()[0]
+            self.assertGreater(float(ours), 0.0, row)
+        theirs = rows[-1].split("|")[3].split()[0]
+        self.assertGreater(float(theirs), 0.0, rows[-1])
 
 
 if __name__ == "__main__":
