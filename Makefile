@@ -15,6 +15,8 @@
 #   make bench      throughput against PyTorch in the same run: on the GPU when there is one, else the CPU
 #   make bench-gpt  configs/gpt_tiny.yaml's recipe on 2 ranks against its PyTorch twin, seeds 1-3: validation
 #                   loss (mean of ddp_train's within 2% of PyTorch's: PASS/FAIL, the exit status), tokens/s (~25 min)
+#   make bench-scaling  the all-reduce microbenchmark (build/allreduce_bench) on 2 and 4 ranks, then
+#                   scripts/scaling.py's predicted step time against the measured one for configs/model.yaml
 #   make install    PREFIX=/usr/local: the binary, scripts, configs and the man page
 
 CUDA_HOME ?= /usr/local/cuda
@@ -328,6 +330,19 @@ BENCH_GPT_ARGS ?= --seeds 1,2,3
 bench-gpt: deps
 	$(MAKE) ddp_train text-data
 	MPIRUN=$(MPIRUN) $(PYTHON) benchmarks/gpt_tiny_compare.py --np $(NP) $(BENCH_GPT_ARGS)
+
+# the all-reduce microbenchmark behind scripts/scaling.py's `measured` link preset (MPI only)
+build/allreduce_bench: benchmarks/allreduce_bench.c
+	@mkdir -p build
+	mpicc -O2 -g -std=gnu11 -Wall -Wextra -Werror -o $@ $< -lm
+
+# scripts/scaling.py against measurement: the default CNN on 1, 2 and 4 ranks, predicted and measured step times
+# (BENCH_SCALING_ARGS=--two-nodes adds 2 ranks on two network namespaces: root and sshd)
+BENCH_SCALING_ARGS ?=
+.PHONY: bench-scaling
+bench-scaling: deps
+	$(MAKE) ddp_train data build/allreduce_bench
+	MPIRUN=$(MPIRUN) $(PYTHON) benchmarks/scaling_validate.py $(BENCH_SCALING_ARGS)
 
 docs: ddp_train
 	./ddp_train --config-keys > docs/config-keys.md

@@ -21,9 +21,17 @@ typedef struct {
   dt_backend *be;
   float *grads;
   double *grad_check; /* (2) backend memory: sum of squares and non-finite count of the sent buckets */
+  /* the last micro-batch's backward, for metrics.jsonl (host clock: meaningful where the backend
+   * runs its work as it is called, the CPU's) */
+  double t_backward;   /* dt_now() when it began */
+  double hook_s;       /* seconds in grad_sync_ready since: the buckets' checks and MPI calls */
+  double check_s;      /* of which in the checks (ctx_check): compute */
+  double *ready_s;     /* (n_buckets) seconds from t_backward until bucket i was started */
+  double *ready_mpi_s; /* (n_buckets) seconds of MPI calls (hook_s - check_s) before that */
 } pass_ctx;
 
 enum { STATS = 6 };
+enum { max_logged_buckets = 1024 }; /* metrics.jsonl lists each bucket's timing up to this many */
 /* fp16 loss scaling, PyTorch GradScaler's defaults */
 static const double scale_init = 65536.0, scale_growth = 2.0, scale_backoff = 0.5;
 static const int64_t scale_interval = 2000;
@@ -47,14 +55,24 @@ static void ctx_allreduce(void *ctx, double *data, int n) {
 }
 
 static void ctx_ready(void *ctx, int64_t from) {
-  grad_sync_ready(((pass_ctx *)ctx)->gs, from);
+  pass_ctx *c = ctx;
+  const int before = c->gs->next;
+  const double t0 = dt_now(), mpi_s = c->hook_s - c->check_s;
+  grad_sync_ready(c->gs, from);
+  for (int i = before; i < c->gs->next; i++) {
+    c->ready_s[i] = t0 - c->t_backward;
+    c->ready_mpi_s[i] = mpi_s;
+  }
+  c->hook_s += dt_now() - t0;
 }
 
 /* Non-finite gradients in [begin, end), counted before the range is sent. */
 static void ctx_check(void *ctx, int64_t begin, int64_t end) {
   pass_ctx *c = ctx;
   dt_op op = {.type = DT_OP_SUMSQ, .p.sumsq = {.n = end - begin, .x = c->grads + begin, .out = c->grad_check}};
+  const double t0 = dt_now();
   backend_run(c->be, &op);
+  c->check_s += dt_now() - t0;
 }
 
 /* One micro-batch on the device: the loader's rows, their labels or targets, and the dropout
@@ -504,6 +522,13 @@ typedef struct {
   /* the log window */
   double t_start, t_window, win_data, win_comm, win_loss;
   int64_t win_samples, win_steps, run_samples;
+  /* its step timing (metrics.jsonl, CPU backend), summed: forward and loss, backward, the update
+   * after the gradient wait, the step agreement, MPI calls inside the last backward; per bucket
+   * (n_buckets) the time from that backward's start until it was started, and the MPI time before */
+  double win_forward, win_backward, win_update, win_agree, win_backward_mpi;
+  double *win_ready, *win_ready_mpi;
+  char *bucket_json; /* (bucket_json_cap) the "buckets" member text */
+  size_t bucket_json_cap;
   double gpu_peak_mib;
   int stop, stop_signal;
   int ckpt_asked; /* some rank asked for a checkpoint at this step (POST /checkpoint) */
@@ -598,6 +623,15 @@ static int trainer_start(dt_trainer *T, const dt_config *cfg, dt_model *m, dt_da
       (pass_ctx){.comm = comm, .gs = &T->gs, .dev = opts->dev, .be = be, .grads = m->grads, .grad_check = T->stats + 2};
   grad_sync_init(&T->gs, comm, opts->dev, be, m->grads, m->n_params,
                  (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float)), ctx_check, &T->ctx);
+  const size_t nb = (size_t)T->gs.n_buckets + 1;
+  T->ctx.ready_s = dt_calloc(nb, sizeof(double));
+  T->ctx.ready_mpi_s = dt_calloc(nb, sizeof(double));
+  T->win_ready = dt_calloc(nb, sizeof(double));
+  T->win_ready_mpi = dt_calloc(nb, sizeof(double));
+  if (T->gs.n_buckets <= max_logged_buckets) { /* more: "buckets" is null */
+    T->bucket_json_cap = nb * 96 + 32;
+    T->bucket_json = dt_malloc(T->bucket_json_cap);
+  }
   T->ts = (dt_train_state){.global_batch = G * T->accum,
                            .world_size = W,
                            .seed = (uint64_t)v->seed,
@@ -716,9 +750,19 @@ static void queue_micro(dt_trainer *T, const dev_batch *db, int64_t rows, int fi
                   .allreduce_sum = ctx_allreduce,
                   .grads_ready = last ? ctx_ready : NULL,
                   .ctx = &T->ctx};
+  const double t0 = dt_now();
   model_forward(m, &pass);
   model_loss(m, &pass, db->labels, db->targets, T->stats);
+  const double t1 = dt_now();
+  if (last) T->ctx.t_backward = t1, T->ctx.hook_s = T->ctx.check_s = 0;
   model_backward(m, &pass);
+  const double t2 = dt_now();
+  if (last) /* buckets no hook started are ready when backward ends (grad_sync_finish starts them) */
+    for (int i = T->gs.next; i < T->gs.n_buckets; i++)
+      T->ctx.ready_s[i] = t2 - t1, T->ctx.ready_mpi_s[i] = T->ctx.hook_s - T->ctx.check_s;
+  T->win_forward += t1 - t0;
+  T->win_backward += t2 - t1;
+  if (last) T->win_backward_mpi += T->ctx.hook_s - T->ctx.check_s;
 }
 
 /* Queues the end of the step: the gradient sums finished (over MPI: waited for), clipping
@@ -728,6 +772,7 @@ static void queue_update(dt_trainer *T) {
   dt_model *m = T->m;
   dt_backend *be = T->be;
   grad_sync_finish(&T->gs);
+  const double t0 = dt_now();
   if (T->scaler) { /* the summed gradients unscaled, then checked: a non-finite one skips the update */
     dt_op un = {.type = DT_OP_UNSCALE, .p.unscale = {.n = m->n_params, .scaler = T->scaler, .x = m->grads}};
     backend_run(be, &un);
@@ -754,6 +799,7 @@ static void queue_update(dt_trainer *T) {
                                     .scaler = T->scaler}};
     backend_run(be, &up);
   }
+  T->win_update += dt_now() - t0;
 }
 
 /* Queues a step of one micro-batch (db, rows): a replay of the graph captured for this input
@@ -884,13 +930,42 @@ static int agree_and_advance(dt_trainer *T, dt_step_report *mine, dt_status *st)
   mine->stop = sig ? sig : asked & DT_MON_STOP ? DT_STOP_HTTP : out_of_time ? DT_STOP_TIME_LIMIT : 0;
   mine->checkpoint = (asked & DT_MON_CHECKPOINT) != 0;
   mine->code = st->code;
+  const double t0 = dt_now();
   int code = comm_step_agree(T->comm, mine, st, &T->all);
+  T->win_agree += dt_now() - t0;
   if (code) return code;
   T->ts.step++;
   T->ts.micro = T->micro0 + T->k;
   T->ts.epoch = T->epoch;
   if (T->ts.micro >= T->smp.steps) T->ts.epoch = T->epoch + 1, T->ts.micro = 0;
   return 0;
+}
+
+/* The log window's step timing as metrics.jsonl members, means per step over its win_steps steps
+ * of span seconds: the input of scripts/scaling.py. Host clock, so only where the backend works as
+ * it is called (CPU). Writes the scalars into json (cap bytes); returns the "buckets" member (in
+ * T->bucket_json, or a constant). */
+static const char *timing_json_text(dt_trainer *T, double span, char *json, size_t cap) {
+  const double n = (double)T->win_steps;
+  const char *buckets = ", \"buckets\": null";
+  if (T->bucket_json) { /* buckets[0] is the end of the gradient buffer: ready first */
+    size_t len = (size_t)snprintf(T->bucket_json, T->bucket_json_cap, ", \"buckets\": [");
+    for (int i = 0; i < T->gs.n_buckets && len < T->bucket_json_cap; i++)
+      len += (size_t)snprintf(T->bucket_json + len, T->bucket_json_cap - len,
+                              "%s{\"bytes\": %lld, \"ready_s\": %.6e, \"mpi_s\": %.6e}", i ? ", " : "",
+                              (long long)((T->gs.buckets[i].end - T->gs.buckets[i].begin) * (int64_t)sizeof(float)),
+                              T->win_ready[i] / n, T->win_ready_mpi[i] / n);
+    if (len < T->bucket_json_cap) snprintf(T->bucket_json + len, T->bucket_json_cap - len, "]");
+    buckets = T->bucket_json;
+  }
+  snprintf(json, cap,
+           ", \"threads\": %d, \"grad_accum\": %lld, \"rank_batch\": %.2f, \"flops_per_sample\": %lld, "
+           "\"step_s\": %.6e, \"data_s\": %.6e, \"forward_s\": %.6e, \"backward_s\": %.6e, \"backward_mpi_s\": %.6e, "
+           "\"comm_wait_s\": %.6e, \"update_s\": %.6e, \"agree_s\": %.6e",
+           T->be->threads, (long long)T->accum, (double)T->win_samples / n / (double)T->comm->size,
+           (long long)model_flops(T->m), span / n, T->win_data / n, T->win_forward / n, T->win_backward / n,
+           T->win_backward_mpi / n, T->win_comm / n, T->win_update / n, T->win_agree / n);
+  return buckets;
 }
 
 /* The progress line every step; every log.every_steps the console and metrics lines, with the
@@ -904,6 +979,10 @@ static void log_step(dt_trainer *T, double data_s) {
   T->run_samples += (int64_t)T->count;
   T->win_data += data_s;
   T->win_comm += T->gs.wait_s;
+  for (int i = 0; i < T->gs.n_buckets; i++) {
+    T->win_ready[i] += T->ctx.ready_s[i];
+    T->win_ready_mpi[i] += T->ctx.ready_mpi_s[i];
+  }
   double now = dt_now();
   log_progress(&T->lg, T->ts.step, T->total, now - T->t_start, loss);
   if (T->ts.step % v->log_every_steps != 0 && T->ts.step != T->total) return;
@@ -938,14 +1017,21 @@ static void log_step(dt_trainer *T, double data_s) {
            "comm %.1f)",
            (long long)T->ts.step, (long long)T->total, (long long)T->epoch + 1, mean_loss, T->lr, sps, ms,
            ms - data_ms - comm_ms, data_ms, comm_ms);
+  char timing_json[512] = "";
+  const char *buckets = T->be->host_memory ? timing_json_text(T, span, timing_json, sizeof timing_json) : "";
   log_metrics(&T->lg,
               "\"step\": %lld, \"epoch\": %lld, \"loss\": %.6g, \"lr\": %.6g, \"samples_per_s\": %.1f, "
               "\"step_ms\": %.3f, \"compute_ms\": %.3f, \"data_ms\": %.3f, \"comm_ms\": %.3f, "
-              "\"compute_ms_min\": %.3f, \"compute_ms_max\": %.3f, \"straggler_rank\": %d%s",
+              "\"compute_ms_min\": %.3f, \"compute_ms_max\": %.3f, \"straggler_rank\": %d, \"world_size\": %d, "
+              "\"local_size\": %d%s%s%s",
               (long long)T->ts.step, (long long)T->epoch + 1, mean_loss, T->lr, sps, ms, ms - data_ms - comm_ms,
-              data_ms, comm_ms, min_ms, max_ms, slow, gpu_json);
+              data_ms, comm_ms, min_ms, max_ms, slow, T->comm->size, T->comm->local_size, timing_json, buckets,
+              gpu_json);
   T->t_window = now;
   T->win_loss = T->win_data = T->win_comm = 0;
+  T->win_forward = T->win_backward = T->win_update = T->win_agree = T->win_backward_mpi = 0;
+  memset(T->win_ready, 0, (size_t)T->gs.n_buckets * sizeof(double));
+  memset(T->win_ready_mpi, 0, (size_t)T->gs.n_buckets * sizeof(double));
   T->win_samples = T->win_steps = 0;
 }
 
@@ -1100,6 +1186,11 @@ static int trainer_finish(dt_trainer *T, int code, dt_train_result *res) {
       log_line(&T->lg, "cuda graph: %lld steps captured, %lld replayed", (long long)T->captures, (long long)T->replays);
   }
   free(T->target_idx);
+  free(T->ctx.ready_s);
+  free(T->ctx.ready_mpi_s);
+  free(T->win_ready);
+  free(T->win_ready_mpi);
+  free(T->bucket_json);
   free(T->rank_compute_ms);
   free(T->gpu_all);
   free(T->scratch.params);
