@@ -13,9 +13,7 @@ rank 0: the first is the warm-up, the figure is the median of the others, in sam
 batch. Image and vector models only (the bench's DDP row is the default CNN)."""
 import os
 import socket
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -25,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
 import ddp_model  # noqa: E402
+from torch_train import median_rate  # noqa: E402
 
 
 def worker(rank, nproc, port, cfg, global_batch, steps, windows):
@@ -50,16 +49,9 @@ def worker(rank, nproc, port, cfg, global_batch, steps, windows):
         loss_fn(model(x), y).backward()  # the gradients averaged over the ranks in backward
         opt.step()
 
-    for _ in range(steps):  # the warm-up window
-        step()
-    rates = []
-    for _ in range(windows - 1):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        rates.append(batch * nproc * steps / (time.perf_counter() - t0))
+    rate = median_rate(step, steps, windows, batch * nproc)
     if rank == 0:
-        print(f"{statistics.median(rates):.1f}", flush=True)
+        print(f"{rate:.1f}", flush=True)
     dist.destroy_process_group()
 
 

@@ -21,6 +21,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import ddp_model  # noqa: E402
 
 
+def median_rate(step, steps, windows, units_per_step):
+    """Runs `windows` windows of `steps` calls of step(), the first the warm-up; the median over the
+    others of units_per_step x steps / seconds (torch_ddp_train.py times its windows the same way)."""
+    for _ in range(steps):
+        step()
+    rates = []
+    for _ in range(windows - 1):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        rates.append(units_per_step * steps / (time.perf_counter() - t0))
+    return statistics.median(rates)
+
+
 def main():
     if len(sys.argv) not in (5, 6):
         sys.exit(__doc__)
@@ -61,15 +75,7 @@ def main():
             torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
 
-    for _ in range(steps):  # the warm-up window
-        step()
-    rates = []
-    for _ in range(windows - 1):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        rates.append(batch * per_sample * steps / (time.perf_counter() - t0))
-    print(f"{statistics.median(rates):.1f}")
+    print(f"{median_rate(step, steps, windows, batch * per_sample):.1f}")
 
 
 if __name__ == "__main__":
