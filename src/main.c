@@ -184,6 +184,18 @@ static void affinity_text(char *buf, size_t cap) {
   }
 }
 
+/* Collective: every rank's line (cap bytes) gathered to rank 0, which prints them under "title:". */
+static void print_rank_lines(dt_comm *comm, const char *title, const char *line, size_t cap) {
+  char *all = comm->rank == 0 ? dt_calloc((size_t)comm->size, cap) : NULL;
+  comm_gather_text(comm, line, cap, all);
+  if (comm->rank == 0) {
+    printf("%s:\n", title);
+    for (int r = 0; r < comm->size; r++) fputs(all + (size_t)r * cap, stdout);
+    fflush(stdout);
+  }
+  free(all);
+}
+
 /* Collective: rank 0 prints each rank's host, local rank, CPU threads and CPUs (the start-up table of
  * CPU runs, and --info's, where threads is the default for dist.threads unset). */
 static void print_placement(dt_comm *comm, int threads) {
@@ -192,14 +204,7 @@ static void print_placement(dt_comm *comm, int threads) {
   affinity_text(cpus, sizeof cpus);
   snprintf(line, CAP, "  rank %-4d %-20s local rank %d of %d, %d thread%s, cpus %s\n", comm->rank, comm->host,
            comm->local_rank, comm->local_size, threads, threads > 1 ? "s" : "", cpus);
-  char *all = comm->rank == 0 ? dt_calloc((size_t)comm->size, CAP) : NULL;
-  comm_gather_text(comm, line, CAP, all);
-  if (comm->rank == 0) {
-    printf("placement:\n");
-    for (int r = 0; r < comm->size; r++) fputs(all + (size_t)r * CAP, stdout);
-    fflush(stdout);
-  }
-  free(all);
+  print_rank_lines(comm, "placement", line, CAP);
 }
 
 /* --info: one block per node, gathered to rank 0, so a node with a missing GPU shows before training. */
@@ -321,14 +326,7 @@ static void print_device_table(dt_comm *comm, int gpu) {
   size_t free_b;
   gpu_describe(gpu, desc, sizeof desc, &free_b);
   snprintf(line, CAP, "  rank %-4d %-20s %s\n", comm->rank, comm->host, desc);
-  char *all = comm->rank == 0 ? dt_calloc((size_t)comm->size, CAP) : NULL;
-  comm_gather_text(comm, line, CAP, all);
-  if (comm->rank == 0) {
-    printf("devices:\n");
-    for (int r = 0; r < comm->size; r++) fputs(all + (size_t)r * CAP, stdout);
-    fflush(stdout);
-  }
-  free(all);
+  print_rank_lines(comm, "devices", line, CAP);
 }
 #endif
 

@@ -46,7 +46,29 @@ def cpu_text(cpus):
     return ",".join(parts)
 
 
-class TwoNodes(unittest.TestCase):
+class ClusterCase(unittest.TestCase):
+    """A test on the cluster its class built (setUpClass sets cls.cluster, or cls.skip with the
+    reason): a work directory with a small dataset and a config of MODEL."""
+    MODEL = TINY_CNN
+
+    @classmethod
+    def tearDownClass(cls):
+        if cls.cluster:
+            cls.cluster.close()  # every process of both nodes, the daemons included
+
+    def setUp(self):
+        if self.skip:
+            self.skipTest(self.skip)
+        self.c = self.cluster
+        self.w = Workdir()
+        self.addCleanup(self.w.cleanup)
+        self.w.dataset(n=64)
+        self.cfg = self.w.config(self.MODEL)
+
+
+class TwoNodes(ClusterCase):
+    MODEL = WIDE_CNN
+
     @classmethod
     def setUpClass(cls):
         cls.skip = Cluster.why_not()
@@ -64,19 +86,8 @@ class TwoNodes(unittest.TestCase):
             cls.cluster.close()
             raise
 
-    @classmethod
-    def tearDownClass(cls):
-        if cls.cluster:
-            cls.cluster.close()
-
     def setUp(self):
-        if self.skip:
-            self.skipTest(self.skip)
-        self.c = self.cluster
-        self.w = Workdir()
-        self.addCleanup(self.w.cleanup)
-        self.w.dataset(n=64)
-        self.cfg = self.w.config(WIDE_CNN)
+        super().setUp()
         self.env = self.c.mpi_env(ENV)
 
     def mpirun_cmd(self, args, np_=4, slots=2):
@@ -201,7 +212,7 @@ class TwoNodes(unittest.TestCase):
         self.check_last_checkpoint()
 
 
-class TwoNodeSlurm(unittest.TestCase):
+class TwoNodeSlurm(ClusterCase):
     """scripts/slurm/ddp_train_multinode.sbatch on a two-node Slurm (Debian's slurm-wlm, auth/none):
     slurmctld and a slurmd on node A, a slurmd on node B; mpirun in the batch script starts node B's
     daemon through Slurm (srun), not ssh."""
@@ -285,20 +296,6 @@ KillWait=5
             with open(os.path.join(cls.logs, name)) as f:
                 text += f"--- {name}\n" + "".join(f.readlines()[-15:])
         return text
-
-    @classmethod
-    def tearDownClass(cls):
-        if cls.cluster:
-            cls.cluster.close()  # every process of both nodes, the daemons included
-
-    def setUp(self):
-        if self.skip:
-            self.skipTest(self.skip)
-        self.c = self.cluster
-        self.w = Workdir()
-        self.addCleanup(self.w.cleanup)
-        self.w.dataset(n=64)
-        self.cfg = self.w.config(TINY_CNN)
 
     def test_batch_job_on_two_nodes(self):
         script = os.path.join(ROOT, "scripts", "slurm", "ddp_train_multinode.sbatch")
