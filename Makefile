@@ -51,8 +51,10 @@ else
   CFLAGS ?= -O3 -g
 endif
 # format-truncation: messages are cut to bounded buffers on purpose; no-trapping-math: floating point
-# never traps here (no FP exceptions enabled), so loops with a select (tanh_vec) vectorise
-override CFLAGS += -std=gnu11 -fno-trapping-math -Wall -Wextra -Werror -Wno-format-truncation -fopenmp -pthread $(PKG_CFLAGS) -I$(OPENBLAS_INC) -Isrc
+# never traps here (no FP exceptions enabled), so loops with a select (tanh_vec) vectorise;
+# fp-contract=off: no multiply-add is fused behind our back (with -march=native), so a value that
+# forward and backward both compute (batchnorm's z for the fused relu's mask) rounds the same in both
+override CFLAGS += -std=gnu11 -fno-trapping-math -ffp-contract=off -Wall -Wextra -Werror -Wno-format-truncation -fopenmp -pthread $(PKG_CFLAGS) -I$(OPENBLAS_INC) -Isrc
 LDLIBS = $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -ldnnl -lgomp -lpthread -lm
 
 SRCS := common.c yaml_tree.c keys.c config.c model.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
@@ -86,7 +88,7 @@ DIRECT_OBJS := $(filter-out $(BUILD)/gpu_plugin.o,$(HOST_OBJS)) $(GPU_SRCS:%.c=$
 # kernels/*.cu compiled by the host C++ compiler and the CUDA runtime, cuBLAS, cuDNN, NCCL and NVML
 # implemented on the CPU in build/sim/libgpusim.so. Only test builds link it.
 SIM := $(if $(SAN),$(BUILD)/sim,build/sim)
-SIM_CXXFLAGS := -O2 -g $(SAN_FLAGS) -std=c++17 -fPIC -pthread -Wall -Wextra -Werror -I$(CUDA_HOME)/include \
+SIM_CXXFLAGS := -O2 -g $(SAN_FLAGS) -std=c++17 -ffp-contract=off -fPIC -pthread -Wall -Wextra -Werror -I$(CUDA_HOME)/include \
                 -I$(OPENBLAS_INC) -Itests/gpusim
 SIM_LIB_OBJS := $(patsubst tests/gpusim/%.cc,$(SIM)/gpusim/%.o,$(wildcard tests/gpusim/*.cc))
 SIM_KERNEL_OBJS := $(patsubst kernels/%.cu,$(SIM)/kernels/%.o,$(wildcard kernels/*.cu))

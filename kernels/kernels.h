@@ -60,13 +60,15 @@ void k_ema(cudaStream_t s, float *ema, const float *x, int64_t n, float decay);
 void k_bn_stats(cudaStream_t s, const float *x, int64_t b, int64_t c, int64_t sp, double *sums);
 void k_bn_finalize(cudaStream_t s, int64_t c, int training, float momentum, float eps, const double *sums, float *mean,
                    float *invstd, float *running_mean, float *running_var);
-void k_bn_apply(cudaStream_t s, const float *x, float *y, int64_t b, int64_t c, int64_t sp, const float *mean,
+/* relu: the fused relu of backend.h's bn ops (forward applies it; backward masks dy where z <= 0) */
+void k_bn_apply(cudaStream_t s, int relu, const float *x, float *y, int64_t b, int64_t c, int64_t sp, const float *mean,
                 const float *invstd, const float *gamma, const float *beta);
-void k_bn_bwd_stats(cudaStream_t s, const float *x, const float *dy, int64_t b, int64_t c, int64_t sp,
-                    const float *mean, const float *invstd, double *sums, float *dgamma, float *dbeta);
-void k_bn_bwd_apply(cudaStream_t s, const float *x, const float *dy, float *dx, int64_t b, int64_t c, int64_t sp,
-                    const double *count, const float *mean, const float *invstd, const float *gamma,
-                    const double *sums);
+void k_bn_bwd_stats(cudaStream_t s, int relu, const float *x, const float *dy, int64_t b, int64_t c, int64_t sp,
+                    const float *mean, const float *invstd, const float *gamma, const float *beta, double *sums,
+                    float *dgamma, float *dbeta);
+void k_bn_bwd_apply(cudaStream_t s, int relu, const float *x, const float *dy, float *dx, int64_t b, int64_t c,
+                    int64_t sp, const double *count, const float *mean, const float *invstd, const float *gamma,
+                    const float *beta, const double *sums);
 
 /* pool.cu: max (argmax kept) and average pooling, NCHW, no padding */
 void k_pool_fwd(cudaStream_t s, int kind, const float *x, float *y, int32_t *argmax, int64_t b, int64_t c, int64_t h,

@@ -44,24 +44,39 @@ __global__ void bn_finalize_kernel(int64_t c, int training, float momentum, floa
   }
 }
 
-__global__ void bn_apply_kernel(const float *x, float *y, int64_t n, fast_div c, fast_div sp, const float *mean,
-                                const float *invstd, const float *gamma, const float *beta) {
+// z = (x - mean) * (invstd * gamma) + beta, with no fused multiply-add: backend_cpu.c's bn_z bit for
+// bit, and the fused relu's backward recomputes exactly the z forward masked.
+__device__ __forceinline__ float bn_z(float x, float mean, float invstd, float gamma, float beta) {
+  return __fadd_rn(__fmul_rn(x - mean, __fmul_rn(invstd, gamma)), beta);
+}
+
+__global__ void bn_apply_kernel(int relu, const float *x, float *y, int64_t n, fast_div c, fast_div sp,
+                                const float *mean, const float *invstd, const float *gamma, const float *beta) {
   GRID_STRIDE(i, n) {
     uint32_t ch = channel_of(i, c, sp);
-    y[i] = (x[i] - mean[ch]) * invstd[ch] * gamma[ch] + beta[ch];
+    float z = bn_z(x[i], mean[ch], invstd[ch], gamma[ch], beta[ch]);
+    y[i] = relu && z < 0 ? 0.0f : z;  // as the relu kernel: NaN passes
   }
 }
 
+// dy, or with the fused relu dy where z > 0 and 0 elsewhere (the relu kernel's backward)
+__device__ __forceinline__ float bn_grad_at_z(int relu, float dy, float x, float mean, float invstd, float gamma,
+                                              float beta) {
+  return !relu || bn_z(x, mean, invstd, gamma, beta) > 0 ? dy : 0.0f;
+}
+
 // sums (2C): sum_dy(c), sum_dy_xhat(c); the local sums are also the parameter gradients' shares
-__global__ void bn_bwd_stats_kernel(const float *x, const float *dy, int64_t b, int64_t c, fast_div sp,
-                                    const float *mean, const float *invstd, double *sums, float *dgamma, float *dbeta) {
+__global__ void bn_bwd_stats_kernel(int relu, const float *x, const float *dy, int64_t b, int64_t c, fast_div sp,
+                                    const float *mean, const float *invstd, const float *gamma, const float *beta,
+                                    double *sums, float *dgamma, float *dbeta) {
   int64_t ch = blockIdx.x;
   double s1 = 0, s2 = 0;
-  float m = mean[ch], is = invstd[ch];
+  float m = mean[ch], is = invstd[ch], g = relu ? gamma[ch] : 0.0f, bt = relu ? beta[ch] : 0.0f;
   for (int64_t i = threadIdx.x; i < b * sp.d; i += blockDim.x) {
     int64_t j = channel_offset(i, ch, c, sp);
-    s1 += dy[j];
-    s2 += (double)dy[j] * ((x[j] - m) * is);
+    float d = bn_grad_at_z(relu, dy[j], x[j], m, is, g, bt);
+    s1 += d;
+    s2 += (double)d * ((x[j] - m) * is);
   }
   s1 = block_sum(s1);
   s2 = block_sum(s2);
@@ -72,15 +87,16 @@ __global__ void bn_bwd_stats_kernel(const float *x, const float *dy, int64_t b, 
   }
 }
 
-__global__ void bn_bwd_apply_kernel(const float *x, const float *dy, float *dx, int64_t n, fast_div c, fast_div sp,
-                                    const double *count, const float *mean, const float *invstd, const float *gamma,
-                                    const double *sums) {
+__global__ void bn_bwd_apply_kernel(int relu, const float *x, const float *dy, float *dx, int64_t n, fast_div c,
+                                    fast_div sp, const double *count, const float *mean, const float *invstd,
+                                    const float *gamma, const float *beta, const double *sums) {
   double cnt = *count;
   GRID_STRIDE(i, n) {
     uint32_t ch = channel_of(i, c, sp);
     float is = invstd[ch], xhat = (x[i] - mean[ch]) * is;
     float mdy = (float)(sums[ch] / cnt), mdyx = (float)(sums[c.d + ch] / cnt);
-    dx[i] = gamma[ch] * is * (dy[i] - mdy - xhat * mdyx);
+    float d = bn_grad_at_z(relu, dy[i], x[i], mean[ch], is, gamma[ch], relu ? beta[ch] : 0.0f);
+    dx[i] = gamma[ch] * is * (d - mdy - xhat * mdyx);
   }
 }
 
@@ -96,23 +112,24 @@ void k_bn_finalize(cudaStream_t s, int64_t c, int training, float momentum, floa
   (c, training, momentum, eps, sums, mean, invstd, running_mean, running_var);
 }
 
-void k_bn_apply(cudaStream_t s, const float *x, float *y, int64_t b, int64_t c, int64_t sp, const float *mean,
+void k_bn_apply(cudaStream_t s, int relu, const float *x, float *y, int64_t b, int64_t c, int64_t sp, const float *mean,
                 const float *invstd, const float *gamma, const float *beta) {
   LAUNCH(bn_apply_kernel, blocks_for(b * c * sp), kThreads, 0, s)
-  (x, y, b * c * sp, make_fast_div(c), make_fast_div(sp), mean, invstd, gamma, beta);
+  (relu, x, y, b * c * sp, make_fast_div(c), make_fast_div(sp), mean, invstd, gamma, beta);
 }
 
-void k_bn_bwd_stats(cudaStream_t s, const float *x, const float *dy, int64_t b, int64_t c, int64_t sp,
-                    const float *mean, const float *invstd, double *sums, float *dgamma, float *dbeta) {
+void k_bn_bwd_stats(cudaStream_t s, int relu, const float *x, const float *dy, int64_t b, int64_t c, int64_t sp,
+                    const float *mean, const float *invstd, const float *gamma, const float *beta, double *sums,
+                    float *dgamma, float *dbeta) {
   LAUNCH(bn_bwd_stats_kernel, (unsigned)c, kThreads, 0, s)
-  (x, dy, b, c, make_fast_div(sp), mean, invstd, sums, dgamma, dbeta);
+  (relu, x, dy, b, c, make_fast_div(sp), mean, invstd, gamma, beta, sums, dgamma, dbeta);
 }
 
-void k_bn_bwd_apply(cudaStream_t s, const float *x, const float *dy, float *dx, int64_t b, int64_t c, int64_t sp,
-                    const double *count, const float *mean, const float *invstd, const float *gamma,
-                    const double *sums) {
+void k_bn_bwd_apply(cudaStream_t s, int relu, const float *x, const float *dy, float *dx, int64_t b, int64_t c,
+                    int64_t sp, const double *count, const float *mean, const float *invstd, const float *gamma,
+                    const float *beta, const double *sums) {
   LAUNCH(bn_bwd_apply_kernel, blocks_for(b * c * sp), kThreads, 0, s)
-  (x, dy, dx, b * c * sp, make_fast_div(c), make_fast_div(sp), count, mean, invstd, gamma, sums);
+  (relu, x, dy, dx, b * c * sp, make_fast_div(c), make_fast_div(sp), count, mean, invstd, gamma, beta, sums);
 }
 
 }  // extern "C"

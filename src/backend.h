@@ -127,19 +127,24 @@ typedef struct {
     } bn_finalize;
     struct {
       int64_t b, c, s;
+      int relu; /* y = relu(z): the relu that follows, fused (model.fuse) */
       const float *x, *mean, *invstd, *gamma, *beta;
-      float *y;
+      float *y; /* z = (x - mean) * (invstd * gamma) + beta, in that order of roundings */
     } bn_apply;
     struct {
       int64_t b, c, s;
+      int relu; /* dy is the fused relu's output gradient: masked where z (recomputed from x) <= 0 */
       const float *x, *dy, *mean, *invstd;
-      double *sums;          /* (2C): sum_dy(c), sum_dy_xhat(c), written */
+      const float *gamma, *beta; /* (C): read when relu */
+      double *sums;              /* (2C): sum_dy(c), sum_dy_xhat(c), written */
       float *dgamma, *dbeta; /* (C): the local sums added (the gradient allreduce sums them) */
     } bn_bwd_stats;
     struct {
       int64_t b, c, s;
+      int relu;            /* as bn_bwd_stats */
       const double *count; /* the forward's count (sums[2C] of bn_stats): global when statistics were */
       const float *x, *dy, *mean, *invstd, *gamma;
+      const float *beta; /* (C): read when relu */
       const double *sums; /* (2C) of bn_bwd_stats, reduced over ranks when sync */
       float *dx;
     } bn_bwd_apply;

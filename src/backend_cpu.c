@@ -12,6 +12,16 @@
 #include "cpu_dnnl.h"
 #include "tanh_poly.h"
 
+/* The elementwise and reduction loops below are built three times, for AVX-512 (x86-64-v4), AVX2 +
+ * FMA (v3) and the baseline, and the loader picks the widest the CPU has: one portable binary that
+ * streams activations at the width of the machine it runs on. -ffp-contract=off keeps the FMA of v3
+ * and v4 out of their arithmetic, so elementwise results are the same bits in all three. */
+#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
 const char *const dt_op_names[DT_OP_COUNT] = {
     "gemm",      "bias_add",    "bias_grad", "conv_fwd",     "conv_bwd_data", "conv_bwd_filter",
     "bn_stats",  "bn_finalize", "bn_apply",  "bn_bwd_stats", "bn_bwd_apply",  "act_fwd",
@@ -182,7 +192,7 @@ static inline float gelu_tanh_grad(float x) {
 }
 
 /* One loop per kind, so each vectorises without a branch per element. */
-static void act_fwd(int kind, int64_t n, const float *x, float *y) {
+VECTOR_CLONES static void act_fwd(int kind, int64_t n, const float *x, float *y) {
   switch (kind) {
     case DT_ACT_RELU:
 #pragma omp parallel for schedule(static)
@@ -207,11 +217,14 @@ static void act_fwd(int kind, int64_t n, const float *x, float *y) {
   }
 }
 
-static void act_bwd(int kind, int64_t n, const float *x, const float *y, const float *dy, float *dx) {
+VECTOR_CLONES static void act_bwd(int kind, int64_t n, const float *x, const float *y, const float *dy, float *dx) {
   switch (kind) {
     case DT_ACT_RELU:
 #pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < n; i++) dx[i] = x[i] > 0 ? dy[i] : 0.0f;
+      for (int64_t i = 0; i < n; i++) {
+        float g = dy[i]; /* loaded unconditionally, so the loop vectorises instead of branching */
+        dx[i] = x[i] > 0 ? g : 0.0f;
+      }
       break;
     case DT_ACT_GELU:
 #pragma omp parallel for schedule(static)
@@ -264,7 +277,7 @@ static void op_gemm(cpu_impl *im, const dt_op *op) {
   }
 }
 
-static void op_bias_add(cpu_impl *im, const dt_op *op) {
+VECTOR_CLONES static void op_bias_add(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.bias_add) *q = &op->p.bias_add;
 #pragma omp parallel for collapse(2) schedule(static)
@@ -275,7 +288,7 @@ static void op_bias_add(cpu_impl *im, const dt_op *op) {
     }
 }
 
-static void op_bias_grad(cpu_impl *im, const dt_op *op) {
+VECTOR_CLONES static void op_bias_grad(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.bias_grad) *q = &op->p.bias_grad;
   if (q->s == 1) { /* dy (b, c) row-major: each thread streams the rows over its own block of columns */
@@ -318,7 +331,7 @@ static void op_conv_bwd_filter(cpu_impl *im, const dt_op *op) {
                   op->p.conv_bwd_filter.dw);
 }
 
-static void op_bn_stats(cpu_impl *im, const dt_op *op) {
+VECTOR_CLONES static void op_bn_stats(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.bn_stats) *q = &op->p.bn_stats;
 #pragma omp parallel for schedule(static)
@@ -365,7 +378,14 @@ static void op_bn_finalize(cpu_impl *im, const dt_op *op) {
   }
 }
 
-static void op_bn_apply(cpu_impl *im, const dt_op *op) {
+/* The normalised value z = (x - mean) * (invstd * gamma) + beta, rounded in this order by forward
+ * and by the fused relu's backward, which recomputes z for its mask (CFLAGS -ffp-contract=off: no FMA
+ * changes one of them; kernels/norm.cu rounds the same way). */
+static inline float bn_z(float x, float mean, float scale, float beta) {
+  return (x - mean) * scale + beta;
+}
+
+VECTOR_CLONES static void op_bn_apply(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.bn_apply) *q = &op->p.bn_apply;
 #pragma omp parallel for collapse(2) schedule(static)
@@ -374,23 +394,45 @@ static void op_bn_apply(cpu_impl *im, const dt_op *op) {
       const float *x = q->x + (b * q->c + c) * q->s;
       float *y = q->y + (b * q->c + c) * q->s;
       float a = q->invstd[c] * q->gamma[c], m = q->mean[c], beta = q->beta[c];
-      for (int64_t s = 0; s < q->s; s++) y[s] = (x[s] - m) * a + beta;
+      if (q->relu) {
+        for (int64_t s = 0; s < q->s; s++) {
+          float z = bn_z(x[s], m, a, beta);
+          y[s] = z < 0 ? 0.0f : z; /* as act_fwd's relu: NaN passes */
+        }
+      } else {
+        for (int64_t s = 0; s < q->s; s++) y[s] = bn_z(x[s], m, a, beta);
+      }
     }
 }
 
-static void op_bn_bwd_stats(cpu_impl *im, const dt_op *op) {
+/* The gradient at z: dy, or with a fused relu, dy where z > 0 and 0 elsewhere (act_bwd's relu). */
+static inline float bn_relu_grad(float dy, float x, float mean, float scale, float beta) {
+  return bn_z(x, mean, scale, beta) > 0 ? dy : 0.0f;
+}
+
+VECTOR_CLONES static void op_bn_bwd_stats(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.bn_bwd_stats) *q = &op->p.bn_bwd_stats;
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < q->c; c++) {
     double s1 = 0, s2 = 0;
     float m = q->mean[c], is = q->invstd[c];
+    float a = q->relu ? is * q->gamma[c] : 0.0f, beta = q->relu ? q->beta[c] : 0.0f;
     for (int64_t b = 0; b < q->b; b++) {
       const float *x = q->x + (b * q->c + c) * q->s, *dy = q->dy + (b * q->c + c) * q->s;
+      if (q->relu) {
 #pragma omp simd reduction(+ : s1, s2)
-      for (int64_t s = 0; s < q->s; s++) {
-        s1 += dy[s];
-        s2 += (double)dy[s] * ((x[s] - m) * is);
+        for (int64_t s = 0; s < q->s; s++) {
+          float g = bn_relu_grad(dy[s], x[s], m, a, beta);
+          s1 += g;
+          s2 += (double)g * ((x[s] - m) * is);
+        }
+      } else {
+#pragma omp simd reduction(+ : s1, s2)
+        for (int64_t s = 0; s < q->s; s++) {
+          s1 += dy[s];
+          s2 += (double)dy[s] * ((x[s] - m) * is);
+        }
       }
     }
     q->sums[c] = s1;
@@ -400,7 +442,7 @@ static void op_bn_bwd_stats(cpu_impl *im, const dt_op *op) {
   }
 }
 
-static void op_bn_bwd_apply(cpu_impl *im, const dt_op *op) {
+VECTOR_CLONES static void op_bn_bwd_apply(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.bn_bwd_apply) *q = &op->p.bn_bwd_apply;
   double count = *q->count;
@@ -412,9 +454,17 @@ static void op_bn_bwd_apply(cpu_impl *im, const dt_op *op) {
       float *dx = q->dx + (b * q->c + c) * q->s;
       float m = q->mean[c], is = q->invstd[c], gi = q->gamma[c] * is;
       float mdy = (float)(q->sums[c] / count), mdyx = (float)(q->sums[q->c + c] / count);
-      for (int64_t s = 0; s < q->s; s++) {
-        float xhat = (x[s] - m) * is;
-        dx[s] = gi * (dy[s] - mdy - xhat * mdyx);
+      if (q->relu) {
+        float a = is * q->gamma[c], beta = q->beta[c];
+        for (int64_t s = 0; s < q->s; s++) {
+          float xhat = (x[s] - m) * is, g = bn_relu_grad(dy[s], x[s], m, a, beta);
+          dx[s] = gi * (g - mdy - xhat * mdyx);
+        }
+      } else {
+        for (int64_t s = 0; s < q->s; s++) {
+          float xhat = (x[s] - m) * is;
+          dx[s] = gi * (dy[s] - mdy - xhat * mdyx);
+        }
       }
     }
 }
@@ -431,23 +481,32 @@ static void op_act_bwd(cpu_impl *im, const dt_op *op) {
 
 /* Max pooling 2x2, stride 2, no padding (every CNN here): the same choices as the general loop
  * below (first maximum in row-major order wins, a NaN wins over numbers). */
-static void max_pool_2x2(const typeof(((dt_op *)0)->p.pool_fwd) *q) {
+VECTOR_CLONES static void max_pool_2x2(const typeof(((dt_op *)0)->p.pool_fwd) *q) {
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < q->b * q->c; p++) {
     const float *x = q->x + p * q->h * q->w;
     float *y = q->y + p * q->ho * q->wo;
     int32_t *am = q->argmax + p * q->ho * q->wo;
+    int32_t w = (int32_t)q->w;
     for (int64_t oh = 0; oh < q->ho; oh++) {
       const float *r0 = x + 2 * oh * q->w, *r1 = r0 + q->w;
+      float *yo = y + oh * q->wo;
+      int32_t *ao = am + oh * q->wo, row = (int32_t)(2 * oh * q->w);
+      /* branch-free, so it vectorises: a candidate wins when greater, or NaN over a number */
       for (int64_t ow = 0; ow < q->wo; ow++) {
-        int64_t j = 2 * ow, base = 2 * oh * q->w + j;
-        float v[4] = {r0[j], r0[j + 1], r1[j], r1[j + 1]};
-        int64_t at[4] = {base, base + 1, base + q->w, base + q->w + 1};
-        int k = 0;
-        for (int i = 1; i < 4; i++)
-          if (v[i] > v[k] || (isnan(v[i]) && !isnan(v[k]))) k = i;
-        y[oh * q->wo + ow] = v[k];
-        am[oh * q->wo + ow] = (int32_t)at[k];
+        int32_t at = row + 2 * (int32_t)ow;
+        float best = r0[2 * ow], v1 = r0[2 * ow + 1], v2 = r1[2 * ow], v3 = r1[2 * ow + 1];
+        int take = v1 > best || (v1 != v1 && best == best);
+        best = take ? v1 : best;
+        int32_t where = take ? at + 1 : at;
+        take = v2 > best || (v2 != v2 && best == best);
+        best = take ? v2 : best;
+        where = take ? at + w : where;
+        take = v3 > best || (v3 != v3 && best == best);
+        best = take ? v3 : best;
+        where = take ? at + w + 1 : where;
+        yo[ow] = best;
+        ao[ow] = where;
       }
     }
   }
@@ -491,7 +550,7 @@ static void op_pool_fwd(cpu_impl *im, const dt_op *op) {
     }
 }
 
-static void op_pool_bwd(cpu_impl *im, const dt_op *op) {
+VECTOR_CLONES static void op_pool_bwd(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.pool_bwd) *q = &op->p.pool_bwd;
   float inv = 1.0f / (float)(q->k * q->k);
@@ -515,7 +574,7 @@ static void op_pool_bwd(cpu_impl *im, const dt_op *op) {
     }
 }
 
-static void op_dropout_fwd(cpu_impl *im, const dt_op *op) {
+VECTOR_CLONES static void op_dropout_fwd(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.dropout_fwd) *q = &op->p.dropout_fwd;
   float keep = 1.0f / (1.0f - q->p);
@@ -524,7 +583,7 @@ static void op_dropout_fwd(cpu_impl *im, const dt_op *op) {
   for (int64_t i = 0; i < q->n; i++) q->y[i] = dt_hash_uniform(seed, (uint64_t)i) >= q->p ? q->x[i] * keep : 0.0f;
 }
 
-static void op_dropout_bwd(cpu_impl *im, const dt_op *op) {
+VECTOR_CLONES static void op_dropout_bwd(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.dropout_bwd) *q = &op->p.dropout_bwd;
   float keep = 1.0f / (1.0f - q->p);
@@ -533,7 +592,7 @@ static void op_dropout_bwd(cpu_impl *im, const dt_op *op) {
   for (int64_t i = 0; i < q->n; i++) q->dx[i] = dt_hash_uniform(seed, (uint64_t)i) >= q->p ? q->dy[i] * keep : 0.0f;
 }
 
-static void op_add(cpu_impl *im, const dt_op *op) {
+VECTOR_CLONES static void op_add(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.add) *q = &op->p.add;
 #pragma omp parallel for schedule(static)
@@ -584,7 +643,7 @@ static void op_loss(cpu_impl *im, const dt_op *op) {
   q->sums[1] += hits;
 }
 
-static void op_sgd(cpu_impl *im, const dt_op *op) {
+VECTOR_CLONES static void op_sgd(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.sgd) *q = &op->p.sgd;
   if (q->skip && *q->skip > 0) return;
@@ -603,7 +662,7 @@ static void op_sgd(cpu_impl *im, const dt_op *op) {
   }
 }
 
-static void op_adamw(cpu_impl *im, const dt_op *op) {
+VECTOR_CLONES static void op_adamw(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.adamw) *q = &op->p.adamw;
   if (q->skip && *q->skip > 0) return;
@@ -626,7 +685,7 @@ static void op_scale(cpu_impl *im, const dt_op *op) {
   for (int64_t i = 0; i < q->n; i++) q->x[i] *= q->alpha;
 }
 
-static void op_sumsq(cpu_impl *im, const dt_op *op) {
+VECTOR_CLONES static void op_sumsq(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.sumsq) *q = &op->p.sumsq;
   double acc = 0;
@@ -643,7 +702,7 @@ static void op_sumsq(cpu_impl *im, const dt_op *op) {
   q->out[1] += (double)bad;
 }
 
-static void op_input(cpu_impl *im, const dt_op *op) {
+VECTOR_CLONES static void op_input(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.input) *q = &op->p.input;
 #pragma omp parallel for collapse(2) schedule(static)
@@ -656,7 +715,7 @@ static void op_input(cpu_impl *im, const dt_op *op) {
     }
 }
 
-static void op_ema(cpu_impl *im, const dt_op *op) {
+VECTOR_CLONES static void op_ema(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.ema) *q = &op->p.ema;
   float d = q->decay, rest = 1.0f - q->decay;
@@ -780,7 +839,7 @@ static void op_embed_bwd(cpu_impl *im, const dt_op *op) {
 /* Per row: mean and biased variance in double (two passes), rstd = 1 / sqrt(var + eps);
  * xhat = (x - mean) * rstd in double (a float mean would cost rows far from 0 their low bits),
  * y = xhat * gamma + beta in float; mean and rstd stored as float for the backward. */
-static void op_ln_fwd(cpu_impl *im, const dt_op *op) {
+VECTOR_CLONES static void op_ln_fwd(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.ln_fwd) *q = &op->p.ln_fwd;
   const int64_t d = q->d;
@@ -804,7 +863,7 @@ static void op_ln_fwd(cpu_impl *im, const dt_op *op) {
 /* xhat = (x - mean) * rstd, g = dy * gamma: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) per
  * row (means in double); dgamma += sum_n dy * xhat, dbeta += sum_n dy, in double over rows in
  * increasing order. */
-static void op_ln_bwd(cpu_impl *im, const dt_op *op) {
+VECTOR_CLONES static void op_ln_bwd(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.ln_bwd) *q = &op->p.ln_bwd;
   const int64_t d = q->d, chunks = (d + COL_CHUNK - 1) / COL_CHUNK;
@@ -851,7 +910,7 @@ static inline int64_t softmax_valid(int64_t r, int64_t t, int causal) {
 }
 
 /* z = scale * x; y = exp(z - max z) / sum, the exponentials in float, their sum in double. */
-static void op_softmax_fwd(cpu_impl *im, const dt_op *op) {
+VECTOR_CLONES static void op_softmax_fwd(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.softmax_fwd) *q = &op->p.softmax_fwd;
   const int64_t t = q->t;
@@ -872,7 +931,7 @@ static void op_softmax_fwd(cpu_impl *im, const dt_op *op) {
 }
 
 /* dx = scale * y * (dy - sum_j dy_j y_j) (sum in double over the valid columns); masked columns get 0. */
-static void op_softmax_bwd(cpu_impl *im, const dt_op *op) {
+VECTOR_CLONES static void op_softmax_bwd(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.softmax_bwd) *q = &op->p.softmax_bwd;
   const int64_t t = q->t;

@@ -458,19 +458,21 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
     case DT_OP_BN_APPLY: {
       const typeof(op->p.bn_apply) *q = &op->p.bn_apply;
       CHECK_INDEXABLE(q->b * q->c * q->s);
-      k_bn_apply(s, q->x, q->y, q->b, q->c, q->s, q->mean, q->invstd, q->gamma, q->beta);
+      k_bn_apply(s, q->relu, q->x, q->y, q->b, q->c, q->s, q->mean, q->invstd, q->gamma, q->beta);
       break;
     }
     case DT_OP_BN_BWD_STATS: {
       const typeof(op->p.bn_bwd_stats) *q = &op->p.bn_bwd_stats;
       CHECK_INDEXABLE(q->b * q->c * q->s);
-      k_bn_bwd_stats(s, q->x, q->dy, q->b, q->c, q->s, q->mean, q->invstd, q->sums, q->dgamma, q->dbeta);
+      k_bn_bwd_stats(s, q->relu, q->x, q->dy, q->b, q->c, q->s, q->mean, q->invstd, q->gamma, q->beta, q->sums,
+                     q->dgamma, q->dbeta);
       break;
     }
     case DT_OP_BN_BWD_APPLY: {
       const typeof(op->p.bn_bwd_apply) *q = &op->p.bn_bwd_apply;
       CHECK_INDEXABLE(q->b * q->c * q->s);
-      k_bn_bwd_apply(s, q->x, q->dy, q->dx, q->b, q->c, q->s, q->count, q->mean, q->invstd, q->gamma, q->sums);
+      k_bn_bwd_apply(s, q->relu, q->x, q->dy, q->dx, q->b, q->c, q->s, q->count, q->mean, q->invstd, q->gamma, q->beta,
+                     q->sums);
       break;
     }
     case DT_OP_ACT_FWD: k_act_fwd(s, op->p.act_fwd.kind, op->p.act_fwd.x, op->p.act_fwd.y, op->p.act_fwd.n); break;

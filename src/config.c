@@ -18,6 +18,9 @@ static const dt_key config_keys[] = {
      "`cross_entropy`, `mse`, or a one-key map such as `{cross_entropy: {label_smoothing: 0.1}}`"},
     {"model.init_from", DT_KEY_STRING, F(init_from), "\"\"", NOB, NULL,
      "HDF5 file in the checkpoint layout to load parameters and batchnorm buffers from"},
+    {"model.fuse", DT_KEY_BOOL, F(fuse), "true", NOB, NULL,
+     "a relu right after a batchnorm runs inside it (one pass fewer over the activations each way, the same "
+     "results bit for bit); false runs them apart"},
     {"data.path", DT_KEY_STRING, F(data_path), NULL, NOB, NULL, "HDF5 file holding the datasets"},
     {"data.train.x", DT_KEY_STRING, F(train_x), "/train/images", NOB, NULL,
      "training inputs: (N,C,H,W), (N,H,W) or (N,D); uint8, float32 or float64"},

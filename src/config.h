@@ -26,6 +26,7 @@ typedef struct {
   const dt_node *layers; /* borrowed from tree */
   const dt_node *loss;   /* borrowed from tree */
   char *init_from;
+  int fuse;
   /* data */
   char *data_path, *train_x, *train_y, *val_x, *val_y;
   double scale;

@@ -19,14 +19,16 @@ static int act_kind(const dt_layer *l) {
   return DT_ACT_SIGMOID;
 }
 
+/* A relu fused into the batchnorm before it (l->fused_into) has nothing of its own to do. */
 static void act_forward(dt_layer *l, dt_pass *pass, const float *x) {
+  if (l->fused_into) return;
   dt_op op = {.type = DT_OP_ACT_FWD};
   op.p.act_fwd = (typeof(op.p.act_fwd)){.kind = act_kind(l), .n = pass->batch * shape_size(l->in), .x = x, .y = l->y};
   backend_run(pass->be, &op);
 }
 
 static void act_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
-  if (!dx) return;
+  if (!dx || l->fused_into) return;
   dt_op op = {.type = DT_OP_ACT_BWD};
   op.p.act_bwd = (typeof(op.p.act_bwd)){
       .kind = act_kind(l), .n = pass->batch * shape_size(l->in), .x = x, .y = l->y, .dy = l->dy, .dx = dx};

@@ -93,7 +93,8 @@ static void bn_forward(dt_layer *l, dt_pass *pass, const float *x) {
                                  .running_var = pass->bufs + l->tensors[3].offset}};
   backend_run(be, &fin);
   dt_op ap = {.type = DT_OP_BN_APPLY,
-              .p.bn_apply = {.b = pass->batch,
+              .p.bn_apply = {.relu = l->fused_relu,
+                             .b = pass->batch,
                              .c = c,
                              .s = spatial(l),
                              .x = x,
@@ -115,10 +116,13 @@ static void bn_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
               .p.bn_bwd_stats = {.b = pass->batch,
                                  .c = c,
                                  .s = spatial(l),
+                                 .relu = l->fused_relu,
                                  .x = x,
                                  .dy = l->dy,
                                  .mean = s->mean,
                                  .invstd = s->invstd,
+                                 .gamma = pass->params + l->tensors[0].offset,
+                                 .beta = pass->params + l->tensors[1].offset,
                                  .sums = s->grad_sums,
                                  .dgamma = pass->grads + l->tensors[0].offset,
                                  .dbeta = pass->grads + l->tensors[1].offset}};
@@ -129,12 +133,14 @@ static void bn_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
               .p.bn_bwd_apply = {.b = pass->batch,
                                  .c = c,
                                  .s = spatial(l),
+                                 .relu = l->fused_relu,
                                  .count = s->stats + 2 * c,
                                  .x = x,
                                  .dy = l->dy,
                                  .mean = s->mean,
                                  .invstd = s->invstd,
                                  .gamma = pass->params + l->tensors[0].offset,
+                                 .beta = pass->params + l->tensors[1].offset,
                                  .sums = s->grad_sums,
                                  .dx = dx}};
   backend_run(be, &ap);

@@ -155,6 +155,20 @@ static void layout(dt_model *m) {
   }
 }
 
+/* model.fuse: each relu right after a batchnorm is applied by the batchnorm's ops, and its output
+ * buffers are the batchnorm's (nothing else reads the batchnorm's output before the relu). */
+static void fuse_seq(dt_seq *s) {
+  for (int i = 0; i < s->n; i++) {
+    dt_layer *l = s->layers[i];
+    fuse_seq(&l->body);
+    fuse_seq(&l->shortcut);
+    if (i + 1 < s->n && l->ops == &dt_layer_batchnorm && s->layers[i + 1]->ops == &dt_layer_relu) {
+      l->fused_relu = 1;
+      s->layers[i + 1]->fused_into = l;
+    }
+  }
+}
+
 int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
   memset(m, 0, sizeof *m);
   const dt_list *in = &cfg->v.input;
@@ -184,6 +198,7 @@ int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
   for (int c = 0; c < v->mean.n && c < DT_MAX_LIST; c++) m->in_mean[c] = (float)v->mean.v[c];
   for (int c = 0; c < v->std.n && c < DT_MAX_LIST; c++) m->in_std[c] = (float)v->std.v[c];
   if (seq_build(m, &m->top, cfg->v.layers, m->input, "", "model.layers", st)) return st->code;
+  if (cfg->v.fuse) fuse_seq(&m->top);
   if (loss_parse(&m->loss, cfg->v.loss, st)) return st->code;
   const dt_layer *last = m->top.layers[m->top.n - 1];
   dt_shape out = last->out;
@@ -217,6 +232,11 @@ static void alloc_seq(dt_model *m, dt_seq *s, dt_backend *be, int64_t max_batch)
   for (int i = 0; i < s->n; i++) {
     dt_layer *l = s->layers[i];
     size_t bytes = (size_t)(max_batch * shape_size(l->out)) * sizeof(float);
+    if (l->fused_into) { /* its output is the batchnorm's, which comes before it */
+      l->y = l->fused_into->y;
+      l->dy = l->fused_into->dy;
+      continue;
+    }
     l->y = be->alloc(be, bytes);
     l->dy = be->alloc(be, bytes);
     if (l->ops->alloc) l->ops->alloc(l, be, max_batch);
@@ -252,7 +272,7 @@ void model_alloc(dt_model *m, dt_backend *be, int64_t max_batch, uint64_t seed) 
 static void free_seq(dt_seq *s, dt_backend *be) {
   for (int i = 0; i < s->n; i++) {
     dt_layer *l = s->layers[i];
-    if (be) {
+    if (be && !l->fused_into) {
       be->free(be, l->y);
       be->free(be, l->dy);
       if (l->ops->release) l->ops->release(l, be);
@@ -345,7 +365,7 @@ dt_memory model_memory(const dt_model *m, int64_t batch, int optim_states, int t
   size_t per_row = (size_t)shape_size(m->input);
   for (int i = 0; i < m->n_all; i++) {
     const dt_layer *l = m->all[i];
-    per_row += 2 * (size_t)shape_size(l->out); /* y, dy */
+    if (!l->fused_into) per_row += 2 * (size_t)shape_size(l->out); /* y, dy */
     if (l->ops->memory) l->ops->memory(l, batch, threads, &mem);
   }
   mem.activations += per_row * (size_t)batch * f;
@@ -384,7 +404,7 @@ static void summary_seq(const dt_seq *s, FILE *out, int depth) {
     const dt_layer *l = s->layers[i];
     char shape[64], label[96];
     shape_text(l->out, shape, sizeof shape);
-    snprintf(label, sizeof label, "%*s%s", depth * 2, "", l->ops->kind);
+    snprintf(label, sizeof label, "%*s%s%s", depth * 2, "", l->ops->kind, l->fused_into ? " (fused)" : "");
     int64_t own = 0;
     for (int t = 0; t < l->n_tensors; t++)
       if (!l->tensors[t].is_buffer) own += l->tensors[t].count;

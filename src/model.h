@@ -94,6 +94,8 @@ struct dt_layer {
   float *y, *dy;         /* (B, out) backend memory */
   dt_seq body, shortcut; /* residual only */
   dt_layer *tied;        /* linear{tie}: the embedding whose token matrix it uses (borrowed) */
+  int fused_relu;        /* batchnorm: applies the relu that follows it (model.fuse) */
+  dt_layer *fused_into;  /* relu: the batchnorm that applies it; y and dy are that layer's (borrowed) */
   void *priv;            /* per-kind state */
 };
 

@@ -612,59 +612,69 @@ static void ops_batchnorm(void) {
         ot_check("running_mean", rmean, C);
         ot_check("running_var", rvar, C);
       }
-      ot_case(DT_OP_BN_APPLY, "spatial %lld, %s", (long long)S, ROWS_NAME(r));
-      BOTH {
-        dt_op op = {.type = DT_OP_BN_APPLY,
-                    .p.bn_apply = {.b = rows,
-                                   .c = C,
-                                   .s = S,
-                                   .x = F(x),
-                                   .mean = F(mean),
-                                   .invstd = F(invstd),
-                                   .gamma = F(gamma),
-                                   .beta = F(beta),
-                                   .y = F(y)}};
-        RUN(op);
+      /* relu: the fused relu (model.fuse), which backward masks by recomputing z from x */
+      for (int relu = 0; relu < 2; relu++) {
+        const char *fused = relu ? ", fused relu" : "";
+        ot_case(DT_OP_BN_APPLY, "spatial %lld, %s%s", (long long)S, ROWS_NAME(r), fused);
+        BOTH {
+          dt_op op = {.type = DT_OP_BN_APPLY,
+                      .p.bn_apply = {.b = rows,
+                                     .c = C,
+                                     .s = S,
+                                     .relu = relu,
+                                     .x = F(x),
+                                     .mean = F(mean),
+                                     .invstd = F(invstd),
+                                     .gamma = F(gamma),
+                                     .beta = F(beta),
+                                     .y = F(y)}};
+          RUN(op);
+        }
+        ot_check("y", y, rows * C * S);
+        ot_case(DT_OP_BN_BWD_STATS, "spatial %lld, %s%s", (long long)S, ROWS_NAME(r), fused);
+        BOTH {
+          dt_op op = {.type = DT_OP_BN_BWD_STATS,
+                      .p.bn_bwd_stats = {.b = rows,
+                                         .c = C,
+                                         .s = S,
+                                         .relu = relu,
+                                         .x = F(x),
+                                         .dy = F(dy),
+                                         .mean = F(mean),
+                                         .invstd = F(invstd),
+                                         .gamma = F(gamma),
+                                         .beta = F(beta),
+                                         .sums = D(gsum),
+                                         .dgamma = F(dgamma),
+                                         .dbeta = F(dbeta)}};
+          RUN(op);
+        }
+        ot_check("sum_dy, sum_dy_xhat", gsum, 2 * C);
+        ot_check("dgamma (added into)", dgamma, C);
+        ot_check("dbeta (added into)", dbeta, C);
+        /* the apply with a count (a forward's sums[2C]) of 2 * cap * S: global sums */
+        double count_h = (double)(2 * cap * S);
+        dbuf count = ot_buf(OT_F64, &count_h, 1), sums = ot_rand_d(2 * C, -3, 3);
+        ot_case(DT_OP_BN_BWD_APPLY, "spatial %lld, %s%s", (long long)S, ROWS_NAME(r), fused);
+        BOTH {
+          dt_op op = {.type = DT_OP_BN_BWD_APPLY,
+                      .p.bn_bwd_apply = {.b = rows,
+                                         .c = C,
+                                         .s = S,
+                                         .relu = relu,
+                                         .count = D(count),
+                                         .x = F(x),
+                                         .dy = F(dy),
+                                         .mean = F(mean),
+                                         .invstd = F(invstd),
+                                         .gamma = F(gamma),
+                                         .beta = F(beta),
+                                         .sums = D(sums),
+                                         .dx = F(dx)}};
+          RUN(op);
+        }
+        ot_check("dx", dx, rows * C * S);
       }
-      ot_check("y", y, rows * C * S);
-      ot_case(DT_OP_BN_BWD_STATS, "spatial %lld, %s", (long long)S, ROWS_NAME(r));
-      BOTH {
-        dt_op op = {.type = DT_OP_BN_BWD_STATS,
-                    .p.bn_bwd_stats = {.b = rows,
-                                       .c = C,
-                                       .s = S,
-                                       .x = F(x),
-                                       .dy = F(dy),
-                                       .mean = F(mean),
-                                       .invstd = F(invstd),
-                                       .sums = D(gsum),
-                                       .dgamma = F(dgamma),
-                                       .dbeta = F(dbeta)}};
-        RUN(op);
-      }
-      ot_check("sum_dy, sum_dy_xhat", gsum, 2 * C);
-      ot_check("dgamma (added into)", dgamma, C);
-      ot_check("dbeta (added into)", dbeta, C);
-      /* the apply with a count (a forward's sums[2C]) of 2 * cap * S: global sums */
-      double count_h = (double)(2 * cap * S);
-      dbuf count = ot_buf(OT_F64, &count_h, 1), sums = ot_rand_d(2 * C, -3, 3);
-      ot_case(DT_OP_BN_BWD_APPLY, "spatial %lld, %s", (long long)S, ROWS_NAME(r));
-      BOTH {
-        dt_op op = {.type = DT_OP_BN_BWD_APPLY,
-                    .p.bn_bwd_apply = {.b = rows,
-                                       .c = C,
-                                       .s = S,
-                                       .count = D(count),
-                                       .x = F(x),
-                                       .dy = F(dy),
-                                       .mean = F(mean),
-                                       .invstd = F(invstd),
-                                       .gamma = F(gamma),
-                                       .sums = D(sums),
-                                       .dx = F(dx)}};
-        RUN(op);
-      }
-      ot_check("dx", dx, rows * C * S);
     }
   }
 }

@@ -144,6 +144,59 @@ static void batchnorm_grads(void **s) {
   (void)s;
   grad_check("  input: [3, 4, 4]\n  layers: [{batchnorm: {}}, flatten]\n  loss: mse\n", 4);
   grad_check("  input: [6]\n  layers: [{batchnorm: {eps: 0.001}}]\n  loss: mse\n", 5);
+  /* followed by a relu: fused into the batchnorm (model.fuse's default), and apart */
+  grad_check("  input: [3, 4, 4]\n  layers: [{batchnorm: {}}, relu, flatten]\n  loss: mse\n", 4);
+  grad_check("  input: [6]\n  layers: [{batchnorm: {eps: 0.001}}, relu]\n  loss: mse\n", 5);
+  grad_check("  fuse: false\n  input: [3, 4, 4]\n  layers: [{batchnorm: {}}, relu, flatten]\n  loss: mse\n", 4);
+}
+
+/* model.fuse: a batchnorm applies the relu after it (and the relu borrows its buffers), with the same
+ * logits, parameter gradients, input gradient and running statistics, bit for bit, as the two layers
+ * apart; a relu after anything else, or a batchnorm followed by another layer, is left alone. */
+static void batchnorm_relu_fused_equals_apart(void **s) {
+  (void)s;
+  const char *model = "  input: [3, 5, 5]\n  layers: [{conv2d: {out: 4, kernel: 3, pad: 1}}, {batchnorm: {}}, relu,"
+                      " {conv2d: {out: 4, kernel: 3}}, relu, {batchnorm: {}}, flatten, {linear: {out: 6}},"
+                      " {batchnorm: {}}, relu, {linear: {out: 3}}]\n  loss: cross_entropy\n";
+  char apart_yaml[1024];
+  snprintf(apart_yaml, sizeof apart_yaml, "  fuse: false\n%s", model);
+  fixture f[2];
+  setup(&f[0], model, 6);
+  setup(&f[1], apart_yaml, 6);
+  static const int fused_bn[] = {0, 1, 0, 0, 0, 0, 0, 0, 1, 0, 0};
+  for (int i = 0; i < f[0].m.top.n; i++) {
+    const dt_layer *l = f[0].m.top.layers[i], *a = f[1].m.top.layers[i];
+    if (l->fused_relu != fused_bn[i] || (i > 0 && (l->fused_into != NULL) != fused_bn[i - 1]))
+      fail_msg("layer %d (%s): fused_relu %d, fused into %p", i, l->ops->kind, l->fused_relu, (void *)l->fused_into);
+    if (a->fused_relu || a->fused_into) fail_msg("layer %d fused with model.fuse false", i);
+  }
+  if (f[0].m.top.layers[2]->y != f[0].m.top.layers[1]->y || f[0].m.top.layers[2]->dy != f[0].m.top.layers[1]->dy)
+    fail_msg("the fused relu does not borrow the batchnorm's buffers");
+  int64_t nin = 6 * shape_size(f[0].m.input);
+  float *dx[2];
+  for (int k = 0; k < 2; k++) {
+    dx[k] = calloc((size_t)nin, sizeof(float));
+    memset(f[k].m.grads, 0, (size_t)f[k].m.n_params * sizeof(float));
+    dt_pass p = make_pass(&f[k]);
+    model_forward(&f[k].m, &p);
+    double sums[2] = {0, 0};
+    model_loss(&f[k].m, &p, f[k].labels, f[k].targets, sums);
+    seq_backward(&f[k].m.top, &p, f[k].m.input_x, dx[k]);
+  }
+  if (memcmp(model_logits(&f[0].m), model_logits(&f[1].m), 6 * 3 * sizeof(float)))
+    fail_msg("fused logits differ from apart");
+  if (memcmp(f[0].m.grads, f[1].m.grads, (size_t)f[0].m.n_params * sizeof(float)))
+    fail_msg("fused parameter gradients differ from apart");
+  if (memcmp(f[0].m.bufs, f[1].m.bufs, (size_t)f[0].m.n_bufs * sizeof(float)))
+    fail_msg("fused running statistics differ from apart");
+  if (memcmp(dx[0], dx[1], (size_t)nin * sizeof(float))) fail_msg("fused input gradient differs from apart");
+  double g = 0;
+  for (int64_t i = 0; i < f[0].m.n_params; i++) g += fabs(f[0].m.grads[i]);
+  if (!(g > 0)) fail_msg("no gradient at all");
+  for (int k = 0; k < 2; k++) {
+    free(dx[k]);
+    teardown(&f[k]);
+  }
 }
 
 static void activation_grads(void **s) {
@@ -774,6 +827,7 @@ int main(void) {
       cmocka_unit_test(linear_grads),
       cmocka_unit_test(conv2d_grads),
       cmocka_unit_test(batchnorm_grads),
+      cmocka_unit_test(batchnorm_relu_fused_equals_apart),
       cmocka_unit_test(activation_grads),
       cmocka_unit_test(pooling_grads),
       cmocka_unit_test(dropout_and_flatten_grads),

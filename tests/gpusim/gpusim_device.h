@@ -67,6 +67,13 @@ static inline unsigned __umulhi(unsigned a, unsigned b) {
 static inline long long __mul64hi(long long a, long long b) {
   return (long long)(((__int128)a * b) >> 64);
 }
+// Single roundings that are never fused into a multiply-add (the kernels build with -ffp-contract=off).
+static inline float __fmul_rn(float a, float b) {
+  return a * b;
+}
+static inline float __fadd_rn(float a, float b) {
+  return a + b;
+}
 
 // Fences order memory between threads; blocks and threads run one at a time here.
 static inline void __threadfence() {
