@@ -386,13 +386,17 @@ static inline void backend_copy(dt_backend *be, float *y, const float *x, int64_
   backend_run(be, &op);
 }
 
+/* The CPU backend's convolutions: im2col + GEMM for all (the reference the tests compare oneDNN's
+ * with); oneDNN's direct ones where it has them (cpu_dnnl.c); or also its Winograd for 3x3 stride 1
+ * (train.conv_algo auto). */
+enum { DT_CPU_CONV_IM2COL, DT_CPU_CONV_DIRECT, DT_CPU_CONV_WINOGRAD };
 /* CPU backend with `threads` threads for BLAS and loops. Caller owns; destroy frees.
- * Convolutions run through oneDNN (cpu_dnnl.c) where it has them; _with(threads, 0): im2col and
- * GEMM for all (the reference the tests compare oneDNN's with). */
+ * backend_cpu_create: DT_CPU_CONV_DIRECT. */
 dt_backend *backend_cpu_create(int threads);
-dt_backend *backend_cpu_create_with(int threads, int onednn);
-/* The convolutions a CPU backend has run through oneDNN. */
+dt_backend *backend_cpu_create_with(int threads, int conv);
+/* The convolutions a CPU backend has run through oneDNN, and those of them by Winograd. */
 int64_t backend_cpu_onednn_runs(const dt_backend *be);
+int64_t backend_cpu_winograd_runs(const dt_backend *be);
 
 /* CUDA backend on visible device `device` (backend_cuda.c; only in CUDA builds). */
 dt_backend *backend_cuda_create(int device, int precision);

@@ -1103,11 +1103,15 @@ int64_t backend_cpu_onednn_runs(const dt_backend *be) {
   return cpu_dnnl_runs(((const cpu_impl *)be->impl)->dnnl);
 }
 
-dt_backend *backend_cpu_create(int threads) {
-  return backend_cpu_create_with(threads, 1);
+int64_t backend_cpu_winograd_runs(const dt_backend *be) {
+  return cpu_dnnl_winograd_runs(((const cpu_impl *)be->impl)->dnnl);
 }
 
-dt_backend *backend_cpu_create_with(int threads, int onednn) {
+dt_backend *backend_cpu_create(int threads) {
+  return backend_cpu_create_with(threads, DT_CPU_CONV_DIRECT);
+}
+
+dt_backend *backend_cpu_create_with(int threads, int conv) {
   dt_backend *be = dt_calloc(1, sizeof *be);
   cpu_impl *im = dt_calloc(1, sizeof *im);
   if (threads < 1) threads = 1;
@@ -1116,7 +1120,7 @@ dt_backend *backend_cpu_create_with(int threads, int onednn) {
   im->dw = dt_calloc((size_t)threads, sizeof(float *));
   omp_set_num_threads(threads);
   openblas_set_num_threads(threads);
-  if (onednn) im->dnnl = cpu_dnnl_create();
+  if (conv != DT_CPU_CONV_IM2COL) im->dnnl = cpu_dnnl_create(conv == DT_CPU_CONV_WINOGRAD);
   *be = (dt_backend){.name = "cpu",
                      .run = cpu_run,
                      .alloc = cpu_alloc,

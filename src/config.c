@@ -70,6 +70,10 @@ static const dt_key config_keys[] = {
      "math of convolutions and matrix products (CUDA): fp32; tf32 on tensor cores (compute capability 8.0); bf16 "
      "(8.0) or fp16 (7.0) inputs with fp32 accumulation, convolutions in NHWC; weights, optimizer, batchnorm, loss "
      "and gradient sums stay fp32; fp16 adds dynamic loss scaling (GradScaler's rules). The CPU backend is fp32 only"},
+    {"train.conv_algo", DT_KEY_ENUM, F(conv_algo), "auto", NOB, "auto|direct",
+     "CPU convolutions: auto runs 3x3 stride-1 ones by Winograd F(4x4, 3x3) where oneDNN has it (AVX-512 CPUs; "
+     "about 1.4x faster convolutions, rounding errors a few times larger, as cuDNN's Winograd) and the rest "
+     "directly; direct runs all directly (PyTorch's CPU choice). GPUs: cuDNN's choice either way"},
     {"train.cuda_graph", DT_KEY_ENUM, F(cuda_graph), "auto", NOB, "auto|on|off",
      "capture the training step (forward, backward, gradient allreduce, optimizer, EMA) as one CUDA graph after "
      "a warm-up step and replay it; steps of another shape run eagerly (auto: when the step can be captured: "

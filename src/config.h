@@ -19,6 +19,7 @@ enum { DT_COMM_AUTO, DT_COMM_MPI, DT_COMM_NCCL };
 enum { DT_PROGRESS_AUTO, DT_PROGRESS_ON, DT_PROGRESS_OFF };
 enum { DT_GRAPH_AUTO, DT_GRAPH_ON, DT_GRAPH_OFF };
 enum { DT_GRAD_FP32, DT_GRAD_BF16 };
+enum { DT_CONV_ALGO_AUTO, DT_CONV_ALGO_DIRECT };
 
 typedef struct {
   /* model */
@@ -38,7 +39,7 @@ typedef struct {
   int early_metric;
   int64_t early_patience;
   double ema_decay;
-  int cuda_graph, precision;
+  int cuda_graph, precision, conv_algo;
   /* optim */
   int optim;
   double lr, momentum, weight_decay, eps;

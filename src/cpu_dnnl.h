@@ -7,8 +7,10 @@ typedef struct cpu_dnnl cpu_dnnl;
 
 enum { CPU_DNNL_FWD, CPU_DNNL_BWD_DATA, CPU_DNNL_BWD_FILTER };
 
-/* NULL when oneDNN has no CPU engine here (the caller keeps its own convolution). */
-cpu_dnnl *cpu_dnnl_create(void);
+/* NULL when oneDNN has no CPU engine here (the caller keeps its own convolution). winograd: 3x3
+ * stride-1 convolutions with channels in multiples of 16 use oneDNN's Winograd F(4x4, 3x3) where it
+ * has one (AVX-512), else direct. */
+cpu_dnnl *cpu_dnnl_create(int winograd);
 void cpu_dnnl_destroy(cpu_dnnl *d);
 
 /* One convolution with the semantics of the backend's ops, on NCHW activations and OIHW weights:
@@ -18,5 +20,6 @@ void cpu_dnnl_destroy(cpu_dnnl *d);
  * Returns 1 when done, 0 when oneDNN has no implementation for this geometry (nothing written). */
 int cpu_dnnl_conv(cpu_dnnl *d, int kind, const dt_conv_geom *g, const float *a, const float *b, float *out);
 
-/* Convolutions run through oneDNN so far (0 for NULL). */
+/* Convolutions run through oneDNN so far, and those of them by Winograd (0 for NULL). */
 int64_t cpu_dnnl_runs(const cpu_dnnl *d);
+int64_t cpu_dnnl_winograd_runs(const cpu_dnnl *d);

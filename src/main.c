@@ -722,7 +722,9 @@ int main(int argc, char **argv) {
             "and this run sums them over MPI; use dist.grad_dtype fp32");
   if ((code = comm_agree(&comm, &st))) goto done;
   int cpu_threads = 0; /* the CPU backend's, on every rank or none (a rank without its GPU failed above) */
-  if (!be) be = backend_cpu_create(cpu_threads = pick_threads(&cfg, &comm));
+  if (!be)
+    be = backend_cpu_create_with(cpu_threads = pick_threads(&cfg, &comm),
+                                 cfg.v.conv_algo == DT_CONV_ALGO_DIRECT ? DT_CPU_CONV_DIRECT : DT_CPU_CONV_WINOGRAD);
   model_alloc(&model, be, max_local_rows(&cfg, comm.size), (uint64_t)cfg.v.seed);
   int resumed = 0;
   if (args.resume && (code = load_resume(&args, &cfg, &model, &comm, &resume, &resumed))) goto done;

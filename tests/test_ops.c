@@ -742,51 +742,70 @@ static void max_pool_2x2_matches_scan(void **s) {
   be->destroy(be);
 }
 
-/* The convolutions through oneDNN (the CPU backend's default) against im2col + GEMM
- * (backend_cpu_create_with(.., 0)): forward, backward data (overwrites dx) and backward filter
- * (adds into dw), over strides, paddings, 1x1 and 3x3 kernels, one input channel, and an odd size
- * whose last row the stride leaves out. */
+/* The convolutions through oneDNN, direct (the CPU backend's default) and with Winograd for 3x3
+ * stride 1 (train.conv_algo auto), against im2col + GEMM (DT_CPU_CONV_IM2COL): forward, backward data
+ * (overwrites dx) and backward filter (adds into dw), over strides, paddings, 1x1 and 3x3 kernels, one
+ * input channel, and an odd size whose last row the stride leaves out. On an AVX-512 CPU the 3x3
+ * stride-1 geometries with 16 or more channels must really run by Winograd. */
 static void onednn_convolutions_match_im2col(void **s) {
   (void)s;
-  dt_backend *fast = backend_cpu_create_with(2, 1), *ref = backend_cpu_create_with(2, 0);
-  const int64_t geo[][8] = {/* b, c, h, w, o, k, stride, pad */
-                            {3, 1, 9, 9, 8, 3, 1, 1},  {2, 5, 8, 8, 16, 3, 1, 1}, {2, 16, 9, 7, 17, 3, 2, 1},
-                            {4, 8, 6, 6, 16, 1, 2, 0}, {1, 3, 7, 7, 4, 3, 2, 0},  {2, 32, 5, 5, 32, 3, 1, 1}};
-  for (size_t t = 0; t < sizeof geo / sizeof geo[0]; t++) {
-    dt_conv_geom g = {.b = geo[t][0], .c = geo[t][1], .h = geo[t][2], .w = geo[t][3], .o = geo[t][4],
-                      .k = geo[t][5], .stride = geo[t][6], .pad = geo[t][7]};
-    g.ho = (g.h + 2 * g.pad - g.k) / g.stride + 1;
-    g.wo = (g.w + 2 * g.pad - g.k) / g.stride + 1;
-    int64_t nx = g.b * g.c * g.h * g.w, nw = g.o * g.c * g.k * g.k, ny = g.b * g.o * g.ho * g.wo;
-    float *x = rand_floats(100 + t, nx, -1, 1), *w = rand_floats(110 + t, nw, -1, 1), *dy = rand_floats(120 + t, ny, -1, 1);
-    float *out[2][3];
-    for (int which = 0; which < 2; which++) {
-      dt_backend *be = which ? ref : fast;
-      out[which][0] = rand_floats(130, ny, -1, 1); /* overwritten */
-      out[which][1] = rand_floats(131, nx, -1, 1); /* overwritten */
-      out[which][2] = rand_floats(132, nw, -1, 1); /* added into */
-      dt_op f = {.type = DT_OP_CONV_FWD, .p.conv_fwd = {.g = g, .x = x, .w = w, .y = out[which][0]}};
-      dt_op d = {.type = DT_OP_CONV_BWD_DATA, .p.conv_bwd_data = {.g = g, .dy = dy, .w = w, .dx = out[which][1]}};
-      dt_op k = {.type = DT_OP_CONV_BWD_FILTER, .p.conv_bwd_filter = {.g = g, .x = x, .dy = dy, .dw = out[which][2]}};
-      backend_run(be, &f), backend_run(be, &d), backend_run(be, &k);
+  const int64_t geo[][8] = {/* b, c, h, w, o, k, stride, pad (b 0: a rank with no rows) */
+                            {3, 1, 9, 9, 8, 3, 1, 1},     {2, 5, 8, 8, 16, 3, 1, 1}, {2, 16, 9, 7, 17, 3, 2, 1},
+                            {4, 8, 6, 6, 16, 1, 2, 0},    {1, 3, 7, 7, 4, 3, 2, 0},  {2, 32, 5, 5, 32, 3, 1, 1},
+                            {3, 16, 11, 9, 32, 3, 1, 1}, {2, 64, 14, 14, 64, 3, 1, 1}, {0, 16, 5, 5, 16, 3, 1, 1}};
+  const int n_geo = (int)(sizeof geo / sizeof geo[0]);
+  for (int algo = DT_CPU_CONV_DIRECT; algo <= DT_CPU_CONV_WINOGRAD; algo++) {
+    dt_backend *fast = backend_cpu_create_with(2, algo), *ref = backend_cpu_create_with(2, DT_CPU_CONV_IM2COL);
+    for (int t = 0; t < n_geo; t++) {
+      int64_t wino_before = backend_cpu_winograd_runs(fast);
+      dt_conv_geom g = {.b = geo[t][0], .c = geo[t][1], .h = geo[t][2], .w = geo[t][3], .o = geo[t][4],
+                        .k = geo[t][5], .stride = geo[t][6], .pad = geo[t][7]};
+      g.ho = (g.h + 2 * g.pad - g.k) / g.stride + 1;
+      g.wo = (g.w + 2 * g.pad - g.k) / g.stride + 1;
+      int64_t nx = g.b * g.c * g.h * g.w, nw = g.o * g.c * g.k * g.k, ny = g.b * g.o * g.ho * g.wo;
+      float *x = rand_floats(100 + t, nx, -1, 1), *w = rand_floats(110 + t, nw, -1, 1);
+      float *dy = rand_floats(120 + t, ny, -1, 1);
+      float *out[2][3];
+      for (int which = 0; which < 2; which++) {
+        dt_backend *be = which ? ref : fast;
+        out[which][0] = rand_floats(130, ny, -1, 1); /* overwritten */
+        out[which][1] = rand_floats(131, nx, -1, 1); /* overwritten */
+        out[which][2] = rand_floats(132, nw, -1, 1); /* added into */
+        dt_op f = {.type = DT_OP_CONV_FWD, .p.conv_fwd = {.g = g, .x = x, .w = w, .y = out[which][0]}};
+        dt_op d = {.type = DT_OP_CONV_BWD_DATA, .p.conv_bwd_data = {.g = g, .dy = dy, .w = w, .dx = out[which][1]}};
+        dt_op k = {.type = DT_OP_CONV_BWD_FILTER, .p.conv_bwd_filter = {.g = g, .x = x, .dy = dy, .dw = out[which][2]}};
+        backend_run(be, &f), backend_run(be, &d), backend_run(be, &k);
+      }
+      if (backend_cpu_onednn_runs(fast) != 3 * (int64_t)(t + 1) || backend_cpu_onednn_runs(ref) != 0)
+        fail_msg("oneDNN ran %lld convolutions, expected %lld (and the reference none: %lld)",
+                 (long long)backend_cpu_onednn_runs(fast), 3 * (long long)(t + 1),
+                 (long long)backend_cpu_onednn_runs(ref));
+      /* sums of c*k*k (forward, dw: b*ho*wo) products of numbers in [-1, 1]: errors grow with the count */
+      const int64_t n[3] = {ny, nx, nw};
+      static const char *what[3] = {"forward y", "backward dx", "backward dw"};
+      for (int o = 0; o < 3; o++)
+        for (int64_t i = 0; i < n[o]; i++)
+          if (fabs(out[0][o][i] - out[1][o][i]) > 1e-4 * (1 + fabs(out[1][o][i])))
+            fail_msg("%s conv b%lld c%lld %lldx%lld o%lld k%lld s%lld p%lld: %s[%lld] = %.7g with oneDNN, %.7g with "
+                     "im2col",
+                     algo == DT_CPU_CONV_WINOGRAD ? "Winograd" : "direct", (long long)g.b, (long long)g.c,
+                     (long long)g.h, (long long)g.w, (long long)g.o, (long long)g.k, (long long)g.stride,
+                     (long long)g.pad, what[o], (long long)i, out[0][o][i], out[1][o][i]);
+      /* never for direct or other kernels; always where oneDNN's AVX-512 kernels take 16-channel blocks */
+      int64_t wino = backend_cpu_winograd_runs(fast) - wino_before;
+      int eligible = algo == DT_CPU_CONV_WINOGRAD && g.k == 3 && g.stride == 1 && g.c % 16 == 0 && g.o % 16 == 0 &&
+                     g.b > 0;
+      if (!eligible && wino != 0)
+        fail_msg("geometry %d ran %lld convolutions by Winograd, expected none", t, (long long)wino);
+      if (eligible && __builtin_cpu_supports("avx512f") && wino != 3)
+        fail_msg("geometry %d ran %lld convolutions by Winograd on an AVX-512 CPU, expected 3", t, (long long)wino);
+      for (int which = 0; which < 2; which++)
+        for (int o = 0; o < 3; o++) free(out[which][o]);
+      free(x), free(w), free(dy);
     }
-    if (backend_cpu_onednn_runs(fast) != 3 * (int64_t)(t + 1) || backend_cpu_onednn_runs(ref) != 0)
-      fail_msg("oneDNN ran %lld convolutions, expected %lld (and the reference none: %lld)",
-               (long long)backend_cpu_onednn_runs(fast), 3 * (long long)(t + 1), (long long)backend_cpu_onednn_runs(ref));
-    const int64_t n[3] = {ny, nx, nw};
-    static const char *what[3] = {"forward y", "backward dx", "backward dw"};
-    for (int o = 0; o < 3; o++)
-      for (int64_t i = 0; i < n[o]; i++)
-        if (fabs(out[0][o][i] - out[1][o][i]) > 1e-4 * (1 + fabs(out[1][o][i])))
-          fail_msg("conv b%lld c%lld %lldx%lld o%lld k%lld s%lld p%lld: %s[%lld] = %.7g with oneDNN, %.7g with im2col",
-                   (long long)g.b, (long long)g.c, (long long)g.h, (long long)g.w, (long long)g.o, (long long)g.k,
-                   (long long)g.stride, (long long)g.pad, what[o], (long long)i, out[0][o][i], out[1][o][i]);
-    for (int which = 0; which < 2; which++)
-      for (int o = 0; o < 3; o++) free(out[which][o]);
-    free(x), free(w), free(dy);
+    fast->destroy(fast);
+    ref->destroy(ref);
   }
-  fast->destroy(fast);
-  ref->destroy(ref);
 }
 
 /* The CPU's tanh (a polynomial GCC vectorises, for tanh and GELU tanh): every 61st float in

@@ -97,9 +97,9 @@ class Smoke(unittest.TestCase):
 
 EQUIV = """\
 model:
-  input: [2, 5, 5]
+  input: [{channels}, 5, 5]
   layers:
-    - conv2d: {{out: 3, kernel: 3, pad: 1}}
+    - conv2d: {{out: {width}, kernel: 3, pad: 1}}
     - {act}: {{}}
     - avgpool: {{kernel: 2}}
     - flatten: {{}}
@@ -127,11 +127,11 @@ dist: {{bucket_mb: 0.0005}}
 class Equivalence(unittest.TestCase):
     """With train.global_batch_size, world sizes differ only in the order of float sums."""
 
-    def compare(self, norm, optim="sgd", act="relu", sharding="global"):
+    def compare(self, norm, optim="sgd", act="relu", sharding="global", channels=2, width=3):
         w = Workdir()
         try:
-            w.dataset(n=50, shape=(2, 5, 5), classes=4)  # 50 rows: the last global batch is partial
-            cfg = w.config(EQUIV, norm=norm, optim=optim, act=act)
+            w.dataset(n=50, shape=(channels, 5, 5), classes=4)  # 50 rows: the last global batch is partial
+            cfg = w.config(EQUIV, norm=norm, optim=optim, act=act, channels=channels, width=width)
             runs = {}
             for np_ in (1, 2, 3):
                 rc, out, err = run([cfg, "--set", f"data.sharding={sharding}"], np_=np_)
@@ -158,6 +158,10 @@ class Equivalence(unittest.TestCase):
 
     def test_sync_batchnorm_equal(self):
         self.compare("batchnorm: {sync: true}")
+
+    def test_winograd_convolution_equal(self):
+        # 16 channels in and out: oneDNN's Winograd on AVX-512 CPUs (train.conv_algo auto)
+        self.compare("batchnorm: {sync: true}", channels=16, width=16)
 
 
 # A two-block pre-LN GPT over 8 tokens (vocabulary 20), its head tied to the embedding.
