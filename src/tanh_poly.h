@@ -15,9 +15,21 @@
 #define DT_HOST_DEVICE
 #endif
 
+/* cond ? t : f by bit masks rather than a select: on selects GCC threads or sinks each side into a
+ * branch of its own, and then does not vectorise (a float-to-int conversion cannot be speculated). */
+static inline DT_HOST_DEVICE float dt_pick(int cond, float t, float f) {
+  union {
+    float f;
+    int32_t i;
+  } ut = {.f = t}, uf = {.f = f}, r;
+  int32_t mask = -(int32_t)(cond != 0);
+  r.i = (ut.i & mask) | (uf.i & ~mask);
+  return r.f;
+}
+
 static inline DT_HOST_DEVICE float dt_tanhf(float x) {
   float a = fabsf(x);
-  a = a < 9.0f ? a : 9.0f; /* tanh(9) rounds to 1 - 6e-8 */
+  a = dt_pick(a < 9.0f, a, 9.0f); /* tanh(9) rounds to 1 - 6e-8; NaN to 9 as well */
   float s = a * a;
   float series =
       a + a * s *
@@ -32,5 +44,5 @@ static inline DT_HOST_DEVICE float dt_tanhf(float x) {
     float f;
   } two_n = {.i = (n + 127) * (1 << 23)};
   float e = p * two_n.f, far = (1.0f - e) / (1.0f + e);
-  return copysignf(a < 0.3f ? series : far, x);
+  return copysignf(dt_pick(a < 0.3f, series, far), x);
 }
