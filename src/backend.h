@@ -397,6 +397,8 @@ dt_backend *backend_cpu_create_with(int threads, int conv);
 /* The convolutions a CPU backend has run through oneDNN, and those of them by Winograd. */
 int64_t backend_cpu_onednn_runs(const dt_backend *be);
 int64_t backend_cpu_winograd_runs(const dt_backend *be);
+/* Input reorders its convolutions skipped, reusing the blocked copy the convolution before made. */
+int64_t backend_cpu_reorders_saved(const dt_backend *be);
 
 /* CUDA backend on visible device `device` (backend_cuda.c; only in CUDA builds). */
 dt_backend *backend_cuda_create(int device, int precision);

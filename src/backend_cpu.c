@@ -1036,7 +1036,11 @@ static const cpu_op_fn cpu_ops[DT_OP_COUNT] = {
 
 static void cpu_run(dt_backend *be, const dt_op *op) {
   DT_ASSERT(op->type >= 0 && op->type < DT_OP_COUNT && cpu_ops[op->type]);
-  cpu_ops[op->type](be->impl, op);
+  cpu_impl *im = be->impl;
+  /* a convolution may reuse the blocked copy of an input that the one before it made */
+  if (op->type != DT_OP_CONV_FWD && op->type != DT_OP_CONV_BWD_DATA && op->type != DT_OP_CONV_BWD_FILTER)
+    cpu_dnnl_forget(im->dnnl);
+  cpu_ops[op->type](im, op);
 }
 
 /* 64-byte aligned and zeroed. calloc takes large blocks straight from the kernel, whose pages are
@@ -1064,12 +1068,12 @@ static void cpu_free(dt_backend *be, void *p) {
 }
 
 static void cpu_copy(dt_backend *be, void *dst, const void *src, size_t bytes) {
-  (void)be;
+  cpu_dnnl_forget(((cpu_impl *)be->impl)->dnnl);
   if (bytes) memmove(dst, src, bytes);
 }
 
 static void cpu_zero(dt_backend *be, void *p, size_t bytes) {
-  (void)be;
+  cpu_dnnl_forget(((cpu_impl *)be->impl)->dnnl);
   memset(p, 0, bytes);
 }
 
@@ -1105,6 +1109,10 @@ int64_t backend_cpu_onednn_runs(const dt_backend *be) {
 
 int64_t backend_cpu_winograd_runs(const dt_backend *be) {
   return cpu_dnnl_winograd_runs(((const cpu_impl *)be->impl)->dnnl);
+}
+
+int64_t backend_cpu_reorders_saved(const dt_backend *be) {
+  return cpu_dnnl_reorders_saved(((const cpu_impl *)be->impl)->dnnl);
 }
 
 dt_backend *backend_cpu_create(int threads) {

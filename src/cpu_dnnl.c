@@ -2,7 +2,11 @@
  * CPU convolutions use). Each (kind, geometry) gets, on first use, a convolution primitive in the
  * layouts oneDNN prefers (channel-blocked, nChw16c on AVX-512) and reorders from our NCHW / OIHW
  * buffers into them and back. The blocked copies live in three scratch buffers shared by every
- * primitive (ops run one at a time), grown to the largest need. Calls on one geometry always run
+ * primitive (ops run one at a time), grown to the largest need: one for the activations (x, dx),
+ * one for the weights (w, dw), one for the outputs (y, dy). A copy of an input that a convolution
+ * left in its buffer serves the next convolution that reads the same buffer in the same layout,
+ * when no other op ran between (the backend calls cpu_dnnl_forget before every other op and every
+ * copy): a layer's backward-data then reuses the dy its backward-filter reordered. Calls on one geometry always run
  * the same primitive with the same threads, so results repeat bit for bit.
  * With winograd, 3x3 stride-1 convolutions with channels in blocks of 16 try oneDNN's Winograd
  * F(4x4, 3x3) first (its AVX-512 kernels, forward and both backwards: 4x fewer multiplies, somewhat
@@ -27,8 +31,17 @@ typedef struct {
   dnnl_memory_desc_t user_md, inner_md;
   dnnl_primitive_t reorder; /* user -> inner (inputs) or inner -> user (the output); NULL: same layout */
   dnnl_memory_t user, inner;
-  int slot; /* scratch buffer holding inner when reordered */
+  int slot; /* scratch buffer holding inner when reordered: SLOT_X, SLOT_W or SLOT_Y */
 } operand;
+
+enum { SLOT_X, SLOT_W, SLOT_Y };
+
+/* What a scratch buffer holds: a reordered copy of `user` in layout md, while valid. */
+typedef struct {
+  const void *user;
+  dnnl_memory_desc_t md;
+  int valid;
+} held_copy;
 
 typedef struct {
   int kind;
@@ -49,6 +62,8 @@ struct cpu_dnnl {
   int winograd; /* try Winograd for 3x3 stride 1 */
   void *scratch[3];
   size_t scratch_bytes[3];
+  held_copy held[3]; /* per scratch buffer */
+  int64_t reorders_saved; /* input reorders skipped for a held copy */
   float *dw; /* the filter gradient in OIHW before it is added into the caller's */
   size_t dw_bytes;
   int64_t runs, winograd_runs; /* convolutions done here, and those by Winograd */
@@ -166,10 +181,15 @@ static void entry_build(cpu_dnnl *d, conv_entry *e) {
       [CPU_DNNL_BWD_DATA] = {&y_user, &w_user, &x_user},
       [CPU_DNNL_BWD_FILTER] = {&x_user, &y_user, &w_user},
   };
+  static const int slots[3][3] = {
+      [CPU_DNNL_FWD] = {SLOT_X, SLOT_W, SLOT_Y},
+      [CPU_DNNL_BWD_DATA] = {SLOT_Y, SLOT_W, SLOT_X},
+      [CPU_DNNL_BWD_FILTER] = {SLOT_X, SLOT_Y, SLOT_W},
+  };
   for (int k = 0; k < 3; k++) {
     e->arg[k] = roles[e->kind].arg[k];
     e->op[k].user_md = *users[e->kind][k];
-    operand_init(d, &e->op[k], dnnl_primitive_desc_query_md(pd, roles[e->kind].q[k], 0), k == 2, k);
+    operand_init(d, &e->op[k], dnnl_primitive_desc_query_md(pd, roles[e->kind].q[k], 0), k == 2, slots[e->kind][k]);
   }
   DNNL_CHECK(dnnl_primitive_create(&e->conv, pd));
   DNNL_CHECK(dnnl_primitive_desc_destroy(pd));
@@ -196,8 +216,24 @@ int64_t cpu_dnnl_winograd_runs(const cpu_dnnl *d) {
   return d ? d->winograd_runs : 0;
 }
 
+void cpu_dnnl_forget(cpu_dnnl *d) {
+  if (!d) return;
+  for (int k = 0; k < 3; k++) d->held[k].valid = 0;
+}
+
+int64_t cpu_dnnl_reorders_saved(const cpu_dnnl *d) {
+  return d ? d->reorders_saved : 0;
+}
+
+/* Every held copy of `user` goes stale: the convolution writes it. */
+static void forget_user(cpu_dnnl *d, const void *user) {
+  for (int k = 0; k < 3; k++)
+    if (d->held[k].user == user) d->held[k].valid = 0;
+}
+
 static void *scratch(cpu_dnnl *d, int slot, size_t bytes) {
   if (d->scratch_bytes[slot] < bytes) {
+    d->held[slot].valid = 0;
     free(d->scratch[slot]);
     if (posix_memalign(&d->scratch[slot], 64, bytes))
       dt_die("out of host memory allocating %zu bytes for a convolution's blocked copy", bytes);
@@ -228,13 +264,20 @@ int cpu_dnnl_conv(cpu_dnnl *d, int kind, const dt_conv_geom *g, const float *a, 
     if (o->reorder) {
       DNNL_CHECK(dnnl_memory_set_data_handle(o->inner, scratch(d, o->slot, dnnl_memory_desc_get_size(&o->inner_md))));
       m = o->inner;
-      if (k < 2) {
+      held_copy *h = &d->held[o->slot];
+      if (k < 2 && h->valid && h->user == user_ptr[k] && dnnl_memory_desc_equal(&h->md, &o->inner_md)) {
+        d->reorders_saved++;
+      } else if (k < 2) {
         dnnl_exec_arg_t r[2] = {{DNNL_ARG_FROM, o->user}, {DNNL_ARG_TO, o->inner}};
         run(d, o->reorder, 2, r);
+        *h = (held_copy){.user = user_ptr[k], .md = o->inner_md, .valid = 1};
+      } else {
+        h->valid = 0; /* the output's blocked copy */
       }
     }
     args[k] = (dnnl_exec_arg_t){e->arg[k], m};
   }
+  forget_user(d, out);
   run(d, e->conv, 3, args);
   operand *o = &e->op[2];
   if (o->reorder) {

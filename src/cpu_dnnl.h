@@ -20,6 +20,12 @@ void cpu_dnnl_destroy(cpu_dnnl *d);
  * Returns 1 when done, 0 when oneDNN has no implementation for this geometry (nothing written). */
 int cpu_dnnl_conv(cpu_dnnl *d, int kind, const dt_conv_geom *g, const float *a, const float *b, float *out);
 
+/* The backend calls this before any op but a convolution, and any copy into its memory: the
+ * blocked copies of inputs that cpu_dnnl_conv keeps for the next convolution go stale. */
+void cpu_dnnl_forget(cpu_dnnl *d);
+/* Input reorders skipped so far because the blocked copy was still held (0 for NULL). */
+int64_t cpu_dnnl_reorders_saved(const cpu_dnnl *d);
+
 /* Convolutions run through oneDNN so far, and those of them by Winograd (0 for NULL). */
 int64_t cpu_dnnl_runs(const cpu_dnnl *d);
 int64_t cpu_dnnl_winograd_runs(const cpu_dnnl *d);

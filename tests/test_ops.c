@@ -808,6 +808,39 @@ static void onednn_convolutions_match_im2col(void **s) {
   }
 }
 
+/* A backward-data right after the backward-filter of the same dy reuses the blocked copy of dy the
+ * first made; any other op or copy between them, here a copy that changes dy, makes it reorder again,
+ * and dx follows the new dy (im2col's is the reference). */
+static void onednn_reuses_dy_only_back_to_back(void **s) {
+  (void)s;
+  dt_backend *fast = backend_cpu_create_with(2, DT_CPU_CONV_DIRECT), *ref = backend_cpu_create_with(2, DT_CPU_CONV_IM2COL);
+  dt_conv_geom g = {.b = 2, .c = 32, .h = 8, .w = 8, .o = 32, .k = 3, .stride = 1, .pad = 1, .ho = 8, .wo = 8};
+  int64_t nx = g.b * g.c * g.h * g.w, nw = g.o * g.c * 9, ny = g.b * g.o * g.ho * g.wo;
+  float *x = rand_floats(200, nx, -1, 1), *w = rand_floats(201, nw, -1, 1), *dy = rand_floats(202, ny, -1, 1);
+  float *dy2 = rand_floats(203, ny, -1, 1), *dw = rand_floats(204, nw, -1, 1), *dx = rand_floats(205, nx, -1, 1);
+  float *want = rand_floats(206, nx, -1, 1);
+  for (int changed = 0; changed < 2; changed++) {
+    dt_op k = {.type = DT_OP_CONV_BWD_FILTER, .p.conv_bwd_filter = {.g = g, .x = x, .dy = dy, .dw = dw}};
+    backend_run(fast, &k);
+    if (changed) fast->to_device(fast, dy, dy2, (size_t)ny * sizeof(float));
+    int64_t saved = backend_cpu_reorders_saved(fast);
+    dt_op d = {.type = DT_OP_CONV_BWD_DATA, .p.conv_bwd_data = {.g = g, .dy = dy, .w = w, .dx = dx}};
+    backend_run(fast, &d);
+    dt_op r = {.type = DT_OP_CONV_BWD_DATA, .p.conv_bwd_data = {.g = g, .dy = dy, .w = w, .dx = want}};
+    backend_run(ref, &r);
+    if (backend_cpu_reorders_saved(fast) - saved != (changed ? 0 : 1))
+      fail_msg("%s dy: %lld reorders saved", changed ? "a changed" : "the same",
+               (long long)(backend_cpu_reorders_saved(fast) - saved));
+    for (int64_t i = 0; i < nx; i++)
+      if (fabs(dx[i] - want[i]) > 1e-4 * (1 + fabs(want[i])))
+        fail_msg("%s dy: dx[%lld] = %.7g, im2col %.7g", changed ? "a changed" : "the same", (long long)i, dx[i],
+                 want[i]);
+  }
+  free(x), free(w), free(dy), free(dy2), free(dw), free(dx), free(want);
+  fast->destroy(fast);
+  ref->destroy(ref);
+}
+
 /* The CPU's tanh (a polynomial GCC vectorises, for tanh and GELU tanh): every 61st float in
  * [1e-30, 12] and its negative, within 2 ulp of tanh in double; odd, and saturating to +-1. */
 static int64_t ordered(float f) {
@@ -862,6 +895,7 @@ int main(void) {
       cmocka_unit_test(bias_grad_matches_sums),
       cmocka_unit_test(max_pool_2x2_matches_scan),
       cmocka_unit_test(onednn_convolutions_match_im2col),
+      cmocka_unit_test(onednn_reuses_dy_only_back_to_back),
       cmocka_unit_test(tanh_within_2_ulp),
   };
   return cmocka_run_group_tests_name("ops", tests, NULL, NULL);
