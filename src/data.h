@@ -31,6 +31,7 @@ typedef struct {
   int64_t y_k;     /* targets per row (mse); 0 for class labels */
   int64_t lo, hi;  /* rows held by this rank */
   void *x;         /* rows [lo, hi) in the file's type; NULL: read per batch */
+  int x_pending;   /* x is allocated but not read yet (dset_x stays open): data_fill reads it */
   int32_t *labels; /* rows [lo, hi) (cross_entropy) */
   float *targets;  /* rows [lo, hi) x y_k (mse) */
   int32_t *tokens; /* token model: row r's T+1 tokens start at tokens[(r - lo) * tok_stride] */
@@ -50,6 +51,12 @@ typedef struct {
  * The training rows held depend on sharding (see sampler.h). */
 int data_open(dt_data *d, const dt_config *cfg, const dt_model *m, int world, int rank, dt_status *st);
 void data_close(dt_data *d);
+
+/* Reads the training rows into the cache that data_open left pending (the training split's x of an
+ * image or vector model cached in host memory), so that the first step need not wait for it: the
+ * loader's thread calls it after the first batch, which it reads row by row. Nothing to do when
+ * nothing is pending. Returns 0 or st (exit 2 naming the file and dataset, as data_open's reads). */
+int data_fill(dt_data *d, dt_status *st);
 
 /* Rows idx[0..n) (absolute row numbers within [lo, hi)) of split as float (n, row_elems), with
  * labels (n * labels per row: T for a token model) or targets (n, y_k). Returns 0 or st (exit 5 on
@@ -82,13 +89,20 @@ typedef struct {
   pthread_mutex_t mu;
   pthread_cond_t cv;
   dt_status st;  /* first error seen by the thread */
+  int64_t err_seq; /* the batch (sequence number) it stopped */
+  int filling;   /* the thread has the training cache (data_fill) still to read */
   double wait_s; /* time the consumer waited in loader_next since the last reset */
 } dt_loader;
 
 void loader_start(dt_loader *L, dt_data *d, dt_sampler *s, const dt_model *m, int64_t start_epoch, int64_t start_step,
                   int64_t end_epoch, int indices_only);
-/* Next micro-batch in order; the previous one returned is released. NULL with st set on error. */
-dt_batch *loader_next(dt_loader *L, dt_status *st);
+/* Next micro-batch in order; the previous one returned is released. NULL with st set on error.
+ * ahead (a fetch to overlap work in flight): while the thread fills the training cache, a batch that
+ * is not ready yet is not waited for: NULL with st untouched, and nothing released. */
+dt_batch *loader_next(dt_loader *L, int ahead, dt_status *st);
+/* Returns once the loader's thread has filled the training cache: HDF5 here is not thread-safe, so
+ * the caller's own HDF5 calls (a checkpoint) wait for it. */
+void loader_wait_filled(dt_loader *L);
 void loader_stop(dt_loader *L);
 
 #endif

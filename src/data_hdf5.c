@@ -66,8 +66,10 @@ static int read_rows(hid_t ds, hid_t mem_type, int64_t lo, int64_t hi, int64_t r
   (void)row_elems; /* the memory space has the file's shape, which keeps HDF5 on its fast path */
   hid_t msp = H5Screate_simple(nd, count, NULL);
   if (rc >= 0) rc = H5Dread(ds, mem_type, msp, fsp, H5P_DEFAULT, buf);
+  hid_t failure = rc < 0 ? H5Eget_current_stack() : -1; /* the closes would clear it before h5_error_text */
   H5Sclose(msp);
   H5Sclose(fsp);
+  if (failure >= 0) H5Eset_current_stack(failure);
   return rc < 0 ? -1 : 0;
 }
 
@@ -158,8 +160,9 @@ out:
   return rc;
 }
 
+/* defer: leave a host-memory cache of x unread (x_pending) for data_fill. */
 static int open_split(dt_data *d, dt_split *s, const char *xkey, const char *ykey, const dt_model *m, int64_t lo_frac_r,
-                      int world, int contiguous, int cache, dt_status *st) {
+                      int world, int contiguous, int cache, int defer, dt_status *st) {
   if (m->tokens) {
     if (cache == DT_CACHE_DEVICE)
       return dt_fail(st, DT_EXIT_INPUT, "data.cache: device is not available for token models yet (use auto)");
@@ -268,7 +271,13 @@ static int open_split(dt_data *d, dt_split *s, const char *xkey, const char *yke
   size_t bytes = (size_t)rows * (size_t)s->row_elems * s->x_elem;
   int in_memory =
       cache == DT_CACHE_MEMORY || cache == DT_CACHE_DEVICE || (cache == DT_CACHE_AUTO && bytes < ((size_t)4 << 30));
-  if (in_memory) {
+  if (in_memory && defer && cache != DT_CACHE_DEVICE && rows) {
+    s->x = dt_malloc(bytes);
+    s->x_pending = 1;
+    s->dset_x = dx;
+    dx = -1;
+    d->cached = 1;
+  } else if (in_memory) {
     s->x = dt_malloc(bytes ? bytes : 1);
     hid_t mt = s->x_type == DT_X_U8 ? H5T_NATIVE_UINT8 : s->x_type == DT_X_F32 ? H5T_NATIVE_FLOAT : H5T_NATIVE_DOUBLE;
     if (rows && read_rows(dx, mt, s->lo, s->hi, s->row_elems, s->x)) {
@@ -319,14 +328,14 @@ static int open_splits(dt_data *d, const dt_config *cfg, const dt_model *m, int 
   dt_strlcpy(d->train.x_name, v->train_x, sizeof d->train.x_name);
   dt_strlcpy(d->train.y_name, v->train_y, sizeof d->train.y_name);
   if (open_split(d, &d->train, "data.train.x", "data.train.y", m, rank, world, v->sharding == DT_SHARD_CONTIGUOUS,
-                 cache, st))
+                 cache, 1, st))
     return st->code;
   d->has_val = v->val_x[0] != 0;
   if (d->has_val) {
     dt_strlcpy(d->val.x_name, v->val_x, sizeof d->val.x_name);
     dt_strlcpy(d->val.y_name, v->val_y, sizeof d->val.y_name);
     /* validation: every rank holds its contiguous 1/W */
-    if (open_split(d, &d->val, "data.val.x", "data.val.y", m, rank, world, 1, cache, st)) return st->code;
+    if (open_split(d, &d->val, "data.val.x", "data.val.y", m, rank, world, 1, cache, 0, st)) return st->code;
   }
   if (d->train.n == 0) return dt_fail(st, DT_EXIT_INPUT, "%s: '%s' is empty", d->path, d->train.x_name);
   return 0;
@@ -369,6 +378,26 @@ int data_open(dt_data *d, const dt_config *cfg, const dt_model *m, int world, in
   probe_args a = {cfg, m, world, rank};
   if (h5_probe(cfg->v.data_path, "data.path", probe_splits, &a, cfg->v.timeout_s, st)) return st->code;
   return open_splits(d, cfg, m, world, rank, cfg->v.cache, st);
+}
+
+int data_fill(dt_data *d, dt_status *st) {
+  dt_split *s = &d->train;
+  if (!s->x_pending) return 0;
+  hid_t mt = s->x_type == DT_X_U8 ? H5T_NATIVE_UINT8 : s->x_type == DT_X_F32 ? H5T_NATIVE_FLOAT : H5T_NATIVE_DOUBLE;
+  int rc = 0;
+  if (read_rows(s->dset_x, mt, s->lo, s->hi, s->row_elems, s->x)) {
+    char e[512];
+    rc = dt_fail(st, DT_EXIT_INPUT, "%s: cannot read '%s' (corrupt or unreadable file?): %s", d->path, s->x_name,
+                 h5_error_text(e, sizeof e));
+  }
+  H5Dclose(s->dset_x);
+  s->dset_x = -1;
+  s->x_pending = 0;
+  if (rc) { /* every later batch reads its rows from the file, and fails there too */
+    free(s->x);
+    s->x = NULL;
+  }
+  return rc;
 }
 
 static void split_free(dt_split *s) {
@@ -416,15 +445,16 @@ int data_gather(dt_data *d, dt_split *s, const int64_t *idx, int64_t n, float *x
     return 0;
   }
   unsigned char row[8 * 4096];
-  void *tmp =
-      s->x ? NULL
-           : (s->row_elems * (int64_t)s->x_elem <= (int64_t)sizeof row ? (void *)row
-                                                                       : dt_malloc((size_t)s->row_elems * s->x_elem));
+  int from_cache = s->x && !s->x_pending; /* pending: the first batch, read row by row */
+  void *tmp = from_cache ? NULL
+              : s->row_elems * (int64_t)s->x_elem <= (int64_t)sizeof row
+                  ? (void *)row
+                  : dt_malloc((size_t)s->row_elems * s->x_elem);
   hid_t mt = s->x_type == DT_X_U8 ? H5T_NATIVE_UINT8 : s->x_type == DT_X_F32 ? H5T_NATIVE_FLOAT : H5T_NATIVE_DOUBLE;
   for (int64_t i = 0; i < n; i++) {
     int64_t r = idx[i];
     DT_ASSERT(r >= s->lo && r < s->hi);
-    if (s->x) {
+    if (from_cache) {
       convert_row(s, (const char *)s->x + (size_t)(r - s->lo) * (size_t)s->row_elems * s->x_elem, x + i * s->row_elems);
     } else {
       if (read_rows(s->dset_x, mt, r, r + 1, s->row_elems, tmp)) {
@@ -461,10 +491,25 @@ static int fill(dt_loader *L, dt_batch *b, int64_t seq, dt_status *st) {
   return data_gather(L->data, &L->data->train, L->idx, b->count, b->x, b->labels, b->targets, st);
 }
 
+/* The training cache that data_open left pending, read by the loader's thread once the first batch
+ * is out (or there is none to make): the first step need not wait for the whole dataset. Called and
+ * returns with L->mu held. */
+static void fill_cache(dt_loader *L) {
+  pthread_mutex_unlock(&L->mu);
+  dt_status st = {0};
+  data_fill(L->data, &st);
+  pthread_mutex_lock(&L->mu);
+  if (st.code && !L->st.code) L->st = st, L->err_seq = L->next_fill; /* the batch after those made */
+  L->filling = 0;
+  pthread_cond_broadcast(&L->cv);
+}
+
 static void *loader_main(void *arg) {
   dt_loader *L = arg;
+  h5_quiet(); /* a thread-safe HDF5 keeps the error printing per thread */
   pthread_mutex_lock(&L->mu);
   for (;;) {
+    if (L->filling && !L->stop && L->next_fill > 0) fill_cache(L);
     while (!L->stop && (L->next_fill - L->next_take >= 1 || L->slots[L->next_fill % 2].ready)) {
       /* at most one batch ahead of the one the consumer holds */
       pthread_cond_wait(&L->cv, &L->mu);
@@ -474,6 +519,10 @@ static void *loader_main(void *arg) {
     int64_t e, s;
     seq_position(L, seq, &e, &s);
     if (e >= L->end_epoch) {
+      if (L->filling) { /* no batch left to make: fill for the checkpoint and evaluation that wait on it */
+        fill_cache(L);
+        continue;
+      }
       pthread_cond_wait(&L->cv, &L->mu);
       continue;
     }
@@ -482,7 +531,7 @@ static void *loader_main(void *arg) {
     dt_status st = {0};
     fill(L, b, seq, &st);
     pthread_mutex_lock(&L->mu);
-    if (st.code && !L->st.code) L->st = st;
+    if (st.code && !L->st.code) L->st = st, L->err_seq = seq;
     b->ready = 1;
     L->next_fill++;
     pthread_cond_broadcast(&L->cv);
@@ -514,12 +563,24 @@ void loader_start(dt_loader *L, dt_data *d, dt_sampler *s, const dt_model *m, in
   hbool_t safe = 0;
   H5is_library_threadsafe(&safe);
   L->threaded = d->cached || safe;
-  if (L->threaded && pthread_create(&L->thread, NULL, loader_main, L) != 0) L->threaded = 0;
+  L->filling = d->train.x_pending && L->threaded;
+  if (L->threaded && pthread_create(&L->thread, NULL, loader_main, L) != 0) L->threaded = L->filling = 0;
+  if (!L->threaded) data_fill(d, &L->st); /* here and now: no thread to do it behind the first step */
 }
 
-dt_batch *loader_next(dt_loader *L, dt_status *st) {
+void loader_wait_filled(dt_loader *L) {
+  pthread_mutex_lock(&L->mu);
+  while (L->filling) pthread_cond_wait(&L->cv, &L->mu);
+  pthread_mutex_unlock(&L->mu);
+}
+
+dt_batch *loader_next(dt_loader *L, int ahead, dt_status *st) {
   double t0 = dt_now();
   pthread_mutex_lock(&L->mu);
+  if (ahead && L->filling && !L->slots[L->next_take % 2].ready) { /* the first steps do not wait on the fill */
+    pthread_mutex_unlock(&L->mu);
+    return NULL;
+  }
   /* release the batch handed out last time */
   if (L->next_take > 0) {
     L->slots[(L->next_take - 1) % 2].ready = 0;
@@ -534,8 +595,10 @@ dt_batch *loader_next(dt_loader *L, dt_status *st) {
     L->wait_s += dt_now() - t0;
     return b;
   }
-  while (!b->ready && !L->st.code) pthread_cond_wait(&L->cv, &L->mu);
-  if (L->st.code) {
+  /* an error belongs to the batch it stopped: the batches before it are handed out first, so that
+   * every rank fails at the same step */
+  while (!b->ready && !(L->st.code && L->err_seq <= L->next_take)) pthread_cond_wait(&L->cv, &L->mu);
+  if (L->st.code && L->err_seq <= L->next_take) {
     *st = L->st;
     pthread_mutex_unlock(&L->mu);
     return NULL;

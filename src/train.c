@@ -839,10 +839,11 @@ static void queue_single(dt_trainer *T, const dev_batch *db, int64_t rows) {
 
 /* Takes the next micro-batch from the loader and queues its upload (with its dropout seed, from
  * its place in the epoch) into the next device batch; ahead: overlapping the queued work, which
- * must not use that buffer. Returns it, or NULL with st set. */
+ * must not use that buffer. Returns it, or NULL with st set; with ahead, also NULL (st untouched)
+ * while the loader still fills the training cache and the batch is not ready. */
 static dev_batch *upload_next(dt_trainer *T, int ahead, int64_t *rows, double *data_s, dt_status *st) {
   double w0 = T->L.wait_s;
-  dt_batch *b = loader_next(&T->L, st);
+  dt_batch *b = loader_next(&T->L, ahead, st);
   if (!b) return NULL;
   *data_s += T->L.wait_s - w0;
   uint64_t seed = dt_hash64(((uint64_t)T->v->seed << 32) ^ (uint64_t)(b->epoch * T->smp.steps + b->step) ^
@@ -1043,6 +1044,7 @@ static int evaluate_if_due(dt_trainer *T, int end_of_epoch, dt_train_result *res
   *new_best = 0;
   int due = end_of_epoch || (v->eval_every_steps && ts->step % v->eval_every_steps == 0) || T->stop;
   if (!T->d->has_val || T->stop_signal || !due) return 0;
+  loader_wait_filled(&T->L); /* HDF5 is the loader thread's while it fills the cache */
   dt_status st = {0};
   double vl, va, evl = 0, eva = -1, t_eval = dt_now();
   train_evaluate(T->cfg, T->m, NULL, NULL, T->d, T->comm, &vl, &va, &st);
@@ -1097,12 +1099,15 @@ static int checkpoint_if_due(dt_trainer *T, int end_of_epoch, int new_best) {
   const dt_config_values *v = T->v;
   if (!v->ckpt_dir[0]) return 0;
   int code = 0;
+  int periodic = (v->ckpt_every_steps && T->ts.step % v->ckpt_every_steps == 0) ||
+                 (end_of_epoch && v->ckpt_every_epochs && (T->epoch + 1) % v->ckpt_every_epochs == 0);
+  int step_due = periodic || T->ckpt_asked || T->stop || T->ts.step == T->total;
+  if ((new_best && v->ckpt_best) || step_due)
+    loader_wait_filled(&T->L); /* HDF5 is the loader thread's while it fills the cache */
   if (new_best && v->ckpt_best &&
       (code = save_checkpoint(T->cfg, T->m, &T->opt, &T->ema, &T->ts, T->comm, &T->scratch, 1, &T->lg)))
     return code;
-  int periodic = (v->ckpt_every_steps && T->ts.step % v->ckpt_every_steps == 0) ||
-                 (end_of_epoch && v->ckpt_every_epochs && (T->epoch + 1) % v->ckpt_every_epochs == 0);
-  if (periodic || T->ckpt_asked || T->stop || T->ts.step == T->total) {
+  if (step_due) {
     code = save_checkpoint(T->cfg, T->m, &T->opt, &T->ema, &T->ts, T->comm, &T->scratch, 0, &T->lg);
     if (!code) T->snap.ckpt_step = T->ts.step, T->snap.ckpt_time = dt_now();
   }

@@ -95,6 +95,38 @@ class Smoke(unittest.TestCase):
             w.cleanup()
 
 
+
+class BackgroundCache(unittest.TestCase):
+    """The training images are read into memory by the loader's thread after the first batch, which it
+    reads row by row, so the first step never waits for the whole dataset. A corrupt chunk in the middle
+    of the images (neither the first nor the last row, which data_open's probe reads) therefore ends the
+    run after step 1 trained, with exit 2 naming the file and the dataset, on both ranks at the same step."""
+
+    def test_a_corrupt_chunk_is_found_behind_the_first_step(self):
+        w = Workdir()
+        try:
+            data = w.dataset(n=400)
+            with h5py.File(data, "a") as f:
+                x = f["train/images"][...]
+                del f["train/images"]
+                f.create_dataset("train/images", data=x, chunks=(10,) + x.shape[1:], compression="gzip")
+            with h5py.File(data, "r") as f:
+                chunk = f["train/images"].id.get_chunk_info_by_coord((150, 0, 0, 0))
+            with open(data, "r+b") as f:
+                f.seek(chunk.byte_offset)
+                f.write(b"\xff" * chunk.size)
+            cfg = w.config(TINY_CNN)
+            rc, out, err = run([cfg, "--set", "data.shuffle=false"], np_=2)
+            self.assertEqual(rc, 2, out + err)
+            lines = errors(err)
+            self.assertTrue(lines, err)
+            for line in lines:
+                self.assertIn(f"{data}: cannot read '/train/images' (corrupt or unreadable file?)", line)
+            steps = [r["step"] for r in w.metrics() if "loss" in r]
+            self.assertEqual(steps, [1], out + err)
+        finally:
+            w.cleanup()
+
 EQUIV = """\
 model:
   input: [{channels}, 5, 5]
