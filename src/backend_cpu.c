@@ -921,11 +921,17 @@ VECTOR_CLONES static void op_softmax_fwd(cpu_impl *im, const dt_op *op) {
     float *y = q->y + r * t;
     int64_t valid = softmax_valid(r, t, q->causal);
     float mx = -INFINITY;
-    for (int64_t j = 0; j < valid; j++) mx = fmaxf(mx, q->scale * x[j]);
+    for (int64_t j = 0; j < valid; j++) { /* fmaxf's choice (NaN ignored) without its call */
+      float v = q->scale * x[j];
+      mx = v > mx ? v : mx;
+    }
     double s = 0;
-    for (int64_t j = 0; j < valid; j++) s += expf(q->scale * x[j] - mx);
+    for (int64_t j = 0; j < valid; j++) { /* each exp once: kept in y, then scaled */
+      y[j] = expf(q->scale * x[j] - mx);
+      s += y[j];
+    }
     float inv = (float)(1.0 / s);
-    for (int64_t j = 0; j < valid; j++) y[j] = expf(q->scale * x[j] - mx) * inv;
+    for (int64_t j = 0; j < valid; j++) y[j] *= inv;
     for (int64_t j = valid; j < t; j++) y[j] = 0.0f;
   }
 }
