@@ -53,8 +53,10 @@ endif
 # format-truncation: messages are cut to bounded buffers on purpose; no-trapping-math: floating point
 # never traps here (no FP exceptions enabled), so loops with a select (tanh_vec) vectorise;
 # fp-contract=off: no multiply-add is fused behind our back (with -march=native), so a value that
-# forward and backward both compute (batchnorm's z for the fused relu's mask) rounds the same in both
-override CFLAGS += -std=gnu11 -fno-trapping-math -ffp-contract=off -Wall -Wextra -Werror -Wno-format-truncation -fopenmp -pthread $(PKG_CFLAGS) -I$(OPENBLAS_INC) -Isrc
+# forward and backward both compute (batchnorm's z for the fused relu's mask) rounds the same in both;
+# no-math-errno: nothing here reads errno after a math function, and sqrtf that may set it cannot
+# vectorise (AdamW's update); results are the same bits
+override CFLAGS += -std=gnu11 -fno-trapping-math -fno-math-errno -ffp-contract=off -Wall -Wextra -Werror -Wno-format-truncation -fopenmp -pthread $(PKG_CFLAGS) -I$(OPENBLAS_INC) -Isrc
 LDLIBS = $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -ldnnl -lgomp -lpthread -lm
 
 SRCS := common.c yaml_tree.c keys.c config.c model.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \

@@ -647,18 +647,25 @@ VECTOR_CLONES static void op_sgd(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.sgd) *q = &op->p.sgd;
   if (q->skip && *q->skip > 0) return;
-  float lr = q->hyper[0];
-  int first = q->hyper[1] != 0.0f;
+  /* the fields in locals: a store through a float pointer could change a float field of *q, so the
+   * loops below would reload them every element and not vectorise */
+  const float lr = q->hyper[0], wd = q->weight_decay, momentum = q->momentum;
+  const int first = q->hyper[1] != 0.0f, nesterov = q->nesterov;
+  const float *restrict grad = q->grad;
+  float *restrict param = q->param, *restrict mom = q->mom;
   /* PyTorch's SGD: g += wd*p; buf = momentum*buf + g (buf = g at first); nesterov: g += momentum*buf */
+  if (momentum > 0) {
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < q->n; i++) {
-    float g = q->grad[i] + q->weight_decay * q->param[i];
-    if (q->momentum > 0) {
-      float buf = first ? g : q->momentum * q->mom[i] + g;
-      q->mom[i] = buf;
-      g = q->nesterov ? g + q->momentum * buf : buf;
+    for (int64_t i = 0; i < q->n; i++) {
+      float g = grad[i] + wd * param[i];
+      float buf = first ? g : momentum * mom[i] + g;
+      mom[i] = buf;
+      g = nesterov ? g + momentum * buf : buf;
+      param[i] -= lr * g;
     }
-    q->param[i] -= lr * g;
+  } else {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < q->n; i++) param[i] -= lr * (grad[i] + wd * param[i]);
   }
 }
 
@@ -666,23 +673,30 @@ VECTOR_CLONES static void op_adamw(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.adamw) *q = &op->p.adamw;
   if (q->skip && *q->skip > 0) return;
-  float lr = q->hyper[0], step_size = q->hyper[1], bc2_sqrt = q->hyper[2];
+  /* the fields in locals, as op_sgd's */
+  const float lr = q->hyper[0], step_size = q->hyper[1], bc2_sqrt = q->hyper[2];
+  const float decay = 1.0f - lr * q->weight_decay, beta1 = q->beta1, beta2 = q->beta2, eps = q->eps;
+  const float rest1 = 1.0f - beta1, rest2 = 1.0f - beta2;
+  const float *restrict grad = q->grad;
+  float *restrict param = q->param, *restrict m = q->m, *restrict v = q->v;
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < q->n; i++) {
-    float g = q->grad[i];
-    q->param[i] *= 1.0f - lr * q->weight_decay;
-    q->m[i] = q->beta1 * q->m[i] + (1.0f - q->beta1) * g;
-    q->v[i] = q->beta2 * q->v[i] + (1.0f - q->beta2) * g * g;
-    float denom = sqrtf(q->v[i]) / bc2_sqrt + q->eps;
-    q->param[i] -= step_size * q->m[i] / denom;
+    float g = grad[i], p = param[i] * decay;
+    float mi = beta1 * m[i] + rest1 * g, vi = beta2 * v[i] + rest2 * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    float denom = sqrtf(vi) / bc2_sqrt + eps;
+    param[i] = p - step_size * mi / denom;
   }
 }
 
 static void op_scale(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.scale) *q = &op->p.scale;
+  const float alpha = q->alpha;
+  float *restrict x = q->x;
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < q->n; i++) q->x[i] *= q->alpha;
+  for (int64_t i = 0; i < q->n; i++) x[i] *= alpha;
 }
 
 VECTOR_CLONES static void op_sumsq(cpu_impl *im, const dt_op *op) {
@@ -690,13 +704,14 @@ VECTOR_CLONES static void op_sumsq(cpu_impl *im, const dt_op *op) {
   const typeof(op->p.sumsq) *q = &op->p.sumsq;
   double acc = 0;
   int64_t bad = 0;
-#pragma omp parallel for reduction(+ : acc, bad) schedule(static)
+  const float *restrict x = q->x;
+  /* simd: the sum in a fixed vector order (repeatable for a build and CPU), branch-free */
+#pragma omp parallel for simd reduction(+ : acc, bad) schedule(static)
   for (int64_t i = 0; i < q->n; i++) {
-    float v = q->x[i];
-    if (!isfinite(v))
-      bad++;
-    else
-      acc += (double)v * v;
+    float v = x[i];
+    int finite = isfinite(v);
+    bad += !finite;
+    acc += finite ? (double)v * v : 0.0;
   }
   q->out[0] += acc;
   q->out[1] += (double)bad;
@@ -710,8 +725,8 @@ VECTOR_CLONES static void op_input(cpu_impl *im, const dt_op *op) {
     for (int64_t c = 0; c < q->c; c++) {
       const float *r = q->raw + (b * q->c + c) * q->s;
       float *x = q->x + (b * q->c + c) * q->s;
-      float m = q->mean ? q->mean[c] : 0.0f, inv = q->std ? 1.0f / q->std[c] : 1.0f;
-      for (int64_t s = 0; s < q->s; s++) x[s] = (r[s] * q->scale - m) * inv;
+      float m = q->mean ? q->mean[c] : 0.0f, inv = q->std ? 1.0f / q->std[c] : 1.0f, scale = q->scale;
+      for (int64_t s = 0; s < q->s; s++) x[s] = (r[s] * scale - m) * inv;
     }
 }
 
