@@ -11,7 +11,7 @@
 
 /* The one declaration of every config key. Order is the order of docs and of the effective dump. */
 static const dt_key config_keys[] = {
-    {"model.input", DT_KEY_INTS, F(input), NULL, 1, BIG, NULL, "input shape per sample: [C,H,W], [H,W] or [D]"},
+    {"model.input", DT_KEY_INTS, F(input), NULL, 1, 1e9, NULL, "input shape per sample: [C,H,W], [H,W] or [D]"},
     {"model.layers", DT_KEY_NODE, F(layers), NULL, NOB, NULL,
      "list of one-key maps, e.g. `- conv2d: {out: 32, kernel: 3}` (see Layers)"},
     {"model.loss", DT_KEY_NODE, F(loss), "cross_entropy", NOB, NULL,

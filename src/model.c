@@ -23,13 +23,30 @@ void shape_text(dt_shape s, char *buf, size_t cap) {
     snprintf(buf, cap, "(%lld, %lld, %lld)", (long long)s.c, (long long)s.h, (long long)s.w);
 }
 
+static int product_fits(int n, const int64_t *v) {
+  int64_t p = 1;
+  for (int i = 0; i < n; i++)
+    if (v[i] < 0 || __builtin_mul_overflow(p, v[i], &p) || p > DT_MAX_ELEMENTS) return 0;
+  return 1;
+}
+
+int shape_fits(dt_shape s) {
+  const int64_t v[3] = {s.c, s.h, s.w};
+  return product_fits(3, v);
+}
+
 void layer_add_tensor(dt_layer *l, const char *name, int is_buffer, int ndim, const int64_t *dims) {
   DT_ASSERT(l->n_tensors < 4);
   dt_tensor *t = &l->tensors[l->n_tensors++];
   snprintf(t->name, sizeof t->name, "%s.%s", l->name, name);
   t->ndim = ndim;
   t->count = 1;
-  for (int i = 0; i < ndim; i++) t->count *= (t->dims[i] = dims[i]);
+  for (int i = 0; i < ndim; i++) t->dims[i] = dims[i];
+  if (!product_fits(ndim, dims)) { /* seq_add refuses the layer */
+    l->too_large = 1;
+    t->count = 0;
+  }
+  for (int i = 0; i < ndim && !l->too_large; i++) t->count *= dims[i];
   t->is_buffer = is_buffer;
   /* offsets are relative to the layer until model_build lays the flat buffers out */
   if (is_buffer) {
@@ -120,6 +137,9 @@ static int seq_add(dt_model *m, dt_seq *s, const dt_node *item, int i, dt_shape 
   snprintf(kp, sizeof kp, "%s[%d] %s: ", what, i, kind);
   if (keys_read(ops->keys, ops->n_keys, &l->args, params, item, kp, "parameter", st)) return st->code;
   if (ops->setup(m, l, st)) return st->code;
+  if (l->too_large || !shape_fits(l->out))
+    return dt_fail(st, DT_EXIT_INPUT, "%s: layer %s %s: %s would have more than 2^40 elements", l->where,
+                   l->name, kind, l->too_large ? "a tensor" : "output per sample");
   *cur = l->out;
   return 0;
 }
@@ -197,6 +217,8 @@ int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
   m->has_std = v->std.n > 0;
   for (int c = 0; c < v->mean.n && c < DT_MAX_LIST; c++) m->in_mean[c] = (float)v->mean.v[c];
   for (int c = 0; c < v->std.n && c < DT_MAX_LIST; c++) m->in_std[c] = (float)v->std.v[c];
+  if (!shape_fits(m->input))
+    return dt_fail(st, DT_EXIT_INPUT, "%s: model.input: more than 2^40 elements per sample", cfg->path);
   if (seq_build(m, &m->top, cfg->v.layers, m->input, "", "model.layers", st)) return st->code;
   if (cfg->v.fuse) fuse_seq(&m->top);
   if (loss_parse(&m->loss, cfg->v.loss, st)) return st->code;

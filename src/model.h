@@ -23,6 +23,11 @@ typedef struct {
 static inline int64_t shape_size(dt_shape s) {
   return s.c * s.h * s.w;
 }
+/* The most elements a sample's shape or a tensor may have (4 TiB of floats): model_build refuses
+ * more with exit 2, so that no size computed from the config overflows. */
+#define DT_MAX_ELEMENTS ((int64_t)1 << 40)
+/* 1 when c * h * w is at most DT_MAX_ELEMENTS (computed without overflow). */
+int shape_fits(dt_shape s);
 void shape_text(dt_shape s, char *buf, size_t cap); /* "(32, 28, 28)" */
 
 /* Parameters of any layer kind; each kind declares the keys it accepts. */
@@ -96,6 +101,7 @@ struct dt_layer {
   dt_layer *tied;        /* linear{tie}: the embedding whose token matrix it uses (borrowed) */
   int fused_relu;        /* batchnorm: applies the relu that follows it (model.fuse) */
   dt_layer *fused_into;  /* relu: the batchnorm that applies it; y and dy are that layer's (borrowed) */
+  int too_large;         /* layer_add_tensor got a tensor of more than DT_MAX_ELEMENTS */
   void *priv;            /* per-kind state */
 };
 

@@ -115,7 +115,7 @@ static void list_items_are_checked(void **state) {
   dt_status st;
   const char *text = "model:\n  input: [1, x, 4]\n  layers: [flatten]\ndata: {path: a.h5}\ntrain: {batch_size: 2}\n";
   assert_int_equal(load_err(text, NULL, 0, &st), DT_EXIT_INPUT);
-  assert_contains(st.msg, ":2:14: model.input[1]: expected an integer >= 1, got x");
+  assert_contains(st.msg, ":2:14: model.input[1]: expected an integer in [1, 1e+09], got x");
   text = "model:\n  input: 5\n  layers: [flatten]\ndata: {path: a.h5}\ntrain: {batch_size: 2}\n";
   assert_int_equal(load_err(text, NULL, 0, &st), DT_EXIT_INPUT);
   assert_contains(st.msg, "model.input: expected a list of integers, got 5");

@@ -124,6 +124,16 @@ static void shape_errors_name_layer_and_shapes(void **state) {
   assert_contains(st.msg, "the last layer outputs (1, 4, 4); the loss needs a vector");
   assert_int_equal(build_err("  input: [4]\n  layers: [{linear: {out: 1}}]\n", &st), DT_EXIT_INPUT);
   assert_contains(st.msg, "cross_entropy needs at least 2 outputs");
+  /* sizes past 2^40 elements, refused before any product of them can overflow (found by fuzz_config) */
+  assert_int_equal(build_err("  input: [1000000000, 1000000000, 1000000000]\n  layers: [flatten]\n", &st),
+                   DT_EXIT_INPUT);
+  assert_contains(st.msg, "model.input: more than 2^40 elements per sample");
+  assert_int_equal(build_err("  input: [1000000]\n  layers: [{linear: {out: 1000000000}}]\n", &st), DT_EXIT_INPUT);
+  assert_contains(st.msg, "layer 0 linear: a tensor would have more than 2^40 elements");
+  assert_int_equal(
+      build_err("  input: [1, 1048576, 1048576]\n  layers: [{conv2d: {out: 2, kernel: 1}}, flatten]\n", &st),
+      DT_EXIT_INPUT);
+  assert_contains(st.msg, "layer 0 conv2d: output per sample would have more than 2^40 elements");
 }
 
 static void unknown_layers_and_parameters_suggest(void **state) {
