@@ -118,6 +118,7 @@ static void col2im(const dt_conv_geom *g, const float *col, float *dx) {
  * serially inside a parallel region), so one sample's columns stay in cache. */
 static void conv_fwd(cpu_impl *im, const dt_conv_geom *g, const float *x, const float *w, float *y) {
   if (im->dnnl && cpu_dnnl_conv(im->dnnl, CPU_DNNL_FWD, g, x, w, y)) return;
+  cpu_dnnl_forget(im->dnnl); /* y may be a buffer oneDNN holds a blocked copy of */
   const int64_t ckk = g->c * g->k * g->k, hw = g->ho * g->wo;
   grow_all(im->col, &im->col_bytes, (size_t)(ckk * hw) * sizeof(float), im->threads);
 #pragma omp parallel for schedule(static)
@@ -132,6 +133,7 @@ static void conv_fwd(cpu_impl *im, const dt_conv_geom *g, const float *x, const 
 
 static void conv_bwd_data(cpu_impl *im, const dt_conv_geom *g, const float *dy, const float *w, float *dx) {
   if (im->dnnl && cpu_dnnl_conv(im->dnnl, CPU_DNNL_BWD_DATA, g, dy, w, dx)) return;
+  cpu_dnnl_forget(im->dnnl);
   const int64_t ckk = g->c * g->k * g->k, hw = g->ho * g->wo;
   grow_all(im->col, &im->col_bytes, (size_t)(ckk * hw) * sizeof(float), im->threads);
 #pragma omp parallel for schedule(static)
@@ -146,6 +148,7 @@ static void conv_bwd_data(cpu_impl *im, const dt_conv_geom *g, const float *dy, 
 
 static void conv_bwd_filter(cpu_impl *im, const dt_conv_geom *g, const float *x, const float *dy, float *dw) {
   if (im->dnnl && cpu_dnnl_conv(im->dnnl, CPU_DNNL_BWD_FILTER, g, x, dy, dw)) return;
+  cpu_dnnl_forget(im->dnnl);
   const int64_t ckk = g->c * g->k * g->k, hw = g->ho * g->wo, nw = g->o * ckk;
   grow_all(im->col, &im->col_bytes, (size_t)(ckk * hw) * sizeof(float), im->threads);
   grow_all(im->dw, &im->dw_bytes, (size_t)nw * sizeof(float), im->threads);
@@ -700,21 +703,34 @@ static void op_scale(cpu_impl *im, const dt_op *op) {
 }
 
 VECTOR_CLONES static void op_sumsq(cpu_impl *im, const dt_op *op) {
-  (void)im;
   const typeof(op->p.sumsq) *q = &op->p.sumsq;
-  double acc = 0;
-  int64_t bad = 0;
   const float *restrict x = q->x;
-  /* simd: the sum in a fixed vector order (repeatable for a build and CPU), branch-free */
-#pragma omp parallel for simd reduction(+ : acc, bad) schedule(static)
-  for (int64_t i = 0; i < q->n; i++) {
-    float v = x[i];
-    int finite = isfinite(v);
-    bad += !finite;
-    acc += finite ? (double)v * v : 0.0;
+  /* Each thread sums its own fixed range (branch-free, in a fixed vector order) and the partial sums
+   * are added in thread order: the same bits on every run with the same threads, which an OpenMP
+   * reduction (combined as threads arrive) does not promise. The norm scales every clipped update. */
+  enum { MAX_PARTS = 256 };
+  double acc[MAX_PARTS] = {0};
+  int64_t bad[MAX_PARTS] = {0};
+  int parts = im->threads < MAX_PARTS ? im->threads : MAX_PARTS;
+#pragma omp parallel for schedule(static, 1) num_threads(parts)
+  for (int t = 0; t < parts; t++) {
+    int64_t lo = q->n * t / parts, hi = q->n * (t + 1) / parts;
+    double a = 0;
+    int64_t b = 0;
+#pragma omp simd reduction(+ : a, b)
+    for (int64_t i = lo; i < hi; i++) {
+      float v = x[i];
+      int finite = isfinite(v);
+      b += !finite;
+      a += finite ? (double)v * v : 0.0;
+    }
+    acc[t] = a;
+    bad[t] = b;
   }
-  q->out[0] += acc;
-  q->out[1] += (double)bad;
+  for (int t = 0; t < parts; t++) {
+    q->out[0] += acc[t];
+    q->out[1] += (double)bad[t];
+  }
 }
 
 VECTOR_CLONES static void op_input(cpu_impl *im, const dt_op *op) {

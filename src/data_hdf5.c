@@ -393,11 +393,7 @@ int data_fill(dt_data *d, dt_status *st) {
   H5Dclose(s->dset_x);
   s->dset_x = -1;
   s->x_pending = 0;
-  if (rc) { /* every later batch reads its rows from the file, and fails there too */
-    free(s->x);
-    s->x = NULL;
-  }
-  return rc;
+  return rc; /* on failure the loader makes no more batches */
 }
 
 static void split_free(dt_split *s) {
@@ -492,8 +488,7 @@ static int fill(dt_loader *L, dt_batch *b, int64_t seq, dt_status *st) {
 }
 
 /* The training cache that data_open left pending, read by the loader's thread once the first batch
- * is out (or there is none to make): the first step need not wait for the whole dataset. Called and
- * returns with L->mu held. */
+ * is out: the first step need not wait for the whole dataset. Called and returns with L->mu held. */
 static void fill_cache(dt_loader *L) {
   pthread_mutex_unlock(&L->mu);
   dt_status st = {0};
@@ -509,7 +504,16 @@ static void *loader_main(void *arg) {
   h5_quiet(); /* a thread-safe HDF5 keeps the error printing per thread */
   pthread_mutex_lock(&L->mu);
   for (;;) {
-    if (L->filling && !L->stop && L->next_fill > 0) fill_cache(L);
+    if (L->st.code) { /* no batch after a failed one, no fill, and no more HDF5 calls here */
+      L->filling = 0;
+      pthread_cond_broadcast(&L->cv);
+      while (!L->stop) pthread_cond_wait(&L->cv, &L->mu);
+      break;
+    }
+    if (L->filling && !L->stop && L->next_fill > 0) {
+      fill_cache(L);
+      continue;
+    }
     while (!L->stop && (L->next_fill - L->next_take >= 1 || L->slots[L->next_fill % 2].ready)) {
       /* at most one batch ahead of the one the consumer holds */
       pthread_cond_wait(&L->cv, &L->mu);
@@ -519,9 +523,9 @@ static void *loader_main(void *arg) {
     int64_t e, s;
     seq_position(L, seq, &e, &s);
     if (e >= L->end_epoch) {
-      if (L->filling) { /* no batch left to make: fill for the checkpoint and evaluation that wait on it */
-        fill_cache(L);
-        continue;
+      if (L->filling) { /* no batch left to make (a finished run resumed): the cache is not needed */
+        L->filling = 0;
+        pthread_cond_broadcast(&L->cv);
       }
       pthread_cond_wait(&L->cv, &L->mu);
       continue;
@@ -589,6 +593,10 @@ dt_batch *loader_next(dt_loader *L, int ahead, dt_status *st) {
   dt_batch *b = &L->slots[L->next_take % 2];
   if (!L->threaded) {
     pthread_mutex_unlock(&L->mu);
+    if (L->st.code) { /* loader_start's fill failed */
+      *st = L->st;
+      return NULL;
+    }
     if (fill(L, b, L->next_take, st)) return NULL;
     b->ready = 1;
     L->next_fill = ++L->next_take;
