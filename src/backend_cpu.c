@@ -118,7 +118,6 @@ static void col2im(const dt_conv_geom *g, const float *col, float *dx) {
  * serially inside a parallel region), so one sample's columns stay in cache. */
 static void conv_fwd(cpu_impl *im, const dt_conv_geom *g, const float *x, const float *w, float *y) {
   if (im->dnnl && cpu_dnnl_conv(im->dnnl, CPU_DNNL_FWD, g, x, w, y)) return;
-  cpu_dnnl_forget(im->dnnl); /* y may be a buffer oneDNN holds a blocked copy of */
   const int64_t ckk = g->c * g->k * g->k, hw = g->ho * g->wo;
   grow_all(im->col, &im->col_bytes, (size_t)(ckk * hw) * sizeof(float), im->threads);
 #pragma omp parallel for schedule(static)
@@ -133,7 +132,6 @@ static void conv_fwd(cpu_impl *im, const dt_conv_geom *g, const float *x, const 
 
 static void conv_bwd_data(cpu_impl *im, const dt_conv_geom *g, const float *dy, const float *w, float *dx) {
   if (im->dnnl && cpu_dnnl_conv(im->dnnl, CPU_DNNL_BWD_DATA, g, dy, w, dx)) return;
-  cpu_dnnl_forget(im->dnnl);
   const int64_t ckk = g->c * g->k * g->k, hw = g->ho * g->wo;
   grow_all(im->col, &im->col_bytes, (size_t)(ckk * hw) * sizeof(float), im->threads);
 #pragma omp parallel for schedule(static)
@@ -148,7 +146,6 @@ static void conv_bwd_data(cpu_impl *im, const dt_conv_geom *g, const float *dy, 
 
 static void conv_bwd_filter(cpu_impl *im, const dt_conv_geom *g, const float *x, const float *dy, float *dw) {
   if (im->dnnl && cpu_dnnl_conv(im->dnnl, CPU_DNNL_BWD_FILTER, g, x, dy, dw)) return;
-  cpu_dnnl_forget(im->dnnl);
   const int64_t ckk = g->c * g->k * g->k, hw = g->ho * g->wo, nw = g->o * ckk;
   grow_all(im->col, &im->col_bytes, (size_t)(ckk * hw) * sizeof(float), im->threads);
   grow_all(im->dw, &im->dw_bytes, (size_t)nw * sizeof(float), im->threads);

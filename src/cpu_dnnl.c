@@ -248,7 +248,10 @@ static void run(cpu_dnnl *d, dnnl_primitive_t p, int n, const dnnl_exec_arg_t *a
 
 int cpu_dnnl_conv(cpu_dnnl *d, int kind, const dt_conv_geom *g, const float *a, const float *b, float *out) {
   conv_entry *e = entry_find(d, kind, g);
-  if (!e || !e->supported) return 0;
+  if (!e || !e->supported) {
+    cpu_dnnl_forget(d); /* the caller's own convolution writes out, which a held copy may be of */
+    return 0;
+  }
   size_t nw = (size_t)(g->o * g->c * g->k * g->k);
   if (kind == CPU_DNNL_BWD_FILTER && d->dw_bytes < nw * sizeof(float)) {
     free(d->dw);

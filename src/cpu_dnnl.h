@@ -17,7 +17,8 @@ void cpu_dnnl_destroy(cpu_dnnl *d);
  *   CPU_DNNL_FWD:        a = x, b = w, out = y  (y overwritten)
  *   CPU_DNNL_BWD_DATA:   a = dy, b = w, out = dx (dx overwritten)
  *   CPU_DNNL_BWD_FILTER: a = x, b = dy, out = dw (dw += the filter gradient)
- * Returns 1 when done, 0 when oneDNN has no implementation for this geometry (nothing written). */
+ * Returns 1 when done, 0 when oneDNN has no implementation for this geometry (nothing written; the
+ * held blocked copies are forgotten, as the caller then writes `out` itself). */
 int cpu_dnnl_conv(cpu_dnnl *d, int kind, const dt_conv_geom *g, const float *a, const float *b, float *out);
 
 /* The backend calls this before any op but a convolution, and any copy into its memory: the
