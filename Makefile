@@ -63,7 +63,14 @@ SRCS := common.c yaml_tree.c keys.c config.c model.c layer_dense.c layer_conv.c 
         layer_activation.c layer_residual.c layer_embedding.c layer_attention.c loss.c backend_cpu.c cpu_dnnl.c comm_mpi.c sampler.c data_hdf5.c optim.c \
         optim_sgd.c optim_adamw.c ema.c \
         checkpoint.c log.c train.c signals.c fault.c h5util.c monitor.c
-CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=compute_90
+# Turing (7.5, CUDA 13's oldest), Ampere (8.0; 8.6 and 8.9 run it), Hopper, and PTX that the driver
+# compiles for later GPUs. The binary refuses a GPU with no code here (exit 2): gpu_build_runs_on.
+CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_75,code=sm_75 \
+             -gencode arch=compute_90,code=compute_90
+comma := ,
+CUDA_CODES := $(subst $(comma), ,$(subst [, ,$(subst ], ,$(CUDA_ARCH))))
+CUDA_SASS := $(sort $(patsubst code=sm_%,%,$(filter code=sm_%,$(CUDA_CODES))) $(patsubst sm_%,%,$(filter sm_%,$(CUDA_CODES))))
+CUDA_PTX := $(sort $(patsubst code=compute_%,%,$(filter code=compute_%,$(CUDA_CODES))) $(patsubst compute_%,%,$(filter compute_%,$(filter-out arch=%,$(CUDA_CODES)))))
 NVCCFLAGS ?= -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra,-Werror
 # With CUDA the GPU code (GPU_SRCS and kernels/) is a library of its own, libddp_train_cuda.so
 # beside the binary, linked against cuDNN, cuBLAS, cudart and NCCL and loaded on the first GPU use
@@ -72,7 +79,7 @@ NVCCFLAGS ?= -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra,-Werror
 ifeq ($(CUDA),1)
   SRCS += gpu_plugin.c
   GPU_SRCS := gpu_cuda.c backend_cuda.c comm_nccl.c
-  override CFLAGS += -I$(CUDA_HOME)/include -Ikernels -DDT_WITH_CUDA=1
+  override CFLAGS += -I$(CUDA_HOME)/include -Ikernels -DDT_WITH_CUDA=1 '-DDT_CUDA_SASS="$(CUDA_SASS)"' '-DDT_CUDA_PTX="$(CUDA_PTX)"'
   LDLIBS += -ldl -rdynamic
   CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudnn -lcublas -lcudart -lnccl -lstdc++ -ldl
   KERNEL_OBJS := $(patsubst kernels/%.cu,$(BUILD)/kernels/%.o,$(wildcard kernels/*.cu))
@@ -92,6 +99,11 @@ DIRECT_OBJS := $(filter-out $(BUILD)/gpu_plugin.o,$(HOST_OBJS)) $(GPU_SRCS:%.c=$
 SIM := $(if $(SAN),$(BUILD)/sim,build/sim)
 SIM_CXXFLAGS := -O2 -g $(SAN_FLAGS) -std=c++17 -ffp-contract=off -fPIC -pthread -Wall -Wextra -Werror -I$(CUDA_HOME)/include \
                 -I$(OPENBLAS_INC) -Itests/gpusim
+# Kernels for the stand-in carry GCC's ThreadSanitizer instrumentation (compile only: no TSan runtime
+# is linked): every load and store calls the stand-in's hook, which records the bytes each kernel
+# reads and writes for its hazard checker between streams (tests/gpusim/hazard.cc). ASan cannot be
+# combined with it, so the sanitizer builds check library calls and copies only.
+SIM_TRACE := $(if $(SAN),,-fsanitize=thread --param tsan-instrument-func-entry-exit=0)
 SIM_LIB_OBJS := $(patsubst tests/gpusim/%.cc,$(SIM)/gpusim/%.o,$(wildcard tests/gpusim/*.cc))
 SIM_KERNEL_OBJS := $(patsubst kernels/%.cu,$(SIM)/kernels/%.o,$(wildcard kernels/*.cu))
 SIM_HEADERS := $(wildcard tests/gpusim/*.h)
@@ -193,7 +205,7 @@ $(SIM)/libnvidia-ml.so.1: tests/gpusim/nvml.c $(SIM)/libgpusim.so
 # kernels/*.cu as C++ against the device-emulation header
 $(SIM)/kernels/%.o: kernels/%.cu kernels/*.h kernels/*.cuh src/hash.h $(SIM_HEADERS)
 	@mkdir -p $(SIM)/kernels
-	$(CXX) -x c++ $(SIM_CXXFLAGS) -include tests/gpusim/gpusim_device.h -Ikernels -Isrc -c -o $@ $<
+	$(CXX) -x c++ $(SIM_CXXFLAGS) $(SIM_TRACE) -include tests/gpusim/gpusim_device.h -Ikernels -Isrc -c -o $@ $<
 
 $(SIM)/ddp_train: $(HOST_OBJS) $(BUILD)/main.o $(SIM)/libddp_train_cuda.so $(SIM)/libnvidia-ml.so.1
 	$(CC) $(CFLAGS) -o $@ $(HOST_OBJS) $(BUILD)/main.o $(SIM_LDLIBS) -ldl -rdynamic -Wl,-rpath,'$$ORIGIN'
@@ -210,8 +222,8 @@ $(SIM)/tests/test_gpu: tests/test_gpu.c $(DIRECT_OBJS) $(SIM_KERNEL_OBJS) tests/
 # the stand-in's own checks: deliberately broken kernels and call sequences beside correct ones
 $(SIM)/tests/test_gpusim: tests/gpusim/test_gpusim.cu kernels/common.cuh $(SIM_HEADERS) $(SIM)/libgpusim.so
 	@mkdir -p $(SIM)/tests
-	$(CXX) -x c++ $(SIM_CXXFLAGS) -include tests/gpusim/gpusim_device.h -Ikernels -Isrc -o $@ $< \
-	  -L$(SIM) -lgpusim -lcmocka -Wl,-rpath,'$$ORIGIN/..'
+	$(CXX) -x c++ $(SIM_CXXFLAGS) $(SIM_TRACE) -include tests/gpusim/gpusim_device.h -Ikernels -Isrc -c -o $@.o $<
+	$(CXX) $(SIM_CXXFLAGS) -o $@ $@.o -L$(SIM) -lgpusim -lcmocka -Wl,-rpath,'$$ORIGIN/..'
 
 $(SIM)/tests/test_gpusim_nccl: tests/gpusim/test_gpusim_nccl.c $(SIM_HEADERS) $(SIM)/libgpusim.so
 	@mkdir -p $(SIM)/tests

@@ -137,14 +137,14 @@ typedef struct {
       const float *x, *dy, *mean, *invstd;
       const float *gamma, *beta; /* (C): read when relu */
       double *sums;              /* (2C): sum_dy(c), sum_dy_xhat(c), written */
-      float *dgamma, *dbeta; /* (C): the local sums added (the gradient allreduce sums them) */
+      float *dgamma, *dbeta;     /* (C): the local sums added (the gradient allreduce sums them) */
     } bn_bwd_stats;
     struct {
       int64_t b, c, s;
       int relu;            /* as bn_bwd_stats */
       const double *count; /* the forward's count (sums[2C] of bn_stats): global when statistics were */
       const float *x, *dy, *mean, *invstd, *gamma;
-      const float *beta; /* (C): read when relu */
+      const float *beta;  /* (C): read when relu */
       const double *sums; /* (2C) of bn_bwd_stats, reduced over ranks when sync */
       float *dx;
     } bn_bwd_apply;
@@ -369,6 +369,9 @@ struct dt_backend {
   void (*graph_free)(dt_backend *be, void *graph);
   void (*sync)(dt_backend *be);
   void (*destroy)(dt_backend *be);
+  /* What the backend chose since the last call, a line each, for the log (CUDA: each new
+   * convolution's cuDNN algorithms), or NULL; the caller frees it. NULL where it has none. */
+  char *(*take_notes)(dt_backend *be);
   int threads;
   int host_memory;    /* buffers are host memory (CPU): MPI can use them directly */
   void *stream;       /* the backend's work queue for device collectives (a cudaStream_t); NULL on the CPU */

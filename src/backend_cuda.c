@@ -53,7 +53,7 @@
 static const size_t workspace_limit = (size_t)512 << 20;
 
 /* One convolution shape: descriptors and the three algorithms, each direction with its own
- * convolution descriptor (the math type of the algorithm chosen for it). FP32 NCHW, or 16-bit
+ * convolution descriptor (set to the math type of the kernels chosen for it). FP32 NCHW, or 16-bit
  * NHWC under train.precision bf16 and fp16. */
 enum { FWD, BWD_DATA, BWD_FILTER };
 typedef struct {
@@ -61,9 +61,8 @@ typedef struct {
   cudnnTensorDescriptor_t x, y;
   cudnnFilterDescriptor_t w;
   cudnnConvolutionDescriptor_t conv[3];
-  cudnnConvolutionFwdAlgo_t fwd;
-  cudnnConvolutionBwdDataAlgo_t bwd_data;
-  cudnnConvolutionBwdFilterAlgo_t bwd_filter;
+  int algo[3]; /* cudnnConvolution{Fwd,BwdData,BwdFilter}Algo_t */
+  cudnnMathType_t math[3];
   size_t ws_bytes;
 } conv_plan;
 
@@ -76,6 +75,7 @@ typedef struct {
   cudnnHandle_t dnn;
   conv_plan *plans; /* one per convolution shape and batch size seen: grows */
   int n_plans;
+  char *notes; /* the plans made since take_notes last took them, a line each (dt_malloc'd), or NULL */
   void *workspace;
   size_t workspace_bytes;
   uint16_t *h16; /* device: a convolution's operands in 16 bits (bf16, fp16) */
@@ -89,6 +89,7 @@ typedef struct {
   cudaEvent_t staged[2][2]; /* [half][queue: 0 the stream, 1 copy]: after the last copy out of each half */
   cudaStream_t copy;        /* upload_ahead's copies, overlapping the stream's work */
   cudaEvent_t copied;       /* the last upload_ahead: the stream waits for it */
+  cudaEvent_t cleared;      /* after the last allocation's memset on the stream: copies wait for it */
   int capturing;            /* between capture_begin and capture_end */
   void *retired[8];         /* buffers outgrown during a capture: freed once the stream drains */
   int n_retired;
@@ -188,10 +189,12 @@ static void cuda_upload(dt_backend *be, void *dst, const void *src, size_t bytes
 }
 
 /* On the copy stream, so it overlaps work already queued (the caller guarantees none of it uses
- * dst); the stream waits for it before the work queued next. */
+ * dst, but for the memset that cleared dst when it was allocated: the copy waits for that); the
+ * stream waits for it before the work queued next. */
 static void cuda_upload_ahead(dt_backend *be, void *dst, const void *src, size_t bytes) {
   cuda_impl *im = be->impl;
   if (!bytes) return;
+  CUDA_CHECK(cudaStreamWaitEvent(im->copy, im->cleared, 0));
   stage_copy(im, dst, src, bytes, 1);
   CUDA_CHECK(cudaEventRecord(im->copied, im->copy));
   CUDA_CHECK(cudaStreamWaitEvent(im->stream, im->copied, 0));
@@ -231,14 +234,16 @@ static void cuda_free_host(dt_backend *be, void *p) {
   CUDA_CHECK(cudaFreeHost(p));
 }
 
-static _Noreturn void no_algorithm(const cuda_impl *im, const dt_conv_geom *g, const char *pass) {
-  static const char *const math[] = {"FP32 (FMA)", "TF32", "bfloat16", "half"};
+static const char *const direction_names[] = {"forward", "backward data", "backward filter"};
+
+static _Noreturn void no_algorithm(const cuda_impl *im, const dt_conv_geom *g, int dir) {
+  static const char *const precision_names[] = {"fp32 (FMA kernels)", "tf32", "bf16", "fp16"};
   dt_die(
-      "cuDNN offers no deterministic %s %s algorithm within %zu MiB for the convolution of (%lld, %lld, %lld, "
-      "%lld) by (%lld, %lld, %lld, %lld), stride %lld, pad %lld",
-      math[im->precision], pass, workspace_limit >> 20, (long long)g->b, (long long)g->c, (long long)g->h,
-      (long long)g->w, (long long)g->o, (long long)g->c, (long long)g->k, (long long)g->k, (long long)g->stride,
-      (long long)g->pad);
+      "cuDNN offers no deterministic %s algorithm for train.precision %s within %zu MiB for the convolution of "
+      "(%lld, %lld, %lld, %lld) by (%lld, %lld, %lld, %lld), stride %lld, pad %lld",
+      direction_names[dir], precision_names[im->precision], workspace_limit >> 20, (long long)g->b, (long long)g->c,
+      (long long)g->h, (long long)g->w, (long long)g->o, (long long)g->c, (long long)g->k, (long long)g->k,
+      (long long)g->stride, (long long)g->pad);
 }
 
 static int is16(const cuda_impl *im) {
@@ -250,12 +255,105 @@ static cudnnMathType_t conv_math(const cuda_impl *im) {
   return im->precision == DT_PREC_FP32 ? CUDNN_FMA_MATH : CUDNN_TENSOR_OP_MATH;
 }
 
-/* An algorithm this run may use: it runs, it is deterministic (bit-identical resume and N-rank
- * equivalence need the same sums on every run), it uses the math asked for or plain FMA (never
- * TF32 under fp32); the caller also checks that its workspace, as cuDNN sizes it, fits the limit. */
-static int usable(const cuda_impl *im, cudnnStatus_t status, cudnnDeterminism_t det, cudnnMathType_t math) {
-  return status == CUDNN_STATUS_SUCCESS && det == CUDNN_DETERMINISTIC &&
-         (math == conv_math(im) || math == CUDNN_FMA_MATH);
+/* Kernels of a math type this run may use, as cuDNN reports it per algorithm: fp32 only FMA
+ * kernels (never TF32); otherwise tensor-core, default or FMA kernels. cuDNN reports the default
+ * kernels where a shape has no tensor-core ones (16-bit data with 1 or 3 channels: a first layer). */
+static int math_allowed(const cuda_impl *im, cudnnMathType_t math) {
+  if (im->precision == DT_PREC_FP32) return math == CUDNN_FMA_MATH;
+  return math == CUDNN_FMA_MATH || math == CUDNN_DEFAULT_MATH || math == CUDNN_TENSOR_OP_MATH;
+}
+
+static const char *math_name(cudnnMathType_t math) {
+  return math == CUDNN_TENSOR_OP_MATH ? "tensor cores" : math == CUDNN_FMA_MATH ? "FMA" : "default kernels";
+}
+
+/* One algorithm the heuristics offer for a direction. */
+typedef struct {
+  int algo;
+  cudnnStatus_t status;
+  cudnnDeterminism_t determinism;
+  cudnnMathType_t math;
+} conv_candidate;
+
+enum { MAX_CANDIDATES = 64 };
+
+/* The heuristics' list for direction dir, fastest first, into c (MAX_CANDIDATES); returns its length. */
+static int conv_candidates(cuda_impl *im, conv_plan *p, int dir, conv_candidate *c) {
+  int max = 0, n = 0;
+  if (dir == FWD) {
+    cudnnConvolutionFwdAlgoPerf_t perf[MAX_CANDIDATES];
+    CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(im->dnn, &max));
+    CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(im->dnn, p->x, p->w, p->conv[dir], p->y,
+                                                       max < MAX_CANDIDATES ? max : MAX_CANDIDATES, &n, perf));
+    for (int i = 0; i < n; i++)
+      c[i] = (conv_candidate){perf[i].algo, perf[i].status, perf[i].determinism, perf[i].mathType};
+  } else if (dir == BWD_DATA) {
+    cudnnConvolutionBwdDataAlgoPerf_t perf[MAX_CANDIDATES];
+    CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(im->dnn, &max));
+    CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(im->dnn, p->w, p->y, p->conv[dir], p->x,
+                                                            max < MAX_CANDIDATES ? max : MAX_CANDIDATES, &n, perf));
+    for (int i = 0; i < n; i++)
+      c[i] = (conv_candidate){perf[i].algo, perf[i].status, perf[i].determinism, perf[i].mathType};
+  } else {
+    cudnnConvolutionBwdFilterAlgoPerf_t perf[MAX_CANDIDATES];
+    CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(im->dnn, &max));
+    CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(im->dnn, p->x, p->y, p->conv[dir], p->w,
+                                                              max < MAX_CANDIDATES ? max : MAX_CANDIDATES, &n, perf));
+    for (int i = 0; i < n; i++)
+      c[i] = (conv_candidate){perf[i].algo, perf[i].status, perf[i].determinism, perf[i].mathType};
+  }
+  return n;
+}
+
+/* The workspace of algo for direction dir with the math type set on its descriptor now. */
+static cudnnStatus_t conv_workspace(cuda_impl *im, conv_plan *p, int dir, int algo, size_t *ws) {
+  if (dir == FWD)
+    return cudnnGetConvolutionForwardWorkspaceSize(im->dnn, p->x, p->w, p->conv[dir], p->y,
+                                                   (cudnnConvolutionFwdAlgo_t)algo, ws);
+  if (dir == BWD_DATA)
+    return cudnnGetConvolutionBackwardDataWorkspaceSize(im->dnn, p->w, p->y, p->conv[dir], p->x,
+                                                        (cudnnConvolutionBwdDataAlgo_t)algo, ws);
+  return cudnnGetConvolutionBackwardFilterWorkspaceSize(im->dnn, p->x, p->y, p->conv[dir], p->w,
+                                                        (cudnnConvolutionBwdFilterAlgo_t)algo, ws);
+}
+
+/* The first usable algorithm in the heuristics' order (fastest first): it runs, it is
+ * deterministic (bit-identical resume and N-rank equivalence need the same sums on every run), its
+ * kernels' math type is one this precision allows, and its workspace fits the limit, asked for
+ * with that math type set on the descriptor (the size depends on it), where it stays. */
+static void choose_algorithm(cuda_impl *im, conv_plan *p, int dir) {
+  conv_candidate c[MAX_CANDIDATES];
+  const int n = conv_candidates(im, p, dir, c);
+  for (int i = 0; i < n; i++) {
+    size_t ws = 0;
+    if (c[i].status != CUDNN_STATUS_SUCCESS || c[i].determinism != CUDNN_DETERMINISTIC || !math_allowed(im, c[i].math))
+      continue;
+    CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv[dir], c[i].math));
+    if (conv_workspace(im, p, dir, c[i].algo, &ws) != CUDNN_STATUS_SUCCESS || ws > workspace_limit) continue;
+    p->algo[dir] = c[i].algo;
+    p->math[dir] = c[i].math;
+    if (ws > p->ws_bytes) p->ws_bytes = ws;
+    return;
+  }
+  no_algorithm(im, &p->g, dir);
+}
+
+/* A line about a new plan for the log (take_notes): the shape and each direction's choice. */
+static void note_plan(cuda_impl *im, const conv_plan *p) {
+  static const char *const precision_names[] = {"fp32", "tf32", "bf16 NHWC", "fp16 NHWC"};
+  const dt_conv_geom *g = &p->g;
+  char line[512];
+  snprintf(
+      line, sizeof line,
+      "cudnn: conv (%lld, %lld, %lld, %lld) by (%lld, %lld, %lld, %lld) stride %lld pad %lld, %s: forward algorithm "
+      "%d (%s), backward data %d (%s), backward filter %d (%s), workspace %.1f MiB\n",
+      (long long)g->b, (long long)g->c, (long long)g->h, (long long)g->w, (long long)g->o, (long long)g->c,
+      (long long)g->k, (long long)g->k, (long long)g->stride, (long long)g->pad, precision_names[im->precision],
+      p->algo[FWD], math_name(p->math[FWD]), p->algo[BWD_DATA], math_name(p->math[BWD_DATA]), p->algo[BWD_FILTER],
+      math_name(p->math[BWD_FILTER]), (double)p->ws_bytes / 1048576.0);
+  size_t have = im->notes ? strlen(im->notes) : 0, add = strlen(line);
+  im->notes = dt_realloc(im->notes, have + add + 1);
+  memcpy(im->notes + have, line, add + 1);
 }
 
 static conv_plan *plan_for(cuda_impl *im, const dt_conv_geom *g) {
@@ -279,49 +377,11 @@ static conv_plan *plan_for(cuda_impl *im, const dt_conv_geom *g) {
     CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&p->conv[d]));
     CUDNN_CHECK(cudnnSetConvolution2dDescriptor(p->conv[d], (int)g->pad, (int)g->pad, (int)g->stride, (int)g->stride, 1,
                                                 1, CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
-    CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv[d], conv_math(im)));
+    CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv[d], conv_math(im))); /* what the heuristics may offer */
+    choose_algorithm(im, p, d);
   }
-  /* The first usable algorithm in the heuristics' order (fastest first); its direction's
-   * descriptor gets the math type cuDNN reported for it. */
-  int n = 0, i;
-  size_t ws = 0;
-  cudnnConvolutionFwdAlgoPerf_t fwd[8];
-  CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(im->dnn, p->x, p->w, p->conv[FWD], p->y, 8, &n, fwd));
-  for (i = 0; i < n; i++)
-    if (usable(im, fwd[i].status, fwd[i].determinism, fwd[i].mathType) &&
-        cudnnGetConvolutionForwardWorkspaceSize(im->dnn, p->x, p->w, p->conv[FWD], p->y, fwd[i].algo, &ws) ==
-            CUDNN_STATUS_SUCCESS &&
-        ws <= workspace_limit)
-      break;
-  if (i == n) no_algorithm(im, g, "forward");
-  p->fwd = fwd[i].algo;
-  p->ws_bytes = ws;
-  CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv[FWD], fwd[i].mathType));
-  cudnnConvolutionBwdDataAlgoPerf_t bd[8];
-  CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(im->dnn, p->w, p->y, p->conv[BWD_DATA], p->x, 8, &n, bd));
-  for (i = 0; i < n; i++)
-    if (usable(im, bd[i].status, bd[i].determinism, bd[i].mathType) &&
-        cudnnGetConvolutionBackwardDataWorkspaceSize(im->dnn, p->w, p->y, p->conv[BWD_DATA], p->x, bd[i].algo, &ws) ==
-            CUDNN_STATUS_SUCCESS &&
-        ws <= workspace_limit)
-      break;
-  if (i == n) no_algorithm(im, g, "backward data");
-  p->bwd_data = bd[i].algo;
-  if (ws > p->ws_bytes) p->ws_bytes = ws;
-  CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv[BWD_DATA], bd[i].mathType));
-  cudnnConvolutionBwdFilterAlgoPerf_t bf[8];
-  CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(im->dnn, p->x, p->y, p->conv[BWD_FILTER], p->w, 8, &n, bf));
-  for (i = 0; i < n; i++)
-    if (usable(im, bf[i].status, bf[i].determinism, bf[i].mathType) &&
-        cudnnGetConvolutionBackwardFilterWorkspaceSize(im->dnn, p->x, p->y, p->conv[BWD_FILTER], p->w, bf[i].algo,
-                                                       &ws) == CUDNN_STATUS_SUCCESS &&
-        ws <= workspace_limit)
-      break;
-  if (i == n) no_algorithm(im, g, "backward filter");
-  p->bwd_filter = bf[i].algo;
-  if (ws > p->ws_bytes) p->ws_bytes = ws;
-  CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv[BWD_FILTER], bf[i].mathType));
   grow_device(im, &im->workspace, &im->workspace_bytes, p->ws_bytes ? p->ws_bytes : 1, "cuDNN workspace");
+  note_plan(im, p);
   return p;
 }
 
@@ -354,15 +414,18 @@ static void run_conv(cuda_impl *im, const dt_op *op) {
   if (!is16(im)) {
     if (dir == FWD)
       CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, op->p.conv_fwd.x, p->w, op->p.conv_fwd.w, p->conv[FWD],
-                                          p->fwd, im->workspace, im->workspace_bytes, &zero, p->y, op->p.conv_fwd.y));
+                                          (cudnnConvolutionFwdAlgo_t)p->algo[FWD], im->workspace, im->workspace_bytes,
+                                          &zero, p->y, op->p.conv_fwd.y));
     else if (dir == BWD_DATA)
       CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, op->p.conv_bwd_data.w, p->y, op->p.conv_bwd_data.dy,
-                                               p->conv[BWD_DATA], p->bwd_data, im->workspace, im->workspace_bytes,
-                                               &zero, p->x, op->p.conv_bwd_data.dx));
+                                               p->conv[BWD_DATA], (cudnnConvolutionBwdDataAlgo_t)p->algo[BWD_DATA],
+                                               im->workspace, im->workspace_bytes, &zero, p->x,
+                                               op->p.conv_bwd_data.dx));
     else /* adds into dw (beta = 1) */
-      CUDNN_CHECK(cudnnConvolutionBackwardFilter(
-          im->dnn, &one, p->x, op->p.conv_bwd_filter.x, p->y, op->p.conv_bwd_filter.dy, p->conv[BWD_FILTER],
-          p->bwd_filter, im->workspace, im->workspace_bytes, &one, p->w, op->p.conv_bwd_filter.dw));
+      CUDNN_CHECK(cudnnConvolutionBackwardFilter(im->dnn, &one, p->x, op->p.conv_bwd_filter.x, p->y,
+                                                 op->p.conv_bwd_filter.dy, p->conv[BWD_FILTER],
+                                                 (cudnnConvolutionBwdFilterAlgo_t)p->algo[BWD_FILTER], im->workspace,
+                                                 im->workspace_bytes, &one, p->w, op->p.conv_bwd_filter.dw));
     return;
   }
   const int bf16 = im->precision == DT_PREC_BF16;
@@ -370,20 +433,23 @@ static void run_conv(cuda_impl *im, const dt_op *op) {
   if (dir == FWD) {
     k_pack16(s, op->p.conv_fwd.x, h.x, g->b, g->c, sx, bf16);
     k_pack16(s, op->p.conv_fwd.w, h.w, g->o, g->c, sw, bf16);
-    CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, h.x, p->w, h.w, p->conv[FWD], p->fwd, im->workspace,
-                                        im->workspace_bytes, &zero, p->y, h.y));
+    CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, h.x, p->w, h.w, p->conv[FWD],
+                                        (cudnnConvolutionFwdAlgo_t)p->algo[FWD], im->workspace, im->workspace_bytes,
+                                        &zero, p->y, h.y));
     k_unpack16(s, h.y, op->p.conv_fwd.y, g->b, g->o, sy, bf16, 0);
   } else if (dir == BWD_DATA) {
     k_pack16(s, op->p.conv_bwd_data.dy, h.y, g->b, g->o, sy, bf16);
     k_pack16(s, op->p.conv_bwd_data.w, h.w, g->o, g->c, sw, bf16);
-    CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, h.w, p->y, h.y, p->conv[BWD_DATA], p->bwd_data,
-                                             im->workspace, im->workspace_bytes, &zero, p->x, h.x));
+    CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, h.w, p->y, h.y, p->conv[BWD_DATA],
+                                             (cudnnConvolutionBwdDataAlgo_t)p->algo[BWD_DATA], im->workspace,
+                                             im->workspace_bytes, &zero, p->x, h.x));
     k_unpack16(s, h.x, op->p.conv_bwd_data.dx, g->b, g->c, sx, bf16, 0);
   } else {
     k_pack16(s, op->p.conv_bwd_filter.x, h.x, g->b, g->c, sx, bf16);
     k_pack16(s, op->p.conv_bwd_filter.dy, h.y, g->b, g->o, sy, bf16);
-    CUDNN_CHECK(cudnnConvolutionBackwardFilter(im->dnn, &one, p->x, h.x, p->y, h.y, p->conv[BWD_FILTER], p->bwd_filter,
-                                               im->workspace, im->workspace_bytes, &zero, p->w, h.w));
+    CUDNN_CHECK(cudnnConvolutionBackwardFilter(im->dnn, &one, p->x, h.x, p->y, h.y, p->conv[BWD_FILTER],
+                                               (cudnnConvolutionBwdFilterAlgo_t)p->algo[BWD_FILTER], im->workspace,
+                                               im->workspace_bytes, &zero, p->w, h.w));
     k_unpack16(s, h.w, op->p.conv_bwd_filter.dw, g->o, g->c, sw, bf16, 1);
   }
 }
@@ -629,6 +695,7 @@ static float *cuda_alloc(dt_backend *be, size_t bytes) {
   cudaError_t err = cudaMalloc(&p, bytes ? bytes : 256);
   if (err != cudaSuccess) alloc_failed(im, err, bytes, "model buffers");
   CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, im->stream));
+  CUDA_CHECK(cudaEventRecord(im->cleared, im->stream));
   return p;
 }
 
@@ -689,9 +756,17 @@ static void cuda_graph_free(dt_backend *be, void *graph) {
   CUDA_CHECK(cudaGraphExecDestroy((cudaGraphExec_t)graph));
 }
 
+static char *cuda_take_notes(dt_backend *be) {
+  cuda_impl *im = be->impl;
+  char *notes = im->notes;
+  im->notes = NULL;
+  return notes;
+}
+
 static void cuda_destroy(dt_backend *be) {
   cuda_impl *im = be->impl;
   drain(im);
+  free(im->notes);
   for (int i = 0; i < im->n_plans; i++) {
     CUDNN_CHECK(cudnnDestroyTensorDescriptor(im->plans[i].x));
     CUDNN_CHECK(cudnnDestroyTensorDescriptor(im->plans[i].y));
@@ -705,6 +780,7 @@ static void cuda_destroy(dt_backend *be) {
   for (int h = 0; h < 2; h++)
     for (int q = 0; q < 2; q++) CUDA_CHECK(cudaEventDestroy(im->staged[h][q]));
   CUDA_CHECK(cudaEventDestroy(im->copied));
+  CUDA_CHECK(cudaEventDestroy(im->cleared));
   CUDA_CHECK(cudaStreamDestroy(im->copy));
   CUDA_CHECK(cudaFree(im->partials));
   CUDNN_CHECK(cudnnDestroy(im->dnn));
@@ -731,6 +807,7 @@ dt_backend *backend_cuda_create(int device, int precision) {
   for (int h = 0; h < 2; h++)
     for (int q = 0; q < 2; q++) CUDA_CHECK(cudaEventCreateWithFlags(&im->staged[h][q], cudaEventDisableTiming));
   CUDA_CHECK(cudaEventCreateWithFlags(&im->copied, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventCreateWithFlags(&im->cleared, cudaEventDisableTiming));
   im->be = be;
   *be = (dt_backend){.name = "cuda",
                      .run = cuda_run,
@@ -751,6 +828,7 @@ dt_backend *backend_cuda_create(int device, int precision) {
                      .graph_free = cuda_graph_free,
                      .sync = cuda_sync,
                      .destroy = cuda_destroy,
+                     .take_notes = cuda_take_notes,
                      .threads = 1,
                      .host_memory = 0,
                      .stream = im->stream,

@@ -60,6 +60,9 @@ int comm_failed_peer(dt_comm *c);
  * allocated by the caller on rank 0; NULL elsewhere). */
 void comm_gather_text(dt_comm *c, const char *text, size_t cap, char *all);
 
+/* Every rank receives every rank's text, as comm_gather_text (all: size * cap bytes, on every rank). */
+void comm_allgather_text(dt_comm *c, const char *text, size_t cap, char *all);
+
 /* Rank 0 receives every rank's n doubles in rank order into all (size * n, allocated by the caller
  * on rank 0; NULL elsewhere). */
 void comm_gather_f64(dt_comm *c, const double *mine, int n, double *all);
@@ -71,6 +74,8 @@ void comm_gather_rows(dt_comm *c, const float *mine, int64_t n_mine, int64_t wid
 /* Every rank receives every rank's value. */
 void comm_allgather_f64(dt_comm *c, double mine, double *all, const char *what);
 void comm_allreduce_sum_f64(dt_comm *c, double *data, int n, const char *what);
+/* The lowest of every rank's value, on every rank. */
+int comm_min_i32(dt_comm *c, int mine, const char *what);
 
 /* The per-step agreement: one small all-gather of every rank's report. out gets the sums and
  * whether any rank asked to stop or for a checkpoint; the return is the agreed exit code (0: all well), with the

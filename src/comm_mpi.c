@@ -223,6 +223,15 @@ void comm_gather_text(dt_comm *c, const char *text, size_t cap, char *all) {
   free(mine);
 }
 
+void comm_allgather_text(dt_comm *c, const char *text, size_t cap, char *all) {
+  char *mine = dt_calloc(cap, 1);
+  dt_strlcpy(mine, text, cap);
+  MPI_Request req;
+  MPI_CHECK(MPI_Iallgather(mine, (int)cap, MPI_CHAR, all, (int)cap, MPI_CHAR, c->world, &req));
+  comm_wait(c, &req, 1, "all-gather");
+  free(mine);
+}
+
 void comm_gather_f64(dt_comm *c, const double *mine, int n, double *all) {
   MPI_Request req;
   MPI_CHECK(MPI_Igather(mine, n, MPI_DOUBLE, all, n, MPI_DOUBLE, 0, c->world, &req));
@@ -254,6 +263,15 @@ void comm_allreduce_sum_f64(dt_comm *c, double *data, int n, const char *what) {
   MPI_Request req;
   MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, data, n, MPI_DOUBLE, MPI_SUM, c->world, &req));
   comm_wait(c, &req, 1, what);
+}
+
+int comm_min_i32(dt_comm *c, int mine, const char *what) {
+  if (c->size == 1) return mine;
+  int32_t v = mine;
+  MPI_Request req;
+  MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, &v, 1, MPI_INT32_T, MPI_MIN, c->world, &req));
+  comm_wait(c, &req, 1, what);
+  return v;
 }
 
 int comm_step_agree(dt_comm *c, const dt_step_report *mine, const dt_status *st, dt_step_report *out) {

@@ -14,6 +14,12 @@ void gpu_build_versions(char *buf, size_t cap);
 
 /* Compute capability of visible device i as major * 10 + minor (0 when unknown); makes no context. */
 int gpu_compute_capability(int i);
+/* Whether this build has code for compute capability cc (major * 10 + minor): machine code for
+ * the same major at or below it, or PTX at or below it. built: what it has ("sm_75, sm_80, ..."). */
+int gpu_build_runs_on(int cc, char *built, size_t cap);
+/* The PCI bus id of visible device i ("0000:18:00.0"), which tells GPUs apart across processes
+ * that see different devices (CUDA_VISIBLE_DEVICES); makes no context. 0 on success. */
+int gpu_bus_id(int i, char *buf, size_t cap);
 
 /* One line about visible device i: name, memory total and free, compute capability, PCI bus id.
  * *free_bytes receives the free memory (0 when unknown). */

@@ -28,6 +28,12 @@ int gpu_compute_capability(int i) {
   return major * 10 + minor;
 }
 
+int gpu_bus_id(int i, char *buf, size_t cap) {
+  cudaError_t rc = cudaDeviceGetPCIBusId(buf, (int)cap, i);
+  if (rc != cudaSuccess) snprintf(buf, cap, "unknown (%s)", cudaGetErrorName(rc));
+  return rc != cudaSuccess;
+}
+
 void gpu_versions(char *buf, size_t cap) {
   int rt = 0, drv = 0, nccl = 0;
   cudaRuntimeGetVersion(&rt);

@@ -21,6 +21,18 @@ int gpu_compute_capability(int i) {
   return 0;
 }
 
+int gpu_build_runs_on(int cc, char *built, size_t cap) {
+  (void)cc;
+  snprintf(built, cap, "no CUDA code");
+  return 0;
+}
+
+int gpu_bus_id(int i, char *buf, size_t cap) {
+  (void)i;
+  snprintf(buf, cap, "none");
+  return 1;
+}
+
 void gpu_describe(int i, char *buf, size_t cap, size_t *free_bytes) {
   (void)i;
   snprintf(buf, cap, "none");

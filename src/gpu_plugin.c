@@ -12,6 +12,7 @@
 #include <limits.h>
 #include <nccl.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -29,6 +30,7 @@ typedef struct {
   void (*versions)(char *buf, size_t cap);
   int (*compute_capability)(int i);
   void (*describe)(int i, char *buf, size_t cap, size_t *free_bytes);
+  int (*bus_id)(int i, char *buf, size_t cap);
   void (*read)(int i, double *peak_mib, dt_gpu_reading *r);
   dt_backend *(*backend_create)(int device, int precision);
   dt_nccl *(*nccl_create)(dt_comm *c, void *compute_stream, int grad_bf16, dt_status *st);
@@ -64,15 +66,16 @@ static const gpu_api *api(void) {
     }
   }
   /* the names as gpu.h, backend.h and comm.h declare them; a missing one is a broken build */
-#define SYM(field, name)                                                                    \
-  do {                                                                                      \
-    *(void **)&a.field = dlsym(lib, name);                                                  \
+#define SYM(field, name)                                                                         \
+  do {                                                                                           \
+    *(void **)&a.field = dlsym(lib, name);                                                       \
     if (!a.field) dt_die("%s has no %s: rebuild ddp_train and " PLUGIN " together", path, name); \
   } while (0)
   SYM(count, "gpu_count");
   SYM(versions, "gpu_versions");
   SYM(compute_capability, "gpu_compute_capability");
   SYM(describe, "gpu_describe");
+  SYM(bus_id, "gpu_bus_id");
   SYM(read, "gpu_read");
   SYM(backend_create, "backend_cuda_create");
   SYM(nccl_create, "nccl_create");
@@ -110,8 +113,8 @@ void gpu_versions(char *buf, size_t cap) {
 
 void gpu_build_versions(char *buf, size_t cap) {
   snprintf(buf, cap, "built with CUDA runtime %d.%d, cuDNN %d.%d.%d, NCCL %d.%d.%d (loaded on the first GPU use)",
-           CUDART_VERSION / 1000, (CUDART_VERSION % 1000) / 10, CUDNN_MAJOR, CUDNN_MINOR, CUDNN_PATCHLEVEL,
-           NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH);
+           CUDART_VERSION / 1000, (CUDART_VERSION % 1000) / 10, CUDNN_MAJOR, CUDNN_MINOR, CUDNN_PATCHLEVEL, NCCL_MAJOR,
+           NCCL_MINOR, NCCL_PATCH);
 }
 
 int gpu_compute_capability(int i) {
@@ -120,6 +123,29 @@ int gpu_compute_capability(int i) {
 
 void gpu_describe(int i, char *buf, size_t cap, size_t *free_bytes) {
   loaded()->describe(i, buf, cap, free_bytes);
+}
+
+int gpu_bus_id(int i, char *buf, size_t cap) {
+  return loaded()->bus_id(i, buf, cap);
+}
+
+/* DT_CUDA_SASS and DT_CUDA_PTX: the compute capabilities the Makefile's CUDA_ARCH builds machine
+ * code and PTX for ("75 80 90", "90"). Machine code runs on its major version at or above its
+ * minor; PTX is compiled by the driver for any later GPU. */
+int gpu_build_runs_on(int cc, char *built, size_t cap) {
+  int runs = 0;
+  size_t len = 0;
+  built[0] = 0;
+  for (int ptx = 0; ptx < 2; ptx++) {
+    const char *p = ptx ? DT_CUDA_PTX : DT_CUDA_SASS;
+    char *end;
+    for (long v = strtol(p, &end, 10); end != p; p = end, v = strtol(p, &end, 10)) {
+      runs |= ptx ? v <= cc : (v / 10 == cc / 10 && v <= cc);
+      if (len < cap)
+        len += (size_t)snprintf(built + len, cap - len, "%s%s_%ld", len ? ", " : "", ptx ? "PTX compute" : "sm", v);
+    }
+  }
+  return runs;
 }
 
 void gpu_read(int i, double *peak_mib, dt_gpu_reading *r) {

@@ -53,6 +53,12 @@ static void sizes(const dt_layer *l, int64_t batch, size_t *seq, size_t *square)
   *square = (size_t)(batch * l->args.heads * t * t) * sizeof(float);
 }
 
+/* Per sample: the (H, T, T) scores and probabilities, or q, k and v together (3, T, C). */
+static int64_t attention_row_values(const dt_layer *l) {
+  const int64_t t = l->in.h, square = l->args.heads * t * t, heads = 3 * t * l->in.c;
+  return square > heads ? square : heads;
+}
+
 static void attention_alloc(dt_layer *l, dt_backend *be, int64_t max_batch) {
   attention_state *s = dt_calloc(1, sizeof *s);
   size_t seq, sq;
@@ -222,4 +228,5 @@ const dt_layer_ops dt_layer_attention = {.kind = "attention",
                                          .backward = attention_backward,
                                          .release = attention_release,
                                          .flops = attention_flops,
-                                         .memory = attention_memory};
+                                         .memory = attention_memory,
+                                         .row_values = attention_row_values};

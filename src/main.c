@@ -207,13 +207,39 @@ static void print_placement(dt_comm *comm, int threads) {
   print_rank_lines(comm, "placement", line, CAP);
 }
 
+/* Whether two ranks use one GPU: the same PCI bus id on the same host. Bus ids, not device
+ * numbers: with a GPU bound to each task (srun --gpus-per-task=1, CUDA_VISIBLE_DEVICES) every
+ * rank sees its GPU as device 0. Collective; every rank gets the same answer, with the first such
+ * pair described in why (empty when none). */
+static int gpus_shared(dt_comm *comm, int gpu, char *why, size_t cap) {
+  enum { KEY = 320 };
+  char mine[KEY], bus[32];
+  if (gpu >= 0)
+    gpu_bus_id(gpu, bus, sizeof bus);
+  else
+    snprintf(bus, sizeof bus, "none (rank %d)", comm->rank); /* no GPU: shares nothing */
+  snprintf(mine, sizeof mine, "%s|%s", bus, comm->host);
+  char *all = dt_malloc((size_t)comm->size * KEY);
+  comm_allgather_text(comm, mine, KEY, all);
+  why[0] = 0;
+  for (int a = 0; a < comm->size && !why[0]; a++)
+    for (int b = a + 1; b < comm->size && !why[0]; b++)
+      if (!strcmp(all + (size_t)a * KEY, all + (size_t)b * KEY)) {
+        const char *key = all + (size_t)a * KEY, *host = strchr(key, '|') + 1;
+        snprintf(why, cap, "ranks %d and %d use the same GPU (PCI %.*s on %s)", a, b, (int)(host - key - 1), key, host);
+      }
+  free(all);
+  return why[0] != 0;
+}
+
 /* --info: one block per node, gathered to rank 0, so a node with a missing GPU shows before training. */
 static void print_info(dt_comm *comm) {
   enum { CAP = 4096 };
-  char text[CAP] = "";
+  char text[CAP] = "", why[256] = "", shared[512];
+  const int n = gpu_count(why, sizeof why);
+  gpus_shared(comm, n ? comm->local_rank % n : -1, shared, sizeof shared); /* the GPU --device cuda would use */
   if (comm->local_rank == 0) {
-    char why[256] = "", versions[1024];
-    int n = gpu_count(why, sizeof why);
+    char versions[1024];
     library_versions(versions, sizeof versions);
     size_t len = (size_t)snprintf(text, CAP, "node %s: %d rank%s (world ranks from %d)\n  %s\n", comm->host,
                                   comm->local_size, comm->local_size > 1 ? "s" : "", comm->rank, versions);
@@ -224,10 +250,15 @@ static void print_info(dt_comm *comm) {
       gpu_describe(i, line, sizeof line, &free_b);
       len += (size_t)snprintf(text + len, CAP - len, "  %s\n", line);
     }
-    const char *cm = n >= comm->local_size ? "nccl with --device cuda (a GPU per rank); mpi with the CPU backend"
-                     : n > 0               ? "mpi (fewer GPUs than ranks: --device cuda shares them)"
-                                           : "mpi (the CPU backend)";
-    snprintf(text + len, CAP - len, "  communicator for dist.comm auto: %s\n", cm);
+    if (n == 0)
+      snprintf(text + len, CAP - len, "  communicator for dist.comm auto: mpi (the CPU backend)\n");
+    else if (shared[0])
+      snprintf(text + len, CAP - len, "  communicator for dist.comm auto: mpi (%s: --device cuda shares them)\n",
+               shared);
+    else
+      snprintf(text + len, CAP - len,
+               "  communicator for dist.comm auto: nccl with --device cuda (a GPU per rank, by PCI bus id); mpi with "
+               "the CPU backend\n");
   }
   char *all = comm->rank == 0 ? dt_calloc((size_t)comm->size, CAP) : NULL;
   comm_gather_text(comm, text, CAP, all);
@@ -298,14 +329,15 @@ static int select_device(const cli_args *a, const dt_config *cfg, const dt_model
             (long long)values, (long long)rows, (long long)model_max_row(m));
     return -1;
   }
-  if (cfg->v.comm == DT_COMM_NCCL && comm->local_size > n) {
+  int gpu = comm->local_rank % n, cc = gpu_compute_capability(gpu);
+  char built[256];
+  if (!gpu_build_runs_on(cc, built, sizeof built)) {
     dt_fail(st, DT_EXIT_INPUT,
-            "dist.comm nccl: %d ranks on node %s but %d visible GPU%s, and NCCL refuses two ranks "
-            "on one GPU; start at most %d ranks per node, or set dist.comm: mpi to share GPUs",
-            comm->local_size, comm->host, n, n > 1 ? "s" : "", n);
+            "GPU %d of rank %d (%s) has compute capability %d.%d, and this build has no code for it (%s); CUDA 13 "
+            "builds for 7.5 and later: rebuild with make CUDA_ARCH='-gencode arch=compute_XY,code=sm_XY' for it",
+            gpu, comm->rank, comm->host, cc / 10, cc % 10, built);
     return -1;
   }
-  int gpu = comm->local_rank % n, cc = gpu_compute_capability(gpu);
   int need = prec == DT_PREC_TF32 || prec == DT_PREC_BF16 ? 80 : prec == DT_PREC_FP16 ? 70 : 0;
   if (cc < need) {
     dt_fail(st, DT_EXIT_INPUT,
@@ -666,12 +698,20 @@ int main(int argc, char **argv) {
   if ((code = comm_agree(&comm, &st))) goto done;
   int gpu = select_device(&args, &cfg, &model, &comm, &st);
   if ((code = comm_agree(&comm, &st))) goto done;
+  char shared[512] = ""; /* gpu is >= 0 on every rank or on none */
+  if (gpu >= 0 && gpus_shared(&comm, gpu, shared, sizeof shared) && cfg.v.comm == DT_COMM_NCCL)
+    dt_fail(&st, DT_EXIT_INPUT,
+            "dist.comm nccl: %s, and NCCL refuses two ranks on one GPU; give each rank a GPU of its own, or set "
+            "dist.comm: mpi to share GPUs",
+            shared);
+  if ((code = comm_agree(&comm, &st))) goto done;
   /* --dry-run with data.path empty plans a job whose data does not exist yet: model and memory only */
-  int no_data = args.dry_run && !cfg.v.data_path[0];                                       /* --set data.path= */
-  if (!no_data && !args.sample) { /* --sample reads none */
+  int no_data = args.dry_run && !cfg.v.data_path[0]; /* --set data.path= */
+  if (!no_data && !args.sample) {                    /* --sample reads none */
     /* --dry-run checks datasets, shapes, types and labels but need not load the rows (data.cache none) */
     dt_config opened = cfg;
-    if (args.dry_run && (cfg.v.cache == DT_CACHE_AUTO || cfg.v.cache == DT_CACHE_MEMORY)) opened.v.cache = DT_CACHE_NONE;
+    if (args.dry_run && (cfg.v.cache == DT_CACHE_AUTO || cfg.v.cache == DT_CACHE_MEMORY))
+      opened.v.cache = DT_CACHE_NONE;
     data_open(&data, &opened, &model, comm.size, comm.rank, &st);
   }
   if ((code = comm_agree(&comm, &st))) goto done;
@@ -696,22 +736,22 @@ int main(int argc, char **argv) {
     print_device_table(&comm, gpu);
     be = backend_cuda_create(gpu, cfg.v.precision);
     opts.gpu = gpu;
-    /* NCCL when every rank of every node has a GPU of its own (or dist.comm nccl); MPI through
-     * host memory otherwise. All ranks must make the same choice, or NCCL's collectives on some
-     * would wait forever for MPI's on the others: the nodes' answers are summed. */
-    int n_gpus = gpu_count((char[256]){0}, 256);
-    double can = cfg.v.comm == DT_COMM_NCCL || (cfg.v.comm == DT_COMM_AUTO && comm.local_size <= n_gpus);
-    comm_allreduce_sum_f64(&comm, &can, 1, "communicator choice");
-    if (can == comm.size) {
+    /* NCCL when every rank has a GPU of its own (or dist.comm nccl, refused above otherwise); MPI
+     * through host memory otherwise. gpus_shared gives every rank the same answer, so all make the
+     * same choice (NCCL's collectives on some would wait forever for MPI's on the others). */
+    if (cfg.v.comm == DT_COMM_NCCL || (cfg.v.comm == DT_COMM_AUTO && !shared[0])) {
       nccl = nccl_create(&comm, be->stream, cfg.v.grad_dtype == DT_GRAD_BF16, &st);
       if ((code = comm_agree(&comm, &st))) goto done;
       opts.dev = nccl_reducer(nccl);
     }
-    if (comm.rank == 0)
-      printf("gradients: %s\n", nccl ? "NCCL"
-                                : cfg.v.comm == DT_COMM_MPI
-                                    ? "MPI through host memory (dist.comm mpi)"
-                                    : "MPI through host memory (dist.comm auto: some node has fewer GPUs than ranks)");
+    if (comm.rank == 0) {
+      if (nccl)
+        printf("gradients: NCCL\n");
+      else if (cfg.v.comm == DT_COMM_MPI)
+        printf("gradients: MPI through host memory (dist.comm mpi)\n");
+      else
+        printf("gradients: MPI through host memory (dist.comm auto: %s)\n", shared);
+    }
   }
 #else
   (void)gpu; /* without CUDA, select_device has already refused --device cuda */

@@ -138,8 +138,8 @@ static int seq_add(dt_model *m, dt_seq *s, const dt_node *item, int i, dt_shape 
   if (keys_read(ops->keys, ops->n_keys, &l->args, params, item, kp, "parameter", st)) return st->code;
   if (ops->setup(m, l, st)) return st->code;
   if (l->too_large || !shape_fits(l->out))
-    return dt_fail(st, DT_EXIT_INPUT, "%s: layer %s %s: %s would have more than 2^40 elements", l->where,
-                   l->name, kind, l->too_large ? "a tensor" : "output per sample");
+    return dt_fail(st, DT_EXIT_INPUT, "%s: layer %s %s: %s would have more than 2^40 elements", l->where, l->name, kind,
+                   l->too_large ? "a tensor" : "output per sample");
   *cur = l->out;
   return 0;
 }
@@ -397,8 +397,11 @@ dt_memory model_memory(const dt_model *m, int64_t batch, int optim_states, int t
 
 int64_t model_max_row(const dt_model *m) {
   int64_t most = shape_size(m->input);
-  for (int i = 0; i < m->n_all; i++)
-    if (shape_size(m->all[i]->out) > most) most = shape_size(m->all[i]->out);
+  for (int i = 0; i < m->n_all; i++) {
+    const dt_layer *l = m->all[i];
+    int64_t v = l->ops->row_values ? l->ops->row_values(l) : shape_size(l->out);
+    if (v > most) most = v;
+  }
   return most;
 }
 

@@ -79,6 +79,9 @@ typedef struct {
   /* Memory beyond y and dy for `batch` rows: adds what alloc keeps (activations) and raises
    * mem->workspace to the per-thread scratch its ops need. NULL: none. */
   void (*memory)(const dt_layer *l, int64_t batch, int threads, dt_memory *mem);
+  /* Values per sample of the largest buffer its ops index, where that is more than its output
+   * (attention's (H, T, T) scores): the CUDA kernels index with 32 bits. NULL: its output. */
+  int64_t (*row_values)(const dt_layer *l);
 } dt_layer_ops;
 
 struct dt_seq {

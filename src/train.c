@@ -802,23 +802,37 @@ static void queue_update(dt_trainer *T) {
   T->win_update += dt_now() - t0;
 }
 
-/* Queues a step of one micro-batch (db, rows): a replay of the graph captured for this input
- * buffer and shape, when the backend has moved no buffer since; captured now when the step before
- * had this shape (the warm-up that sized every workspace); else eagerly. */
-static void queue_single(dt_trainer *T, const dev_batch *db, int64_t rows) {
+/* How a step of one micro-batch runs: replayed from the graph captured for this input buffer and
+ * shape, when the backend has moved no buffer since; captured now when the step before had this
+ * shape (the warm-up that sized every workspace) or a graph of it exists; else eagerly (an
+ * injected fault is a one-off: never captured). NCCL requires a collective to be captured on
+ * every rank or on none, and these conditions differ between ranks (a rank's rows, its buffers,
+ * its faults): each rank says what it could do, and all do the least of those. */
+enum { GRAPH_EAGER, GRAPH_CAPTURE, GRAPH_REPLAY };
+static int graph_choice(dt_trainer *T, const dev_batch *db, int64_t rows) {
+  if (!T->graphs) return GRAPH_EAGER;
+  const int i = db ? (int)(db - T->in) : 0;
+  const int same_shape = T->graph_rows[i] == rows && T->graph_count[i] == T->count;
+  const int mine = !db || T->inject != DT_FAULT_NONE ? GRAPH_EAGER /* no batch: this rank fails the step */
+                   : T->graph[i] && same_shape && T->graph_gen[i] == T->be->generation ? GRAPH_REPLAY
+                   : rows == T->warm_rows && T->count == T->warm_count                 ? GRAPH_CAPTURE
+                                                                                       : GRAPH_EAGER;
+  return comm_min_i32(T->comm, mine, "the CUDA graph choice");
+}
+
+/* Queues a step of one micro-batch (db, rows): eagerly, captured or replayed (how: graph_choice). */
+static void queue_single(dt_trainer *T, const dev_batch *db, int64_t rows, int how) {
   dt_backend *be = T->be;
   const int i = (int)(db - T->in);
-  const int same_shape = T->graph_rows[i] == rows && T->graph_count[i] == T->count;
-  const int eager = T->inject != DT_FAULT_NONE; /* a one-off: not captured */
-  if (eager) {
+  if (how == GRAPH_EAGER) {
     queue_micro(T, db, rows, 1, 1);
     queue_update(T);
-  } else if (T->graphs && T->graph[i] && same_shape && T->graph_gen[i] == be->generation) {
+  } else if (how == GRAPH_REPLAY) {
     be->replay(be, T->graph[i]);
     optim_advance(&T->opt);
     T->gs.wait_s = 0;
     T->replays++;
-  } else if (T->graphs && rows == T->warm_rows && T->count == T->warm_count) {
+  } else {
     be->graph_free(be, T->graph[i]);
     T->graph_gen[i] = be->generation;
     be->capture_begin(be);
@@ -829,9 +843,6 @@ static void queue_single(dt_trainer *T, const dev_batch *db, int64_t rows) {
     T->graph_count[i] = T->count;
     be->replay(be, T->graph[i]);
     T->captures++;
-  } else {
-    queue_micro(T, db, rows, 1, 1);
-    queue_update(T);
   }
   T->warm_rows = rows;
   T->warm_count = T->count;
@@ -891,11 +902,13 @@ static void run_step(dt_trainer *T, dt_step_report *mine, double *data_s, dt_sta
     if (j == 0 && T->ahead_st.code) *st = T->ahead_st;
     dev_batch *db = st->code ? NULL : j == 0 && T->ahead ? T->ahead : upload_next(T, 0, &rows, data_s, st);
     T->ahead = NULL;
+    if (T->k == 1) { /* a collective choice: made by a rank whose batch failed too */
+      const int how = graph_choice(T, db, rows);
+      if (db) queue_single(T, db, rows, how);
+      break;
+    }
     if (!db) break;
-    if (T->k == 1)
-      queue_single(T, db, rows);
-    else
-      queue_micro(T, db, rows, j == 0, j == T->k - 1);
+    queue_micro(T, db, rows, j == 0, j == T->k - 1);
   }
   if (st->code) return;
   if (T->k > 1) queue_update(T);
@@ -986,6 +999,14 @@ static void log_step(dt_trainer *T, double data_s) {
   }
   double now = dt_now();
   log_progress(&T->lg, T->ts.step, T->total, now - T->t_start, loss);
+  char *notes = T->be->take_notes ? T->be->take_notes(T->be) : NULL; /* rank 0's, as its log has them */
+  for (char *line = notes, *end; line && *line; line = end + 1) {
+    end = strchr(line, '\n');
+    if (end) *end = 0;
+    log_line(&T->lg, "%s", line);
+    if (!end) break;
+  }
+  free(notes);
   if (T->ts.step % v->log_every_steps != 0 && T->ts.step != T->total) return;
   double span = now - T->t_window, ms = 1e3 * span / (double)T->win_steps;
   double data_ms = 1e3 * T->win_data / (double)T->win_steps, comm_ms = 1e3 * T->win_comm / (double)T->win_steps;

@@ -1253,6 +1253,19 @@ static void ops_upload_download(void) {
     ot.be[s]->free(ot.be[s], dev);
     ot.be[s]->free_host(ot.be[s], host);
   }
+  /* upload_ahead straight into a new buffer: the copy (CUDA: on the copy stream) must follow the
+   * memset that cleared the buffer on the compute stream (the stand-in's hazard checker stops the
+   * program otherwise, and a GPU could let the memset win) */
+  for (int s = 0; s < 2; s++) {
+    const float want[3] = {1.5f, -2.5f, 3.5f};
+    float got[3] = {0};
+    float *fresh = ot.be[s]->alloc(ot.be[s], sizeof want);
+    ot.be[s]->upload_ahead(ot.be[s], fresh, want, sizeof want);
+    ot.be[s]->to_host(ot.be[s], got, fresh, sizeof got);
+    if (memcmp(got, want, sizeof want))
+      fail_msg("upload_ahead into a new buffer on %s: %g", s ? "CUDA" : "CPU", got[0]);
+    ot.be[s]->free(ot.be[s], fresh);
+  }
 }
 
 /* A buffer's contents on one side (0: CPU, 1: CUDA), in a fresh host array. */

@@ -65,10 +65,20 @@ class GpuFaults(unittest.TestCase):
         self.assertTrue(self.w.latest().endswith("step-00000002.h5"))
 
     def test_a_hung_rank_exits_3_at_the_deadline(self):
-        rc, out, err, took = self.run_gpu(["--set", "dist.timeout_s=4"], fault="hang@1:3")
+        """Without graphs the other rank waits in the step's NCCL all-reduce, polled on the host; with
+        them (train.cuda_graph auto, NCCL on 2 ranks) it first waits in the ranks' collective choice of
+        how the step runs, over MPI, which names the missing rank."""
+        rc, out, err, took = self.run_gpu(["--set", "dist.timeout_s=4", "--set", "train.cuda_graph=off"],
+                                          fault="hang@1:3")
         self.assertEqual(rc, 3, out + err)
         self.assertIn("the training step (forward, backward, NCCL gradient allreduce) at step 3", err)
         self.assertIn("dist.timeout_s = 4 s", err)
+        self.assertLess(took, 30)
+        rc, out, err, took = self.run_gpu(["--set", "dist.timeout_s=4"], fault="hang@1:3")
+        self.assertEqual(rc, 3, out + err)
+        if "gradients: NCCL" in out:
+            self.assertIn("the CUDA graph choice at step 3 did not complete within dist.timeout_s = 4 s: rank(s) 1 "
+                          "never arrived", err)
         self.assertLess(took, 30)
 
     def test_sigusr1_checkpoints_exits_75_and_resume_is_bit_exact(self):

@@ -230,34 +230,81 @@ class GpuTraining(GpuCase):
         rc, out, err = gpu_run([cfg, "--device", "cuda"], 1, ENV1)
         self.assertEqual(rc, 2, out + err)
         self.assertIn("the largest tensor holds 3221225472 values per rank (3 rows x 1073741824)", errors(err)[0])
+        # attention's (B, H, T, T) scores count too: 4 heads of a context of 8192 is 2^28 values a sample
+        cfg = self.w.config("""\
+            model:
+              input: [8192]
+              layers:
+                - embedding: {{vocab: 256, dim: 64}}
+                - attention: {{heads: 4, causal: true}}
+                - linear: {{out: 256}}
+              loss: cross_entropy
+            data: {{path: {dir}/none.h5, train: {{x: /train/tokens}}}}
+            train: {{batch_size: 7}}
+            """)
+        rc, out, err = gpu_run([cfg, "--device", "cuda"], 1, ENV1)
+        self.assertEqual(rc, 2, out + err)
+        self.assertIn("the largest tensor holds 2147483648 values per rank (8 rows x 268435456)", errors(err)[0])
 
     @unittest.skipUnless(SIM, "needs the stand-in's GPUSIM_SEED")
     def test_results_do_not_depend_on_the_order_threads_run(self):
         """The stand-in runs blocks and threads in an order GPUSIM_SEED decides, as a GPU's scheduler
         would: two seeds must give the same bits, which a race in any kernel (a missing barrier, an
         order of atomic additions that reaches the parameters) would break. With gradient clipping,
-        so that the sum of squares reaches them too."""
+        so that the sum of squares reaches them too. The second and third run also run ready streams
+        in a seeded order (the copy stream's uploads, NCCL's stream), the third eagerly (no graphs):
+        a missing event between streams would change the bits, and the hazard checker stops it."""
         self.w.dataset(n=48)
         cfg = self.w.config(GPU_CNN, dropout="dropout: {p: 0.2}")
-        for seed in (1, 2):
+        runs = ((1, "lazy", "auto"), (2, "seeded", "auto"), (3, "seeded", "off"))
+        for seed, order, graphs in runs:
             rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", "train.clip_grad_norm=0.05", "--set",
-                                    f"checkpoint.dir={self.w.file(f'seed{seed}')}"], 2, dict(ENV2, GPUSIM_SEED=str(seed)))
+                                    f"train.cuda_graph={graphs}", "--set", f"checkpoint.dir={self.w.file(f'seed{seed}')}"],
+                                   2, dict(ENV2, GPUSIM_SEED=str(seed), GPUSIM_STREAM_ORDER=order))
             self.assertEqual(rc, 0, out + err)
-        a, b = params(self.w.latest("seed1")), params(self.w.latest("seed2"))
-        for k in a:
-            self.assertTrue(np.array_equal(a[k], b[k]), k)
+        a = params(self.w.latest("seed1"))
+        for seed in (2, 3):
+            b = params(self.w.latest(f"seed{seed}"))
+            for k in a:
+                self.assertTrue(np.array_equal(a[k], b[k]), (seed, k))
 
     @unittest.skipUnless(SIM, "needs the stand-in: one rank shown 2 GPUs and the other 1")
     def test_nodes_with_different_gpu_counts_agree_on_mpi(self):
-        """dist.comm auto with one rank seeing 2 GPUs and the other 1: both must use MPI (before, the
-        first chose NCCL and the second MPI, and the job hung until dist.timeout_s)."""
+        """dist.comm auto with one rank seeing 2 GPUs and the other 1, both on the GPU at the first bus
+        id: both must use MPI (before, the first chose NCCL and the second MPI, and the job hung until
+        dist.timeout_s)."""
         self.w.dataset(n=48)
         cfg = self.w.config(GPU_CNN, dropout="relu")
         args = [cfg, "--device", "cuda", "--set", "train.max_steps=3", "--set", "dist.timeout_s=20"]
         rc, out, err = gpu_run(None, 2, {}, timeout=120,
                                mpmd=[({"GPUSIM_DEVICES": 2}, args), ({"GPUSIM_DEVICES": 1}, args)])
         self.assertEqual(rc, 0, out + err)
-        self.assertIn("gradients: MPI through host memory (dist.comm auto: some node has fewer GPUs than ranks)", out)
+        self.assertIn("gradients: MPI through host memory (dist.comm auto: ranks 0 and 1 use the same GPU (PCI "
+                      "0000:18:00.0 on ", out)
+
+    @unittest.skipUnless(SIM, "needs the stand-in's GPUSIM_DEVICES per rank")
+    def test_a_gpu_bound_to_each_task_is_told_apart_by_bus_id(self):
+        """srun --gpus-per-task=1 binds one GPU to each rank through CUDA_VISIBLE_DEVICES: every rank
+        sees one device, device 0, yet each has a GPU of its own, and dist.comm auto must choose NCCL
+        (before, it counted visible devices and chose MPI). The same binding onto one GPU shares it:
+        MPI, and dist.comm nccl is refused."""
+        self.w.dataset(n=48)
+        cfg = self.w.config(GPU_CNN, dropout="relu")
+        args = [cfg, "--device", "cuda", "--set", "train.max_steps=3", "--set", "dist.timeout_s=20"]
+        own = [({"GPUSIM_DEVICES": 2, "CUDA_VISIBLE_DEVICES": r}, args) for r in (0, 1)]
+        rc, out, err = gpu_run(None, 2, {}, timeout=120, mpmd=own)
+        self.assertEqual(rc, 0, out + err)
+        self.assertIn("gradients: NCCL", out)
+        rc, out, err = gpu_run(None, 2, {}, timeout=120, mpmd=[(dict(e, **{"CUDA_VISIBLE_DEVICES": 1}), a)
+                                                                  for e, a in own])
+        self.assertEqual(rc, 0, out + err)
+        self.assertIn("gradients: MPI through host memory (dist.comm auto: ranks 0 and 1 use the same GPU (PCI "
+                      "0000:2a:00.0 on ", out)
+        rc, out, err = gpu_run(None, 2, {}, timeout=120,
+                               mpmd=[(dict(e, **{"CUDA_VISIBLE_DEVICES": 1}), a + ["--set", "dist.comm=nccl"])
+                                     for e, a in own])
+        self.assertEqual(rc, 2, out + err)
+        self.assertIn("dist.comm nccl: ranks 0 and 1 use the same GPU (PCI 0000:2a:00.0", errors(err)[0])
 
     def test_device_cache_equals_memory_cache(self):
         """data.cache device gathers each batch on the device from the cached rows: the same bits as
@@ -491,11 +538,12 @@ class GpuPrecision(GpuCase):
 
     @unittest.skipUnless(SIM, "needs the stand-in's GPUSIM_CC")
     def test_a_precision_the_gpu_lacks_is_refused(self):
-        """tf32 and bf16 need compute capability 8.0, fp16 7.0: exit 2 naming the key and the GPU."""
+        """tf32 and bf16 need compute capability 8.0, fp16 7.0: exit 2 naming the key and the GPU; and
+        below 7.5 the build has no code: exit 2 naming what it has."""
         self.w.dataset(n=48)
         cfg = self.w.config(GPU_CNN, dropout="relu")
         for cc, prec, ok in (("7.5", "tf32", False), ("7.5", "bf16", False), ("7.5", "fp16", True),
-                             ("6.1", "fp16", False), ("8.0", "bf16", True)):
+                             ("8.0", "bf16", True)):
             rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", f"train.precision={prec}", "--set",
                                     "train.max_steps=1", "--set", f"checkpoint.dir={self.w.file('ck' + cc + prec)}"],
                                    1, dict(ENV1, GPUSIM_CC=cc))
@@ -507,6 +555,13 @@ class GpuPrecision(GpuCase):
                 self.assertIn(f"train.precision {prec} needs tensor cores of compute capability {need} or later, "
                               f"but GPU 0 of rank 0", errors(err)[0])
                 self.assertIn(f"has {cc}", errors(err)[0])
+        # CUDA 13 builds nothing older than 7.5: a Volta or Pascal GPU is refused for any precision,
+        # naming what the build has (before, 7.0 passed the checks and failed at the first kernel)
+        for cc in ("7.0", "6.1"):
+            rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", "train.max_steps=1"], 1, dict(ENV1, GPUSIM_CC=cc))
+            self.assertEqual(rc, 2, out + err)
+            self.assertIn(f"GPU 0 of rank 0 (", errors(err)[0])
+            self.assertIn(f"has compute capability {cc}, and this build has no code for it (sm_75, ", errors(err)[0])
 
     @unittest.skipUnless(VISIBLE2 >= 2, "fewer than 2 GPUs visible")
     def test_bf16_gradient_sums_stay_near_fp32(self):

@@ -369,6 +369,7 @@ void make_context(Device *d) {
   d->legacy->dev = d;
   d->legacy->legacy = true;
   d->legacy->rng = Rng(next_seed());
+  hazard_stream_created(d->legacy);
   d->streams.push_back(d->legacy);
 }
 
@@ -415,6 +416,7 @@ bool device_free(void *p) {
   protect(a, PROT_READ);
   check_guards(a, "cudaFree");
   a->live = false;
+  hazard_forget(a);
   madvise((void *)a->lo, a->hi - a->lo, MADV_DONTNEED);
   if (mprotect((void *)a->lo, a->hi - a->lo, PROT_NONE)) fatal("mprotect failed: %s", strerror(errno));
   Device *d = device(a->device);
@@ -426,6 +428,11 @@ const Allocation *find_allocation(const void *p) {
   Allocation *a = containing((uintptr_t)p);
   if (!a || (uintptr_t)p < a->base || (uintptr_t)p > a->base + a->size) return nullptr;
   return a;
+}
+
+void device_region(uintptr_t *lo, uintptr_t *hi) {
+  *lo = core().region_lo;
+  *hi = core().region_hi;
 }
 
 bool in_device_region(const void *p) {

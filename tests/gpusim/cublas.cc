@@ -202,7 +202,17 @@ cublasStatus_t submit(cublasContext *ctx, const char *api, Gemm g, const void *a
   for (int i = 0; i < 2; i++) {
     const void *p = i ? g.beta_dev : g.alpha_dev;
     if (p) op->uses.push_back(find_allocation(p));
+    declare_access(op.get(), p, scalar, false);
   }
+  // the bytes each matrix spans (hazard.cc); C is read too unless beta is a host 0
+  auto span = [&](int rows, int cols, int ld, long long stride, cudaDataType t) {
+    size_t n = extent(rows, cols, ld);
+    return n ? (n + (size_t)(g.batch - 1) * (size_t)stride) * type_size(t) : 0;
+  };
+  declare_access(op.get(), g.a, span(ar, ac, g.lda, g.sa, g.at), false);
+  declare_access(op.get(), g.b, span(br, bc, g.ldb, g.sb, g.bt), false);
+  if (g.beta_dev || g.beta != 0) declare_access(op.get(), g.c, span(g.m, g.n, g.ldc, g.sc, g.ct), false);
+  declare_access(op.get(), g.c, span(g.m, g.n, g.ldc, g.sc, g.ct), true);
   char what[160];
   snprintf(what, sizeof what, "%s (m %d, n %d, k %d)", api, g.m, g.n, g.k);
   op->what = what;
@@ -212,13 +222,24 @@ cublasStatus_t submit(cublasContext *ctx, const char *api, Gemm g, const void *a
 }
 
 // The reduced precision the math mode and compute type allow for FP32 inputs (TF32 needs compute
-// capability 8.0: below it FP32 stays FP32).
-Reduce reduction(const cublasContext *ctx, cublasComputeType_t ct) {
+// capability 8.0: below it FP32 stays FP32). The FAST_16F and FAST_16BF compute types *allow*
+// cuBLAS to round the inputs to half or bfloat16 and do not oblige it: it may pick a TF32 or FP32
+// kernel for a shape. The stand-in picks one of the three per shape, from GPUSIM_SEED, the same
+// each call (a kernel choice is per shape), so that results must hold whichever is picked.
+Reduce reduction(const cublasContext *ctx, cublasComputeType_t ct, int m, int n, int k) {
   bool has_tf32 = config().cc_major >= 8;
+  auto pick = [&](Reduce r16) {
+    uint64_t key = config().seed * 0x9e3779b97f4a7c15ULL ^ ((uint64_t)m << 42) ^ ((uint64_t)n << 21) ^ (uint64_t)k;
+    switch (Rng(key).below(3)) {
+      case 0: return r16;
+      case 1: return has_tf32 ? TF32 : EXACT;
+      default: return EXACT;
+    }
+  };
   switch (ct) {
     case CUBLAS_COMPUTE_32F_FAST_TF32: return has_tf32 ? TF32 : EXACT;
-    case CUBLAS_COMPUTE_32F_FAST_16F: return HALF;
-    case CUBLAS_COMPUTE_32F_FAST_16BF: return BF16;
+    case CUBLAS_COMPUTE_32F_FAST_16F: return pick(HALF);
+    case CUBLAS_COMPUTE_32F_FAST_16BF: return pick(BF16);
     case CUBLAS_COMPUTE_32F: return has_tf32 && (ctx->math & 0xf) == CUBLAS_TF32_TENSOR_OP_MATH ? TF32 : EXACT;
     default: return EXACT;
   }
@@ -356,9 +377,10 @@ cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
   ApiLock lock;
   cublasContext *c = ctx_of(h);
   if (!c) return CUBLAS_STATUS_NOT_INITIALIZED;
-  Gemm g = {ta, tb, m,       n,      k, lda,        ldb,        ldc,        batch, sa,
-            sb, sc, A,       B,      C, CUDA_R_32F, CUDA_R_32F, CUDA_R_32F, false, reduction(c, CUBLAS_COMPUTE_32F),
-            0,  0,  nullptr, nullptr};
+  Gemm g = {
+      ta, tb, m,       n,      k, lda,        ldb,        ldc,        batch, sa,
+      sb, sc, A,       B,      C, CUDA_R_32F, CUDA_R_32F, CUDA_R_32F, false, reduction(c, CUBLAS_COMPUTE_32F, m, n, k),
+      0,  0,  nullptr, nullptr};
   if ((c->math & 0xf) == CUBLAS_PEDANTIC_MATH) g.reduce = EXACT;
   return submit(c, batch == 1 && !sa ? "cublasSgemm" : "cublasSgemmStridedBatched", g, alpha, beta);
 }
@@ -382,7 +404,7 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta
   if (f32 && (at != bt || at == CUDA_R_64F || (at == CUDA_R_32F && ct != CUDA_R_32F) || (ct != CUDA_R_32F && ct != at)))
     return CUBLAS_STATUS_NOT_SUPPORTED;
   Gemm g = {ta, tb, m,       n,      k, lda, ldb, ldc, batch, sa,
-            sb, sc, A,       B,      C, at,  bt,  ct,  f64,   at == CUDA_R_32F ? reduction(c, compute) : EXACT,
+            sb, sc, A,       B,      C, at,  bt,  ct,  f64,   at == CUDA_R_32F ? reduction(c, compute, m, n, k) : EXACT,
             0,  0,  nullptr, nullptr};
   if ((c->math & 0xf) == CUBLAS_PEDANTIC_MATH || compute == CUBLAS_COMPUTE_32F_PEDANTIC) g.reduce = EXACT;
   return submit(c, batch == 1 && !sa ? "cublasGemmEx" : "cublasGemmStridedBatchedEx", g, alpha, beta);

@@ -92,6 +92,7 @@ cudnnStatus_t configuration(const cudnnTensorStruct *x, const cudnnFilterStruct 
 // The convolution's shapes, checked for consistency: x (N,C,H,W), w (K,C,R,S), y (N,K,P,Q).
 struct Geom {
   int n, c, h, w, k, r, s, p, q;
+  cudnnDataType_t type;  // of x, w and y alike
 };
 
 cudnnStatus_t geometry(const cudnnTensorStruct *x, const cudnnFilterStruct *f, const cudnnConvolutionStruct *cv,
@@ -102,7 +103,7 @@ cudnnStatus_t geometry(const cudnnTensorStruct *x, const cudnnFilterStruct *f, c
   int er = (f->h - 1) * cv->dil_h + 1, es = (f->w - 1) * cv->dil_w + 1;
   int p = (x->h + 2 * cv->pad_h - er) / cv->u + 1, q = (x->w + 2 * cv->pad_w - es) / cv->v + 1;
   if (x->h + 2 * cv->pad_h < er || x->w + 2 * cv->pad_w < es || y->h != p || y->w != q) return CUDNN_STATUS_BAD_PARAM;
-  *g = Geom{x->n, x->c, x->h, x->w, f->k, f->h, f->w, p, q};
+  *g = Geom{x->n, x->c, x->h, x->w, f->k, f->h, f->w, p, q, x->type};
   return CUDNN_STATUS_SUCCESS;
 }
 
@@ -111,13 +112,33 @@ bool tf32(const cudnnConvolutionStruct *cv) {
   return cv->math != CUDNN_FMA_MATH && config().cc_major >= 8;
 }
 
-// One algorithm's description for a shape: supported or not, its workspace (sized as for FP32
-// data, whatever the data type), its determinism.
+// Whether tensor-core kernels exist for the shape: 16-bit data needs channel counts that are
+// multiples of 8 (a first layer of 1 or 3 channels has none) and compute capability 7.0, FP32
+// data (as TF32) needs 8.0.
+bool tensor_cores(const Geom &g) {
+  if (is16(g.type)) return config().cc_major >= 7 && g.c % 8 == 0 && g.k % 8 == 0;
+  return config().cc_major >= 8;
+}
+
+// The kernels a math type selects, as cuDNN reports them per algorithm: CUDNN_FMA_MATH selects
+// FMA kernels; the tensor-op math types select tensor-core kernels where the shape has them and
+// the default kernels where it does not ("permitted, not enforced"); CUDNN_DEFAULT_MATH selects
+// the default kernels.
+cudnnMathType_t kernels_for(cudnnMathType_t math, const Geom &g) {
+  if (math == CUDNN_FMA_MATH) return CUDNN_FMA_MATH;
+  if (math != CUDNN_DEFAULT_MATH && tensor_cores(g)) return CUDNN_TENSOR_OP_MATH;
+  return CUDNN_DEFAULT_MATH;
+}
+
+// One algorithm's description for a shape and its kernels' math type: supported or not, its
+// workspace (sized as for FP32 data; the default and FMA kernels on 16-bit data also widen the
+// operands to FP32 in it), its determinism.
 struct Algo {
   int id;
   cudnnStatus_t status;
   size_t memory;
   cudnnDeterminism_t determinism;
+  cudnnMathType_t math;
 };
 
 size_t pow2_at_least(size_t x) {
@@ -126,14 +147,14 @@ size_t pow2_at_least(size_t x) {
   return p;
 }
 
-Algo describe(Dir dir, int id, const Geom &g, const cudnnConvolutionStruct *cv) {
+Algo describe(Dir dir, int id, const Geom &g, const cudnnConvolutionStruct *cv, cudnnMathType_t math) {
   size_t f = sizeof(float), crs = (size_t)g.c * g.r * g.s, pq = (size_t)g.p * g.q;
   bool unit = cv->u == 1 && cv->v == 1 && cv->dil_h == 1 && cv->dil_w == 1;
   bool is3x3 = g.r == 3 && g.s == 3;
   size_t fft_tile = pow2_at_least((size_t)(g.h + 2 * cv->pad_h)) * pow2_at_least((size_t)(g.w + 2 * cv->pad_w));
   size_t fft = 2 * f * fft_tile * ((size_t)g.n * g.c + (size_t)g.k * g.c + (size_t)g.n * g.k);
   size_t wino = f * 16 * ((size_t)g.n * g.c + (size_t)g.k * g.c + (size_t)g.n * g.k) * ((pq + 3) / 4);
-  Algo a = {id, CUDNN_STATUS_SUCCESS, 0, CUDNN_DETERMINISTIC};
+  Algo a = {id, CUDNN_STATUS_SUCCESS, 0, CUDNN_DETERMINISTIC, math};
   auto unsupported = [&]() { a.status = CUDNN_STATUS_NOT_SUPPORTED; };
   if (dir == FWD) {
     switch (id) {
@@ -201,7 +222,12 @@ Algo describe(Dir dir, int id, const Geom &g, const cudnnConvolutionStruct *cv) 
         if (!unit) unsupported();
         break;
     }
+    // tensor-core filter gradients of 16-bit data split the reduction and add with atomics
+    if (math == CUDNN_TENSOR_OP_MATH && is16(g.type) && id == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1)
+      a.determinism = CUDNN_NON_DETERMINISTIC;
   }
+  if (is16(g.type) && math != CUDNN_TENSOR_OP_MATH)
+    a.memory += f * ((size_t)g.n * g.c * g.h * g.w + (size_t)g.k * crs + (size_t)g.n * g.k * pq);
   return a;
 }
 
@@ -211,17 +237,24 @@ int algo_count(Dir dir) {
   return CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT;
 }
 
-// The heuristics' ranking: supported algorithms first, "fastest" first. As in cuDNN, the order
-// depends on the shape: small channel counts favour the implicit GEMMs and the non-deterministic
-// atomics-based backward algorithms; 3x3 unit-stride layers favour Winograd.
+// The heuristics' ranking: supported algorithms first, "fastest" first, each with the math type
+// of its kernels: where the descriptor permits tensor ops and the shape has tensor-core kernels,
+// each algorithm is listed twice, its tensor-core kernels (ranked first) and its default ones. As
+// in cuDNN, the order depends on the shape: small channel counts favour the implicit GEMMs and the
+// non-deterministic atomics-based backward algorithms; 3x3 unit-stride layers favour Winograd.
 std::vector<Algo> ranked(Dir dir, const Geom &g, const cudnnConvolutionStruct *cv) {
   std::vector<Algo> all;
-  for (int id = 0; id < algo_count(dir); id++) all.push_back(describe(dir, id, g, cv));
+  const cudnnMathType_t mine = kernels_for(cv->math, g);
+  for (int id = 0; id < algo_count(dir); id++) {
+    all.push_back(describe(dir, id, g, cv, mine));
+    if (mine == CUDNN_TENSOR_OP_MATH) all.push_back(describe(dir, id, g, cv, CUDNN_DEFAULT_MATH));
+  }
   auto score = [&](const Algo &a) {
     if (a.status != CUDNN_STATUS_SUCCESS) return 1e30;
     double s = (double)a.memory / 1e6;                       // workspace traffic
     if (a.determinism == CUDNN_NON_DETERMINISTIC) s -= 1.0;  // atomics are quick
     if (g.r == 3 && g.s == 3 && a.memory > 4096 && g.c >= 64) s -= 2.0;
+    if (a.math == CUDNN_TENSOR_OP_MATH) s -= 4.0;  // tensor cores are quicker still
     return s + 0.01 * a.id;
   };
   std::stable_sort(all.begin(), all.end(), [&](const Algo &a, const Algo &b) { return score(a) < score(b); });
@@ -241,15 +274,16 @@ cudnnStatus_t heuristics(Dir dir, const Geom &g, const cudnnConvolutionStruct *c
     perf[i].time = -1.0f;  // heuristics do not time anything
     perf[i].memory = r[(size_t)i].memory;
     perf[i].determinism = r[(size_t)i].determinism;
-    perf[i].mathType = cv->math;
+    perf[i].mathType = r[(size_t)i].math;
   }
   *returned = n;
   return CUDNN_STATUS_SUCCESS;
 }
 
+// For the kernels the descriptor's math type selects now (cudnnSetConvolutionMathType first).
 cudnnStatus_t workspace(Dir dir, const Geom &g, const cudnnConvolutionStruct *cv, int algo, size_t *bytes) {
   if (algo < 0 || algo >= algo_count(dir) || !bytes) return CUDNN_STATUS_BAD_PARAM;
-  Algo a = describe(dir, algo, g, cv);
+  Algo a = describe(dir, algo, g, cv, kernels_for(cv->math, g));
   if (a.status != CUDNN_STATUS_SUCCESS) return a.status;
   *bytes = a.memory;
   return CUDNN_STATUS_SUCCESS;
@@ -499,7 +533,7 @@ float host_scalar(const char *api, const char *name, const void *p) {
 cudnnStatus_t submit(cudnnContext *h, const char *api, Conv cv, int algo, void *ws, size_t ws_bytes, const void *alpha,
                      const void *beta) {
   if (algo < 0 || algo >= algo_count(cv.dir)) return CUDNN_STATUS_BAD_PARAM;
-  Algo a = describe(cv.dir, algo, cv.g, &cv.cv);
+  Algo a = describe(cv.dir, algo, cv.g, &cv.cv, kernels_for(cv.cv.math, cv.g));
   if (a.status != CUDNN_STATUS_SUCCESS) return a.status;
   if (ws_bytes < a.memory) return CUDNN_STATUS_BAD_PARAM;  // the workspace is smaller than the algorithm needs
   Stream *s = stream_of(h->stream);
@@ -519,6 +553,19 @@ cudnnStatus_t submit(cudnnContext *h, const char *api, Conv cv, int algo, void *
       check_buffer(api, cv.dir == BWD_FILTER ? "dw" : "w", cv.dir == BWD_FILTER ? cv.out : cv.wp, fbytes, dev);
   op->uses = {x, y, w};
   if (a.memory) op->uses.push_back(check_buffer(api, "workSpace", ws, a.memory, dev));
+  // the bytes it reads and writes (hazard.cc): the output is read too when beta is not 0
+  const size_t xbytes = tensor_extent(&cv.x) * element_bytes(cv.x.type),
+               ybytes = tensor_extent(&cv.y) * element_bytes(cv.y.type),
+               obytes = cv.dir == FWD        ? ybytes
+                        : cv.dir == BWD_DATA ? xbytes
+                                             : fbytes;
+  if (cv.xp) declare_access(op.get(), cv.xp, xbytes, false);
+  if (cv.yp) declare_access(op.get(), cv.yp, ybytes, false);
+  if (cv.wp) declare_access(op.get(), cv.wp, fbytes, false);
+  if (cv.beta != 0) declare_access(op.get(), cv.out, obytes, false);
+  declare_access(op.get(), cv.out, obytes, true);
+  declare_access(op.get(), ws, a.memory, false);
+  declare_access(op.get(), ws, a.memory, true);
   char what[160];
   snprintf(what, sizeof what, "%s (algorithm %d)", api, algo);
   op->what = what;
@@ -707,6 +754,28 @@ cudnnStatus_t cudnnGetConvolution2dForwardOutputDim(const cudnnConvolutionDescri
   *c = f->k;
   *h = (x->h + 2 * cv->pad_h - er) / cv->u + 1;
   *w = (x->w + 2 * cv->pad_w - es) / cv->v + 1;
+  return CUDNN_STATUS_SUCCESS;
+}
+
+// Heuristics list an algorithm once per kind of kernel (tensor-core and default): twice the count.
+cudnnStatus_t cudnnGetConvolutionForwardAlgorithmMaxCount(cudnnHandle_t h, int *count) {
+  ApiLock lock;
+  if (!handle_of(h) || !count) return CUDNN_STATUS_BAD_PARAM;
+  *count = 2 * CUDNN_CONVOLUTION_FWD_ALGO_COUNT;
+  return CUDNN_STATUS_SUCCESS;
+}
+
+cudnnStatus_t cudnnGetConvolutionBackwardDataAlgorithmMaxCount(cudnnHandle_t h, int *count) {
+  ApiLock lock;
+  if (!handle_of(h) || !count) return CUDNN_STATUS_BAD_PARAM;
+  *count = 2 * CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT;
+  return CUDNN_STATUS_SUCCESS;
+}
+
+cudnnStatus_t cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(cudnnHandle_t h, int *count) {
+  ApiLock lock;
+  if (!handle_of(h) || !count) return CUDNN_STATUS_BAD_PARAM;
+  *count = 2 * CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT;
   return CUDNN_STATUS_SUCCESS;
 }
 

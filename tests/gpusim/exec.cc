@@ -502,7 +502,7 @@ uint64_t grid_size(const dim3 &g) {
 struct KernelOp : Op {
   gpusim_launch_desc d;
   void *task;
-  KernelOp(const gpusim_launch_desc &desc, void *t) : d(desc), task(t) {}
+  KernelOp(const gpusim_launch_desc &desc, void *t) : d(desc), task(t) { traced = true; }
   ~KernelOp() override { d.destroy(task); }
   bool run() override {
     run_kernel(&d, task);

@@ -125,6 +125,7 @@ bool device_free(void *p);                    // false: not the base of a live a
 // The allocation containing p (live or freed), or nullptr; p may be one past the end.
 const Allocation *find_allocation(const void *p);
 bool in_device_region(const void *p);
+void device_region(uintptr_t *lo, uintptr_t *hi);  // [lo, hi): every allocation's addresses
 // Checks that [p, p + bytes) lies inside one live allocation (of device `dev` unless -1).
 const Allocation *device_range(const void *p, size_t bytes, int dev = -1);
 // Describes an address for messages: "byte 12 past the end of allocation #3 (400 bytes)".
@@ -146,6 +147,28 @@ bool is_pinned(const void *p, size_t bytes);
 void pinned_add(void *p, size_t bytes);
 bool pinned_remove(void *p);
 
+// ---- hazards between streams (hazard.cc) -----------------------------------------------------
+// A byte range of one allocation that an op reads or writes.
+struct Access {
+  const Allocation *a;
+  uintptr_t lo, hi;  // [lo, hi) inside [a->base, a->base + a->size)
+  bool write;
+};
+// What each stream (by id) is known to have completed: a vector clock. Entry i is the number of
+// ops stream i had enqueued at the point that happens before.
+struct Clock {
+  std::vector<uint64_t> v;
+  uint64_t at(uint32_t id) const { return id < v.size() ? v[id] : 0; }
+  bool join(const Clock &o);  // true when it grew
+};
+// Where an op stands in the happens-before order: enqueued as number `epoch` on stream `stream`,
+// after what `seen` says of the other streams.
+struct Stamp {
+  uint32_t stream = 0;
+  uint64_t epoch = 0;
+  std::shared_ptr<const Clock> seen;
+};
+
 // ---- streams and queued work (runtime.cc) ----------------------------------------------------
 struct Op {
   virtual ~Op() {}
@@ -158,6 +181,11 @@ struct Op {
   std::string what;                                     // "kernel bias_add_kernel (elementwise.cu:95)"
   std::vector<const Allocation *> uses;                 // device allocations it reads or writes
   std::vector<std::pair<const void *, size_t>> pinned;  // pinned host memory it reads or writes
+  // The byte ranges it reads and writes, for the hazard checker: declared when queued (copies,
+  // memsets, library calls, collectives); a kernel's are recorded while it runs instead.
+  std::vector<Access> accesses;
+  bool traced = false;  // a kernel: its accesses are recorded as it runs
+  Stamp stamp;          // set when queued (a graph node: its launch's)
 };
 
 struct Capture;
@@ -171,8 +199,11 @@ struct Stream {
   int polls;                     // cudaStreamQuery calls since it last reported done
   std::deque<std::unique_ptr<Op>> queue;
   Rng rng;
-  Capture *capture;          // the capture it takes part in (graph.cc), or nullptr
-  std::vector<size_t> deps;  // while capturing: the graph nodes its next node depends on
+  Capture *capture;             // the capture it takes part in (graph.cc), or nullptr
+  std::vector<size_t> deps;     // while capturing: the graph nodes its next node depends on
+  uint32_t id = 0;              // its entry in vector clocks (hazard.cc)
+  std::shared_ptr<Clock> seen;  // what its next op will have seen of other streams
+  uint64_t host_seen = 0;       // the host clock's version last joined into seen
   Stream()
       : dev(nullptr),
         blocking(true),
@@ -211,6 +242,9 @@ struct WaitOp : Op {
   WaitOp(Stream *t, uint64_t s) : target(t), seq(s) { what = "a wait for another stream"; }
   bool run() override { return progress(target, seq); }
 };
+// Queues a wait on s for `target` up to op `seq`, whose point in the order is `at` (the clock of
+// target at seq, its own entry included): what s queues next happens after it.
+cudaError_t enqueue_wait(Stream *s, Stream *target, uint64_t seq, const Clock &at);
 
 // An op from a function (library calls).
 struct FnOp : Op {
@@ -220,6 +254,35 @@ struct FnOp : Op {
     return true;
   }
 };
+
+// ---- the hazard checker's entry points (hazard.cc) ----
+enum HazardMode { HAZARD_OFF, HAZARD_WARN, HAZARD_ERROR };
+HazardMode hazard_mode();    // GPUSIM_HAZARDS: error (default), warn or off
+bool seeded_stream_order();  // GPUSIM_STREAM_ORDER=seeded: ready streams run in a seeded order
+void hazard_stream_created(Stream *s);
+// Stamps op as the next op of s (its own epoch is s->enqueued after it is counted).
+void hazard_stamp(Stream *s, Op *op);
+// The clock of stream s at its current end (its own entry included).
+Clock hazard_clock_of(const Stream *s);
+// s waits for a point in the order: what it queues next has seen `at`.
+void hazard_stream_waits(Stream *s, const Clock &at);
+// The host has seen `at` complete (a synchronisation): every op queued later happens after it.
+void hazard_host_waits(const Clock &at);
+// Checks an executed op's accesses against earlier ones on other streams, then records them. g:
+// the graph launch it is a node of, or nullptr.
+struct LaunchCtx {
+  uint64_t launch;                                  // unique per graph launch
+  const std::vector<std::vector<uint64_t>> *reach;  // [j]: bitset of the nodes that run before node j
+  size_t node;
+};
+void hazard_check(const Op *op, const std::vector<Access> &accesses, const LaunchCtx *g);
+// A kernel about to run (its accesses are recorded from here) and done (returns them).
+void hazard_kernel_begin();
+std::vector<Access> hazard_kernel_end();
+// An allocation freed: its history goes.
+void hazard_forget(const Allocation *a);
+// Declares [p, p + bytes) of a live allocation as read or written by op (library calls).
+void declare_access(Op *op, const void *p, size_t bytes, bool write);
 
 // The runtime's per-thread last error (cudaGetLastError).
 cudaError_t set_error(cudaError_t e);

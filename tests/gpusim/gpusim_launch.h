@@ -57,6 +57,8 @@ void gpusim_check_atomic(const void *p, size_t bytes, const char *what);
 void *gpusim_dynamic_shared(void);
 /* Puts the stand-in's device-memory fault handler back in front of any installed since. */
 void gpusim_install_fault_handler(void);
+/* The hazard checker's mode (0 off, 1 warn, 2 error: GPUSIM_HAZARDS); returns the previous one. */
+int gpusim_set_hazards(int mode);
 /* Registers the program's static __shared__ section (done once per kernel file). */
 void gpusim_register_static_shared(char *lo, char *hi);
 

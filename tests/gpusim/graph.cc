@@ -45,6 +45,7 @@ namespace {
 struct Mark {
   Stream *stream = nullptr;
   uint64_t seq = 0;
+  Clock clock;  // its point in the happens-before order
 };
 
 // An executable graph: the nodes as instantiated, shared with its queued launches.
@@ -53,6 +54,7 @@ struct Plan {
   std::vector<Node> nodes;
   std::vector<const Allocation *> uses;  // every node's
   std::weak_ptr<Mark> last;
+  std::vector<std::vector<uint64_t>> reach;  // [j]: a bitset of the nodes that run before node j
 };
 
 struct Exec {
@@ -154,8 +156,11 @@ struct GraphRunOp : Op {
   std::vector<size_t> order;             // their node numbers
   size_t next = 0;                       // the first that has not finished
   std::shared_ptr<Mark> mark;
+  uint64_t launch;  // unique: the hazard checker tells this launch's nodes apart by it
 
   GraphRunOp(std::shared_ptr<Plan> p, Stream *s) : plan(std::move(p)) {
+    static uint64_t launches = 0;
+    launch = ++launches;
     uses = plan->uses;
     char buf[96];
     snprintf(buf, sizeof buf, "a launch of a graph of %zu node%s", plan->nodes.size(),
@@ -186,8 +191,15 @@ struct GraphRunOp : Op {
               "longer pinned: freed with cudaFreeHost since the graph was captured",
               order[next] + 1, ops.size(), op->what.c_str(), h.first, h.second);
       grant_only(op->uses);  // each node reaches what it declared, nothing else
-      if (!op->run()) return false;
+      op->stamp = stamp;     // a node runs at its launch's place in the order
+      if (op->traced) hazard_kernel_begin();
+      bool done = op->run();
+      std::vector<Access> traced;
+      if (op->traced) traced = hazard_kernel_end();
+      if (!done) return false;
       for (const Allocation *a : op->uses) check_guards(a, op->what.c_str());
+      LaunchCtx ctx{launch, &plan->reach, order[next]};
+      hazard_check(op, op->traced ? traced : op->accesses, &ctx);
     }
     grant_only(uses);  // as the stream granted them: it checks the guards of all of them next
     return true;
@@ -415,10 +427,19 @@ cudaError_t cudaGraphInstantiate(cudaGraphExec_t *out, cudaGraph_t h, unsigned l
     return set_error(cudaErrorInvalidValue);
   std::shared_ptr<Plan> plan = std::make_shared<Plan>();
   plan->device = g->device;
+  const size_t words = (g->nodes.size() + 63) / 64;
   for (const std::unique_ptr<Node> &n : g->nodes) {
     plan->nodes.push_back(*n);
     for (const Allocation *a : n->op->uses)
       if (std::find(plan->uses.begin(), plan->uses.end(), a) == plan->uses.end()) plan->uses.push_back(a);
+    // nodes are in a topological order: a node's ancestors are its dependencies' and them
+    std::vector<uint64_t> bits(words, 0);
+    for (size_t d : n->deps) {
+      const std::vector<uint64_t> &up = plan->reach[d];
+      for (size_t w = 0; w < words; w++) bits[w] |= up[w];
+      bits[d / 64] |= (uint64_t)1 << (d % 64);
+    }
+    plan->reach.push_back(std::move(bits));
   }
   Exec *x = execs.add(new Exec);
   x->plan = plan;
@@ -446,8 +467,7 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t h, cudaStream_t sh) {
     if (cudaError_t e = check_legacy_use(s->dev)) return set_error(e);
   // checked before the launch is made: making it issues its collectives
   std::shared_ptr<Mark> last = x->plan->last.lock();
-  if (last && last->stream != s && last->stream->completed < last->seq)
-    enqueue(s, std::unique_ptr<Op>(new WaitOp(last->stream, last->seq)));
+  if (last && last->stream != s) enqueue_wait(s, last->stream, last->seq, last->clock);
   std::unique_ptr<GraphRunOp> op(new GraphRunOp(x->plan, s));
   std::shared_ptr<Mark> mark = std::make_shared<Mark>();
   op->mark = mark;
@@ -455,6 +475,7 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t h, cudaStream_t sh) {
   count_launch(x->plan->nodes.size());
   mark->stream = s;
   mark->seq = s->enqueued;
+  mark->clock = hazard_clock_of(s);
   x->plan->last = mark;
   return cudaSuccess;
 }

@@ -51,7 +51,8 @@ struct Slot {  // one rank's announcement and its current round, in shared memor
   uint64_t ready, done;  // the last round posted, the last round consumed
   int32_t coll, type, op, root;
   uint64_t count;
-  char pad[64];
+  int32_t captured;  // the current round's collective runs in a CUDA graph launch
+  char pad[60];
 };
 
 struct Segment {
@@ -265,6 +266,7 @@ struct NcclOp : Op {
   enum { POST, CONSUME } phase = POST;
   uint64_t round = 0;
   bool finished = false;
+  bool captured = false;  // issued by a graph launch (recorded in a capture), not queued eagerly
 
   // elements of each rank's part in one round
   size_t part_elems(size_t n) const { return c.coll == REDUCE_SCATTER ? n * (size_t)st->nranks : n; }
@@ -285,6 +287,8 @@ struct NcclOp : Op {
     op->chunk = chunk;
     op->what = what;
     op->uses = uses;
+    op->accesses = accesses;
+    op->captured = true;
     st->track(s);
     return op;
   }
@@ -327,6 +331,7 @@ bool NcclOp::run() {
       }
       mine->coll = c.coll, mine->type = c.type, mine->op = c.op, mine->root = c.root;
       mine->count = c.count;
+      mine->captured = captured;
       __atomic_store_n(&mine->ready, round, __ATOMIC_RELEASE);
       phase = CONSUME;
     }
@@ -344,6 +349,22 @@ bool NcclOp::run() {
                  "rank %d called %s(count %llu, type %d, op %d, root %d)",
                  (unsigned long long)round, me, coll_name(c.coll), (unsigned long long)c.count, c.type, c.op, c.root, r,
                  coll_name(o->coll), (unsigned long long)o->count, o->type, o->op, o->root);
+        s.set_failed(ncclInvalidUsage, why);
+        finish();
+        return true;
+      }
+    }
+    for (int r = 0; r < n; r++) {
+      Slot *o = s.slot(r);
+      if (o->captured != (int32_t)captured) {
+        // NCCL's rule for CUDA graphs: a collective is captured on every rank or on none
+        char why[512];
+        snprintf(why, sizeof why,
+                 "ranks disagree on whether collective number %llu (%s of %llu elements) runs in a CUDA graph: rank "
+                 "%d %s, rank %d %s; every rank must capture the same collectives",
+                 (unsigned long long)round, coll_name(c.coll), (unsigned long long)c.count, me,
+                 captured ? "launched it from a graph" : "queued it eagerly", r,
+                 o->captured ? "launched it from a graph" : "queued it eagerly");
         s.set_failed(ncclInvalidUsage, why);
         finish();
         return true;
@@ -391,6 +412,10 @@ ncclResult_t queue_collective(const std::shared_ptr<State> &st, const Collective
     const void *p = side ? c.recv : c.send;
     if (p && in_device_region(p)) op->uses.push_back(find_allocation(p));
   }
+  // the bytes each side covers: reduce-scatter sends every rank's block, all-gather receives them
+  const size_t n = (size_t)st->nranks, bytes = c.count * es;
+  declare_access(op.get(), c.send, c.coll == REDUCE_SCATTER ? bytes * n : bytes, false);
+  declare_access(op.get(), c.recv, c.coll == ALL_GATHER ? bytes * n : bytes, true);
   bool capturing = s->capture;  // recorded: issued by each launch of the graph
   if (cudaError_t e = enqueue(s, std::move(op)))
     return fail(ncclUnhandledCudaError, "%s: %s", coll_name(c.coll), cudaGetErrorString(e));

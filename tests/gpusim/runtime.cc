@@ -30,6 +30,7 @@ struct Event {
   int polls = 0, delay = 1;
   uint64_t capture = 0;       // last recorded in this capture (not a point of any queue), or 0
   std::vector<size_t> nodes;  // then: the graph nodes it follows
+  Clock clock;                // its point in the happens-before order (hazard.cc)
 };
 
 struct Registry {
@@ -114,6 +115,7 @@ cudaError_t queue_copy(Stream *s, void *dst, const void *src, size_t bytes, cuda
       fatal("%s of %zu bytes: the %s range starts at %p, %s, and must lie inside one live allocation", api, bytes,
             side ? "source" : "destination", p, describe_address(p).c_str());
     op->uses.push_back(a);
+    declare_access(op.get(), p, bytes, side == 0);
   }
   op->dst = dst;
   op->src = src;
@@ -123,6 +125,7 @@ cudaError_t queue_copy(Stream *s, void *dst, const void *src, size_t bytes, cuda
   op->what = what;
   if (!dst_dev && !src_dev && !s->capture) {  // host to host: fully synchronous
     drain(s, s->enqueued, api);
+    hazard_host_waits(hazard_clock_of(s));
     memcpy(dst, src, bytes);
     return cudaSuccess;
   }
@@ -189,20 +192,65 @@ Stream *stream_of(cudaStream_t h) {
 cudaError_t enqueue(Stream *s, std::unique_ptr<Op> op) {
   Device *d = s->dev;
   if (s->capture) return capture_op(s, std::move(op));
+  // the legacy stream and the blocking streams wait for each other's earlier work
   if (s->legacy) {
     if (cudaError_t e = check_legacy_use(d)) return e;
     for (Stream *o : d->streams)
-      if (o != s && o->blocking && o->completed < o->enqueued) {
-        s->queue.emplace_back(new WaitOp(o, o->enqueued));
-        s->enqueued++;
-      }
-  } else if (s->blocking && d->legacy->completed < d->legacy->enqueued) {
-    s->queue.emplace_back(new WaitOp(d->legacy, d->legacy->enqueued));
-    s->enqueued++;
+      if (o != s && o->blocking && o->enqueued > 0) enqueue_wait(s, o, o->enqueued, hazard_clock_of(o));
+  } else if (s->blocking && d->legacy->enqueued > 0) {
+    enqueue_wait(s, d->legacy, d->legacy->enqueued, hazard_clock_of(d->legacy));
   }
   s->queue.push_back(std::move(op));
   s->enqueued++;
+  hazard_stamp(s, s->queue.back().get());
   return cudaSuccess;
+}
+
+cudaError_t enqueue_wait(Stream *s, Stream *target, uint64_t seq, const Clock &at) {
+  if (s->capture) return capture_op(s, std::unique_ptr<Op>(new WaitOp(target, seq)));
+  hazard_stream_waits(s, at);
+  if (target->completed >= seq) return cudaSuccess;  // done already: only the order is kept
+  s->queue.emplace_back(new WaitOp(target, seq));
+  s->enqueued++;
+  hazard_stamp(s, s->queue.back().get());
+  return cudaSuccess;
+}
+
+// Runs s's first queued op; false when it cannot finish yet (a collective waiting for its peers).
+static bool run_first(Stream *s) {
+  Op *op = s->queue.front().get();
+  grant_only(op->uses);  // this op reaches what it declared, nothing else
+  if (op->traced) hazard_kernel_begin();
+  bool done = op->run();
+  std::vector<Access> traced;
+  if (op->traced) traced = hazard_kernel_end();
+  if (!done) return false;
+  for (const Allocation *a : op->uses) check_guards(a, op->what.c_str());
+  hazard_check(op, op->traced ? traced : op->accesses, nullptr);
+  s->queue.pop_front();
+  s->completed++;
+  return true;
+}
+
+// GPUSIM_STREAM_ORDER=seeded: before each op of s, up to two ops that other streams of the device
+// could run now (not a wait for unfinished work), in a seeded order: work runs earlier than a
+// synchronisation needs it, as a GPU running streams side by side would.
+static void run_others_first(Stream *s) {
+  std::vector<Stream *> ready;
+  for (int k = (int)s->rng.below(3); k > 0; k--) {
+    ready.clear();
+    for (Stream *o : s->dev->streams) {
+      if (o == s || o->running || o->queue.empty()) continue;
+      WaitOp *w = dynamic_cast<WaitOp *>(o->queue.front().get());
+      if (w && w->target->completed < w->seq) continue;
+      ready.push_back(o);
+    }
+    if (ready.empty()) return;
+    Stream *o = ready[s->rng.below((uint32_t)ready.size())];
+    o->running = true;
+    run_first(o);
+    o->running = false;
+  }
 }
 
 bool progress(Stream *s, uint64_t until) {
@@ -215,12 +263,8 @@ bool progress(Stream *s, uint64_t until) {
   open_device_memory();
   double t0 = now_s();
   while (s->completed < until && !s->queue.empty()) {
-    Op *op = s->queue.front().get();
-    grant_only(op->uses);  // this op reaches what it declared, nothing else
-    if (!op->run()) break;
-    for (const Allocation *a : op->uses) check_guards(a, op->what.c_str());
-    s->queue.pop_front();
-    s->completed++;
+    if (seeded_stream_order()) run_others_first(s);
+    if (!run_first(s)) break;
   }
   s->dev->busy_s += now_s() - t0;
   close_device_memory();
@@ -483,7 +527,10 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind 
   if (!s) return ret(cudaErrorNoDevice);
   if (cudaError_t e = check_unsafe_call()) return ret(e);
   cudaError_t e = queue_copy(s, dst, src, bytes, kind, "cudaMemcpy");
-  if (e == cudaSuccess) drain(s, s->enqueued, "cudaMemcpy");
+  if (e == cudaSuccess) {
+    drain(s, s->enqueued, "cudaMemcpy");
+    hazard_host_waits(hazard_clock_of(s));
+  }
   return e;
 }
 
@@ -501,6 +548,7 @@ cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t h) {
   op->value = value;
   op->bytes = bytes;
   op->uses.push_back(a);
+  declare_access(op.get(), p, bytes, true);
   op->what = "cudaMemsetAsync";
   return ret(enqueue(s, std::move(op)));
 }
@@ -522,6 +570,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *h, unsigned flags) {
   s->dev = d;
   s->blocking = !(flags & cudaStreamNonBlocking);
   s->rng = Rng(next_seed());
+  hazard_stream_created(s);
   d->streams.push_back(s);
   reg().streams.insert(s);
   *h = reinterpret_cast<cudaStream_t>(s);
@@ -554,6 +603,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t h) {
   if (s->legacy)
     if (cudaError_t e = check_legacy_use(s->dev)) return ret(e);
   drain(s, s->enqueued, "cudaStreamSynchronize");
+  hazard_host_waits(hazard_clock_of(s));
   return cudaSuccess;
 }
 
@@ -564,11 +614,15 @@ cudaError_t cudaStreamQuery(cudaStream_t h) {
   if (s->capture) return ret(refuse(s->capture, cudaErrorStreamCaptureUnsupported));
   if (s->legacy)
     if (cudaError_t e = check_legacy_use(s->dev)) return ret(e);
-  if (s->completed >= s->enqueued) return cudaSuccess;
+  if (s->completed >= s->enqueued) {
+    hazard_host_waits(hazard_clock_of(s));
+    return cudaSuccess;
+  }
   // the device works in the background: queued work is found done after a few polls, never at
   // the first one
   if (++s->polls >= 2 + (int)s->rng.below(3) && progress(s, s->enqueued)) {
     s->polls = 0;
+    hazard_host_waits(hazard_clock_of(s));
     return cudaSuccess;
   }
   return cudaErrorNotReady;
@@ -579,7 +633,10 @@ cudaError_t cudaDeviceSynchronize(void) {
   Device *d = current_device();
   if (!d) return ret(cudaErrorNoDevice);
   if (cudaError_t e = check_device_sync(d)) return ret(e);
-  for (size_t i = 0; i < d->streams.size(); i++) drain(d->streams[i], d->streams[i]->enqueued, "cudaDeviceSynchronize");
+  for (size_t i = 0; i < d->streams.size(); i++) {
+    drain(d->streams[i], d->streams[i]->enqueued, "cudaDeviceSynchronize");
+    hazard_host_waits(hazard_clock_of(d->streams[i]));
+  }
   release_destroyed_streams(d);
   return cudaSuccess;
 }
@@ -610,6 +667,7 @@ cudaError_t cudaEventRecord(cudaEvent_t h, cudaStream_t sh) {
     if (s->capture->invalidated) return ret(cudaErrorStreamCaptureInvalidated);
     e->stream = nullptr;
     e->recorded = false;
+    e->clock = Clock();
     e->capture = s->capture->id;
     e->nodes = s->deps;
     return cudaSuccess;
@@ -620,6 +678,7 @@ cudaError_t cudaEventRecord(cudaEvent_t h, cudaStream_t sh) {
   e->nodes.clear();
   e->stream = s;
   e->seq = s->enqueued;
+  e->clock = hazard_clock_of(s);
   e->recorded = true;
   e->polls = 0;
   e->delay = 2 + (int)s->rng.below(3);  // "not ready" at least once
@@ -631,8 +690,14 @@ cudaError_t cudaEventQuery(cudaEvent_t h) {
   Event *e = event_of(h);
   if (!e) return ret(cudaErrorInvalidResourceHandle);
   if (e->capture) return ret(refuse(find_capture(e->capture), cudaErrorCapturedEvent));
-  if (!e->recorded || e->stream->completed >= e->seq) return cudaSuccess;
-  if (++e->polls >= e->delay && progress(e->stream, e->seq)) return cudaSuccess;
+  if (!e->recorded) {
+    hazard_host_waits(e->clock);
+    return cudaSuccess;
+  }
+  if (e->stream->completed >= e->seq || (++e->polls >= e->delay && progress(e->stream, e->seq))) {
+    hazard_host_waits(e->clock);
+    return cudaSuccess;
+  }
   return cudaErrorNotReady;
 }
 
@@ -642,6 +707,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t h) {
   if (!e) return ret(cudaErrorInvalidResourceHandle);
   if (e->capture) return ret(refuse(find_capture(e->capture), cudaErrorCapturedEvent));
   if (e->recorded) drain(e->stream, e->seq, "cudaEventSynchronize");
+  hazard_host_waits(e->clock);
   return cudaSuccess;
 }
 
@@ -673,8 +739,12 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t sh, cudaEvent_t h, unsigned flags) 
     if (!e->recorded) return cudaSuccess;  // nothing to wait for
     return ret(refuse(s->capture, cudaErrorStreamCaptureIsolation));
   }
-  if (!e->recorded || e->stream == s) return cudaSuccess;
-  return ret(enqueue(s, std::unique_ptr<Op>(new WaitOp(e->stream, e->seq))));
+  if (!e->recorded) {  // never recorded, or its stream is gone (its work done): only the order is kept
+    hazard_stream_waits(s, e->clock);
+    return cudaSuccess;
+  }
+  if (e->stream == s) return cudaSuccess;
+  return ret(enqueue_wait(s, e->stream, e->seq, e->clock));
 }
 
 cudaError_t cudaFuncSetAttribute(const void *fn, cudaFuncAttribute attr, int value) {

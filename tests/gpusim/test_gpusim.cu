@@ -17,6 +17,7 @@
 #include <cudnn.h>
 
 #include <functional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -524,7 +525,9 @@ static void streams_are_ordered_only_by_events(void **) {
   CUDA_OK(cudaMemset(d, 0, 256 * sizeof(float)));
   CUDA_OK(cudaDeviceSynchronize());
   float h[256];
-  // no ordering between the streams: the copy on s2 runs before the kernel on s1
+  // no ordering between the streams: the copy on s2 runs before the kernel on s1 (a hazard, shown
+  // here as stale data with the hazard checker off; hazards_between_streams_are_reported has it on)
+  int hazards = gpusim_set_hazards(0);
   LAUNCH(fill_kernel, 1, 256, 0, s1)(d, 5.0f, 256);
   CUDA_OK(cudaMemcpyAsync(h, d, sizeof h, cudaMemcpyDeviceToHost, s2));
   CUDA_OK(cudaStreamSynchronize(s2));
@@ -557,11 +560,178 @@ static void streams_are_ordered_only_by_events(void **) {
   assert_true(host_copy(d, 1)[0] == 9.0f);  // s1 is non-blocking: not waited for
   CUDA_OK(cudaDeviceSynchronize());
   assert_true(host_copy(d, 1)[0] == 10.0f);
+  gpusim_set_hazards(hazards);
   CUDA_OK(cudaEventDestroy(ev));
   CUDA_OK(cudaStreamDestroy(s1));
   CUDA_OK(cudaStreamDestroy(s2));
   CUDA_OK(cudaStreamDestroy(blocking));
   CUDA_OK(cudaFree(d));
+}
+
+// ---- hazards between streams (hazard.cc) ---------------------------------------------------------
+
+__global__ void sum_kernel(const float *x, float *out, int n) {  // one thread: out = sum of x
+  if (threadIdx.x == 0 && blockIdx.x == 0) {
+    float s = 0;
+    for (int i = 0; i < n; i++) s += x[i];
+    *out = s;
+  }
+}
+
+struct TwoStreams {
+  cudaStream_t compute, other;
+  cudaEvent_t ev;
+  TwoStreams() {
+    CUDA_OK(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking));
+    CUDA_OK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+    CUDA_OK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  }
+  ~TwoStreams() {
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(cudaEventDestroy(ev));
+    CUDA_OK(cudaStreamDestroy(compute));
+    CUDA_OK(cudaStreamDestroy(other));
+  }
+};
+
+// The planted race of an input upload: the next batch is copied (on a copy stream) into the buffer
+// that the queued step still reads, with no event ordering the copy after the step.
+static void upload_over_a_batch_in_use(bool ordered) {
+  TwoStreams t;
+  const int n = 512;
+  float *batch = device_array<float>(n), *sum = device_array<float>(1), *pinned;
+  CUDA_OK(cudaMallocHost((void **)&pinned, n * sizeof(float)));
+  for (int i = 0; i < n; i++) pinned[i] = 1.0f;
+  CUDA_OK(cudaMemcpyAsync(batch, pinned, n * sizeof(float), cudaMemcpyHostToDevice, t.compute));
+  LAUNCH(sum_kernel, 1, 32, 0, t.compute)(batch, sum, n);  // the step reads the batch
+  if (ordered) {
+    CUDA_OK(cudaEventRecord(t.ev, t.compute));
+    CUDA_OK(cudaStreamWaitEvent(t.other, t.ev, 0));
+  }
+  CUDA_OK(cudaMemcpyAsync(batch, pinned, n * sizeof(float), cudaMemcpyHostToDevice, t.other));  // the next batch
+  CUDA_OK(cudaStreamSynchronize(t.compute));  // the step first, as a GPU might run them
+  CUDA_OK(cudaStreamSynchronize(t.other));
+  assert_true(host_copy(sum, 1)[0] == (float)n);
+  CUDA_OK(cudaFreeHost(pinned));
+  CUDA_OK(cudaFree(batch));
+  CUDA_OK(cudaFree(sum));
+}
+static void upload_over_a_batch_in_use_unordered() {
+  upload_over_a_batch_in_use(false);
+}
+
+// The planted race of a gradient all-reduce: a second stream reads the gradients of the last
+// layers before backward has written them (no event recorded after that backward work).
+static void sum_before_backward(bool ordered) {
+  TwoStreams t;
+  const int n = 1024;
+  float *grads = device_array<float>(n), *sum = device_array<float>(1);
+  CUDA_OK(cudaMemsetAsync(grads, 0, n * sizeof(float), t.compute));
+  LAUNCH(fill_kernel, 4, 128, 0, t.compute)(grads + n / 2, 2.0f, n / 2);  // backward of the last layers
+  if (ordered) CUDA_OK(cudaEventRecord(t.ev, t.compute));
+  LAUNCH(fill_kernel, 4, 128, 0, t.compute)(grads, 1.0f, n / 2);  // backward of the first layers
+  if (ordered) CUDA_OK(cudaStreamWaitEvent(t.other, t.ev, 0));
+  LAUNCH(sum_kernel, 1, 32, 0, t.other)(grads + n / 2, sum, n / 2);  // the "all-reduce" of the last bucket
+  CUDA_OK(cudaStreamSynchronize(t.compute));                         // backward first, as a GPU might run them
+  CUDA_OK(cudaStreamSynchronize(t.other));
+  assert_true(host_copy(sum, 1)[0] == (float)n);
+  CUDA_OK(cudaFree(grads));
+  CUDA_OK(cudaFree(sum));
+}
+static void sum_before_backward_unordered() {
+  sum_before_backward(false);
+}
+
+// A memset on one stream and a copy into the same buffer on another (the first upload after an
+// allocation the backend clears on its compute stream).
+static void memset_then_copy_elsewhere() {
+  TwoStreams t;
+  float *d = device_array<float>(64), h[64] = {0};
+  CUDA_OK(cudaMemsetAsync(d, 0, sizeof h, t.compute));
+  CUDA_OK(cudaMemcpyAsync(d, h, sizeof h, cudaMemcpyHostToDevice, t.other));
+  CUDA_OK(cudaDeviceSynchronize());
+}
+
+// A graph whose second branch writes what its first reads, with no edge between them.
+static void graph_branches_unordered() {
+  TwoStreams t;
+  const int n = 256;
+  float *x = device_array<float>(n), *sum = device_array<float>(1);
+  CUDA_OK(cudaMemset(x, 0, n * sizeof(float)));
+  cudaEvent_t fork, join;
+  CUDA_OK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  CUDA_OK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+  CUDA_OK(cudaStreamBeginCapture(t.compute, cudaStreamCaptureModeGlobal));
+  CUDA_OK(cudaEventRecord(fork, t.compute));
+  CUDA_OK(cudaStreamWaitEvent(t.other, fork, 0));
+  LAUNCH(sum_kernel, 1, 32, 0, t.compute)(x, sum, n);
+  LAUNCH(fill_kernel, 2, 128, 0, t.other)(x, 1.0f, n);
+  CUDA_OK(cudaEventRecord(join, t.other));
+  CUDA_OK(cudaStreamWaitEvent(t.compute, join, 0));
+  cudaGraph_t g;
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaStreamEndCapture(t.compute, &g));
+  CUDA_OK(cudaGraphInstantiate(&exec, g, 0));
+  CUDA_OK(cudaGraphLaunch(exec, t.compute));
+  CUDA_OK(cudaStreamSynchronize(t.compute));
+}
+
+static void hazards_between_streams_are_reported(void **) {
+  // the two planted races: reported whichever order the stand-in runs the streams in
+  expect_death(upload_over_a_batch_in_use_unordered, "hazard (write after read)");
+  expect_death(upload_over_a_batch_in_use_unordered, "kernel sum_kernel");
+  expect_death(sum_before_backward_unordered, "hazard (read after write)");
+  expect_death(sum_before_backward_unordered, "kernel fill_kernel");
+  expect_death(memset_then_copy_elsewhere, "hazard (write after write)");
+  expect_death(memset_then_copy_elsewhere, "cudaMemsetAsync (op 1 of stream");
+  expect_death(graph_branches_unordered, "of a graph launch");
+  // ordered by events: no report, and the results are the ordered ones; the sum reads only the
+  // half written before the event, while the other half is still being written (byte ranges)
+  upload_over_a_batch_in_use(true);
+  sum_before_backward(true);
+  // ordered by the host: a synchronisation, then work on another stream
+  TwoStreams t;
+  float *d = device_array<float>(256), *sum = device_array<float>(1);
+  LAUNCH(fill_kernel, 1, 256, 0, t.compute)(d, 3.0f, 256);
+  CUDA_OK(cudaStreamSynchronize(t.compute));
+  LAUNCH(sum_kernel, 1, 32, 0, t.other)(d, sum, 256);
+  CUDA_OK(cudaEventRecord(t.ev, t.other));  // a write after that read needs this order
+  CUDA_OK(cudaStreamWaitEvent(t.compute, t.ev, 0));
+  LAUNCH(fill_kernel, 1, 256, 0, t.compute)(d, 1.0f, 256);
+  cudaError_t q;
+  while ((q = cudaStreamQuery(t.compute)) == cudaErrorNotReady) {
+  }
+  CUDA_OK(q);
+  assert_true(host_copy(sum, 1)[0] == 768.0f);
+  assert_true(host_copy(d, 1)[0] == 1.0f);
+  CUDA_OK(cudaFree(d));
+  CUDA_OK(cudaFree(sum));
+}
+
+// Reads x on `compute` while `other` overwrites it, unordered (hazards off): prints what was read.
+static void print_unordered_read() {
+  gpusim_set_hazards(0);
+  TwoStreams t;
+  float *x = device_array<float>(64), *sum = device_array<float>(1);
+  LAUNCH(fill_kernel, 1, 64, 0, t.compute)(x, 1.0f, 64);
+  CUDA_OK(cudaStreamSynchronize(t.compute));
+  LAUNCH(sum_kernel, 1, 32, 0, t.compute)(x, sum, 64);
+  LAUNCH(fill_kernel, 1, 64, 0, t.other)(x, 2.0f, 64);
+  CUDA_OK(cudaStreamSynchronize(t.compute));
+  printf("%g\n", host_copy(sum, 1)[0]);
+}
+
+static void seeded_stream_order_runs_other_streams_early(void **) {
+  // lazy (the default): the other stream's write waits for a synchronisation that needs it
+  for (int seed = 1; seed <= 4; seed++) assert_string_equal(run_self("--unordered-read", seed).c_str(), "64\n");
+  // seeded: for some seeds it runs before the read, as a GPU running both streams might
+  std::set<std::string> seen;
+  for (int seed = 1; seed <= 12; seed++) {
+    char env[64];
+    snprintf(env, sizeof env, "GPUSIM_STREAM_ORDER=seeded GPUSIM_SEED=%d", seed);
+    seen.insert(run_self_with(env, "--unordered-read"));
+  }
+  assert_true(seen.count("64\n") && seen.count("128\n"));
 }
 
 // ---- stream capture and graphs ------------------------------------------------------------------
@@ -1547,9 +1717,12 @@ static std::vector<AlgoRow> heuristics(cudnnHandle_t h, const ConvDescs &d, int 
     DNN_OK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, d.x, d.y, d.cv, d.w, 16, &count, bwd_filter));
     rows = algo_rows(bwd_filter, count);
   }
-  for (const AlgoRow &r : rows) {
+  cudnnMathType_t asked;
+  DNN_OK(cudnnGetConvolutionMathType(d.cv, &asked));
+  for (const AlgoRow &r : rows) {  // the size query with each row's math type set, as cuDNN wants
     if (r.status != CUDNN_STATUS_SUCCESS) continue;
     size_t ws = 0;
+    DNN_OK(cudnnSetConvolutionMathType(d.cv, r.math));
     if (dir == 0)
       DNN_OK(cudnnGetConvolutionForwardWorkspaceSize(h, d.x, d.w, d.cv, d.y, (cudnnConvolutionFwdAlgo_t)r.algo, &ws));
     else if (dir == 1)
@@ -1561,30 +1734,49 @@ static std::vector<AlgoRow> heuristics(cudnnHandle_t h, const ConvDescs &d, int 
     if (ws != r.memory)
       fail_msg("direction %d algorithm %d: heuristics %zu bytes, query %zu", dir, r.algo, r.memory, ws);
   }
+  DNN_OK(cudnnSetConvolutionMathType(d.cv, asked));
   return rows;
 }
 
 static void cudnn_half_and_bfloat16_configurations_and_heuristics(void **) {
   cudnnHandle_t h;
   DNN_OK(cudnnCreate(&h));
-  ConvCase t = {2, 3, 5, 5, 4, 3, 1, 1, true};
+  ConvCase t = {2, 3, 5, 5, 4, 3, 1, 1, true}, wide = {2, 8, 5, 5, 8, 3, 1, 1, true};
   for (const Type16 &ty : {kHalf, kBf16}) {
-    // the heuristics list the algorithms of float data, with the descriptor's math type
-    for (cudnnMathType_t math : {CUDNN_TENSOR_OP_MATH, CUDNN_DEFAULT_MATH, CUDNN_FMA_MATH}) {
-      ConvDescs d16 = conv_descs(t, ty.type, ty.type, ty.type, CUDNN_DATA_FLOAT, math),
-                d32 = conv_descs(t, CUDNN_DATA_FLOAT, CUDNN_DATA_FLOAT, CUDNN_DATA_FLOAT, CUDNN_DATA_FLOAT, math);
-      for (int dir = 0; dir < 3; dir++) {
-        std::vector<AlgoRow> rows = heuristics(h, d16, dir);
-        if (!(rows == heuristics(h, d32, dir))) fail_msg("%s direction %d: not float's algorithms", ty.name, dir);
-        bool usable = false;
-        for (const AlgoRow &r : rows) {
-          assert_int_equal(r.math, math);
-          usable |= r.status == CUDNN_STATUS_SUCCESS && r.determinism == CUDNN_DETERMINISTIC;
+    // The math type per algorithm, as cuDNN reports it: where the shape has tensor-core kernels
+    // (channels in multiples of 8) and the descriptor permits them, each algorithm is listed with
+    // them first and with the default kernels after; a first layer of 3 channels has none, and its
+    // rows say CUDNN_DEFAULT_MATH whatever the descriptor asks (only FMA stays FMA). The default
+    // kernels widen 16-bit operands in their workspace: they need more than the tensor cores.
+    for (const ConvCase &c : {t, wide})
+      for (cudnnMathType_t math : {CUDNN_TENSOR_OP_MATH, CUDNN_DEFAULT_MATH, CUDNN_FMA_MATH}) {
+        ConvDescs d16 = conv_descs(c, ty.type, ty.type, ty.type, CUDNN_DATA_FLOAT, math);
+        const bool tensor = c.c == 8 && math == CUDNN_TENSOR_OP_MATH;
+        for (int dir = 0; dir < 3; dir++) {
+          std::vector<AlgoRow> rows = heuristics(h, d16, dir);
+          bool usable = false, tensor_rows = false;
+          for (const AlgoRow &r : rows) {
+            if (math == CUDNN_FMA_MATH)
+              assert_int_equal(r.math, CUDNN_FMA_MATH);
+            else if (!tensor)
+              assert_int_equal(r.math, CUDNN_DEFAULT_MATH);
+            tensor_rows |= r.math == CUDNN_TENSOR_OP_MATH;
+            usable |= r.status == CUDNN_STATUS_SUCCESS && r.determinism == CUDNN_DETERMINISTIC;
+            for (const AlgoRow &o : rows)  // the same algorithm on default kernels needs more workspace
+              if (r.math == CUDNN_TENSOR_OP_MATH && o.math == CUDNN_DEFAULT_MATH && o.algo == r.algo &&
+                  r.status == CUDNN_STATUS_SUCCESS)
+                assert_true(o.memory > r.memory);
+            if (r.math == CUDNN_TENSOR_OP_MATH && dir == 2 && r.algo == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1)
+              assert_int_equal(r.determinism, CUDNN_NON_DETERMINISTIC);
+          }
+          if (tensor_rows != tensor)
+            fail_msg("%s direction %d: tensor-core rows %d, expected %d", ty.name, dir, (int)tensor_rows, (int)tensor);
+          if (tensor && rows[0].math != CUDNN_TENSOR_OP_MATH)
+            fail_msg("%s direction %d: tensor cores not first", ty.name, dir);
+          if (!usable) fail_msg("%s direction %d: no supported deterministic algorithm", ty.name, dir);
         }
-        if (!usable) fail_msg("%s direction %d: no supported deterministic algorithm", ty.name, dir);
+        destroy_descs(d16);
       }
-      destroy_descs(d16), destroy_descs(d32);
-    }
     // x, w and y of one type: mixed with float or the other 16-bit type is refused everywhere
     const Type16 &other = ty.type == CUDNN_DATA_HALF ? kBf16 : kHalf;
     cudnnDataType_t mixes[][3] = {
@@ -1699,6 +1891,7 @@ static void fast_division_matches_division(void **) {
 }
 
 int main(int argc, char **argv) {
+  if (argc > 1 && !strcmp(argv[1], "--unordered-read")) return print_unordered_read(), 0;
   if (argc > 1 && !strcmp(argv[1], "--neighbour-sync")) return print_neighbour_checksum(1);
   if (argc > 1 && !strcmp(argv[1], "--neighbour-race")) return print_neighbour_checksum(0);
   if (argc > 1 && !strcmp(argv[1], "--compute-capability")) return print_compute_capability();
@@ -1718,6 +1911,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(kernel_pointers_must_be_live_device_memory),
       cmocka_unit_test(copies_run_only_when_synchronised),
       cmocka_unit_test(streams_are_ordered_only_by_events),
+      cmocka_unit_test(hazards_between_streams_are_reported),
+      cmocka_unit_test(seeded_stream_order_runs_other_streams_early),
       cmocka_unit_test(capture_records_work_that_each_launch_runs),
       cmocka_unit_test(graph_kernels_keep_their_arguments_and_read_memory_when_launched),
       cmocka_unit_test(capture_follows_events_across_streams_and_must_be_joined),

@@ -1,7 +1,7 @@
 /* test_gpusim_nccl: the NCCL stand-in (tests/gpusim/nccl.cc) across real MPI processes, each rank
  * with its own stand-in device. Rank 0 prints one TAP line per test; a check that fails on any
  * rank fails the test, naming the lowest such rank.
- *   mpirun -np 3 -x GPUSIM_DEVICES=3 build/sim/tests/test_gpusim_nccl    tests 1-10
+ *   mpirun -np 3 -x GPUSIM_DEVICES=3 build/sim/tests/test_gpusim_nccl    tests 1-11
  *   mpirun -np 2 -x GPUSIM_DEVICES=1 build/sim/tests/test_gpusim_nccl    every rank on device 0:
  *                                                                         duplicate detection only
  * Host code never touches device memory (the stand-in aborts if it does), and queued collectives
@@ -23,7 +23,7 @@
 #define MAX_BUFFERS 16
 
 static int rank, nranks;
-static ncclComm_t comm; /* tests 1-8; tests 9-10 make their own to break */
+static ncclComm_t comm; /* tests 1-8; tests 9-11 make their own to break */
 static cudaStream_t stream;
 static char why[512];              /* this rank's first failure in the current test; empty while it passes */
 static int in_progress_answers;    /* ncclInProgress answers settle() has seen */
@@ -346,6 +346,35 @@ static void mismatched_counts_are_detected(void) {
   if (c) NCCL(c, ncclCommAbort(c));
 }
 
+/* NCCL's rule for CUDA graphs: a collective is captured on every rank or on none. Rank 0 launches
+ * its all-reduce from a graph while the others queue theirs eagerly. */
+static void captured_on_one_rank_only_is_detected(void) {
+  ncclComm_t c;
+  ncclResult_t state = join(&c);
+  cudaGraph_t graph = NULL;
+  cudaGraphExec_t exec = NULL;
+  if (expect(state == ncclSuccess, "initialisation ended in: %s", ncclGetErrorString(state))) {
+    float x[64] = {0};
+    float *d = device_copy(x, sizeof x);
+    int ok = d != NULL;
+    if (ok && rank == 0)
+      ok = CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal)) &&
+           NCCL(c, ncclAllReduce(d, d, 64, ncclFloat, ncclSum, c, stream)) &&
+           CUDA(cudaStreamEndCapture(stream, &graph)) && CUDA(cudaGraphInstantiate(&exec, graph, 0)) &&
+           CUDA(cudaGraphLaunch(exec, stream));
+    else if (ok)
+      ok = NCCL(c, ncclAllReduce(d, d, 64, ncclFloat, ncclSum, c, stream));
+    if (ok && CUDA(cudaStreamSynchronize(stream)) && NCCL(c, ncclCommGetAsyncError(c, &state))) {
+      expect(state == ncclInvalidUsage, "asynchronous error: %s, expected ncclInvalidUsage", ncclGetErrorString(state));
+      expect(strstr(ncclGetLastError(c), "runs in a CUDA graph") != NULL,
+             "ncclGetLastError says \"%s\", expected it to mention \"runs in a CUDA graph\"", ncclGetLastError(c));
+    }
+  }
+  if (exec) CUDA(cudaGraphExecDestroy(exec));
+  if (graph) CUDA(cudaGraphDestroy(graph));
+  if (c) NCCL(c, ncclCommAbort(c));
+}
+
 /* An all-reduce that can never complete (a peer is gone): polls until the communicator says so. */
 static void expect_remote_error(ncclComm_t c) {
   float x[16] = {0};
@@ -474,6 +503,7 @@ int main(int argc, char **argv) {
     run_test("results_are_bit_identical_on_every_rank", results_are_bit_identical_on_every_rank);
     run_test("host_buffer_is_an_invalid_argument", host_buffer_is_an_invalid_argument);
     run_test("mismatched_counts_are_detected", mismatched_counts_are_detected);
+    run_test("captured_on_one_rank_only_is_detected", captured_on_one_rank_only_is_detected);
     run_test("peer_abort_shows_as_remote_error", peer_abort_shows_as_remote_error);
     /* a non-blocking ncclCommFinalize may answer ncclInProgress while it flushes: NCCL() polls */
     why[0] = 0;

@@ -1,0 +1,419 @@
+// hazard.cc: the stand-in's hazard checker between streams, as compute-sanitizer's racecheck
+// checks them on a GPU. The stand-in runs queued work only at synchronisation points, in an order
+// that is often the safe one, so a missing event between two streams can go unseen; this makes it
+// show every time, whatever the order.
+//
+// - Happens-before comes from the programming model alone: stream order, events recorded and
+//   waited for (cudaStreamWaitEvent, the legacy stream's implicit waits, a graph launch after the
+//   previous launch of the same graph), and the host's synchronisations (a stream, event or device
+//   synchronised or found done by a query, a blocking copy): work queued after one happens after
+//   everything it waited for. Each stream keeps a vector clock of what its next op has seen; each op
+//   is stamped with its stream, its place on it and that clock when it is queued (a graph node with
+//   its launch's stamp, and the graph's own dependencies between its nodes).
+// - Every op's accesses are byte ranges of allocations: declared when queued for copies, memsets,
+//   cuBLAS, cuDNN and NCCL calls; recorded as a kernel runs, per allocation the span it read and
+//   the span it wrote (the kernels are compiled with GCC's -fsanitize=thread instrumentation, whose
+//   hooks are defined at the end of this file; no ThreadSanitizer runtime is linked).
+// - For each allocation a shadow keeps, per byte range, the last writer and the readers since it
+//   (FastTrack's epochs): a write by an op that does not happen after them, or a read that does not
+//   happen after the last write, is a hazard. It stops the program naming both operations, their
+//   streams and the bytes (GPUSIM_HAZARDS=warn prints each pair once and goes on; off disables).
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <string>
+#include <unordered_map>
+
+#include "gpusim.h"
+
+namespace gpusim {
+
+bool Clock::join(const Clock &o) {
+  bool grew = false;
+  if (o.v.size() > v.size()) v.resize(o.v.size(), 0);
+  for (size_t i = 0; i < o.v.size(); i++)
+    if (o.v[i] > v[i]) v[i] = o.v[i], grew = true;
+  return grew;
+}
+
+namespace {
+
+// One op's access as the shadow remembers it.
+struct Rec {
+  uint32_t stream = 0;
+  uint64_t epoch = 0;
+  uint64_t launch = 0;  // a graph node: its launch (unique), else 0
+  uint32_t node = 0;    // and its number in the graph
+  uint32_t what = 0;    // the op's description, interned
+  bool operator==(const Rec &o) const {
+    return stream == o.stream && epoch == o.epoch && launch == o.launch && node == o.node;
+  }
+};
+
+// The bytes [start, hi) of an allocation: the last write since which the reads happened.
+struct Seg {
+  uintptr_t hi = 0;
+  bool written = false;
+  Rec w;
+  std::vector<Rec> reads;
+  bool same(const Seg &o) const {
+    if (written != o.written || (written && !(w == o.w)) || reads.size() != o.reads.size()) return false;
+    for (size_t i = 0; i < reads.size(); i++)
+      if (!(reads[i] == o.reads[i])) return false;
+    return true;
+  }
+};
+
+// A traced kernel's spans of one allocation.
+struct Span {
+  const Allocation *a;
+  uintptr_t rlo, rhi, wlo, whi;
+};
+
+struct Tracker {
+  bool ready = false;
+  HazardMode mode = HAZARD_ERROR;
+  bool seeded = false;
+  uint32_t streams = 0;
+  Clock host;
+  uint64_t host_version = 1;
+  std::vector<std::string> names;
+  std::unordered_map<std::string, uint32_t> name_ids;
+  std::map<const Allocation *, std::map<uintptr_t, Seg>> shadow;
+  std::set<std::pair<uint32_t, uint32_t>> warned;
+};
+
+Tracker &tr() {
+  static Tracker *t = new Tracker;  // lives until the process ends
+  if (!t->ready) {
+    t->ready = true;
+    const char *h = getenv("GPUSIM_HAZARDS");
+    if (!h || !*h || !strcmp(h, "error"))
+      t->mode = HAZARD_ERROR;
+    else if (!strcmp(h, "warn"))
+      t->mode = HAZARD_WARN;
+    else if (!strcmp(h, "off"))
+      t->mode = HAZARD_OFF;
+    else
+      fatal("GPUSIM_HAZARDS=%s: expected error, warn or off", h);
+    const char *o = getenv("GPUSIM_STREAM_ORDER");
+    if (o && *o && strcmp(o, "seeded") && strcmp(o, "lazy"))
+      fatal("GPUSIM_STREAM_ORDER=%s: expected lazy or seeded", o);
+    t->seeded = o && !strcmp(o, "seeded");
+  }
+  return *t;
+}
+
+// The kernel being traced: set around its run, read by the instrumentation hooks (no lock: they
+// run inside the op, which holds the API lock).
+bool tracing = false;
+bool instrumented = false;  // some object was compiled with the instrumentation (__tsan_init ran)
+std::vector<Span> spans;
+size_t last_span = 0;
+// Which span a device page belongs to (allocations own whole pages): a direct-mapped cache, so that
+// a kernel reading several buffers in turn finds each with one comparison. Cleared per kernel.
+struct PageSpan {
+  uintptr_t page;
+  size_t span;
+};
+PageSpan page_cache[256];
+uintptr_t region_lo = 1, region_hi = 0;  // the device address range: anything else is not recorded
+
+uint32_t intern(const std::string &s) {
+  Tracker &t = tr();
+  auto it = t.name_ids.find(s);
+  if (it != t.name_ids.end()) return it->second;
+  t.names.push_back(s);
+  return t.name_ids[s] = (uint32_t)(t.names.size() - 1);
+}
+
+bool happens_before(const Rec &r, const Stamp &st, const LaunchCtx *g) {
+  if (r.launch && g && r.launch == g->launch) {  // two nodes of one graph launch: the graph's edges
+    if (r.node == g->node) return true;
+    const std::vector<uint64_t> &bits = (*g->reach)[g->node];
+    return (bits[r.node / 64] >> (r.node % 64)) & 1;
+  }
+  if (r.stream == st.stream) return true;  // run earlier on the same stream
+  return st.seen && st.seen->at(r.stream) >= r.epoch;
+}
+
+std::string describe(const Rec &r) {
+  char buf[96];
+  if (r.launch)
+    snprintf(buf, sizeof buf, " (node %u of a graph launch, op %llu of stream %u)", r.node + 1,
+             (unsigned long long)r.epoch, r.stream);
+  else
+    snprintf(buf, sizeof buf, " (op %llu of stream %u)", (unsigned long long)r.epoch, r.stream);
+  return tr().names[r.what] + buf;
+}
+
+void report(const Rec &earlier, bool earlier_wrote, const Rec &now, bool now_writes, const Allocation *a, uintptr_t lo,
+            uintptr_t hi) {
+  Tracker &t = tr();
+  if (t.mode == HAZARD_WARN && !t.warned.insert({earlier.what, now.what}).second) return;
+  const char *kind = earlier_wrote ? (now_writes ? "write after write" : "read after write") : "write after read";
+  char msg[2048];
+  snprintf(msg, sizeof msg,
+           "hazard (%s) on bytes [%zu, %zu) of allocation #%llu (%zu bytes on device %d): %s %s them, and %s %s "
+           "them, with nothing ordering the two: no event wait, stream order or host synchronisation links them",
+           kind, (size_t)(lo - a->base), (size_t)(hi - a->base), (unsigned long long)a->serial, a->size, a->device,
+           describe(earlier).c_str(), earlier_wrote ? "wrote" : "read", describe(now).c_str(),
+           now_writes ? "writes" : "reads");
+  if (t.mode == HAZARD_ERROR) fatal("%s", msg);
+  warn("%s", msg);
+}
+
+// Splits the segment that holds p strictly inside, so that a segment starts at p.
+void split_at(std::map<uintptr_t, Seg> &segs, uintptr_t p) {
+  auto it = segs.upper_bound(p);
+  if (it == segs.begin()) return;
+  --it;
+  if (it->first < p && it->second.hi > p) {
+    Seg right = it->second;
+    it->second.hi = p;
+    segs.emplace(p, right);
+  }
+}
+
+void apply(std::map<uintptr_t, Seg> &segs, const Access &x, const Rec &cur, const Stamp &st, const LaunchCtx *g) {
+  split_at(segs, x.lo);
+  split_at(segs, x.hi);
+  auto it = segs.lower_bound(x.lo);
+  uintptr_t at = x.lo;
+  while (at < x.hi) {
+    if (it == segs.end() || it->first > at) {  // bytes no op touched yet
+      Seg fresh;
+      fresh.hi = it == segs.end() ? x.hi : std::min(x.hi, it->first);
+      it = segs.emplace_hint(it, at, fresh);
+    }
+    Seg &s = it->second;
+    if (x.write)  // the reads since the last write first: the latest access is the one to name
+      for (const Rec &r : s.reads)
+        if (!happens_before(r, st, g)) {
+          report(r, false, cur, true, x.a, at, s.hi);
+          break;
+        }
+    if (s.written && !happens_before(s.w, st, g)) report(s.w, true, cur, x.write, x.a, at, s.hi);
+    if (x.write) {
+      s.written = true;
+      s.w = cur;
+      s.reads.clear();
+    } else {
+      // a read that happens before this one is covered by it: a later write ordered after this
+      // read is ordered after that one too
+      s.reads.erase(std::remove_if(s.reads.begin(), s.reads.end(),
+                                   [&](const Rec &r) { return r == cur || happens_before(r, st, g); }),
+                    s.reads.end());
+      s.reads.push_back(cur);
+    }
+    at = s.hi;
+    ++it;
+  }
+  // merge the touched segments with equal neighbours, so that the shadow stays small
+  auto m = segs.lower_bound(x.lo);
+  if (m != segs.begin()) --m;
+  while (m != segs.end() && m->first < x.hi) {
+    auto n = std::next(m);
+    if (n != segs.end() && n->first == m->second.hi && n->second.same(m->second)) {
+      m->second.hi = n->second.hi;
+      segs.erase(n);
+    } else {
+      m = n;
+    }
+  }
+}
+
+// A device access outside the last span's allocation: finds or adds the span of its allocation.
+__attribute__((noinline)) Span *span_of(uintptr_t x) {
+  Span *s = nullptr;
+  for (size_t i = 0; i < spans.size() && !s; i++)
+    if (x >= spans[i].a->base && x < spans[i].a->base + spans[i].a->size) s = &spans[i];
+  if (!s) {
+    const Allocation *a = find_allocation((const void *)x);
+    if (!a || !a->live || x >= a->base + a->size) return nullptr;  // a bad access: the fault handler reports it
+    spans.push_back(Span{a, UINTPTR_MAX, 0, UINTPTR_MAX, 0});
+    s = &spans.back();
+  }
+  last_span = (size_t)(s - spans.data());
+  page_cache[(x >> 12) & 255] = PageSpan{x >> 12, last_span};
+  return s;
+}
+
+inline void record(const void *p, size_t n, bool write) {
+  uintptr_t x = (uintptr_t)p;
+  if (x - region_lo >= region_hi - region_lo) return;  // stack, shared memory, host variables
+  const PageSpan &c = page_cache[(x >> 12) & 255];
+  Span *s = c.page == x >> 12 ? &spans[c.span] : span_of(x);
+  if (!s) return;
+  uintptr_t end = std::min(x + n, s->a->base + s->a->size);
+  if (write) {
+    s->wlo = std::min(s->wlo, x);
+    s->whi = std::max(s->whi, end);
+  } else {
+    s->rlo = std::min(s->rlo, x);
+    s->rhi = std::max(s->rhi, end);
+  }
+}
+
+}  // namespace
+
+HazardMode hazard_mode() {
+  return tr().mode;
+}
+
+bool seeded_stream_order() {
+  return tr().seeded;
+}
+
+void hazard_stream_created(Stream *s) {
+  Tracker &t = tr();
+  s->id = t.streams++;
+  s->seen = std::make_shared<Clock>(t.host);
+  s->host_seen = t.host_version;
+}
+
+// What s's next op has seen must include `at`: copied first when an op holds the current one.
+static void join_into(Stream *s, const Clock &at) {
+  if (!s->seen) s->seen = std::make_shared<Clock>();
+  bool grows = at.v.size() > s->seen->v.size();
+  for (size_t i = 0; !grows && i < at.v.size(); i++) grows = at.v[i] > s->seen->v[i];
+  if (!grows) return;
+  if (s->seen.use_count() > 1) s->seen = std::make_shared<Clock>(*s->seen);
+  s->seen->join(at);
+}
+
+void hazard_stamp(Stream *s, Op *op) {
+  Tracker &t = tr();
+  if (s->host_seen != t.host_version) {
+    join_into(s, t.host);
+    s->host_seen = t.host_version;
+  }
+  op->stamp.stream = s->id;
+  op->stamp.epoch = s->enqueued;
+  op->stamp.seen = s->seen;
+}
+
+Clock hazard_clock_of(const Stream *s) {
+  Clock c;
+  if (s->seen) c = *s->seen;
+  if (c.v.size() <= s->id) c.v.resize(s->id + 1, 0);
+  c.v[s->id] = std::max(c.v[s->id], s->enqueued);
+  return c;
+}
+
+void hazard_stream_waits(Stream *s, const Clock &at) {
+  join_into(s, at);
+}
+
+void hazard_host_waits(const Clock &at) {
+  Tracker &t = tr();
+  if (t.host.join(at)) t.host_version++;
+}
+
+void hazard_check(const Op *op, const std::vector<Access> &accesses, const LaunchCtx *g) {
+  Tracker &t = tr();
+  if (t.mode == HAZARD_OFF || accesses.empty()) return;
+  Rec cur;
+  cur.stream = op->stamp.stream;
+  cur.epoch = op->stamp.epoch;
+  cur.launch = g ? g->launch : 0;
+  cur.node = g ? (uint32_t)g->node : 0;
+  cur.what = intern(op->what);
+  for (const Access &x : accesses)
+    if (x.a->live && x.lo < x.hi) apply(t.shadow[x.a], x, cur, op->stamp, g);
+}
+
+void hazard_kernel_begin() {
+  spans.clear();
+  last_span = 0;
+  memset(page_cache, 0, sizeof page_cache);  // page 0 is never device memory
+  device_region(&region_lo, &region_hi);
+  tracing = instrumented && tr().mode != HAZARD_OFF;
+}
+
+std::vector<Access> hazard_kernel_end() {
+  tracing = false;
+  std::vector<Access> out;
+  for (const Span &s : spans) {  // clipped to the allocation: a stray access is the guards' business
+    const uintptr_t lo = s.a->base, hi = s.a->base + s.a->size;
+    if (std::max(s.rlo, lo) < std::min(s.rhi, hi))
+      out.push_back(Access{s.a, std::max(s.rlo, lo), std::min(s.rhi, hi), false});
+    if (std::max(s.wlo, lo) < std::min(s.whi, hi))
+      out.push_back(Access{s.a, std::max(s.wlo, lo), std::min(s.whi, hi), true});
+  }
+  spans.clear();
+  return out;
+}
+
+void hazard_forget(const Allocation *a) {
+  tr().shadow.erase(a);
+}
+
+void declare_access(Op *op, const void *p, size_t bytes, bool write) {
+  if (!bytes || !p) return;
+  const Allocation *a = find_allocation(p);
+  if (!a || !a->live) return;  // the caller has checked the range; host memory is not tracked
+  uintptr_t lo = (uintptr_t)p, hi = std::min(lo + bytes, a->base + a->size);
+  op->accesses.push_back(Access{a, lo, hi, write});
+}
+
+}  // namespace gpusim
+
+// GCC's -fsanitize=thread instrumentation of the kernels (compiled for the stand-in with
+// --param tsan-instrument-func-entry-exit=0): each load and store calls one of these first.
+// Only accesses to device memory while a kernel runs are recorded.
+using gpusim::tracing;
+
+extern "C" {
+void __tsan_init(void) {
+  gpusim::instrumented = true;
+}
+#define GPUSIM_TSAN_HOOKS(n)                  \
+  void __tsan_read##n(void *p) {              \
+    if (tracing) gpusim::record(p, n, false); \
+  }                                           \
+  void __tsan_write##n(void *p) {             \
+    if (tracing) gpusim::record(p, n, true);  \
+  }                                           \
+  void __tsan_unaligned_read##n(void *p) {    \
+    if (tracing) gpusim::record(p, n, false); \
+  }                                           \
+  void __tsan_unaligned_write##n(void *p) {   \
+    if (tracing) gpusim::record(p, n, true);  \
+  }                                           \
+  void __tsan_volatile_read##n(void *p) {     \
+    if (tracing) gpusim::record(p, n, false); \
+  }                                           \
+  void __tsan_volatile_write##n(void *p) {    \
+    if (tracing) gpusim::record(p, n, true);  \
+  }
+GPUSIM_TSAN_HOOKS(1)
+GPUSIM_TSAN_HOOKS(2)
+GPUSIM_TSAN_HOOKS(4)
+GPUSIM_TSAN_HOOKS(8)
+GPUSIM_TSAN_HOOKS(16)
+#undef GPUSIM_TSAN_HOOKS
+void __tsan_read_range(void *p, unsigned long n) {
+  if (tracing) gpusim::record(p, n, false);
+}
+void __tsan_write_range(void *p, unsigned long n) {
+  if (tracing) gpusim::record(p, n, true);
+}
+void __tsan_func_entry(void *) {}
+void __tsan_func_exit(void) {}
+void __tsan_vptr_update(void **, void *) {}
+void __tsan_vptr_read(void **) {}
+}
+
+// For the stand-in's own tests: sets the hazard mode (0 off, 1 warn, 2 error); returns the last.
+extern "C" int gpusim_set_hazards(int mode) {
+  gpusim::ApiLock lock;
+  gpusim::Tracker &t = gpusim::tr();
+  int old = (int)t.mode;
+  t.mode = (gpusim::HazardMode)mode;
+  return old;
+}
