@@ -59,6 +59,8 @@ void *gpusim_dynamic_shared(void);
 void gpusim_install_fault_handler(void);
 /* The hazard checker's mode (0 off, 1 warn, 2 error: GPUSIM_HAZARDS); returns the previous one. */
 int gpusim_set_hazards(int mode);
+/* Whether kernels record the memory they touch for the hazard checker (not in sanitizer builds). */
+int gpusim_kernels_traced(void);
 /* Registers the program's static __shared__ section (done once per kernel file). */
 void gpusim_register_static_shared(char *lo, char *hi);
 

@@ -409,6 +409,12 @@ void __tsan_vptr_update(void **, void *) {}
 void __tsan_vptr_read(void **) {}
 }
 
+// For the stand-in's own tests: whether kernels record their accesses (built with the
+// instrumentation: not in the sanitizer builds, where ASan excludes it).
+extern "C" int gpusim_kernels_traced(void) {
+  return gpusim::instrumented;
+}
+
 // For the stand-in's own tests: sets the hazard mode (0 off, 1 warn, 2 error); returns the last.
 extern "C" int gpusim_set_hazards(int mode) {
   gpusim::ApiLock lock;
