@@ -1,0 +1,340 @@
+#!/usr/bin/env bash
+# gpu_check.sh: the GPU path checked on a GPU machine in one command, for the few minutes one is lent:
+# build, data, the GPU suites, compute-sanitizer, the benchmark table, the start-up time and a
+# Fashion-MNIST run, each stage with its own time limit, all within a budget, each logged, and one
+# summary (summary.json, summary.md) of what passed, failed, timed out or was skipped, and why.
+#
+#   scripts/gpu_check.sh [--standin] [--stages LIST] OUT_DIR
+#
+# On a bare GPU machine, from the project root (README "The CUDA path on a GPU"):
+#   bash .device-carry/unpack.sh && source .device-carry/env.sh && bash scripts/gpu_check.sh "$OUT"
+# It runs no `make deps` (that machine reaches no registry) and passes $DEVICE_MAKE_ARGS to make.
+#
+# Stages, in this order (--stages picks some, comma-separated; a failing stage does not stop the rest):
+#   build      ddp_train and test_gpu for the GPU found (nvidia-smi's compute capability: one -gencode),
+#              on every core
+#   data       data/synthetic_cifar.h5; data/fashion_mnist.h5 from the four .gz files in GPU_CHECK_FMNIST
+#              (default .device-data/fashion-mnist, carried; else /usr/share/datasets/fashion-mnist), or a
+#              synthetic file of its shape when there are none (the fmnist stage then says so)
+#   ops        test_gpu: every op on CUDA against the CPU backend (cmocka)
+#   train      test_gpu_train          faults     test_gpu_faults
+#   sanitizer  compute-sanitizer's memcheck, racecheck, synccheck and initcheck, each over test_gpu and over
+#              20 steps of configs/model.yaml with CUDA graphs on
+#   startup    launch to the end of step 1 (configs/model.yaml, one rank), the median of 3 launches
+#   bench      make bench's GPU table (benchmarks/gpu_bench.sh) with PyTorch on the same GPU in the same run
+#   fmnist     configs/model.yaml for 15 epochs on Fashion-MNIST: seconds and test accuracy
+# Budget: GPU_CHECK_BUDGET_S seconds in all (default 510: a second call fits in a 15-minute window); a
+# stage gets its own limit or what is left, and is skipped when less than 20 s are left. Each stage's
+# limit: GPU_CHECK_LIMIT_<STAGE> (seconds). Knobs for the stages: GPU_CHECK_PYTHON (python3),
+# GPU_CHECK_SANITIZER (compute-sanitizer), GPU_CHECK_TRAIN_TESTS / GPU_CHECK_FAULT_TESTS (test names for
+# tests/pyrun.py; default the whole suites), GPU_CHECK_EPOCHS (15), the BENCH_* knobs of gpu_bench.sh.
+#
+# --standin: the same stages against the CPU stand-in build (build/sim, tests/gpusim) at small sizes,
+# PyTorch on the CPU, a few tests per suite: what tests/test_gpu_check.py runs in `make test`, so that a
+# real run cannot fail on a typo. OUT_DIR gets NN-stage.log per stage, env.log, summary.json, summary.md.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+STANDIN=0
+STAGES=all
+while [ $# -gt 1 ]; do
+  case "$1" in
+    --standin) STANDIN=1 ;;
+    --stages) STAGES=$2; shift ;;
+    *) echo "gpu_check: unknown option $1 (usage: scripts/gpu_check.sh [--standin] [--stages LIST] OUT_DIR)" >&2; exit 2 ;;
+  esac
+  shift
+done
+[ $# -eq 1 ] || { echo "usage: scripts/gpu_check.sh [--standin] [--stages LIST] OUT_DIR" >&2; exit 2; }
+OUT=$(mkdir -p "$1" && cd "$1" && pwd) || { echo "gpu_check: cannot make $1" >&2; exit 2; }
+ALL="build data ops train faults sanitizer startup bench fmnist"
+for s in ${STAGES//,/ }; do
+  [ "$s" = all ] || [[ " $ALL " == *" $s "* ]] || { echo "gpu_check: unknown stage $s (stages: $ALL)" >&2; exit 2; }
+done
+
+export ROOT=$PWD OUT STANDIN
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
+NPROC=$(nproc)
+export NPROC
+if [ "$STANDIN" = 1 ]; then
+  export PY=${GPU_CHECK_PYTHON:-/usr/bin/python3} BIN=$ROOT/build/sim/ddp_train TEST_GPU=$ROOT/build/sim/tests/test_gpu
+  export SIM=build/sim BUILD=build/cuda DDP_TRAIN_GPU_BINARY=$ROOT/build/sim/ddp_train GPUSIM_DEVICES=${GPUSIM_DEVICES:-1}
+  export EPOCHS=${GPU_CHECK_EPOCHS:-1} FMNIST_STEPS=12 LAUNCHES=1 SANITIZER_BATCH=16
+  BUDGET=${GPU_CHECK_BUDGET_S:-900}
+else
+  export PY=${GPU_CHECK_PYTHON:-python3} BIN=$ROOT/ddp_train TEST_GPU=$ROOT/build/cuda/tests/test_gpu
+  export BUILD=build/cuda DDP_TRAIN_GPU_BINARY=$ROOT/ddp_train
+  export EPOCHS=${GPU_CHECK_EPOCHS:-15} FMNIST_STEPS=0 LAUNCHES=3 SANITIZER_BATCH=256
+  BUDGET=${GPU_CHECK_BUDGET_S:-510}
+fi
+export SANITIZER=${GPU_CHECK_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
+
+# ---- the stages: each a function run under `timeout` in a shell of its own, writing to its log ----
+
+stage_build() {
+  local targets=(ddp_train) arch
+  if [ "$STANDIN" = 1 ]; then
+    targets+=(build/sim/ddp_train build/sim/tests/test_gpu)
+  else
+    arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n 1 | tr -d ' .')
+    [ -n "$arch" ] || { echo "nvidia-smi gives no compute capability"; return 1; }
+    echo "compute capability ${arch:0:${#arch}-1}.${arch: -1}: building for sm_$arch only"
+    targets+=("CUDA_ARCH=-gencode arch=compute_$arch,code=sm_$arch" build/cuda/tests/test_gpu)
+  fi
+  echo "make -j$NPROC CUDA=1 ${DEVICE_MAKE_ARGS:-} ${targets[*]}"
+  # shellcheck disable=SC2086 # DEVICE_MAKE_ARGS is a list of VAR=value words
+  make -j"$NPROC" CUDA=1 ${DEVICE_MAKE_ARGS:-} "${targets[@]}"
+}
+
+stage_data() {
+  mkdir -p data
+  [ -s data/synthetic_cifar.h5 ] || "$PY" scripts/make_synthetic.py data/synthetic_cifar.h5 || return 1
+  local fm=${GPU_CHECK_FMNIST:-.device-data/fashion-mnist}
+  [ -f "$fm/train-images-idx3-ubyte.gz" ] || fm=/usr/share/datasets/fashion-mnist
+  if [ -s data/fashion_mnist.h5 ] && ! [ -f data/fashion_mnist.synthetic ]; then
+    echo "data/fashion_mnist.h5 is there"
+  elif [ -f "$fm/train-images-idx3-ubyte.gz" ]; then
+    "$PY" scripts/make_fashion_mnist.py "$fm" data/fashion_mnist.h5 && rm -f data/fashion_mnist.synthetic
+  else
+    echo "no Fashion-MNIST .gz files (GPU_CHECK_FMNIST=$fm): a synthetic data/fashion_mnist.h5 of its shape"
+    "$PY" - <<'PY' && touch data/fashion_mnist.synthetic
+import h5py, numpy as np
+rng = np.random.default_rng(0)
+with h5py.File("data/fashion_mnist.h5", "w") as f:  # the layout of scripts/make_fashion_mnist.py
+    for split, n in (("train", 60000), ("test", 10000)):
+        y = rng.integers(0, 10, n).astype(np.uint8)
+        x = (rng.integers(0, 64, (n, 1, 28, 28)) + 19 * y[:, None, None, None]).astype(np.uint8)
+        f[f"{split}/images"], f[f"{split}/labels"], f[f"{split}/images_flat"] = x, y, x.reshape(n, 784)
+PY
+  fi
+}
+
+stage_ops() {
+  CMOCKA_MESSAGE_OUTPUT=TAP "$TEST_GPU"
+}
+
+suite() { # default test names, override -> runs them through tests/pyrun.py
+  local names=${2:-$1}
+  # shellcheck disable=SC2086 # a list of test names
+  "$PY" tests/pyrun.py $names
+}
+stage_train() {
+  local quick=
+  [ "$STANDIN" = 1 ] && quick="test_gpu_train.GpuTraining.test_two_ranks_over_nccl_equal_one_rank
+    test_gpu_train.GpuTraining.test_cuda_graph_replay_equals_eager_over_nccl
+    test_gpu_train.GpuPrecision.test_fp16_overflow_skips_the_step_halves_the_scale_and_recovers"
+  suite test_gpu_train "${GPU_CHECK_TRAIN_TESTS:-$quick}"
+}
+stage_faults() {
+  local quick=
+  [ "$STANDIN" = 1 ] && quick=test_gpu_faults.GpuFaults.test_nan_exits_4_naming_the_rank_and_keeps_the_last_checkpoint
+  suite test_gpu_faults "${GPU_CHECK_FAULT_TESTS:-$quick}"
+}
+
+# Every tool over the op tests and over 20 steps with CUDA graphs on; each run's "ERROR SUMMARY" line
+# is what the summary counts. A run past its share of the stage's time is cut off and said so.
+stage_sanitizer() {
+  [ -x "$SANITIZER" ] || { echo "compute-sanitizer not found ($SANITIZER)"; return 3; }
+  local tool target failed=0 share=${GPU_CHECK_SANITIZER_RUN_S:-120}
+  for tool in memcheck racecheck synccheck initcheck; do
+    for target in ops train; do
+      echo "=== $tool $target ==="
+      local args=(--tool "$tool" --error-exitcode 9)
+      [ "$tool" = memcheck ] && args+=(--leak-check full)
+      if [ "$target" = ops ]; then
+        timeout "$share" "$SANITIZER" "${args[@]}" env CMOCKA_MESSAGE_OUTPUT=TAP "$TEST_GPU"
+      else
+        timeout "$share" "$SANITIZER" "${args[@]}" "$BIN" configs/model.yaml --device cuda --set train.max_steps=20 \
+          --set train.cuda_graph=on --set log.every_steps=5 --set log.dir="$OUT/sanitizer-run" --set checkpoint.dir= \
+          --set data.val.x= --set train.global_batch_size="$SANITIZER_BATCH"
+      fi
+      local rc=$?
+      echo "=== $tool $target: exit $rc ==="
+      [ $rc -ne 0 ] && failed=1
+    done
+  done
+  return $failed
+}
+
+# Seconds from launch to the lines READY and DONE of a command, the median of n launches.
+first_step() {
+  "$PY" - "$@" <<'PY'
+import re, statistics, subprocess, sys, time
+n, ready, done, cmd = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
+got = []
+for i in range(n):
+    seen, t0 = {}, time.perf_counter()
+    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    for line in p.stdout:
+        for key, pattern in (("ready", ready), ("done", done)):
+            if key not in seen and re.match(pattern, line):
+                seen[key] = time.perf_counter() - t0
+    if p.wait() != 0 or len(seen) != 2:
+        sys.exit(f"{' '.join(cmd)}: exit {p.returncode}, lines seen: {sorted(seen)}")
+    got.append((seen["done"], seen["ready"]))
+    print(f"launch {i + 1}: step 1 done at {seen['done']:.3f} s, start-up over at {seen['ready']:.3f} s")
+print(f"first step: {statistics.median(g[0] for g in got):.3f} s (median of {n}), start-up "
+      f"{statistics.median(g[1] for g in got):.3f} s")
+PY
+}
+stage_startup() {
+  first_step "$LAUNCHES" '^training:' '^step 1/' "$BIN" configs/model.yaml --device cuda --set train.max_steps=1 \
+    --set log.every_steps=1 --set log.dir="$OUT/startup-run" --set checkpoint.dir= --set data.val.x=
+}
+
+stage_bench() {
+  if [ "$STANDIN" = 1 ]; then # the smoke sizes of tests/test_bench.py, PyTorch on the CPU
+    export BENCH_STEPS=1 BENCH_WINDOWS=1 BENCH_BATCH=4 BENCH_LAUNCHES=1 BENCH_TORCH_DEVICE=cpu \
+      BENCH_GPT_CONFIG=configs/gpt_tiny.yaml BENCH_GPT_SEQ=16 BENCH_GPT_BATCH=2 \
+      BENCH_TORCH_SETTINGS="eager cuda-graph"
+  else # windows that fit the budget; max-autotune's minutes of tuning per case do not
+    export BENCH_STEPS=${BENCH_STEPS:-30} BENCH_WINDOWS=${BENCH_WINDOWS:-3} BENCH_LAUNCHES=${BENCH_LAUNCHES:-3}
+    export BENCH_TORCH_SETTINGS=${BENCH_TORCH_SETTINGS:-eager channels-last sdpa cuda-graph reduce-overhead}
+  fi
+  BENCH_DDP_BINARY=$BIN BENCH_TORCH_PYTHON=$PY PYTHON=$PY bash benchmarks/gpu_bench.sh
+}
+
+stage_fmnist() {
+  [ -f data/fashion_mnist.synthetic ] && { echo "data/fashion_mnist.h5 is synthetic (no .gz files carried)"; return 3; }
+  local extra=()
+  if [ "$STANDIN" = 1 ]; then # the first 1024 and 256 rows, batches of 64: the stand-in is slow
+    "$PY" - "$OUT/fmnist_small.h5" <<'PY' || return 1
+import sys, h5py
+with h5py.File("data/fashion_mnist.h5", "r") as src, h5py.File(sys.argv[1], "w") as dst:
+    for split, n in (("train", 1024), ("test", 256)):
+        for name in ("images", "labels"):
+            dst[f"{split}/{name}"] = src[f"{split}/{name}"][:n]
+PY
+    extra=(--set data.path="$OUT/fmnist_small.h5" --set train.global_batch_size=64 --set train.max_steps="$FMNIST_STEPS")
+  fi
+  local t0 rc
+  t0=$(date +%s.%N)
+  "$BIN" configs/model.yaml --device cuda --set train.epochs="$EPOCHS" --set data.cache=device --set log.every_steps=100 \
+    --set log.dir="$OUT/fmnist-run" --set checkpoint.dir= "${extra[@]}"
+  rc=$?
+  echo "fmnist: $EPOCHS epochs, exit $rc, $("$PY" -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" \
+    "$t0" "$(date +%s.%N)") s from launch to exit"
+  return $rc
+}
+
+export -f stage_build stage_data stage_ops suite stage_train stage_faults stage_sanitizer first_step stage_startup \
+  stage_bench stage_fmnist
+
+# ---- the runner: limits, the budget, the record of each stage ----
+declare -A LIMIT=([build]=240 [data]=90 [ops]=120 [train]=300 [faults]=180 [sanitizer]=600 [startup]=60 [bench]=420
+  [fmnist]=180)
+T0=$SECONDS
+RECORD=$OUT/stages.tsv
+: >"$RECORD"
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "mode: $([ "$STANDIN" = 1 ] && echo "CPU stand-in (build/sim)" || echo GPU)"
+  echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with local changes)')"
+  nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader 2>&1 | sed 's/^/gpu: /'
+  echo "nvcc: $(nvcc --version 2>/dev/null | tail -n 1)"
+  echo "python: $("$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1 | tail -n 1)"
+  echo "cores: $NPROC; budget: $BUDGET s"
+} >"$OUT/env.log" 2>&1
+cat "$OUT/env.log"
+
+n=0
+for name in $ALL; do
+  n=$((n + 1))
+  log="$OUT/$(printf %02d $n)-$name.log"
+  if [ "$STAGES" != all ] && [[ ",$STAGES," != *",$name,"* ]]; then
+    printf '%s\tskipped\t0\t0\tnot asked for (--stages %s)\n' "$name" "$STAGES" >>"$RECORD"
+    continue
+  fi
+  left=$((BUDGET - (SECONDS - T0)))
+  var=GPU_CHECK_LIMIT_${name^^}
+  limit=${!var:-${LIMIT[$name]}}
+  if [ "$left" -lt 20 ]; then
+    printf '%s\tskipped\t0\t%s\tno time left in the budget of %s s\n' "$name" "$limit" "$BUDGET" >>"$RECORD"
+    echo "== $name: skipped (no time left)"
+    continue
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "== $name (limit $limit s)"
+  t=$SECONDS
+  timeout --kill-after=10 "$limit" bash -c "stage_$name" >"$log" 2>&1
+  rc=$?
+  case $rc in
+    0) status=passed why= ;;
+    124 | 137) status="timed out" why="past its limit of $limit s" ;;
+    3) status=skipped why=$(tail -n 1 "$log") ;;
+    *) status=failed why="exit $rc" ;;
+  esac
+  printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" $((SECONDS - t)) "$limit" "$why" >>"$RECORD"
+  echo "== $name: $status in $((SECONDS - t)) s${why:+ ($why)}"
+done
+
+# ---- the summary: summary.json and summary.md from the record and the logs ----
+"$PY" - "$OUT" <<'PY'
+import glob, json, os, re, sys
+out = sys.argv[1]
+env = dict(l.split(": ", 1) for l in open(os.path.join(out, "env.log")).read().splitlines() if ": " in l)
+stages = []
+for line in open(os.path.join(out, "stages.tsv")):
+    name, status, seconds, limit, why = line.rstrip("\n").split("\t")
+    logs = glob.glob(os.path.join(out, f"[0-9][0-9]-{name}.log"))
+    text = open(logs[0], errors="replace").read() if logs else ""
+    s = {"stage": name, "status": status, "seconds": int(seconds), "limit_s": int(limit), "why": why,
+         "log": os.path.basename(logs[0]) if logs else None}
+    if name == "ops":
+        s["passed"] = len(re.findall(r"^ok \d+ ", text, re.M))
+        s["failed"] = re.findall(r"^not ok \d+ - (\S+)", text, re.M)
+    elif name in ("train", "faults"):
+        s["passed"] = len([l for l in re.findall(r"^ok - (.*)$", text, re.M) if "# SKIP" not in l])
+        s["skipped"] = re.findall(r"^ok - (\S+) # SKIP (.*)$", text, re.M)
+        s["failed"] = re.findall(r"^not ok - (\S+)", text, re.M)
+    elif name == "sanitizer":
+        runs = []
+        for tool, target, body, rc in re.findall(r"^=== (\w+) (\w+) ===\n(.*?)^=== \1 \2: exit (\d+) ===$", text, re.M | re.S):
+            errs = re.findall(r"ERROR SUMMARY: (\d+) error", body)
+            runs.append({"tool": tool, "target": target, "exit": int(rc),
+                         "errors": int(errs[-1]) if errs else None})
+        s["runs"] = runs
+    elif name == "startup":
+        m = re.search(r"first step: ([\d.]+) s \(median of (\d+)\), start-up ([\d.]+) s", text)
+        if m:
+            s["first_step_s"], s["startup_s"] = float(m.group(1)), float(m.group(3))
+    elif name == "bench":
+        s["tables"] = [l for l in text.splitlines() if l.startswith("|")]
+        s["notes"] = [l for l in text.splitlines() if l and not l.startswith("|")][-12:]
+    elif name == "fmnist":
+        acc = re.findall(r"val_acc ([\d.]+)", text)
+        done = re.search(r"done: (\d+) steps in ([\d.]+) s", text)
+        wall = re.search(r"exit \d+, ([\d.]+) s from launch to exit", text)
+        s["val_acc"] = float(acc[-1]) if acc else None
+        s["steps"], s["train_s"] = (int(done.group(1)), float(done.group(2))) if done else (None, None)
+        s["wall_s"] = float(wall.group(1)) if wall else None
+    stages.append(s)
+json.dump({"env": env, "stages": stages}, open(os.path.join(out, "summary.json"), "w"), indent=1)
+
+def detail(s):
+    if not s["log"]:
+        return s["why"]
+    if s["stage"] == "ops" and "passed" in s:
+        return f"{s['passed']} passed, {len(s['failed'])} failed" + (": " + ", ".join(s["failed"]) if s["failed"] else "")
+    if s["stage"] in ("train", "faults") and "passed" in s:
+        d = f"{s['passed']} passed, {len(s['failed'])} failed, {len(s['skipped'])} skipped"
+        return d + (": " + ", ".join(s["failed"]) if s["failed"] else "")
+    if s["stage"] == "sanitizer" and s.get("runs"):
+        return "; ".join(f"{r['tool']} {r['target']}: " + ("no summary (exit %d)" % r["exit"] if r["errors"] is None
+                                                           else f"{r['errors']} errors") for r in s["runs"])
+    if s["stage"] == "startup" and "first_step_s" in s:
+        return f"launch to the end of step 1: {s['first_step_s']:.3f} s (start-up {s['startup_s']:.3f} s)"
+    if s["stage"] == "fmnist" and s.get("wall_s") is not None:
+        acc = f"{100 * s['val_acc']:.2f}%" if s["val_acc"] is not None else "no accuracy logged"
+        return f"{s['steps']} steps, {s['train_s']} s training, {s['wall_s']} s from launch; test accuracy {acc}"
+    return s["why"]
+
+md = [f"# GPU check: {env.get('mode', '?')}, {env.get('date', '')}", "",
+      f"- GPU: {env.get('gpu', 'none')}", f"- {env.get('nvcc', '')}".rstrip(), f"- python: {env.get('python', '')}",
+      f"- git: {env.get('git', '')}", "", "| stage | status | seconds | details |", "|---|---|---|---|"]
+md += [f"| {s['stage']} | {s['status']} | {s['seconds']} | {detail(s)} |" for s in stages]
+bench = next((s for s in stages if s["stage"] == "bench" and s.get("tables")), None)
+if bench:
+    md += ["", "## Benchmarks", ""] + bench["tables"] + [""] + bench["notes"]
+open(os.path.join(out, "summary.md"), "w").write("\n".join(md) + "\n")
+print("\n".join(md))
+PY

@@ -1,0 +1,111 @@
+"""scripts/gpu_check.sh, the one command a lent GPU machine runs (issue 23), run here against the CPU
+stand-in (--standin) so that the real run cannot fail on a typo: every stage runs and is summarised in
+summary.json and summary.md; compute-sanitizer, which needs a GPU, is replaced by a stand-in tool that
+checks the options it is given and runs the program; a failing stage, one past its time limit and one
+the budget leaves no time for are each recorded as such while the others go on."""
+import json
+import os
+import subprocess
+import tempfile
+import unittest
+
+from helpers import ENV, ROOT, gpu_setup
+
+ENV1, VISIBLE1, SIM = gpu_setup(1)
+
+# What compute-sanitizer is given, checked: the options the script may use, then the program, run
+# as compute-sanitizer runs it, and the summary line it ends with.
+FAKE_SANITIZER = """#!/usr/bin/env bash
+echo "$@" >> "$(dirname "$0")/calls"
+while [ $# -gt 0 ] && [[ $1 == --* ]]; do
+  case $1 in
+    --tool) case $2 in memcheck|racecheck|synccheck|initcheck) ;; *) echo "bad tool $2"; exit 98 ;; esac; shift 2 ;;
+    --error-exitcode|--leak-check) shift 2 ;;
+    *) echo "unknown option $1"; exit 99 ;;
+  esac
+done
+"$@"
+rc=$?
+echo "========= ERROR SUMMARY: 0 errors"
+exit $rc
+"""
+
+
+def check(args, env=None, timeout=900):
+    out = tempfile.mkdtemp(prefix="gpu_check_")
+    p = subprocess.run(["bash", "scripts/gpu_check.sh", "--standin"] + args + [out], capture_output=True, text=True,
+                       cwd=ROOT, env=dict(ENV, **(env or {})), timeout=timeout)
+    summary = json.load(open(os.path.join(out, "summary.json"))) if os.path.exists(
+        os.path.join(out, "summary.json")) else None
+    return p, out, summary
+
+
+@unittest.skipUnless(SIM, "runs the script against the stand-in (build/sim); on a GPU run it directly")
+class GpuCheck(unittest.TestCase):
+    def test_every_stage_runs_and_is_summarised(self):
+        tools = tempfile.mkdtemp(prefix="sanitizer_")
+        tool = os.path.join(tools, "compute-sanitizer")
+        with open(tool, "w") as f:
+            f.write(FAKE_SANITIZER)
+        os.chmod(tool, 0o755)
+        p, out, summary = check([], {"GPU_CHECK_SANITIZER": tool})
+        self.assertEqual(p.returncode, 0, p.stdout[-3000:] + p.stderr[-3000:])
+        stages = {s["stage"]: s for s in summary["stages"]}
+        self.assertEqual(list(stages), ["build", "data", "ops", "train", "faults", "sanitizer", "startup", "bench",
+                                        "fmnist"])
+        for name, s in stages.items():
+            self.assertEqual(s["status"], "passed", (name, s, open(os.path.join(out, s["log"])).read()[-3000:]))
+            self.assertTrue(os.path.getsize(os.path.join(out, s["log"])) > 0, name)
+        self.assertGreaterEqual(stages["ops"]["passed"], 20)
+        self.assertEqual(stages["ops"]["failed"], [])
+        for name in ("train", "faults"):
+            self.assertGreater(stages[name]["passed"], 0)
+            self.assertEqual(stages[name]["failed"], [])
+        runs = stages["sanitizer"]["runs"]
+        self.assertEqual([(r["tool"], r["target"]) for r in runs],
+                         [(t, x) for t in ("memcheck", "racecheck", "synccheck", "initcheck") for x in ("ops", "train")])
+        self.assertTrue(all(r["errors"] == 0 and r["exit"] == 0 for r in runs), runs)
+        calls = open(os.path.join(tools, "calls")).read().splitlines()
+        self.assertEqual(len(calls), 8)
+        self.assertIn("--tool memcheck --error-exitcode 9 --leak-check full", calls[0])
+        self.assertIn("train.cuda_graph=on", calls[1])
+        self.assertGreater(stages["startup"]["first_step_s"], 0)
+        rows = [r for r in stages["bench"]["tables"] if not r.startswith("|---") and not r.startswith("| case")]
+        self.assertEqual(len(rows), 8, stages["bench"]["tables"])  # 5 cases, the first step, 2 GPT rows
+        self.assertGreater(stages["fmnist"]["val_acc"], 0.2)  # 12 steps from 10 classes' chance of 0.1
+        self.assertEqual(stages["fmnist"]["steps"], 12)
+        md = open(os.path.join(out, "summary.md")).read()
+        self.assertIn("| stage | status | seconds | details |", md)
+        self.assertIn("| sanitizer | passed |", md)
+        self.assertIn("memcheck ops: 0 errors", md)
+        self.assertIn("## Benchmarks", md)
+        self.assertIn("CPU stand-in", summary["env"]["mode"])
+
+    def test_a_stage_that_fails_or_runs_out_of_time_does_not_stop_the_others(self):
+        p, out, summary = check(["--stages", "ops,train,startup,fmnist"],
+                                {"GPU_CHECK_TRAIN_TESTS": "test_gpu_train.GpuTraining.test_no_such_test",
+                                 "GPU_CHECK_LIMIT_STARTUP": "1"})
+        self.assertEqual(p.returncode, 0, p.stdout[-3000:] + p.stderr[-3000:])
+        got = {s["stage"]: (s["status"], s["why"]) for s in summary["stages"]}
+        self.assertEqual(got["ops"], ("passed", ""))
+        self.assertEqual(got["train"], ("failed", "exit 1"))
+        self.assertEqual(got["startup"], ("timed out", "past its limit of 1 s"))
+        self.assertEqual(got["fmnist"][0], "passed")
+        self.assertEqual(got["build"], ("skipped", "not asked for (--stages ops,train,startup,fmnist)"))
+        # a budget too small for any stage: each is skipped, saying why
+        p, out, summary = check(["--stages", "ops,faults"], {"GPU_CHECK_BUDGET_S": "10"})
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        got = {s["stage"]: (s["status"], s["why"]) for s in summary["stages"]}
+        self.assertEqual(got["ops"], ("skipped", "no time left in the budget of 10 s"))
+        self.assertEqual(got["faults"], ("skipped", "no time left in the budget of 10 s"))
+
+    def test_bad_usage_is_exit_2(self):
+        for args, why in ((["--stages", "nope", "/tmp/x"], "unknown stage nope"),
+                          (["--bogus", "/tmp/x"], "unknown option --bogus"), ([], "usage: scripts/gpu_check.sh")):
+            p = subprocess.run(["bash", "scripts/gpu_check.sh"] + args, capture_output=True, text=True, cwd=ROOT)
+            self.assertEqual(p.returncode, 2, args)
+            self.assertIn(why, p.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
