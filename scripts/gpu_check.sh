@@ -6,7 +6,7 @@
 #
 #   scripts/gpu_check.sh [--standin] [--stages LIST] OUT_DIR
 #
-# On a bare GPU machine, from the project root (README "The CUDA path on a GPU"):
+# On a bare GPU machine, from the project root (docs/testing.md, "On a GPU machine"):
 #   bash .device-carry/unpack.sh && source .device-carry/env.sh && bash scripts/gpu_check.sh "$OUT"
 # It runs no `make deps` (that machine reaches no registry) and passes $DEVICE_MAKE_ARGS to make.
 #
