@@ -9,7 +9,6 @@
 
 #include "batch.h"
 #include "checkpoint.h"
-#include "layers.h"
 
 /* Forward over this rank's validation rows with params and bufs (backend memory: the model's or
  * the EMA's); sums[0..1] get loss and hits (read once at the end); logits (rows, K) and labels are
@@ -154,7 +153,7 @@ int infer_sample(const dt_config *cfg, dt_model *m, dt_comm *comm, int64_t n, co
   int32_t *ctx = dt_malloc((size_t)cap * sizeof(int32_t));
   int causal = 1; /* the context is padded after the prompt: only causal attention leaves that unseen */
   for (int i = 0; i < m->n_all; i++)
-    if (m->all[i]->ops == &dt_layer_attention && !m->all[i]->args.causal) causal = 0;
+    if (m->all[i]->ops->causal && !m->all[i]->ops->causal(m->all[i])) causal = 0;
   if (!t) {
     dt_fail(&st, DT_EXIT_INPUT, "--sample: the model is not a token model (its first layer is not an embedding)");
   } else if (!causal) {
