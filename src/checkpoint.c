@@ -523,7 +523,8 @@ static int check_compatible(const char *path, const char *stored, const dt_confi
   return 0;
 }
 
-void ckpt_data_alloc(dt_ckpt_data *d, const dt_model *m, int states, int ema) {
+void ckpt_data_alloc(dt_ckpt_data *d, const dt_model *m, const dt_config_values *v) {
+  const int states = dt_optim_kinds[v->optim]->n_states(v), ema = v->ema_decay > 0;
   memset(d, 0, sizeof *d);
   size_t pb = (size_t)(m->n_params ? m->n_params : 1) * sizeof(float),
          bb = (size_t)(m->n_bufs ? m->n_bufs : 1) * sizeof(float);
@@ -549,7 +550,7 @@ int ckpt_resume(const char *which, const dt_config *cfg, dt_model *m, dt_comm *c
   dt_status st = {0};
   const dt_config_values *v = &cfg->v;
   int states = dt_optim_kinds[v->optim]->n_states(v);
-  ckpt_data_alloc(d, m, states, v->ema_decay > 0);
+  ckpt_data_alloc(d, m, v);
   int64_t W = comm->size;
   int64_t G = config_global_batch(v, (int)W) * v->grad_accum;
   int found = 0;

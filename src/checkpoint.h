@@ -76,9 +76,10 @@ int ckpt_write_predictions(const char *path, const float *logits, const int32_t 
  * Returns the count; names are written into names[i] (cap each). */
 int ckpt_candidates(const char *dir, char names[][1024], int max);
 
-/* Host buffers for everything a checkpoint of model m holds: its params and bufs, `states`
- * optimizer states and, with ema, the EMA's. ckpt_data_free frees them (and zeroes d). */
-void ckpt_data_alloc(dt_ckpt_data *d, const dt_model *m, int states, int ema);
+/* Host buffers for everything a checkpoint of model m trained as v says holds: its params and
+ * bufs, the optimizer's states and, with train.ema, the EMA's. ckpt_data_free frees them (and
+ * zeroes d). */
+void ckpt_data_alloc(dt_ckpt_data *d, const dt_model *m, const dt_config_values *v);
 void ckpt_data_free(dt_ckpt_data *d);
 
 /* --resume PATH or --resume auto (the newest good checkpoint in checkpoint.dir, falling back past

@@ -20,7 +20,7 @@ typedef struct {
   int started;
 } dt_bucket;
 
-typedef struct {
+typedef struct dt_ddp {
   dt_comm *comm;
   const dt_device_reduce *dev; /* NULL: MPI */
   dt_backend *be;

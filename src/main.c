@@ -321,6 +321,7 @@ typedef struct {
   char shared[512]; /* with a GPU: the ranks that share one (device_gpus_shared), else empty */
   dt_device dev;
   dt_ckpt_data resume;
+  dt_fault fault; /* DDP_TRAIN_FAULT */
   dt_train_opts opts;
 } dt_run;
 
@@ -331,7 +332,7 @@ static int run_prepare(dt_run *r, dt_status *st) {
   dt_comm *comm = &r->comm;
   int code;
   config_load(&r->cfg, a->config, a->sets, a->n_sets, st);
-  if (!st->code) fault_parse(&r->opts.fault, getenv("DDP_TRAIN_FAULT"), st);
+  if (!st->code) fault_parse(&r->fault, getenv("DDP_TRAIN_FAULT"), st);
   if ((code = comm_agree(comm, st))) return code;
   const dt_config_values *v = &r->cfg.v;
   comm->timeout_s = v->timeout_s;
@@ -450,7 +451,7 @@ int main(int argc, char **argv) {
   mpi_start_defaults();
   comm_init(&r->comm, &argc, &argv);
   signals_install();
-  r->opts = (dt_train_opts){.t_launch = t_launch, .gpu = -1};
+  r->opts = (dt_train_opts){.t_launch = t_launch, .gpu = -1, .fault = &r->fault};
   r->gpu = -1;
   r->data.file = -1;
   r->data.train.dset_x = r->data.val.dset_x = -1;

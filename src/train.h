@@ -7,9 +7,10 @@
 #include "comm.h"
 #include "config.h"
 #include "data.h"
-#include "fault.h"
-#include "model.h"
 #include "monitor.h"
+
+typedef struct dt_model dt_model; /* model.h */
+typedef struct dt_fault dt_fault; /* fault.h */
 
 typedef struct {
   double best_val_acc, final_val_acc, final_val_loss;
@@ -18,8 +19,8 @@ typedef struct {
 } dt_train_result;
 
 typedef struct {
-  const dt_ckpt_data *resume; /* host state to continue from (NULL: fresh start) */
-  dt_fault fault;
+  const dt_ckpt_data *resume;  /* host state to continue from (NULL: fresh start) */
+  const dt_fault *fault;       /* DDP_TRAIN_FAULT's (tests) */
   double t_launch;             /* dt_now() at start-up, for train.time_limit */
   const dt_device_reduce *dev; /* gradient sums on the device (NCCL); NULL: MPI */
   int gpu;                     /* this rank's visible GPU for monitoring; -1 on the CPU */

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ddp.h"
 #include "gpu.h"
 
 enum { max_logged_buckets = 1024 }; /* metrics.jsonl lists each bucket's timing up to this many */

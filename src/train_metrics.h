@@ -11,10 +11,11 @@
 #define DT_TRAIN_METRICS_H
 
 #include "comm.h"
-#include "ddp.h"
 #include "log.h"
 #include "model.h"
 #include "monitor.h"
+
+typedef struct dt_ddp dt_ddp; /* ddp.h */
 
 /* What the reports read of the run, borrowed. */
 typedef struct {
