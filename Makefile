@@ -59,10 +59,10 @@ endif
 override CFLAGS += -std=gnu11 -fno-trapping-math -fno-math-errno -ffp-contract=off -Wall -Wextra -Werror -Wno-format-truncation -fopenmp -pthread $(PKG_CFLAGS) -I$(OPENBLAS_INC) -Isrc
 LDLIBS = $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -ldnnl -lgomp -lpthread -lm
 
-SRCS := common.c yaml_tree.c keys.c config.c model.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
-        layer_activation.c layer_residual.c layer_embedding.c layer_attention.c loss.c backend_cpu.c cpu_dnnl.c comm_mpi.c sampler.c data_hdf5.c optim.c \
-        optim_sgd.c optim_adamw.c ema.c \
-        checkpoint.c log.c train.c signals.c fault.c h5util.c monitor.c
+SRCS := common.c yaml_tree.c keys.c config.c model.c layers.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
+        layer_activation.c layer_residual.c layer_embedding.c layer_attention.c loss.c backend_cpu.c cpu_dnnl.c comm.c \
+        ddp.c device.c sampler.c data_hdf5.c batch.c optim.c optim_sgd.c optim_adamw.c ema.c \
+        checkpoint.c log.c train.c train_step.c train_metrics.c infer.c signals.c fault.c h5util.c monitor.c
 # Turing (7.5, CUDA 13's oldest), Ampere (8.0; 8.6 and 8.9 run it), Hopper, and PTX that the driver
 # compiles for later GPUs. The binary refuses a GPU with no code here (exit 2): gpu_build_runs_on.
 CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_75,code=sm_75 \
@@ -133,9 +133,9 @@ TEST_BINS := $(TESTS:%=$(BUILD)/tests/%) $(if $(filter 1,$(CUDA)),$(SIM_BINS))
 # dataset validation and the checkpoint reader, over the sources they reach (no main, no backends).
 FUZZ := build/fuzz
 FUZZERS := config data checkpoint
-FUZZ_SRCS := common.c yaml_tree.c keys.c config.c model.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
+FUZZ_SRCS := common.c yaml_tree.c keys.c config.c model.c layers.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
              layer_activation.c layer_residual.c layer_embedding.c layer_attention.c loss.c sampler.c data_hdf5.c checkpoint.c h5util.c \
-             optim.c optim_sgd.c optim_adamw.c
+             optim.c optim_sgd.c optim_adamw.c comm.c
 FUZZ_FLAGS := -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
 FUZZ_BINS := $(FUZZERS:%=$(FUZZ)/fuzz_%)
 TEST_BINS += $(FUZZ_BINS)

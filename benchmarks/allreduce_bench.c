@@ -2,7 +2,7 @@
  * 4 B to 64 MiB (powers of two), and a least-squares fit t(n) = alpha + beta * n per operation, written
  * as JSON for scripts/scaling.py (its `measured` link preset). Two operations are timed:
  *   allreduce   MPI_Allreduce (Open MPI's tuned component picks the algorithm by size and ranks)
- *   iallreduce  MPI_Iallreduce(MPI_IN_PLACE) then MPI_Wait: what grad_sync (src/comm_mpi.c) does with
+ *   iallreduce  MPI_Iallreduce(MPI_IN_PLACE) then MPI_Wait: what the gradient buckets (src/ddp.c) do with
  *               each gradient bucket (Open MPI's libnbc: binomial reduce + broadcast for in-place)
  * A sample is `reps` back-to-back operations timed together, divided by reps; each rank's sample is
  * reduced to the slowest rank's; the figure per size is the median of the samples.
@@ -17,7 +17,7 @@
  * an alpha and a beta per protocol.
  *
  * host_sleep_s: the median length of usleep(50) here. ddp_train's waits (comm_wait in
- * src/comm_mpi.c, wait_step in src/train.c) poll, then sleep 50 us between polls: scripts/scaling.py
+ * src/comm.c, wait_step in src/train_step.c) poll, then sleep 50 us between polls: scripts/scaling.py
  * charges the waits for it.
  *
  *   mpirun -np 2 build/allreduce_bench [--out FILE] [--max-bytes N] [--budget-s S] [--samples K]

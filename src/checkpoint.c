@@ -1,4 +1,5 @@
 #include "checkpoint.h"
+#include "comm.h"
 #include "h5util.h"
 #include "optim.h"
 
@@ -479,4 +480,137 @@ int ckpt_candidates(const char *dir, char names[][1024], int max) {
   }
   free(steps);
   return count;
+}
+
+/* ---- --resume: finding, checking and loading a checkpoint for this run ---- */
+
+/* Keys whose change makes a checkpoint unusable: the model, and what decides the data order
+ * and the optimizer state. Everything else may change on resume (README "Resuming"). */
+static const char *const frozen_keys[] = {"model.input",   "model.layers",   "model.loss",
+                                          "optim.name",    "train.seed",     "data.shuffle",
+                                          "data.sharding", "data.drop_last", "train.grad_accum"};
+
+static const char *find_line(const char *text, const char *key, size_t *len) {
+  size_t k = strlen(key);
+  for (const char *p = text; p && *p;) {
+    const char *nl = strchr(p, '\n');
+    size_t n = nl ? (size_t)(nl - p) : strlen(p);
+    if (n > k && !strncmp(p, key, k) && p[k] == ':') {
+      *len = n;
+      return p;
+    }
+    p = nl ? nl + 1 : NULL;
+  }
+  return NULL;
+}
+
+static int check_compatible(const char *path, const char *stored, const dt_config *cfg, const dt_train_state *ts,
+                            int64_t global_batch, dt_status *st) {
+  for (size_t i = 0; i < sizeof frozen_keys / sizeof *frozen_keys; i++) {
+    size_t la = 0, lb = 0;
+    const char *a = find_line(stored, frozen_keys[i], &la), *b = find_line(cfg->effective, frozen_keys[i], &lb);
+    if (!a || !b || la != lb || strncmp(a, b, la))
+      return dt_fail(st, DT_EXIT_INPUT,
+                     "cannot resume from %s: %s differs\n  checkpoint: %.*s\n  config:     %.*s\n"
+                     "(README \"Resuming\" lists what may change)",
+                     path, frozen_keys[i], (int)la, a ? a : "(none)", (int)lb, b ? b : "(none)");
+  }
+  if (ts->global_batch != global_batch)
+    return dt_fail(st, DT_EXIT_INPUT,
+                   "cannot resume from %s: its global batch was %lld, this run's is %lld, so the "
+                   "data position cannot carry over; set train.global_batch_size to %lld",
+                   path, (long long)ts->global_batch, (long long)global_batch, (long long)ts->global_batch);
+  return 0;
+}
+
+void ckpt_data_alloc(dt_ckpt_data *d, const dt_model *m, const dt_config_values *v) {
+  const int states = dt_optim_kinds[v->optim]->n_states(v), ema = v->ema_decay > 0;
+  memset(d, 0, sizeof *d);
+  size_t pb = (size_t)(m->n_params ? m->n_params : 1) * sizeof(float),
+         bb = (size_t)(m->n_bufs ? m->n_bufs : 1) * sizeof(float);
+  d->params = dt_malloc(pb);
+  d->bufs = dt_malloc(bb);
+  for (int k = 0; k < states; k++) d->opt[k] = dt_malloc(pb);
+  if (ema) {
+    d->ema_params = dt_malloc(pb);
+    d->ema_bufs = dt_malloc(bb);
+  }
+}
+
+void ckpt_data_free(dt_ckpt_data *d) {
+  free(d->params);
+  free(d->bufs);
+  for (int k = 0; k < DT_OPTIM_MAX_STATES; k++) free(d->opt[k]);
+  free(d->ema_params);
+  free(d->ema_bufs);
+  memset(d, 0, sizeof *d);
+}
+
+int ckpt_resume(const char *which, const dt_config *cfg, dt_model *m, dt_comm *comm, dt_ckpt_data *d, int *resumed) {
+  dt_status st = {0};
+  const dt_config_values *v = &cfg->v;
+  int states = dt_optim_kinds[v->optim]->n_states(v);
+  ckpt_data_alloc(d, m, v);
+  int64_t W = comm->size;
+  int64_t G = config_global_batch(v, (int)W) * v->grad_accum;
+  int found = 0;
+  if (comm->rank == 0) {
+    char names[64][1024];
+    int n = 0;
+    int is_auto = !strcmp(which, "auto");
+    if (is_auto) {
+      if (!v->ckpt_dir[0])
+        dt_fail(&st, DT_EXIT_INPUT, "--resume auto needs checkpoint.dir");
+      else
+        n = ckpt_candidates(v->ckpt_dir, names, 64);
+    } else {
+      snprintf(names[0], sizeof names[0], "%s", which);
+      n = 1;
+    }
+    for (int i = 0; i < n && !st.code && !found; i++) {
+      char *stored = NULL;
+      dt_status ls = {0};
+      /* the stored config first: a changed model is the user's error, not a reason to fall back */
+      if (!ckpt_read_meta(names[i], &d->ts, &stored, &ls) && check_compatible(names[i], stored, cfg, &d->ts, G, &st)) {
+        free(stored);
+        break;
+      }
+      free(stored);
+      stored = NULL;
+      if (!ls.code && !ckpt_load(names[i], m, d, &stored, &ls)) {
+        found = 1;
+        printf("resuming from %s%s\n", names[i], i ? " (the newest good checkpoint)" : "");
+      } else if (!is_auto) {
+        st = ls;
+      } else {
+        fprintf(stderr, "ddp_train: warning: %s%s\n", ls.msg, i + 1 < n ? "; falling back to an older checkpoint" : "");
+      }
+      free(stored);
+    }
+    if (is_auto && !found && !st.code) {
+      if (n)
+        dt_fail(&st, DT_EXIT_INPUT, "--resume auto: none of the %d checkpoints in %s could be loaded", n, v->ckpt_dir);
+      else
+        printf("no checkpoint in %s: starting from the beginning\n", v->ckpt_dir);
+    }
+    fflush(stdout);
+  }
+  int code = comm_agree(comm, &st);
+  if (code) return code;
+  comm_bcast(comm, &found, sizeof found, 0);
+  *resumed = found;
+  if (!found) return 0;
+  comm_bcast(comm, d->params, (size_t)m->n_params * sizeof(float), 0);
+  comm_bcast(comm, d->bufs, (size_t)m->n_bufs * sizeof(float), 0);
+  for (int k = 0; k < states; k++) comm_bcast(comm, d->opt[k], (size_t)m->n_params * sizeof(float), 0);
+  comm_bcast(comm, &d->has_ema, sizeof d->has_ema, 0);
+  if (d->has_ema) {
+    comm_bcast(comm, d->ema_params, (size_t)m->n_params * sizeof(float), 0);
+    comm_bcast(comm, d->ema_bufs, (size_t)m->n_bufs * sizeof(float), 0);
+  }
+  comm_bcast(comm, &d->ts, sizeof d->ts, 0);
+  dt_backend *be = m->be;
+  be->to_device(be, m->params, d->params, (size_t)m->n_params * sizeof(float));
+  be->to_device(be, m->bufs, d->bufs, (size_t)m->n_bufs * sizeof(float));
+  return 0;
 }

@@ -18,6 +18,7 @@
 #ifndef DT_CHECKPOINT_H
 #define DT_CHECKPOINT_H
 
+#include "comm.h"
 #include "config.h"
 #include "model.h"
 #include "optim.h"
@@ -74,5 +75,18 @@ int ckpt_write_predictions(const char *path, const float *logits, const int32_t 
 /* Candidate files for --resume auto, newest first: latest's target, then step files by step.
  * Returns the count; names are written into names[i] (cap each). */
 int ckpt_candidates(const char *dir, char names[][1024], int max);
+
+/* Host buffers for everything a checkpoint of model m trained as v says holds: its params and
+ * bufs, the optimizer's states and, with train.ema, the EMA's. ckpt_data_free frees them (and
+ * zeroes d). */
+void ckpt_data_alloc(dt_ckpt_data *d, const dt_model *m, const dt_config_values *v);
+void ckpt_data_free(dt_ckpt_data *d);
+
+/* --resume PATH or --resume auto (the newest good checkpoint in checkpoint.dir, falling back past
+ * unreadable ones; none: a fresh start, *resumed 0). Rank 0 reads it, checks that it fits this
+ * run (the model, the data order and the optimizer unchanged: frozen keys; the same global batch),
+ * and every rank receives it: into d (allocated here, ckpt_data_alloc: the caller frees) and into
+ * the model's params and bufs. Collective; returns the agreed exit code. */
+int ckpt_resume(const char *which, const dt_config *cfg, dt_model *m, dt_comm *comm, dt_ckpt_data *d, int *resumed);
 
 #endif

@@ -1,14 +1,12 @@
-/* comm.h: everything that talks to MPI after start-up.
+/* comm.h: everything that talks to MPI after start-up (NCCL: comm_nccl.h; gradient buckets over
+ * either: ddp.h).
  * - Every wait has a deadline (dist.timeout_s): each rank announces its arrival to rank 0, which
  *   names the ranks not yet arrived in a warning at half the deadline; at the deadline a
  *   diagnostic (which collective, which step, which ranks) is printed and the job is aborted
  *   with exit code 3. A rank that dies is caught by mpirun, which ends the job.
  * - comm_agree: every rank brings its status; if any failed, the lowest failing rank prints its
  *   message once (naming itself when not every rank failed) and all return that code together.
- * - grad_sync: gradient averaging in buckets over the flat gradient buffer. Buckets are cut from
- *   the end of the buffer (backward finishes gradients from the end), and each bucket's
- *   MPI_Iallreduce starts as soon as backward reports it complete.
- * Owns: the node communicator and the bucket requests. Borrows: the gradient buffer. */
+ * Owns: the node communicator and the arrival-tracking requests. */
 #ifndef DT_COMM_H
 #define DT_COMM_H
 
@@ -89,19 +87,21 @@ typedef struct {
 enum { DT_STOP_TIME_LIMIT = -1, DT_STOP_HTTP = -2 };
 int comm_step_agree(dt_comm *c, const dt_step_report *mine, const dt_status *st, dt_step_report *out);
 
-typedef struct {
-  int64_t begin, end;
-  MPI_Request req;
-  int started;
-} dt_bucket;
+/* A non-blocking operation in flight (ddp.c's buckets). */
+typedef MPI_Request dt_comm_request;
+#define DT_COMM_REQUEST_NULL MPI_REQUEST_NULL
+/* Starts the sum of buf[0..count) over the ranks, in place (count < 2^31). */
+void comm_isum_f32(dt_comm *c, float *buf, int64_t count, dt_comm_request *req);
+/* Lets the library advance req (Open MPI progresses non-blocking collectives only inside MPI calls). */
+void comm_progress(dt_comm_request *req);
 
-/* Called on a bucket's range [begin, end) before it is sent: queues a count of its non-finite
- * values (read with the step's other results), so a NaN is blamed on the rank that produced it. */
-typedef void (*dt_check_fn)(void *ctx, int64_t begin, int64_t end);
+/* Ends the job at once with `code` on every rank (a deadline passed, a peer failed): the caller has
+ * printed why. */
+_Noreturn void comm_abort(dt_comm *c, int code);
 
 /* A device collective library that sums over the ranks in place on the device (NCCL,
- * comm_nccl.c), with no host wait: everything is queued, so a step can be captured. Without
- * one, buckets go through MPI. */
+ * comm_nccl.h), with no host wait: everything is queued, so a step can be captured. Without
+ * one, ddp.c's buckets go through MPI. */
 typedef struct {
   void (*start)(void *ctx, float *buf, int64_t count); /* queue the sum of buf[0..count) */
   void (*join)(void *ctx);                             /* the compute stream waits for the queued sums */
@@ -111,40 +111,5 @@ typedef struct {
   void (*check)(void *ctx, const char *what, double since);
   void *ctx;
 } dt_device_reduce;
-
-typedef struct {
-  dt_comm *comm;
-  const dt_device_reduce *dev; /* borrowed: NULL for MPI */
-  dt_backend *be;              /* borrowed: copies device buckets through `staging` when not host memory */
-  float *grads;                /* borrowed, backend memory */
-  float *staging;              /* owned: host copy of the buffer (NULL for host backends) */
-  dt_check_fn check;
-  void *check_ctx;
-  int n_buckets;
-  dt_bucket *buckets; /* buckets[0] is the last range of the buffer */
-  int next;           /* first bucket not yet started */
-  double wait_s;      /* time spent waiting in grad_sync_finish this step */
-} dt_grad_sync;
-
-void grad_sync_init(dt_grad_sync *g, dt_comm *c, const dt_device_reduce *dev, dt_backend *be, float *grads, int64_t n,
-                    int64_t bucket_elems, dt_check_fn check, void *check_ctx);
-
-/* comm_nccl.c (CUDA builds): an NCCL communicator over the ranks of c, its unique id sent by MPI
- * from rank 0, initialised non-blocking under c's deadline. Sums run on a communication stream
- * that waits (CUDA events) for `compute_stream`'s work queued before each start. NULL when NCCL
- * fails to initialise: on the rank that failed st is set (exit 3) and the others are told at
- * once, so they stop waiting (their st stays clear; the caller's comm_agree reports the failure). */
-typedef struct dt_nccl dt_nccl;
-/* grad_bf16: sum the gradient buckets as bfloat16 (dist.grad_dtype bf16). */
-dt_nccl *nccl_create(dt_comm *c, void *compute_stream, int grad_bf16, dt_status *st);
-const dt_device_reduce *nccl_reducer(dt_nccl *n);
-/* Finalizes and destroys the communicator; aborts it instead when the job is failing (failed). */
-void nccl_destroy(dt_nccl *n, int failed);
-void grad_sync_free(dt_grad_sync *g);
-/* Backward hook: every gradient at offset >= from is final. Starts the buckets it completes. */
-void grad_sync_ready(dt_grad_sync *g, int64_t from);
-/* Starts what is left; sums over ranks in place. Over MPI it waits for every bucket (under the
- * deadline); on the device it only makes the compute stream wait for them. */
-void grad_sync_finish(dt_grad_sync *g);
 
 #endif

@@ -12,7 +12,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "comm.h"
+#include "comm_nccl.h"
 #include "kernels.h"
 
 #define CUDA_CHECK(call)                                                       \
@@ -49,8 +49,7 @@ static _Noreturn void give_up(dt_nccl *n, const char *what, const char *why) {
           (long long)n->mpi->step, why);
   fflush(stderr);
   abort_comm(n);
-  MPI_Abort(n->mpi->world, DT_EXIT_PEER);
-  abort();
+  comm_abort(n->mpi, DT_EXIT_PEER);
 }
 
 static _Noreturn void timed_out(dt_nccl *n, const char *what) {

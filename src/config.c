@@ -279,6 +279,11 @@ int64_t config_global_batch(const dt_config_values *v, int world) {
   return v->global_batch_size ? v->global_batch_size : v->batch_size * world;
 }
 
+int64_t config_max_local_rows(const dt_config_values *v, int world) {
+  int64_t G = config_global_batch(v, world);
+  return (G + world - 1) / world + 1;
+}
+
 int config_load(dt_config *cfg, const char *path, char *const *sets, int n_sets, dt_status *st) {
   memset(cfg, 0, sizeof *cfg);
   cfg->path = dt_strdup(path);

@@ -160,38 +160,21 @@ out:
   return rc;
 }
 
-/* defer: leave a host-memory cache of x unread (x_pending) for data_fill. */
-static int open_split(dt_data *d, dt_split *s, const char *xkey, const char *ykey, const dt_model *m, int64_t lo_frac_r,
-                      int world, int contiguous, int cache, int defer, dt_status *st) {
-  if (m->tokens) {
-    if (cache == DT_CACHE_DEVICE)
-      return dt_fail(st, DT_EXIT_INPUT, "data.cache: device is not available for token models yet (use auto)");
-    return open_token_split(d, s, xkey, m, lo_frac_r, world, contiguous, cache == DT_CACHE_PROBE, st);
-  }
-  char e[512], dt[128];
-  hid_t dx = open_dset(d, s->x_name, xkey, st);
-  if (dx < 0) return st->code;
-  hid_t dy = open_dset(d, s->y_name, ykey, st);
-  if (dy < 0) {
-    H5Dclose(dx);
-    return st->code;
-  }
-  hsize_t xd[8], yd[8];
-  int xn = get_dims(dx, xd, 8), yn = get_dims(dy, yd, 8);
-  int rc = 0;
-  if (xn < 2) {
-    rc = dt_fail(st, DT_EXIT_INPUT,
-                 "%s: dataset '%s' (%s): expected (N, C, H, W), (N, H, W) or (N, D), got %d dimensions", d->path,
-                 s->x_name, xkey, xn);
-    goto out;
-  }
+/* x's shape against model.input, and its element type (uint8, float32 or float64). */
+static int check_x(dt_data *d, dt_split *s, hid_t dx, const char *xkey, const dt_model *m, dt_status *st) {
+  char dt[128];
+  hsize_t xd[8];
+  int xn = get_dims(dx, xd, 8);
+  if (xn < 2)
+    return dt_fail(st, DT_EXIT_INPUT,
+                   "%s: dataset '%s' (%s): expected (N, C, H, W), (N, H, W) or (N, D), got %d dimensions", d->path,
+                   s->x_name, xkey, xn);
   dims_text(xn, xd, dt, sizeof dt);
   if (!shape_matches(xn, xd, &m->input)) {
     char in[64];
     shape_text(m->input, in, sizeof in);
-    rc = dt_fail(st, DT_EXIT_INPUT, "%s: dataset '%s' (%s) has shape %s, which does not match model.input %s", d->path,
-                 s->x_name, xkey, dt, in);
-    goto out;
+    return dt_fail(st, DT_EXIT_INPUT, "%s: dataset '%s' (%s) has shape %s, which does not match model.input %s",
+                   d->path, s->x_name, xkey, dt, in);
   }
   s->n = (int64_t)xd[0];
   s->row_elems = shape_size(m->input);
@@ -206,91 +189,118 @@ static int open_split(dt_data *d, dt_split *s, const char *xkey, const char *yke
     s->x_type = DT_X_F32, s->x_elem = 4;
   else if (cls == H5T_FLOAT && sz == 8)
     s->x_type = DT_X_F64, s->x_elem = 8;
-  else {
-    rc = dt_fail(st, DT_EXIT_INPUT, "%s: dataset '%s' (%s): element type must be uint8, float32 or float64", d->path,
-                 s->x_name, xkey);
-    goto out;
-  }
+  else
+    return dt_fail(st, DT_EXIT_INPUT, "%s: dataset '%s' (%s): element type must be uint8, float32 or float64", d->path,
+                   s->x_name, xkey);
+  return 0;
+}
+
+/* y's rows against x's, and its type and shape against the loss: class labels (N,) for
+ * cross_entropy, targets (N, outputs) for mse (y_k). */
+static int check_y(dt_data *d, dt_split *s, hid_t dy, const char *ykey, const dt_model *m, dt_status *st) {
+  hsize_t yd[8];
+  int yn = get_dims(dy, yd, 8);
   if (yn < 1 || (int64_t)yd[0] != s->n) {
     char ydt[128];
     dims_text(yn, yd, ydt, sizeof ydt);
-    rc = dt_fail(st, DT_EXIT_INPUT, "%s: '%s' has %lld rows but '%s' has shape %s: x and y lengths differ", d->path,
-                 s->x_name, (long long)s->n, s->y_name, ydt);
-    goto out;
+    return dt_fail(st, DT_EXIT_INPUT, "%s: '%s' has %lld rows but '%s' has shape %s: x and y lengths differ", d->path,
+                   s->x_name, (long long)s->n, s->y_name, ydt);
   }
-  t = H5Dget_type(dy);
-  cls = H5Tget_class(t);
+  hid_t t = H5Dget_type(dy);
+  H5T_class_t cls = H5Tget_class(t);
   H5Tclose(t);
   if (m->loss.kind == DT_LOSS_CROSS_ENTROPY) {
-    if (cls != H5T_INTEGER || yn != 1) {
-      rc = dt_fail(st, DT_EXIT_INPUT, "%s: dataset '%s' (%s): cross_entropy needs integer class labels shaped (N,)",
-                   d->path, s->y_name, ykey);
-      goto out;
-    }
+    if (cls != H5T_INTEGER || yn != 1)
+      return dt_fail(st, DT_EXIT_INPUT, "%s: dataset '%s' (%s): cross_entropy needs integer class labels shaped (N,)",
+                     d->path, s->y_name, ykey);
     s->y_k = 0;
-  } else {
-    int64_t k = yn == 1 ? 1 : (int64_t)yd[1];
-    if ((cls != H5T_FLOAT && cls != H5T_INTEGER) || yn > 2 || k != m->n_outputs) {
-      rc = dt_fail(st, DT_EXIT_INPUT, "%s: dataset '%s' (%s): mse needs float targets shaped (N, %lld)", d->path,
+    return 0;
+  }
+  int64_t k = yn == 1 ? 1 : (int64_t)yd[1];
+  if ((cls != H5T_FLOAT && cls != H5T_INTEGER) || yn > 2 || k != m->n_outputs)
+    return dt_fail(st, DT_EXIT_INPUT, "%s: dataset '%s' (%s): mse needs float targets shaped (N, %lld)", d->path,
                    s->y_name, ykey, (long long)m->n_outputs);
-      goto out;
-    }
-    s->y_k = k;
-  }
-  /* rows this rank holds */
-  if (contiguous) {
-    s->lo = split_lo(s->n, world, (int)lo_frac_r);
-    s->hi = split_lo(s->n, world, (int)lo_frac_r + 1);
-  } else {
-    s->lo = 0;
-    s->hi = s->n;
-  }
+  s->y_k = k;
+  return 0;
+}
+
+/* This rank's rows [lo, hi) of y into memory: labels (each checked against the outputs) or targets. */
+static int read_y(dt_data *d, dt_split *s, hid_t dy, const dt_model *m, dt_status *st) {
+  char e[512];
   int64_t rows = s->hi - s->lo;
-  if (s->y_k == 0) {
-    s->labels = dt_malloc((size_t)(rows ? rows : 1) * sizeof(int32_t));
-    if (rows && read_rows(dy, H5T_NATIVE_INT32, s->lo, s->hi, 1, s->labels)) {
-      rc = dt_fail(st, DT_EXIT_INPUT, "%s: cannot read '%s' (corrupt or unreadable file?): %s", d->path, s->y_name,
+  if (s->y_k) {
+    s->targets = dt_malloc((size_t)(rows * s->y_k + 1) * sizeof(float));
+    if (rows && read_rows(dy, H5T_NATIVE_FLOAT, s->lo, s->hi, s->y_k, s->targets))
+      return dt_fail(st, DT_EXIT_INPUT, "%s: cannot read '%s' (corrupt or unreadable file?): %s", d->path, s->y_name,
+                     h5_error_text(e, sizeof e));
+    return 0;
+  }
+  s->labels = dt_malloc((size_t)(rows ? rows : 1) * sizeof(int32_t));
+  if (rows && read_rows(dy, H5T_NATIVE_INT32, s->lo, s->hi, 1, s->labels))
+    return dt_fail(st, DT_EXIT_INPUT, "%s: cannot read '%s' (corrupt or unreadable file?): %s", d->path, s->y_name,
                    h5_error_text(e, sizeof e));
-      goto out;
-    }
-    for (int64_t i = 0; i < rows; i++)
-      if (s->labels[i] < 0 || s->labels[i] >= m->n_outputs) {
-        rc = dt_fail(st, DT_EXIT_INPUT, "%s: '%s'[%lld] = %d: label outside [0, %lld) (the model has %lld outputs)",
+  for (int64_t i = 0; i < rows; i++)
+    if (s->labels[i] < 0 || s->labels[i] >= m->n_outputs)
+      return dt_fail(st, DT_EXIT_INPUT, "%s: '%s'[%lld] = %d: label outside [0, %lld) (the model has %lld outputs)",
                      d->path, s->y_name, (long long)(s->lo + i), s->labels[i], (long long)m->n_outputs,
                      (long long)m->n_outputs);
-        goto out;
-      }
-  } else {
-    s->targets = dt_malloc((size_t)(rows * s->y_k + 1) * sizeof(float));
-    if (rows && read_rows(dy, H5T_NATIVE_FLOAT, s->lo, s->hi, s->y_k, s->targets)) {
-      rc = dt_fail(st, DT_EXIT_INPUT, "%s: cannot read '%s' (corrupt or unreadable file?): %s", d->path, s->y_name,
-                   h5_error_text(e, sizeof e));
-      goto out;
-    }
-  }
+  return 0;
+}
+
+/* Where x's rows live: in host memory (data.cache memory or device, or auto under 4 GiB), read now
+ * or left pending for data_fill (defer); or in the file, read batch by batch (s->dset_x). Takes
+ * *dx when it keeps the dataset open (then -1). */
+static int place_x(dt_data *d, dt_split *s, hid_t *dx, int cache, int defer, dt_status *st) {
+  char e[512];
+  int64_t rows = s->hi - s->lo;
   size_t bytes = (size_t)rows * (size_t)s->row_elems * s->x_elem;
   int in_memory =
       cache == DT_CACHE_MEMORY || cache == DT_CACHE_DEVICE || (cache == DT_CACHE_AUTO && bytes < ((size_t)4 << 30));
   if (in_memory && defer && cache != DT_CACHE_DEVICE && rows) {
     s->x = dt_malloc(bytes);
     s->x_pending = 1;
-    s->dset_x = dx;
-    dx = -1;
+    s->dset_x = *dx;
+    *dx = -1;
     d->cached = 1;
   } else if (in_memory) {
     s->x = dt_malloc(bytes ? bytes : 1);
     hid_t mt = s->x_type == DT_X_U8 ? H5T_NATIVE_UINT8 : s->x_type == DT_X_F32 ? H5T_NATIVE_FLOAT : H5T_NATIVE_DOUBLE;
-    if (rows && read_rows(dx, mt, s->lo, s->hi, s->row_elems, s->x)) {
-      rc = dt_fail(st, DT_EXIT_INPUT, "%s: cannot read '%s' (corrupt or unreadable file?): %s", d->path, s->x_name,
-                   h5_error_text(e, sizeof e));
-      goto out;
-    }
+    if (rows && read_rows(*dx, mt, s->lo, s->hi, s->row_elems, s->x))
+      return dt_fail(st, DT_EXIT_INPUT, "%s: cannot read '%s' (corrupt or unreadable file?): %s", d->path, s->x_name,
+                     h5_error_text(e, sizeof e));
     d->cached = 1;
   } else {
-    s->dset_x = dx;
-    dx = -1;
+    s->dset_x = *dx;
+    *dx = -1;
   }
-out:
+  return 0;
+}
+
+/* One split: its datasets checked against the model, this rank's rows [lo, hi) (contiguous
+ * sharding: rank lo_frac_r's share of world; else all), y read, x placed (defer: leave a
+ * host-memory cache of x unread, x_pending, for data_fill). */
+static int open_split(dt_data *d, dt_split *s, const char *xkey, const char *ykey, const dt_model *m, int64_t lo_frac_r,
+                      int world, int contiguous, int cache, int defer, dt_status *st) {
+  if (m->tokens) {
+    if (cache == DT_CACHE_DEVICE)
+      return dt_fail(st, DT_EXIT_INPUT, "data.cache: device is not available for token models yet (use auto)");
+    return open_token_split(d, s, xkey, m, lo_frac_r, world, contiguous, cache == DT_CACHE_PROBE, st);
+  }
+  hid_t dx = open_dset(d, s->x_name, xkey, st);
+  if (dx < 0) return st->code;
+  hid_t dy = open_dset(d, s->y_name, ykey, st);
+  if (dy < 0) {
+    H5Dclose(dx);
+    return st->code;
+  }
+  int rc = check_x(d, s, dx, xkey, m, st);
+  if (!rc) rc = check_y(d, s, dy, ykey, m, st);
+  if (!rc) {
+    s->lo = contiguous ? split_lo(s->n, world, (int)lo_frac_r) : 0;
+    s->hi = contiguous ? split_lo(s->n, world, (int)lo_frac_r + 1) : s->n;
+    rc = read_y(d, s, dy, m, st);
+  }
+  if (!rc) rc = place_x(d, s, &dx, cache, defer, st);
   if (dx >= 0) H5Dclose(dx);
   H5Dclose(dy);
   return rc;

@@ -21,7 +21,7 @@ typedef enum {
   DT_FAULT_OVERFLOW
 } dt_fault_kind;
 
-typedef struct {
+typedef struct dt_fault {
   dt_fault_kind kind;
   int rank;
   int64_t step;

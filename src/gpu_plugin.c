@@ -17,7 +17,7 @@
 #include <unistd.h>
 
 #include "backend.h"
-#include "comm.h"
+#include "comm_nccl.h"
 #include "common.h"
 #include "gpu.h"
 

@@ -42,7 +42,12 @@ static int64_t act_flops(const dt_layer *l) {
 #define ACTIVATION(var, name) \
   const dt_layer_ops var = {  \
       .kind = name, .setup = same_setup, .forward = act_forward, .backward = act_backward, .flops = act_flops}
-ACTIVATION(dt_layer_relu, "relu");
+const dt_layer_ops dt_layer_relu = {.kind = "relu",
+                                    .setup = same_setup,
+                                    .forward = act_forward,
+                                    .backward = act_backward,
+                                    .flops = act_flops,
+                                    .traits = DT_LAYER_RELU};
 static const dt_key gelu_keys[] = {
     {"approximate", DT_KEY_ENUM, offsetof(dt_layer_args, approximate), "none", 1, 0, "none|tanh",
      "PyTorch's approximate: tanh is GPT-2's form"},

@@ -59,6 +59,10 @@ static int64_t attention_row_values(const dt_layer *l) {
   return square > heads ? square : heads;
 }
 
+static int attention_causal(const dt_layer *l) {
+  return l->args.causal;
+}
+
 static void attention_alloc(dt_layer *l, dt_backend *be, int64_t max_batch) {
   attention_state *s = dt_calloc(1, sizeof *s);
   size_t seq, sq;
@@ -229,4 +233,5 @@ const dt_layer_ops dt_layer_attention = {.kind = "attention",
                                          .release = attention_release,
                                          .flops = attention_flops,
                                          .memory = attention_memory,
-                                         .row_values = attention_row_values};
+                                         .row_values = attention_row_values,
+                                         .causal = attention_causal};

@@ -30,7 +30,7 @@ static int linear_setup(dt_model *m, dt_layer *l, dt_status *st) {
   l->out = (dt_shape){l->in.rank, l->args.out, l->in.h, 1};
   if (l->args.tie && l->args.tie[0]) {
     dt_layer *e = find_layer(m, l->args.tie);
-    if (!e || e == l || e->ops != &dt_layer_embedding)
+    if (!e || e == l || !(e->ops->traits & DT_LAYER_EMBEDDING))
       return dt_fail(st, DT_EXIT_INPUT, "%s: layer %s linear: tie '%s' names no earlier embedding layer", l->where,
                      l->name, l->args.tie);
     if (e->args.vocab != l->args.out || e->args.dim != l->in.c)

@@ -73,6 +73,7 @@ static int64_t embedding_flops(const dt_layer *l) {
 }
 
 const dt_layer_ops dt_layer_embedding = {.kind = "embedding",
+                                         .traits = DT_LAYER_EMBEDDING,
                                          .keys = embedding_keys,
                                          .n_keys = 4,
                                          .setup = embedding_setup,

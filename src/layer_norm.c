@@ -151,6 +151,7 @@ static int64_t bn_flops(const dt_layer *l) {
 }
 
 const dt_layer_ops dt_layer_batchnorm = {.kind = "batchnorm",
+                                         .traits = DT_LAYER_NORM | DT_LAYER_FUSES_RELU,
                                          .keys = bn_keys,
                                          .n_keys = 3,
                                          .setup = bn_setup,
@@ -242,6 +243,7 @@ static void ln_memory(const dt_layer *l, int64_t batch, int threads, dt_memory *
 }
 
 const dt_layer_ops dt_layer_layernorm = {.kind = "layernorm",
+                                         .traits = DT_LAYER_NORM,
                                          .keys = ln_keys,
                                          .n_keys = 1,
                                          .setup = ln_setup,

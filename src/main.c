@@ -1,10 +1,8 @@
 /* main.c: the CLI, start-up order and the exit-code contract (README "Exit codes").
  * Every rank runs the same steps; after each stage that can find bad input, the ranks agree
  * (comm_agree) so that all exit together with one message. */
-#define _GNU_SOURCE
 #include <cblas.h>
 #include <hdf5.h>
-#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,12 +10,13 @@
 #include <yaml.h>
 
 #include "checkpoint.h"
-#include "comm.h"
 #include "config.h"
 #include "data.h"
+#include "device.h"
 #include "gpu.h"
 #include "model.h"
 #include "fault.h"
+#include "infer.h"
 #include "monitor.h"
 #include "signals.h"
 #include "train.h"
@@ -154,90 +153,12 @@ static void library_versions(char *buf, size_t cap) {
   snprintf(buf, cap, "%s, HDF5 %u.%u.%u, libyaml %s; %s", mpi, maj, min, rel, yaml_get_version_string(), gpu);
 }
 
-/* Threads per rank: the cores this rank may run on, shared with the other ranks on the node.
- * cfg NULL: the default (dist.threads unset). */
-static int pick_threads(const dt_config *cfg, const dt_comm *c) {
-  if (cfg && cfg->v.threads > 0) return (int)cfg->v.threads;
-  cpu_set_t set;
-  int mine = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
-  long online = sysconf(_SC_NPROCESSORS_ONLN);
-  int share = (int)(online > 0 ? online : 1) / (c->local_size > 0 ? c->local_size : 1);
-  if (share < 1) share = 1;
-  return mine < share ? mine : share;
-}
-
-/* The CPUs this rank may run on, as ranges: "0-3,8". */
-static void affinity_text(char *buf, size_t cap) {
-  cpu_set_t set;
-  size_t len = 0;
-  buf[0] = 0;
-  if (sched_getaffinity(0, sizeof set, &set)) {
-    snprintf(buf, cap, "?");
-    return;
-  }
-  for (int i = 0; i < CPU_SETSIZE && len < cap; i++) {
-    if (!CPU_ISSET(i, &set)) continue;
-    int j = i;
-    while (j + 1 < CPU_SETSIZE && CPU_ISSET(j + 1, &set)) j++;
-    len += (size_t)snprintf(buf + len, cap - len, j > i ? "%s%d-%d" : "%s%d", len ? "," : "", i, j);
-    i = j;
-  }
-}
-
-/* Collective: every rank's line (cap bytes) gathered to rank 0, which prints them under "title:". */
-static void print_rank_lines(dt_comm *comm, const char *title, const char *line, size_t cap) {
-  char *all = comm->rank == 0 ? dt_calloc((size_t)comm->size, cap) : NULL;
-  comm_gather_text(comm, line, cap, all);
-  if (comm->rank == 0) {
-    printf("%s:\n", title);
-    for (int r = 0; r < comm->size; r++) fputs(all + (size_t)r * cap, stdout);
-    fflush(stdout);
-  }
-  free(all);
-}
-
-/* Collective: rank 0 prints each rank's host, local rank, CPU threads and CPUs (the start-up table of
- * CPU runs, and --info's, where threads is the default for dist.threads unset). */
-static void print_placement(dt_comm *comm, int threads) {
-  enum { CAP = 512 };
-  char line[CAP], cpus[256];
-  affinity_text(cpus, sizeof cpus);
-  snprintf(line, CAP, "  rank %-4d %-20s local rank %d of %d, %d thread%s, cpus %s\n", comm->rank, comm->host,
-           comm->local_rank, comm->local_size, threads, threads > 1 ? "s" : "", cpus);
-  print_rank_lines(comm, "placement", line, CAP);
-}
-
-/* Whether two ranks use one GPU: the same PCI bus id on the same host. Bus ids, not device
- * numbers: with a GPU bound to each task (srun --gpus-per-task=1, CUDA_VISIBLE_DEVICES) every
- * rank sees its GPU as device 0. Collective; every rank gets the same answer, with the first such
- * pair described in why (empty when none). */
-static int gpus_shared(dt_comm *comm, int gpu, char *why, size_t cap) {
-  enum { KEY = 320 };
-  char mine[KEY], bus[32];
-  if (gpu >= 0)
-    gpu_bus_id(gpu, bus, sizeof bus);
-  else
-    snprintf(bus, sizeof bus, "none (rank %d)", comm->rank); /* no GPU: shares nothing */
-  snprintf(mine, sizeof mine, "%s|%s", bus, comm->host);
-  char *all = dt_malloc((size_t)comm->size * KEY);
-  comm_allgather_text(comm, mine, KEY, all);
-  why[0] = 0;
-  for (int a = 0; a < comm->size && !why[0]; a++)
-    for (int b = a + 1; b < comm->size && !why[0]; b++)
-      if (!strcmp(all + (size_t)a * KEY, all + (size_t)b * KEY)) {
-        const char *key = all + (size_t)a * KEY, *host = strchr(key, '|') + 1;
-        snprintf(why, cap, "ranks %d and %d use the same GPU (PCI %.*s on %s)", a, b, (int)(host - key - 1), key, host);
-      }
-  free(all);
-  return why[0] != 0;
-}
-
 /* --info: one block per node, gathered to rank 0, so a node with a missing GPU shows before training. */
 static void print_info(dt_comm *comm) {
   enum { CAP = 4096 };
   char text[CAP] = "", why[256] = "", shared[512];
   const int n = gpu_count(why, sizeof why);
-  gpus_shared(comm, n ? comm->local_rank % n : -1, shared, sizeof shared); /* the GPU --device cuda would use */
+  device_gpus_shared(comm, n ? comm->local_rank % n : -1, shared, sizeof shared); /* the GPU --device cuda would use */
   if (comm->local_rank == 0) {
     char versions[1024];
     library_versions(versions, sizeof versions);
@@ -269,7 +190,7 @@ static void print_info(dt_comm *comm) {
     fflush(stdout);
   }
   free(all);
-  print_placement(comm, pick_threads(NULL, comm));
+  device_print_placement(comm, device_threads(NULL, comm));
 }
 
 static void print_version(void) {
@@ -291,76 +212,6 @@ static void print_version(void) {
   printf("  OpenBLAS: %s\n", openblas_get_config());
   printf("  %s\n", gpu);
 }
-
-/* Rows of the largest local batch: the global batch split over W ranks, plus one for the uneven split. */
-static int64_t max_local_rows(const dt_config *cfg, int64_t W) {
-  int64_t G = config_global_batch(&cfg->v, (int)W);
-  return (G + W - 1) / W + 1;
-}
-
-/* The GPU this rank uses (-1: the CPU backend). --device auto stays on the CPU until the CUDA
- * backend has been validated on a GPU (README "Status"); --device cuda opts in. Rank i of a node
- * uses visible GPU i; with dist.comm mpi several ranks may share one GPU. */
-static int select_device(const cli_args *a, const dt_config *cfg, const dt_model *m, const dt_comm *comm,
-                         dt_status *st) {
-  static const char *const precisions[] = {"fp32", "tf32", "bf16", "fp16"};
-  const int prec = cfg->v.precision;
-  if (a->device != DEV_CUDA) {
-    if (prec != DT_PREC_FP32)
-      dt_fail(st, DT_EXIT_INPUT,
-              "train.precision %s: the CPU backend computes in fp32 only; use --device cuda, or train.precision "
-              "fp32",
-              precisions[prec]);
-    return -1;
-  }
-  char why[256] = "";
-  int n = gpu_count(why, sizeof why);
-  if (n == 0) {
-    dt_fail(st, DT_EXIT_INPUT, "--device cuda: %s; use --device cpu", why);
-    return -1;
-  }
-  /* the kernels and cuDNN index a tensor with 32 bits */
-  int64_t rows = max_local_rows(cfg, comm->size), values = rows * model_max_row(m);
-  if (values >= ((int64_t)1 << 31)) {
-    dt_fail(st, DT_EXIT_INPUT,
-            "--device cuda: the largest tensor holds %lld values per rank (%lld rows x %lld), over the 2^31 "
-            "that the CUDA kernels and cuDNN index; lower train.batch_size or train.global_batch_size, or use "
-            "more ranks",
-            (long long)values, (long long)rows, (long long)model_max_row(m));
-    return -1;
-  }
-  int gpu = comm->local_rank % n, cc = gpu_compute_capability(gpu);
-  char built[256];
-  if (!gpu_build_runs_on(cc, built, sizeof built)) {
-    dt_fail(st, DT_EXIT_INPUT,
-            "GPU %d of rank %d (%s) has compute capability %d.%d, and this build has no code for it (%s); CUDA 13 "
-            "builds for 7.5 and later: rebuild with make CUDA_ARCH='-gencode arch=compute_XY,code=sm_XY' for it",
-            gpu, comm->rank, comm->host, cc / 10, cc % 10, built);
-    return -1;
-  }
-  int need = prec == DT_PREC_TF32 || prec == DT_PREC_BF16 ? 80 : prec == DT_PREC_FP16 ? 70 : 0;
-  if (cc < need) {
-    dt_fail(st, DT_EXIT_INPUT,
-            "train.precision %s needs tensor cores of compute capability %d.%d or later, but GPU %d of rank %d "
-            "(%s) has %d.%d; use train.precision %s",
-            precisions[prec], need / 10, need % 10, gpu, comm->rank, comm->host, cc / 10, cc % 10,
-            cc >= 70 ? "fp16 or fp32" : "fp32");
-    return -1;
-  }
-  return gpu;
-}
-
-#ifdef DT_WITH_CUDA
-/* Rank 0 prints rank, host, GPU and PCI bus id of every rank. */
-static void print_device_table(dt_comm *comm, int gpu) {
-  enum { CAP = 600 };
-  char line[CAP], desc[512];
-  size_t free_b;
-  gpu_describe(gpu, desc, sizeof desc, &free_b);
-  snprintf(line, CAP, "  rank %-4d %-20s %s\n", comm->rank, comm->host, desc);
-  print_rank_lines(comm, "devices", line, CAP);
-}
-#endif
 
 /* monitor.listen: every rank sends its host and device; rank 0 starts serving (monitor.h) and
  * hears about its long collective waits. Collective; returns the agreed code. */
@@ -420,185 +271,6 @@ static int init_params(const dt_config *cfg, dt_model *m, dt_comm *comm) {
   return code;
 }
 
-/* Keys whose change makes a checkpoint unusable: the model, and what decides the data order
- * and the optimizer state. Everything else may change on resume (README "Resuming"). */
-static const char *const frozen_keys[] = {"model.input",   "model.layers",   "model.loss",
-                                          "optim.name",    "train.seed",     "data.shuffle",
-                                          "data.sharding", "data.drop_last", "train.grad_accum"};
-
-static const char *find_line(const char *text, const char *key, size_t *len) {
-  size_t k = strlen(key);
-  for (const char *p = text; p && *p;) {
-    const char *nl = strchr(p, '\n');
-    size_t n = nl ? (size_t)(nl - p) : strlen(p);
-    if (n > k && !strncmp(p, key, k) && p[k] == ':') {
-      *len = n;
-      return p;
-    }
-    p = nl ? nl + 1 : NULL;
-  }
-  return NULL;
-}
-
-static int check_compatible(const char *path, const char *stored, const dt_config *cfg, const dt_train_state *ts,
-                            int64_t global_batch, dt_status *st) {
-  for (size_t i = 0; i < sizeof frozen_keys / sizeof *frozen_keys; i++) {
-    size_t la = 0, lb = 0;
-    const char *a = find_line(stored, frozen_keys[i], &la), *b = find_line(cfg->effective, frozen_keys[i], &lb);
-    if (!a || !b || la != lb || strncmp(a, b, la))
-      return dt_fail(st, DT_EXIT_INPUT,
-                     "cannot resume from %s: %s differs\n  checkpoint: %.*s\n  config:     %.*s\n"
-                     "(README \"Resuming\" lists what may change)",
-                     path, frozen_keys[i], (int)la, a ? a : "(none)", (int)lb, b ? b : "(none)");
-  }
-  if (ts->global_batch != global_batch)
-    return dt_fail(st, DT_EXIT_INPUT,
-                   "cannot resume from %s: its global batch was %lld, this run's is %lld, so the "
-                   "data position cannot carry over; set train.global_batch_size to %lld",
-                   path, (long long)ts->global_batch, (long long)global_batch, (long long)ts->global_batch);
-  return 0;
-}
-
-/* Rank 0 finds and loads the checkpoint; every rank receives it. *resumed is 0 when --resume auto
- * found nothing. The caller frees d's arrays. */
-static int load_resume(const cli_args *args, const dt_config *cfg, dt_model *m, dt_comm *comm, dt_ckpt_data *d,
-                       int *resumed) {
-  dt_status st = {0};
-  const dt_config_values *v = &cfg->v;
-  size_t pb = (size_t)(m->n_params ? m->n_params : 1) * sizeof(float);
-  d->params = dt_malloc(pb);
-  d->bufs = dt_malloc((size_t)(m->n_bufs ? m->n_bufs : 1) * sizeof(float));
-  int states = dt_optim_kinds[v->optim]->n_states(v);
-  for (int k = 0; k < states; k++) d->opt[k] = dt_malloc(pb);
-  if (v->ema_decay > 0) {
-    d->ema_params = dt_malloc(pb);
-    d->ema_bufs = dt_malloc((size_t)(m->n_bufs ? m->n_bufs : 1) * sizeof(float));
-  }
-  int64_t W = comm->size;
-  int64_t G = config_global_batch(v, (int)W) * v->grad_accum;
-  int found = 0;
-  if (comm->rank == 0) {
-    char names[64][1024];
-    int n = 0;
-    int is_auto = !strcmp(args->resume, "auto");
-    if (is_auto) {
-      if (!v->ckpt_dir[0])
-        dt_fail(&st, DT_EXIT_INPUT, "--resume auto needs checkpoint.dir");
-      else
-        n = ckpt_candidates(v->ckpt_dir, names, 64);
-    } else {
-      snprintf(names[0], sizeof names[0], "%s", args->resume);
-      n = 1;
-    }
-    for (int i = 0; i < n && !st.code && !found; i++) {
-      char *stored = NULL;
-      dt_status ls = {0};
-      /* the stored config first: a changed model is the user's error, not a reason to fall back */
-      if (!ckpt_read_meta(names[i], &d->ts, &stored, &ls) && check_compatible(names[i], stored, cfg, &d->ts, G, &st)) {
-        free(stored);
-        break;
-      }
-      free(stored);
-      stored = NULL;
-      if (!ls.code && !ckpt_load(names[i], m, d, &stored, &ls)) {
-        found = 1;
-        printf("resuming from %s%s\n", names[i], i ? " (the newest good checkpoint)" : "");
-      } else if (!is_auto) {
-        st = ls;
-      } else {
-        fprintf(stderr, "ddp_train: warning: %s%s\n", ls.msg, i + 1 < n ? "; falling back to an older checkpoint" : "");
-      }
-      free(stored);
-    }
-    if (is_auto && !found && !st.code) {
-      if (n)
-        dt_fail(&st, DT_EXIT_INPUT, "--resume auto: none of the %d checkpoints in %s could be loaded", n, v->ckpt_dir);
-      else
-        printf("no checkpoint in %s: starting from the beginning\n", v->ckpt_dir);
-    }
-    fflush(stdout);
-  }
-  int code = comm_agree(comm, &st);
-  if (code) return code;
-  comm_bcast(comm, &found, sizeof found, 0);
-  *resumed = found;
-  if (!found) return 0;
-  comm_bcast(comm, d->params, (size_t)m->n_params * sizeof(float), 0);
-  comm_bcast(comm, d->bufs, (size_t)m->n_bufs * sizeof(float), 0);
-  for (int k = 0; k < states; k++) comm_bcast(comm, d->opt[k], (size_t)m->n_params * sizeof(float), 0);
-  comm_bcast(comm, &d->has_ema, sizeof d->has_ema, 0);
-  if (d->has_ema) {
-    comm_bcast(comm, d->ema_params, (size_t)m->n_params * sizeof(float), 0);
-    comm_bcast(comm, d->ema_bufs, (size_t)m->n_bufs * sizeof(float), 0);
-  }
-  comm_bcast(comm, &d->ts, sizeof d->ts, 0);
-  dt_backend *be = m->be;
-  be->to_device(be, m->params, d->params, (size_t)m->n_params * sizeof(float));
-  be->to_device(be, m->bufs, d->bufs, (size_t)m->n_bufs * sizeof(float));
-  return 0;
-}
-
-static double mib(size_t b) {
-  return (double)b / 1048576.0;
-}
-
-/* --dry-run: the memory a rank needs against what it has (its GPU's free memory when it runs on
- * one, else the host's available memory shared by the ranks on the node). */
-static void check_memory(const dt_config *cfg, const dt_model *m, const dt_data *d, const dt_comm *comm, int gpu,
-                         dt_status *st) {
-  const dt_config_values *v = &cfg->v;
-  int64_t rows = max_local_rows(cfg, comm->size);
-  int states = dt_optim_kinds[v->optim]->n_states(v);
-  dt_memory mem = model_memory(m, rows, states, pick_threads(cfg, comm));
-  char ema_part[32] = "";
-  if (v->ema_decay > 0) {
-    mem.ema = (size_t)(m->n_params + m->n_bufs) * sizeof(float);
-    mem.total += mem.ema;
-    snprintf(ema_part, sizeof ema_part, " + ema %.1f", mib(mem.ema));
-  }
-  char extra[160] = "";
-  if (v->cache == DT_CACHE_DEVICE) { /* the rank's training rows as stored, and their labels or targets */
-    const dt_split *s = &d->train;
-    size_t rows_held = (size_t)(s->hi - s->lo);
-    size_t bytes =
-        rows_held * ((size_t)s->row_elems * s->x_elem + (s->labels ? sizeof(int32_t) : (size_t)s->y_k * sizeof(float)));
-    mem.total += bytes;
-    snprintf(extra, sizeof extra, " + data.cache device %.1f", mib(bytes));
-  }
-  if (v->grad_dtype == DT_GRAD_BF16) { /* one bucket in bf16 */
-    int64_t bucket = (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float));
-    size_t bytes = (size_t)(bucket < m->n_params ? bucket : m->n_params) * 2;
-    mem.total += bytes;
-    snprintf(extra + strlen(extra), sizeof extra - strlen(extra), " + bf16 bucket %.1f", mib(bytes));
-  }
-  size_t have = 0;
-  const char *where;
-  char gpu_line[512];
-  if (gpu >= 0) { /* the run's device: a CPU run never looks for a GPU */
-    gpu_describe(gpu, gpu_line, sizeof gpu_line, &have);
-    where = "free on this rank's GPU";
-  } else {
-    long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-    have = pages > 0 && page > 0 ? (size_t)pages * (size_t)page / (size_t)comm->local_size : 0;
-    where = "of available host memory per rank on this node";
-  }
-  char tokens[64] = ""; /* a token model's rows are sequences */
-  if (m->tokens) snprintf(tokens, sizeof tokens, " of %lld tokens", (long long)m->tokens);
-  if (comm->rank == 0) {
-    printf(
-        "memory per rank at %lld rows%s: %.1f MiB = parameters %.1f + gradients %.1f + optimizer %.1f%s + "
-        "buffers %.1f + activations %.1f + workspace %.1f%s; %.0f MiB %s\n",
-        (long long)rows, tokens, mib(mem.total), mib(mem.params), mib(mem.grads), mib(mem.optim), ema_part,
-        mib(mem.buffers), mib(mem.activations), mib(mem.workspace), extra, mib(have), where);
-    fflush(stdout);
-  }
-  if (have && mem.total > have)
-    dt_fail(st, DT_EXIT_INPUT,
-            "the batch does not fit: a rank needs %.1f MiB but has %.1f MiB %s; lower "
-            "train.batch_size or train.global_batch_size, or use more ranks",
-            mib(mem.total), mib(have), where);
-}
-
 static void print_data_summary(const dt_data *d, const dt_config *cfg, int world) {
   const dt_config_values *v = &cfg->v;
   int64_t G = config_global_batch(v, world);
@@ -637,170 +309,157 @@ static void mpi_start_defaults(void) {
   if (!getenv("OMPI_COMM_WORLD_SIZE") && !getenv("PMIX_RANK")) setenv("OMPI_MCA_ess_singleton_isolated", "1", 0);
 }
 
+/* Everything a run holds, in the order main makes it. */
+typedef struct {
+  cli_args args;
+  dt_comm comm;
+  dt_config cfg;
+  dt_model model;
+  dt_data data;
+  dt_monitor *mon;
+  int gpu;          /* this rank's GPU, or -1 */
+  char shared[512]; /* with a GPU: the ranks that share one (device_gpus_shared), else empty */
+  dt_device dev;
+  dt_ckpt_data resume;
+  dt_fault fault; /* DDP_TRAIN_FAULT */
+  dt_train_opts opts;
+} dt_run;
+
+/* The config (and DDP_TRAIN_FAULT), the same on every rank; the status endpoint's socket (rank 0,
+ * before any data is read); the model; the device. Returns the agreed code. */
+static int run_prepare(dt_run *r, dt_status *st) {
+  const cli_args *a = &r->args;
+  dt_comm *comm = &r->comm;
+  int code;
+  config_load(&r->cfg, a->config, a->sets, a->n_sets, st);
+  if (!st->code) fault_parse(&r->fault, getenv("DDP_TRAIN_FAULT"), st);
+  if ((code = comm_agree(comm, st))) return code;
+  const dt_config_values *v = &r->cfg.v;
+  comm->timeout_s = v->timeout_s;
+  comm_check_same(comm, r->cfg.hash, "the effective config", st);
+  if ((code = comm_agree(comm, st))) return code;
+  if (comm->rank == 0 && v->monitor_listen[0]) { /* served once training starts */
+    const int trains = !a->dry_run && !a->predict && !a->sample;
+    dt_monitor_opts mo = {.listen = v->monitor_listen,
+                          .token_file = v->monitor_token_file,
+                          .stall_s = v->monitor_stall_s > 0 ? v->monitor_stall_s : v->timeout_s / 2,
+                          .log_dir = v->log_dir,
+                          .checkpoints = v->ckpt_dir[0] != 0};
+    r->mon = monitor_open(&mo, trains, st);
+  }
+  if ((code = comm_agree(comm, st))) return code;
+  model_build(&r->model, &r->cfg, st);
+  if ((code = comm_agree(comm, st))) return code;
+  r->gpu = device_select(a->device == DEV_CUDA, &r->cfg, &r->model, comm, st);
+  if ((code = comm_agree(comm, st))) return code;
+  if (r->gpu >= 0 && device_gpus_shared(comm, r->gpu, r->shared, sizeof r->shared) && v->comm == DT_COMM_NCCL)
+    dt_fail(st, DT_EXIT_INPUT,
+            "dist.comm nccl: %s, and NCCL refuses two ranks on one GPU; give each rank a GPU of its own, or set "
+            "dist.comm: mpi to share GPUs",
+            r->shared);
+  return comm_agree(comm, st);
+}
+
+/* The data, unless --sample (which reads none) or a --dry-run with data.path empty (a job whose
+ * data does not exist yet: the model and its memory only); --dry-run checks the datasets, shapes,
+ * types and labels without loading the rows. Returns the agreed code. */
+static int run_open_data(dt_run *r, dt_status *st) {
+  const cli_args *a = &r->args;
+  const int no_data = a->dry_run && !r->cfg.v.data_path[0];
+  if (!no_data && !a->sample) {
+    dt_config opened = r->cfg;
+    if (a->dry_run && (r->cfg.v.cache == DT_CACHE_AUTO || r->cfg.v.cache == DT_CACHE_MEMORY))
+      opened.v.cache = DT_CACHE_NONE;
+    data_open(&r->data, &opened, &r->model, r->comm.size, r->comm.rank, st);
+  }
+  return comm_agree(&r->comm, st);
+}
+
+/* --dry-run: the config, the data, the model summary and the memory estimate. */
+static int run_dry(dt_run *r, dt_status *st) {
+  dt_comm *comm = &r->comm;
+  if (comm->rank == 0) {
+    printf("config: %s (hash %016llx), %d rank%s\n", r->cfg.path, (unsigned long long)r->cfg.hash, comm->size,
+           comm->size > 1 ? "s" : "");
+    if (!r->cfg.v.data_path[0])
+      printf("data: none (data.path is empty): the model and its memory only\n");
+    else
+      print_data_summary(&r->data, &r->cfg, comm->size);
+    printf("model:\n");
+    model_summary(&r->model, stdout);
+    fflush(stdout);
+  }
+  device_check_memory(&r->cfg, &r->model, &r->data, comm, r->gpu, st);
+  return comm_agree(comm, st);
+}
+
+/* The backend and the model's buffers, the parameters (resumed, or model.init_from or the seed),
+ * then what was asked: --predict, --sample, or training. Returns the agreed code. */
+static int run_work(dt_run *r, dt_status *st) {
+  const cli_args *a = &r->args;
+  dt_comm *comm = &r->comm;
+  int code = device_open(&r->dev, &r->cfg, comm, r->gpu, r->shared, st);
+  if (code) return code;
+  r->opts.dev = r->dev.reducer;
+  r->opts.gpu = r->gpu;
+  model_alloc(&r->model, r->dev.be, config_max_local_rows(&r->cfg.v, comm->size), (uint64_t)r->cfg.v.seed);
+  int resumed = 0;
+  if (a->resume && (code = ckpt_resume(a->resume, &r->cfg, &r->model, comm, &r->resume, &resumed))) return code;
+  if (!resumed && (code = init_params(&r->cfg, &r->model, comm))) return code;
+  r->opts.resume = resumed ? &r->resume : NULL;
+  if (a->predict) return infer_predict(&r->model, &r->data, comm, a->predict);
+  if (a->sample) return infer_sample(&r->cfg, &r->model, comm, a->sample, a->prompt, a->temperature, a->top_k);
+  if (r->cfg.v.monitor_listen[0] && (code = start_monitor(&r->cfg, comm, r->mon, r->gpu))) return code;
+  r->opts.monitor = r->mon;
+  if (r->dev.cpu_threads) device_print_placement(comm, r->dev.cpu_threads);
+  dt_train_result res;
+  return train_run(&r->cfg, &r->model, &r->data, comm, &r->opts, &res);
+}
+
+static void run_close(dt_run *r, int code) {
+  r->comm.wait_hook = NULL;
+  monitor_close(r->mon);
+  ckpt_data_free(&r->resume);
+  model_free(&r->model);
+  data_close(&r->data);
+  device_close(&r->dev, code != 0 && code != DT_EXIT_STOPPED);
+  config_free(&r->cfg);
+  free(r->args.sets);
+  comm_finalize(&r->comm);
+}
+
 int main(int argc, char **argv) {
   double t_launch = dt_now();
-  cli_args args;
+  dt_run run;
+  memset(&run, 0, sizeof run); /* every field starts empty */
+  dt_run *r = &run;
   dt_status st = {0};
   /* --help, --version and --config-keys need neither MPI nor a device: rank 0 of the launch prints */
-  if (!parse_args(argc, argv, &args, &st) && !args.info && (args.help || args.version || args.config_keys)) {
+  if (!parse_args(argc, argv, &r->args, &st) && !r->args.info &&
+      (r->args.help || r->args.version || r->args.config_keys)) {
     if (launcher_rank() == 0) {
-      if (args.help) fputs(usage_text, stdout);
-      if (args.version) print_version();
-      if (args.config_keys) {
+      if (r->args.help) fputs(usage_text, stdout);
+      if (r->args.version) print_version();
+      if (r->args.config_keys) {
         config_print_keys(stdout);
         model_print_layer_keys(stdout);
       }
     }
-    free(args.sets);
+    free(r->args.sets);
     return 0;
   }
   mpi_start_defaults();
-  dt_comm comm;
-  comm_init(&comm, &argc, &argv);
+  comm_init(&r->comm, &argc, &argv);
   signals_install();
-  dt_train_opts opts = {.t_launch = t_launch, .gpu = -1};
-  dt_ckpt_data resume = {0};
-  dt_config cfg;
-  memset(&cfg, 0, sizeof cfg);
-  dt_model model;
-  memset(&model, 0, sizeof model);
-  dt_data data;
-  memset(&data, 0, sizeof data);
-  data.file = -1;
-  data.train.dset_x = data.val.dset_x = -1;
-  dt_backend *be = NULL;
-  dt_nccl *nccl = NULL;
-  dt_monitor *mon = NULL;
-  int code = 0;
-
-  if ((code = comm_agree(&comm, &st))) goto done;
-  if (args.info) {
-    print_info(&comm);
-    goto done;
-  }
-  config_load(&cfg, args.config, args.sets, args.n_sets, &st);
-  if (!st.code) fault_parse(&opts.fault, getenv("DDP_TRAIN_FAULT"), &st);
-  if ((code = comm_agree(&comm, &st))) goto done;
-  comm.timeout_s = cfg.v.timeout_s;
-  comm_check_same(&comm, cfg.hash, "the effective config", &st);
-  if ((code = comm_agree(&comm, &st))) goto done;
-  if (comm.rank == 0 && cfg.v.monitor_listen[0]) { /* found before any data is read; served once training starts */
-    const int trains = !args.dry_run && !args.predict && !args.sample;
-    dt_monitor_opts mo = {.listen = cfg.v.monitor_listen,
-                          .token_file = cfg.v.monitor_token_file,
-                          .stall_s = cfg.v.monitor_stall_s > 0 ? cfg.v.monitor_stall_s : cfg.v.timeout_s / 2,
-                          .log_dir = cfg.v.log_dir,
-                          .checkpoints = cfg.v.ckpt_dir[0] != 0};
-    mon = monitor_open(&mo, trains, &st);
-  }
-  if ((code = comm_agree(&comm, &st))) goto done;
-  model_build(&model, &cfg, &st);
-  if ((code = comm_agree(&comm, &st))) goto done;
-  int gpu = select_device(&args, &cfg, &model, &comm, &st);
-  if ((code = comm_agree(&comm, &st))) goto done;
-  char shared[512] = ""; /* gpu is >= 0 on every rank or on none */
-  if (gpu >= 0 && gpus_shared(&comm, gpu, shared, sizeof shared) && cfg.v.comm == DT_COMM_NCCL)
-    dt_fail(&st, DT_EXIT_INPUT,
-            "dist.comm nccl: %s, and NCCL refuses two ranks on one GPU; give each rank a GPU of its own, or set "
-            "dist.comm: mpi to share GPUs",
-            shared);
-  if ((code = comm_agree(&comm, &st))) goto done;
-  /* --dry-run with data.path empty plans a job whose data does not exist yet: model and memory only */
-  int no_data = args.dry_run && !cfg.v.data_path[0]; /* --set data.path= */
-  if (!no_data && !args.sample) {                    /* --sample reads none */
-    /* --dry-run checks datasets, shapes, types and labels but need not load the rows (data.cache none) */
-    dt_config opened = cfg;
-    if (args.dry_run && (cfg.v.cache == DT_CACHE_AUTO || cfg.v.cache == DT_CACHE_MEMORY))
-      opened.v.cache = DT_CACHE_NONE;
-    data_open(&data, &opened, &model, comm.size, comm.rank, &st);
-  }
-  if ((code = comm_agree(&comm, &st))) goto done;
-  if (args.dry_run) {
-    if (comm.rank == 0) {
-      printf("config: %s (hash %016llx), %d rank%s\n", cfg.path, (unsigned long long)cfg.hash, comm.size,
-             comm.size > 1 ? "s" : "");
-      if (no_data)
-        printf("data: none (data.path is empty): the model and its memory only\n");
-      else
-        print_data_summary(&data, &cfg, comm.size);
-      printf("model:\n");
-      model_summary(&model, stdout);
-      fflush(stdout);
-    }
-    check_memory(&cfg, &model, &data, &comm, gpu, &st);
-    code = comm_agree(&comm, &st);
-    goto done;
-  }
-#ifdef DT_WITH_CUDA
-  if (gpu >= 0) {
-    print_device_table(&comm, gpu);
-    be = backend_cuda_create(gpu, cfg.v.precision);
-    opts.gpu = gpu;
-    /* NCCL when every rank has a GPU of its own (or dist.comm nccl, refused above otherwise); MPI
-     * through host memory otherwise. gpus_shared gives every rank the same answer, so all make the
-     * same choice (NCCL's collectives on some would wait forever for MPI's on the others). */
-    if (cfg.v.comm == DT_COMM_NCCL || (cfg.v.comm == DT_COMM_AUTO && !shared[0])) {
-      nccl = nccl_create(&comm, be->stream, cfg.v.grad_dtype == DT_GRAD_BF16, &st);
-      if ((code = comm_agree(&comm, &st))) goto done;
-      opts.dev = nccl_reducer(nccl);
-    }
-    if (comm.rank == 0) {
-      if (nccl)
-        printf("gradients: NCCL\n");
-      else if (cfg.v.comm == DT_COMM_MPI)
-        printf("gradients: MPI through host memory (dist.comm mpi)\n");
-      else
-        printf("gradients: MPI through host memory (dist.comm auto: %s)\n", shared);
-    }
-  }
-#else
-  (void)gpu; /* without CUDA, select_device has already refused --device cuda */
-#endif
-  if (cfg.v.grad_dtype == DT_GRAD_BF16 && !nccl && comm.size > 1)
-    dt_fail(&st, DT_EXIT_INPUT,
-            "dist.grad_dtype bf16: gradients are summed in bf16 only over NCCL (--device cuda, a GPU per rank), "
-            "and this run sums them over MPI; use dist.grad_dtype fp32");
-  if ((code = comm_agree(&comm, &st))) goto done;
-  int cpu_threads = 0; /* the CPU backend's, on every rank or none (a rank without its GPU failed above) */
-  if (!be)
-    be = backend_cpu_create_with(cpu_threads = pick_threads(&cfg, &comm),
-                                 cfg.v.conv_algo == DT_CONV_ALGO_DIRECT ? DT_CPU_CONV_DIRECT : DT_CPU_CONV_WINOGRAD);
-  model_alloc(&model, be, max_local_rows(&cfg, comm.size), (uint64_t)cfg.v.seed);
-  int resumed = 0;
-  if (args.resume && (code = load_resume(&args, &cfg, &model, &comm, &resume, &resumed))) goto done;
-  if (!resumed && (code = init_params(&cfg, &model, &comm))) goto done;
-  opts.resume = resumed ? &resume : NULL;
-  if (args.predict) {
-    code = train_predict(&cfg, &model, &data, &comm, args.predict);
-    goto done;
-  }
-  if (args.sample) {
-    code = train_sample(&cfg, &model, &comm, args.sample, args.prompt, args.temperature, args.top_k);
-    goto done;
-  }
-  if (cfg.v.monitor_listen[0] && (code = start_monitor(&cfg, &comm, mon, opts.gpu))) goto done;
-  opts.monitor = mon;
-  if (cpu_threads) print_placement(&comm, cpu_threads);
-  dt_train_result res;
-  code = train_run(&cfg, &model, &data, &comm, &opts, &res);
-
-done:
-  comm.wait_hook = NULL;
-  monitor_close(mon);
-#ifdef DT_WITH_CUDA
-  nccl_destroy(nccl, code != 0 && code != DT_EXIT_STOPPED);
-#endif
-  (void)nccl;
-  free(resume.params);
-  free(resume.bufs);
-  for (int k = 0; k < DT_OPTIM_MAX_STATES; k++) free(resume.opt[k]);
-  free(resume.ema_params);
-  free(resume.ema_bufs);
-  model_free(&model);
-  data_close(&data);
-  if (be) be->destroy(be);
-  config_free(&cfg);
-  free(args.sets);
-  comm_finalize(&comm);
+  r->opts = (dt_train_opts){.t_launch = t_launch, .gpu = -1, .fault = &r->fault};
+  r->gpu = -1;
+  r->data.file = -1;
+  r->data.train.dset_x = r->data.val.dset_x = -1;
+  int code = comm_agree(&r->comm, &st);
+  if (!code && r->args.info)
+    print_info(&r->comm);
+  else if (!code && !(code = run_prepare(r, &st)) && !(code = run_open_data(r, &st)))
+    code = r->args.dry_run ? run_dry(r, &st) : run_work(r, &st);
+  run_close(r, code);
   return code;
 }

@@ -5,15 +5,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "layers.h"
-
-static const dt_layer_ops *const layer_kinds[] = {
-    &dt_layer_linear,   &dt_layer_conv2d,         &dt_layer_batchnorm, &dt_layer_maxpool,
-    &dt_layer_avgpool,  &dt_layer_global_avgpool, &dt_layer_relu,      &dt_layer_gelu,
-    &dt_layer_tanh,     &dt_layer_sigmoid,        &dt_layer_dropout,   &dt_layer_flatten,
-    &dt_layer_residual, &dt_layer_embedding,      &dt_layer_layernorm, &dt_layer_attention};
-#define N_LAYER_KINDS ((int)(sizeof layer_kinds / sizeof *layer_kinds))
-
 void shape_text(dt_shape s, char *buf, size_t cap) {
   if (s.rank == 1)
     snprintf(buf, cap, "(%lld)", (long long)s.c);
@@ -113,15 +104,13 @@ static int seq_add(dt_model *m, dt_seq *s, const dt_node *item, int i, dt_shape 
         if (seq_add(m, s, ra.layers->items[j], i, cur, prefix, what, st)) return st->code;
     return 0;
   }
-  const dt_layer_ops *ops = NULL;
-  const char *names[N_LAYER_KINDS + 1];
-  for (int k = 0; k < N_LAYER_KINDS; k++) {
-    names[k] = layer_kinds[k]->kind;
-    if (!strcmp(kind, layer_kinds[k]->kind)) ops = layer_kinds[k];
-  }
-  names[N_LAYER_KINDS] = "repeat";
+  const dt_layer_ops *ops = layer_kind(kind);
   if (!ops) {
-    const char *near = keys_suggest(kind, names, N_LAYER_KINDS + 1);
+    const char **names = dt_malloc((size_t)(dt_n_layer_kinds + 1) * sizeof *names);
+    for (int k = 0; k < dt_n_layer_kinds; k++) names[k] = dt_layer_kinds[k]->kind;
+    names[dt_n_layer_kinds] = "repeat";
+    const char *near = keys_suggest(kind, names, dt_n_layer_kinds + 1);
+    free(names);
     return dt_fail(st, DT_EXIT_INPUT, "%s: %s[%d]: unknown layer '%s'%s%s%s", where, what, i, kind,
                    near ? "; did you mean '" : "", near ? near : "", near ? "'?" : "");
   }
@@ -182,7 +171,7 @@ static void fuse_seq(dt_seq *s) {
     dt_layer *l = s->layers[i];
     fuse_seq(&l->body);
     fuse_seq(&l->shortcut);
-    if (i + 1 < s->n && l->ops == &dt_layer_batchnorm && s->layers[i + 1]->ops == &dt_layer_relu) {
+    if (i + 1 < s->n && (l->ops->traits & DT_LAYER_FUSES_RELU) && (s->layers[i + 1]->ops->traits & DT_LAYER_RELU)) {
       l->fused_relu = 1;
       s->layers[i + 1]->fused_into = l;
     }
@@ -337,9 +326,9 @@ static const dt_layer *tensor_layer(const dt_model *m, const dt_tensor *t) {
 static int tensor_decays(const dt_model *m, const dt_tensor *t, int no_decay) {
   const dt_layer *l = tensor_layer(m, t);
   const char *leaf = strrchr(t->name, '.');
-  int norm = l && (l->ops == &dt_layer_layernorm || l->ops == &dt_layer_batchnorm);
+  int norm = l && (l->ops->traits & DT_LAYER_NORM);
   if ((no_decay & DT_NO_DECAY_NORM) && norm) return 0;
-  if ((no_decay & DT_NO_DECAY_EMBEDDING) && l && l->ops == &dt_layer_embedding) return 0;
+  if ((no_decay & DT_NO_DECAY_EMBEDDING) && l && (l->ops->traits & DT_LAYER_EMBEDDING)) return 0;
   if ((no_decay & DT_NO_DECAY_BIAS) && !norm && leaf && !strcmp(leaf, ".bias")) return 0;
   return 1;
 }
@@ -362,8 +351,8 @@ int model_decay_runs(const dt_model *m, int no_decay, int64_t *off, int64_t *len
 
 void model_print_layer_keys(FILE *out) {
   fprintf(out, "\n| layer | parameters (type, default) |\n|---|---|\n");
-  for (int k = 0; k < N_LAYER_KINDS; k++) {
-    const dt_layer_ops *ops = layer_kinds[k];
+  for (int k = 0; k < dt_n_layer_kinds; k++) {
+    const dt_layer_ops *ops = dt_layer_kinds[k];
     fprintf(out, "| `%s` |", ops->kind);
     if (!ops->n_keys) fprintf(out, " none");
     for (int i = 0; i < ops->n_keys; i++) {

@@ -82,7 +82,24 @@ typedef struct {
   /* Values per sample of the largest buffer its ops index, where that is more than its output
    * (attention's (H, T, T) scores): the CUDA kernels index with 32 bits. NULL: its output. */
   int64_t (*row_values)(const dt_layer *l);
+  /* What the model and the loops need to know of a kind, so that they name none (DT_LAYER_*). */
+  unsigned traits;
+  /* Whether no position of a sequence sees later ones (--sample pads after the prompt): NULL for
+   * a position-wise kind, which trivially does not. */
+  int (*causal)(const dt_layer *l);
 } dt_layer_ops;
+
+enum {
+  DT_LAYER_FUSES_RELU = 1, /* applies a relu right after it in its own ops (model.fuse: batchnorm) */
+  DT_LAYER_RELU = 2,       /* a relu: the layer before may apply it */
+  DT_LAYER_NORM = 4,       /* a normalisation: its weights are optim.no_decay's "norm" group */
+  DT_LAYER_EMBEDDING = 8   /* a token embedding: optim.no_decay's "embedding", what linear{tie} may name */
+};
+
+/* The layer kinds (layers.c): the one of that name in the config, or NULL; their names (n_kinds). */
+const dt_layer_ops *layer_kind(const char *kind);
+extern const dt_layer_ops *const dt_layer_kinds[];
+extern const int dt_n_layer_kinds;
 
 struct dt_seq {
   int n;

@@ -1,5 +1,5 @@
-/* train.h: the one training loop, for every backend and world size.
- * Borrows everything: config, model (allocated), data, communicator, backend. */
+/* train.h: the one training loop, for every backend and world size (train.c, train_step.c).
+ * Borrows everything: config, model (allocated), data, communicator, backend. Inference: infer.h. */
 #ifndef DT_TRAIN_H
 #define DT_TRAIN_H
 
@@ -7,9 +7,10 @@
 #include "comm.h"
 #include "config.h"
 #include "data.h"
-#include "fault.h"
-#include "model.h"
 #include "monitor.h"
+
+typedef struct dt_model dt_model; /* model.h */
+typedef struct dt_fault dt_fault; /* fault.h */
 
 typedef struct {
   double best_val_acc, final_val_acc, final_val_loss;
@@ -18,8 +19,8 @@ typedef struct {
 } dt_train_result;
 
 typedef struct {
-  const dt_ckpt_data *resume; /* host state to continue from (NULL: fresh start) */
-  dt_fault fault;
+  const dt_ckpt_data *resume;  /* host state to continue from (NULL: fresh start) */
+  const dt_fault *fault;       /* DDP_TRAIN_FAULT's (tests) */
   double t_launch;             /* dt_now() at start-up, for train.time_limit */
   const dt_device_reduce *dev; /* gradient sums on the device (NCCL); NULL: MPI */
   int gpu;                     /* this rank's visible GPU for monitoring; -1 on the CPU */
@@ -31,21 +32,5 @@ typedef struct {
  * or an exit code agreed by all ranks, with the message printed once. */
 int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, const dt_train_opts *opts,
               dt_train_result *res);
-
-/* Evaluates the whole validation split across ranks with params and bufs (backend memory, laid
- * out as the model's; NULL: the model's own): mean loss and accuracy (-1 for mse). */
-void train_evaluate(const dt_config *cfg, dt_model *m, const float *params, const float *bufs, dt_data *d,
-                    dt_comm *comm, double *loss, double *acc, dt_status *st);
-
-/* Writes the logits of the whole validation split (gathered to rank 0, in file order) and its
- * labels to path; collective. Returns the agreed exit code. */
-int train_predict(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, const char *path);
-
-/* --sample: continues `prompt` (bytes for a vocab-256 model, else token ids separated by spaces)
- * by n tokens drawn from the model's softmax at `temperature` (0: the most likely) among the top_k
- * (0: all), from a stream seeded by train.seed; rank 0 prints them (bytes, or ids) to stdout.
- * Returns 0 or an exit code, agreed on all ranks. */
-int train_sample(const dt_config *cfg, dt_model *m, dt_comm *comm, int64_t n, const char *prompt, double temperature,
-                 int64_t top_k);
 
 #endif

@@ -142,7 +142,7 @@ void comm_wait(dt_comm *c, MPI_Request *reqs, int n, const char *what) {
                 "the job\n",
                 c->rank, what, at, c->timeout_s);
       fflush(stderr);
-      MPI_Abort(c->world, DT_EXIT_PEER);
+      comm_abort(c, DT_EXIT_PEER);
     }
     if (++spins > 100) usleep(spins > 1000 ? 1000 : 50);
   }
@@ -298,82 +298,17 @@ int comm_step_agree(dt_comm *c, const dt_step_report *mine, const dt_status *st,
   return code;
 }
 
-void grad_sync_init(dt_grad_sync *g, dt_comm *c, const dt_device_reduce *dev, dt_backend *be, float *grads, int64_t n,
-                    int64_t bucket_elems, dt_check_fn check, void *check_ctx) {
-  memset(g, 0, sizeof *g);
-  g->comm = c;
-  g->dev = dev;
-  g->be = be;
-  g->grads = grads;
-  if (!dev && !be->host_memory && c->size > 1) g->staging = dt_malloc((size_t)(n ? n : 1) * sizeof(float));
-  g->check = check;
-  g->check_ctx = check_ctx;
-  if (bucket_elems < 1) bucket_elems = 1;
-  g->n_buckets = (int)((n + bucket_elems - 1) / bucket_elems);
-  g->buckets = dt_calloc((size_t)(g->n_buckets ? g->n_buckets : 1), sizeof *g->buckets);
-  for (int i = 0; i < g->n_buckets; i++) {
-    g->buckets[i].end = n - (int64_t)i * bucket_elems;
-    g->buckets[i].begin = g->buckets[i].end - bucket_elems > 0 ? g->buckets[i].end - bucket_elems : 0;
-    g->buckets[i].req = MPI_REQUEST_NULL;
-  }
-}
-
-void grad_sync_free(dt_grad_sync *g) {
-  free(g->buckets);
-  free(g->staging);
-  memset(g, 0, sizeof *g);
-}
-
-static void start_bucket(dt_grad_sync *g, dt_bucket *b) {
-  int64_t count = b->end - b->begin;
+void comm_isum_f32(dt_comm *c, float *buf, int64_t count, dt_comm_request *req) {
   DT_ASSERT(count <= 0x7fffffff);
-  if (g->check) g->check(g->check_ctx, b->begin, b->end);
-  b->started = 1;
-  if (!g->dev && g->comm->size == 1) return; /* nothing to sum: no MPI call, so the step can be captured */
-  if (g->dev) {
-    g->dev->start(g->dev->ctx, g->grads + b->begin, count);
-    return;
-  }
-  float *buf = g->grads + b->begin;
-  if (g->staging) { /* device gradients go through host memory */
-    g->be->to_host(g->be, g->staging + b->begin, buf, (size_t)count * sizeof(float));
-    buf = g->staging + b->begin;
-  }
-  MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, MPI_FLOAT, MPI_SUM, g->comm->world, &b->req));
-  b->started = 1;
+  MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, MPI_FLOAT, MPI_SUM, c->world, req));
 }
 
-void grad_sync_ready(dt_grad_sync *g, int64_t from) {
-  while (g->next < g->n_buckets && g->buckets[g->next].begin >= from) start_bucket(g, &g->buckets[g->next++]);
-  if (g->dev) return;
-  /* Open MPI progresses non-blocking collectives inside MPI calls: poke the ones in flight. */
-  for (int i = 0; i < g->next; i++) {
-    int done = 0;
-    if (g->buckets[i].req != MPI_REQUEST_NULL) MPI_CHECK(MPI_Test(&g->buckets[i].req, &done, MPI_STATUS_IGNORE));
-  }
+void comm_progress(dt_comm_request *req) {
+  int done = 0;
+  if (*req != MPI_REQUEST_NULL) MPI_CHECK(MPI_Test(req, &done, MPI_STATUS_IGNORE));
 }
 
-void grad_sync_finish(dt_grad_sync *g) {
-  g->wait_s = 0;
-  double t0 = dt_now();
-  while (g->next < g->n_buckets) start_bucket(g, &g->buckets[g->next++]);
-  if (g->dev) {
-    g->dev->join(g->dev->ctx);
-    for (int i = 0; i < g->n_buckets; i++) g->buckets[i].started = 0;
-    g->next = 0;
-    g->wait_s = dt_now() - t0;
-    return;
-  }
-  MPI_Request *reqs = dt_malloc((size_t)(g->n_buckets ? g->n_buckets : 1) * sizeof *reqs);
-  for (int i = 0; i < g->n_buckets; i++) reqs[i] = g->buckets[i].req;
-  comm_wait(g->comm, reqs, g->n_buckets, "gradient allreduce");
-  if (g->staging && g->n_buckets)
-    g->be->to_device(g->be, g->grads, g->staging, (size_t)g->buckets[0].end * sizeof(float));
-  for (int i = 0; i < g->n_buckets; i++) {
-    g->buckets[i].req = MPI_REQUEST_NULL;
-    g->buckets[i].started = 0;
-  }
-  free(reqs);
-  g->next = 0;
-  g->wait_s = dt_now() - t0;
+void comm_abort(dt_comm *c, int code) {
+  MPI_Abort(c->world, code);
+  abort(); /* MPI_Abort does not return; if it did, the job still ends */
 }

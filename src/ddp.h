@@ -1,0 +1,67 @@
+/* ddp.h: data parallelism. The flat gradient buffer is summed over the ranks in buckets cut from
+ * its end (backward finishes gradients from the end), each bucket started as soon as backward
+ * reports it final, so that the sums overlap the rest of backward. The transport underneath is MPI
+ * (comm.h: through host memory for device gradients) or a device collective library such as NCCL
+ * (a dt_device_reduce, comm_nccl.h), which queues the sums on the device with no host wait, so that
+ * a whole step can be captured. Before a bucket is sent its non-finite values are counted on the
+ * device, so a NaN is blamed on the rank that produced it. The hooks also time each bucket for
+ * metrics.jsonl (scripts/scaling.py reads them).
+ * Owns: the buckets, the host staging copy, the hook state and timings. Borrows: the communicator,
+ * the backend, the gradient buffer and the check counters (backend memory). */
+#ifndef DT_DDP_H
+#define DT_DDP_H
+
+#include "backend.h"
+#include "comm.h"
+
+typedef struct {
+  int64_t begin, end; /* [begin, end) of the gradient buffer */
+  dt_comm_request req;
+  int started;
+} dt_bucket;
+
+typedef struct dt_ddp {
+  dt_comm *comm;
+  const dt_device_reduce *dev; /* NULL: MPI */
+  dt_backend *be;
+  float *grads;       /* (n) backend memory */
+  float *staging;     /* (n) host copy for MPI when the backend's memory is not the host's; else NULL */
+  double *grad_check; /* (2) backend memory: sum of squares and non-finite count of the sent buckets */
+  int n_buckets;
+  dt_bucket *buckets; /* buckets[0] is the last range of the buffer */
+  int next;           /* the first bucket not yet started */
+  double wait_s;      /* seconds in ddp_finish this step */
+  /* the last micro-batch's backward (host clock: meaningful where the backend runs its work as it is
+   * called, the CPU's): when it began, seconds in the hooks since, of which in the bucket checks;
+   * per bucket, seconds from its start until it was started and the MPI seconds before that */
+  double t_backward, hook_s, check_s;
+  double *ready_s, *ready_mpi_s; /* (n_buckets) */
+} dt_ddp;
+
+/* Buckets of bucket_elems floats over grads[0..n); check counts non-finite values into grad_check. */
+void ddp_init(dt_ddp *g, dt_comm *c, const dt_device_reduce *dev, dt_backend *be, float *grads, int64_t n,
+              int64_t bucket_elems, double *grad_check);
+void ddp_free(dt_ddp *g);
+
+/* The pass hooks (dt_pass.grads_ready and dt_pass.allreduce_sum, with ctx the dt_ddp): every
+ * gradient at offset >= from is final; a sum of n doubles over the ranks (synchronised batchnorm's
+ * statistics: queued on the device with NCCL, directly over MPI on the CPU, through host memory
+ * otherwise). */
+void ddp_ready(void *ctx, int64_t from);
+void ddp_allreduce_sum(void *ctx, double *data, int n);
+
+/* Around the backward of the step's last micro-batch: the hook timings start, and the buckets no
+ * hook started are timed as ready when backward ended. */
+void ddp_backward_begin(dt_ddp *g);
+void ddp_backward_end(dt_ddp *g);
+
+/* Starts what is left; sums over ranks in place. Over MPI it waits for every bucket (under the
+ * deadline); on the device it only makes the compute stream wait for them. */
+void ddp_finish(dt_ddp *g);
+
+/* The MPI seconds inside the last backward's hooks. */
+static inline double ddp_backward_mpi_s(const dt_ddp *g) {
+  return g->hook_s - g->check_s;
+}
+
+#endif

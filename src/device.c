@@ -1,0 +1,266 @@
+/* device.c: the device each rank computes on (device.h). */
+#define _GNU_SOURCE
+#include "device.h"
+
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "gpu.h"
+#include "optim.h"
+
+/* Threads per rank: the cores this rank may run on, shared with the other ranks on the node.
+ * cfg NULL: the default (dist.threads unset). */
+int device_threads(const dt_config *cfg, const dt_comm *c) {
+  if (cfg && cfg->v.threads > 0) return (int)cfg->v.threads;
+  cpu_set_t set;
+  int mine = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+  long online = sysconf(_SC_NPROCESSORS_ONLN);
+  int share = (int)(online > 0 ? online : 1) / (c->local_size > 0 ? c->local_size : 1);
+  if (share < 1) share = 1;
+  return mine < share ? mine : share;
+}
+
+/* The CPUs this rank may run on, as ranges: "0-3,8". */
+static void affinity_text(char *buf, size_t cap) {
+  cpu_set_t set;
+  size_t len = 0;
+  buf[0] = 0;
+  if (sched_getaffinity(0, sizeof set, &set)) {
+    snprintf(buf, cap, "?");
+    return;
+  }
+  for (int i = 0; i < CPU_SETSIZE && len < cap; i++) {
+    if (!CPU_ISSET(i, &set)) continue;
+    int j = i;
+    while (j + 1 < CPU_SETSIZE && CPU_ISSET(j + 1, &set)) j++;
+    len += (size_t)snprintf(buf + len, cap - len, j > i ? "%s%d-%d" : "%s%d", len ? "," : "", i, j);
+    i = j;
+  }
+}
+
+/* Collective: every rank's line (cap bytes) gathered to rank 0, which prints them under "title:". */
+static void print_rank_lines(dt_comm *comm, const char *title, const char *line, size_t cap) {
+  char *all = comm->rank == 0 ? dt_calloc((size_t)comm->size, cap) : NULL;
+  comm_gather_text(comm, line, cap, all);
+  if (comm->rank == 0) {
+    printf("%s:\n", title);
+    for (int r = 0; r < comm->size; r++) fputs(all + (size_t)r * cap, stdout);
+    fflush(stdout);
+  }
+  free(all);
+}
+
+/* Collective: rank 0 prints each rank's host, local rank, CPU threads and CPUs (the start-up table of
+ * CPU runs, and --info's, where threads is the default for dist.threads unset). */
+void device_print_placement(dt_comm *comm, int threads) {
+  enum { CAP = 512 };
+  char line[CAP], cpus[256];
+  affinity_text(cpus, sizeof cpus);
+  snprintf(line, CAP, "  rank %-4d %-20s local rank %d of %d, %d thread%s, cpus %s\n", comm->rank, comm->host,
+           comm->local_rank, comm->local_size, threads, threads > 1 ? "s" : "", cpus);
+  print_rank_lines(comm, "placement", line, CAP);
+}
+
+/* Whether two ranks use one GPU: the same PCI bus id on the same host. Bus ids, not device
+ * numbers: with a GPU bound to each task (srun --gpus-per-task=1, CUDA_VISIBLE_DEVICES) every
+ * rank sees its GPU as device 0. Collective; every rank gets the same answer, with the first such
+ * pair described in why (empty when none). */
+int device_gpus_shared(dt_comm *comm, int gpu, char *why, size_t cap) {
+  enum { KEY = 320 };
+  char mine[KEY], bus[32];
+  if (gpu >= 0)
+    gpu_bus_id(gpu, bus, sizeof bus);
+  else
+    snprintf(bus, sizeof bus, "none (rank %d)", comm->rank); /* no GPU: shares nothing */
+  snprintf(mine, sizeof mine, "%s|%s", bus, comm->host);
+  char *all = dt_malloc((size_t)comm->size * KEY);
+  comm_allgather_text(comm, mine, KEY, all);
+  why[0] = 0;
+  for (int a = 0; a < comm->size && !why[0]; a++)
+    for (int b = a + 1; b < comm->size && !why[0]; b++)
+      if (!strcmp(all + (size_t)a * KEY, all + (size_t)b * KEY)) {
+        const char *key = all + (size_t)a * KEY, *host = strchr(key, '|') + 1;
+        snprintf(why, cap, "ranks %d and %d use the same GPU (PCI %.*s on %s)", a, b, (int)(host - key - 1), key, host);
+      }
+  free(all);
+  return why[0] != 0;
+}
+
+/* The GPU this rank uses (-1: the CPU backend). --device auto stays on the CPU until the CUDA
+ * backend has been validated on a GPU (README "Status"); --device cuda opts in. Rank i of a node
+ * uses visible GPU i; with dist.comm mpi several ranks may share one GPU. */
+int device_select(int cuda, const dt_config *cfg, const dt_model *m, const dt_comm *comm, dt_status *st) {
+  static const char *const precisions[] = {"fp32", "tf32", "bf16", "fp16"};
+  const int prec = cfg->v.precision;
+  if (!cuda) {
+    if (prec != DT_PREC_FP32)
+      dt_fail(st, DT_EXIT_INPUT,
+              "train.precision %s: the CPU backend computes in fp32 only; use --device cuda, or train.precision "
+              "fp32",
+              precisions[prec]);
+    return -1;
+  }
+  char why[256] = "";
+  int n = gpu_count(why, sizeof why);
+  if (n == 0) {
+    dt_fail(st, DT_EXIT_INPUT, "--device cuda: %s; use --device cpu", why);
+    return -1;
+  }
+  /* the kernels and cuDNN index a tensor with 32 bits */
+  int64_t rows = config_max_local_rows(&cfg->v, comm->size), values = rows * model_max_row(m);
+  if (values >= ((int64_t)1 << 31)) {
+    dt_fail(st, DT_EXIT_INPUT,
+            "--device cuda: the largest tensor holds %lld values per rank (%lld rows x %lld), over the 2^31 "
+            "that the CUDA kernels and cuDNN index; lower train.batch_size or train.global_batch_size, or use "
+            "more ranks",
+            (long long)values, (long long)rows, (long long)model_max_row(m));
+    return -1;
+  }
+  int gpu = comm->local_rank % n, cc = gpu_compute_capability(gpu);
+  char built[256];
+  if (!gpu_build_runs_on(cc, built, sizeof built)) {
+    dt_fail(st, DT_EXIT_INPUT,
+            "GPU %d of rank %d (%s) has compute capability %d.%d, and this build has no code for it (%s); CUDA 13 "
+            "builds for 7.5 and later: rebuild with make CUDA_ARCH='-gencode arch=compute_XY,code=sm_XY' for it",
+            gpu, comm->rank, comm->host, cc / 10, cc % 10, built);
+    return -1;
+  }
+  int need = prec == DT_PREC_TF32 || prec == DT_PREC_BF16 ? 80 : prec == DT_PREC_FP16 ? 70 : 0;
+  if (cc < need) {
+    dt_fail(st, DT_EXIT_INPUT,
+            "train.precision %s needs tensor cores of compute capability %d.%d or later, but GPU %d of rank %d "
+            "(%s) has %d.%d; use train.precision %s",
+            precisions[prec], need / 10, need % 10, gpu, comm->rank, comm->host, cc / 10, cc % 10,
+            cc >= 70 ? "fp16 or fp32" : "fp32");
+    return -1;
+  }
+  return gpu;
+}
+
+#ifdef DT_WITH_CUDA
+/* Rank 0 prints rank, host, GPU and PCI bus id of every rank. */
+static void print_device_table(dt_comm *comm, int gpu) {
+  enum { CAP = 600 };
+  char line[CAP], desc[512];
+  size_t free_b;
+  gpu_describe(gpu, desc, sizeof desc, &free_b);
+  snprintf(line, CAP, "  rank %-4d %-20s %s\n", comm->rank, comm->host, desc);
+  print_rank_lines(comm, "devices", line, CAP);
+}
+
+#endif
+
+static double mib(size_t b) {
+  return (double)b / 1048576.0;
+}
+
+/* --dry-run: the memory a rank needs against what it has (its GPU's free memory when it runs on
+ * one, else the host's available memory shared by the ranks on the node). */
+void device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data *d, const dt_comm *comm, int gpu,
+                         dt_status *st) {
+  const dt_config_values *v = &cfg->v;
+  int64_t rows = config_max_local_rows(v, comm->size);
+  int states = dt_optim_kinds[v->optim]->n_states(v);
+  dt_memory mem = model_memory(m, rows, states, device_threads(cfg, comm));
+  char ema_part[32] = "";
+  if (v->ema_decay > 0) {
+    mem.ema = (size_t)(m->n_params + m->n_bufs) * sizeof(float);
+    mem.total += mem.ema;
+    snprintf(ema_part, sizeof ema_part, " + ema %.1f", mib(mem.ema));
+  }
+  char extra[160] = "";
+  if (v->cache == DT_CACHE_DEVICE) { /* the rank's training rows as stored, and their labels or targets */
+    const dt_split *s = &d->train;
+    size_t rows_held = (size_t)(s->hi - s->lo);
+    size_t bytes =
+        rows_held * ((size_t)s->row_elems * s->x_elem + (s->labels ? sizeof(int32_t) : (size_t)s->y_k * sizeof(float)));
+    mem.total += bytes;
+    snprintf(extra, sizeof extra, " + data.cache device %.1f", mib(bytes));
+  }
+  if (v->grad_dtype == DT_GRAD_BF16) { /* one bucket in bf16 */
+    int64_t bucket = (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float));
+    size_t bytes = (size_t)(bucket < m->n_params ? bucket : m->n_params) * 2;
+    mem.total += bytes;
+    snprintf(extra + strlen(extra), sizeof extra - strlen(extra), " + bf16 bucket %.1f", mib(bytes));
+  }
+  size_t have = 0;
+  const char *where;
+  char gpu_line[512];
+  if (gpu >= 0) { /* the run's device: a CPU run never looks for a GPU */
+    gpu_describe(gpu, gpu_line, sizeof gpu_line, &have);
+    where = "free on this rank's GPU";
+  } else {
+    long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    have = pages > 0 && page > 0 ? (size_t)pages * (size_t)page / (size_t)comm->local_size : 0;
+    where = "of available host memory per rank on this node";
+  }
+  char tokens[64] = ""; /* a token model's rows are sequences */
+  if (m->tokens) snprintf(tokens, sizeof tokens, " of %lld tokens", (long long)m->tokens);
+  if (comm->rank == 0) {
+    printf(
+        "memory per rank at %lld rows%s: %.1f MiB = parameters %.1f + gradients %.1f + optimizer %.1f%s + "
+        "buffers %.1f + activations %.1f + workspace %.1f%s; %.0f MiB %s\n",
+        (long long)rows, tokens, mib(mem.total), mib(mem.params), mib(mem.grads), mib(mem.optim), ema_part,
+        mib(mem.buffers), mib(mem.activations), mib(mem.workspace), extra, mib(have), where);
+    fflush(stdout);
+  }
+  if (have && mem.total > have)
+    dt_fail(st, DT_EXIT_INPUT,
+            "the batch does not fit: a rank needs %.1f MiB but has %.1f MiB %s; lower "
+            "train.batch_size or train.global_batch_size, or use more ranks",
+            mib(mem.total), mib(have), where);
+}
+
+/* The backend of the device: --device cuda's GPU, with the gradients over NCCL when no two ranks
+ * share a GPU (or dist.comm nccl), else over MPI through host memory; or the CPU backend. */
+int device_open(dt_device *dev, const dt_config *cfg, dt_comm *comm, int gpu, const char *shared, dt_status *st) {
+  memset(dev, 0, sizeof *dev);
+  const dt_config_values *v = &cfg->v;
+#ifdef DT_WITH_CUDA
+  if (gpu >= 0) {
+    print_device_table(comm, gpu);
+    dev->be = backend_cuda_create(gpu, v->precision);
+    /* gpus_shared gave every rank the same answer, so all make the same choice (NCCL's collectives
+     * on some would wait forever for MPI's on the others) */
+    if (v->comm == DT_COMM_NCCL || (v->comm == DT_COMM_AUTO && !shared[0])) {
+      dev->nccl = nccl_create(comm, dev->be->stream, v->grad_dtype == DT_GRAD_BF16, st);
+      int code = comm_agree(comm, st);
+      if (code) return code;
+      dev->reducer = nccl_reducer(dev->nccl);
+    }
+    if (comm->rank == 0) {
+      if (dev->nccl)
+        printf("gradients: NCCL\n");
+      else if (v->comm == DT_COMM_MPI)
+        printf("gradients: MPI through host memory (dist.comm mpi)\n");
+      else
+        printf("gradients: MPI through host memory (dist.comm auto: %s)\n", shared);
+    }
+  }
+#else
+  (void)gpu, (void)shared; /* without CUDA, device_select has refused --device cuda */
+#endif
+  if (v->grad_dtype == DT_GRAD_BF16 && !dev->nccl && comm->size > 1)
+    dt_fail(st, DT_EXIT_INPUT,
+            "dist.grad_dtype bf16: gradients are summed in bf16 only over NCCL (--device cuda, a GPU per rank), "
+            "and this run sums them over MPI; use dist.grad_dtype fp32");
+  int code = comm_agree(comm, st);
+  if (code) return code;
+  if (!dev->be) /* the CPU backend's, on every rank or none (a rank without its GPU failed before) */
+    dev->be = backend_cpu_create_with(dev->cpu_threads = device_threads(cfg, comm),
+                                      v->conv_algo == DT_CONV_ALGO_DIRECT ? DT_CPU_CONV_DIRECT : DT_CPU_CONV_WINOGRAD);
+  return 0;
+}
+
+void device_close(dt_device *dev, int failed) {
+#ifdef DT_WITH_CUDA
+  nccl_destroy(dev->nccl, failed);
+#else
+  (void)failed;
+#endif
+  if (dev->be) dev->be->destroy(dev->be);
+  memset(dev, 0, sizeof *dev);
+}

@@ -1,0 +1,17 @@
+/* layers.c: the layer kinds a config may name, in the order --config-keys lists them. */
+#include <string.h>
+
+#include "layers.h"
+
+const dt_layer_ops *const dt_layer_kinds[] = {
+    &dt_layer_linear,   &dt_layer_conv2d,         &dt_layer_batchnorm, &dt_layer_maxpool,
+    &dt_layer_avgpool,  &dt_layer_global_avgpool, &dt_layer_relu,      &dt_layer_gelu,
+    &dt_layer_tanh,     &dt_layer_sigmoid,        &dt_layer_dropout,   &dt_layer_flatten,
+    &dt_layer_residual, &dt_layer_embedding,      &dt_layer_layernorm, &dt_layer_attention};
+const int dt_n_layer_kinds = (int)(sizeof dt_layer_kinds / sizeof *dt_layer_kinds);
+
+const dt_layer_ops *layer_kind(const char *kind) {
+  for (int k = 0; k < dt_n_layer_kinds; k++)
+    if (!strcmp(kind, dt_layer_kinds[k]->kind)) return dt_layer_kinds[k];
+  return NULL;
+}

@@ -1,0 +1,508 @@
+/* train_step.c: the steps of a training run and what they use (train_step.h). Each micro-batch's
+ * forward, loss and backward are queued with no host synchronisation, the gradient sums started
+ * bucket by bucket during the last backward (ddp.h), then the update: clipping, fp16 loss scaling,
+ * the optimizer, the EMA. With one micro-batch a step is captured as a CUDA graph once per input
+ * buffer and shape and replayed after, the choice agreed by every rank. The host waits once per
+ * step, for the step's sums, while the next batch is copied ahead.
+ * Owns the dt_step: samplers and the loader, batches, the device cache, the sums, the buckets, the
+ * optimizer, the EMA, the graphs. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "batch.h"
+#include "ddp.h"
+#include "ema.h"
+#include "fault.h"
+#include "optim.h"
+#include "signals.h"
+#include "train_step.h"
+
+enum { STATS = 6 };
+/* fp16 loss scaling, PyTorch GradScaler's defaults */
+static const double scale_init = 65536.0, scale_growth = 2.0, scale_backoff = 0.5;
+static const int64_t scale_interval = 2000;
+
+/* train.cuda_graph: a step of one micro-batch, captured once per input buffer and replayed. */
+typedef struct {
+  int on;                      /* steps may be captured */
+  void *exec[2];               /* the captured step reading in[i], or NULL */
+  int64_t gen[2];              /* be->generation when it was captured */
+  int64_t rows[2], warm_rows;  /* this rank's rows in that step, and in the last step run */
+  double count[2], warm_count; /* the global batch of each */
+  int64_t captures, replays;
+} dt_graphs;
+
+/* This step's results, summed on the device and read once: loss, hits, the sum of squares and the
+ * non-finite count of the gradient buckets this rank sent, and (fp16) the same of the summed
+ * gradients after unscaling (a non-finite one skips the step); clipping's sum of squares; fp16's
+ * loss scale. */
+typedef struct {
+  double *stats, *stats_host;  /* (STATS): backend memory, and host memory it is downloaded to */
+  double *clip_sq;             /* (2) backend memory: train.clip_grad_norm's sum of squares */
+  float *scaler, *scaler_host; /* train.precision fp16: (2) the loss scale and good steps; else NULL */
+} dt_step_sums;
+
+/* model.loss ignore_index: the targets a step's loss averages over, counted from the sampler's twin
+ * (the loader's is its thread's). */
+typedef struct {
+  dt_sampler smp;
+  int64_t *idx;   /* (local rows cap) scratch */
+  double *weight; /* (1) backend memory: 1 / targets, uploaded each step (a replayed graph reads it) */
+} dt_target_counter;
+
+/* Everything the steps use. */
+struct dt_step {
+  dt_sampler smp;
+  dt_optim opt;
+  dt_ema ema; /* params NULL: train.ema is off */
+  dt_ddp ddp;
+  dt_loader L;
+  dt_dev_batch in[2];  /* micro-batches alternate between the two */
+  int64_t micro_count; /* micro-batches uploaded so far: in[micro_count % 2] is next */
+  dt_dev_batch *ahead; /* the next step's batch, already uploaded (upload_ahead), or NULL */
+  int64_t ahead_rows;
+  dt_status ahead_st; /* why taking it failed: reported by the step that needed it */
+  dt_dev_cache cache; /* data.cache device */
+  dt_graphs graphs;
+  dt_step_sums sums;
+  dt_target_counter counter; /* ignore_index only */
+  int inject;                /* this step's injected fault: DT_FAULT_NAN, DT_FAULT_OVERFLOW or none */
+};
+
+void step_open(dt_trainer *tr, dt_status *st) {
+  const dt_config_values *v = tr->v;
+  tr->step = dt_calloc(1, sizeof *tr->step);
+  const int W = tr->comm->size, rank = tr->comm->rank;
+  const int64_t G = config_global_batch(v, W), n = tr->d->train.n;
+  const int contiguous = v->sharding == DT_SHARD_CONTIGUOUS;
+  sampler_init(&tr->step->smp, n, W, rank, G, contiguous, v->drop_last, v->shuffle, (uint64_t)v->seed);
+  if (tr->m->loss.ignore_index_set) {
+    sampler_init(&tr->step->counter.smp, n, W, rank, G, contiguous, v->drop_last, v->shuffle, (uint64_t)v->seed);
+    tr->step->counter.idx = dt_malloc((size_t)(sampler_max_local(&tr->step->counter.smp) + 1) * sizeof(int64_t));
+  }
+  if (contiguous && G < W)
+    dt_fail(st, DT_EXIT_INPUT,
+            "data.sharding contiguous: the global batch (%lld) must be at least the number of "
+            "ranks (%d), or some ranks' rows would never be used",
+            (long long)G, W);
+  if (tr->step->smp.steps == 0)
+    dt_fail(st, DT_EXIT_INPUT,
+            "%s: the global batch (%lld) is larger than the %lld training rows and data.drop_last "
+            "is true: no step to run",
+            tr->d->path, (long long)G, (long long)n);
+  const char *no_graph = !tr->be->capture_begin    ? "it runs on the CPU backend (CUDA graphs need --device cuda)"
+                         : v->grad_accum > 1       ? "train.grad_accum is above 1 (a captured step has one micro-batch)"
+                         : !tr->opts->dev && W > 1 ? "its gradients are summed over MPI through host memory (a "
+                                                     "captured step needs NCCL, or a single rank)"
+                                                   : NULL;
+  if (v->cuda_graph == DT_GRAPH_ON && no_graph)
+    dt_fail(st, DT_EXIT_INPUT,
+            "train.cuda_graph is on, but this run cannot capture its step: %s; set it to auto or off", no_graph);
+  tr->step->graphs.on = v->cuda_graph != DT_GRAPH_OFF && !no_graph;
+  tr->step->graphs.warm_rows = -1;
+  tr->micro_per_epoch = tr->step->smp.steps;
+}
+
+const dt_ddp *step_alloc(dt_trainer *tr) {
+  const dt_config_values *v = tr->v;
+  dt_model *m = tr->m;
+  dt_backend *be = tr->be;
+  if (tr->step->counter.idx) tr->step->counter.weight = (double *)be->alloc(be, sizeof(double));
+  optim_init(&tr->step->opt, v, be, m->n_params, tr->total);
+  if (v->no_decay) { /* optim.no_decay: weight decay only on the other tensors */
+    int64_t *off = dt_malloc((size_t)m->n_tensors * sizeof(int64_t)),
+            *len = dt_malloc((size_t)m->n_tensors * sizeof(int64_t));
+    int *decay = dt_malloc((size_t)m->n_tensors * sizeof(int));
+    optim_set_runs(&tr->step->opt, model_decay_runs(m, v->no_decay, off, len, decay), off, len, decay);
+    free(off);
+    free(len);
+    free(decay);
+  }
+  dt_step_sums *s = &tr->step->sums;
+  s->stats = (double *)be->alloc(be, STATS * sizeof(double));
+  s->stats_host = be->alloc_host(be, STATS * sizeof(double));
+  if (v->precision == DT_PREC_FP16) {
+    s->scaler = be->alloc(be, 2 * sizeof(float));
+    s->scaler_host = be->alloc_host(be, 2 * sizeof(float));
+    tr->step->opt.skip = s->stats + 5;
+  }
+  s->clip_sq = (double *)be->alloc(be, 2 * sizeof(double));
+  for (int i = 0; i < 2; i++) batch_alloc(&tr->step->in[i], m, m->max_batch);
+  if (v->cache == DT_CACHE_DEVICE) cache_fill(&tr->step->cache, be, &tr->d->train); /* one copy, then row numbers */
+  ddp_init(&tr->step->ddp, tr->comm, tr->opts->dev, be, m->grads, m->n_params,
+           (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float)), s->stats + 2);
+  return &tr->step->ddp;
+}
+
+void step_restore(dt_trainer *tr) {
+  const dt_config_values *v = tr->v;
+  const dt_ckpt_data *resume = tr->opts->resume;
+  dt_model *m = tr->m;
+  dt_backend *be = tr->be;
+  dt_step *s = tr->step;
+  if (resume) {
+    if (!s->sums.scaler) tr->ts.loss_scale = tr->ts.scale_growth = 0;
+    for (int k = 0; k < s->opt.n_states; k++)
+      if (resume->opt[k]) be->to_device(be, s->opt.states[k], resume->opt[k], (size_t)m->n_params * sizeof(float));
+    s->opt.step = tr->ts.optim_step;
+  }
+  if (s->sums.scaler) { /* a run that did not scale starts from GradScaler's initial scale */
+    if (!(tr->ts.loss_scale > 0)) tr->ts.loss_scale = scale_init, tr->ts.scale_growth = 0;
+    float sc[2] = {(float)tr->ts.loss_scale, (float)tr->ts.scale_growth};
+    be->to_device(be, s->sums.scaler, sc, sizeof sc);
+  }
+  if (v->ema_decay > 0) {
+    ema_init(&s->ema, be, v->ema_decay, m->params, m->n_params, m->bufs, m->n_bufs);
+    if (resume && resume->has_ema) {
+      be->to_device(be, s->ema.params, resume->ema_params, (size_t)m->n_params * sizeof(float));
+      be->to_device(be, s->ema.bufs, resume->ema_bufs, (size_t)m->n_bufs * sizeof(float));
+    }
+  }
+  loader_start(&s->L, tr->d, &s->smp, m, tr->ts.epoch, tr->ts.micro, v->epochs, s->cache.x != NULL);
+}
+
+void step_log_setup(dt_trainer *tr) {
+  const dt_config_values *v = tr->v;
+  if (tr->step->cache.x) {
+    const dt_split *s = &tr->d->train;
+    log_line(&tr->lg, "data.cache device: %lld training rows per rank in device memory (%.1f MiB as stored)",
+             (long long)(s->hi - s->lo), (double)((s->hi - s->lo) * s->row_elems) * (double)s->x_elem / 1048576.0);
+  }
+  if (tr->be->capture_begin)
+    log_line(&tr->lg, "cuda graph: %s",
+             tr->step->graphs.on             ? "on (each full step after the first is replayed as one graph)"
+             : v->cuda_graph == DT_GRAPH_OFF ? "off (train.cuda_graph off)"
+             : v->grad_accum > 1             ? "off (train.grad_accum > 1)"
+                                             : "off (gradients over MPI)");
+}
+
+/* model.loss ignore_index: the targets the step's global batch averages over, summed over ranks
+ * (a collective; the sampler gives each rank its rows without reading them). At least 1. */
+static double count_step_targets(dt_trainer *tr) {
+  dt_target_counter *c = &tr->step->counter;
+  double n_targets = 0;
+  for (int64_t j = 0; j < tr->k; j++) {
+    int64_t global, n = sampler_batch(&c->smp, tr->epoch, tr->micro0 + j, c->idx, &global);
+    n_targets += count_targets(&tr->d->train, c->idx, n, tr->m->loss.ignore_index);
+  }
+  comm_allreduce_sum_f64(tr->comm, &n_targets, 1, "target count");
+  return n_targets > 0 ? n_targets : 1;
+}
+
+void step_prepare(dt_trainer *tr) {
+  dt_step *s = tr->step;
+  tr->count = 0;
+  for (int64_t j = 0; j < tr->k; j++) tr->count += (double)sampler_count(&s->smp, tr->micro0 + j);
+  tr->target_count = tr->m->loss.ignore_index_set ? count_step_targets(tr) : tr->count * (double)tr->m->n_labels;
+  if (s->counter.weight) { /* queued before the step (a graph replay reads it) */
+    const double w = 1.0 / tr->target_count;
+    tr->be->upload(tr->be, s->counter.weight, &w, sizeof w);
+  }
+}
+
+/* Queues one micro-batch's forward, loss and backward from db (rows rows): gradients accumulate
+ * (zeroed with the step's sums before the first), and the last one's backward starts the bucket
+ * sums. No host synchronisation: with one micro-batch a step is captured from here. */
+static void queue_micro(dt_trainer *tr, const dt_dev_batch *db, int64_t rows, int first, int last) {
+  dt_model *m = tr->m;
+  dt_backend *be = tr->be;
+  if (first) {
+    be->zero(be, m->grads, (size_t)m->n_params * sizeof(float));
+    be->zero(be, tr->step->sums.stats, STATS * sizeof(double));
+    if (tr->step->inject == DT_FAULT_OVERFLOW && m->n_params) { /* backward adds to it: it reaches the sums */
+      const float inf = INFINITY;
+      be->upload(be, m->grads, &inf, sizeof inf);
+    }
+  }
+  if (tr->step->cache.x) cache_gather(&tr->step->cache, be, &tr->d->train, db, rows);
+  if (tr->step->inject == DT_FAULT_NAN && rows) { /* DDP_TRAIN_FAULT nan: into the batch on the device */
+    const float nan = NAN;
+    be->upload(be, db->raw, &nan, sizeof nan);
+  }
+  model_input(m, db->raw, rows);
+  dt_pass pass = {.be = be,
+                  .batch = rows,
+                  .training = 1,
+                  .global_targets = tr->target_count,
+                  .loss_weight = tr->step->counter.weight,
+                  .grad_scale = tr->step->sums.scaler,
+                  .step_seed = db->seed,
+                  .params = m->params,
+                  .grads = m->grads,
+                  .bufs = m->bufs,
+                  .allreduce_sum = ddp_allreduce_sum,
+                  .grads_ready = last ? ddp_ready : NULL,
+                  .ctx = &tr->step->ddp};
+  const double t0 = dt_now();
+  model_forward(m, &pass);
+  model_loss(m, &pass, db->labels, db->targets, tr->step->sums.stats);
+  const double t1 = dt_now();
+  if (last) ddp_backward_begin(&tr->step->ddp);
+  model_backward(m, &pass);
+  if (last) ddp_backward_end(&tr->step->ddp); /* buckets no hook started are ready when backward ends */
+  tr->win.forward_s += t1 - t0;
+  tr->win.backward_s += dt_now() - t1;
+  if (last) tr->win.backward_mpi_s += ddp_backward_mpi_s(&tr->step->ddp);
+}
+
+/* Queues the end of the step: the gradient sums finished (over MPI: waited for), clipping
+ * (train.clip_grad_norm), the optimizer step with the values optim_prepare uploaded, the EMA. */
+static void queue_update(dt_trainer *tr) {
+  const dt_config_values *v = tr->v;
+  dt_model *m = tr->m;
+  dt_backend *be = tr->be;
+  dt_step_sums *s = &tr->step->sums;
+  ddp_finish(&tr->step->ddp);
+  const double t0 = dt_now();
+  if (s->scaler) { /* the summed gradients unscaled, then checked: a non-finite one skips the update */
+    dt_op un = {.type = DT_OP_UNSCALE, .p.unscale = {.n = m->n_params, .scaler = s->scaler, .x = m->grads}};
+    backend_run(be, &un);
+    dt_op check = {.type = DT_OP_SUMSQ, .p.sumsq = {.n = m->n_params, .x = m->grads, .out = s->stats + 4}};
+    backend_run(be, &check);
+  }
+  if (v->clip_grad_norm > 0) {
+    be->zero(be, s->clip_sq, 2 * sizeof(double));
+    dt_op sq = {.type = DT_OP_SUMSQ, .p.sumsq = {.n = m->n_params, .x = m->grads, .out = s->clip_sq}};
+    backend_run(be, &sq);
+    dt_op clip = {
+        .type = DT_OP_CLIP,
+        .p.clip = {.n = m->n_params, .max_norm = (float)v->clip_grad_norm, .sumsq = s->clip_sq, .x = m->grads}};
+    backend_run(be, &clip);
+  }
+  optim_apply(&tr->step->opt, be, m->params, m->grads);
+  if (tr->step->ema.params) ema_update(&tr->step->ema, be, m->params, m->bufs); /* every step, as timm's loop */
+  if (s->scaler) {
+    dt_op up = {.type = DT_OP_SCALER_UPDATE,
+                .p.scaler_update = {.overflow = s->stats + 5,
+                                    .growth_interval = scale_interval,
+                                    .growth = (float)scale_growth,
+                                    .backoff = (float)scale_backoff,
+                                    .scaler = s->scaler}};
+    backend_run(be, &up);
+  }
+  tr->win.update_s += dt_now() - t0;
+}
+
+/* How a step of one micro-batch runs: replayed from the graph captured for this input buffer and
+ * shape, when the backend has moved no buffer since; captured now when the step before had this
+ * shape (the warm-up that sized every workspace) or a graph of it exists; else eagerly (an
+ * injected fault is a one-off: never captured). NCCL requires a collective to be captured on
+ * every rank or on none, and these conditions differ between ranks (a rank's rows, its buffers,
+ * its faults): each rank says what it could do, and all do the least of those. */
+enum { GRAPH_EAGER, GRAPH_CAPTURE, GRAPH_REPLAY };
+static int graph_choice(dt_trainer *tr, const dt_dev_batch *db, int64_t rows) {
+  const dt_graphs *g = &tr->step->graphs;
+  if (!g->on) return GRAPH_EAGER;
+  const int i = db ? (int)(db - tr->step->in) : 0;
+  const int same_shape = g->rows[i] == rows && g->count[i] == tr->count;
+  const int mine = !db || tr->step->inject != DT_FAULT_NONE ? GRAPH_EAGER /* no batch: this rank fails the step */
+                   : g->exec[i] && same_shape && g->gen[i] == tr->be->generation ? GRAPH_REPLAY
+                   : rows == g->warm_rows && tr->count == g->warm_count          ? GRAPH_CAPTURE
+                                                                                 : GRAPH_EAGER;
+  return comm_min_i32(tr->comm, mine, "the CUDA graph choice");
+}
+
+/* Queues a step of one micro-batch (db, rows): eagerly, captured or replayed (how: graph_choice). */
+static void queue_single(dt_trainer *tr, const dt_dev_batch *db, int64_t rows, int how) {
+  dt_backend *be = tr->be;
+  dt_graphs *g = &tr->step->graphs;
+  const int i = (int)(db - tr->step->in);
+  if (how == GRAPH_EAGER) {
+    queue_micro(tr, db, rows, 1, 1);
+    queue_update(tr);
+  } else if (how == GRAPH_REPLAY) {
+    be->replay(be, g->exec[i]);
+    optim_advance(&tr->step->opt);
+    tr->step->ddp.wait_s = 0;
+    g->replays++;
+  } else {
+    be->graph_free(be, g->exec[i]);
+    g->gen[i] = be->generation;
+    be->capture_begin(be);
+    queue_micro(tr, db, rows, 1, 1);
+    queue_update(tr);
+    g->exec[i] = be->capture_end(be);
+    g->rows[i] = rows;
+    g->count[i] = tr->count;
+    be->replay(be, g->exec[i]);
+    g->captures++;
+  }
+  g->warm_rows = rows;
+  g->warm_count = tr->count;
+}
+
+/* Takes the next micro-batch from the loader and queues its upload (with its dropout seed, from
+ * its place in the epoch) into the next device batch; ahead: overlapping the queued work, which
+ * must not use that buffer. Returns it, or NULL with st set; with ahead, also NULL (st untouched)
+ * while the loader still fills the training cache and the batch is not ready. */
+static dt_dev_batch *upload_next(dt_trainer *tr, int ahead, int64_t *rows, double *data_s, dt_status *st) {
+  double w0 = tr->step->L.wait_s;
+  dt_batch *b = loader_next(&tr->step->L, ahead, st);
+  if (!b) return NULL;
+  *data_s += tr->step->L.wait_s - w0;
+  uint64_t seed = dt_hash64(((uint64_t)tr->v->seed << 32) ^ (uint64_t)(b->epoch * tr->micro_per_epoch + b->step) ^
+                            ((uint64_t)tr->comm->rank << 52));
+  dt_dev_batch *db = &tr->step->in[tr->step->micro_count++ % 2];
+  batch_upload(db, tr->m, b, tr->step->cache.x != NULL, seed, ahead);
+  *rows = b->count;
+  return db;
+}
+
+/* The step's one host wait: its results downloaded, polling (a failed NCCL peer, the deadline)
+ * while the device works. Before it, with one micro-batch per step and a step to follow, the next
+ * batch is taken and copied ahead, overlapping this step: its buffer was last read by the step
+ * before, which the host has waited for. */
+static void wait_step(dt_trainer *tr, double *data_s) {
+  dt_backend *be = tr->be;
+  be->download(be, tr->step->sums.stats_host, tr->step->sums.stats, STATS * sizeof(double));
+  if (tr->step->sums.scaler) be->download(be, tr->step->sums.scaler_host, tr->step->sums.scaler, 2 * sizeof(float));
+  if (tr->accum == 1 && !tr->step->ahead && !tr->step->ahead_st.code && tr->ts.step + 1 < tr->total)
+    tr->step->ahead = upload_next(tr, 1, &tr->step->ahead_rows, data_s, &tr->step->ahead_st);
+  double since = dt_now();
+  while (!be->done(be)) {
+    if (tr->opts->dev)
+      tr->opts->dev->check(tr->opts->dev->ctx, "the training step (forward, backward, NCCL gradient allreduce)", since);
+    else if (dt_now() - since > tr->comm->timeout_s) {
+      fprintf(stderr,
+              "ddp_train: error: rank %d: step %lld did not complete on the device within dist.timeout_s = "
+              "%.0f s; aborting the job\n",
+              tr->comm->rank, (long long)tr->ts.step + 1, tr->comm->timeout_s);
+      fflush(stderr);
+      comm_abort(tr->comm, DT_EXIT_PEER);
+    }
+    usleep(50);
+  }
+}
+
+/* What the step's results say: a non-finite loss or gradient fails it; an fp16 overflow skips
+ * the update on every rank (the summed gradients are the same everywhere) and moves the scale. */
+static void read_results(dt_trainer *tr, dt_step_report *mine, dt_status *st) {
+  const double *r = tr->step->sums.stats_host;
+  if (!isfinite(r[0]))
+    dt_fail(st, DT_EXIT_NUMERIC,
+            "the loss became %s at step %lld (epoch %lld); lower optim.lr or set train.clip_grad_norm",
+            isnan(r[0]) ? "NaN" : "infinite", (long long)tr->ts.step + 1, (long long)tr->epoch + 1);
+  else if (r[3] > 0 && !tr->step->sums.scaler)
+    dt_fail(st, DT_EXIT_NUMERIC,
+            "%lld non-finite gradient values at step %lld (epoch %lld); lower optim.lr or set train.clip_grad_norm",
+            (long long)r[3], (long long)tr->ts.step + 1, (long long)tr->epoch + 1);
+  if (tr->step->sums.scaler && !st->code) {
+    if (r[5] > 0) {
+      optim_skipped(&tr->step->opt);
+      log_line(&tr->lg, "step %lld: %lld gradient values overflowed in fp16: update skipped, loss scale %g -> %g",
+               (long long)tr->ts.step + 1, (long long)r[5], tr->ts.loss_scale, (double)tr->step->sums.scaler_host[0]);
+    }
+    tr->ts.loss_scale = tr->step->sums.scaler_host[0];
+    tr->ts.scale_growth = tr->step->sums.scaler_host[1];
+  }
+  mine->loss_sum += r[0];
+  mine->correct += r[1];
+}
+
+void step_run(dt_trainer *tr, dt_step_report *mine, double *data_s, dt_status *st) {
+  tr->step->inject = fault_fire(tr->opts->fault, tr->comm->rank, tr->ts.step + 1);
+  tr->lr = schedule_lr(tr->v, tr->ts.step, tr->total);
+  optim_prepare(&tr->step->opt, tr->be, tr->lr);
+  for (int64_t j = 0; j < tr->k && !st->code; j++) {
+    int64_t rows = tr->step->ahead_rows;
+    if (j == 0 && tr->step->ahead_st.code) *st = tr->step->ahead_st;
+    dt_dev_batch *db = st->code                    ? NULL
+                       : j == 0 && tr->step->ahead ? tr->step->ahead
+                                                   : upload_next(tr, 0, &rows, data_s, st);
+    tr->step->ahead = NULL;
+    if (tr->k == 1) { /* a collective choice: made by a rank whose batch failed too */
+      const int how = graph_choice(tr, db, rows);
+      if (db) queue_single(tr, db, rows, how);
+      break;
+    }
+    if (!db) break;
+    queue_micro(tr, db, rows, j == 0, j == tr->k - 1);
+  }
+  if (st->code) return;
+  if (tr->k > 1) queue_update(tr);
+  wait_step(tr, data_s);
+  read_results(tr, mine, st);
+}
+
+/* A signal or the time limit on any rank stops every rank at this same step; a failed step ends
+ * the run without a checkpoint. */
+int step_agree(dt_trainer *tr, dt_step_report *mine, dt_status *st) {
+  int sig = signals_caught(), asked = monitor_take_requests(tr->opts->monitor);
+  int out_of_time = tr->v->time_limit > 0 && dt_now() - tr->opts->t_launch >= tr->v->time_limit;
+  mine->stop = sig ? sig : asked & DT_MON_STOP ? DT_STOP_HTTP : out_of_time ? DT_STOP_TIME_LIMIT : 0;
+  mine->checkpoint = (asked & DT_MON_CHECKPOINT) != 0;
+  mine->code = st->code;
+  const double t0 = dt_now();
+  int code = comm_step_agree(tr->comm, mine, st, &tr->all);
+  tr->win.agree_s += dt_now() - t0;
+  if (code) return code;
+  tr->ts.step++;
+  tr->ts.micro = tr->micro0 + tr->k;
+  tr->ts.epoch = tr->epoch;
+  if (tr->ts.micro >= tr->micro_per_epoch) tr->ts.epoch = tr->epoch + 1, tr->ts.micro = 0;
+  return 0;
+}
+
+void step_wait_filled(dt_trainer *tr) {
+  loader_wait_filled(&tr->step->L);
+}
+
+int step_ema(const dt_trainer *tr, const float **params, const float **bufs) {
+  const dt_ema *e = &tr->step->ema;
+  if (params) *params = e->params;
+  if (bufs) *bufs = e->bufs;
+  return e->params != NULL;
+}
+
+void step_snapshot(const dt_trainer *tr, dt_ckpt_data *d) {
+  const dt_model *m = tr->m;
+  const dt_step *s = tr->step;
+  dt_backend *be = m->be;
+  size_t pb = (size_t)m->n_params * sizeof(float), bb = (size_t)m->n_bufs * sizeof(float);
+  be->to_host(be, d->params, m->params, pb);
+  be->to_host(be, d->bufs, m->bufs, bb);
+  if (s->ema.params) {
+    be->to_host(be, d->ema_params, s->ema.params, pb);
+    be->to_host(be, d->ema_bufs, s->ema.bufs, bb);
+  }
+  for (int k = 0; k < s->opt.n_states; k++) be->to_host(be, d->opt[k], s->opt.states[k], pb);
+  d->ts = tr->ts;
+  d->ts.optim_step = s->opt.step;
+}
+
+void step_graph_counts(const dt_trainer *tr, int64_t *captures, int64_t *replays) {
+  *captures = tr->step->graphs.captures;
+  *replays = tr->step->graphs.replays;
+}
+
+void step_close(dt_trainer *tr) {
+  dt_step *s = tr->step;
+  dt_backend *be = tr->be;
+  if (!s) return;
+  loader_stop(&s->L);
+  for (int i = 0; i < 2; i++) {
+    if (s->graphs.exec[i]) be->graph_free(be, s->graphs.exec[i]);
+    if (s->in[i].raw) batch_free(&s->in[i], be);
+  }
+  if (s->sums.stats) {
+    be->free(be, s->sums.stats);
+    be->free_host(be, s->sums.stats_host);
+    be->free(be, s->sums.clip_sq);
+  }
+  if (s->sums.scaler) {
+    be->free(be, s->sums.scaler);
+    be->free_host(be, s->sums.scaler_host);
+  }
+  if (s->counter.weight) be->free(be, s->counter.weight);
+  free(s->counter.idx);
+  sampler_free(&s->counter.smp); /* zeroed when unused */
+  if (s->cache.x) cache_free(&s->cache, be);
+  if (s->ema.params) ema_free(&s->ema, be);
+  if (s->opt.ops) optim_free(&s->opt, be);
+  ddp_free(&s->ddp);
+  sampler_free(&s->smp);
+  free(s);
+  tr->step = NULL;
+}
