@@ -22,15 +22,12 @@
 #define VECTOR_CLONES
 #endif
 
+/* The op names, DT_OPS's second column: backend.h declares them, the reference backend holds them. */
 const char *const dt_op_names[DT_OP_COUNT] = {
-    "gemm",      "bias_add",    "bias_grad", "conv_fwd",     "conv_bwd_data", "conv_bwd_filter",
-    "bn_stats",  "bn_finalize", "bn_apply",  "bn_bwd_stats", "bn_bwd_apply",  "act_fwd",
-    "act_bwd",   "pool_fwd",    "pool_bwd",  "dropout_fwd",  "dropout_bwd",   "add",
-    "loss",      "sgd",         "adamw",     "scale",        "sumsq",         "clip",
-    "copy",      "input",       "ema",       "unscale",      "scaler_update", "gather",
-    "embed_fwd", "embed_bwd",   "ln_fwd",    "ln_bwd",       "softmax_fwd",   "softmax_bwd",
-    "permute"};
-_Static_assert(sizeof dt_op_names / sizeof *dt_op_names == DT_OP_COUNT, "dt_op_names must name every op");
+#define OP_NAME_(NAME, name) #name,
+    DT_OPS(OP_NAME_)
+#undef OP_NAME_
+};
 
 /* Per-thread workspaces, grown on first use at each new shape (the first steps). */
 typedef struct {
@@ -259,7 +256,7 @@ static void gemm_one(const typeof(((dt_op *)0)->p.gemm) *q, int64_t i) {
 static void op_gemm(cpu_impl *im, const dt_op *op) {
   const typeof(op->p.gemm) *q = &op->p.gemm;
   if (!q->m || !q->n) return; /* a rank with no rows this batch */
-  if (q->bias) { /* C starts as the bias rows and the GEMM adds to it: one pass fewer over C */
+  if (q->bias) {              /* C starts as the bias rows and the GEMM adds to it: one pass fewer over C */
     DT_ASSERT(q->beta == 0.0f && q->batch <= 1);
     typeof(((dt_op *)0)->p.gemm) with = *q;
     with.beta = 1.0f;
