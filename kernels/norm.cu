@@ -21,7 +21,7 @@ __global__ void bn_stats_kernel(const float *x, int64_t b, int64_t c, fast_div s
   }
 }
 
-// One thread per channel, as backend_cpu.c's op_bn_finalize (double precision, PyTorch's rules).
+// One thread per channel, as src/cpu/norm.c's cpu_bn_finalize (double precision, PyTorch's rules).
 __global__ void bn_finalize_kernel(int64_t c, int training, float momentum, float eps, const double *sums, float *mean,
                                    float *invstd, float *running_mean, float *running_var) {
   GRID_STRIDE(ch, c) {
@@ -44,7 +44,7 @@ __global__ void bn_finalize_kernel(int64_t c, int training, float momentum, floa
   }
 }
 
-// z = (x - mean) * (invstd * gamma) + beta, with no fused multiply-add: backend_cpu.c's bn_z bit for
+// z = (x - mean) * (invstd * gamma) + beta, with no fused multiply-add: src/cpu/norm.c's bn_z bit for
 // bit, and the fused relu's backward recomputes exactly the z forward masked.
 __device__ __forceinline__ float bn_z(float x, float mean, float invstd, float gamma, float beta) {
   return __fadd_rn(__fmul_rn(x - mean, __fmul_rn(invstd, gamma)), beta);

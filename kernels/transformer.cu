@@ -1,7 +1,7 @@
-// transformer.cu: token and position embeddings, layernorm, (causal) softmax and permute, as
-// backend_cpu.c's ops of the same names. Every sum that must be repeatable is taken in an order
-// fixed by the shapes alone: no atomics, and the embedding gradient adds rows in the CPU's order
-// (n = 0, 1, ...), so both backends give the same bits there.
+// transformer.cu: token and position embeddings, layernorm, (causal) softmax and permute, as the ops
+// of the same names in src/cpu/transformer.c (layernorm: src/cpu/norm.c). Every sum that must be
+// repeatable is taken in an order fixed by the shapes alone: no atomics, and the embedding gradient
+// adds rows in the CPU's order (n = 0, 1, ...), so both backends give the same bits there.
 #include <math.h>
 
 #include "common.cuh"

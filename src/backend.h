@@ -1,4 +1,4 @@
-/* backend.h: the op interface every backend implements (backend_cpu.c, backend_cuda.c).
+/* backend.h: the op interface every backend implements (src/cpu/, backend_cuda.c).
  * Layers describe work as a dt_op (an op type plus its typed parameters) and hand it to
  * backend_run. Every pointer in an op is backend memory (host memory on the CPU), allocated
  * through the backend: ops read no host memory and write none, so a whole training step can be
@@ -403,7 +403,7 @@ static inline void backend_copy(dt_backend *be, float *y, const float *x, int64_
 }
 
 /* The CPU backend's convolutions: im2col + GEMM for all (the reference the tests compare oneDNN's
- * with); oneDNN's direct ones where it has them (cpu_dnnl.c); or also its Winograd for 3x3 stride 1
+ * with); oneDNN's direct ones where it has them (cpu/dnnl.c); or also its Winograd for 3x3 stride 1
  * (train.conv_algo auto). */
 enum { DT_CPU_CONV_IM2COL, DT_CPU_CONV_DIRECT, DT_CPU_CONV_WINOGRAD };
 /* CPU backend with `threads` threads for BLAS and loops. Caller owns; destroy frees.
