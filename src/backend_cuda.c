@@ -18,37 +18,8 @@
 #include <string.h>
 
 #include "backend.h"
+#include "cuda_check.h"
 #include "kernels.h"
-
-#define CUDA_CHECK(call)                                                                                  \
-  do {                                                                                                    \
-    cudaError_t e_ = (call);                                                                              \
-    if (e_ != cudaSuccess) {                                                                              \
-      char w_[512];                                                                                       \
-      snprintf(w_, sizeof w_, "%s failed: %s (%s)", #call, cudaGetErrorString(e_), cudaGetErrorName(e_)); \
-      dt_abort(__FILE__, __LINE__, w_);                                                                   \
-    }                                                                                                     \
-  } while (0)
-
-#define CUBLAS_CHECK(call)                                                        \
-  do {                                                                            \
-    cublasStatus_t e_ = (call);                                                   \
-    if (e_ != CUBLAS_STATUS_SUCCESS) {                                            \
-      char w_[512];                                                               \
-      snprintf(w_, sizeof w_, "%s failed: %s", #call, cublasGetStatusString(e_)); \
-      dt_abort(__FILE__, __LINE__, w_);                                           \
-    }                                                                             \
-  } while (0)
-
-#define CUDNN_CHECK(call)                                                       \
-  do {                                                                          \
-    cudnnStatus_t e_ = (call);                                                  \
-    if (e_ != CUDNN_STATUS_SUCCESS) {                                           \
-      char w_[512];                                                             \
-      snprintf(w_, sizeof w_, "%s failed: %s", #call, cudnnGetErrorString(e_)); \
-      dt_abort(__FILE__, __LINE__, w_);                                         \
-    }                                                                           \
-  } while (0)
 
 static const size_t workspace_limit = (size_t)512 << 20;
 
