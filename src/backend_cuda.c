@@ -372,57 +372,71 @@ static conv16 conv16_scratch(cuda_impl *im, const dt_conv_geom *g) {
 /* The three convolution ops. FP32: cuDNN on the tensors as they are (NCHW). bf16 and fp16: the
  * operands are rounded into 16-bit NHWC copies, cuDNN computes with FP32 accumulation on tensor
  * cores, and the result comes back to FP32 NCHW (the filter gradient added into dw, as FP32). */
-static void run_conv(cuda_impl *im, const dt_op *op) {
+static void cuda_conv_fwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.conv_fwd) *q = &op->p.conv_fwd;
+  const dt_conv_geom *g = &q->g;
   const float one = 1.0f, zero = 0.0f;
-  const int dir = op->type == DT_OP_CONV_FWD ? FWD : op->type == DT_OP_CONV_BWD_DATA ? BWD_DATA : BWD_FILTER;
-  const dt_conv_geom *g = dir == FWD        ? &op->p.conv_fwd.g
-                          : dir == BWD_DATA ? &op->p.conv_bwd_data.g
-                                            : &op->p.conv_bwd_filter.g;
   if (!g->b) return; /* cuDNN refuses zero-sized tensors */
   conv_plan *p = plan_for(im, g);
-  cudaStream_t s = im->stream;
-  const int64_t sx = g->h * g->w, sw = g->k * g->k, sy = g->ho * g->wo;
   if (!is16(im)) {
-    if (dir == FWD)
-      CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, op->p.conv_fwd.x, p->w, op->p.conv_fwd.w, p->conv[FWD],
-                                          (cudnnConvolutionFwdAlgo_t)p->algo[FWD], im->workspace, im->workspace_bytes,
-                                          &zero, p->y, op->p.conv_fwd.y));
-    else if (dir == BWD_DATA)
-      CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, op->p.conv_bwd_data.w, p->y, op->p.conv_bwd_data.dy,
-                                               p->conv[BWD_DATA], (cudnnConvolutionBwdDataAlgo_t)p->algo[BWD_DATA],
-                                               im->workspace, im->workspace_bytes, &zero, p->x,
-                                               op->p.conv_bwd_data.dx));
-    else /* adds into dw (beta = 1) */
-      CUDNN_CHECK(cudnnConvolutionBackwardFilter(im->dnn, &one, p->x, op->p.conv_bwd_filter.x, p->y,
-                                                 op->p.conv_bwd_filter.dy, p->conv[BWD_FILTER],
-                                                 (cudnnConvolutionBwdFilterAlgo_t)p->algo[BWD_FILTER], im->workspace,
-                                                 im->workspace_bytes, &one, p->w, op->p.conv_bwd_filter.dw));
+    CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, q->x, p->w, q->w, p->conv[FWD],
+                                        (cudnnConvolutionFwdAlgo_t)p->algo[FWD], im->workspace, im->workspace_bytes,
+                                        &zero, p->y, q->y));
     return;
   }
   const int bf16 = im->precision == DT_PREC_BF16;
   conv16 h = conv16_scratch(im, g);
-  if (dir == FWD) {
-    k_pack16(s, op->p.conv_fwd.x, h.x, g->b, g->c, sx, bf16);
-    k_pack16(s, op->p.conv_fwd.w, h.w, g->o, g->c, sw, bf16);
-    CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, h.x, p->w, h.w, p->conv[FWD],
-                                        (cudnnConvolutionFwdAlgo_t)p->algo[FWD], im->workspace, im->workspace_bytes,
-                                        &zero, p->y, h.y));
-    k_unpack16(s, h.y, op->p.conv_fwd.y, g->b, g->o, sy, bf16, 0);
-  } else if (dir == BWD_DATA) {
-    k_pack16(s, op->p.conv_bwd_data.dy, h.y, g->b, g->o, sy, bf16);
-    k_pack16(s, op->p.conv_bwd_data.w, h.w, g->o, g->c, sw, bf16);
-    CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, h.w, p->y, h.y, p->conv[BWD_DATA],
+  k_pack16(im->stream, q->x, h.x, g->b, g->c, g->h * g->w, bf16);
+  k_pack16(im->stream, q->w, h.w, g->o, g->c, g->k * g->k, bf16);
+  CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, h.x, p->w, h.w, p->conv[FWD],
+                                      (cudnnConvolutionFwdAlgo_t)p->algo[FWD], im->workspace, im->workspace_bytes,
+                                      &zero, p->y, h.y));
+  k_unpack16(im->stream, h.y, q->y, g->b, g->o, g->ho * g->wo, bf16, 0);
+}
+
+static void cuda_conv_bwd_data(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.conv_bwd_data) *q = &op->p.conv_bwd_data;
+  const dt_conv_geom *g = &q->g;
+  const float one = 1.0f, zero = 0.0f;
+  if (!g->b) return;
+  conv_plan *p = plan_for(im, g);
+  if (!is16(im)) {
+    CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, q->w, p->y, q->dy, p->conv[BWD_DATA],
                                              (cudnnConvolutionBwdDataAlgo_t)p->algo[BWD_DATA], im->workspace,
-                                             im->workspace_bytes, &zero, p->x, h.x));
-    k_unpack16(s, h.x, op->p.conv_bwd_data.dx, g->b, g->c, sx, bf16, 0);
-  } else {
-    k_pack16(s, op->p.conv_bwd_filter.x, h.x, g->b, g->c, sx, bf16);
-    k_pack16(s, op->p.conv_bwd_filter.dy, h.y, g->b, g->o, sy, bf16);
-    CUDNN_CHECK(cudnnConvolutionBackwardFilter(im->dnn, &one, p->x, h.x, p->y, h.y, p->conv[BWD_FILTER],
-                                               (cudnnConvolutionBwdFilterAlgo_t)p->algo[BWD_FILTER], im->workspace,
-                                               im->workspace_bytes, &zero, p->w, h.w));
-    k_unpack16(s, h.w, op->p.conv_bwd_filter.dw, g->o, g->c, sw, bf16, 1);
+                                             im->workspace_bytes, &zero, p->x, q->dx));
+    return;
   }
+  const int bf16 = im->precision == DT_PREC_BF16;
+  conv16 h = conv16_scratch(im, g);
+  k_pack16(im->stream, q->dy, h.y, g->b, g->o, g->ho * g->wo, bf16);
+  k_pack16(im->stream, q->w, h.w, g->o, g->c, g->k * g->k, bf16);
+  CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, h.w, p->y, h.y, p->conv[BWD_DATA],
+                                           (cudnnConvolutionBwdDataAlgo_t)p->algo[BWD_DATA], im->workspace,
+                                           im->workspace_bytes, &zero, p->x, h.x));
+  k_unpack16(im->stream, h.x, q->dx, g->b, g->c, g->h * g->w, bf16, 0);
+}
+
+/* Adds into dw: beta = 1 in FP32; in 16 bits the result is added as it is widened. */
+static void cuda_conv_bwd_filter(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.conv_bwd_filter) *q = &op->p.conv_bwd_filter;
+  const dt_conv_geom *g = &q->g;
+  const float one = 1.0f, zero = 0.0f;
+  if (!g->b) return;
+  conv_plan *p = plan_for(im, g);
+  if (!is16(im)) {
+    CUDNN_CHECK(cudnnConvolutionBackwardFilter(im->dnn, &one, p->x, q->x, p->y, q->dy, p->conv[BWD_FILTER],
+                                               (cudnnConvolutionBwdFilterAlgo_t)p->algo[BWD_FILTER], im->workspace,
+                                               im->workspace_bytes, &one, p->w, q->dw));
+    return;
+  }
+  const int bf16 = im->precision == DT_PREC_BF16;
+  conv16 h = conv16_scratch(im, g);
+  k_pack16(im->stream, q->x, h.x, g->b, g->c, g->h * g->w, bf16);
+  k_pack16(im->stream, q->dy, h.y, g->b, g->o, g->ho * g->wo, bf16);
+  CUDNN_CHECK(cudnnConvolutionBackwardFilter(im->dnn, &one, p->x, h.x, p->y, h.y, p->conv[BWD_FILTER],
+                                             (cudnnConvolutionBwdFilterAlgo_t)p->algo[BWD_FILTER], im->workspace,
+                                             im->workspace_bytes, &zero, p->w, h.w));
+  k_unpack16(im->stream, h.w, q->dw, g->o, g->c, g->k * g->k, bf16, 1);
 }
 
 /* The kernels split indices with 32-bit fast division: main.c refuses larger tensors. */
@@ -434,229 +448,265 @@ static const cublasComputeType_t gemm_compute[] = {[DT_PREC_FP32] = CUBLAS_COMPU
                                                    [DT_PREC_BF16] = CUBLAS_COMPUTE_32F_FAST_16BF,
                                                    [DT_PREC_FP16] = CUBLAS_COMPUTE_32F_FAST_16F};
 
-static void cuda_run(dt_backend *be, const dt_op *op) {
-  cuda_impl *im = be->impl;
-  cudaStream_t s = im->stream;
-  switch (op->type) {
-    case DT_OP_GEMM: {
-      const typeof(op->p.gemm) *q = &op->p.gemm;
-      if (!q->m || !q->n) break; /* a rank with no rows this batch */
-      /* row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T; a leading dimension is at
-       * least 1 even when k is 0 */
-      int64_t lda = q->trans_a ? q->m : q->k, ldb = q->trans_b ? q->k : q->n;
-      const cublasOperation_t ta = q->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = q->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-      if (q->batch > 1) { /* strides swap with the operands, as the leading dimensions do */
-        DT_ASSERT(q->batch < ((int64_t)1 << 31) && !q->bias);
-        CUBLAS_CHECK(cublasGemmStridedBatchedEx(
-            im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, q->b, CUDA_R_32F, (int)(ldb > 1 ? ldb : 1),
-            q->stride_b, q->a, CUDA_R_32F, (int)(lda > 1 ? lda : 1), q->stride_a, &q->beta, q->c, CUDA_R_32F, (int)q->n,
-            q->stride_c, (int)q->batch, gemm_compute[im->precision], CUBLAS_GEMM_DEFAULT));
-        break;
-      }
-      /* with a bias, C starts as the bias rows and the GEMM adds to it (beta 1), one rounding as on the CPU */
-      const float one = 1.0f, *beta = &q->beta;
-      if (q->bias) {
-        DT_ASSERT(q->beta == 0.0f);
-        k_fill_rows(s, q->c, q->bias, q->m, q->n);
-        beta = &one;
-      }
-      CUBLAS_CHECK(cublasGemmEx(im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, q->b, CUDA_R_32F,
-                                (int)(ldb > 1 ? ldb : 1), q->a, CUDA_R_32F, (int)(lda > 1 ? lda : 1), beta, q->c,
-                                CUDA_R_32F, (int)q->n, gemm_compute[im->precision], CUBLAS_GEMM_DEFAULT));
-      break;
-    }
-    case DT_OP_BIAS_ADD: {
-      const typeof(op->p.bias_add) *q = &op->p.bias_add;
-      CHECK_INDEXABLE(q->b * q->c * q->s);
-      k_bias_add(s, q->y, q->bias, q->b, q->c, q->s);
-      break;
-    }
-    case DT_OP_BIAS_GRAD: {
-      const typeof(op->p.bias_grad) *q = &op->p.bias_grad;
-      CHECK_INDEXABLE(q->b * q->c * q->s);
-      k_bias_grad(s, q->dy, q->db, q->b, q->c, q->s);
-      break;
-    }
-    case DT_OP_CONV_FWD:
-    case DT_OP_CONV_BWD_DATA:
-    case DT_OP_CONV_BWD_FILTER: run_conv(im, op); break;
-    case DT_OP_BN_STATS: {
-      const typeof(op->p.bn_stats) *q = &op->p.bn_stats;
-      CHECK_INDEXABLE(q->b * q->c * q->s);
-      k_bn_stats(s, q->x, q->b, q->c, q->s, q->sums);
-      break;
-    }
-    case DT_OP_BN_FINALIZE: {
-      const typeof(op->p.bn_finalize) *q = &op->p.bn_finalize;
-      k_bn_finalize(s, q->c, q->training, q->momentum, q->eps, q->sums, q->mean, q->invstd, q->running_mean,
-                    q->running_var);
-      break;
-    }
-    case DT_OP_BN_APPLY: {
-      const typeof(op->p.bn_apply) *q = &op->p.bn_apply;
-      CHECK_INDEXABLE(q->b * q->c * q->s);
-      k_bn_apply(s, q->relu, q->x, q->y, q->b, q->c, q->s, q->mean, q->invstd, q->gamma, q->beta);
-      break;
-    }
-    case DT_OP_BN_BWD_STATS: {
-      const typeof(op->p.bn_bwd_stats) *q = &op->p.bn_bwd_stats;
-      CHECK_INDEXABLE(q->b * q->c * q->s);
-      k_bn_bwd_stats(s, q->relu, q->x, q->dy, q->b, q->c, q->s, q->mean, q->invstd, q->gamma, q->beta, q->sums,
-                     q->dgamma, q->dbeta);
-      break;
-    }
-    case DT_OP_BN_BWD_APPLY: {
-      const typeof(op->p.bn_bwd_apply) *q = &op->p.bn_bwd_apply;
-      CHECK_INDEXABLE(q->b * q->c * q->s);
-      k_bn_bwd_apply(s, q->relu, q->x, q->dy, q->dx, q->b, q->c, q->s, q->count, q->mean, q->invstd, q->gamma, q->beta,
-                     q->sums);
-      break;
-    }
-    case DT_OP_ACT_FWD: k_act_fwd(s, op->p.act_fwd.kind, op->p.act_fwd.x, op->p.act_fwd.y, op->p.act_fwd.n); break;
-    case DT_OP_ACT_BWD: {
-      const typeof(op->p.act_bwd) *q = &op->p.act_bwd;
-      k_act_bwd(s, q->kind, q->x, q->y, q->dy, q->dx, q->n);
-      break;
-    }
-    case DT_OP_POOL_FWD: {
-      const typeof(op->p.pool_fwd) *q = &op->p.pool_fwd;
-      CHECK_INDEXABLE(q->b * q->c * q->h * q->w);
-      k_pool_fwd(s, q->kind, q->x, q->y, q->argmax, q->b, q->c, q->h, q->w, q->k, q->stride, q->ho, q->wo);
-      break;
-    }
-    case DT_OP_POOL_BWD: {
-      const typeof(op->p.pool_bwd) *q = &op->p.pool_bwd;
-      CHECK_INDEXABLE(q->b * q->c * q->h * q->w);
-      k_pool_bwd(s, q->kind, q->dy, q->argmax, q->dx, q->b, q->c, q->h, q->w, q->k, q->stride, q->ho, q->wo);
-      break;
-    }
-    case DT_OP_DROPOUT_FWD: {
-      const typeof(op->p.dropout_fwd) *q = &op->p.dropout_fwd;
-      k_dropout(s, q->x, q->y, q->n, q->p, q->seed, q->step_seed);
-      break;
-    }
-    case DT_OP_DROPOUT_BWD: { /* the same mask on the gradient */
-      const typeof(op->p.dropout_bwd) *q = &op->p.dropout_bwd;
-      k_dropout(s, q->dy, q->dx, q->n, q->p, q->seed, q->step_seed);
-      break;
-    }
-    case DT_OP_ADD: k_add(s, op->p.add.a, op->p.add.b, op->p.add.y, op->p.add.n); break;
-    case DT_OP_LOSS: {
-      const typeof(op->p.loss) *q = &op->p.loss;
-      double *pairs =
-          grow_device(im, (void **)&im->partials, &im->partials_bytes,
-                      (size_t)(q->b > K_SUM_BLOCKS ? q->b : K_SUM_BLOCKS) * 2 * sizeof(double), "loss sums");
-      k_loss(s, q->kind, q->logits, q->labels, q->targets, q->dlogits, q->b, q->k, q->label_smoothing,
-             q->ignore ? q->ignore_index : -1, q->weight, q->weight_dev, q->grad_scale, q->sums, pairs);
-      break;
-    }
-    case DT_OP_SGD: {
-      const typeof(op->p.sgd) *q = &op->p.sgd;
-      k_sgd(s, q->param, q->grad, q->mom, q->n, q->hyper, q->skip, q->momentum, q->weight_decay, q->nesterov);
-      break;
-    }
-    case DT_OP_ADAMW: {
-      const typeof(op->p.adamw) *q = &op->p.adamw;
-      k_adamw(s, q->param, q->grad, q->m, q->v, q->n, q->hyper, q->skip, q->beta1, q->beta2, q->eps, q->weight_decay);
-      break;
-    }
-    case DT_OP_SCALE: k_scale(s, op->p.scale.x, op->p.scale.alpha, op->p.scale.n); break;
-    case DT_OP_SUMSQ: {
-      const typeof(op->p.sumsq) *q = &op->p.sumsq;
-      double *pairs = grow_device(im, (void **)&im->partials, &im->partials_bytes,
-                                  (size_t)K_SUM_BLOCKS * 2 * sizeof(double), "sums of squares");
-      k_sumsq(s, q->x, q->n, q->out, pairs);
-      break;
-    }
-    case DT_OP_CLIP: k_clip(s, op->p.clip.x, op->p.clip.n, op->p.clip.max_norm, op->p.clip.sumsq); break;
-    case DT_OP_COPY:
-      if (op->p.copy.n)
-        CUDA_CHECK(cudaMemcpyAsync(op->p.copy.y, op->p.copy.x, (size_t)op->p.copy.n * sizeof(float),
-                                   cudaMemcpyDeviceToDevice, s));
-      break;
-    case DT_OP_INPUT: {
-      const typeof(op->p.input) *q = &op->p.input;
-      CHECK_INDEXABLE(q->b * q->c * q->s);
-      k_input(s, q->raw, q->x, q->b, q->c, q->s, q->scale, q->mean, q->std);
-      break;
-    }
-    case DT_OP_EMA:
-      CHECK_INDEXABLE(op->p.ema.n);
-      k_ema(s, op->p.ema.ema, op->p.ema.x, op->p.ema.n, op->p.ema.decay);
-      break;
-    case DT_OP_UNSCALE:
-      CHECK_INDEXABLE(op->p.unscale.n);
-      if (op->p.unscale.n) k_unscale(s, op->p.unscale.x, op->p.unscale.n, op->p.unscale.scaler);
-      break;
-    case DT_OP_SCALER_UPDATE: {
-      const typeof(op->p.scaler_update) *q = &op->p.scaler_update;
-      k_scaler_update(s, q->scaler, q->overflow, q->growth_interval, q->growth, q->backoff);
-      break;
-    }
-    case DT_OP_GATHER: {
-      const typeof(op->p.gather) *q = &op->p.gather;
-      CHECK_INDEXABLE(q->n * q->row);
-      k_gather(s, q->type, q->src, q->idx, q->out, q->n, q->row);
-      break;
-    }
-    case DT_OP_EMBED_FWD: {
-      const typeof(op->p.embed_fwd) *q = &op->p.embed_fwd;
-      CHECK_INDEXABLE(q->n * q->d);
-      CHECK_INDEXABLE(q->vocab * q->d);
-      k_embed_fwd(s, q->tokens, q->wte, q->wpe, q->y, q->n, q->t, q->d);
-      break;
-    }
-    case DT_OP_EMBED_BWD: {
-      const typeof(op->p.embed_bwd) *q = &op->p.embed_bwd;
-      CHECK_INDEXABLE(q->n * q->d);
-      CHECK_INDEXABLE(q->vocab * q->d);
-      k_embed_bwd(s, q->tokens, q->dy, q->dwte, q->dwpe, q->n, q->t, q->d, q->vocab);
-      break;
-    }
-    case DT_OP_LN_FWD: {
-      const typeof(op->p.ln_fwd) *q = &op->p.ln_fwd;
-      CHECK_INDEXABLE(q->n * q->d);
-      k_ln_fwd(s, q->x, q->gamma, q->beta, q->y, q->mean, q->rstd, q->n, q->d, q->eps);
-      break;
-    }
-    case DT_OP_LN_BWD: {
-      const typeof(op->p.ln_bwd) *q = &op->p.ln_bwd;
-      CHECK_INDEXABLE(q->n * q->d);
-      if (!q->n) break;
-      size_t need = (size_t)(2 * K_LN_CHUNKS * q->d > 2 * K_SUM_BLOCKS ? 2 * K_LN_CHUNKS * q->d : 2 * K_SUM_BLOCKS);
-      double *partials =
-          grow_device(im, (void **)&im->partials, &im->partials_bytes, need * sizeof(double), "layernorm sums");
-      k_ln_bwd(s, q->x, q->dy, q->gamma, q->mean, q->rstd, q->dx, q->dgamma, q->dbeta, q->n, q->d, partials);
-      break;
-    }
-    case DT_OP_SOFTMAX_FWD: {
-      const typeof(op->p.softmax_fwd) *q = &op->p.softmax_fwd;
-      CHECK_INDEXABLE(q->rows * q->t);
-      k_softmax_fwd(s, q->x, q->y, q->rows, q->t, q->causal, q->scale);
-      break;
-    }
-    case DT_OP_SOFTMAX_BWD: {
-      const typeof(op->p.softmax_bwd) *q = &op->p.softmax_bwd;
-      CHECK_INDEXABLE(q->rows * q->t);
-      k_softmax_bwd(s, q->y, q->dy, q->dx, q->rows, q->t, q->causal, q->scale);
-      break;
-    }
-    case DT_OP_PERMUTE: {
-      const typeof(op->p.permute) *q = &op->p.permute;
-      DT_ASSERT(q->ndim >= 2 && q->ndim <= 5);
-      int64_t total = 1;
-      int seen = 0;
-      for (int i = 0; i < q->ndim; i++) {
-        DT_ASSERT(q->perm[i] >= 0 && q->perm[i] < q->ndim && !(seen & (1 << q->perm[i])));
-        seen |= 1 << q->perm[i];
-        total *= q->dims[i];
-      }
-      CHECK_INDEXABLE(total);
-      k_permute(s, q->x, q->y, q->ndim, q->dims, q->perm);
-      break;
-    }
-    case DT_OP_COUNT: DT_ASSERT(0);
+/* Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: the operands swap, and so do
+ * their leading dimensions (at least 1, even when k is 0) and batch strides. */
+static void cuda_gemm(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.gemm) *q = &op->p.gemm;
+  if (!q->m || !q->n) return; /* a rank with no rows this batch */
+  int64_t lda = q->trans_a ? q->m : q->k, ldb = q->trans_b ? q->k : q->n;
+  const cublasOperation_t ta = q->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = q->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (q->batch > 1) {
+    DT_ASSERT(q->batch < ((int64_t)1 << 31) && !q->bias);
+    CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+        im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, q->b, CUDA_R_32F, (int)(ldb > 1 ? ldb : 1),
+        q->stride_b, q->a, CUDA_R_32F, (int)(lda > 1 ? lda : 1), q->stride_a, &q->beta, q->c, CUDA_R_32F, (int)q->n,
+        q->stride_c, (int)q->batch, gemm_compute[im->precision], CUBLAS_GEMM_DEFAULT));
+    return;
   }
+  /* with a bias, C starts as the bias rows and the GEMM adds to it (beta 1), one rounding as on the CPU */
+  const float one = 1.0f, *beta = &q->beta;
+  if (q->bias) {
+    DT_ASSERT(q->beta == 0.0f);
+    k_fill_rows(im->stream, q->c, q->bias, q->m, q->n);
+    beta = &one;
+  }
+  CUBLAS_CHECK(cublasGemmEx(im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, q->b, CUDA_R_32F,
+                            (int)(ldb > 1 ? ldb : 1), q->a, CUDA_R_32F, (int)(lda > 1 ? lda : 1), beta, q->c,
+                            CUDA_R_32F, (int)q->n, gemm_compute[im->precision], CUBLAS_GEMM_DEFAULT));
+}
+
+/* kernels/elementwise.cu */
+
+static void cuda_bias_add(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.bias_add) *q = &op->p.bias_add;
+  CHECK_INDEXABLE(q->b * q->c * q->s);
+  k_bias_add(im->stream, q->y, q->bias, q->b, q->c, q->s);
+}
+
+static void cuda_bias_grad(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.bias_grad) *q = &op->p.bias_grad;
+  CHECK_INDEXABLE(q->b * q->c * q->s);
+  k_bias_grad(im->stream, q->dy, q->db, q->b, q->c, q->s);
+}
+
+static void cuda_act_fwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.act_fwd) *q = &op->p.act_fwd;
+  k_act_fwd(im->stream, q->kind, q->x, q->y, q->n);
+}
+
+static void cuda_act_bwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.act_bwd) *q = &op->p.act_bwd;
+  k_act_bwd(im->stream, q->kind, q->x, q->y, q->dy, q->dx, q->n);
+}
+
+static void cuda_dropout_fwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.dropout_fwd) *q = &op->p.dropout_fwd;
+  k_dropout(im->stream, q->x, q->y, q->n, q->p, q->seed, q->step_seed);
+}
+
+/* the same mask on the gradient */
+static void cuda_dropout_bwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.dropout_bwd) *q = &op->p.dropout_bwd;
+  k_dropout(im->stream, q->dy, q->dx, q->n, q->p, q->seed, q->step_seed);
+}
+
+static void cuda_add(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.add) *q = &op->p.add;
+  k_add(im->stream, q->a, q->b, q->y, q->n);
+}
+
+static void cuda_scale(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.scale) *q = &op->p.scale;
+  k_scale(im->stream, q->x, q->alpha, q->n);
+}
+
+static void cuda_sumsq(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.sumsq) *q = &op->p.sumsq;
+  double *pairs = grow_device(im, (void **)&im->partials, &im->partials_bytes,
+                              (size_t)K_SUM_BLOCKS * 2 * sizeof(double), "sums of squares");
+  k_sumsq(im->stream, q->x, q->n, q->out, pairs);
+}
+
+static void cuda_clip(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.clip) *q = &op->p.clip;
+  k_clip(im->stream, q->x, q->n, q->max_norm, q->sumsq);
+}
+
+static void cuda_copy(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.copy) *q = &op->p.copy;
+  if (q->n) CUDA_CHECK(cudaMemcpyAsync(q->y, q->x, (size_t)q->n * sizeof(float), cudaMemcpyDeviceToDevice, im->stream));
+}
+
+static void cuda_input(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.input) *q = &op->p.input;
+  CHECK_INDEXABLE(q->b * q->c * q->s);
+  k_input(im->stream, q->raw, q->x, q->b, q->c, q->s, q->scale, q->mean, q->std);
+}
+
+static void cuda_gather(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.gather) *q = &op->p.gather;
+  CHECK_INDEXABLE(q->n * q->row);
+  k_gather(im->stream, q->type, q->src, q->idx, q->out, q->n, q->row);
+}
+
+/* kernels/norm.cu: batchnorm, layernorm */
+
+static void cuda_bn_stats(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.bn_stats) *q = &op->p.bn_stats;
+  CHECK_INDEXABLE(q->b * q->c * q->s);
+  k_bn_stats(im->stream, q->x, q->b, q->c, q->s, q->sums);
+}
+
+static void cuda_bn_finalize(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.bn_finalize) *q = &op->p.bn_finalize;
+  k_bn_finalize(im->stream, q->c, q->training, q->momentum, q->eps, q->sums, q->mean, q->invstd, q->running_mean,
+                q->running_var);
+}
+
+static void cuda_bn_apply(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.bn_apply) *q = &op->p.bn_apply;
+  CHECK_INDEXABLE(q->b * q->c * q->s);
+  k_bn_apply(im->stream, q->relu, q->x, q->y, q->b, q->c, q->s, q->mean, q->invstd, q->gamma, q->beta);
+}
+
+static void cuda_bn_bwd_stats(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.bn_bwd_stats) *q = &op->p.bn_bwd_stats;
+  CHECK_INDEXABLE(q->b * q->c * q->s);
+  k_bn_bwd_stats(im->stream, q->relu, q->x, q->dy, q->b, q->c, q->s, q->mean, q->invstd, q->gamma, q->beta, q->sums,
+                 q->dgamma, q->dbeta);
+}
+
+static void cuda_bn_bwd_apply(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.bn_bwd_apply) *q = &op->p.bn_bwd_apply;
+  CHECK_INDEXABLE(q->b * q->c * q->s);
+  k_bn_bwd_apply(im->stream, q->relu, q->x, q->dy, q->dx, q->b, q->c, q->s, q->count, q->mean, q->invstd, q->gamma,
+                 q->beta, q->sums);
+}
+
+static void cuda_ln_fwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.ln_fwd) *q = &op->p.ln_fwd;
+  CHECK_INDEXABLE(q->n * q->d);
+  k_ln_fwd(im->stream, q->x, q->gamma, q->beta, q->y, q->mean, q->rstd, q->n, q->d, q->eps);
+}
+
+static void cuda_ln_bwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.ln_bwd) *q = &op->p.ln_bwd;
+  CHECK_INDEXABLE(q->n * q->d);
+  if (!q->n) return;
+  size_t need = (size_t)(2 * K_LN_CHUNKS * q->d > 2 * K_SUM_BLOCKS ? 2 * K_LN_CHUNKS * q->d : 2 * K_SUM_BLOCKS);
+  double *partials =
+      grow_device(im, (void **)&im->partials, &im->partials_bytes, need * sizeof(double), "layernorm sums");
+  k_ln_bwd(im->stream, q->x, q->dy, q->gamma, q->mean, q->rstd, q->dx, q->dgamma, q->dbeta, q->n, q->d, partials);
+}
+
+/* kernels/pool.cu */
+
+static void cuda_pool_fwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.pool_fwd) *q = &op->p.pool_fwd;
+  CHECK_INDEXABLE(q->b * q->c * q->h * q->w);
+  k_pool_fwd(im->stream, q->kind, q->x, q->y, q->argmax, q->b, q->c, q->h, q->w, q->k, q->stride, q->ho, q->wo);
+}
+
+static void cuda_pool_bwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.pool_bwd) *q = &op->p.pool_bwd;
+  CHECK_INDEXABLE(q->b * q->c * q->h * q->w);
+  k_pool_bwd(im->stream, q->kind, q->dy, q->argmax, q->dx, q->b, q->c, q->h, q->w, q->k, q->stride, q->ho, q->wo);
+}
+
+/* kernels/loss.cu */
+
+static void cuda_loss(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.loss) *q = &op->p.loss;
+  double *pairs = grow_device(im, (void **)&im->partials, &im->partials_bytes,
+                              (size_t)(q->b > K_SUM_BLOCKS ? q->b : K_SUM_BLOCKS) * 2 * sizeof(double), "loss sums");
+  k_loss(im->stream, q->kind, q->logits, q->labels, q->targets, q->dlogits, q->b, q->k, q->label_smoothing,
+         q->ignore ? q->ignore_index : -1, q->weight, q->weight_dev, q->grad_scale, q->sums, pairs);
+}
+
+/* kernels/optim.cu: optimizer steps, fp16 loss scaling, EMA */
+
+static void cuda_sgd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.sgd) *q = &op->p.sgd;
+  k_sgd(im->stream, q->param, q->grad, q->mom, q->n, q->hyper, q->skip, q->momentum, q->weight_decay, q->nesterov);
+}
+
+static void cuda_adamw(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.adamw) *q = &op->p.adamw;
+  k_adamw(im->stream, q->param, q->grad, q->m, q->v, q->n, q->hyper, q->skip, q->beta1, q->beta2, q->eps,
+          q->weight_decay);
+}
+
+static void cuda_unscale(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.unscale) *q = &op->p.unscale;
+  CHECK_INDEXABLE(q->n);
+  if (q->n) k_unscale(im->stream, q->x, q->n, q->scaler);
+}
+
+static void cuda_scaler_update(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.scaler_update) *q = &op->p.scaler_update;
+  k_scaler_update(im->stream, q->scaler, q->overflow, q->growth_interval, q->growth, q->backoff);
+}
+
+static void cuda_ema(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.ema) *q = &op->p.ema;
+  CHECK_INDEXABLE(q->n);
+  k_ema(im->stream, q->ema, q->x, q->n, q->decay);
+}
+
+/* kernels/transformer.cu: embeddings, softmax, permute */
+
+static void cuda_embed_fwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.embed_fwd) *q = &op->p.embed_fwd;
+  CHECK_INDEXABLE(q->n * q->d);
+  CHECK_INDEXABLE(q->vocab * q->d);
+  k_embed_fwd(im->stream, q->tokens, q->wte, q->wpe, q->y, q->n, q->t, q->d);
+}
+
+static void cuda_embed_bwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.embed_bwd) *q = &op->p.embed_bwd;
+  CHECK_INDEXABLE(q->n * q->d);
+  CHECK_INDEXABLE(q->vocab * q->d);
+  k_embed_bwd(im->stream, q->tokens, q->dy, q->dwte, q->dwpe, q->n, q->t, q->d, q->vocab);
+}
+
+static void cuda_softmax_fwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.softmax_fwd) *q = &op->p.softmax_fwd;
+  CHECK_INDEXABLE(q->rows * q->t);
+  k_softmax_fwd(im->stream, q->x, q->y, q->rows, q->t, q->causal, q->scale);
+}
+
+static void cuda_softmax_bwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.softmax_bwd) *q = &op->p.softmax_bwd;
+  CHECK_INDEXABLE(q->rows * q->t);
+  k_softmax_bwd(im->stream, q->y, q->dy, q->dx, q->rows, q->t, q->causal, q->scale);
+}
+
+static void cuda_permute(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.permute) *q = &op->p.permute;
+  DT_ASSERT(q->ndim >= 2 && q->ndim <= 5);
+  int64_t total = 1;
+  int seen = 0;
+  for (int i = 0; i < q->ndim; i++) {
+    DT_ASSERT(q->perm[i] >= 0 && q->perm[i] < q->ndim && !(seen & (1 << q->perm[i])));
+    seen |= 1 << q->perm[i];
+    total *= q->dims[i];
+  }
+  CHECK_INDEXABLE(total);
+  k_permute(im->stream, q->x, q->y, q->ndim, q->dims, q->perm);
+}
+
+/* cuda_<name> for each X(NAME, name) of DT_OPS */
+typedef void (*cuda_op_fn)(cuda_impl *im, const dt_op *op);
+static const cuda_op_fn cuda_ops[DT_OP_COUNT] = {
+#define CUDA_OP_(NAME, name) [DT_OP_##NAME] = cuda_##name,
+    DT_OPS(CUDA_OP_)
+#undef CUDA_OP_
+};
+
+/* Queues the op on the stream; a kernel launch that failed is reported as it returns. */
+static void cuda_run(dt_backend *be, const dt_op *op) {
+  DT_ASSERT(op->type >= 0 && op->type < DT_OP_COUNT);
+  cuda_ops[op->type](be->impl, op);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -680,7 +730,7 @@ static void cuda_free(dt_backend *be, void *p) {
 
 /* cudaMemcpyDefault: host or device on either side (unified addressing). Synchronous with the
  * stream, so host buffers may be reused at once. */
-static void cuda_copy(dt_backend *be, void *dst, const void *src, size_t bytes) {
+static void cuda_copy_bytes(dt_backend *be, void *dst, const void *src, size_t bytes) {
   cuda_impl *im = be->impl;
   if (!bytes) return;
   CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, im->stream));
@@ -784,8 +834,8 @@ dt_backend *backend_cuda_create(int device, int precision) {
                      .run = cuda_run,
                      .alloc = cuda_alloc,
                      .free = cuda_free,
-                     .to_device = cuda_copy,
-                     .to_host = cuda_copy,
+                     .to_device = cuda_copy_bytes,
+                     .to_host = cuda_copy_bytes,
                      .upload = cuda_upload,
                      .upload_ahead = cuda_upload_ahead,
                      .download = cuda_download,
