@@ -81,7 +81,7 @@ NVCCFLAGS ?= -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra,-Werror
 # It calls back into the binary, which exports its symbols (-rdynamic).
 ifeq ($(CUDA),1)
   SRCS += gpu_plugin.c
-  GPU_SRCS := gpu_cuda.c backend_cuda.c comm_nccl.c
+  GPU_SRCS := gpu_cuda.c $(addprefix cuda/,backend.c gemm.c conv.c ops.c) comm_nccl.c
   override CFLAGS += -I$(CUDA_HOME)/include -Ikernels -DDT_WITH_CUDA=1 '-DDT_CUDA_SASS="$(CUDA_SASS)"' '-DDT_CUDA_PTX="$(CUDA_PTX)"'
   LDLIBS += -ldl -rdynamic
   CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudnn -lcublas -lcudart -lnccl -lstdc++ -ldl

@@ -1,4 +1,4 @@
-/* kernels.h: C entry points of the CUDA kernels (kernels/ *.cu files), called by backend_cuda.c.
+/* kernels.h: C entry points of the CUDA kernels (kernels/ *.cu files), called by src/cuda/.
  * Every pointer is device memory unless named host_*; every call is asynchronous on `stream`.
  * Shapes follow backend.h's op comments. Element counts stay below 2^31 (main.c refuses larger
  * tensors for --device cuda): the kernels split indices with 32-bit fast division. */

@@ -1,4 +1,4 @@
-/* backend.h: the op interface every backend implements (src/cpu/, backend_cuda.c).
+/* backend.h: the op interface every backend implements (src/cpu/, src/cuda/).
  * Layers describe work as a dt_op (an op type plus its typed parameters) and hand it to
  * backend_run. Every pointer in an op is backend memory (host memory on the CPU), allocated
  * through the backend: ops read no host memory and write none, so a whole training step can be
@@ -16,7 +16,10 @@
 #include "hash.h"
 
 /* Every op once, in the order of dt_op_type: X(NAME, name) for DT_OP_NAME, whose parameters are
- * the union member p.name. The enum and dt_op_names are generated from it. */
+ * the union member p.name and whose implementations are cpu_name (src/cpu/cpu.h) and cuda_name
+ * (src/cuda/cuda_impl.h). The enum, dt_op_names and both backends' op tables are generated from
+ * it, so a new op is a line here, a union member below and a function in each backend (a missing
+ * one does not compile). */
 // clang-format off
 #define DT_OPS(X)                                                                                                      \
   X(GEMM, gemm)                       /* C(m,n) = alpha op(A) op(B) + beta C; row-major; `batch` such products         \
@@ -416,7 +419,7 @@ int64_t backend_cpu_winograd_runs(const dt_backend *be);
 /* Input reorders its convolutions skipped, reusing the blocked copy the convolution before made. */
 int64_t backend_cpu_reorders_saved(const dt_backend *be);
 
-/* CUDA backend on visible device `device` (backend_cuda.c; only in CUDA builds). */
+/* CUDA backend on visible device `device` (src/cuda/; only in CUDA builds). */
 dt_backend *backend_cuda_create(int device, int precision);
 
 #endif
