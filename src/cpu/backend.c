@@ -27,7 +27,7 @@ static const cpu_op_fn cpu_ops[DT_OP_COUNT] = {
 };
 
 static void cpu_run(dt_backend *be, const dt_op *op) {
-  DT_ASSERT(op->type >= 0 && op->type < DT_OP_COUNT && cpu_ops[op->type]);
+  DT_ASSERT(op->type >= 0 && op->type < DT_OP_COUNT);
   cpu_impl *im = be->impl;
   /* a convolution may reuse the blocked copy of an input that the one before it made */
   if (op->type != DT_OP_CONV_FWD && op->type != DT_OP_CONV_BWD_DATA && op->type != DT_OP_CONV_BWD_FILTER)

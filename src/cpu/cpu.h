@@ -31,7 +31,8 @@ typedef struct {
   cpu_dnnl *dnnl; /* oneDNN's convolutions; NULL: im2col + GEMM for all */
 } cpu_impl;
 
-/* Column loops go over chunks of this many columns (a cache line), rows in increasing order. */
+/* Column loops (embed_bwd, ln_bwd) go over chunks of this many columns (a cache line), rows in
+ * increasing order. */
 enum { COL_CHUNK = 16 };
 
 /* gemm.c (OpenBLAS) */

@@ -6,8 +6,8 @@
  * one for the weights (w, dw), one for the outputs (y, dy). A copy of an input that a convolution
  * left in its buffer serves the next convolution that reads the same buffer in the same layout,
  * when no other op ran between (the backend calls cpu_dnnl_forget before every other op and every
- * copy): a layer's backward-data then reuses the dy its backward-filter reordered. Calls on one geometry always run
- * the same primitive with the same threads, so results repeat bit for bit.
+ * copy): a layer's backward-data then reuses the dy its backward-filter reordered. Calls on one
+ * geometry always run the same primitive with the same threads, so results repeat bit for bit.
  * With winograd, 3x3 stride-1 convolutions with channels in blocks of 16 try oneDNN's Winograd
  * F(4x4, 3x3) first (its AVX-512 kernels, forward and both backwards: 4x fewer multiplies, somewhat
  * larger rounding errors) and fall back to direct where oneDNN has none for the geometry or CPU. */
