@@ -59,10 +59,13 @@ endif
 override CFLAGS += -std=gnu11 -fno-trapping-math -fno-math-errno -ffp-contract=off -Wall -Wextra -Werror -Wno-format-truncation -fopenmp -pthread $(PKG_CFLAGS) -I$(OPENBLAS_INC) -Isrc
 LDLIBS = $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -ldnnl -lgomp -lpthread -lm
 
+# the CPU backend (src/cpu/): its dt_backend and op table, oneDNN's convolutions, and the ops by
+# family, as kernels/*.cu
+CPU_SRCS := $(addprefix cpu/,backend.c dnnl.c gemm.c conv.c norm.c elementwise.c pool.c loss.c optim.c transformer.c)
 SRCS := common.c yaml_tree.c keys.c config.c model.c layers.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
-        layer_activation.c layer_residual.c layer_embedding.c layer_attention.c loss.c backend_cpu.c cpu_dnnl.c comm.c \
+        layer_activation.c layer_residual.c layer_embedding.c layer_attention.c loss.c comm.c \
         ddp.c device.c sampler.c data_hdf5.c batch.c optim.c optim_sgd.c optim_adamw.c ema.c \
-        checkpoint.c log.c train.c train_step.c train_metrics.c infer.c signals.c fault.c h5util.c monitor.c
+        checkpoint.c log.c train.c train_step.c train_metrics.c infer.c signals.c fault.c h5util.c monitor.c $(CPU_SRCS)
 # Turing (7.5, CUDA 13's oldest), Ampere (8.0; 8.6 and 8.9 run it), Hopper, and PTX that the driver
 # compiles for later GPUs. The binary refuses a GPU with no code here (exit 2): gpu_build_runs_on.
 CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_75,code=sm_75 \
@@ -78,7 +81,7 @@ NVCCFLAGS ?= -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra,-Werror
 # It calls back into the binary, which exports its symbols (-rdynamic).
 ifeq ($(CUDA),1)
   SRCS += gpu_plugin.c
-  GPU_SRCS := gpu_cuda.c backend_cuda.c comm_nccl.c
+  GPU_SRCS := gpu_cuda.c $(addprefix cuda/,backend.c gemm.c conv.c ops.c) comm_nccl.c
   override CFLAGS += -I$(CUDA_HOME)/include -Ikernels -DDT_WITH_CUDA=1 '-DDT_CUDA_SASS="$(CUDA_SASS)"' '-DDT_CUDA_PTX="$(CUDA_PTX)"'
   LDLIBS += -ldl -rdynamic
   CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudnn -lcublas -lcudart -lnccl -lstdc++ -ldl
@@ -157,8 +160,8 @@ $(PLUGIN): $(GPU_OBJS) $(PLUGIN_KERNELS) $(SAN_DEPS)
 	$(CC) $(CFLAGS) -shared -o $@ $(GPU_OBJS) $(PLUGIN_KERNELS) $(PLUGIN_LIBS)
 endif
 
-$(BUILD)/pic/%.o: src/%.c src/*.h
-	@mkdir -p $(BUILD)/pic
+$(BUILD)/pic/%.o: src/%.c src/*.h src/*/*.h
+	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -fPIC -c -o $@ $<
 
 # test_gpu calls the GPU code directly (not through the plugin)
@@ -167,7 +170,8 @@ $(BUILD)/tests/test_gpu: tests/test_gpu.c $(DIRECT_OBJS) $(PLUGIN_KERNELS) tests
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(DIRECT_OBJS) $(PLUGIN_KERNELS) $(LDLIBS) $(if $(SAN),,$(CUDA_LIBS)) -lcmocka
 endif
 
-$(BUILD)/%.o: src/%.c src/*.h | $(BUILD)/tests
+$(BUILD)/%.o: src/%.c src/*.h src/*/*.h | $(BUILD)/tests
+	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c -o $@ $<
 
 $(BUILD)/tests/%: tests/%.c $(OBJS) tests/*.h $(SAN_DEPS) | $(BUILD)/tests
@@ -180,8 +184,8 @@ $(BUILD)/kernels/%.o: kernels/%.cu kernels/*.h kernels/*.cuh src/hash.h
 $(BUILD)/tests:
 	mkdir -p $@
 
-$(FUZZ)/%.o: src/%.c src/*.h
-	@mkdir -p $(FUZZ)
+$(FUZZ)/%.o: src/%.c src/*.h src/*/*.h
+	@mkdir -p $(dir $@)
 	clang $(FUZZ_FLAGS) -fsanitize=fuzzer-no-link -std=gnu11 -Wall -Wextra -Werror $(PKG_CFLAGS) -Isrc -c -o $@ $<
 
 # an archive: a harness that includes a source (for its static functions) leaves that member out

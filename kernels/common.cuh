@@ -23,6 +23,12 @@ static inline unsigned blocks_for(int64_t n) {
   return (unsigned)(b < 1 ? 1 : (b > kMaxBlocks ? kMaxBlocks : b));
 }
 
+// Threads for a kernel with one block per row of `len` values: a multiple of 32, 32 to 256.
+static inline unsigned row_threads(int64_t len) {
+  int64_t t = (len + 31) / 32 * 32;
+  return (unsigned)(t < 32 ? 32 : t > kThreads ? kThreads : t);
+}
+
 #define GRID_STRIDE(i, n) \
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); i += (int64_t)blockDim.x * gridDim.x)
 

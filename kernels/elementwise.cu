@@ -32,7 +32,8 @@ __device__ __forceinline__ float gelu_grad(float x) {
   return 0.5f * (1.0f + erff(x * 0.70710678118654752f)) + x * 0.39894228040143268f * expf(-0.5f * x * x);
 }
 
-// PyTorch's gelu(approximate='tanh') and its exact derivative, as backend_cpu.c's gelu_tanh_f and gelu_tanh_grad
+// PyTorch's gelu(approximate='tanh') and its exact derivative, as src/cpu/elementwise.c's gelu_tanh_f and
+// gelu_tanh_grad
 __device__ __forceinline__ float gelu_tanh(float x) {
   float inner = 0.79788456080286536f * (x + 0.044715f * (x * x * x));
   return 0.5f * x * (1.0f + dt_tanhf(inner));

@@ -1,4 +1,4 @@
-/* kernels.h: C entry points of the CUDA kernels (kernels/ *.cu files), called by backend_cuda.c.
+/* kernels.h: C entry points of the CUDA kernels (kernels/ *.cu files), called by src/cuda/.
  * Every pointer is device memory unless named host_*; every call is asynchronous on `stream`.
  * Shapes follow backend.h's op comments. Element counts stay below 2^31 (main.c refuses larger
  * tensors for --device cuda): the kernels split indices with 32-bit fast division. */
@@ -56,7 +56,7 @@ void k_scaler_update(cudaStream_t s, float *scaler, const double *overflow, int6
                      float backoff);
 void k_ema(cudaStream_t s, float *ema, const float *x, int64_t n, float decay);
 
-/* norm.cu: batchnorm over (B, C, S) per channel; sums as backend.h's ops */
+/* norm.cu: batchnorm over (B, C, S) per channel (sums as backend.h's ops), and layernorm per row */
 void k_bn_stats(cudaStream_t s, const float *x, int64_t b, int64_t c, int64_t sp, double *sums);
 void k_bn_finalize(cudaStream_t s, int64_t c, int training, float momentum, float eps, const double *sums, float *mean,
                    float *invstd, float *running_mean, float *running_var);
@@ -69,6 +69,13 @@ void k_bn_bwd_stats(cudaStream_t s, int relu, const float *x, const float *dy, i
 void k_bn_bwd_apply(cudaStream_t s, int relu, const float *x, const float *dy, float *dx, int64_t b, int64_t c,
                     int64_t sp, const double *count, const float *mean, const float *invstd, const float *gamma,
                     const float *beta, const double *sums);
+/* layernorm (backend.h's DT_OP_LN_*): dgamma and dbeta are summed per chunk of rows into `partials`
+ * (2 * K_LN_CHUNKS * d doubles), then over chunks in order. No atomics: the same bits every run. */
+enum { K_LN_CHUNKS = 64 };
+void k_ln_fwd(cudaStream_t s, const float *x, const float *gamma, const float *beta, float *y, float *mean, float *rstd,
+              int64_t n, int64_t d, float eps);
+void k_ln_bwd(cudaStream_t s, const float *x, const float *dy, const float *gamma, const float *mean, const float *rstd,
+              float *dx, float *dgamma, float *dbeta, int64_t n, int64_t d, double *partials);
 
 /* pool.cu: max (argmax kept) and average pooling, NCHW, no padding */
 void k_pool_fwd(cudaStream_t s, int kind, const float *x, float *y, int32_t *argmax, int64_t b, int64_t c, int64_t h,
@@ -84,19 +91,13 @@ void k_loss(cudaStream_t s, int kind, const float *logits, const int32_t *labels
             int64_t b, int64_t k, float label_smoothing, int32_t ignore_index, double weight, const double *weight_dev,
             const float *grad_scale, double *out, double *pairs);
 
-/* transformer.cu: backend.h's DT_OP_EMBED_*, LN_*, SOFTMAX_* and PERMUTE. The embedding
- * gradient adds rows in increasing order (as the CPU: the same bits); layernorm's dgamma and dbeta
- * are summed per chunk of rows into `partials` (2 * K_LN_CHUNKS * d doubles), then over chunks in
- * order. No atomics: results are the same on every run. */
-enum { K_LN_CHUNKS = 64 };
+/* transformer.cu: backend.h's DT_OP_EMBED_*, SOFTMAX_* and PERMUTE. The embedding gradient adds
+ * rows in increasing order (as the CPU: the same bits). No atomics: results are the same on every
+ * run. */
 void k_embed_fwd(cudaStream_t s, const float *tokens, const float *wte, const float *wpe, float *y, int64_t n,
                  int64_t t, int64_t d);
 void k_embed_bwd(cudaStream_t s, const float *tokens, const float *dy, float *dwte, float *dwpe, int64_t n, int64_t t,
                  int64_t d, int64_t vocab);
-void k_ln_fwd(cudaStream_t s, const float *x, const float *gamma, const float *beta, float *y, float *mean, float *rstd,
-              int64_t n, int64_t d, float eps);
-void k_ln_bwd(cudaStream_t s, const float *x, const float *dy, const float *gamma, const float *mean, const float *rstd,
-              float *dx, float *dgamma, float *dbeta, int64_t n, int64_t d, double *partials);
 void k_softmax_fwd(cudaStream_t s, const float *x, float *y, int64_t rows, int64_t t, int causal, float scale);
 void k_softmax_bwd(cudaStream_t s, const float *y, const float *dy, float *dx, int64_t rows, int64_t t, int causal,
                    float scale);

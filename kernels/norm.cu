@@ -1,6 +1,8 @@
 // norm.cu: batchnorm over (B, C, S): statistics and their backward in double, one block per channel;
 // the statistics turned into mean and 1/std (and the running statistics updated) on the device, so
-// a training step needs no host round trip.
+// a training step needs no host round trip. Layernorm over the rows of (N, D): one block per row,
+// statistics in double, and dgamma, dbeta summed over chunks of rows in a fixed order (no atomics),
+// as src/cpu/norm.c.
 #include "common.cuh"
 #include "kernels.h"
 
@@ -21,7 +23,7 @@ __global__ void bn_stats_kernel(const float *x, int64_t b, int64_t c, fast_div s
   }
 }
 
-// One thread per channel, as backend_cpu.c's op_bn_finalize (double precision, PyTorch's rules).
+// One thread per channel, as src/cpu/norm.c's cpu_bn_finalize (double precision, PyTorch's rules).
 __global__ void bn_finalize_kernel(int64_t c, int training, float momentum, float eps, const double *sums, float *mean,
                                    float *invstd, float *running_mean, float *running_var) {
   GRID_STRIDE(ch, c) {
@@ -44,7 +46,7 @@ __global__ void bn_finalize_kernel(int64_t c, int training, float momentum, floa
   }
 }
 
-// z = (x - mean) * (invstd * gamma) + beta, with no fused multiply-add: backend_cpu.c's bn_z bit for
+// z = (x - mean) * (invstd * gamma) + beta, with no fused multiply-add: src/cpu/norm.c's bn_z bit for
 // bit, and the fused relu's backward recomputes exactly the z forward masked.
 __device__ __forceinline__ float bn_z(float x, float mean, float invstd, float gamma, float beta) {
   return __fadd_rn(__fmul_rn(x - mean, __fmul_rn(invstd, gamma)), beta);
@@ -100,6 +102,81 @@ __global__ void bn_bwd_apply_kernel(int relu, const float *x, const float *dy, f
   }
 }
 
+// One block per row: mean and biased variance in double (two passes over the row), then y with
+// xhat in double, as the CPU's.
+__global__ void ln_fwd_kernel(const float *x, const float *gamma, const float *beta, float *y, float *mean, float *rstd,
+                              int64_t d, float eps) {
+  const float *xr = x + blockIdx.x * d;
+  float *yr = y + blockIdx.x * d;
+  __shared__ double s_mu, s_rs;
+  double s = 0;
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) s += xr[j];
+  s = block_sum(s);
+  if (threadIdx.x == 0) s_mu = s / (double)d;
+  __syncthreads();
+  double mu = s_mu, v = 0;
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) v += ((double)xr[j] - mu) * ((double)xr[j] - mu);
+  v = block_sum(v);
+  if (threadIdx.x == 0) {
+    s_rs = 1.0 / sqrt(v / (double)d + (double)eps);
+    mean[blockIdx.x] = (float)mu;
+    rstd[blockIdx.x] = (float)s_rs;
+  }
+  __syncthreads();
+  double rs = s_rs;
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) yr[j] = (float)(((double)xr[j] - mu) * rs) * gamma[j] + beta[j];
+}
+
+// One block per row: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma.
+__global__ void ln_bwd_dx_kernel(const float *x, const float *dy, const float *gamma, const float *mean,
+                                 const float *rstd, float *dx, int64_t d) {
+  const int64_t off = blockIdx.x * d;
+  const float m = mean[blockIdx.x], rs = rstd[blockIdx.x];
+  __shared__ float s_ma, s_mb;
+  double a = 0, b = 0;
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
+    float g = dy[off + j] * gamma[j], xh = (x[off + j] - m) * rs;
+    a += g;
+    b += (double)g * xh;
+  }
+  a = block_sum(a);
+  b = block_sum(b);
+  if (threadIdx.x == 0) s_ma = (float)(a / (double)d), s_mb = (float)(b / (double)d);
+  __syncthreads();
+  float ma = s_ma, mb = s_mb;
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
+    float g = dy[off + j] * gamma[j], xh = (x[off + j] - m) * rs;
+    dx[off + j] = rs * (g - ma - xh * mb);
+  }
+}
+
+// dgamma, dbeta partial sums: thread (column j, chunk blockIdx.y) sums its chunk of rows in
+// increasing order, in double, into partials (chunks, 2, D).
+__global__ void ln_bwd_partials_kernel(const float *x, const float *dy, const float *mean, const float *rstd, int64_t n,
+                                       int64_t d, int64_t per, double *partials) {
+  int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (j >= d) return;
+  int64_t r0 = blockIdx.y * per, r1 = r0 + per < n ? r0 + per : n;
+  double sg = 0, sb = 0;
+  for (int64_t r = r0; r < r1; r++) {
+    float g = dy[r * d + j];
+    sg += (double)g * ((x[r * d + j] - mean[r]) * rstd[r]);
+    sb += g;
+  }
+  partials[blockIdx.y * 2 * d + j] = sg;
+  partials[blockIdx.y * 2 * d + d + j] = sb;
+}
+
+// The chunks' sums in chunk order, added into dgamma, dbeta.
+__global__ void ln_bwd_params_kernel(const double *partials, int64_t chunks, int64_t d, float *dgamma, float *dbeta) {
+  GRID_STRIDE(j, d) {
+    double sg = 0, sb = 0;
+    for (int64_t c = 0; c < chunks; c++) sg += partials[c * 2 * d + j], sb += partials[c * 2 * d + d + j];
+    dgamma[j] += (float)sg;
+    dbeta[j] += (float)sb;
+  }
+}
+
 extern "C" {
 
 void k_bn_stats(cudaStream_t s, const float *x, int64_t b, int64_t c, int64_t sp, double *sums) {
@@ -130,6 +207,24 @@ void k_bn_bwd_apply(cudaStream_t s, int relu, const float *x, const float *dy, f
                     const float *beta, const double *sums) {
   LAUNCH(bn_bwd_apply_kernel, blocks_for(b * c * sp), kThreads, 0, s)
   (relu, x, dy, dx, b * c * sp, make_fast_div(c), make_fast_div(sp), count, mean, invstd, gamma, beta, sums);
+}
+
+void k_ln_fwd(cudaStream_t s, const float *x, const float *gamma, const float *beta, float *y, float *mean, float *rstd,
+              int64_t n, int64_t d, float eps) {
+  if (!n) return;
+  LAUNCH(ln_fwd_kernel, (unsigned)n, row_threads(d), 0, s)(x, gamma, beta, y, mean, rstd, d, eps);
+}
+
+void k_ln_bwd(cudaStream_t s, const float *x, const float *dy, const float *gamma, const float *mean, const float *rstd,
+              float *dx, float *dgamma, float *dbeta, int64_t n, int64_t d, double *partials) {
+  if (!n || !d) return;
+  if (dx) LAUNCH(ln_bwd_dx_kernel, (unsigned)n, row_threads(d), 0, s)(x, dy, gamma, mean, rstd, dx, d);
+  const int64_t COLS = 128, most = K_LN_CHUNKS;
+  int64_t chunks = n < most ? n : most, per = (n + chunks - 1) / chunks;
+  chunks = (n + per - 1) / per;  // no empty chunk
+  dim3 grid((unsigned)((d + COLS - 1) / COLS), (unsigned)chunks);
+  LAUNCH(ln_bwd_partials_kernel, grid, row_threads(d < COLS ? d : COLS), 0, s)(x, dy, mean, rstd, n, d, per, partials);
+  LAUNCH(ln_bwd_params_kernel, blocks_for(d), kThreads, 0, s)(partials, chunks, d, dgamma, dbeta);
 }
 
 }  // extern "C"

@@ -1,4 +1,4 @@
-// optim.cu: SGD and AdamW over the flat parameter buffer, PyTorch's update rules (as backend_cpu.c),
+// optim.cu: SGD and AdamW over the flat parameter buffer, PyTorch's update rules (as src/cpu/optim.c),
 // and the weights' exponential moving average.
 #include <math.h>
 

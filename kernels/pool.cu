@@ -1,4 +1,4 @@
-// pool.cu: max and average pooling, NCHW, no padding (floor), as backend_cpu.c.
+// pool.cu: max and average pooling, NCHW, no padding (floor), as src/cpu/pool.c.
 #include <math.h>
 
 #include "common.cuh"

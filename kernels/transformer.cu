@@ -1,17 +1,11 @@
-// transformer.cu: token and position embeddings, layernorm, (causal) softmax and permute, as
-// backend_cpu.c's ops of the same names. Every sum that must be repeatable is taken in an order
-// fixed by the shapes alone: no atomics, and the embedding gradient adds rows in the CPU's order
-// (n = 0, 1, ...), so both backends give the same bits there.
+// transformer.cu: token and position embeddings, (causal) softmax and permute, as the ops of the
+// same names in src/cpu/transformer.c (layernorm is in norm.cu). Every sum that must be repeatable
+// is taken in an order fixed by the shapes alone: no atomics, and the embedding gradient adds rows
+// in the CPU's order (n = 0, 1, ...), so both backends give the same bits there.
 #include <math.h>
 
 #include "common.cuh"
 #include "kernels.h"
-
-// Threads for a kernel with one block per row of `len` values: a multiple of 32, 32 to 256.
-static inline unsigned row_threads(int64_t len) {
-  int64_t t = (len + 31) / 32 * 32;
-  return (unsigned)(t < 32 ? 32 : t > kThreads ? kThreads : t);
-}
 
 // y(N, D) = wte(tok[n]) + wpe(n % T); one thread per element.
 __global__ void embed_fwd_kernel(const float *tokens, const float *wte, const float *wpe, float *y, int64_t total,
@@ -48,81 +42,6 @@ __global__ void embed_bwd_wpe_kernel(const float *dy, float *dwpe, int64_t n, in
     float acc = dwpe[i];
     for (int64_t r = pos; r < n; r += t) acc += dy[r * d.d + j];
     dwpe[i] = acc;
-  }
-}
-
-// One block per row: mean and biased variance in double (two passes over the row), then y with
-// xhat in double, as the CPU's.
-__global__ void ln_fwd_kernel(const float *x, const float *gamma, const float *beta, float *y, float *mean, float *rstd,
-                              int64_t d, float eps) {
-  const float *xr = x + blockIdx.x * d;
-  float *yr = y + blockIdx.x * d;
-  __shared__ double s_mu, s_rs;
-  double s = 0;
-  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) s += xr[j];
-  s = block_sum(s);
-  if (threadIdx.x == 0) s_mu = s / (double)d;
-  __syncthreads();
-  double mu = s_mu, v = 0;
-  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) v += ((double)xr[j] - mu) * ((double)xr[j] - mu);
-  v = block_sum(v);
-  if (threadIdx.x == 0) {
-    s_rs = 1.0 / sqrt(v / (double)d + (double)eps);
-    mean[blockIdx.x] = (float)mu;
-    rstd[blockIdx.x] = (float)s_rs;
-  }
-  __syncthreads();
-  double rs = s_rs;
-  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) yr[j] = (float)(((double)xr[j] - mu) * rs) * gamma[j] + beta[j];
-}
-
-// One block per row: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma.
-__global__ void ln_bwd_dx_kernel(const float *x, const float *dy, const float *gamma, const float *mean,
-                                 const float *rstd, float *dx, int64_t d) {
-  const int64_t off = blockIdx.x * d;
-  const float m = mean[blockIdx.x], rs = rstd[blockIdx.x];
-  __shared__ float s_ma, s_mb;
-  double a = 0, b = 0;
-  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
-    float g = dy[off + j] * gamma[j], xh = (x[off + j] - m) * rs;
-    a += g;
-    b += (double)g * xh;
-  }
-  a = block_sum(a);
-  b = block_sum(b);
-  if (threadIdx.x == 0) s_ma = (float)(a / (double)d), s_mb = (float)(b / (double)d);
-  __syncthreads();
-  float ma = s_ma, mb = s_mb;
-  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
-    float g = dy[off + j] * gamma[j], xh = (x[off + j] - m) * rs;
-    dx[off + j] = rs * (g - ma - xh * mb);
-  }
-}
-
-// dgamma, dbeta partial sums: thread (column j, chunk blockIdx.y) sums its chunk of rows in
-// increasing order, in double, into partials (chunks, 2, D).
-__global__ void ln_bwd_partials_kernel(const float *x, const float *dy, const float *mean, const float *rstd, int64_t n,
-                                       int64_t d, int64_t per, double *partials) {
-  int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-  if (j >= d) return;
-  int64_t r0 = blockIdx.y * per, r1 = r0 + per < n ? r0 + per : n;
-  double sg = 0, sb = 0;
-  for (int64_t r = r0; r < r1; r++) {
-    float g = dy[r * d + j];
-    sg += (double)g * ((x[r * d + j] - mean[r]) * rstd[r]);
-    sb += g;
-  }
-  partials[blockIdx.y * 2 * d + j] = sg;
-  partials[blockIdx.y * 2 * d + d + j] = sb;
-}
-
-// The chunks' sums in chunk order, added into dgamma, dbeta.
-__global__ void ln_bwd_params_kernel(const double *partials, int64_t chunks, int64_t d, float *dgamma, float *dbeta) {
-  GRID_STRIDE(j, d) {
-    double sg = 0, sb = 0;
-    for (int64_t c = 0; c < chunks; c++) sg += partials[c * 2 * d + j], sb += partials[c * 2 * d + d + j];
-    dgamma[j] += (float)sg;
-    dbeta[j] += (float)sb;
   }
 }
 
@@ -199,24 +118,6 @@ void k_embed_bwd(cudaStream_t s, const float *tokens, const float *dy, float *dw
   int64_t positions = t < n ? t : n;
   LAUNCH(embed_bwd_wpe_kernel, blocks_for(positions * d), kThreads, 0, s)
   (dy, dwpe, n, positions * d, t, make_fast_div(d));
-}
-
-void k_ln_fwd(cudaStream_t s, const float *x, const float *gamma, const float *beta, float *y, float *mean, float *rstd,
-              int64_t n, int64_t d, float eps) {
-  if (!n) return;
-  LAUNCH(ln_fwd_kernel, (unsigned)n, row_threads(d), 0, s)(x, gamma, beta, y, mean, rstd, d, eps);
-}
-
-void k_ln_bwd(cudaStream_t s, const float *x, const float *dy, const float *gamma, const float *mean, const float *rstd,
-              float *dx, float *dgamma, float *dbeta, int64_t n, int64_t d, double *partials) {
-  if (!n || !d) return;
-  if (dx) LAUNCH(ln_bwd_dx_kernel, (unsigned)n, row_threads(d), 0, s)(x, dy, gamma, mean, rstd, dx, d);
-  const int64_t COLS = 128, most = K_LN_CHUNKS;
-  int64_t chunks = n < most ? n : most, per = (n + chunks - 1) / chunks;
-  chunks = (n + per - 1) / per;  // no empty chunk
-  dim3 grid((unsigned)((d + COLS - 1) / COLS), (unsigned)chunks);
-  LAUNCH(ln_bwd_partials_kernel, grid, row_threads(d < COLS ? d : COLS), 0, s)(x, dy, mean, rstd, n, d, per, partials);
-  LAUNCH(ln_bwd_params_kernel, blocks_for(d), kThreads, 0, s)(partials, chunks, d, dgamma, dbeta);
 }
 
 void k_softmax_fwd(cudaStream_t s, const float *x, float *y, int64_t rows, int64_t t, int causal, float scale) {

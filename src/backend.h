@@ -1,4 +1,4 @@
-/* backend.h: the op interface every backend implements (backend_cpu.c, backend_cuda.c).
+/* backend.h: the op interface every backend implements (src/cpu/, src/cuda/).
  * Layers describe work as a dt_op (an op type plus its typed parameters) and hand it to
  * backend_run. Every pointer in an op is backend memory (host memory on the CPU), allocated
  * through the backend: ops read no host memory and write none, so a whole training step can be
@@ -15,45 +15,61 @@
 #include "common.h"
 #include "hash.h"
 
+/* Every op once, in the order of dt_op_type: X(NAME, name) for DT_OP_NAME, whose parameters are
+ * the union member p.name and whose implementations are cpu_name (src/cpu/cpu.h) and cuda_name
+ * (src/cuda/cuda_impl.h). The enum, dt_op_names and both backends' op tables are generated from
+ * it, so a new op is a line here, a union member below and a function in each backend (a missing
+ * one does not compile). */
+// clang-format off
+#define DT_OPS(X)                                                                                                      \
+  X(GEMM, gemm)                       /* C(m,n) = alpha op(A) op(B) + beta C; row-major; `batch` such products         \
+                                         when > 1 */                                                                   \
+  X(BIAS_ADD, bias_add)               /* y(b,c,s) += bias(c) */                                                        \
+  X(BIAS_GRAD, bias_grad)             /* db(c) += sum_{b,s} dy(b,c,s) */                                               \
+  X(CONV_FWD, conv_fwd)               /* y(B,O,Ho,Wo) = x(B,C,H,W) * w(O,C,K,K) */                                     \
+  X(CONV_BWD_DATA, conv_bwd_data)     /* dx(B,C,H,W) = convT(dy, w) */                                                 \
+  X(CONV_BWD_FILTER, conv_bwd_filter) /* dw(O,C,K,K) += corr(x, dy) */                                                 \
+  X(BN_STATS, bn_stats)               /* sum(c), sumsq(c) over (b,s), in double, and the count b*s */                  \
+  X(BN_FINALIZE, bn_finalize)         /* mean, invstd from the sums (training, running statistics updated) or the      \
+                                         running ones */                                                               \
+  X(BN_APPLY, bn_apply)               /* y = (x - mean(c)) * invstd(c) * gamma(c) + beta(c) */                         \
+  X(BN_BWD_STATS, bn_bwd_stats)       /* sum_dy(c), sum_dy_xhat(c) over (b,s), in double; added to dbeta, dgamma */    \
+  X(BN_BWD_APPLY, bn_bwd_apply)       /* dx from the (reduced) sums */                                                 \
+  X(ACT_FWD, act_fwd)                 /* y = f(x) */                                                                   \
+  X(ACT_BWD, act_bwd)                 /* dx = f'(x) dy */                                                              \
+  X(POOL_FWD, pool_fwd)               /* max or average pooling, NCHW */                                               \
+  X(POOL_BWD, pool_bwd)                                                                                                \
+  X(DROPOUT_FWD, dropout_fwd)         /* y = x * mask / (1-p); mask from a counter-based hash of (seed, element) */    \
+  X(DROPOUT_BWD, dropout_bwd)                                                                                          \
+  X(ADD, add)                         /* y = a + b */                                                                  \
+  X(LOSS, loss)                       /* loss sums and dlogits, weighted by 1/global count */                          \
+  X(SGD, sgd)                         /* one SGD step over a flat range */                                             \
+  X(ADAMW, adamw)                     /* one AdamW step over a flat range */                                           \
+  X(SCALE, scale)                     /* x *= alpha */                                                                 \
+  X(SUMSQ, sumsq)                     /* out[0] += sum x^2 (double), out[1] += count of non-finite values */           \
+  X(CLIP, clip)                       /* x *= max_norm / (sqrt(*sumsq) + 1e-6) when sqrt(*sumsq) > max_norm */         \
+  X(COPY, copy)                       /* y = x */                                                                      \
+  X(INPUT, input)                     /* x(b, c, s) = (raw * scale - mean(c)) / std(c) */                              \
+  X(EMA, ema)                         /* ema = decay * ema + (1 - decay) * x, over a flat range */                     \
+  X(UNSCALE, unscale)                 /* x /= scaler[0] (fp16 loss scaling) */                                         \
+  X(SCALER_UPDATE, scaler_update)     /* the loss scale after a step, by GradScaler's rules */                         \
+  X(GATHER, gather)                   /* out(n, row) = src rows idx[0..n), widened to float (data.cache device) */     \
+  X(EMBED_FWD, embed_fwd)             /* y(N, D) = wte(tok[n]) + wpe(n % T) */                                         \
+  X(EMBED_BWD, embed_bwd)             /* dwte(tok[n]) += dy(n), dwpe(n % T) += dy(n), summed in a fixed order */       \
+  X(LN_FWD, ln_fwd)                   /* y(N, D) = (x - mean) * rstd * gamma + beta per row; mean, rstd (N) written */ \
+  X(LN_BWD, ln_bwd)                   /* dx(N, D) overwritten; dgamma, dbeta (D) added, summed over rows               \
+                                         in a fixed order */                                                           \
+  X(SOFTMAX_FWD, softmax_fwd)         /* y(R, T) = softmax(scale * x) per row; causal: column                          \
+                                         j > r % T is masked (y = 0) */                                                \
+  X(SOFTMAX_BWD, softmax_bwd)         /* dx = scale * y * (dy - sum_j dy * y), per row */                              \
+  X(PERMUTE, permute)                 /* y = x with its dims permuted: y's dim i is x's dim perm[i] */
+// clang-format on
+
 typedef enum {
-  DT_OP_GEMM,            /* C(m,n) = alpha op(A) op(B) + beta C; row-major; `batch` such products when > 1 */
-  DT_OP_BIAS_ADD,        /* y(b,c,s) += bias(c) */
-  DT_OP_BIAS_GRAD,       /* db(c) += sum_{b,s} dy(b,c,s) */
-  DT_OP_CONV_FWD,        /* y(B,O,Ho,Wo) = x(B,C,H,W) * w(O,C,K,K) */
-  DT_OP_CONV_BWD_DATA,   /* dx(B,C,H,W) = convT(dy, w) */
-  DT_OP_CONV_BWD_FILTER, /* dw(O,C,K,K) += corr(x, dy) */
-  DT_OP_BN_STATS,        /* sum(c), sumsq(c) over (b,s), in double, and the count b*s */
-  DT_OP_BN_FINALIZE,     /* mean, invstd from the sums (training, running statistics updated) or the running ones */
-  DT_OP_BN_APPLY,        /* y = (x - mean(c)) * invstd(c) * gamma(c) + beta(c) */
-  DT_OP_BN_BWD_STATS,    /* sum_dy(c), sum_dy_xhat(c) over (b,s), in double; added to dbeta, dgamma */
-  DT_OP_BN_BWD_APPLY,    /* dx from the (reduced) sums */
-  DT_OP_ACT_FWD,         /* y = f(x) */
-  DT_OP_ACT_BWD,         /* dx = f'(x) dy */
-  DT_OP_POOL_FWD,        /* max or average pooling, NCHW */
-  DT_OP_POOL_BWD,
-  DT_OP_DROPOUT_FWD, /* y = x * mask / (1-p); mask from a counter-based hash of (seed, element) */
-  DT_OP_DROPOUT_BWD,
-  DT_OP_ADD,           /* y = a + b */
-  DT_OP_LOSS,          /* loss sums and dlogits, weighted by 1/global count */
-  DT_OP_SGD,           /* one SGD step over a flat range */
-  DT_OP_ADAMW,         /* one AdamW step over a flat range */
-  DT_OP_SCALE,         /* x *= alpha */
-  DT_OP_SUMSQ,         /* out[0] += sum x^2 (double), out[1] += count of non-finite values */
-  DT_OP_CLIP,          /* x *= max_norm / (sqrt(*sumsq) + 1e-6) when sqrt(*sumsq) > max_norm */
-  DT_OP_COPY,          /* y = x */
-  DT_OP_INPUT,         /* x(b, c, s) = (raw * scale - mean(c)) / std(c) */
-  DT_OP_EMA,           /* ema = decay * ema + (1 - decay) * x, over a flat range */
-  DT_OP_UNSCALE,       /* x /= scaler[0] (fp16 loss scaling) */
-  DT_OP_SCALER_UPDATE, /* the loss scale after a step, by GradScaler's rules */
-  DT_OP_GATHER,        /* out(n, row) = src rows idx[0..n), widened to float (data.cache device) */
-  DT_OP_EMBED_FWD,     /* y(N, D) = wte(tok[n]) + wpe(n % T) */
-  DT_OP_EMBED_BWD,     /* dwte(tok[n]) += dy(n), dwpe(n % T) += dy(n), summed in a fixed order */
-  DT_OP_LN_FWD,        /* y(N, D) = (x - mean) * rstd * gamma + beta per row; mean, rstd (N) written */
-  DT_OP_LN_BWD,        /* dx(N, D) overwritten; dgamma, dbeta (D) added, summed over rows in a fixed order */
-  DT_OP_SOFTMAX_FWD,   /* y(R, T) = softmax(scale * x) per row; causal: column j > r % T is masked (y = 0) */
-  DT_OP_SOFTMAX_BWD,   /* dx = scale * y * (dy - sum_j dy * y), per row */
-  DT_OP_PERMUTE,       /* y = x with its dims permuted: y's dim i is x's dim perm[i] */
-  DT_OP_COUNT
+#define DT_OP_ENUM_(NAME, name) DT_OP_##NAME,
+  DT_OPS(DT_OP_ENUM_)
+#undef DT_OP_ENUM_
+      DT_OP_COUNT
 } dt_op_type;
 
 enum { DT_GATHER_U8, DT_GATHER_F32, DT_GATHER_F64, DT_GATHER_I32 }; /* data.h's DT_X_* order, then int32 */
@@ -333,7 +349,7 @@ typedef struct {
   } p;
 } dt_op;
 
-/* The op names, indexed by dt_op_type (static-asserted against DT_OP_COUNT). */
+/* The op names ("gemm", ...), indexed by dt_op_type: DT_OPS's second column (src/cpu/backend.c). */
 extern const char *const dt_op_names[DT_OP_COUNT];
 
 typedef struct dt_backend dt_backend;
@@ -390,7 +406,7 @@ static inline void backend_copy(dt_backend *be, float *y, const float *x, int64_
 }
 
 /* The CPU backend's convolutions: im2col + GEMM for all (the reference the tests compare oneDNN's
- * with); oneDNN's direct ones where it has them (cpu_dnnl.c); or also its Winograd for 3x3 stride 1
+ * with); oneDNN's direct ones where it has them (cpu/dnnl.c); or also its Winograd for 3x3 stride 1
  * (train.conv_algo auto). */
 enum { DT_CPU_CONV_IM2COL, DT_CPU_CONV_DIRECT, DT_CPU_CONV_WINOGRAD };
 /* CPU backend with `threads` threads for BLAS and loops. Caller owns; destroy frees.
@@ -403,7 +419,7 @@ int64_t backend_cpu_winograd_runs(const dt_backend *be);
 /* Input reorders its convolutions skipped, reusing the blocked copy the convolution before made. */
 int64_t backend_cpu_reorders_saved(const dt_backend *be);
 
-/* CUDA backend on visible device `device` (backend_cuda.c; only in CUDA builds). */
+/* CUDA backend on visible device `device` (src/cuda/; only in CUDA builds). */
 dt_backend *backend_cuda_create(int device, int precision);
 
 #endif

@@ -13,17 +13,8 @@
 #include <unistd.h>
 
 #include "comm_nccl.h"
+#include "cuda_check.h"
 #include "kernels.h"
-
-#define CUDA_CHECK(call)                                                       \
-  do {                                                                         \
-    cudaError_t e_ = (call);                                                   \
-    if (e_ != cudaSuccess) {                                                   \
-      char w_[512];                                                            \
-      snprintf(w_, sizeof w_, "%s failed: %s", #call, cudaGetErrorString(e_)); \
-      dt_abort(__FILE__, __LINE__, w_);                                        \
-    }                                                                          \
-  } while (0)
 
 struct dt_nccl {
   dt_comm *mpi; /* borrowed: rank, size, deadline, step for diagnostics */

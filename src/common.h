@@ -19,7 +19,7 @@ enum {
   DT_EXIT_STOPPED = 75 /* stopped by signal or time limit after a checkpoint */
 };
 
-/* train.precision: the math of convolutions and matrix products (backend_cuda.c). */
+/* train.precision: the math of convolutions and matrix products (src/cuda/gemm.c, conv.c). */
 enum { DT_PREC_FP32, DT_PREC_TF32, DT_PREC_BF16, DT_PREC_FP16 };
 
 /* A user-facing error: code 0 means ok; msg is printed once by main. */

@@ -1,10 +1,10 @@
 /* gpu_plugin.c: the CUDA build's GPU entry points (gpu.h, backend_cuda_create, nccl_*) as doors
- * to libddp_train_cuda.so, which holds gpu_cuda.c, backend_cuda.c, comm_nccl.c and kernels/ and
- * links cuDNN, cuBLAS, cudart and NCCL. It is loaded on first use, so a process that never looks
- * for a GPU (--help, --version, --dry-run and training on the CPU) does not pay the 56 ms that
- * loading those libraries costs here (benchmarks/startup.py). The library sits beside the binary
- * (or in ../lib/ddp_train once installed); it calls back into the binary (comm_*, dt_*), which
- * exports its symbols (-rdynamic). */
+ * to libddp_train_cuda.so, which holds gpu_cuda.c, the CUDA backend (src/cuda/), comm_nccl.c and
+ * kernels/ and links cuDNN, cuBLAS, cudart and NCCL. It is loaded on first use, so a process that
+ * never looks for a GPU (--help, --version, --dry-run and training on the CPU) does not pay the
+ * 56 ms that loading those libraries costs here (benchmarks/startup.py). The library sits beside
+ * the binary (or in ../lib/ddp_train once installed); it calls back into the binary (comm_*,
+ * dt_*), which exports its symbols (-rdynamic). */
 #define _GNU_SOURCE
 #include <cuda_runtime_api.h>
 #include <cudnn_version.h>

@@ -1,4 +1,4 @@
-// cudnn.cc: the legacy cuDNN convolution API (the calls backend_cuda.c makes) on the stand-in.
+// cudnn.cc: the legacy cuDNN convolution API (the calls src/cuda/conv.c makes) on the stand-in.
 // - Descriptors: 4-d tensors in NCHW, NHWC or explicit strides; 4-d filters in NCHW or NHWC;
 //   2-d convolutions with padding, stride, dilation, both modes and a math type. A dimension that
 //   is zero or negative is CUDNN_STATUS_BAD_PARAM, as in cuDNN.

@@ -1,4 +1,4 @@
-/* cpu_dnnl.c: the CPU backend's convolutions through oneDNN (Debian's libdnnl, the library PyTorch's
+/* dnnl.c: the CPU backend's convolutions through oneDNN (Debian's libdnnl, the library PyTorch's
  * CPU convolutions use). Each (kind, geometry) gets, on first use, a convolution primitive in the
  * layouts oneDNN prefers (channel-blocked, nChw16c on AVX-512) and reorders from our NCHW / OIHW
  * buffers into them and back. The blocked copies live in three scratch buffers shared by every
@@ -6,12 +6,12 @@
  * one for the weights (w, dw), one for the outputs (y, dy). A copy of an input that a convolution
  * left in its buffer serves the next convolution that reads the same buffer in the same layout,
  * when no other op ran between (the backend calls cpu_dnnl_forget before every other op and every
- * copy): a layer's backward-data then reuses the dy its backward-filter reordered. Calls on one geometry always run
- * the same primitive with the same threads, so results repeat bit for bit.
+ * copy): a layer's backward-data then reuses the dy its backward-filter reordered. Calls on one
+ * geometry always run the same primitive with the same threads, so results repeat bit for bit.
  * With winograd, 3x3 stride-1 convolutions with channels in blocks of 16 try oneDNN's Winograd
  * F(4x4, 3x3) first (its AVX-512 kernels, forward and both backwards: 4x fewer multiplies, somewhat
  * larger rounding errors) and fall back to direct where oneDNN has none for the geometry or CPU. */
-#include "cpu_dnnl.h"
+#include "dnnl.h"
 
 #include <oneapi/dnnl/dnnl.h>
 #include <oneapi/dnnl/dnnl_debug.h>
@@ -20,9 +20,9 @@
 
 #include "common.h"
 
-#define DNNL_CHECK(call)                                                                                  \
-  do {                                                                                                    \
-    dnnl_status_t s_ = (call);                                                                            \
+#define DNNL_CHECK(call)                                                                               \
+  do {                                                                                                 \
+    dnnl_status_t s_ = (call);                                                                         \
     if (s_ != dnnl_success) dt_abort(__FILE__, __LINE__, dnnl_status2str(s_)); /* a library failure */ \
   } while (0)
 
@@ -62,9 +62,9 @@ struct cpu_dnnl {
   int winograd; /* try Winograd for 3x3 stride 1 */
   void *scratch[3];
   size_t scratch_bytes[3];
-  held_copy held[3]; /* per scratch buffer */
+  held_copy held[3];      /* per scratch buffer */
   int64_t reorders_saved; /* input reorders skipped for a held copy */
-  float *dw; /* the filter gradient in OIHW before it is added into the caller's */
+  float *dw;              /* the filter gradient in OIHW before it is added into the caller's */
   size_t dw_bytes;
   int64_t runs, winograd_runs; /* convolutions done here, and those by Winograd */
 };
@@ -151,7 +151,8 @@ static dnnl_primitive_desc_t entry_pd(cpu_dnnl *d, conv_entry *e, dnnl_alg_kind_
 static void entry_build(cpu_dnnl *d, conv_entry *e) {
   const dt_conv_geom *g = &e->g;
   /* oneDNN sizes the output as ours, (h + pad_l + pad_r - k) / stride + 1 rounded down */
-  if ((g->h + 2 * g->pad - g->k) / g->stride + 1 != g->ho || (g->w + 2 * g->pad - g->k) / g->stride + 1 != g->wo) return;
+  if ((g->h + 2 * g->pad - g->k) / g->stride + 1 != g->ho || (g->w + 2 * g->pad - g->k) / g->stride + 1 != g->wo)
+    return;
   dnnl_memory_desc_t x_user, w_user, y_user;
   md_plain(&x_user, g->b, g->c, g->h, g->w, dnnl_nchw);
   md_plain(&w_user, g->o, g->c, g->k, g->k, dnnl_oihw);

@@ -1,4 +1,4 @@
-/* cpu_dnnl.h: the CPU backend's convolutions through oneDNN (Debian's libdnnl). */
+/* dnnl.h: the CPU backend's convolutions through oneDNN (Debian's libdnnl). */
 #pragma once
 
 #include "backend.h"

@@ -1,0 +1,38 @@
+/* gemm.c: the GEMM op through OpenBLAS (one product, a batch of them, or one starting from a
+ * bias); the CUDA side is src/cuda/gemm.c (cuBLAS). */
+#include <cblas.h>
+#include <string.h>
+
+#include "cpu.h"
+
+static void gemm_one(const typeof(((dt_op *)0)->p.gemm) *q, int64_t i) {
+  int64_t lda = q->trans_a ? q->m : q->k, ldb = q->trans_b ? q->k : q->n;
+  cblas_sgemm(CblasRowMajor, q->trans_a ? CblasTrans : CblasNoTrans, q->trans_b ? CblasTrans : CblasNoTrans, (int)q->m,
+              (int)q->n, (int)q->k, q->alpha, q->a + i * q->stride_a, (int)(lda > 1 ? lda : 1), q->b + i * q->stride_b,
+              (int)(ldb > 1 ? ldb : 1), q->beta, q->c + i * q->stride_c, (int)q->n);
+}
+
+/* The products one by one with a threaded GEMM each, or, when there are at least as many products
+ * as threads, in parallel with a single-threaded GEMM each (as conv_fwd's). The threaded GEMM is
+ * called outside any parallel region: inside even an if(0) one, OpenBLAS's own region is nested,
+ * and libgomp starts fresh threads for it on every call while the pool's threads spin. */
+void cpu_gemm(cpu_impl *im, const dt_op *op) {
+  const typeof(op->p.gemm) *q = &op->p.gemm;
+  if (!q->m || !q->n) return; /* a rank with no rows this batch */
+  if (q->bias) {              /* C starts as the bias rows and the GEMM adds to it: one pass fewer over C */
+    DT_ASSERT(q->beta == 0.0f && q->batch <= 1);
+    typeof(((dt_op *)0)->p.gemm) with = *q;
+    with.beta = 1.0f;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < q->m; r++) memcpy(q->c + r * q->n, q->bias, (size_t)q->n * sizeof(float));
+    gemm_one(&with, 0);
+    return;
+  }
+  int64_t batch = q->batch > 1 ? q->batch : 1;
+  if (batch > 1 && batch >= im->threads) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < batch; i++) gemm_one(q, i);
+  } else {
+    for (int64_t i = 0; i < batch; i++) gemm_one(q, i);
+  }
+}

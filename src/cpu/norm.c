@@ -1,0 +1,211 @@
+/* norm.c: batchnorm (statistics, finalize, apply and their backward, with the fused relu) and
+ * layernorm, as kernels/norm.cu: statistics in double, reductions in an order fixed by the shapes. */
+#include <math.h>
+
+#include "cpu.h"
+
+VECTOR_CLONES void cpu_bn_stats(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.bn_stats) *q = &op->p.bn_stats;
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < q->c; c++) {
+    double s1 = 0, s2 = 0;
+    for (int64_t b = 0; b < q->b; b++) {
+      const float *x = q->x + (b * q->c + c) * q->s;
+      /* simd reductions vectorise (a fixed order for a given build, so results are repeatable) */
+#pragma omp simd reduction(+ : s1, s2)
+      for (int64_t s = 0; s < q->s; s++) {
+        s1 += x[s];
+        s2 += (double)x[s] * x[s];
+      }
+    }
+    q->sums[c] = s1;
+    q->sums[q->c + c] = s2;
+  }
+  q->sums[2 * q->c] = (double)(q->b * q->s);
+}
+
+/* Batch statistics (biased variance) from the sums, running statistics updated with the unbiased
+ * one, as PyTorch; in evaluation the running statistics. Double precision, as kernels/norm.cu. */
+void cpu_bn_finalize(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.bn_finalize) *q = &op->p.bn_finalize;
+  for (int64_t c = 0; c < q->c; c++) {
+    if (!q->training) {
+      q->mean[c] = q->running_mean[c];
+      q->invstd[c] = (float)(1.0 / sqrt((double)q->running_var[c] + q->eps));
+      continue;
+    }
+    double n = q->sums[2 * q->c];
+    double mu = n > 0 ? q->sums[c] / n : 0.0;
+    double var = n > 0 ? q->sums[q->c + c] / n - mu * mu : 0.0;
+    if (var < 0) var = 0;
+    q->mean[c] = (float)mu;
+    q->invstd[c] = (float)(1.0 / sqrt(var + q->eps));
+    if (n > 0) {
+      double unbiased = n > 1 ? var * n / (n - 1) : var;
+      float m = q->momentum;
+      q->running_mean[c] = (1 - m) * q->running_mean[c] + m * (float)mu;
+      q->running_var[c] = (1 - m) * q->running_var[c] + m * (float)unbiased;
+    }
+  }
+}
+
+/* The normalised value z = (x - mean) * (invstd * gamma) + beta, rounded in this order by forward
+ * and by the fused relu's backward, which recomputes z for its mask (CFLAGS -ffp-contract=off: no FMA
+ * changes one of them; kernels/norm.cu rounds the same way). */
+static inline float bn_z(float x, float mean, float scale, float beta) {
+  return (x - mean) * scale + beta;
+}
+
+VECTOR_CLONES void cpu_bn_apply(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.bn_apply) *q = &op->p.bn_apply;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < q->b; b++)
+    for (int64_t c = 0; c < q->c; c++) {
+      const float *x = q->x + (b * q->c + c) * q->s;
+      float *y = q->y + (b * q->c + c) * q->s;
+      float a = q->invstd[c] * q->gamma[c], m = q->mean[c], beta = q->beta[c];
+      if (q->relu) {
+        for (int64_t s = 0; s < q->s; s++) {
+          float z = bn_z(x[s], m, a, beta);
+          y[s] = z < 0 ? 0.0f : z; /* as act_fwd's relu: NaN passes */
+        }
+      } else {
+        for (int64_t s = 0; s < q->s; s++) y[s] = bn_z(x[s], m, a, beta);
+      }
+    }
+}
+
+/* The gradient at z: dy, or with a fused relu, dy where z > 0 and 0 elsewhere (act_bwd's relu). */
+static inline float bn_relu_grad(float dy, float x, float mean, float scale, float beta) {
+  return bn_z(x, mean, scale, beta) > 0 ? dy : 0.0f;
+}
+
+VECTOR_CLONES void cpu_bn_bwd_stats(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.bn_bwd_stats) *q = &op->p.bn_bwd_stats;
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < q->c; c++) {
+    double s1 = 0, s2 = 0;
+    float m = q->mean[c], is = q->invstd[c];
+    float a = q->relu ? is * q->gamma[c] : 0.0f, beta = q->relu ? q->beta[c] : 0.0f;
+    for (int64_t b = 0; b < q->b; b++) {
+      const float *x = q->x + (b * q->c + c) * q->s, *dy = q->dy + (b * q->c + c) * q->s;
+      if (q->relu) {
+#pragma omp simd reduction(+ : s1, s2)
+        for (int64_t s = 0; s < q->s; s++) {
+          float g = bn_relu_grad(dy[s], x[s], m, a, beta);
+          s1 += g;
+          s2 += (double)g * ((x[s] - m) * is);
+        }
+      } else {
+#pragma omp simd reduction(+ : s1, s2)
+        for (int64_t s = 0; s < q->s; s++) {
+          s1 += dy[s];
+          s2 += (double)dy[s] * ((x[s] - m) * is);
+        }
+      }
+    }
+    q->sums[c] = s1;
+    q->sums[q->c + c] = s2;
+    q->dbeta[c] += (float)s1;
+    q->dgamma[c] += (float)s2;
+  }
+}
+
+VECTOR_CLONES void cpu_bn_bwd_apply(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.bn_bwd_apply) *q = &op->p.bn_bwd_apply;
+  double count = *q->count;
+  /* dx = gamma*invstd * (dy - mean(dy) - xhat * mean(dy*xhat)), means over the (global) count */
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < q->b; b++)
+    for (int64_t c = 0; c < q->c; c++) {
+      const float *x = q->x + (b * q->c + c) * q->s, *dy = q->dy + (b * q->c + c) * q->s;
+      float *dx = q->dx + (b * q->c + c) * q->s;
+      float m = q->mean[c], is = q->invstd[c], gi = q->gamma[c] * is;
+      float mdy = (float)(q->sums[c] / count), mdyx = (float)(q->sums[q->c + c] / count);
+      if (q->relu) {
+        float a = is * q->gamma[c], beta = q->beta[c];
+        for (int64_t s = 0; s < q->s; s++) {
+          float xhat = (x[s] - m) * is, g = bn_relu_grad(dy[s], x[s], m, a, beta);
+          dx[s] = gi * (g - mdy - xhat * mdyx);
+        }
+      } else {
+        for (int64_t s = 0; s < q->s; s++) {
+          float xhat = (x[s] - m) * is;
+          dx[s] = gi * (dy[s] - mdy - xhat * mdyx);
+        }
+      }
+    }
+}
+
+/* Per row: mean and biased variance in double (two passes), rstd = 1 / sqrt(var + eps);
+ * xhat = (x - mean) * rstd in double (a float mean would cost rows far from 0 their low bits),
+ * y = xhat * gamma + beta in float; mean and rstd stored as float for the backward. */
+VECTOR_CLONES void cpu_ln_fwd(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.ln_fwd) *q = &op->p.ln_fwd;
+  const int64_t d = q->d;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < q->n; r++) {
+    const float *x = q->x + r * d;
+    float *y = q->y + r * d;
+    double s = 0, v = 0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = 0; j < d; j++) s += x[j];
+    double mu = s / (double)d;
+#pragma omp simd reduction(+ : v)
+    for (int64_t j = 0; j < d; j++) v += ((double)x[j] - mu) * ((double)x[j] - mu);
+    double rs = 1.0 / sqrt(v / (double)d + (double)q->eps);
+    for (int64_t j = 0; j < d; j++) y[j] = (float)(((double)x[j] - mu) * rs) * q->gamma[j] + q->beta[j];
+    q->mean[r] = (float)mu;
+    q->rstd[r] = (float)rs;
+  }
+}
+
+/* xhat = (x - mean) * rstd, g = dy * gamma: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) per
+ * row (means in double); dgamma += sum_n dy * xhat, dbeta += sum_n dy, in double over rows in
+ * increasing order. */
+VECTOR_CLONES void cpu_ln_bwd(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.ln_bwd) *q = &op->p.ln_bwd;
+  const int64_t d = q->d, chunks = (d + COL_CHUNK - 1) / COL_CHUNK;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < (q->dx ? q->n : 0); r++) { /* dx NULL: the parameter gradients only */
+    const float *x = q->x + r * d, *dy = q->dy + r * d;
+    float *dx = q->dx + r * d;
+    float m = q->mean[r], rs = q->rstd[r];
+    double a = 0, b = 0;
+    for (int64_t j = 0; j < d; j++) {
+      float g = dy[j] * q->gamma[j], xh = (x[j] - m) * rs;
+      a += g;
+      b += (double)g * xh;
+    }
+    float ma = (float)(a / (double)d), mb = (float)(b / (double)d);
+    for (int64_t j = 0; j < d; j++) {
+      float g = dy[j] * q->gamma[j], xh = (x[j] - m) * rs;
+      dx[j] = rs * (g - ma - xh * mb);
+    }
+  }
+  if (!q->n) return;
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < chunks; c++) {
+    int64_t j0 = c * COL_CHUNK, j1 = j0 + COL_CHUNK < d ? j0 + COL_CHUNK : d;
+    double sg[COL_CHUNK] = {0}, sb[COL_CHUNK] = {0};
+    for (int64_t r = 0; r < q->n; r++) {
+      const float *x = q->x + r * d, *dy = q->dy + r * d;
+      float m = q->mean[r], rs = q->rstd[r];
+      for (int64_t j = j0; j < j1; j++) {
+        sg[j - j0] += (double)dy[j] * ((x[j] - m) * rs);
+        sb[j - j0] += dy[j];
+      }
+    }
+    for (int64_t j = j0; j < j1; j++) {
+      q->dgamma[j] += (float)sg[j - j0];
+      q->dbeta[j] += (float)sb[j - j0];
+    }
+  }
+}

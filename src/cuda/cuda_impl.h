@@ -1,0 +1,125 @@
+/* cuda_impl.h: private to the CUDA backend (src/cuda/): its state, the helpers its files share, and
+ * one function per op, cuda_<name> for backend.h's DT_OPS entry X(NAME, name), declared here by
+ * family as the CPU's are in src/cpu/cpu.h. gemm.c and conv.c go through cuBLAS and cuDNN (as
+ * src/cpu/gemm.c and conv.c through OpenBLAS and oneDNN); ops.c runs the rest through kernels/,
+ * grouped by the kernels/ file of each family. backend.c generates the op table from DT_OPS, so an
+ * op without its function here does not compile.
+ * An op function only queues work on im->stream (no host synchronisation: graph capture); a failed
+ * launch is reported by cuda_run after it returns. */
+#ifndef DT_CUDA_IMPL_H
+#define DT_CUDA_IMPL_H
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <cudnn.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "cuda_check.h"
+#include "kernels.h"
+
+/* Kept out of libddp_train_cuda.so's exported symbols, as when they were static: the binary that
+ * loads it exports its own (-rdynamic), and a name in both would resolve to the binary's. */
+#pragma GCC visibility push(hidden)
+
+typedef struct conv_plan conv_plan; /* conv.c */
+
+typedef struct {
+  dt_backend *be; /* owner: its generation is bumped when an internal buffer moves */
+  int device;
+  int precision; /* DT_PREC_*: the math of GEMMs and convolutions */
+  cudaStream_t stream;
+  cublasHandle_t blas;
+  cudnnHandle_t dnn;
+  conv_plan *plans; /* conv.c's: one per convolution shape and batch size seen: grows */
+  int n_plans;
+  char *notes; /* the plans made since take_notes last took them, a line each (dt_malloc'd), or NULL */
+  void *workspace;
+  size_t workspace_bytes;
+  uint16_t *h16; /* device: a convolution's operands in 16 bits (bf16, fp16) */
+  size_t h16_bytes;
+  double *partials; /* device: per-block or per-sample pairs, summed in a fixed order */
+  size_t partials_bytes;
+  char *stage;              /* pinned host staging for upload(): two halves of stage_half bytes */
+  size_t stage_half;        /* bytes in each half */
+  size_t stage_used;        /* bytes used in the current half */
+  int stage_cur;            /* the half being filled */
+  cudaEvent_t staged[2][2]; /* [half][queue: 0 the stream, 1 copy]: after the last copy out of each half */
+  cudaStream_t copy;        /* upload_ahead's copies, overlapping the stream's work */
+  cudaEvent_t copied;       /* the last upload_ahead: the stream waits for it */
+  cudaEvent_t cleared;      /* after the last allocation's memset on the stream: copies wait for it */
+  int capturing;            /* between capture_begin and capture_end */
+  void *retired[8];         /* buffers outgrown during a capture: freed once the stream drains */
+  int n_retired;
+} cuda_impl;
+
+/* A failed allocation: out of memory gets the batch-size advice; any other error (a sticky one
+ * left by earlier asynchronous work) is reported as it is. */
+
+/* Grows a device buffer (im->workspace, im->h16, im->partials) to `need` bytes; `what` names it
+ * in the out-of-memory message. Bumps the backend's generation when the buffer moves. */
+void *cuda_grow_device(cuda_impl *im, void **buf, size_t *have, size_t need, const char *what);
+
+static inline size_t align256(size_t n) {
+  return (n + 255) & ~(size_t)255;
+}
+
+/* conv.c: destroys the convolution plans and frees their workspace and 16-bit operands (shut-down). */
+void cuda_conv_free(cuda_impl *im);
+
+/* gemm.c (cuBLAS) */
+void cuda_gemm(cuda_impl *im, const dt_op *op);
+
+/* conv.c (cuDNN) */
+void cuda_conv_fwd(cuda_impl *im, const dt_op *op);
+void cuda_conv_bwd_data(cuda_impl *im, const dt_op *op);
+void cuda_conv_bwd_filter(cuda_impl *im, const dt_op *op);
+
+/* ops.c, kernels/norm.cu: batchnorm and layernorm */
+void cuda_bn_stats(cuda_impl *im, const dt_op *op);
+void cuda_bn_finalize(cuda_impl *im, const dt_op *op);
+void cuda_bn_apply(cuda_impl *im, const dt_op *op);
+void cuda_bn_bwd_stats(cuda_impl *im, const dt_op *op);
+void cuda_bn_bwd_apply(cuda_impl *im, const dt_op *op);
+void cuda_ln_fwd(cuda_impl *im, const dt_op *op);
+void cuda_ln_bwd(cuda_impl *im, const dt_op *op);
+
+/* ops.c, kernels/elementwise.cu */
+void cuda_bias_add(cuda_impl *im, const dt_op *op);
+void cuda_bias_grad(cuda_impl *im, const dt_op *op);
+void cuda_act_fwd(cuda_impl *im, const dt_op *op);
+void cuda_act_bwd(cuda_impl *im, const dt_op *op);
+void cuda_dropout_fwd(cuda_impl *im, const dt_op *op);
+void cuda_dropout_bwd(cuda_impl *im, const dt_op *op);
+void cuda_add(cuda_impl *im, const dt_op *op);
+void cuda_scale(cuda_impl *im, const dt_op *op);
+void cuda_sumsq(cuda_impl *im, const dt_op *op);
+void cuda_input(cuda_impl *im, const dt_op *op);
+void cuda_clip(cuda_impl *im, const dt_op *op);
+void cuda_copy(cuda_impl *im, const dt_op *op);
+void cuda_gather(cuda_impl *im, const dt_op *op);
+
+/* ops.c, kernels/pool.cu */
+void cuda_pool_fwd(cuda_impl *im, const dt_op *op);
+void cuda_pool_bwd(cuda_impl *im, const dt_op *op);
+
+/* ops.c, kernels/loss.cu */
+void cuda_loss(cuda_impl *im, const dt_op *op);
+
+/* ops.c, kernels/optim.cu: optimizer steps, fp16 loss scaling, EMA */
+void cuda_sgd(cuda_impl *im, const dt_op *op);
+void cuda_adamw(cuda_impl *im, const dt_op *op);
+void cuda_unscale(cuda_impl *im, const dt_op *op);
+void cuda_scaler_update(cuda_impl *im, const dt_op *op);
+void cuda_ema(cuda_impl *im, const dt_op *op);
+
+/* ops.c, kernels/transformer.cu: embeddings, softmax, permute */
+void cuda_embed_fwd(cuda_impl *im, const dt_op *op);
+void cuda_embed_bwd(cuda_impl *im, const dt_op *op);
+void cuda_softmax_fwd(cuda_impl *im, const dt_op *op);
+void cuda_softmax_bwd(cuda_impl *im, const dt_op *op);
+void cuda_permute(cuda_impl *im, const dt_op *op);
+
+#pragma GCC visibility pop
+
+#endif

@@ -1,0 +1,229 @@
+/* ops.c: the ops that run kernels/, one function per op grouped by the kernels/ file of its
+ * family (as src/cpu/<family>.c): each checks that the kernels can index its tensors, grows the
+ * partial-sum buffer where a fixed-order reduction needs one, and calls the kernel's C entry point
+ * (kernels.h) on the backend's stream. */
+#include "cuda_impl.h"
+
+/* The kernels split indices with 32-bit fast division: main.c refuses larger tensors. */
+#define CHECK_INDEXABLE(n) DT_ASSERT((int64_t)(n) < ((int64_t)1 << 31))
+
+/* kernels/elementwise.cu */
+
+void cuda_bias_add(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.bias_add) *q = &op->p.bias_add;
+  CHECK_INDEXABLE(q->b * q->c * q->s);
+  k_bias_add(im->stream, q->y, q->bias, q->b, q->c, q->s);
+}
+
+void cuda_bias_grad(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.bias_grad) *q = &op->p.bias_grad;
+  CHECK_INDEXABLE(q->b * q->c * q->s);
+  k_bias_grad(im->stream, q->dy, q->db, q->b, q->c, q->s);
+}
+
+void cuda_act_fwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.act_fwd) *q = &op->p.act_fwd;
+  k_act_fwd(im->stream, q->kind, q->x, q->y, q->n);
+}
+
+void cuda_act_bwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.act_bwd) *q = &op->p.act_bwd;
+  k_act_bwd(im->stream, q->kind, q->x, q->y, q->dy, q->dx, q->n);
+}
+
+void cuda_dropout_fwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.dropout_fwd) *q = &op->p.dropout_fwd;
+  k_dropout(im->stream, q->x, q->y, q->n, q->p, q->seed, q->step_seed);
+}
+
+/* the same mask on the gradient */
+void cuda_dropout_bwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.dropout_bwd) *q = &op->p.dropout_bwd;
+  k_dropout(im->stream, q->dy, q->dx, q->n, q->p, q->seed, q->step_seed);
+}
+
+void cuda_add(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.add) *q = &op->p.add;
+  k_add(im->stream, q->a, q->b, q->y, q->n);
+}
+
+void cuda_scale(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.scale) *q = &op->p.scale;
+  k_scale(im->stream, q->x, q->alpha, q->n);
+}
+
+void cuda_sumsq(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.sumsq) *q = &op->p.sumsq;
+  double *pairs = cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes,
+                                   (size_t)K_SUM_BLOCKS * 2 * sizeof(double), "sums of squares");
+  k_sumsq(im->stream, q->x, q->n, q->out, pairs);
+}
+
+void cuda_clip(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.clip) *q = &op->p.clip;
+  k_clip(im->stream, q->x, q->n, q->max_norm, q->sumsq);
+}
+
+void cuda_copy(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.copy) *q = &op->p.copy;
+  if (q->n) CUDA_CHECK(cudaMemcpyAsync(q->y, q->x, (size_t)q->n * sizeof(float), cudaMemcpyDeviceToDevice, im->stream));
+}
+
+void cuda_input(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.input) *q = &op->p.input;
+  CHECK_INDEXABLE(q->b * q->c * q->s);
+  k_input(im->stream, q->raw, q->x, q->b, q->c, q->s, q->scale, q->mean, q->std);
+}
+
+void cuda_gather(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.gather) *q = &op->p.gather;
+  CHECK_INDEXABLE(q->n * q->row);
+  k_gather(im->stream, q->type, q->src, q->idx, q->out, q->n, q->row);
+}
+
+/* kernels/norm.cu: batchnorm, layernorm */
+
+void cuda_bn_stats(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.bn_stats) *q = &op->p.bn_stats;
+  CHECK_INDEXABLE(q->b * q->c * q->s);
+  k_bn_stats(im->stream, q->x, q->b, q->c, q->s, q->sums);
+}
+
+void cuda_bn_finalize(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.bn_finalize) *q = &op->p.bn_finalize;
+  k_bn_finalize(im->stream, q->c, q->training, q->momentum, q->eps, q->sums, q->mean, q->invstd, q->running_mean,
+                q->running_var);
+}
+
+void cuda_bn_apply(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.bn_apply) *q = &op->p.bn_apply;
+  CHECK_INDEXABLE(q->b * q->c * q->s);
+  k_bn_apply(im->stream, q->relu, q->x, q->y, q->b, q->c, q->s, q->mean, q->invstd, q->gamma, q->beta);
+}
+
+void cuda_bn_bwd_stats(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.bn_bwd_stats) *q = &op->p.bn_bwd_stats;
+  CHECK_INDEXABLE(q->b * q->c * q->s);
+  k_bn_bwd_stats(im->stream, q->relu, q->x, q->dy, q->b, q->c, q->s, q->mean, q->invstd, q->gamma, q->beta, q->sums,
+                 q->dgamma, q->dbeta);
+}
+
+void cuda_bn_bwd_apply(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.bn_bwd_apply) *q = &op->p.bn_bwd_apply;
+  CHECK_INDEXABLE(q->b * q->c * q->s);
+  k_bn_bwd_apply(im->stream, q->relu, q->x, q->dy, q->dx, q->b, q->c, q->s, q->count, q->mean, q->invstd, q->gamma,
+                 q->beta, q->sums);
+}
+
+void cuda_ln_fwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.ln_fwd) *q = &op->p.ln_fwd;
+  CHECK_INDEXABLE(q->n * q->d);
+  k_ln_fwd(im->stream, q->x, q->gamma, q->beta, q->y, q->mean, q->rstd, q->n, q->d, q->eps);
+}
+
+void cuda_ln_bwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.ln_bwd) *q = &op->p.ln_bwd;
+  CHECK_INDEXABLE(q->n * q->d);
+  if (!q->n) return;
+  size_t need = (size_t)(2 * K_LN_CHUNKS * q->d > 2 * K_SUM_BLOCKS ? 2 * K_LN_CHUNKS * q->d : 2 * K_SUM_BLOCKS);
+  double *partials =
+      cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes, need * sizeof(double), "layernorm sums");
+  k_ln_bwd(im->stream, q->x, q->dy, q->gamma, q->mean, q->rstd, q->dx, q->dgamma, q->dbeta, q->n, q->d, partials);
+}
+
+/* kernels/pool.cu */
+
+void cuda_pool_fwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.pool_fwd) *q = &op->p.pool_fwd;
+  CHECK_INDEXABLE(q->b * q->c * q->h * q->w);
+  k_pool_fwd(im->stream, q->kind, q->x, q->y, q->argmax, q->b, q->c, q->h, q->w, q->k, q->stride, q->ho, q->wo);
+}
+
+void cuda_pool_bwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.pool_bwd) *q = &op->p.pool_bwd;
+  CHECK_INDEXABLE(q->b * q->c * q->h * q->w);
+  k_pool_bwd(im->stream, q->kind, q->dy, q->argmax, q->dx, q->b, q->c, q->h, q->w, q->k, q->stride, q->ho, q->wo);
+}
+
+/* kernels/loss.cu */
+
+void cuda_loss(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.loss) *q = &op->p.loss;
+  double *pairs =
+      cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes,
+                       (size_t)(q->b > K_SUM_BLOCKS ? q->b : K_SUM_BLOCKS) * 2 * sizeof(double), "loss sums");
+  k_loss(im->stream, q->kind, q->logits, q->labels, q->targets, q->dlogits, q->b, q->k, q->label_smoothing,
+         q->ignore ? q->ignore_index : -1, q->weight, q->weight_dev, q->grad_scale, q->sums, pairs);
+}
+
+/* kernels/optim.cu: optimizer steps, fp16 loss scaling, EMA */
+
+void cuda_sgd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.sgd) *q = &op->p.sgd;
+  k_sgd(im->stream, q->param, q->grad, q->mom, q->n, q->hyper, q->skip, q->momentum, q->weight_decay, q->nesterov);
+}
+
+void cuda_adamw(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.adamw) *q = &op->p.adamw;
+  k_adamw(im->stream, q->param, q->grad, q->m, q->v, q->n, q->hyper, q->skip, q->beta1, q->beta2, q->eps,
+          q->weight_decay);
+}
+
+void cuda_unscale(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.unscale) *q = &op->p.unscale;
+  CHECK_INDEXABLE(q->n);
+  if (q->n) k_unscale(im->stream, q->x, q->n, q->scaler);
+}
+
+void cuda_scaler_update(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.scaler_update) *q = &op->p.scaler_update;
+  k_scaler_update(im->stream, q->scaler, q->overflow, q->growth_interval, q->growth, q->backoff);
+}
+
+void cuda_ema(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.ema) *q = &op->p.ema;
+  CHECK_INDEXABLE(q->n);
+  k_ema(im->stream, q->ema, q->x, q->n, q->decay);
+}
+
+/* kernels/transformer.cu: embeddings, softmax, permute */
+
+void cuda_embed_fwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.embed_fwd) *q = &op->p.embed_fwd;
+  CHECK_INDEXABLE(q->n * q->d);
+  CHECK_INDEXABLE(q->vocab * q->d);
+  k_embed_fwd(im->stream, q->tokens, q->wte, q->wpe, q->y, q->n, q->t, q->d);
+}
+
+void cuda_embed_bwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.embed_bwd) *q = &op->p.embed_bwd;
+  CHECK_INDEXABLE(q->n * q->d);
+  CHECK_INDEXABLE(q->vocab * q->d);
+  k_embed_bwd(im->stream, q->tokens, q->dy, q->dwte, q->dwpe, q->n, q->t, q->d, q->vocab);
+}
+
+void cuda_softmax_fwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.softmax_fwd) *q = &op->p.softmax_fwd;
+  CHECK_INDEXABLE(q->rows * q->t);
+  k_softmax_fwd(im->stream, q->x, q->y, q->rows, q->t, q->causal, q->scale);
+}
+
+void cuda_softmax_bwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.softmax_bwd) *q = &op->p.softmax_bwd;
+  CHECK_INDEXABLE(q->rows * q->t);
+  k_softmax_bwd(im->stream, q->y, q->dy, q->dx, q->rows, q->t, q->causal, q->scale);
+}
+
+void cuda_permute(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.permute) *q = &op->p.permute;
+  DT_ASSERT(q->ndim >= 2 && q->ndim <= 5);
+  int64_t total = 1;
+  int seen = 0;
+  for (int i = 0; i < q->ndim; i++) {
+    DT_ASSERT(q->perm[i] >= 0 && q->perm[i] < q->ndim && !(seen & (1 << q->perm[i])));
+    seen |= 1 << q->perm[i];
+    total *= q->dims[i];
+  }
+  CHECK_INDEXABLE(total);
+  k_permute(im->stream, q->x, q->y, q->ndim, q->dims, q->perm);
+}
