@@ -1,10 +1,12 @@
-/* gpu_cuda.c: device count and library versions through the CUDA runtime, cuDNN, cuBLAS, NCCL. */
+/* gpu_cuda.c: device count, compute capabilities and library versions through the CUDA runtime,
+ * cuDNN, cuBLAS, NCCL; which GPUs this build has code for. */
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <cudnn.h>
 #include <nccl.h>
 #include <dlfcn.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "gpu.h"
@@ -26,6 +28,25 @@ int gpu_compute_capability(int i) {
       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, i) != cudaSuccess)
     return 0;
   return major * 10 + minor;
+}
+
+/* DT_CUDA_SASS and DT_CUDA_PTX: the compute capabilities the Makefile's CUDA_ARCH builds machine
+ * code and PTX for ("75 80 90", "90"). Machine code runs on its major version at or above its
+ * minor; PTX is compiled by the driver for any later GPU. */
+int gpu_build_runs_on(int cc, char *built, size_t cap) {
+  int runs = 0;
+  size_t len = 0;
+  built[0] = 0;
+  for (int ptx = 0; ptx < 2; ptx++) {
+    const char *p = ptx ? DT_CUDA_PTX : DT_CUDA_SASS;
+    char *end;
+    for (long v = strtol(p, &end, 10); end != p; p = end, v = strtol(p, &end, 10)) {
+      runs |= ptx ? v <= cc : (v / 10 == cc / 10 && v <= cc);
+      if (len < cap)
+        len += (size_t)snprintf(built + len, cap - len, "%s%s_%ld", len ? ", " : "", ptx ? "PTX compute" : "sm", v);
+    }
+  }
+  return runs;
 }
 
 int gpu_bus_id(int i, char *buf, size_t cap) {

@@ -31,6 +31,7 @@ typedef struct {
   int (*compute_capability)(int i);
   void (*describe)(int i, char *buf, size_t cap, size_t *free_bytes);
   int (*bus_id)(int i, char *buf, size_t cap);
+  int (*build_runs_on)(int cc, char *built, size_t cap);
   void (*read)(int i, double *peak_mib, dt_gpu_reading *r);
   dt_backend *(*backend_create)(int device, int precision);
   dt_nccl *(*nccl_create)(dt_comm *c, void *compute_stream, int grad_bf16, dt_status *st);
@@ -76,6 +77,7 @@ static const gpu_api *api(void) {
   SYM(compute_capability, "gpu_compute_capability");
   SYM(describe, "gpu_describe");
   SYM(bus_id, "gpu_bus_id");
+  SYM(build_runs_on, "gpu_build_runs_on");
   SYM(read, "gpu_read");
   SYM(backend_create, "backend_cuda_create");
   SYM(nccl_create, "nccl_create");
@@ -129,23 +131,8 @@ int gpu_bus_id(int i, char *buf, size_t cap) {
   return loaded()->bus_id(i, buf, cap);
 }
 
-/* DT_CUDA_SASS and DT_CUDA_PTX: the compute capabilities the Makefile's CUDA_ARCH builds machine
- * code and PTX for ("75 80 90", "90"). Machine code runs on its major version at or above its
- * minor; PTX is compiled by the driver for any later GPU. */
 int gpu_build_runs_on(int cc, char *built, size_t cap) {
-  int runs = 0;
-  size_t len = 0;
-  built[0] = 0;
-  for (int ptx = 0; ptx < 2; ptx++) {
-    const char *p = ptx ? DT_CUDA_PTX : DT_CUDA_SASS;
-    char *end;
-    for (long v = strtol(p, &end, 10); end != p; p = end, v = strtol(p, &end, 10)) {
-      runs |= ptx ? v <= cc : (v / 10 == cc / 10 && v <= cc);
-      if (len < cap)
-        len += (size_t)snprintf(built + len, cap - len, "%s%s_%ld", len ? ", " : "", ptx ? "PTX compute" : "sm", v);
-    }
-  }
-  return runs;
+  return loaded()->build_runs_on(cc, built, cap);
 }
 
 void gpu_read(int i, double *peak_mib, dt_gpu_reading *r) {
