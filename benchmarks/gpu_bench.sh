@@ -59,23 +59,7 @@ PY
 }
 
 launch() { # N READY DONE command... -> median seconds from launch to the stdout lines matching DONE, READY
-  "$PYTHON" - "$@" <<'PY'
-import re, statistics, subprocess, sys, time
-n, ready, done, cmd = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
-got = []
-for _ in range(n):
-    seen = {}
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
-    for line in p.stdout:
-        for key, pattern in (("ready", ready), ("done", done)):
-            if key not in seen and re.match(pattern, line):
-                seen[key] = time.perf_counter() - t0
-    if p.wait() != 0 or len(seen) != 2:
-        sys.exit(f"gpu_bench: {' '.join(cmd)}: exit {p.returncode}, lines seen: {sorted(seen)}")
-    got.append((seen["done"], seen["ready"]))
-print(" ".join(f"{statistics.median(g[i] for g in got):.3f}" for i in range(2)))
-PY
+  "$PYTHON" benchmarks/launch_time.py "$@"
 }
 
 ratio() { "$PYTHON" -c "print(f'{$1 / $2:.2f}x')"; }

@@ -155,30 +155,13 @@ stage_sanitizer() {
   return $failed
 }
 
-# Seconds from launch to the lines READY and DONE of a command, the median of n launches.
-first_step() {
-  "$PY" - "$@" <<'PY'
-import re, statistics, subprocess, sys, time
-n, ready, done, cmd = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
-got = []
-for i in range(n):
-    seen, t0 = {}, time.perf_counter()
-    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
-    for line in p.stdout:
-        for key, pattern in (("ready", ready), ("done", done)):
-            if key not in seen and re.match(pattern, line):
-                seen[key] = time.perf_counter() - t0
-    if p.wait() != 0 or len(seen) != 2:
-        sys.exit(f"{' '.join(cmd)}: exit {p.returncode}, lines seen: {sorted(seen)}")
-    got.append((seen["done"], seen["ready"]))
-    print(f"launch {i + 1}: step 1 done at {seen['done']:.3f} s, start-up over at {seen['ready']:.3f} s")
-print(f"first step: {statistics.median(g[0] for g in got):.3f} s (median of {n}), start-up "
-      f"{statistics.median(g[1] for g in got):.3f} s")
-PY
-}
-stage_startup() {
-  first_step "$LAUNCHES" '^training:' '^step 1/' "$BIN" configs/model.yaml --device cuda --set train.max_steps=1 \
-    --set log.every_steps=1 --set log.dir="$OUT/startup-run" --set checkpoint.dir= --set data.val.x=
+stage_startup() { # "training:" ends start-up, "step 1/" the first step
+  local medians first ready
+  medians=$("$PY" benchmarks/launch_time.py "$LAUNCHES" '^training:' '^step 1/' "$BIN" configs/model.yaml \
+    --device cuda --set train.max_steps=1 --set log.every_steps=1 --set log.dir="$OUT/startup-run" \
+    --set checkpoint.dir= --set data.val.x=) || return 1
+  read -r first ready <<<"$medians"
+  echo "first step: $first s (median of $LAUNCHES), start-up $ready s"
 }
 
 stage_bench() {
@@ -216,7 +199,7 @@ PY
   return $rc
 }
 
-export -f stage_build stage_data stage_ops suite stage_train stage_faults stage_sanitizer first_step stage_startup \
+export -f stage_build stage_data stage_ops suite stage_train stage_faults stage_sanitizer stage_startup \
   stage_bench stage_fmnist
 
 # ---- the runner: limits, the budget, the record of each stage ----

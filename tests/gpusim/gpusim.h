@@ -276,6 +276,10 @@ struct LaunchCtx {
   size_t node;
 };
 void hazard_check(const Op *op, const std::vector<Access> &accesses, const LaunchCtx *g);
+// Runs op with only its declared allocations reachable, traced when it is a kernel, then checks the
+// guards and the hazards (g: the graph launch it belongs to, or null); false when it cannot finish
+// yet (a collective waiting for its peers).
+bool run_checked(Op *op, const LaunchCtx *g);
 // A kernel about to run (its accesses are recorded from here) and done (returns them).
 void hazard_kernel_begin();
 std::vector<Access> hazard_kernel_end();

@@ -190,16 +190,9 @@ struct GraphRunOp : Op {
               "a launch of a graph: node %zu of %zu (%s) copies to or from host memory at %p (%zu bytes) that is no "
               "longer pinned: freed with cudaFreeHost since the graph was captured",
               order[next] + 1, ops.size(), op->what.c_str(), h.first, h.second);
-      grant_only(op->uses);  // each node reaches what it declared, nothing else
-      op->stamp = stamp;     // a node runs at its launch's place in the order
-      if (op->traced) hazard_kernel_begin();
-      bool done = op->run();
-      std::vector<Access> traced;
-      if (op->traced) traced = hazard_kernel_end();
-      if (!done) return false;
-      for (const Allocation *a : op->uses) check_guards(a, op->what.c_str());
+      op->stamp = stamp;  // a node runs at its launch's place in the order
       LaunchCtx ctx{launch, &plan->reach, order[next]};
-      hazard_check(op, op->traced ? traced : op->accesses, &ctx);
+      if (!run_checked(op, &ctx)) return false;
     }
     grant_only(uses);  // as the stream granted them: it checks the guards of all of them next
     return true;

@@ -216,17 +216,21 @@ cudaError_t enqueue_wait(Stream *s, Stream *target, uint64_t seq, const Clock &a
   return cudaSuccess;
 }
 
-// Runs s's first queued op; false when it cannot finish yet (a collective waiting for its peers).
-static bool run_first(Stream *s) {
-  Op *op = s->queue.front().get();
-  grant_only(op->uses);  // this op reaches what it declared, nothing else
+bool run_checked(Op *op, const LaunchCtx *g) {
+  grant_only(op->uses);  // the op reaches what it declared, nothing else
   if (op->traced) hazard_kernel_begin();
   bool done = op->run();
   std::vector<Access> traced;
   if (op->traced) traced = hazard_kernel_end();
   if (!done) return false;
   for (const Allocation *a : op->uses) check_guards(a, op->what.c_str());
-  hazard_check(op, op->traced ? traced : op->accesses, nullptr);
+  hazard_check(op, op->traced ? traced : op->accesses, g);
+  return true;
+}
+
+// Runs s's first queued op; false when it cannot finish yet (a collective waiting for its peers).
+static bool run_first(Stream *s) {
+  if (!run_checked(s->queue.front().get(), nullptr)) return false;
   s->queue.pop_front();
   s->completed++;
   return true;
