@@ -262,6 +262,9 @@ static int check_cross(dt_config *cfg, dt_status *st) {
   if ((v->early_metric == DT_METRIC_EMA_VAL_LOSS || v->early_metric == DT_METRIC_EMA_VAL_ACC) && v->ema_decay <= 0)
     return dt_fail(st, DT_EXIT_INPUT, "%s: train.early_stopping.metric %s needs train.ema.decay > 0", cfg->path,
                    v->early_metric == DT_METRIC_EMA_VAL_LOSS ? "ema_val_loss" : "ema_val_acc");
+  if ((v->early_metric != DT_METRIC_NONE || v->ckpt_best) && !v->val_x[0]) /* else never evaluated */
+    return dt_fail(st, DT_EXIT_INPUT, "%s: %s needs a validation split: data.val.x is empty", cfg->path,
+                   v->ckpt_best ? "checkpoint.best" : "train.early_stopping.metric");
   if (v->nesterov && v->momentum <= 0)
     return dt_fail(st, DT_EXIT_INPUT, "%s: optim.nesterov needs optim.momentum > 0", cfg->path);
   for (int i = 1; i < v->milestones.n; i++)

@@ -306,6 +306,15 @@ static int open_split(dt_data *d, dt_split *s, const char *xkey, const char *yke
   return rc;
 }
 
+/* Exit 2: split s (key names its dataset) holds no row, or no whole sequence of a token model. */
+static int empty_split(const dt_data *d, const dt_split *s, const char *key, const dt_model *m, const char *advice,
+                       dt_status *st) {
+  if (m->tokens)
+    return dt_fail(st, DT_EXIT_INPUT, "%s: dataset '%s' (%s) holds no sequence of %lld tokens (model.input + 1)%s",
+                   d->path, s->x_name, key, (long long)m->tokens + 1, advice);
+  return dt_fail(st, DT_EXIT_INPUT, "%s: dataset '%s' (%s) has no rows%s", d->path, s->x_name, key, advice);
+}
+
 static int open_splits(dt_data *d, const dt_config *cfg, const dt_model *m, int world, int rank, int cache,
                        dt_status *st) {
   memset(d, 0, sizeof *d);
@@ -347,7 +356,9 @@ static int open_splits(dt_data *d, const dt_config *cfg, const dt_model *m, int 
     /* validation: every rank holds its contiguous 1/W */
     if (open_split(d, &d->val, "data.val.x", "data.val.y", m, rank, world, 1, cache, 0, st)) return st->code;
   }
-  if (d->train.n == 0) return dt_fail(st, DT_EXIT_INPUT, "%s: '%s' is empty", d->path, d->train.x_name);
+  if (d->train.n == 0) return empty_split(d, &d->train, "data.train.x", m, "", st);
+  if (d->has_val && d->val.n == 0) /* its metrics would be 0/0: a fake best checkpoint, a fake early stop */
+    return empty_split(d, &d->val, "data.val.x", m, "; leave data.val.x empty to train without validation", st);
   return 0;
 }
 

@@ -57,16 +57,33 @@ static void eval_rows(dt_model *m, const float *params, const float *bufs, dt_da
   free(idx);
 }
 
+/* The targets of this rank's validation rows: labels per row (a token model's are T), less those
+ * equal to loss.ignore_index. */
+static double val_targets(const dt_model *m, const dt_data *d) {
+  int64_t rows = d->val.hi - d->val.lo;
+  if (!m->loss.ignore_index_set) return (double)(rows * m->n_labels);
+  int64_t *idx = dt_malloc((size_t)(rows + 1) * sizeof(int64_t));
+  for (int64_t i = 0; i < rows; i++) idx[i] = d->val.lo + i;
+  double n = count_targets(&d->val, idx, rows, m->loss.ignore_index);
+  free(idx);
+  return n;
+}
+
+int infer_check_val(const dt_model *m, const dt_data *d, dt_comm *comm, dt_status *st) {
+  if (!d->has_val || !m->loss.ignore_index_set) return comm_agree(comm, st); /* else every row is a target */
+  double n = val_targets(m, d);
+  comm_allreduce_sum_f64(comm, &n, 1, "validation target count");
+  if (n == 0 && !st->code)
+    dt_fail(st, DT_EXIT_INPUT,
+            "%s: every target in dataset '%s' (data.val.x) is model.loss.ignore_index %lld: validation would score "
+            "nothing; leave data.val.x empty to train without validation",
+            d->path, d->val.x_name, (long long)m->loss.ignore_index);
+  return comm_agree(comm, st);
+}
+
 void infer_evaluate(dt_model *m, const float *params, const float *bufs, dt_data *d, dt_comm *comm, double *loss,
                     double *acc, dt_status *st) {
-  int64_t rows = d->val.hi - d->val.lo;
-  double sums[3] = {0, 0, (double)(rows * m->n_labels)}; /* per target: a token model's are T per row */
-  if (m->loss.ignore_index_set) {
-    int64_t *idx = dt_malloc((size_t)(rows + 1) * sizeof(int64_t));
-    for (int64_t i = 0; i < rows; i++) idx[i] = d->val.lo + i;
-    sums[2] = count_targets(&d->val, idx, rows, m->loss.ignore_index);
-    free(idx);
-  }
+  double sums[3] = {0, 0, val_targets(m, d)};
   eval_rows(m, params ? params : m->params, bufs ? bufs : m->bufs, d, sums, NULL, NULL, st);
   comm_allreduce_sum_f64(comm, sums, 3, "validation allreduce");
   *loss = sums[2] > 0 ? sums[0] / sums[2] : 0;

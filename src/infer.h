@@ -15,6 +15,10 @@
 void infer_evaluate(dt_model *m, const float *params, const float *bufs, dt_data *d, dt_comm *comm, double *loss,
                     double *acc, dt_status *st);
 
+/* At the start of training: exit 2 (agreed) when the validation split has no target to score
+ * (every one is loss.ignore_index), which would make a metric of 0/0. */
+int infer_check_val(const dt_model *m, const dt_data *d, dt_comm *comm, dt_status *st);
+
 /* --predict: writes the logits of the whole validation split (gathered to rank 0, in file order)
  * to path: (N, K), or (N, T x V) for a token model; and the labels (N,) of a classifier (a token
  * model's targets are its data, shifted: none are written). Returns the agreed exit code. */

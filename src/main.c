@@ -448,9 +448,11 @@ int main(int argc, char **argv) {
     free(r->args.sets);
     return 0;
   }
+  /* before MPI starts (the slow part of start-up): a stop asked for then is honoured at step 1 */
+  const cli_args *a = &r->args;
+  if (!a->info && !a->dry_run && !a->predict && !a->sample) signals_install();
   mpi_start_defaults();
   comm_init(&r->comm, &argc, &argv);
-  signals_install();
   r->opts = (dt_train_opts){.t_launch = t_launch, .gpu = -1, .fault = &r->fault};
   r->gpu = -1;
   r->data.file = -1;

@@ -231,6 +231,12 @@ int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
   }
   if (m->loss.ignore_index_set && !m->tokens)
     return dt_fail(st, DT_EXIT_INPUT, "model.loss: ignore_index is for token models (padding in a sequence)");
+  const int metric = cfg->v.early_metric;
+  if ((metric == DT_METRIC_VAL_ACC || metric == DT_METRIC_EMA_VAL_ACC) && m->loss.kind != DT_LOSS_CROSS_ENTROPY)
+    return dt_fail(st, DT_EXIT_INPUT,
+                   "%s: train.early_stopping.metric %s: an accuracy needs a cross_entropy loss; this model's is mse "
+                   "(use %s)", cfg->path, metric == DT_METRIC_VAL_ACC ? "val_acc" : "ema_val_acc",
+                   metric == DT_METRIC_VAL_ACC ? "val_loss" : "ema_val_loss");
   m->n_classes = m->n_outputs / m->n_labels;
   if (m->loss.kind == DT_LOSS_CROSS_ENTROPY && m->n_classes < 2)
     return dt_fail(st, DT_EXIT_INPUT, "%s: cross_entropy needs at least 2 outputs, the model has %lld", last->where,

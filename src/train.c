@@ -36,7 +36,7 @@ static int trainer_start(dt_trainer *tr) {
   const int64_t G = config_global_batch(v, W);
   step_open(tr, &st);
   log_open(&tr->lg, tr->comm->rank == 0, v->log_dir, v->progress, resume != NULL, &st);
-  int code = comm_agree(tr->comm, &st);
+  int code = infer_check_val(tr->m, tr->d, tr->comm, &st);
   if (code) return code;
   tr->accum = v->grad_accum;
   tr->opt_per_epoch = (tr->micro_per_epoch + tr->accum - 1) / tr->accum;
@@ -129,14 +129,15 @@ static int evaluate_if_due(dt_trainer *tr, int end_of_epoch, dt_train_result *re
   res->best_val_acc = ts->best_val_acc;
   long long step = (long long)ts->step, epoch = (long long)tr->epoch + 1;
   char ema_text[128] = "", ema_json[128] = "";
-  if (ema && va >= 0) {
+  const int classifier = tr->m->loss.kind == DT_LOSS_CROSS_ENTROPY; /* the metric names follow the loss */
+  if (ema && classifier) {
     snprintf(ema_text, sizeof ema_text, " | ema_val_loss %.4f ema_val_acc %.4f", evl, eva);
     snprintf(ema_json, sizeof ema_json, ", \"ema_val_loss\": %.6g, \"ema_val_acc\": %.6g", evl, eva);
   } else if (ema) {
     snprintf(ema_text, sizeof ema_text, " | ema_val_mse %.6f", evl);
     snprintf(ema_json, sizeof ema_json, ", \"ema_val_loss\": %.6g", evl);
   }
-  if (va >= 0) {
+  if (classifier) {
     log_line(&tr->lg, "eval step %lld epoch %lld: val_loss %.4f val_acc %.4f%s", step, epoch, vl, va, ema_text);
     log_metrics(&tr->lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.6g, \"val_acc\": %.6g%s", step, epoch, vl,
                 va, ema_json);
@@ -144,7 +145,7 @@ static int evaluate_if_due(dt_trainer *tr, int end_of_epoch, dt_train_result *re
     log_line(&tr->lg, "eval step %lld epoch %lld: val_mse %.6f%s", step, epoch, vl, ema_text);
     log_metrics(&tr->lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.6g%s", step, epoch, vl, ema_json);
   }
-  int metric = v->early_metric != DT_METRIC_NONE ? v->early_metric : va >= 0 ? DT_METRIC_VAL_ACC : DT_METRIC_VAL_LOSS;
+  int metric = v->early_metric != DT_METRIC_NONE ? v->early_metric : classifier ? DT_METRIC_VAL_ACC : DT_METRIC_VAL_LOSS;
   const double values[] = {0, vl, va, evl, eva};
   double value = values[metric];
   if (!isfinite(ts->best_metric) || improved(metric, value, ts->best_metric)) {

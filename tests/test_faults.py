@@ -145,6 +145,28 @@ class StopsAndFailures(unittest.TestCase):
         with h5py.File(latest(self.w), "r") as f:
             self.assertGreater(f["meta"].attrs["step"], 0)
 
+    def test_signal_while_mpi_starts_stops_after_step_1(self):
+        # MPI_Init is the slow part of start-up (~0.3 s): a shim raises SIGUSR1 on rank 1 as it
+        # enters, which killed that rank (exit 138) while the handler was installed after it
+        shim = self.w.file("raise_in_mpi_init.so")
+        src = self.w.file("raise_in_mpi_init.c")
+        with open(src, "w") as f:
+            f.write("#include <mpi.h>\n#include <signal.h>\n"
+                    "int MPI_Init_thread(int *c, char ***v, int req, int *got) {\n"
+                    "  raise(SIGUSR1);\n  return PMPI_Init_thread(c, v, req, got);\n}\n")
+        subprocess.run(["mpicc", "-shared", "-fPIC", "-o", shim, src], check=True)
+        rank_env = {"LD_PRELOAD": shim}
+        if "ASAN_OPTIONS" in os.environ:  # the shim comes before the ASan runtime
+            rank_env["ASAN_OPTIONS"] = os.environ["ASAN_OPTIONS"] + ":verify_asan_link_order=0"
+        args = [self.cfg, "--set", "train.epochs=100"]
+        rc, out, err = run(None, mpmd=[args, (rank_env, args)], timeout=60)
+        self.assertEqual(rc, 75, out + err)
+        self.assertIn("stopped by SIGUSR1 at step 1 after saving a checkpoint", err)
+        self.assertTrue(latest(self.w).endswith("step-00000001.h5"))
+        # the modes that do not train keep the default action: the shim's signal ends them
+        rc, out, err = run(None, mpmd=[(rank_env, args + ["--dry-run"])], timeout=60)
+        self.assertNotIn(rc, (0, 75), out + err)
+
     def test_crash_ends_the_job_within_10_s(self):
         rc, out, err, took = run_fault([self.cfg, "--set", "train.epochs=1000"], "crash@1:3")
         self.assertNotEqual(rc, 0)

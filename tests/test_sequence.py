@@ -89,6 +89,22 @@ class IgnoreIndex(unittest.TestCase):
         finally:
             w.cleanup()
 
+    def test_validation_with_every_target_ignored_is_exit_2(self):
+        w = Workdir()
+        try:
+            rows = rule_rows(12) % 19 + 1
+            with h5py.File(w.file("tokens.h5"), "w") as f:
+                f["train/tokens"] = rows[:8].astype(np.uint8)
+                f["val/tokens"] = np.zeros((4, 9), np.uint8)  # all padding
+            cfg = w.config(GPT, loss="{cross_entropy: {ignore_index: 0}}", optim="sgd", lr=0.5, epochs=1)
+            rc, out, err = run([cfg], np_=2)
+            self.assertEqual(rc, 2, out + err)
+            self.assertIn("every target in dataset '/val/tokens' (data.val.x) is model.loss.ignore_index 0",
+                          errors(err)[0])
+            self.assertFalse(os.path.exists(w.file("ckpt")) and os.listdir(w.file("ckpt")))
+        finally:
+            w.cleanup()
+
     def test_ignore_index_needs_a_token_model(self):
         w = Workdir()
         try:

@@ -4,13 +4,14 @@ started by the test on localhost with auth/none: a job completes, and a job that
 checkpoint. Skipped (with the reason) where the Slurm daemons cannot start."""
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import time
 import unittest
 
-from helpers import ENV, ROOT, TINY_CNN, Workdir
+from helpers import BINARY, ENV, ROOT, TINY_CNN, Workdir
 
 SCRIPT = os.path.join(ROOT, "scripts", "slurm", "ddp_train.sbatch")
 
@@ -167,6 +168,38 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubsc
         self.assertIn(f"resuming at step {stopped}", log)
         self.assertIn(f"done: {stopped + 500} steps", log)
         self.assertIn("ddp_train exited 0", log)
+
+
+class BatchScriptSignals(unittest.TestCase):
+    """The batch script run as a plain script (no Slurm needed): a SIGTERM to it, which mpirun
+    cannot forward and would answer with exit 1, reaches ddp_train as SIGUSR1: a checkpoint, exit
+    75, and no requeue (scancel and preemption leave that to Slurm)."""
+
+    def test_sigterm_to_the_script_is_a_checkpoint_and_exit_75(self):
+        w = Workdir()
+        try:
+            w.dataset(n=64)
+            cfg = w.config(TINY_CNN.replace("epochs: 2", "epochs: 100000"))
+            env = dict(ENV, SLURM_NTASKS="2", DDP_TRAIN=BINARY)
+            p = subprocess.Popen(["bash", SCRIPT, cfg, "--set", "log.every_steps=1000", "--set", "data.val.x="],
+                                 env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            try:
+                metrics = w.file("log/metrics.jsonl")
+                deadline = time.monotonic() + 60
+                while not (os.path.exists(metrics) and os.path.getsize(metrics)) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                p.send_signal(signal.SIGTERM)
+                out, _ = p.communicate(timeout=60)
+            finally:
+                p.kill()
+            self.assertEqual(p.returncode, 75, out)
+            stopped = int(os.path.basename(w.latest()).split("-")[1].split(".")[0])
+            self.assertIn("SIGTERM: asking ddp_train to checkpoint and stop", out)
+            self.assertIn(f"ddp_train: stopped by SIGUSR1 at step {stopped} after saving a checkpoint", out)
+            self.assertIn("ddp_train exited 75", out)
+            self.assertNotIn("requeueing", out)
+        finally:
+            w.cleanup()
 
 
 if __name__ == "__main__":

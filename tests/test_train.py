@@ -96,6 +96,57 @@ class Smoke(unittest.TestCase):
 
 
 
+class Validation(unittest.TestCase):
+    """A validation split that cannot give a metric is refused at start-up, and the metric's name
+    follows the loss: no val_mse 0 from an empty split picking best checkpoints."""
+
+    def setUp(self):
+        self.w = Workdir()
+
+    def tearDown(self):
+        self.w.cleanup()
+
+    def test_an_empty_validation_split_is_exit_2_before_training(self):
+        with h5py.File(self.w.dataset(n=16), "r+") as f:
+            for name, shape, dtype in (("test/images", (0, 1, 6, 6), np.uint8), ("test/labels", (0,), np.int64)):
+                del f[name]
+                f.create_dataset(name, shape=shape, dtype=dtype)
+        cfg = self.w.config(TINY_CNN)
+        for extra in ([], ["--dry-run"]):
+            rc, out, err = run([cfg] + extra, np_=2)
+            self.assertEqual(rc, 2, out + err)
+            self.assertIn("dataset '/test/images' (data.val.x) has no rows; leave data.val.x empty to train without "
+                          "validation", errors(err)[0])
+            self.assertNotIn("step 1", out)
+        rc, out, err = run([cfg, "--set", "data.val.x="], np_=2)
+        self.assertEqual(rc, 0, out + err)
+        self.assertFalse([r for r in self.w.metrics() if "val_loss" in r])
+
+    def test_metrics_of_an_mse_model_are_losses(self):
+        self.w.dataset(n=16, n_val=8, targets=3)
+        cfg = self.w.config(TINY_CNN.replace("data:", "  loss: mse\ndata:"))
+        rc, out, err = run([cfg, "--set", "checkpoint.best=true"], np_=2)
+        self.assertEqual(rc, 0, out + err)
+        self.assertIn("val_mse", out)
+        evals = [r for r in self.w.metrics() if "val_loss" in r]
+        self.assertEqual(len(evals), 2)
+        for r in evals:
+            self.assertNotIn("val_acc", r)
+            self.assertGreater(r["val_loss"], 0)
+        rc, out, err = run([cfg, "--set", "train.early_stopping.metric=val_acc", "--dry-run"])
+        self.assertEqual(rc, 2, out + err)
+        self.assertIn("train.early_stopping.metric val_acc: an accuracy needs a cross_entropy loss", errors(err)[0])
+
+    def test_best_and_early_stopping_need_a_validation_split(self):
+        self.w.dataset(n=16)
+        cfg = self.w.config(TINY_CNN)
+        for key, name in (("checkpoint.best=true", "checkpoint.best"),
+                          ("train.early_stopping.metric=val_loss", "train.early_stopping.metric")):
+            rc, out, err = run([cfg, "--set", "data.val.x=", "--set", key])
+            self.assertEqual(rc, 2, out + err)
+            self.assertIn(f"{name} needs a validation split: data.val.x is empty", errors(err)[0])
+
+
 class BackgroundCache(unittest.TestCase):
     """The training images are read into memory by the loader's thread after the first batch, which it
     reads row by row, so the first step never waits for the whole dataset. A corrupt chunk in the middle
