@@ -89,6 +89,15 @@ typedef struct {
   int64_t ho, wo; /* output spatial size */
 } dt_conv_geom;
 
+/* Pooling forward and backward: one geometry, each op reading the pointers it needs. */
+typedef struct {
+  int kind; /* DT_POOL_MAX or DT_POOL_AVG */
+  int64_t b, c, h, w, k, stride, ho, wo;
+  const float *x, *dy;
+  float *y, *dx;
+  int32_t *argmax; /* max pooling only, (B,C,Ho,Wo): written forward, read backward */
+} dt_pool_args;
+
 typedef struct {
   dt_op_type type;
   union {
@@ -176,20 +185,8 @@ typedef struct {
       const float *x, *y, *dy;
       float *dx;
     } act_bwd;
-    struct {
-      int kind;
-      int64_t b, c, h, w, k, stride, ho, wo;
-      const float *x;
-      float *y;
-      int32_t *argmax; /* argmax: max pooling only, (B,C,Ho,Wo) */
-    } pool_fwd;
-    struct {
-      int kind;
-      int64_t b, c, h, w, k, stride, ho, wo;
-      const float *dy;
-      const int32_t *argmax;
-      float *dx;
-    } pool_bwd;
+    dt_pool_args pool_fwd; /* x -> y (and argmax) */
+    dt_pool_args pool_bwd; /* dy (and argmax) -> dx */
     struct {
       int64_t n;
       float p;

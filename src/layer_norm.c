@@ -22,15 +22,21 @@ typedef struct {
   double *grad_sums;    /* (2C): backward sums */
 } bn_state;             /* all backend memory: the step never reads them on the host */
 
-static int bn_setup(dt_model *m, dt_layer *l, dt_status *st) {
-  (void)m;
-  if (l->in.rank == 2)
-    return dt_fail(st, DT_EXIT_INPUT, "%s: layer %s batchnorm: the input is a sequence; use layernorm", l->where,
-                   l->name);
+/* Both norms: out = in, an affine weight and bias per channel (C); exit 2 with `refusal` for an
+ * input of rank `refused`. */
+static int affine_setup(dt_layer *l, int refused, const char *refusal, dt_status *st) {
+  if (l->in.rank == refused) return dt_fail(st, DT_EXIT_INPUT, "%s: layer %s %s", l->where, l->name, refusal);
   l->out = l->in;
   int64_t c = l->in.c;
   layer_add_tensor(l, "weight", 0, 1, &c);
   layer_add_tensor(l, "bias", 0, 1, &c);
+  return 0;
+}
+
+static int bn_setup(dt_model *m, dt_layer *l, dt_status *st) {
+  (void)m;
+  if (affine_setup(l, 2, "batchnorm: the input is a sequence; use layernorm", st)) return st->code;
+  int64_t c = l->in.c;
   layer_add_tensor(l, "running_mean", 1, 1, &c);
   layer_add_tensor(l, "running_var", 1, 1, &c);
   return 0;
@@ -172,14 +178,7 @@ typedef struct {
 
 static int ln_setup(dt_model *m, dt_layer *l, dt_status *st) {
   (void)m;
-  if (l->in.rank == 3)
-    return dt_fail(st, DT_EXIT_INPUT, "%s: layer %s layernorm: expects vectors or a sequence, got an image", l->where,
-                   l->name);
-  l->out = l->in;
-  int64_t c = l->in.c;
-  layer_add_tensor(l, "weight", 0, 1, &c);
-  layer_add_tensor(l, "bias", 0, 1, &c);
-  return 0;
+  return affine_setup(l, 3, "layernorm: expects vectors or a sequence, got an image", st);
 }
 
 static void ln_init(dt_layer *l, float *params, float *bufs, uint64_t seed) {

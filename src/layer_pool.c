@@ -54,42 +54,37 @@ static void pool_release(dt_layer *l, dt_backend *be) {
   if (s->ones) be->free(be, s->ones);
 }
 
-static void pool_forward(dt_layer *l, dt_pass *pass, const float *x) {
+/* The pooling op of type (forward or backward) over this batch. */
+static void pool_run(dt_layer *l, dt_pass *pass, dt_op_type type, const float *x, float *dx) {
   pool_state *s = l->priv;
-  dt_op op = {.type = DT_OP_POOL_FWD};
-  op.p.pool_fwd = (typeof(op.p.pool_fwd)){.kind = l->ops == &dt_layer_maxpool ? DT_POOL_MAX : DT_POOL_AVG,
-                                          .b = pass->batch,
-                                          .c = l->in.c,
-                                          .h = l->in.h,
-                                          .w = l->in.w,
-                                          .k = l->args.kernel,
-                                          .stride = l->args.stride,
-                                          .ho = l->out.h,
-                                          .wo = l->out.w,
-                                          .x = x,
-                                          .y = l->y,
-                                          .argmax = s->argmax};
+  const dt_pool_args a = {.kind = l->ops == &dt_layer_maxpool ? DT_POOL_MAX : DT_POOL_AVG,
+                          .b = pass->batch,
+                          .c = l->in.c,
+                          .h = l->in.h,
+                          .w = l->in.w,
+                          .k = l->args.kernel,
+                          .stride = l->args.stride,
+                          .ho = l->out.h,
+                          .wo = l->out.w,
+                          .x = x,
+                          .y = l->y,
+                          .dy = l->dy,
+                          .dx = dx,
+                          .argmax = s->argmax};
+  dt_op op = {.type = type};
+  if (type == DT_OP_POOL_FWD)
+    op.p.pool_fwd = a;
+  else
+    op.p.pool_bwd = a;
   backend_run(pass->be, &op);
 }
 
+static void pool_forward(dt_layer *l, dt_pass *pass, const float *x) {
+  pool_run(l, pass, DT_OP_POOL_FWD, x, NULL);
+}
+
 static void pool_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
-  (void)x;
-  if (!dx) return;
-  pool_state *s = l->priv;
-  dt_op op = {.type = DT_OP_POOL_BWD};
-  op.p.pool_bwd = (typeof(op.p.pool_bwd)){.kind = l->ops == &dt_layer_maxpool ? DT_POOL_MAX : DT_POOL_AVG,
-                                          .b = pass->batch,
-                                          .c = l->in.c,
-                                          .h = l->in.h,
-                                          .w = l->in.w,
-                                          .k = l->args.kernel,
-                                          .stride = l->args.stride,
-                                          .ho = l->out.h,
-                                          .wo = l->out.w,
-                                          .dy = l->dy,
-                                          .argmax = s->argmax,
-                                          .dx = dx};
-  backend_run(pass->be, &op);
+  if (dx) pool_run(l, pass, DT_OP_POOL_BWD, x, dx);
 }
 
 static int64_t pool_flops(const dt_layer *l) {
