@@ -69,8 +69,8 @@ static int read_model(const char *path, const dt_model *m, float *params, float 
   return st->code;
 }
 
-static int fsync_path(const char *path, int dir) {
-  int fd = open(path, dir ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+static int fsync_dir(const char *path) {
+  int fd = open(path, O_RDONLY | O_DIRECTORY);
   if (fd < 0) return -1;
   int rc = fsync(fd);
   close(fd);
@@ -123,26 +123,73 @@ static int write_group(hid_t f, const char *group, const dt_model *m, const floa
   return bad ? -1 : 0;
 }
 
-int ckpt_write(const char *path, const dt_model *m, const dt_ckpt_data *d, const dt_config *cfg, dt_status *st) {
-  char tmp[1200], e[256] = "";
+/* Writes len bytes to path atomically: into path.tmp.PID, fsynced, renamed over path, then the
+ * directory fsynced. Exit 5 naming path and what was written on any failure, the temporary removed. */
+static int write_atomic(const char *path, const void *data, size_t len, const char *what, dt_status *st) {
+  char tmp[1200], dir[1200];
   snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
-  h5_quiet();
-  hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
-  H5Pset_libver_bounds(fapl, H5F_LIBVER_V110, H5F_LIBVER_LATEST); /* checksummed metadata */
-  errno = 0;
-  hid_t f = H5Fcreate(tmp, H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
-  H5Pclose(fapl);
-  if (f < 0) {
-    int err = errno;
-    return dt_fail(st, DT_EXIT_IO, "%s: cannot create: %s%s%s", tmp, err ? strerror(err) : "", err ? "; " : "",
-                   h5_error_text(e, sizeof e));
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (fd < 0) return dt_fail(st, DT_EXIT_IO, "%s: cannot create: %s", tmp, strerror(errno));
+  const char *p = data;
+  int err = 0;
+  while (len && !err) {
+    ssize_t w = write(fd, p, len);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0)
+      err = w < 0 ? errno : EIO;
+    else
+      p += w, len -= (size_t)w;
   }
-  errno = 0;
-  int bad = write_group(f, "/model", m, d->params, d->bufs, 0);
+  if (!err && fsync(fd)) err = errno;
+  if (close(fd) && !err) err = errno;
+  if (err) {
+    unlink(tmp);
+    return dt_fail(st, DT_EXIT_IO, "%s: writing %s failed: %s", path, what, strerror(err));
+  }
+  dt_strlcpy(dir, path, sizeof dir);
+  char *slash = strrchr(dir, '/');
+  if (slash)
+    *slash = 0;
+  else
+    snprintf(dir, sizeof dir, ".");
+  if (rename(tmp, path) || fsync_dir(dir)) {
+    err = errno;
+    unlink(tmp);
+    return dt_fail(st, DT_EXIT_IO, "%s: committing %s failed: %s", path, what, strerror(err));
+  }
+  return 0;
+}
+
+/* Closes f, an h5_image's file, and writes the image to path atomically (write_atomic). Exit 5
+ * naming path when HDF5 failed before (bad) or at the close, or the write failed. */
+static int commit_image(hid_t f, h5_image *im, int bad, const char *path, const char *what, dt_status *st) {
+  char e[256] = "";
+  if (bad) h5_error_text(e, sizeof e);
+  if (H5Fclose(f) < 0 && !bad) bad = 1, h5_error_text(e, sizeof e);
+  size_t len = bad ? 0 : h5_image_length(im);
+  if (!bad && !len) snprintf(e, sizeof e, "HDF5 left no complete file in memory");
+  int rc = len ? write_atomic(path, im->buf, len, what, st)
+               : dt_fail(st, DT_EXIT_IO, "%s: writing %s failed: %s", path, what, e);
+  h5_image_free(im);
+  return rc;
+}
+
+int ckpt_write(const char *path, const dt_model *m, const dt_ckpt_data *d, const dt_config *cfg, dt_status *st) {
+  char e[256];
   const dt_train_state *ts = &d->ts;
   const dt_optim_ops *optim = dt_optim_kinds[ts->optim];
-  if (!bad && d->opt[0]) bad |= H5Gclose(H5Gcreate2(f, "/optim", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)) < 0;
-  for (int k = 0; k < DT_OPTIM_MAX_STATES && !bad && d->opt[k]; k++) {
+  int states = 0;
+  while (states < DT_OPTIM_MAX_STATES && d->opt[states]) states++;
+  /* the image grows in steps of its tensors' size and a margin for the metadata */
+  size_t hint = (size_t)(m->n_params * (1 + states) + m->n_bufs) * sizeof(float) + ((size_t)1 << 20);
+  if (d->ema_params) hint += (size_t)(m->n_params + m->n_bufs) * sizeof(float);
+  h5_image im;
+  hid_t f = h5_image_create(&im, path, hint);
+  if (f < 0)
+    return dt_fail(st, DT_EXIT_IO, "%s: cannot create the checkpoint in memory: %s", path, h5_error_text(e, sizeof e));
+  int bad = write_group(f, "/model", m, d->params, d->bufs, 0);
+  if (!bad && states) bad |= H5Gclose(H5Gcreate2(f, "/optim", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)) < 0;
+  for (int k = 0; k < states && !bad; k++) {
     char g[64];
     snprintf(g, sizeof g, "/optim/%s", optim->state_names[k]);
     bad |= write_group(f, g, m, d->opt[k], NULL, 1);
@@ -167,50 +214,15 @@ int ckpt_write(const char *path, const dt_model *m, const dt_ckpt_data *d, const
              attr_num(meta, "loss_scale_growth", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &ts->scale_growth)));
     if (meta >= 0) H5Gclose(meta);
   }
-  int err = errno;
-  if (bad) h5_error_text(e, sizeof e);
-  if (H5Fclose(f) < 0) {
-    bad = 1;
-    if (!err) err = errno;
-    if (!e[0]) h5_error_text(e, sizeof e);
-  }
-  if (!bad && fsync_path(tmp, 0)) bad = 1, err = errno;
-  if (bad) {
-    unlink(tmp);
-    return dt_fail(st, DT_EXIT_IO, "%s: writing the checkpoint failed: %s%s%s", path, err ? strerror(err) : "",
-                   err && e[0] ? "; " : "", e);
-  }
-  char dir[1200];
-  dt_strlcpy(dir, path, sizeof dir);
-  char *slash = strrchr(dir, '/');
-  if (slash)
-    *slash = 0;
-  else
-    snprintf(dir, sizeof dir, ".");
-  if (rename(tmp, path) || fsync_path(dir, 1)) {
-    err = errno;
-    unlink(tmp);
-    return dt_fail(st, DT_EXIT_IO, "%s: committing the checkpoint failed: %s", path, strerror(err));
-  }
-  return 0;
+  return commit_image(f, &im, bad, path, "the checkpoint", st);
 }
 
 /* Replaces dir/latest with name, atomically. */
 static int write_latest(const char *dir, const char *name, dt_status *st) {
-  char tmp[1200], path[1200];
+  char path[1200], line[300];
   snprintf(path, sizeof path, "%s/latest", dir);
-  snprintf(tmp, sizeof tmp, "%s/latest.tmp.%d", dir, (int)getpid());
-  FILE *f = fopen(tmp, "w");
-  int ok = f && fprintf(f, "%s\n", name) > 0;
-  if (f) ok = (fflush(f) == 0) && ok && fsync(fileno(f)) == 0;
-  int err = errno;
-  if (f && fclose(f) != 0) ok = 0, err = errno;
-  if (!ok || rename(tmp, path) || fsync_path(dir, 1)) {
-    if (ok) err = errno;
-    unlink(tmp);
-    return dt_fail(st, DT_EXIT_IO, "%s: updating the latest pointer failed: %s", path, strerror(err));
-  }
-  return 0;
+  int n = snprintf(line, sizeof line, "%s\n", name);
+  return write_atomic(path, line, (size_t)n, "the latest pointer", st);
 }
 
 static int64_t step_of(const char *name) {
@@ -431,11 +443,10 @@ int ckpt_load(const char *path, const dt_model *m, dt_ckpt_data *d, char **confi
 
 int ckpt_write_predictions(const char *path, const float *logits, const int32_t *labels, int64_t n, int64_t k,
                            dt_status *st) {
-  char tmp[1200], e[256];
-  snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
-  h5_quiet();
-  hid_t f = H5Fcreate(tmp, H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
-  if (f < 0) return dt_fail(st, DT_EXIT_IO, "%s: cannot create: %s", tmp, h5_error_text(e, sizeof e));
+  char e[256];
+  h5_image im;
+  hid_t f = h5_image_create(&im, path, (size_t)(n * (k + 1)) * 4 + ((size_t)1 << 20));
+  if (f < 0) return dt_fail(st, DT_EXIT_IO, "%s: cannot create in memory: %s", path, h5_error_text(e, sizeof e));
   hsize_t dims[2] = {(hsize_t)n, (hsize_t)k};
   hid_t sp = H5Screate_simple(2, dims, NULL);
   hid_t ds = H5Dcreate2(f, "/logits", H5T_IEEE_F32LE, sp, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
@@ -449,12 +460,7 @@ int ckpt_write_predictions(const char *path, const float *logits, const int32_t 
     if (ds >= 0) H5Dclose(ds);
     H5Sclose(sp);
   }
-  if (H5Fclose(f) < 0) bad = 1;
-  if (bad || fsync_path(tmp, 0) || rename(tmp, path)) {
-    unlink(tmp);
-    return dt_fail(st, DT_EXIT_IO, "%s: writing predictions failed: %s", path, h5_error_text(e, sizeof e));
-  }
-  return 0;
+  return commit_image(f, &im, bad, path, "predictions", st);
 }
 
 int ckpt_candidates(const char *dir, char names[][1024], int max) {

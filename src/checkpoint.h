@@ -11,9 +11,9 @@
  *                                 applied: AdamW's t; step less skipped fp16 steps); with train.precision fp16
  *                                 also loss_scale and loss_scale_growth (GradScaler's growth tracker)
  * Datasets are chunked with Fletcher-32 checksums and the file uses HDF5's newer format with
- * checksummed metadata; both are verified on load. Files are written as step-00000123.h5 under a
- * temporary name, fsynced, renamed, the directory fsynced, then `latest` (a text file holding
- * the name) is replaced the same way. The oldest step files go before the write (keep > 1), so
+ * checksummed metadata; both are verified on load. Files are built in memory (h5_image: HDF5 never
+ * meets a disk error) and written as step-00000123.h5 under a temporary name, fsynced, renamed, the
+ * directory fsynced, then `latest` (a text file holding the name) is replaced the same way. The oldest step files go before the write (keep > 1), so
  * that at most checkpoint.keep exist, the one being written included. */
 #ifndef DT_CHECKPOINT_H
 #define DT_CHECKPOINT_H

@@ -2,6 +2,7 @@
 world size, corrupt-checkpoint fallback, a signal on one rank, the time limit, a crash, a kill -9,
 a hang, NaN, a full disk, and a changed model. Uses DDP_TRAIN_FAULT=kind@rank:step."""
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -13,9 +14,28 @@ import numpy as np
 from helpers import BINARY, ENV, TINY_CNN, Workdir, errors, run
 
 
+# the 784-192-10 MLP of issue 25's full disk (1.2 MB checkpoints)
+MLP_784 = TINY_CNN.replace("""\
+  input: [1, 6, 6]
+  layers:
+    - conv2d: {{out: 4, kernel: 3, pad: 1}}
+    - relu: {{}}
+    - maxpool: {{kernel: 2}}
+    - flatten: {{}}
+    - linear: {{out: 3}}
+""", """\
+  input: [784]
+  layers: [{{linear: {{out: 192}}}}, relu, {{linear: {{out: 10}}}}]
+""").replace("data.h5", "mlp.h5")
+
+
 def latest(w):
-    with open(w.file("ckpt/latest")) as f:
-        return w.file("ckpt/" + f.read().strip())
+    return latest_in(w.file("ckpt"))
+
+
+def latest_in(directory):
+    with open(os.path.join(directory, "latest")) as f:
+        return os.path.join(directory, f.read().strip())
 
 
 def params(path):
@@ -198,25 +218,46 @@ class StopsAndFailures(unittest.TestCase):
         self.assertEqual(rc, 2)
         self.assertIn("DDP_TRAIN_FAULT=boom: expected kind@rank:step", err)
 
-    def test_full_disk_exits_5_and_keeps_earlier_checkpoints(self):
-        mnt = self.w.file("small")
+    def fill_the_disk(self, cfg, np_):
+        """A disk that fills up inside the third checkpoint file itself (not in `latest`, which a disk
+        sized by hand fills first): room for two checkpoints, `latest` and its temporary, and half a
+        checkpoint. Exit 5 naming the file; the second checkpoint stays `latest`, intact."""
+        page = 4096
+        mnt = self.w.file(f"small-{np_}-{os.path.basename(cfg)}")
         os.mkdir(mnt)
-        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", mnt], capture_output=True).returncode:
+        args = [cfg, "--set", f"checkpoint.dir={mnt}", "--set", "checkpoint.every_steps=1",
+                "--set", "checkpoint.keep=1000", "--set", "train.max_steps=6"]
+        rc, out, err = run(args[:3] + ["--set", "train.max_steps=1"], np_=1)
+        self.assertEqual(rc, 0, out + err)
+        size = -(-os.path.getsize(os.path.join(mnt, "step-00000001.h5")) // page) * page  # tmpfs holds pages
+        shutil.rmtree(mnt)
+        os.mkdir(mnt)
+        spare = size // 2 // page * page  # tmpfs rounds its size up to whole pages
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={2 * size + 2 * page + spare}", "tmpfs", mnt],
+                          capture_output=True).returncode:
             self.skipTest("cannot mount a small tmpfs here (needs root)")
         try:
-            rc, out, err = run([self.cfg, "--set", f"checkpoint.dir={mnt}", "--set", "checkpoint.every_steps=1",
-                                "--set", "checkpoint.keep=1000", "--set", "train.epochs=50"], np_=2)
-            self.assertEqual(rc, 5, out + err)
-            line = errors(err)[0]
-            self.assertIn(mnt, line)
-            self.assertIn("No space left on device", line)
-            with open(os.path.join(mnt, "latest")) as f:
-                good = os.path.join(mnt, f.read().strip())
-            p = params(good)  # the last committed checkpoint is intact
+            rc, out, err = run(args, np_=np_)
+            self.assertEqual(rc, 5, f"{np_} ranks: {out}{err}")
+            self.assertIn(f"{mnt}/step-00000003.h5: writing the checkpoint failed: No space left on device",
+                          errors(err)[0])
+            self.assertTrue(latest_in(mnt).endswith("step-00000002.h5"))
+            p = params(latest_in(mnt))  # the last committed checkpoint is intact
             self.assertTrue(all(np.isfinite(v).all() for v in p.values()))
             self.assertFalse([n for n in os.listdir(mnt) if ".tmp." in n])
         finally:
             subprocess.run(["umount", mnt])
+
+    def test_full_disk_exits_5_and_keeps_earlier_checkpoints(self):
+        self.fill_the_disk(self.cfg, 2)
+
+    def test_full_disk_with_large_tensors_exits_5_not_139(self):
+        # 1.2 MB checkpoints: after HDF5's own write failed there, its H5Fclose failed half-way and
+        # its exit-time cleanup crashed (H5F__close_cb): exit 139 (issue 25)
+        self.w.dataset(name="mlp.h5", n=64, shape=(784,), classes=10)
+        mlp = self.w.config(MLP_784, name="mlp.yaml")
+        for np_ in (1, 2):
+            self.fill_the_disk(mlp, np_)
 
     def test_keep_fits_a_disk_of_keep_checkpoints(self):
         # the oldest goes before the next is written: keep=3 needs room for 3 checkpoints, not 4
