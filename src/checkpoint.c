@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <hdf5.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -270,17 +271,74 @@ static void prune_steps(const char *dir, int64_t others, int64_t current) {
   free(steps);
 }
 
+/* The pid of a temporary file of ours (NAME.tmp.PID, NAME a step file, best.h5 or latest), else -1. */
+static long tmp_pid(const char *name) {
+  const char *t = strstr(name, ".tmp.");
+  if (!t) return -1;
+  while (strstr(t + 1, ".tmp.")) t = strstr(t + 1, ".tmp.");
+  char base[256];
+  size_t n = (size_t)(t - name);
+  if (n >= sizeof base) return -1;
+  memcpy(base, name, n);
+  base[n] = 0;
+  if (step_of(base) < 0 && strcmp(base, "best.h5") && strcmp(base, "latest")) return -1;
+  char *end;
+  errno = 0;
+  long pid = strtol(t + 5, &end, 10);
+  return errno || end == t + 5 || *end || pid <= 0 ? -1 : pid;
+}
+
+/* Whether pid may still be writing: another process of this program's name, running on this host
+ * (by /proc/PID/comm; without /proc, any process). This process writes one file at a time, so a
+ * temporary file of its own pid is a crashed run's that had it before. */
+static int writer_alive(long pid) {
+  if (pid == (long)getpid() || (kill((pid_t)pid, 0) != 0 && errno == ESRCH)) return 0;
+  char mine[64] = "", theirs[64] = "", path[64];
+  FILE *f = fopen("/proc/self/comm", "r");
+  if (!f) return 1;
+  if (!fgets(mine, sizeof mine, f)) mine[0] = 0;
+  fclose(f);
+  snprintf(path, sizeof path, "/proc/%ld/comm", pid);
+  if (!(f = fopen(path, "r"))) return 0; /* gone since */
+  if (!fgets(theirs, sizeof theirs, f)) theirs[0] = 0;
+  fclose(f);
+  return mine[0] && !strcmp(mine, theirs);
+}
+
+int ckpt_clean_stale(const char *dir, int *removed) {
+  int live = 0, gone = 0;
+  DIR *dp = opendir(dir);
+  struct dirent *de;
+  while (dp && (de = readdir(dp))) {
+    long pid = tmp_pid(de->d_name);
+    if (pid < 0) continue;
+    if (writer_alive(pid)) {
+      live++;
+      continue;
+    }
+    char path[1200];
+    snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+    gone += unlink(path) == 0;
+  }
+  if (dp) closedir(dp);
+  if (removed) *removed = gone;
+  return live;
+}
+
 int ckpt_save_step(const char *dir, int64_t keep, const dt_model *m, const dt_ckpt_data *d, const dt_config *cfg,
                    char *written, size_t cap, dt_status *st) {
   char name[64], path[1200];
   snprintf(name, sizeof name, "step-%08lld.h5", (long long)d->ts.step);
   snprintf(path, sizeof path, "%s/%s", dir, name);
-  /* The oldest goes first, so that the directory never holds more than `keep` checkpoints, the
-   * one being written included; with keep 1 the only checkpoint stays until its successor is in. */
-  if (keep > 1) prune_steps(dir, keep - 1, d->ts.step);
+  /* Another live writer's temporary file counts as a checkpoint. The oldest go first, so that the
+   * directory never holds more than `keep` checkpoints, the one being written included; but the
+   * newest stays until its successor is in (with keep 1 the only one). */
+  const int64_t live = ckpt_clean_stale(dir, NULL);
+  int64_t others = keep - 1 - live;
+  if (keep > 1) prune_steps(dir, others > 1 ? others : 1, d->ts.step);
   if (ckpt_write(path, m, d, cfg, st) || write_latest(dir, name, st)) return st->code;
   dt_strlcpy(written, path, cap);
-  prune_steps(dir, keep - 1, d->ts.step);
+  prune_steps(dir, others > 0 ? others : 0, d->ts.step);
   return 0;
 }
 

@@ -62,6 +62,11 @@ static int trainer_start(dt_trainer *tr) {
     tr->ts.world_size = W;
   }
   step_restore(tr);
+  int stale = 0;
+  if (tr->comm->rank == 0 && v->ckpt_dir[0]) ckpt_clean_stale(v->ckpt_dir, &stale);
+  if (stale)
+    log_line(&tr->lg, "removed %d temporary file%s that crashed runs left in %s", stale, stale > 1 ? "s" : "",
+             v->ckpt_dir);
   if (resume)
     log_line(&tr->lg, "resuming at step %lld (epoch %lld, batch %lld of %lld)%s", (long long)tr->ts.step,
              (long long)tr->ts.epoch + 1, (long long)tr->ts.micro, (long long)tr->micro_per_epoch,
@@ -89,6 +94,7 @@ static int save_checkpoint(dt_trainer *tr, int best) {
     char path[1200];
     if (!log_mkdirs(v->ckpt_dir, &st)) {
       if (best) {
+        ckpt_clean_stale(v->ckpt_dir, NULL);
         snprintf(path, sizeof path, "%s/best.h5", v->ckpt_dir);
         if (!ckpt_write(path, tr->m, &tr->scratch, tr->cfg, &st)) log_line(&tr->lg, "saved %s (best so far)", path);
       } else if (!ckpt_save_step(v->ckpt_dir, v->ckpt_keep, tr->m, &tr->scratch, tr->cfg, path, sizeof path, &st)) {

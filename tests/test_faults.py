@@ -142,6 +142,54 @@ class Resume(unittest.TestCase):
         rc, out, err = run(self.args + ["--resume", "auto", "--set", "optim.lr=0.05"])
         self.assertEqual(rc, 0, out + err)
 
+    def test_stale_temporary_files_are_removed_and_counted(self):
+        # A kill -9 during a write leaves NAME.tmp.PID behind. At start-up and before each write those
+        # whose writer is gone are removed: a dead PID, or a live process that is not ddp_train. A live
+        # ddp_train's counts as one of the `keep` checkpoints.
+        ckpt = self.w.file("ckpt")
+        os.mkdir(ckpt)
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        sleeper = subprocess.Popen(["sleep", "120"])
+        fake = self.w.file("ddp_train")  # a live process with ddp_train's name
+        shutil.copy("/bin/sleep", fake)
+        writer = subprocess.Popen([fake, "120"])
+        try:
+            stale = [f"step-00000007.h5.tmp.{dead.pid}", f"latest.tmp.{dead.pid}", f"best.h5.tmp.{sleeper.pid}",
+                     f"step-00000002.h5.tmp.{sleeper.pid}"]
+            kept = [f"step-00000009.h5.tmp.{writer.pid}", "notes.tmp.123"]  # a live writer's, and not ours
+            for name in stale + kept:
+                with open(os.path.join(ckpt, name), "wb") as f:
+                    f.write(b"\0" * 100000)
+            rc, out, err = run(self.args + ["--set", "checkpoint.every_steps=1", "--set", "checkpoint.keep=3",
+                                            "--set", "train.max_steps=5"], np_=2)
+            self.assertEqual(rc, 0, out + err)
+            self.assertIn(f"removed 4 temporary files that crashed runs left in {ckpt}", out)
+            self.assertEqual(sorted(os.listdir(ckpt)), sorted(["latest", "step-00000004.h5", "step-00000005.h5"] + kept))
+            # and before each write: a writer that dies during the run (its file then stale), and a file
+            # left while the run is under way
+            args = self.args + ["--set", "checkpoint.every_steps=1", "--set", "checkpoint.keep=3",
+                                "--set", "train.epochs=100", "--resume", "auto", "--set", "log.every_steps=1000"]
+            p = subprocess.Popen(["mpirun", "--oversubscribe", "-np", "2", BINARY] + args, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=ENV)
+            deadline = time.monotonic() + 30
+            while latest(self.w).endswith("step-00000005.h5") and time.monotonic() < deadline:
+                time.sleep(0.01)
+            writer.kill()
+            writer.wait()
+            with open(os.path.join(ckpt, f"step-00000011.h5.tmp.{dead.pid}"), "wb") as f:
+                f.write(b"\0" * 100000)
+            self.assertIsNone(p.poll(), "the run ended before the files were left")
+            out, err = p.communicate(timeout=120)
+            self.assertEqual(p.returncode, 0, out + err)
+            self.assertNotIn("removed", out)  # not at start-up
+            self.assertEqual(sorted(os.listdir(ckpt)),
+                             ["latest", "notes.tmp.123", "step-00000798.h5", "step-00000799.h5", "step-00000800.h5"])
+        finally:
+            for p in (sleeper, writer):
+                p.kill()
+                p.wait()
+
     def test_resume_auto_without_checkpoint_starts_fresh(self):
         rc, out, err = run(self.args + ["--resume", "auto", "--set", "train.max_steps=2"])
         self.assertEqual(rc, 0, err)
