@@ -194,6 +194,7 @@ static int train_step(dt_trainer *tr, dt_train_result *res) {
   dt_step_report mine = {0};
   double data_s = 0;
   step_run(tr, &mine, &data_s, &st);
+  if (!st.code && tr->lg.st.code) st = tr->lg.st; /* a metrics line lost since the last step */
   int code = step_agree(tr, &mine, &st);
   if (code) return code;
   metrics_step(&tr->win, tr->ts.step, tr->total, tr->epoch, tr->lr, tr->all.loss_sum / tr->target_count, tr->count,
@@ -263,6 +264,11 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, cons
     for (tr->os = tr->epoch == tr->ts.epoch ? tr->ts.micro / tr->accum : 0;
          tr->os < tr->opt_per_epoch && !tr->stop && !code; tr->os++)
       code = train_step(tr, res);
+  if (!code) { /* the last lines (the last step's, the last evaluation's) are in, or the run fails */
+    dt_status st = {0};
+    log_finish(&tr->lg, &st);
+    code = comm_agree(comm, &st);
+  }
   code = trainer_report_end(tr, code, res);
   step_close(tr);
   metrics_free(&tr->win);

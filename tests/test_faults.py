@@ -307,6 +307,22 @@ class StopsAndFailures(unittest.TestCase):
         for np_ in (1, 2):
             self.fill_the_disk(mlp, np_)
 
+    def test_a_lost_metrics_line_is_exit_5(self):
+        # metrics.jsonl on a disk that takes nothing (/dev/full: every write is ENOSPC): the line of
+        # step 1 is lost, so every rank exits 5 at the agreement of step 2; and a run whose only
+        # lines are its last (one step) exits 5 at its end, not 0 with an empty log
+        os.mkdir(self.w.file("log"))
+        os.symlink("/dev/full", self.w.file("log/metrics.jsonl"))
+        for steps in (5, 1):
+            rc, out, err = run([self.cfg, "--set", f"train.max_steps={steps}"], np_=2)
+            self.assertEqual(rc, 5, out + err)
+            line = errors(err)[0]
+            self.assertIn(f"{self.w.file('log/metrics.jsonl')}: writing metrics failed: No space left on device",
+                          line)
+            self.assertIn("step 1/", out)
+            self.assertNotIn("step 3/", out)
+            self.assertNotIn("done:", out)
+
     def test_keep_fits_a_disk_of_keep_checkpoints(self):
         # the oldest goes before the next is written: keep=3 needs room for 3 checkpoints, not 4
         rc, out, err = run([self.cfg, "--set", "train.max_steps=1"], np_=1)
