@@ -142,6 +142,24 @@ class UsageErrors(unittest.TestCase):
         finally:
             w.cleanup()
 
+    def test_deep_nesting_is_refused_with_its_place(self):
+        # 30,000 levels in a file crashed or hung the parser (its recursion overflowed the stack), and
+        # a 60,000-level --set value hung the job for ever: refused past 256 levels, naming the place
+        w = Workdir()
+        try:
+            deep = w.config("model:\n  input: [4]\n  layers: " + "[" * 30000 + "]" * 30000 + "\n", name="deep.yaml")
+            self.check(["--dry-run", deep], f"{deep}:3:265: YAML nested more than 256 levels deep", np_=2)
+            maps = w.config("model: " + "{{a: " * 30000 + "1" + "}}" * 30000 + "\n", name="maps.yaml")
+            self.check(["--dry-run", maps], f"{maps}:1:1028: YAML nested more than 256 levels deep", np_=1)
+            self.check(["--dry-run", "configs/mlp.yaml", "--set", "model.layers=" + "[" * 60000 + "]" * 60000],
+                       "--set model.layers:1:257: YAML nested more than 256 levels deep", np_=2)
+            # 256 levels are YAML enough: what fails is the layer list
+            rc, out, err = run(["--dry-run", "configs/mlp.yaml", "--set", "model.layers=" + "[" * 255 + "]" * 255])
+            self.assertEqual(rc, 2, out + err)
+            self.assertNotIn("nested", err)
+        finally:
+            w.cleanup()
+
 
 class BadData(unittest.TestCase):
     """Each bad input of the data exits 2 naming the file, the dataset and the index."""
