@@ -53,7 +53,13 @@ static hid_t open_read(const char *path, const char *what, dt_status *st) {
     return -1;
   }
   hid_t f = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
-  if (f < 0)
+  if (f >= 0) return f;
+  if (h5_error_is_lock())
+    dt_fail(st, DT_EXIT_INPUT,
+            "%s: %s: the file is locked (another process has it open for writing; on shared filesystems set "
+            "HDF5_USE_FILE_LOCKING=FALSE): %s",
+            path, what, h5_error_text(e, sizeof e));
+  else
     dt_fail(st, DT_EXIT_INPUT, "%s: %s: not a readable HDF5 file (truncated or corrupt): %s", path, what,
             h5_error_text(e, sizeof e));
   return f;

@@ -40,6 +40,18 @@ const char *h5_error_text(char *buf, size_t cap) {
   return buf;
 }
 
+static herr_t find_lock(unsigned n, const H5E_error2_t *e, void *ctx) {
+  (void)n;
+  if (e->min_num == H5E_CANTLOCKFILE) *(int *)ctx = 1;
+  return 0;
+}
+
+int h5_error_is_lock(void) {
+  int found = 0;
+  H5Ewalk2(H5E_DEFAULT, H5E_WALK_DOWNWARD, find_lock, &found);
+  return found;
+}
+
 void h5_quiet(void) {
   H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
 }

@@ -11,6 +11,9 @@
 
 /* The innermost messages of HDF5's error stack into buf; returns buf. */
 const char *h5_error_text(char *buf, size_t cap);
+/* Whether HDF5's error stack says a file could not be locked (another process holds it, or the
+ * filesystem has no locks); leaves the stack for h5_error_text. */
+int h5_error_is_lock(void);
 /* Turns off HDF5's own printing of errors: ddp_train reports them itself. */
 void h5_quiet(void);
 

@@ -227,6 +227,26 @@ class BadData(unittest.TestCase):
             f.truncate(size // 3)
         line = self.check(self.data)
         self.assertRegex(line, "not a readable HDF5 file|cannot open HDF5 file|cannot read")
+        self.assertNotIn("locked", line)  # HDF5's "truncated file: ... sblock->base_addr" is no lock
+
+    def test_locked_file_says_so(self):
+        holder = subprocess.Popen(["/usr/bin/python3", "-c", "import h5py, sys, time\n"
+                                   f"f = h5py.File({self.data!r}, 'a')\nprint('open', flush=True)\ntime.sleep(60)"],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            self.assertEqual(holder.stdout.readline().strip(), "open")
+            line = self.check(f"{self.data}: cannot open HDF5 file: ", np_=1)
+            self.assertIn("unable to lock the file", line)
+            self.assertIn("(the file is locked; on shared filesystems set HDF5_USE_FILE_LOCKING=FALSE)", line)
+            # the checkpoint reader too (model.init_from, --resume)
+            free = self.w.file("free.h5")
+            shutil.copy(self.data, free)
+            rc, out, err = run([self.cfg, "--set", f"data.path={free}", "--set", f"model.init_from={self.data}"])
+            self.assertEqual(rc, 2, out + err)
+            self.assertIn(f"{self.data}: model.init_from: the file is locked", errors(err)[0])
+        finally:
+            holder.kill()
+            holder.wait()
 
     def test_wrong_element_type(self):
         def ints(f):
