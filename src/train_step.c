@@ -401,29 +401,44 @@ static void read_results(dt_trainer *tr, dt_step_report *mine, dt_status *st) {
   mine->correct += r[1];
 }
 
+/* What a rank whose batch failed (st set) runs instead: one zeroed row (input, label or target, row
+ * number), so that its step's collectives (the gradient sums, the graph choice, a batchnorm's sums)
+ * meet the other ranks'. The step agreement then ends the run on every rank at this step. */
+static dt_dev_batch *stand_in(dt_trainer *tr, int64_t *rows) {
+  const dt_model *m = tr->m;
+  dt_backend *be = tr->be;
+  dt_dev_batch *db = &tr->step->in[tr->step->micro_count++ % 2];
+  be->zero(be, db->raw, (size_t)shape_size(m->input) * sizeof(float));
+  be->zero(be, db->labels, (size_t)m->n_labels * sizeof(int32_t));
+  be->zero(be, db->targets, (size_t)(m->loss.kind == DT_LOSS_MSE ? m->n_outputs : 1) * sizeof(float));
+  be->zero(be, db->rows, sizeof(int32_t));
+  be->zero(be, db->seed, sizeof(uint64_t));
+  *rows = 1;
+  return db;
+}
+
 void step_run(dt_trainer *tr, dt_step_report *mine, double *data_s, dt_status *st) {
   tr->step->inject = fault_fire(tr->opts->fault, tr->comm->rank, tr->ts.step + 1);
   tr->lr = schedule_lr(tr->v, tr->ts.step, tr->total);
   optim_prepare(&tr->step->opt, tr->be, tr->lr);
-  for (int64_t j = 0; j < tr->k && !st->code; j++) {
+  for (int64_t j = 0; j < tr->k; j++) {
     int64_t rows = tr->step->ahead_rows;
     if (j == 0 && tr->step->ahead_st.code) *st = tr->step->ahead_st;
     dt_dev_batch *db = st->code                    ? NULL
                        : j == 0 && tr->step->ahead ? tr->step->ahead
                                                    : upload_next(tr, 0, &rows, data_s, st);
     tr->step->ahead = NULL;
-    if (tr->k == 1) { /* a collective choice: made by a rank whose batch failed too */
-      const int how = graph_choice(tr, db, rows);
-      if (db) queue_single(tr, db, rows, how);
+    const int failed = !db;
+    if (failed) db = stand_in(tr, &rows);
+    if (tr->k == 1) { /* a collective choice: a rank whose batch failed runs its stand-in eagerly */
+      queue_single(tr, db, rows, graph_choice(tr, failed ? NULL : db, rows));
       break;
     }
-    if (!db) break;
     queue_micro(tr, db, rows, j == 0, j == tr->k - 1);
   }
-  if (st->code) return;
   if (tr->k > 1) queue_update(tr);
   wait_step(tr, data_s);
-  read_results(tr, mine, st);
+  read_results(tr, mine, st); /* a failed batch's status stays: dt_fail keeps the first */
 }
 
 /* A signal or the time limit on any rank stops every rank at this same step; a failed step ends

@@ -261,6 +261,29 @@ class StopsAndFailures(unittest.TestCase):
         p = params(latest(self.w))
         self.assertTrue(all(np.isfinite(v).all() for v in p.values()))
 
+    def test_a_batch_failing_on_one_rank_only_ends_every_rank_with_exit_5(self):
+        # A corrupt chunk among rank 1's rows only (contiguous sharding, read batch by batch, in file
+        # order): rank 1's batch of step 13 fails while rank 0's is fine. Rank 1 still runs that step's
+        # collectives (on a stand-in row), so every rank reaches the step agreement and exits 5; before,
+        # rank 1 went to the agreement while rank 0 was in the gradient sum (an MPI error, exit 70).
+        data = self.w.dataset(n=400)
+        with h5py.File(data, "a") as f:
+            x = f["train/images"][...]
+            del f["train/images"]
+            f.create_dataset("train/images", data=x, chunks=(10,) + x.shape[1:], compression="gzip")
+        with h5py.File(data, "r") as f:
+            chunk = f["train/images"].id.get_chunk_info_by_coord((250, 0, 0, 0))
+        with open(data, "r+b") as f:
+            f.seek(chunk.byte_offset)
+            f.write(b"\xff" * chunk.size)
+        rc, out, err = run([self.cfg, "--set", "data.cache=none", "--set", "data.sharding=contiguous",
+                            "--set", "data.shuffle=false", "--set", "data.val.x="], np_=2)
+        self.assertEqual(rc, 5, out + err)
+        lines = errors(err)
+        self.assertEqual(len(lines), 1, err)
+        self.assertIn(f"on rank 1 (1 of 2 ranks failed): {data}: reading '/train/images'[250] failed", lines[0])
+        self.assertEqual([r["step"] for r in self.w.metrics() if "loss" in r], list(range(1, 13)))
+
     def test_bad_fault_spec_is_exit_2(self):
         rc, out, err, _ = run_fault([self.cfg], "boom")
         self.assertEqual(rc, 2)
