@@ -261,6 +261,33 @@ class StopsAndFailures(unittest.TestCase):
         p = params(latest(self.w))
         self.assertTrue(all(np.isfinite(v).all() for v in p.values()))
 
+    def test_data_truncated_during_training_is_exit_5(self):
+        # data.cache none reads every batch from the file; HDF5 reads past the end of a file truncated
+        # under it as zeros, and the run went on training on them. Every read now checks the file's size.
+        data = self.w.dataset(n=400)
+        args = [self.cfg, "--set", "data.cache=none", "--set", "data.val.x=", "--set", "train.epochs=200",
+                "--set", "checkpoint.dir="]
+        p = subprocess.Popen(["mpirun", "--oversubscribe", "-np", "2", BINARY] + args, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=ENV)
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not (os.path.exists(self.w.file("log/metrics.jsonl")) and
+                                                       len(open(self.w.file("log/metrics.jsonl")).readlines()) >= 3):
+                time.sleep(0.02)
+            with open(data, "r+b") as f:  # in place: the same file, half of it
+                f.truncate(os.path.getsize(data) // 2)
+            out, err = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+        self.assertEqual(p.returncode, 5, out + err)
+        lines = errors(err)
+        self.assertEqual(len(lines), 1, err)
+        self.assertRegex(lines[0], rf"{data}: reading '/train/images'\[[0-9]+\]: the file changed under the run "
+                                   r"\([0-9]+ bytes when opened, now [0-9]+\)")
+        self.assertNotIn("done:", out)
+
     def test_a_batch_failing_on_one_rank_only_ends_every_rank_with_exit_5(self):
         # A corrupt chunk among rank 1's rows only (contiguous sharding, read batch by batch, in file
         # order): rank 1's batch of step 13 fails while rank 0's is fine. Rank 1 still runs that step's
@@ -281,7 +308,8 @@ class StopsAndFailures(unittest.TestCase):
         self.assertEqual(rc, 5, out + err)
         lines = errors(err)
         self.assertEqual(len(lines), 1, err)
-        self.assertIn(f"on rank 1 (1 of 2 ranks failed): {data}: reading '/train/images'[250] failed", lines[0])
+        self.assertIn(f"on rank 1 (1 of 2 ranks failed): {data}: cannot read '/train/images'[250] (corrupt or "
+                      "unreadable file?)", lines[0])
         self.assertEqual([r["step"] for r in self.w.metrics() if "loss" in r], list(range(1, 13)))
 
     def test_bad_fault_spec_is_exit_2(self):
