@@ -137,18 +137,18 @@ static int evaluate_if_due(dt_trainer *tr, int end_of_epoch, dt_train_result *re
   char ema_text[128] = "", ema_json[128] = "";
   if (ema && va >= 0) {
     snprintf(ema_text, sizeof ema_text, " | ema_val_loss %.4f ema_val_acc %.4f", evl, eva);
-    snprintf(ema_json, sizeof ema_json, ", \"ema_val_loss\": %.6g, \"ema_val_acc\": %.6g", evl, eva);
+    snprintf(ema_json, sizeof ema_json, ", \"ema_val_loss\": %.9g, \"ema_val_acc\": %.9g", evl, eva);
   } else if (ema) {
     snprintf(ema_text, sizeof ema_text, " | ema_val_mse %.6f", evl);
-    snprintf(ema_json, sizeof ema_json, ", \"ema_val_loss\": %.6g", evl);
+    snprintf(ema_json, sizeof ema_json, ", \"ema_val_loss\": %.9g", evl);
   }
   if (va >= 0) {
     log_line(&tr->lg, "eval step %lld epoch %lld: val_loss %.4f val_acc %.4f%s", step, epoch, vl, va, ema_text);
-    log_metrics(&tr->lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.6g, \"val_acc\": %.6g%s", step, epoch, vl,
+    log_metrics(&tr->lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.9g, \"val_acc\": %.9g%s", step, epoch, vl,
                 va, ema_json);
   } else {
     log_line(&tr->lg, "eval step %lld epoch %lld: val_mse %.6f%s", step, epoch, vl, ema_text);
-    log_metrics(&tr->lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.6g%s", step, epoch, vl, ema_json);
+    log_metrics(&tr->lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.9g%s", step, epoch, vl, ema_json);
   }
   int metric = v->early_metric != DT_METRIC_NONE ? v->early_metric : va >= 0 ? DT_METRIC_VAL_ACC : DT_METRIC_VAL_LOSS;
   const double values[] = {0, vl, va, evl, eva};

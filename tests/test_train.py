@@ -1,6 +1,7 @@
 """Training end to end on the CPU: the loss falls and the model learns, N-rank equivalence
 (np 1 against 2 and 3), synchronised batchnorm equivalence, and the metrics and model files."""
 import os
+import re
 import unittest
 
 import h5py
@@ -30,6 +31,11 @@ class Smoke(unittest.TestCase):
             self.assertGreater(evals[-1]["val_acc"], 0.9)
             for key in ("step", "epoch", "loss", "lr", "samples_per_s", "step_ms", "data_ms", "comm_ms"):
                 self.assertIn(key, steps[0])
+            # losses are written to round-trip a float32 (%.9g), not to 6 digits that hide small differences
+            with open(w.file("log/metrics.jsonl")) as f:
+                digits = [len(re.sub(r"e.*|[-.]", "", v).lstrip("0"))
+                          for v in re.findall(r'"(?:loss|val_loss)": ([-0-9.e+]+)', f.read())]
+            self.assertEqual(max(digits), 9, digits)
             self.assertIn("best val_acc", out)
             self.assertEqual(out.count("done:"), 1)  # rank 0 only
             p = final_params(w.latest())
