@@ -281,7 +281,11 @@ int64_t config_global_batch(const dt_config_values *v, int world) {
 
 int64_t config_max_local_rows(const dt_config_values *v, int world) {
   int64_t G = config_global_batch(v, world);
-  return (G + world - 1) / world + 1;
+  return (G + world - 1) / world; /* shares differ by one at most: the largest is the rounded-up one */
+}
+
+int64_t config_model_rows(const dt_config_values *v, int world) {
+  return config_max_local_rows(v, world) + 1;
 }
 
 int config_load(dt_config *cfg, const char *path, char *const *sets, int n_sets, dt_status *st) {

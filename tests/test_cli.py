@@ -43,7 +43,7 @@ class DryRunAndInfo(unittest.TestCase):
     def test_dry_run_memory_estimate(self):
         rc, out, err = run(["--dry-run", "configs/model.yaml"], np_=2)
         self.assertEqual(rc, 0, err)
-        self.assertRegex(out, r"memory per rank at 129 rows: [0-9.]+ MiB = parameters 3.3 \+ gradients 3.3 \+ "
+        self.assertRegex(out, r"memory per rank at 128 rows: [0-9.]+ MiB = parameters 3.3 \+ gradients 3.3 \+ "
                               r"optimizer 3.3 .* activations [0-9.]+ .*MiB (free on this rank's GPU|of available host)")
         # by hand: 60,000 rows of 784 uint8 and an int32 label (every rank holds them all with global
         # sharding) = 45.09 MiB; one 25 MiB bucket is more than the 870,826 parameters: 2 bytes each = 1.66 MiB
@@ -54,6 +54,33 @@ class DryRunAndInfo(unittest.TestCase):
         rc, out, err = run(["--dry-run", "configs/resnet18_cifar.yaml", "--set", "train.global_batch_size=2000000"])
         self.assertEqual(rc, 2, out + err)
         self.assertIn("the batch does not fit: a rank needs", errors(err)[0])
+        # the rows are the largest share of the global batch: 8 on one rank (it said 9), 3 of 8 on three
+        w = Workdir()
+        try:
+            w.dataset()
+            cfg = w.config(TINY_CNN)
+            for np_, rows in ((1, 8), (3, 3)):
+                rc, out, err = run(["--dry-run", cfg], np_=np_)
+                self.assertEqual(rc, 0, out + err)
+                self.assertIn(f"memory per rank at {rows} rows:", out)
+        finally:
+            w.cleanup()
+
+    def test_a_batch_that_does_not_fit_is_exit_2_in_a_real_run_too(self):
+        # --dry-run's memory check ran in the dry run only: a real run went on to allocate and died of
+        # it (exit 70). Both run the same check now, before anything is allocated.
+        w = Workdir()
+        try:
+            w.dataset()
+            cfg = w.config(TINY_CNN)
+            for G, needle in ((10**12, "the batch does not fit: a rank's 1000000000000 rows of up to 144 values"),
+                              (10**9, "the batch does not fit: a rank needs")):
+                for extra in ([], ["--dry-run"]):
+                    rc, out, err = run(extra + [cfg, "--set", f"train.global_batch_size={G}"])
+                    self.assertEqual(rc, 2, f"{extra} {G}: {out}{err}")
+                    self.assertIn(needle, errors(err)[0])
+        finally:
+            w.cleanup()
 
     def test_make_install_with_man_page(self):
         with tempfile.TemporaryDirectory() as prefix:
