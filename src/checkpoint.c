@@ -65,12 +65,51 @@ static hid_t open_read(const char *path, const char *what, dt_status *st) {
   return f;
 }
 
-static int read_model(const char *path, const dt_model *m, float *params, float *bufs, dt_status *st) {
+/* The datasets of /model that the model has no tensor for, as a list for a message. */
+typedef struct {
+  const dt_model *m;
+  int n;
+  char list[600];
+} extra_tensors;
+
+static herr_t note_extra(hid_t obj, const char *name, const H5O_info_t *info, void *ctx) {
+  (void)obj;
+  extra_tensors *x = ctx;
+  if (info->type != H5O_TYPE_DATASET) return 0;
+  for (int i = 0; i < x->m->n_tensors; i++)
+    if (!strcmp(x->m->tensors[i].name, name)) return 0;
+  size_t len = strlen(x->list);
+  if (x->n++ < 8)
+    snprintf(x->list + len, sizeof x->list - len, "%s'%s'", len ? ", " : "", name);
+  else if (x->n == 9)
+    snprintf(x->list + len, sizeof x->list - len, ", ...");
+  return 0;
+}
+
+/* model.init_from: every tensor of the model from /model, shapes checked; a dataset of /model that
+ * the model does not have is an error too (as PyTorch's strict load_state_dict), unless
+ * ignore_extra (model.init_from_ignore_extra). */
+static int read_model(const char *path, const dt_model *m, float *params, float *bufs, int ignore_extra,
+                      dt_status *st) {
   hid_t f = open_read(path, "model.init_from", st);
   if (f < 0) return st->code;
   for (int i = 0; i < m->n_tensors && !st->code; i++) {
     const dt_tensor *t = &m->tensors[i];
     read_tensor(f, path, "/model", t, (t->is_buffer ? bufs : params) + t->offset, st);
+  }
+  if (!st->code && !ignore_extra) {
+    extra_tensors x = {.m = m};
+    hid_t g = H5Gopen2(f, "/model", H5P_DEFAULT);
+    char e[256];
+    if (g < 0 || H5Ovisit2(g, H5_INDEX_NAME, H5_ITER_NATIVE, note_extra, &x, H5O_INFO_BASIC) < 0)
+      dt_fail(st, DT_EXIT_INPUT, "%s: model.init_from: cannot list /model: %s", path, h5_error_text(e, sizeof e));
+    else if (x.n)
+      dt_fail(st, DT_EXIT_INPUT,
+              "%s: model.init_from: %d tensor%s in /model that this model does not have: %s (another model's, or "
+              "a head weight where this model ties its head to the embedding?); set model.init_from_ignore_extra: "
+              "true to load the model's tensors and leave those",
+              path, x.n, x.n > 1 ? "s" : "", x.list);
+    if (g >= 0) H5Gclose(g);
   }
   H5Fclose(f);
   return st->code;
@@ -461,12 +500,13 @@ typedef struct {
   const dt_model *m;
   dt_ckpt_data *d;
   float *params, *bufs;
+  int ignore_extra;
   dt_train_state *ts;
 } probe_args;
 
 static int probe_model(void *ctx, dt_status *st) {
   probe_args *a = ctx;
-  return read_model(a->path, a->m, a->params, a->bufs, st);
+  return read_model(a->path, a->m, a->params, a->bufs, a->ignore_extra, st);
 }
 
 static int probe_meta(void *ctx, dt_status *st) {
@@ -485,10 +525,10 @@ static int probe_load(void *ctx, dt_status *st) {
   return st->code;
 }
 
-int ckpt_read_model(const char *path, const dt_model *m, float *params, float *bufs, dt_status *st) {
-  probe_args a = {.path = path, .m = m, .params = params, .bufs = bufs};
+int ckpt_read_model(const char *path, const dt_model *m, float *params, float *bufs, int ignore_extra, dt_status *st) {
+  probe_args a = {.path = path, .m = m, .params = params, .bufs = bufs, .ignore_extra = ignore_extra};
   if (h5_probe(path, "model.init_from", probe_model, &a, CKPT_PROBE_TIMEOUT_S, st)) return st->code;
-  return read_model(path, m, params, bufs, st);
+  return read_model(path, m, params, bufs, ignore_extra, st);
 }
 
 int ckpt_read_meta(const char *path, dt_train_state *ts, char **config_text, dt_status *st) {

@@ -27,6 +27,7 @@ typedef struct {
   const dt_node *layers; /* borrowed from tree */
   const dt_node *loss;   /* borrowed from tree */
   char *init_from;
+  int init_from_ignore_extra;
   int fuse;
   /* data */
   char *data_path, *train_x, *train_y, *val_x, *val_y;

@@ -258,7 +258,8 @@ static int init_params(const dt_config *cfg, dt_model *m, dt_comm *comm) {
   float *hb = dt_malloc((size_t)(m->n_bufs ? m->n_bufs : 1) * sizeof(float));
   be->to_host(be, hp, m->params, (size_t)m->n_params * sizeof(float));
   be->to_host(be, hb, m->bufs, (size_t)m->n_bufs * sizeof(float));
-  if (comm->rank == 0 && cfg->v.init_from[0]) ckpt_read_model(cfg->v.init_from, m, hp, hb, &st);
+  if (comm->rank == 0 && cfg->v.init_from[0])
+    ckpt_read_model(cfg->v.init_from, m, hp, hb, cfg->v.init_from_ignore_extra, &st);
   int code = comm_agree(comm, &st);
   if (!code) {
     comm_bcast(comm, hp, (size_t)m->n_params * sizeof(float), 0);
