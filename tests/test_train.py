@@ -89,6 +89,26 @@ class Smoke(unittest.TestCase):
         finally:
             w.cleanup()
 
+    def test_nan_in_the_inputs_is_named_as_the_data(self):
+        # a NaN in row 17 of float32 images: step 3 (rows 16-23 in file order) fails on rank 0, whose
+        # share holds it; the message says it was the data, not the learning rate, and names the row
+        w = Workdir()
+        try:
+            data = w.dataset(n=64, dtype=np.float32)
+            with h5py.File(data, "a") as f:
+                f["train/images"][17, 0, 2, 3] = np.nan
+            cfg = w.config(TINY_CNN)
+            for cache in ("memory", "none", "device"):
+                rc, out, err = run([cfg, "--set", "data.shuffle=false", "--set", f"data.cache={cache}"], np_=2)
+                self.assertEqual(rc, 4, out + err)
+                line = errors(err)[0]
+                self.assertIn("on rank 0 (1 of 2 ranks failed)", line)
+                self.assertIn(f"at step 3 (epoch 1), and this rank's inputs of the step are not finite: {data}: "
+                              "'/train/images'[17] holds a NaN; it is the data, not the learning rate", line)
+                self.assertNotIn("optim.lr", line)
+        finally:
+            w.cleanup()
+
     def test_nan_loss_exits_4(self):
         w = Workdir()
         try:
