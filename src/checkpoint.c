@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <hdf5.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,25 +53,70 @@ static hid_t open_read(const char *path, const char *what, dt_status *st) {
     return -1;
   }
   hid_t f = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
-  if (f < 0)
+  if (f >= 0) return f;
+  if (h5_error_is_lock())
+    dt_fail(st, DT_EXIT_INPUT,
+            "%s: %s: the file is locked (another process has it open for writing; on shared filesystems set "
+            "HDF5_USE_FILE_LOCKING=FALSE): %s",
+            path, what, h5_error_text(e, sizeof e));
+  else
     dt_fail(st, DT_EXIT_INPUT, "%s: %s: not a readable HDF5 file (truncated or corrupt): %s", path, what,
             h5_error_text(e, sizeof e));
   return f;
 }
 
-static int read_model(const char *path, const dt_model *m, float *params, float *bufs, dt_status *st) {
+/* The datasets of /model that the model has no tensor for, as a list for a message. */
+typedef struct {
+  const dt_model *m;
+  int n;
+  char list[600];
+} extra_tensors;
+
+static herr_t note_extra(hid_t obj, const char *name, const H5O_info_t *info, void *ctx) {
+  (void)obj;
+  extra_tensors *x = ctx;
+  if (info->type != H5O_TYPE_DATASET) return 0;
+  for (int i = 0; i < x->m->n_tensors; i++)
+    if (!strcmp(x->m->tensors[i].name, name)) return 0;
+  size_t len = strlen(x->list);
+  if (x->n++ < 8)
+    snprintf(x->list + len, sizeof x->list - len, "%s'%s'", len ? ", " : "", name);
+  else if (x->n == 9)
+    snprintf(x->list + len, sizeof x->list - len, ", ...");
+  return 0;
+}
+
+/* model.init_from: every tensor of the model from /model, shapes checked; a dataset of /model that
+ * the model does not have is an error too (as PyTorch's strict load_state_dict), unless
+ * ignore_extra (model.init_from_ignore_extra). */
+static int read_model(const char *path, const dt_model *m, float *params, float *bufs, int ignore_extra,
+                      dt_status *st) {
   hid_t f = open_read(path, "model.init_from", st);
   if (f < 0) return st->code;
   for (int i = 0; i < m->n_tensors && !st->code; i++) {
     const dt_tensor *t = &m->tensors[i];
     read_tensor(f, path, "/model", t, (t->is_buffer ? bufs : params) + t->offset, st);
   }
+  if (!st->code && !ignore_extra) {
+    extra_tensors x = {.m = m};
+    hid_t g = H5Gopen2(f, "/model", H5P_DEFAULT);
+    char e[256];
+    if (g < 0 || H5Ovisit2(g, H5_INDEX_NAME, H5_ITER_NATIVE, note_extra, &x, H5O_INFO_BASIC) < 0)
+      dt_fail(st, DT_EXIT_INPUT, "%s: model.init_from: cannot list /model: %s", path, h5_error_text(e, sizeof e));
+    else if (x.n)
+      dt_fail(st, DT_EXIT_INPUT,
+              "%s: model.init_from: %d tensor%s in /model that this model does not have: %s (another model's, or "
+              "a head weight where this model ties its head to the embedding?); set model.init_from_ignore_extra: "
+              "true to load the model's tensors and leave those",
+              path, x.n, x.n > 1 ? "s" : "", x.list);
+    if (g >= 0) H5Gclose(g);
+  }
   H5Fclose(f);
   return st->code;
 }
 
-static int fsync_path(const char *path, int dir) {
-  int fd = open(path, dir ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+static int fsync_dir(const char *path) {
+  int fd = open(path, O_RDONLY | O_DIRECTORY);
   if (fd < 0) return -1;
   int rc = fsync(fd);
   close(fd);
@@ -123,26 +169,73 @@ static int write_group(hid_t f, const char *group, const dt_model *m, const floa
   return bad ? -1 : 0;
 }
 
-int ckpt_write(const char *path, const dt_model *m, const dt_ckpt_data *d, const dt_config *cfg, dt_status *st) {
-  char tmp[1200], e[256] = "";
+/* Writes len bytes to path atomically: into path.tmp.PID, fsynced, renamed over path, then the
+ * directory fsynced. Exit 5 naming path and what was written on any failure, the temporary removed. */
+static int write_atomic(const char *path, const void *data, size_t len, const char *what, dt_status *st) {
+  char tmp[1200], dir[1200];
   snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
-  h5_quiet();
-  hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
-  H5Pset_libver_bounds(fapl, H5F_LIBVER_V110, H5F_LIBVER_LATEST); /* checksummed metadata */
-  errno = 0;
-  hid_t f = H5Fcreate(tmp, H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
-  H5Pclose(fapl);
-  if (f < 0) {
-    int err = errno;
-    return dt_fail(st, DT_EXIT_IO, "%s: cannot create: %s%s%s", tmp, err ? strerror(err) : "", err ? "; " : "",
-                   h5_error_text(e, sizeof e));
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (fd < 0) return dt_fail(st, DT_EXIT_IO, "%s: cannot create: %s", tmp, strerror(errno));
+  const char *p = data;
+  int err = 0;
+  while (len && !err) {
+    ssize_t w = write(fd, p, len);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0)
+      err = w < 0 ? errno : EIO;
+    else
+      p += w, len -= (size_t)w;
   }
-  errno = 0;
-  int bad = write_group(f, "/model", m, d->params, d->bufs, 0);
+  if (!err && fsync(fd)) err = errno;
+  if (close(fd) && !err) err = errno;
+  if (err) {
+    unlink(tmp);
+    return dt_fail(st, DT_EXIT_IO, "%s: writing %s failed: %s", path, what, strerror(err));
+  }
+  dt_strlcpy(dir, path, sizeof dir);
+  char *slash = strrchr(dir, '/');
+  if (slash)
+    *slash = 0;
+  else
+    snprintf(dir, sizeof dir, ".");
+  if (rename(tmp, path) || fsync_dir(dir)) {
+    err = errno;
+    unlink(tmp);
+    return dt_fail(st, DT_EXIT_IO, "%s: committing %s failed: %s", path, what, strerror(err));
+  }
+  return 0;
+}
+
+/* Closes f, an h5_image's file, and writes the image to path atomically (write_atomic). Exit 5
+ * naming path when HDF5 failed before (bad) or at the close, or the write failed. */
+static int commit_image(hid_t f, h5_image *im, int bad, const char *path, const char *what, dt_status *st) {
+  char e[256] = "";
+  if (bad) h5_error_text(e, sizeof e);
+  if (H5Fclose(f) < 0 && !bad) bad = 1, h5_error_text(e, sizeof e);
+  size_t len = bad ? 0 : h5_image_length(im);
+  if (!bad && !len) snprintf(e, sizeof e, "HDF5 left no complete file in memory");
+  int rc = len ? write_atomic(path, im->buf, len, what, st)
+               : dt_fail(st, DT_EXIT_IO, "%s: writing %s failed: %s", path, what, e);
+  h5_image_free(im);
+  return rc;
+}
+
+int ckpt_write(const char *path, const dt_model *m, const dt_ckpt_data *d, const dt_config *cfg, dt_status *st) {
+  char e[256];
   const dt_train_state *ts = &d->ts;
   const dt_optim_ops *optim = dt_optim_kinds[ts->optim];
-  if (!bad && d->opt[0]) bad |= H5Gclose(H5Gcreate2(f, "/optim", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)) < 0;
-  for (int k = 0; k < DT_OPTIM_MAX_STATES && !bad && d->opt[k]; k++) {
+  int states = 0;
+  while (states < DT_OPTIM_MAX_STATES && d->opt[states]) states++;
+  /* the image grows in steps of its tensors' size and a margin for the metadata */
+  size_t hint = (size_t)(m->n_params * (1 + states) + m->n_bufs) * sizeof(float) + ((size_t)1 << 20);
+  if (d->ema_params) hint += (size_t)(m->n_params + m->n_bufs) * sizeof(float);
+  h5_image im;
+  hid_t f = h5_image_create(&im, path, hint);
+  if (f < 0)
+    return dt_fail(st, DT_EXIT_IO, "%s: cannot create the checkpoint in memory: %s", path, h5_error_text(e, sizeof e));
+  int bad = write_group(f, "/model", m, d->params, d->bufs, 0);
+  if (!bad && states) bad |= H5Gclose(H5Gcreate2(f, "/optim", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)) < 0;
+  for (int k = 0; k < states && !bad; k++) {
     char g[64];
     snprintf(g, sizeof g, "/optim/%s", optim->state_names[k]);
     bad |= write_group(f, g, m, d->opt[k], NULL, 1);
@@ -167,50 +260,15 @@ int ckpt_write(const char *path, const dt_model *m, const dt_ckpt_data *d, const
              attr_num(meta, "loss_scale_growth", H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &ts->scale_growth)));
     if (meta >= 0) H5Gclose(meta);
   }
-  int err = errno;
-  if (bad) h5_error_text(e, sizeof e);
-  if (H5Fclose(f) < 0) {
-    bad = 1;
-    if (!err) err = errno;
-    if (!e[0]) h5_error_text(e, sizeof e);
-  }
-  if (!bad && fsync_path(tmp, 0)) bad = 1, err = errno;
-  if (bad) {
-    unlink(tmp);
-    return dt_fail(st, DT_EXIT_IO, "%s: writing the checkpoint failed: %s%s%s", path, err ? strerror(err) : "",
-                   err && e[0] ? "; " : "", e);
-  }
-  char dir[1200];
-  dt_strlcpy(dir, path, sizeof dir);
-  char *slash = strrchr(dir, '/');
-  if (slash)
-    *slash = 0;
-  else
-    snprintf(dir, sizeof dir, ".");
-  if (rename(tmp, path) || fsync_path(dir, 1)) {
-    err = errno;
-    unlink(tmp);
-    return dt_fail(st, DT_EXIT_IO, "%s: committing the checkpoint failed: %s", path, strerror(err));
-  }
-  return 0;
+  return commit_image(f, &im, bad, path, "the checkpoint", st);
 }
 
 /* Replaces dir/latest with name, atomically. */
 static int write_latest(const char *dir, const char *name, dt_status *st) {
-  char tmp[1200], path[1200];
+  char path[1200], line[300];
   snprintf(path, sizeof path, "%s/latest", dir);
-  snprintf(tmp, sizeof tmp, "%s/latest.tmp.%d", dir, (int)getpid());
-  FILE *f = fopen(tmp, "w");
-  int ok = f && fprintf(f, "%s\n", name) > 0;
-  if (f) ok = (fflush(f) == 0) && ok && fsync(fileno(f)) == 0;
-  int err = errno;
-  if (f && fclose(f) != 0) ok = 0, err = errno;
-  if (!ok || rename(tmp, path) || fsync_path(dir, 1)) {
-    if (ok) err = errno;
-    unlink(tmp);
-    return dt_fail(st, DT_EXIT_IO, "%s: updating the latest pointer failed: %s", path, strerror(err));
-  }
-  return 0;
+  int n = snprintf(line, sizeof line, "%s\n", name);
+  return write_atomic(path, line, (size_t)n, "the latest pointer", st);
 }
 
 static int64_t step_of(const char *name) {
@@ -258,17 +316,74 @@ static void prune_steps(const char *dir, int64_t others, int64_t current) {
   free(steps);
 }
 
+/* The pid of a temporary file of ours (NAME.tmp.PID, NAME a step file, best.h5 or latest), else -1. */
+static long tmp_pid(const char *name) {
+  const char *t = strstr(name, ".tmp.");
+  if (!t) return -1;
+  while (strstr(t + 1, ".tmp.")) t = strstr(t + 1, ".tmp.");
+  char base[256];
+  size_t n = (size_t)(t - name);
+  if (n >= sizeof base) return -1;
+  memcpy(base, name, n);
+  base[n] = 0;
+  if (step_of(base) < 0 && strcmp(base, "best.h5") && strcmp(base, "latest")) return -1;
+  char *end;
+  errno = 0;
+  long pid = strtol(t + 5, &end, 10);
+  return errno || end == t + 5 || *end || pid <= 0 ? -1 : pid;
+}
+
+/* Whether pid may still be writing: another process of this program's name, running on this host
+ * (by /proc/PID/comm; without /proc, any process). This process writes one file at a time, so a
+ * temporary file of its own pid is a crashed run's that had it before. */
+static int writer_alive(long pid) {
+  if (pid == (long)getpid() || (kill((pid_t)pid, 0) != 0 && errno == ESRCH)) return 0;
+  char mine[64] = "", theirs[64] = "", path[64];
+  FILE *f = fopen("/proc/self/comm", "r");
+  if (!f) return 1;
+  if (!fgets(mine, sizeof mine, f)) mine[0] = 0;
+  fclose(f);
+  snprintf(path, sizeof path, "/proc/%ld/comm", pid);
+  if (!(f = fopen(path, "r"))) return 0; /* gone since */
+  if (!fgets(theirs, sizeof theirs, f)) theirs[0] = 0;
+  fclose(f);
+  return mine[0] && !strcmp(mine, theirs);
+}
+
+int ckpt_clean_stale(const char *dir, int *removed) {
+  int live = 0, gone = 0;
+  DIR *dp = opendir(dir);
+  struct dirent *de;
+  while (dp && (de = readdir(dp))) {
+    long pid = tmp_pid(de->d_name);
+    if (pid < 0) continue;
+    if (writer_alive(pid)) {
+      live++;
+      continue;
+    }
+    char path[1200];
+    snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+    gone += unlink(path) == 0;
+  }
+  if (dp) closedir(dp);
+  if (removed) *removed = gone;
+  return live;
+}
+
 int ckpt_save_step(const char *dir, int64_t keep, const dt_model *m, const dt_ckpt_data *d, const dt_config *cfg,
                    char *written, size_t cap, dt_status *st) {
   char name[64], path[1200];
   snprintf(name, sizeof name, "step-%08lld.h5", (long long)d->ts.step);
   snprintf(path, sizeof path, "%s/%s", dir, name);
-  /* The oldest goes first, so that the directory never holds more than `keep` checkpoints, the
-   * one being written included; with keep 1 the only checkpoint stays until its successor is in. */
-  if (keep > 1) prune_steps(dir, keep - 1, d->ts.step);
+  /* Another live writer's temporary file counts as a checkpoint. The oldest go first, so that the
+   * directory never holds more than `keep` checkpoints, the one being written included; but the
+   * newest stays until its successor is in (with keep 1 the only one). */
+  const int64_t live = ckpt_clean_stale(dir, NULL);
+  int64_t others = keep - 1 - live;
+  if (keep > 1) prune_steps(dir, others > 1 ? others : 1, d->ts.step);
   if (ckpt_write(path, m, d, cfg, st) || write_latest(dir, name, st)) return st->code;
   dt_strlcpy(written, path, cap);
-  prune_steps(dir, keep - 1, d->ts.step);
+  prune_steps(dir, others > 0 ? others : 0, d->ts.step);
   return 0;
 }
 
@@ -385,12 +500,13 @@ typedef struct {
   const dt_model *m;
   dt_ckpt_data *d;
   float *params, *bufs;
+  int ignore_extra;
   dt_train_state *ts;
 } probe_args;
 
 static int probe_model(void *ctx, dt_status *st) {
   probe_args *a = ctx;
-  return read_model(a->path, a->m, a->params, a->bufs, st);
+  return read_model(a->path, a->m, a->params, a->bufs, a->ignore_extra, st);
 }
 
 static int probe_meta(void *ctx, dt_status *st) {
@@ -409,10 +525,10 @@ static int probe_load(void *ctx, dt_status *st) {
   return st->code;
 }
 
-int ckpt_read_model(const char *path, const dt_model *m, float *params, float *bufs, dt_status *st) {
-  probe_args a = {.path = path, .m = m, .params = params, .bufs = bufs};
+int ckpt_read_model(const char *path, const dt_model *m, float *params, float *bufs, int ignore_extra, dt_status *st) {
+  probe_args a = {.path = path, .m = m, .params = params, .bufs = bufs, .ignore_extra = ignore_extra};
   if (h5_probe(path, "model.init_from", probe_model, &a, CKPT_PROBE_TIMEOUT_S, st)) return st->code;
-  return read_model(path, m, params, bufs, st);
+  return read_model(path, m, params, bufs, ignore_extra, st);
 }
 
 int ckpt_read_meta(const char *path, dt_train_state *ts, char **config_text, dt_status *st) {
@@ -431,11 +547,10 @@ int ckpt_load(const char *path, const dt_model *m, dt_ckpt_data *d, char **confi
 
 int ckpt_write_predictions(const char *path, const float *logits, const int32_t *labels, int64_t n, int64_t k,
                            dt_status *st) {
-  char tmp[1200], e[256];
-  snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
-  h5_quiet();
-  hid_t f = H5Fcreate(tmp, H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
-  if (f < 0) return dt_fail(st, DT_EXIT_IO, "%s: cannot create: %s", tmp, h5_error_text(e, sizeof e));
+  char e[256];
+  h5_image im;
+  hid_t f = h5_image_create(&im, path, (size_t)(n * (k + 1)) * 4 + ((size_t)1 << 20));
+  if (f < 0) return dt_fail(st, DT_EXIT_IO, "%s: cannot create in memory: %s", path, h5_error_text(e, sizeof e));
   hsize_t dims[2] = {(hsize_t)n, (hsize_t)k};
   hid_t sp = H5Screate_simple(2, dims, NULL);
   hid_t ds = H5Dcreate2(f, "/logits", H5T_IEEE_F32LE, sp, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
@@ -449,12 +564,7 @@ int ckpt_write_predictions(const char *path, const float *logits, const int32_t 
     if (ds >= 0) H5Dclose(ds);
     H5Sclose(sp);
   }
-  if (H5Fclose(f) < 0) bad = 1;
-  if (bad || fsync_path(tmp, 0) || rename(tmp, path)) {
-    unlink(tmp);
-    return dt_fail(st, DT_EXIT_IO, "%s: writing predictions failed: %s", path, h5_error_text(e, sizeof e));
-  }
-  return 0;
+  return commit_image(f, &im, bad, path, "predictions", st);
 }
 
 int ckpt_candidates(const char *dir, char names[][1024], int max) {

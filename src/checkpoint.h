@@ -11,10 +11,10 @@
  *                                 applied: AdamW's t; step less skipped fp16 steps); with train.precision fp16
  *                                 also loss_scale and loss_scale_growth (GradScaler's growth tracker)
  * Datasets are chunked with Fletcher-32 checksums and the file uses HDF5's newer format with
- * checksummed metadata; both are verified on load. Files are written as step-00000123.h5 under a
- * temporary name, fsynced, renamed, the directory fsynced, then `latest` (a text file holding
- * the name) is replaced the same way. The oldest step files go before the write (keep > 1), so
- * that at most checkpoint.keep exist, the one being written included. */
+ * checksummed metadata; both are verified on load. Files are built in memory (h5_image: HDF5 never
+ * meets a disk error) and written as step-00000123.h5 under a temporary name, fsynced, renamed, the
+ * directory fsynced, then `latest` (a text file holding the name) is replaced the same way. The oldest step files go
+ * before the write (keep > 1), so that at most checkpoint.keep exist, the one being written included. */
 #ifndef DT_CHECKPOINT_H
 #define DT_CHECKPOINT_H
 
@@ -47,17 +47,24 @@ typedef struct {
 } dt_ckpt_data;
 
 /* Loads the /model tensors of path into params and bufs (model.init_from). Exit 2 naming the
- * file and the tensor on a missing tensor or a shape mismatch. */
-int ckpt_read_model(const char *path, const dt_model *m, float *params, float *bufs, dt_status *st);
+ * file and the tensor on a missing tensor or a shape mismatch, and naming them when /model holds
+ * tensors the model does not have, unless ignore_extra (model.init_from_ignore_extra). */
+int ckpt_read_model(const char *path, const dt_model *m, float *params, float *bufs, int ignore_extra, dt_status *st);
 
 /* Writes a checkpoint to path atomically. Exit 5 naming the path on any failure, with any
  * earlier file left as it was. */
 int ckpt_write(const char *path, const dt_model *m, const dt_ckpt_data *d, const dt_config *cfg, dt_status *st);
 
 /* Writes dir/step-<step>.h5, points dir/latest at it and keeps the newest `keep` step files,
- * removing the oldest before writing (keep > 1) so that no more than `keep` are ever on disk. */
+ * removing the oldest before writing (keep > 1) so that no more than `keep` are ever on disk:
+ * stale temporary files go first (ckpt_clean_stale), and a live writer's counts as a checkpoint. */
 int ckpt_save_step(const char *dir, int64_t keep, const dt_model *m, const dt_ckpt_data *d, const dt_config *cfg,
                    char *written, size_t cap, dt_status *st);
+
+/* Removes the temporary files (step-N.h5.tmp.PID, best.h5.tmp.PID, latest.tmp.PID) that crashed
+ * writers left in dir: those whose PID is not another running process of this program on this host.
+ * Returns how many remain (a live writer's); *removed (may be NULL): how many went. */
+int ckpt_clean_stale(const char *dir, int *removed);
 
 /* Reads only the /meta attributes: the training state and the stored config (caller frees).
  * Exit 2 naming the file when it is unreadable or not a ddp_train checkpoint. */

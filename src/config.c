@@ -17,7 +17,12 @@ static const dt_key config_keys[] = {
     {"model.loss", DT_KEY_NODE, F(loss), "cross_entropy", NOB, NULL,
      "`cross_entropy`, `mse`, or a one-key map such as `{cross_entropy: {label_smoothing: 0.1}}`"},
     {"model.init_from", DT_KEY_STRING, F(init_from), "\"\"", NOB, NULL,
-     "HDF5 file in the checkpoint layout to load parameters and batchnorm buffers from"},
+     "HDF5 file in the checkpoint layout to load parameters and batchnorm buffers from; every tensor of the "
+     "model must be in its /model, with its shape"},
+    {"model.init_from_ignore_extra", DT_KEY_BOOL, F(init_from_ignore_extra), "false", NOB, NULL,
+     "load model.init_from even when its /model holds tensors this model does not have (a head weight where the "
+     "model ties its head to the embedding, a layer removed), leaving them unused; false: exit 2 naming them, as "
+     "PyTorch's strict load_state_dict"},
     {"model.fuse", DT_KEY_BOOL, F(fuse), "true", NOB, NULL,
      "a relu right after a batchnorm runs inside it (one pass fewer over the activations each way, the same "
      "results bit for bit); false runs them apart"},
@@ -284,7 +289,11 @@ int64_t config_global_batch(const dt_config_values *v, int world) {
 
 int64_t config_max_local_rows(const dt_config_values *v, int world) {
   int64_t G = config_global_batch(v, world);
-  return (G + world - 1) / world + 1;
+  return (G + world - 1) / world; /* shares differ by one at most: the largest is the rounded-up one */
+}
+
+int64_t config_model_rows(const dt_config_values *v, int world) {
+  return config_max_local_rows(v, world) + 1;
 }
 
 int config_load(dt_config *cfg, const char *path, char *const *sets, int n_sets, dt_status *st) {

@@ -27,6 +27,7 @@ typedef struct {
   const dt_node *layers; /* borrowed from tree */
   const dt_node *loss;   /* borrowed from tree */
   char *init_from;
+  int init_from_ignore_extra;
   int fuse;
   /* data */
   char *data_path, *train_x, *train_y, *val_x, *val_y;
@@ -84,9 +85,14 @@ int config_load(dt_config *cfg, const char *path, char *const *sets, int n_sets,
 void config_free(dt_config *cfg);
 /* Rows of one global micro-batch on `world` ranks: train.global_batch_size, or train.batch_size per rank. */
 int64_t config_global_batch(const dt_config_values *v, int world);
-/* Rows of the largest local batch: the global batch split over `world` ranks, plus one for an
- * uneven split (what every buffer is sized for). */
+/* Rows of the largest local batch: the global batch split over `world` ranks, rounded up (an
+ * uneven split's largest share; sampler.h's split_lo). */
 int64_t config_max_local_rows(const dt_config_values *v, int world);
+/* Rows the model's buffers hold (model_alloc): one more than the largest local batch. No training
+ * batch uses the extra row, but evaluation and --predict run the validation rows in chunks of this
+ * many, and a convolution's last bits depend on its batch (oneDNN chooses its kernel by it): one row
+ * fewer changes the validation results, so it stays. */
+int64_t config_model_rows(const dt_config_values *v, int world);
 
 /* Prints the key table as a Markdown table (docs/config.md). */
 void config_print_keys(FILE *out);

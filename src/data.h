@@ -45,9 +45,14 @@ typedef struct {
   dt_split train, val;
   int has_val;
   int cached;
+  int watched;  /* fd and size are set: every read checks that the file still has that size */
+  int fd;       /* HDF5's descriptor of the file (borrowed) */
+  int64_t size; /* bytes when opened */
 } dt_data;
 
-/* Opens and validates both splits; every failure is exit 2 naming file, dataset and index.
+/* Opens and validates both splits; every failure is exit 2 naming file, dataset and index. Every read
+ * after (data_fill, data_gather) checks that the file still has the size it had when opened: a file
+ * truncated under the run reads as zeros in HDF5, and is exit 5 naming the file, dataset and rows.
  * The training rows held depend on sharding (see sampler.h). */
 int data_open(dt_data *d, const dt_config *cfg, const dt_model *m, int world, int rank, dt_status *st);
 void data_close(dt_data *d);
@@ -55,12 +60,13 @@ void data_close(dt_data *d);
 /* Reads the training rows into the cache that data_open left pending (the training split's x of an
  * image or vector model cached in host memory), so that the first step need not wait for it: the
  * loader's thread calls it after the first batch, which it reads row by row. Nothing to do when
- * nothing is pending. Returns 0 or st (exit 2 naming the file and dataset, as data_open's reads). */
+ * nothing is pending. Returns 0 or st (exit 2 naming the file, dataset and rows, as data_open's
+ * reads; exit 5 when the file changed since). */
 int data_fill(dt_data *d, dt_status *st);
 
 /* Rows idx[0..n) (absolute row numbers within [lo, hi)) of split as float (n, row_elems), with
  * labels (n * labels per row: T for a token model) or targets (n, y_k). Returns 0 or st (exit 5 on
- * a read failure). */
+ * a read failure or a changed file, naming the file, dataset and row). */
 int data_gather(dt_data *d, dt_split *s, const int64_t *idx, int64_t n, float *x, int32_t *labels, float *targets,
                 dt_status *st);
 
@@ -88,10 +94,10 @@ typedef struct {
   pthread_t thread;
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  dt_status st;  /* first error seen by the thread */
+  dt_status st;    /* first error seen by the thread */
   int64_t err_seq; /* the batch (sequence number) it stopped */
-  int filling;   /* the thread has the training cache (data_fill) still to read */
-  double wait_s; /* time the consumer waited in loader_next since the last reset */
+  int filling;     /* the thread has the training cache (data_fill) still to read */
+  double wait_s;   /* time the consumer waited in loader_next since the last reset */
 } dt_loader;
 
 void loader_start(dt_loader *L, dt_data *d, dt_sampler *s, const dt_model *m, int64_t start_epoch, int64_t start_step,

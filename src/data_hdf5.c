@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "data.h"
 #include "h5util.h"
@@ -54,8 +55,47 @@ static int get_dims(hid_t ds, hsize_t *dims, int max) {
   return nd;
 }
 
-/* Reads rows [lo, hi) of ds (row = prod(dims[1..])) as mem_type into buf. */
-static int read_rows(hid_t ds, hid_t mem_type, int64_t lo, int64_t hi, int64_t row_elems, void *buf) {
+/* Watches the file for a change of size from now on (data_changed): HDF5 reads past the end of a file
+ * truncated under it as zeros. With HDF5's own descriptor (the sec2 driver, Linux's default), so that
+ * it is the file HDF5 reads even when the path has been replaced since. */
+static int watch_file(dt_data *d, dt_status *st) {
+  hid_t fapl = H5Fget_access_plist(d->file);
+  const int sec2 = fapl >= 0 && H5Pget_driver(fapl) == H5FD_SEC2;
+  if (fapl >= 0) H5Pclose(fapl);
+  int *fd = NULL;
+  struct stat sb;
+  if (!sec2) return 0; /* another driver: unwatched */
+  if (H5Fget_vfd_handle(d->file, H5P_DEFAULT, (void **)&fd) < 0 || !fd || fstat(*fd, &sb) != 0) {
+    char e[512];
+    return dt_fail(st, DT_EXIT_INPUT, "%s: data.path: cannot stat the open file: %s", d->path,
+                   h5_error_text(e, sizeof e));
+  }
+  d->fd = *fd;
+  d->size = (int64_t)sb.st_size;
+  d->watched = 1;
+  return 0;
+}
+
+/* The size of the file now when it is no longer the size it had when opened (or -2: fstat failed);
+ * -1 when unchanged or unwatched. */
+static int64_t data_changed(const dt_data *d) {
+  struct stat sb;
+  if (!d->watched) return -1;
+  if (fstat(d->fd, &sb) != 0) return -2;
+  return (int64_t)sb.st_size == d->size ? -1 : (int64_t)sb.st_size;
+}
+
+/* Reads rows [lo, hi) of ds, dataset `name`, as mem_type into buf. On failure sets st naming the file,
+ * the dataset and the rows: exit `code` when HDF5 fails (a corrupt file found at start-up is bad
+ * input, 2; a read during training an I/O failure, 5), exit 5 when the file has changed size since
+ * it was opened (truncated or rewritten under the run: what was read cannot be trusted). */
+static int read_rows(const dt_data *d, hid_t ds, const char *name, hid_t mem_type, int64_t lo, int64_t hi, void *buf,
+                     int code, dt_status *st) {
+  char rows[64];
+  if (hi - lo == 1)
+    snprintf(rows, sizeof rows, "[%lld]", (long long)lo);
+  else
+    snprintf(rows, sizeof rows, "[%lld:%lld]", (long long)lo, (long long)hi);
   hid_t fsp = H5Dget_space(ds);
   int nd = H5Sget_simple_extent_ndims(fsp);
   hsize_t start[8] = {0}, count[8];
@@ -63,14 +103,32 @@ static int read_rows(hid_t ds, hid_t mem_type, int64_t lo, int64_t hi, int64_t r
   start[0] = (hsize_t)lo;
   count[0] = (hsize_t)(hi - lo);
   herr_t rc = H5Sselect_hyperslab(fsp, H5S_SELECT_SET, start, NULL, count, NULL);
-  (void)row_elems; /* the memory space has the file's shape, which keeps HDF5 on its fast path */
+  /* the memory space has the file's shape, which keeps HDF5 on its fast path */
   hid_t msp = H5Screate_simple(nd, count, NULL);
   if (rc >= 0) rc = H5Dread(ds, mem_type, msp, fsp, H5P_DEFAULT, buf);
   hid_t failure = rc < 0 ? H5Eget_current_stack() : -1; /* the closes would clear it before h5_error_text */
   H5Sclose(msp);
   H5Sclose(fsp);
   if (failure >= 0) H5Eset_current_stack(failure);
-  return rc < 0 ? -1 : 0;
+  const int64_t now = data_changed(d);
+  if (now != -1) {
+    if (rc < 0) H5Eclear2(H5E_DEFAULT);
+    char was[128];
+    if (now == -2)
+      snprintf(was, sizeof was, "and it cannot be examined now: %s", strerror(errno));
+    else
+      snprintf(was, sizeof was, "now %lld", (long long)now);
+    return dt_fail(st, DT_EXIT_IO,
+                   "%s: reading '%s'%s: the file changed under the run (%lld bytes when opened, %s): truncated or "
+                   "rewritten in place? what was read from it cannot be trusted",
+                   d->path, name, rows, (long long)d->size, was);
+  }
+  if (rc < 0) {
+    char e[512];
+    return dt_fail(st, code, "%s: cannot read '%s'%s (corrupt or unreadable file?): %s", d->path, name, rows,
+                   h5_error_text(e, sizeof e));
+  }
+  return 0;
 }
 
 /* Compares x's trailing dims with model.input, ignoring leading 1s on either side. */
@@ -94,7 +152,7 @@ static int shape_matches(int nd, const hsize_t *dims, const dt_shape *in) {
 /* A probe (cache DT_CACHE_PROBE) reads only the first and last window: the real open checks the rest. */
 static int open_token_split(dt_data *d, dt_split *s, const char *xkey, const dt_model *m, int64_t lo_frac_r, int world,
                             int contiguous, int probe, dt_status *st) {
-  char e[512], dt[128];
+  char dt[128];
   hid_t dx = open_dset(d, s->x_name, xkey, st);
   if (dx < 0) return st->code;
   hsize_t xd[8];
@@ -126,23 +184,21 @@ static int open_token_split(dt_data *d, dt_split *s, const char *xkey, const dt_
   if (probe) { /* the rows this rank holds, at both ends (the chunk index is walked to reach them) */
     int32_t *ends = dt_malloc((size_t)(2 * (t + 1)) * sizeof(int32_t));
     int64_t last = xn == 2 ? s->hi - 1 : first + count - (t + 1);
-    int bad = rows && (xn == 2 ? read_rows(dx, H5T_NATIVE_INT32, s->lo, s->lo + 1, t + 1, ends) ||
-                                     read_rows(dx, H5T_NATIVE_INT32, last, last + 1, t + 1, ends + t + 1)
-                               : read_rows(dx, H5T_NATIVE_INT32, first, first + t + 1, 1, ends) ||
-                                     read_rows(dx, H5T_NATIVE_INT32, last, last + t + 1, 1, ends + t + 1));
+    const char *x = s->x_name;
+    if (rows)
+      rc = xn == 2 ? read_rows(d, dx, x, H5T_NATIVE_INT32, s->lo, s->lo + 1, ends, DT_EXIT_INPUT, st) ||
+                         read_rows(d, dx, x, H5T_NATIVE_INT32, last, last + 1, ends + t + 1, DT_EXIT_INPUT, st)
+                   : read_rows(d, dx, x, H5T_NATIVE_INT32, first, first + t + 1, ends, DT_EXIT_INPUT, st) ||
+                         read_rows(d, dx, x, H5T_NATIVE_INT32, last, last + t + 1, ends + t + 1, DT_EXIT_INPUT, st);
+    rc = rc ? st->code : 0;
     free(ends);
-    if (bad)
-      rc = dt_fail(st, DT_EXIT_INPUT, "%s: cannot read '%s' (corrupt or unreadable file?): %s", d->path, s->x_name,
-                   h5_error_text(e, sizeof e));
     goto out;
   }
   s->tokens = dt_malloc((size_t)(count ? count : 1) * sizeof(int32_t));
-  if (count && (xn == 2 ? read_rows(dx, H5T_NATIVE_INT32, s->lo, s->hi, t + 1, s->tokens)
-                        : read_rows(dx, H5T_NATIVE_INT32, first, first + count, 1, s->tokens))) {
-    rc = dt_fail(st, DT_EXIT_INPUT, "%s: cannot read '%s' (corrupt or unreadable file?): %s", d->path, s->x_name,
-                 h5_error_text(e, sizeof e));
+  if (count && (rc = xn == 2 ? read_rows(d, dx, s->x_name, H5T_NATIVE_INT32, s->lo, s->hi, s->tokens, DT_EXIT_INPUT, st)
+                             : read_rows(d, dx, s->x_name, H5T_NATIVE_INT32, first, first + count, s->tokens,
+                                         DT_EXIT_INPUT, st)))
     goto out;
-  }
   for (int64_t i = 0; i < count; i++)
     if (s->tokens[i] < 0 || s->tokens[i] >= vocab) {
       if (xn == 2)
@@ -226,19 +282,14 @@ static int check_y(dt_data *d, dt_split *s, hid_t dy, const char *ykey, const dt
 
 /* This rank's rows [lo, hi) of y into memory: labels (each checked against the outputs) or targets. */
 static int read_y(dt_data *d, dt_split *s, hid_t dy, const dt_model *m, dt_status *st) {
-  char e[512];
   int64_t rows = s->hi - s->lo;
   if (s->y_k) {
     s->targets = dt_malloc((size_t)(rows * s->y_k + 1) * sizeof(float));
-    if (rows && read_rows(dy, H5T_NATIVE_FLOAT, s->lo, s->hi, s->y_k, s->targets))
-      return dt_fail(st, DT_EXIT_INPUT, "%s: cannot read '%s' (corrupt or unreadable file?): %s", d->path, s->y_name,
-                     h5_error_text(e, sizeof e));
-    return 0;
+    return rows ? read_rows(d, dy, s->y_name, H5T_NATIVE_FLOAT, s->lo, s->hi, s->targets, DT_EXIT_INPUT, st) : 0;
   }
   s->labels = dt_malloc((size_t)(rows ? rows : 1) * sizeof(int32_t));
-  if (rows && read_rows(dy, H5T_NATIVE_INT32, s->lo, s->hi, 1, s->labels))
-    return dt_fail(st, DT_EXIT_INPUT, "%s: cannot read '%s' (corrupt or unreadable file?): %s", d->path, s->y_name,
-                   h5_error_text(e, sizeof e));
+  if (rows && read_rows(d, dy, s->y_name, H5T_NATIVE_INT32, s->lo, s->hi, s->labels, DT_EXIT_INPUT, st))
+    return st->code;
   for (int64_t i = 0; i < rows; i++)
     if (s->labels[i] < 0 || s->labels[i] >= m->n_outputs)
       return dt_fail(st, DT_EXIT_INPUT, "%s: '%s'[%lld] = %d: label outside [0, %lld) (the model has %lld outputs)",
@@ -251,7 +302,6 @@ static int read_y(dt_data *d, dt_split *s, hid_t dy, const dt_model *m, dt_statu
  * or left pending for data_fill (defer); or in the file, read batch by batch (s->dset_x). Takes
  * *dx when it keeps the dataset open (then -1). */
 static int place_x(dt_data *d, dt_split *s, hid_t *dx, int cache, int defer, dt_status *st) {
-  char e[512];
   int64_t rows = s->hi - s->lo;
   size_t bytes = (size_t)rows * (size_t)s->row_elems * s->x_elem;
   int in_memory =
@@ -265,9 +315,7 @@ static int place_x(dt_data *d, dt_split *s, hid_t *dx, int cache, int defer, dt_
   } else if (in_memory) {
     s->x = dt_malloc(bytes ? bytes : 1);
     hid_t mt = s->x_type == DT_X_U8 ? H5T_NATIVE_UINT8 : s->x_type == DT_X_F32 ? H5T_NATIVE_FLOAT : H5T_NATIVE_DOUBLE;
-    if (rows && read_rows(*dx, mt, s->lo, s->hi, s->row_elems, s->x))
-      return dt_fail(st, DT_EXIT_INPUT, "%s: cannot read '%s' (corrupt or unreadable file?): %s", d->path, s->x_name,
-                     h5_error_text(e, sizeof e));
+    if (rows && read_rows(d, *dx, s->x_name, mt, s->lo, s->hi, s->x, DT_EXIT_INPUT, st)) return st->code;
     d->cached = 1;
   } else {
     s->dset_x = *dx;
@@ -339,11 +387,12 @@ static int open_splits(dt_data *d, const dt_config *cfg, const dt_model *m, int 
   d->file = H5Fopen(d->path, H5F_ACC_RDONLY, H5P_DEFAULT);
   if (d->file < 0) {
     char e[512];
+    int lock = h5_error_is_lock(); /* not a search of the text: "sblock" of a truncated file's message */
     h5_error_text(e, sizeof e);
-    int lock = strstr(e, "lock") != NULL;
     return dt_fail(st, DT_EXIT_INPUT, "%s: cannot open HDF5 file: %s%s", d->path, e,
                    lock ? " (the file is locked; on shared filesystems set HDF5_USE_FILE_LOCKING=FALSE)" : "");
   }
+  if (watch_file(d, st)) return st->code;
   dt_strlcpy(d->train.x_name, v->train_x, sizeof d->train.x_name);
   dt_strlcpy(d->train.y_name, v->train_y, sizeof d->train.y_name);
   if (open_split(d, &d->train, "data.train.x", "data.train.y", m, rank, world, v->sharding == DT_SHARD_CONTIGUOUS,
@@ -405,12 +454,8 @@ int data_fill(dt_data *d, dt_status *st) {
   dt_split *s = &d->train;
   if (!s->x_pending) return 0;
   hid_t mt = s->x_type == DT_X_U8 ? H5T_NATIVE_UINT8 : s->x_type == DT_X_F32 ? H5T_NATIVE_FLOAT : H5T_NATIVE_DOUBLE;
-  int rc = 0;
-  if (read_rows(s->dset_x, mt, s->lo, s->hi, s->row_elems, s->x)) {
-    char e[512];
-    rc = dt_fail(st, DT_EXIT_INPUT, "%s: cannot read '%s' (corrupt or unreadable file?): %s", d->path, s->x_name,
-                 h5_error_text(e, sizeof e));
-  }
+  /* a corrupt chunk is bad input, found late (exit 2); a file changed since data_open, exit 5 */
+  int rc = read_rows(d, s->dset_x, s->x_name, mt, s->lo, s->hi, s->x, DT_EXIT_INPUT, st);
   H5Dclose(s->dset_x);
   s->dset_x = -1;
   s->x_pending = 0;
@@ -463,10 +508,9 @@ int data_gather(dt_data *d, dt_split *s, const int64_t *idx, int64_t n, float *x
   }
   unsigned char row[8 * 4096];
   int from_cache = s->x && !s->x_pending; /* pending: the first batch, read row by row */
-  void *tmp = from_cache ? NULL
-              : s->row_elems * (int64_t)s->x_elem <= (int64_t)sizeof row
-                  ? (void *)row
-                  : dt_malloc((size_t)s->row_elems * s->x_elem);
+  void *tmp = from_cache                                                 ? NULL
+              : s->row_elems * (int64_t)s->x_elem <= (int64_t)sizeof row ? (void *)row
+                                                                         : dt_malloc((size_t)s->row_elems * s->x_elem);
   hid_t mt = s->x_type == DT_X_U8 ? H5T_NATIVE_UINT8 : s->x_type == DT_X_F32 ? H5T_NATIVE_FLOAT : H5T_NATIVE_DOUBLE;
   for (int64_t i = 0; i < n; i++) {
     int64_t r = idx[i];
@@ -474,11 +518,9 @@ int data_gather(dt_data *d, dt_split *s, const int64_t *idx, int64_t n, float *x
     if (from_cache) {
       convert_row(s, (const char *)s->x + (size_t)(r - s->lo) * (size_t)s->row_elems * s->x_elem, x + i * s->row_elems);
     } else {
-      if (read_rows(s->dset_x, mt, r, r + 1, s->row_elems, tmp)) {
-        char e[512];
+      if (read_rows(d, s->dset_x, s->x_name, mt, r, r + 1, tmp, DT_EXIT_IO, st)) {
         if (tmp != row) free(tmp);
-        return dt_fail(st, DT_EXIT_IO, "%s: reading '%s'[%lld] failed: %s", d->path, s->x_name, (long long)r,
-                       h5_error_text(e, sizeof e));
+        return st->code;
       }
       convert_row(s, tmp, x + i * s->row_elems);
     }

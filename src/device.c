@@ -110,7 +110,7 @@ int device_select(int cuda, const dt_config *cfg, const dt_model *m, const dt_co
     return -1;
   }
   /* the kernels and cuDNN index a tensor with 32 bits */
-  int64_t rows = config_max_local_rows(&cfg->v, comm->size), values = rows * model_max_row(m);
+  int64_t rows = config_model_rows(&cfg->v, comm->size), values = rows * model_max_row(m); /* an eval chunk's */
   if (values >= ((int64_t)1 << 31)) {
     dt_fail(st, DT_EXIT_INPUT,
             "--device cuda: the largest tensor holds %lld values per rank (%lld rows x %lld), over the 2^31 "
@@ -157,14 +157,37 @@ static double mib(size_t b) {
   return (double)b / 1048576.0;
 }
 
-/* --dry-run: the memory a rank needs against what it has (its GPU's free memory when it runs on
- * one, else the host's available memory shared by the ranks on the node). */
+/* The host memory a new allocation can have: MemAvailable (free pages and the page cache the kernel
+ * can reclaim), or the free pages where the kernel does not say. */
+static size_t host_available(void) {
+  FILE *f = fopen("/proc/meminfo", "r");
+  char line[256];
+  unsigned long long kib = 0;
+  int found = 0;
+  while (f && !found && fgets(line, sizeof line, f)) found = sscanf(line, "MemAvailable: %llu kB", &kib) == 1;
+  if (f) fclose(f);
+  if (found) return (size_t)kib * 1024;
+  long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? (size_t)pages * (size_t)page : 0;
+}
+
+/* The memory a rank needs against what it has (its GPU's free memory when it runs on one, else the
+ * host's available memory shared by the ranks on the node). */
 void device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data *d, const dt_comm *comm, int gpu,
-                         dt_status *st) {
+                         int report, dt_status *st) {
   const dt_config_values *v = &cfg->v;
-  int64_t rows = config_max_local_rows(v, comm->size);
+  /* the training batch's rows are reported; the buffers, and so the memory, hold config_model_rows */
+  int64_t rows = config_max_local_rows(v, comm->size), held = config_model_rows(v, comm->size);
+  const double limit = (double)((int64_t)1 << 40); /* values in a tensor, as model.c's shapes */
+  if ((double)held * (double)model_max_row(m) > limit) {
+    dt_fail(st, DT_EXIT_INPUT,
+            "the batch does not fit: a rank's %lld rows of up to %lld values each are more than 2^40 values in one "
+            "tensor; lower train.batch_size or train.global_batch_size, or use more ranks",
+            (long long)rows, (long long)model_max_row(m));
+    return;
+  }
   int states = dt_optim_kinds[v->optim]->n_states(v);
-  dt_memory mem = model_memory(m, rows, states, device_threads(cfg, comm));
+  dt_memory mem = model_memory(m, held, states, device_threads(cfg, comm));
   char ema_part[32] = "";
   if (v->ema_decay > 0) {
     mem.ema = (size_t)(m->n_params + m->n_bufs) * sizeof(float);
@@ -193,13 +216,12 @@ void device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data 
     gpu_describe(gpu, gpu_line, sizeof gpu_line, &have);
     where = "free on this rank's GPU";
   } else {
-    long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-    have = pages > 0 && page > 0 ? (size_t)pages * (size_t)page / (size_t)comm->local_size : 0;
+    have = host_available() / (size_t)(comm->local_size > 0 ? comm->local_size : 1);
     where = "of available host memory per rank on this node";
   }
   char tokens[64] = ""; /* a token model's rows are sequences */
   if (m->tokens) snprintf(tokens, sizeof tokens, " of %lld tokens", (long long)m->tokens);
-  if (comm->rank == 0) {
+  if (report && comm->rank == 0) {
     printf(
         "memory per rank at %lld rows%s: %.1f MiB = parameters %.1f + gradients %.1f + optimizer %.1f%s + "
         "buffers %.1f + activations %.1f + workspace %.1f%s; %.0f MiB %s\n",

@@ -5,6 +5,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -37,6 +38,18 @@ const char *h5_error_text(char *buf, size_t cap) {
   H5Eclear2(H5E_DEFAULT);
   if (!buf[0]) snprintf(buf, cap, "unknown HDF5 error");
   return buf;
+}
+
+static herr_t find_lock(unsigned n, const H5E_error2_t *e, void *ctx) {
+  (void)n;
+  if (e->min_num == H5E_CANTLOCKFILE) *(int *)ctx = 1;
+  return 0;
+}
+
+int h5_error_is_lock(void) {
+  int found = 0;
+  H5Ewalk2(H5E_DEFAULT, H5E_WALK_DOWNWARD, find_lock, &found);
+  return found;
 }
 
 void h5_quiet(void) {
@@ -107,4 +120,82 @@ int h5_probe(const char *path, const char *what, int (*reader)(void *ctx, dt_sta
                  "%s: %s: the HDF5 reader exited with status %d before finishing: the file is likely corrupt "
                  "(check it with h5dump, or write it again)",
                  path, what, WIFEXITED(ws) ? WEXITSTATUS(ws) : -1);
+}
+
+/* ---- files built in memory: the core driver's memory, through file image callbacks that keep it
+ * after the close (HDF5 would free it) ---- */
+
+static void *image_malloc(size_t size, H5FD_file_image_op_t op, void *udata) {
+  (void)op;
+  h5_image *im = udata;
+  im->buf = dt_malloc(size ? size : 1);
+  im->cap = size;
+  return im->buf;
+}
+
+static void *image_memcpy(void *dst, const void *src, size_t size, H5FD_file_image_op_t op, void *udata) {
+  (void)op, (void)udata;
+  return memcpy(dst, src, size);
+}
+
+static void *image_realloc(void *ptr, size_t size, H5FD_file_image_op_t op, void *udata) {
+  (void)op;
+  h5_image *im = udata;
+  im->buf = dt_realloc(ptr, size ? size : 1);
+  im->cap = size;
+  return im->buf;
+}
+
+static herr_t image_free(void *ptr, H5FD_file_image_op_t op, void *udata) {
+  h5_image *im = udata;
+  if (op == H5FD_FILE_IMAGE_OP_FILE_CLOSE && ptr == im->buf) {
+    im->closed = 1; /* the final image: h5_image_free releases it */
+    return 0;
+  }
+  if (ptr == im->buf) im->buf = NULL, im->cap = 0;
+  free(ptr);
+  return 0;
+}
+
+static void *image_udata_copy(void *udata) {
+  return udata;
+}
+
+static herr_t image_udata_free(void *udata) {
+  (void)udata;
+  return 0;
+}
+
+hid_t h5_image_create(h5_image *im, const char *name, size_t size_hint) {
+  memset(im, 0, sizeof *im);
+  h5_quiet();
+  hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
+  if (fapl < 0) return -1;
+  H5FD_file_image_callbacks_t cb = {
+      image_malloc, image_memcpy, image_realloc, image_free, image_udata_copy, image_udata_free, im};
+  hid_t f = -1;
+  if (H5Pset_libver_bounds(fapl, H5F_LIBVER_V110, H5F_LIBVER_LATEST) >= 0 && /* checksummed metadata */
+      H5Pset_fapl_core(fapl, size_hint > 65536 ? size_hint : 65536, 0) >= 0 &&
+      H5Pset_file_image_callbacks(fapl, &cb) >= 0)
+    f = H5Fcreate(name, H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
+  H5Pclose(fapl);
+  return f;
+}
+
+size_t h5_image_length(const h5_image *im) {
+  /* superblock version 2 or 3 (the 1.10 format): signature, version, size of offsets O, size of
+   * lengths, flags, then base, extension and end-of-file addresses of O bytes each, little-endian */
+  static const unsigned char sig[8] = {0x89, 'H', 'D', 'F', '\r', '\n', 0x1a, '\n'};
+  const unsigned char *b = im->buf;
+  if (!im->closed || !b || im->cap < 48 || memcmp(b, sig, 8) || (b[8] != 2 && b[8] != 3)) return 0;
+  const int o = b[9];
+  if (o < 1 || o > 8 || (size_t)(12 + 3 * o) > im->cap) return 0;
+  uint64_t eof = 0;
+  for (int i = 0; i < o; i++) eof |= (uint64_t)b[12 + 2 * o + i] << (8 * i);
+  return eof >= 48 && eof <= im->cap ? (size_t)eof : 0;
+}
+
+void h5_image_free(h5_image *im) {
+  free(im->buf);
+  memset(im, 0, sizeof *im);
 }

@@ -88,12 +88,20 @@ const char *keys_suggest(const char *unknown, const char *const *candidates, int
   return best_d <= limit ? best : NULL;
 }
 
-/* Parses a scalar for key into field; message on failure names where. */
+/* An integer as YAML 1.2's core schema reads one: decimal with an optional sign, leading zeros
+ * included (010 is ten, not YAML 1.1's octal eight), 0o octal, 0x hexadecimal. */
 static int parse_int(const char *s, int64_t *v) {
+  int base = 10;
+  const char *digits = s;
+  if (s[0] == '0' && (s[1] == 'x' || s[1] == 'X'))
+    base = 16, digits = s + 2;
+  else if (s[0] == '0' && s[1] == 'o')
+    base = 8, digits = s + 2;
+  if (!isalnum((unsigned char)digits[0]) && !(base == 10 && (digits[0] == '-' || digits[0] == '+'))) return 0;
   char *end;
   errno = 0;
-  long long x = strtoll(s, &end, 0);
-  if (errno || end == s || *end) return 0;
+  long long x = strtoll(digits, &end, base);
+  if (errno || end == digits || *end) return 0;
   *v = (int64_t)x;
   return 1;
 }

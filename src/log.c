@@ -44,6 +44,21 @@ int log_open(dt_log *lg, int enabled, const char *dir, int progress_mode, int ap
   return 0;
 }
 
+static void lost(dt_log *lg, int err) {
+  dt_fail(&lg->st, DT_EXIT_IO, "%s: writing metrics failed: %s; the log misses lines from here on", lg->path,
+          strerror(err ? err : EIO));
+}
+
+int log_finish(dt_log *lg, dt_status *st) {
+  if (lg->metrics) {
+    errno = 0;
+    if (fclose(lg->metrics) != 0) lost(lg, errno);
+    lg->metrics = NULL;
+  }
+  if (lg->st.code && !st->code) *st = lg->st;
+  return st->code;
+}
+
 void log_close(dt_log *lg) {
   if (lg->bar_drawn) fputc('\n', stdout);
   if (lg->metrics) fclose(lg->metrics);
@@ -69,14 +84,16 @@ void log_line(dt_log *lg, const char *fmt, ...) {
 }
 
 void log_metrics(dt_log *lg, const char *fmt, ...) {
-  if (!lg->enabled || !lg->metrics) return;
-  fputc('{', lg->metrics);
+  if (!lg->enabled || !lg->metrics || lg->st.code) return;
+  errno = 0;
+  int bad = fputc('{', lg->metrics) == EOF;
   va_list ap;
   va_start(ap, fmt);
-  vfprintf(lg->metrics, fmt, ap);
+  bad |= vfprintf(lg->metrics, fmt, ap) < 0;
   va_end(ap);
-  fputs("}\n", lg->metrics);
-  fflush(lg->metrics);
+  bad |= fputs("}\n", lg->metrics) == EOF;
+  bad |= fflush(lg->metrics) != 0;
+  if (bad) lost(lg, errno);
 }
 
 void log_progress(dt_log *lg, int64_t step, int64_t total, double elapsed_s, double loss) {

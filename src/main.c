@@ -258,7 +258,8 @@ static int init_params(const dt_config *cfg, dt_model *m, dt_comm *comm) {
   float *hb = dt_malloc((size_t)(m->n_bufs ? m->n_bufs : 1) * sizeof(float));
   be->to_host(be, hp, m->params, (size_t)m->n_params * sizeof(float));
   be->to_host(be, hb, m->bufs, (size_t)m->n_bufs * sizeof(float));
-  if (comm->rank == 0 && cfg->v.init_from[0]) ckpt_read_model(cfg->v.init_from, m, hp, hb, &st);
+  if (comm->rank == 0 && cfg->v.init_from[0])
+    ckpt_read_model(cfg->v.init_from, m, hp, hb, cfg->v.init_from_ignore_extra, &st);
   int code = comm_agree(comm, &st);
   if (!code) {
     comm_bcast(comm, hp, (size_t)m->n_params * sizeof(float), 0);
@@ -389,7 +390,7 @@ static int run_dry(dt_run *r, dt_status *st) {
     model_summary(&r->model, stdout);
     fflush(stdout);
   }
-  device_check_memory(&r->cfg, &r->model, &r->data, comm, r->gpu, st);
+  device_check_memory(&r->cfg, &r->model, &r->data, comm, r->gpu, 1, st);
   return comm_agree(comm, st);
 }
 
@@ -398,11 +399,12 @@ static int run_dry(dt_run *r, dt_status *st) {
 static int run_work(dt_run *r, dt_status *st) {
   const cli_args *a = &r->args;
   dt_comm *comm = &r->comm;
-  int code = device_open(&r->dev, &r->cfg, comm, r->gpu, r->shared, st);
-  if (code) return code;
+  device_check_memory(&r->cfg, &r->model, &r->data, comm, r->gpu, 0, st); /* --dry-run's check, unprinted */
+  int code = comm_agree(comm, st);
+  if (code || (code = device_open(&r->dev, &r->cfg, comm, r->gpu, r->shared, st))) return code;
   r->opts.dev = r->dev.reducer;
   r->opts.gpu = r->gpu;
-  model_alloc(&r->model, r->dev.be, config_max_local_rows(&r->cfg.v, comm->size), (uint64_t)r->cfg.v.seed);
+  model_alloc(&r->model, r->dev.be, config_model_rows(&r->cfg.v, comm->size), (uint64_t)r->cfg.v.seed);
   int resumed = 0;
   if (a->resume && (code = ckpt_resume(a->resume, &r->cfg, &r->model, comm, &r->resume, &resumed))) return code;
   if (!resumed && (code = init_params(&r->cfg, &r->model, comm))) return code;

@@ -61,8 +61,8 @@ void sampler_free(dt_sampler *s) {
 }
 
 int64_t sampler_max_local(const dt_sampler *s) {
-  int64_t b = s->contiguous ? share(s, s->rank) : split_lo(s->global_batch, s->world, 1) + 1;
-  return b + 1;
+  /* global: a share of a global batch of at most G rows, the largest rounded up */
+  return s->contiguous ? share(s, s->rank) : (s->global_batch + s->world - 1) / s->world;
 }
 
 static void ensure_perm(dt_sampler *s, int64_t epoch) {

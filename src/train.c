@@ -62,6 +62,11 @@ static int trainer_start(dt_trainer *tr) {
     tr->ts.world_size = W;
   }
   step_restore(tr);
+  int stale = 0;
+  if (tr->comm->rank == 0 && v->ckpt_dir[0]) ckpt_clean_stale(v->ckpt_dir, &stale);
+  if (stale)
+    log_line(&tr->lg, "removed %d temporary file%s that crashed runs left in %s", stale, stale > 1 ? "s" : "",
+             v->ckpt_dir);
   if (resume)
     log_line(&tr->lg, "resuming at step %lld (epoch %lld, batch %lld of %lld)%s", (long long)tr->ts.step,
              (long long)tr->ts.epoch + 1, (long long)tr->ts.micro, (long long)tr->micro_per_epoch,
@@ -89,6 +94,7 @@ static int save_checkpoint(dt_trainer *tr, int best) {
     char path[1200];
     if (!log_mkdirs(v->ckpt_dir, &st)) {
       if (best) {
+        ckpt_clean_stale(v->ckpt_dir, NULL);
         snprintf(path, sizeof path, "%s/best.h5", v->ckpt_dir);
         if (!ckpt_write(path, tr->m, &tr->scratch, tr->cfg, &st)) log_line(&tr->lg, "saved %s (best so far)", path);
       } else if (!ckpt_save_step(v->ckpt_dir, v->ckpt_keep, tr->m, &tr->scratch, tr->cfg, path, sizeof path, &st)) {
@@ -132,18 +138,18 @@ static int evaluate_if_due(dt_trainer *tr, int end_of_epoch, dt_train_result *re
   const int classifier = tr->m->loss.kind == DT_LOSS_CROSS_ENTROPY; /* the metric names follow the loss */
   if (ema && classifier) {
     snprintf(ema_text, sizeof ema_text, " | ema_val_loss %.4f ema_val_acc %.4f", evl, eva);
-    snprintf(ema_json, sizeof ema_json, ", \"ema_val_loss\": %.6g, \"ema_val_acc\": %.6g", evl, eva);
+    snprintf(ema_json, sizeof ema_json, ", \"ema_val_loss\": %.9g, \"ema_val_acc\": %.9g", evl, eva);
   } else if (ema) {
     snprintf(ema_text, sizeof ema_text, " | ema_val_mse %.6f", evl);
-    snprintf(ema_json, sizeof ema_json, ", \"ema_val_loss\": %.6g", evl);
+    snprintf(ema_json, sizeof ema_json, ", \"ema_val_loss\": %.9g", evl);
   }
   if (classifier) {
     log_line(&tr->lg, "eval step %lld epoch %lld: val_loss %.4f val_acc %.4f%s", step, epoch, vl, va, ema_text);
-    log_metrics(&tr->lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.6g, \"val_acc\": %.6g%s", step, epoch, vl,
+    log_metrics(&tr->lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.9g, \"val_acc\": %.9g%s", step, epoch, vl,
                 va, ema_json);
   } else {
     log_line(&tr->lg, "eval step %lld epoch %lld: val_mse %.6f%s", step, epoch, vl, ema_text);
-    log_metrics(&tr->lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.6g%s", step, epoch, vl, ema_json);
+    log_metrics(&tr->lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.9g%s", step, epoch, vl, ema_json);
   }
   int metric = v->early_metric != DT_METRIC_NONE ? v->early_metric : classifier ? DT_METRIC_VAL_ACC : DT_METRIC_VAL_LOSS;
   const double values[] = {0, vl, va, evl, eva};
@@ -189,6 +195,7 @@ static int train_step(dt_trainer *tr, dt_train_result *res) {
   dt_step_report mine = {0};
   double data_s = 0;
   step_run(tr, &mine, &data_s, &st);
+  if (!st.code && tr->lg.st.code) st = tr->lg.st; /* a metrics line lost since the last step */
   int code = step_agree(tr, &mine, &st);
   if (code) return code;
   metrics_step(&tr->win, tr->ts.step, tr->total, tr->epoch, tr->lr, tr->all.loss_sum / tr->target_count, tr->count,
@@ -258,6 +265,11 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, cons
     for (tr->os = tr->epoch == tr->ts.epoch ? tr->ts.micro / tr->accum : 0;
          tr->os < tr->opt_per_epoch && !tr->stop && !code; tr->os++)
       code = train_step(tr, res);
+  if (!code) { /* the last lines (the last step's, the last evaluation's) are in, or the run fails */
+    dt_status st = {0};
+    log_finish(&tr->lg, &st);
+    code = comm_agree(comm, &st);
+  }
   code = trainer_report_end(tr, code, res);
   step_close(tr);
   metrics_free(&tr->win);

@@ -179,7 +179,7 @@ static void report(dt_step_window *w, int64_t step, int64_t total, int64_t epoch
   char timing_json[512] = "";
   const char *buckets = w->src.be->host_memory ? timing_json_text(w, span, timing_json, sizeof timing_json) : "";
   log_metrics(w->src.log,
-              "\"step\": %lld, \"epoch\": %lld, \"loss\": %.6g, \"lr\": %.6g, \"samples_per_s\": %.1f, "
+              "\"step\": %lld, \"epoch\": %lld, \"loss\": %.9g, \"lr\": %.9g, \"samples_per_s\": %.1f, "
               "\"step_ms\": %.3f, \"compute_ms\": %.3f, \"data_ms\": %.3f, \"comm_ms\": %.3f, "
               "\"compute_ms_min\": %.3f, \"compute_ms_max\": %.3f, \"straggler_rank\": %d, \"world_size\": %d, "
               "\"local_size\": %d%s%s%s",

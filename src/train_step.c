@@ -376,18 +376,60 @@ static void wait_step(dt_trainer *tr, double *data_s) {
   }
 }
 
-/* What the step's results say: a non-finite loss or gradient fails it; an fp16 overflow skips
- * the update on every rank (the summed gradients are the same everywhere) and moves the scale. */
+/* After a non-finite loss or gradient: this rank's inputs of the step read again, row by row (the
+ * rows from a twin of the sampler: the loader's belongs to its thread), from memory or the file.
+ * When one holds a NaN or an Inf, it was the data: why gets "FILE: 'X'[row] holds ..." and 1 is
+ * returned. Bytes and tokens cannot be non-finite. Only on this failure path: no cost per step. */
+static int inputs_non_finite(dt_trainer *tr, char *why, size_t cap) {
+  const dt_config_values *v = tr->v;
+  dt_data *d = tr->d;
+  dt_split *s = &d->train;
+  if (s->x_type == DT_X_U8 || s->tokens) return 0;
+  loader_wait_filled(&tr->step->L); /* HDF5 is the loader thread's while it fills the cache */
+  dt_sampler smp;
+  sampler_init(&smp, s->n, tr->comm->size, tr->comm->rank, config_global_batch(v, tr->comm->size),
+               v->sharding == DT_SHARD_CONTIGUOUS, v->drop_last, v->shuffle, (uint64_t)v->seed);
+  int64_t *idx = dt_malloc((size_t)(sampler_max_local(&smp) + 1) * sizeof(int64_t)), global;
+  float *x = dt_malloc((size_t)s->row_elems * sizeof(float)),
+        *targets = dt_malloc((size_t)(s->y_k + 1) * sizeof(float));
+  int32_t label;
+  int found = 0;
+  for (int64_t j = 0; j < tr->k && !found; j++) {
+    const int64_t n = sampler_batch(&smp, tr->epoch, tr->micro0 + j, idx, &global);
+    for (int64_t i = 0; i < n && !found; i++) {
+      dt_status st = {0};
+      if (data_gather(d, s, idx + i, 1, x, &label, targets, &st)) break; /* unreadable now: no answer */
+      for (int64_t e = 0; e < s->row_elems && !found; e++)
+        if (!isfinite(x[e]))
+          found = snprintf(why, cap, "%s: '%s'[%lld] holds %s", d->path, s->x_name, (long long)idx[i],
+                           isnan(x[e]) ? "a NaN" : "an infinity") > 0;
+    }
+  }
+  free(idx);
+  free(x);
+  free(targets);
+  sampler_free(&smp);
+  return found;
+}
+
+/* What the step's results say: a non-finite loss or gradient fails it (the data's fault when the
+ * step's inputs hold a NaN or an Inf, else the optimisation's); an fp16 overflow skips the update on
+ * every rank (the summed gradients are the same everywhere) and moves the scale. */
 static void read_results(dt_trainer *tr, dt_step_report *mine, dt_status *st) {
   const double *r = tr->step->sums.stats_host;
+  char what[96] = "", data[1400];
   if (!isfinite(r[0]))
-    dt_fail(st, DT_EXIT_NUMERIC,
-            "the loss became %s at step %lld (epoch %lld); lower optim.lr or set train.clip_grad_norm",
-            isnan(r[0]) ? "NaN" : "infinite", (long long)tr->ts.step + 1, (long long)tr->epoch + 1);
+    snprintf(what, sizeof what, "the loss became %s", isnan(r[0]) ? "NaN" : "infinite");
   else if (r[3] > 0 && !tr->step->sums.scaler)
+    snprintf(what, sizeof what, "%lld non-finite gradient values", (long long)r[3]);
+  if (what[0] && !st->code && inputs_non_finite(tr, data, sizeof data))
     dt_fail(st, DT_EXIT_NUMERIC,
-            "%lld non-finite gradient values at step %lld (epoch %lld); lower optim.lr or set train.clip_grad_norm",
-            (long long)r[3], (long long)tr->ts.step + 1, (long long)tr->epoch + 1);
+            "%s at step %lld (epoch %lld), and this rank's inputs of the step are not finite: %s; it is the "
+            "data, not the learning rate: mend or drop those rows",
+            what, (long long)tr->ts.step + 1, (long long)tr->epoch + 1, data);
+  else if (what[0])
+    dt_fail(st, DT_EXIT_NUMERIC, "%s at step %lld (epoch %lld); lower optim.lr or set train.clip_grad_norm", what,
+            (long long)tr->ts.step + 1, (long long)tr->epoch + 1);
   if (tr->step->sums.scaler && !st->code) {
     if (r[5] > 0) {
       optim_skipped(&tr->step->opt);
@@ -401,29 +443,44 @@ static void read_results(dt_trainer *tr, dt_step_report *mine, dt_status *st) {
   mine->correct += r[1];
 }
 
+/* What a rank whose batch failed (st set) runs instead: one zeroed row (input, label or target, row
+ * number), so that its step's collectives (the gradient sums, the graph choice, a batchnorm's sums)
+ * meet the other ranks'. The step agreement then ends the run on every rank at this step. */
+static dt_dev_batch *stand_in(dt_trainer *tr, int64_t *rows) {
+  const dt_model *m = tr->m;
+  dt_backend *be = tr->be;
+  dt_dev_batch *db = &tr->step->in[tr->step->micro_count++ % 2];
+  be->zero(be, db->raw, (size_t)shape_size(m->input) * sizeof(float));
+  be->zero(be, db->labels, (size_t)m->n_labels * sizeof(int32_t));
+  be->zero(be, db->targets, (size_t)(m->loss.kind == DT_LOSS_MSE ? m->n_outputs : 1) * sizeof(float));
+  be->zero(be, db->rows, sizeof(int32_t));
+  be->zero(be, db->seed, sizeof(uint64_t));
+  *rows = 1;
+  return db;
+}
+
 void step_run(dt_trainer *tr, dt_step_report *mine, double *data_s, dt_status *st) {
   tr->step->inject = fault_fire(tr->opts->fault, tr->comm->rank, tr->ts.step + 1);
   tr->lr = schedule_lr(tr->v, tr->ts.step, tr->total);
   optim_prepare(&tr->step->opt, tr->be, tr->lr);
-  for (int64_t j = 0; j < tr->k && !st->code; j++) {
+  for (int64_t j = 0; j < tr->k; j++) {
     int64_t rows = tr->step->ahead_rows;
     if (j == 0 && tr->step->ahead_st.code) *st = tr->step->ahead_st;
     dt_dev_batch *db = st->code                    ? NULL
                        : j == 0 && tr->step->ahead ? tr->step->ahead
                                                    : upload_next(tr, 0, &rows, data_s, st);
     tr->step->ahead = NULL;
-    if (tr->k == 1) { /* a collective choice: made by a rank whose batch failed too */
-      const int how = graph_choice(tr, db, rows);
-      if (db) queue_single(tr, db, rows, how);
+    const int failed = !db;
+    if (failed) db = stand_in(tr, &rows);
+    if (tr->k == 1) { /* a collective choice: a rank whose batch failed runs its stand-in eagerly */
+      queue_single(tr, db, rows, graph_choice(tr, failed ? NULL : db, rows));
       break;
     }
-    if (!db) break;
     queue_micro(tr, db, rows, j == 0, j == tr->k - 1);
   }
-  if (st->code) return;
   if (tr->k > 1) queue_update(tr);
   wait_step(tr, data_s);
-  read_results(tr, mine, st);
+  read_results(tr, mine, st); /* a failed batch's status stays: dt_fail keeps the first */
 }
 
 /* A signal or the time limit on any rank stops every rank at this same step; a failed step ends

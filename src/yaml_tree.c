@@ -73,8 +73,9 @@ void yaml_map_set(dt_node *map, const char *key, dt_node *value) {
   map_push(map, dt_strdup(key), value->line, value->col, value);
 }
 
-/* Recursive descent over libyaml events. Returns NULL with st set on error. */
-static dt_node *parse_node(yaml_parser_t *p, yaml_event_t *ev, const char *origin, dt_status *st);
+/* Recursive descent over libyaml events, depth levels deep (the document's top node: 1). Returns
+ * NULL with st set on error. */
+static dt_node *parse_node(yaml_parser_t *p, yaml_event_t *ev, const char *origin, int depth, dt_status *st);
 
 static int next_event(yaml_parser_t *p, yaml_event_t *ev, const char *origin, dt_status *st) {
   if (yaml_parser_parse(p, ev)) return 1;
@@ -84,7 +85,13 @@ static int next_event(yaml_parser_t *p, yaml_event_t *ev, const char *origin, dt
   return 0;
 }
 
-static dt_node *parse_node(yaml_parser_t *p, yaml_event_t *ev, const char *origin, dt_status *st) {
+static dt_node *parse_node(yaml_parser_t *p, yaml_event_t *ev, const char *origin, int depth, dt_status *st) {
+  if (depth > DT_YAML_MAX_DEPTH && (ev->type == YAML_SEQUENCE_START_EVENT || ev->type == YAML_MAPPING_START_EVENT)) {
+    dt_fail(st, DT_EXIT_INPUT, "%s:%zu:%zu: YAML nested more than %d levels deep", origin, ev->start_mark.line + 1,
+            ev->start_mark.column + 1, DT_YAML_MAX_DEPTH);
+    yaml_event_delete(ev);
+    return NULL;
+  }
   switch (ev->type) {
     case YAML_SCALAR_EVENT: {
       dt_node *n = node_new(DT_NODE_SCALAR, origin, &ev->start_mark);
@@ -104,7 +111,7 @@ static dt_node *parse_node(yaml_parser_t *p, yaml_event_t *ev, const char *origi
           yaml_event_delete(&child);
           return n;
         }
-        dt_node *item = parse_node(p, &child, origin, st);
+        dt_node *item = parse_node(p, &child, origin, depth + 1, st);
         if (!item) goto fail_seq;
         n->items = dt_realloc(n->items, (size_t)(n->n + 1) * sizeof *n->items);
         n->items[n->n++] = item;
@@ -142,7 +149,7 @@ static dt_node *parse_node(yaml_parser_t *p, yaml_event_t *ev, const char *origi
           free(key);
           goto fail_map;
         }
-        dt_node *value = parse_node(p, &vev, origin, st);
+        dt_node *value = parse_node(p, &vev, origin, depth + 1, st);
         if (!value) {
           free(key);
           goto fail_map;
@@ -186,7 +193,7 @@ dt_node *yaml_tree_parse(const char *text, size_t len, const char *origin, dt_st
   }
   yaml_event_delete(&ev); /* DOCUMENT_START */
   if (!next_event(&p, &ev, origin, st)) goto done;
-  root = parse_node(&p, &ev, origin, st);
+  root = parse_node(&p, &ev, origin, 1, st);
   if (!root) goto done;
   if (!next_event(&p, &ev, origin, st)) goto fail;
   yaml_event_delete(&ev); /* DOCUMENT_END */

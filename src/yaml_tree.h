@@ -19,8 +19,13 @@ typedef struct dt_node {
   int *key_line, *key_col;
 } dt_node;
 
+/* Collections nested deeper than this are refused: the tree is walked recursively (a config needs a
+ * handful of levels; tens of thousands overflowed the stack). */
+#define DT_YAML_MAX_DEPTH 256
+
 /* Parses text into a tree (caller frees with yaml_tree_free). origin names it in messages.
- * Returns NULL and sets st (exit 2) on a syntax error. An empty document is an empty map. */
+ * Returns NULL and sets st (exit 2) on a syntax error or a collection nested deeper than
+ * DT_YAML_MAX_DEPTH. An empty document is an empty map. */
 dt_node *yaml_tree_parse(const char *text, size_t len, const char *origin, dt_status *st);
 void yaml_tree_free(dt_node *node);
 

@@ -43,7 +43,7 @@ class DryRunAndInfo(unittest.TestCase):
     def test_dry_run_memory_estimate(self):
         rc, out, err = run(["--dry-run", "configs/model.yaml"], np_=2)
         self.assertEqual(rc, 0, err)
-        self.assertRegex(out, r"memory per rank at 129 rows: [0-9.]+ MiB = parameters 3.3 \+ gradients 3.3 \+ "
+        self.assertRegex(out, r"memory per rank at 128 rows: [0-9.]+ MiB = parameters 3.3 \+ gradients 3.3 \+ "
                               r"optimizer 3.3 .* activations [0-9.]+ .*MiB (free on this rank's GPU|of available host)")
         # by hand: 60,000 rows of 784 uint8 and an int32 label (every rank holds them all with global
         # sharding) = 45.09 MiB; one 25 MiB bucket is more than the 870,826 parameters: 2 bytes each = 1.66 MiB
@@ -54,6 +54,33 @@ class DryRunAndInfo(unittest.TestCase):
         rc, out, err = run(["--dry-run", "configs/resnet18_cifar.yaml", "--set", "train.global_batch_size=2000000"])
         self.assertEqual(rc, 2, out + err)
         self.assertIn("the batch does not fit: a rank needs", errors(err)[0])
+        # the rows are the largest share of the global batch: 8 on one rank (it said 9), 3 of 8 on three
+        w = Workdir()
+        try:
+            w.dataset()
+            cfg = w.config(TINY_CNN)
+            for np_, rows in ((1, 8), (3, 3)):
+                rc, out, err = run(["--dry-run", cfg], np_=np_)
+                self.assertEqual(rc, 0, out + err)
+                self.assertIn(f"memory per rank at {rows} rows:", out)
+        finally:
+            w.cleanup()
+
+    def test_a_batch_that_does_not_fit_is_exit_2_in_a_real_run_too(self):
+        # --dry-run's memory check ran in the dry run only: a real run went on to allocate and died of
+        # it (exit 70). Both run the same check now, before anything is allocated.
+        w = Workdir()
+        try:
+            w.dataset()
+            cfg = w.config(TINY_CNN)
+            for G, needle in ((10**12, "the batch does not fit: a rank's 1000000000000 rows of up to 144 values"),
+                              (10**9, "the batch does not fit: a rank needs")):
+                for extra in ([], ["--dry-run"]):
+                    rc, out, err = run(extra + [cfg, "--set", f"train.global_batch_size={G}"])
+                    self.assertEqual(rc, 2, f"{extra} {G}: {out}{err}")
+                    self.assertIn(needle, errors(err)[0])
+        finally:
+            w.cleanup()
 
     def test_make_install_with_man_page(self):
         with tempfile.TemporaryDirectory() as prefix:
@@ -142,6 +169,24 @@ class UsageErrors(unittest.TestCase):
         finally:
             w.cleanup()
 
+    def test_deep_nesting_is_refused_with_its_place(self):
+        # 30,000 levels in a file crashed or hung the parser (its recursion overflowed the stack), and
+        # a 60,000-level --set value hung the job for ever: refused past 256 levels, naming the place
+        w = Workdir()
+        try:
+            deep = w.config("model:\n  input: [4]\n  layers: " + "[" * 30000 + "]" * 30000 + "\n", name="deep.yaml")
+            self.check(["--dry-run", deep], f"{deep}:3:265: YAML nested more than 256 levels deep", np_=2)
+            maps = w.config("model: " + "{{a: " * 30000 + "1" + "}}" * 30000 + "\n", name="maps.yaml")
+            self.check(["--dry-run", maps], f"{maps}:1:1028: YAML nested more than 256 levels deep", np_=1)
+            self.check(["--dry-run", "configs/mlp.yaml", "--set", "model.layers=" + "[" * 60000 + "]" * 60000],
+                       "--set model.layers:1:257: YAML nested more than 256 levels deep", np_=2)
+            # 256 levels are YAML enough: what fails is the layer list
+            rc, out, err = run(["--dry-run", "configs/mlp.yaml", "--set", "model.layers=" + "[" * 255 + "]" * 255])
+            self.assertEqual(rc, 2, out + err)
+            self.assertNotIn("nested", err)
+        finally:
+            w.cleanup()
+
 
 class BadData(unittest.TestCase):
     """Each bad input of the data exits 2 naming the file, the dataset and the index."""
@@ -209,6 +254,26 @@ class BadData(unittest.TestCase):
             f.truncate(size // 3)
         line = self.check(self.data)
         self.assertRegex(line, "not a readable HDF5 file|cannot open HDF5 file|cannot read")
+        self.assertNotIn("locked", line)  # HDF5's "truncated file: ... sblock->base_addr" is no lock
+
+    def test_locked_file_says_so(self):
+        holder = subprocess.Popen(["/usr/bin/python3", "-c", "import h5py, sys, time\n"
+                                   f"f = h5py.File({self.data!r}, 'a')\nprint('open', flush=True)\ntime.sleep(60)"],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            self.assertEqual(holder.stdout.readline().strip(), "open")
+            line = self.check(f"{self.data}: cannot open HDF5 file: ", np_=1)
+            self.assertIn("unable to lock the file", line)
+            self.assertIn("(the file is locked; on shared filesystems set HDF5_USE_FILE_LOCKING=FALSE)", line)
+            # the checkpoint reader too (model.init_from, --resume)
+            free = self.w.file("free.h5")
+            shutil.copy(self.data, free)
+            rc, out, err = run([self.cfg, "--set", f"data.path={free}", "--set", f"model.init_from={self.data}"])
+            self.assertEqual(rc, 2, out + err)
+            self.assertIn(f"{self.data}: model.init_from: the file is locked", errors(err)[0])
+        finally:
+            holder.kill()
+            holder.wait()
 
     def test_wrong_element_type(self):
         def ints(f):

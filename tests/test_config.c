@@ -105,7 +105,9 @@ static void enum_and_bool_list_choices(void **state) {
   (void)state;
   dt_status st;
   assert_int_equal(load_err(BASE "  early_stopping: {metric: accuracy}\n", NULL, 0, &st), DT_EXIT_INPUT);
-  assert_contains(st.msg, "train.early_stopping.metric: expected one of none|val_loss|val_acc|ema_val_loss|ema_val_acc, got 'accuracy'");
+  assert_contains(
+      st.msg,
+      "train.early_stopping.metric: expected one of none|val_loss|val_acc|ema_val_loss|ema_val_acc, got 'accuracy'");
   assert_int_equal(load_err(BASE "  seed: 1\noptim: {nesterov: maybe, momentum: 0.9}\n", NULL, 0, &st), DT_EXIT_INPUT);
   assert_contains(st.msg, "optim.nesterov: expected true or false, got 'maybe'");
 }
@@ -163,6 +165,28 @@ static void yaml_syntax_and_duplicates(void **state) {
   assert_contains(st.msg, "the config must be a map of sections");
 }
 
+/* The tree is walked recursively: DT_YAML_MAX_DEPTH levels parse, one more is refused with its place. */
+static void yaml_depth_is_bounded(void **state) {
+  (void)state;
+  enum { N = DT_YAML_MAX_DEPTH + 1 };
+  char text[2 * N + 1];
+  for (int levels = N - 1; levels <= N; levels++) {
+    memset(text, '[', (size_t)levels);
+    memset(text + levels, ']', (size_t)levels);
+    text[2 * levels] = 0;
+    dt_status st = {0};
+    dt_node *tree = yaml_tree_parse(text, strlen(text), "deep", &st);
+    if (levels < N) {
+      assert_non_null(tree);
+    } else {
+      assert_null(tree);
+      assert_int_equal(st.code, DT_EXIT_INPUT);
+      assert_contains(st.msg, "deep:1:257: YAML nested more than 256 levels deep");
+    }
+    yaml_tree_free(tree);
+  }
+}
+
 static void set_errors_name_the_option(void **state) {
   (void)state;
   dt_status st;
@@ -178,6 +202,36 @@ static void set_errors_name_the_option(void **state) {
   char *not_section[] = {"train.epochs.x=1"};
   assert_int_equal(load_err(BASE, not_section, 1, &st), DT_EXIT_INPUT);
   assert_contains(st.msg, "--set train.epochs.x: train.epochs: expected an integer, got a map");
+}
+
+/* YAML 1.2, not 1.1: a leading zero is decimal (010 is ten), 0o is octal and 0x hexadecimal. */
+static void integers_are_yaml_1_2(void **state) {
+  (void)state;
+  dt_config cfg;
+  dt_status st;
+  char *sets[] = {"train.epochs=010", "train.seed=08", "train.max_steps=0o17", "train.eval_every_steps=0x1F",
+                  "checkpoint.keep=+007"};
+  assert_int_equal(load(BASE, sets, 5, &cfg, &st), 0);
+  assert_int_equal(cfg.v.epochs, 10);
+  assert_int_equal(cfg.v.seed, 8);
+  assert_int_equal(cfg.v.max_steps, 15);
+  assert_int_equal(cfg.v.eval_every_steps, 31);
+  assert_int_equal(cfg.v.ckpt_keep, 7);
+  assert_int_equal(cfg.v.input.n, 3);
+  config_free(&cfg);
+  assert_int_equal(load("model:\n  input: [01, 010, 4]\n  layers: [flatten]\ndata: {path: x.h5}\n"
+                        "train: {batch_size: 010}\n",
+                        NULL, 0, &cfg, &st),
+                   0);
+  assert_int_equal(cfg.v.batch_size, 10);
+  assert_int_equal((int)cfg.v.input.v[1], 10);
+  config_free(&cfg);
+  char *bad[] = {"train.epochs=0x"};
+  assert_int_equal(load_err(BASE, bad, 1, &st), DT_EXIT_INPUT);
+  assert_contains(st.msg, "train.epochs: expected an integer >= 1, got '0x'");
+  char *bad_octal[] = {"train.epochs=0o8"};
+  assert_int_equal(load_err(BASE, bad_octal, 1, &st), DT_EXIT_INPUT);
+  assert_contains(st.msg, "got '0o8'");
 }
 
 static void missing_file(void **state) {
@@ -212,7 +266,9 @@ int main(void) {
       cmocka_unit_test(batch_size_rules),
       cmocka_unit_test(cross_key_checks),
       cmocka_unit_test(yaml_syntax_and_duplicates),
+      cmocka_unit_test(yaml_depth_is_bounded),
       cmocka_unit_test(set_errors_name_the_option),
+      cmocka_unit_test(integers_are_yaml_1_2),
       cmocka_unit_test(missing_file),
       cmocka_unit_test(edit_distance_and_suggestions),
   };

@@ -2,6 +2,7 @@
 world size, corrupt-checkpoint fallback, a signal on one rank, the time limit, a crash, a kill -9,
 a hang, NaN, a full disk, and a changed model. Uses DDP_TRAIN_FAULT=kind@rank:step."""
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -13,9 +14,28 @@ import numpy as np
 from helpers import BINARY, ENV, TINY_CNN, Workdir, errors, run
 
 
+# the 784-192-10 MLP of issue 25's full disk (1.2 MB checkpoints)
+MLP_784 = TINY_CNN.replace("""\
+  input: [1, 6, 6]
+  layers:
+    - conv2d: {{out: 4, kernel: 3, pad: 1}}
+    - relu: {{}}
+    - maxpool: {{kernel: 2}}
+    - flatten: {{}}
+    - linear: {{out: 3}}
+""", """\
+  input: [784]
+  layers: [{{linear: {{out: 192}}}}, relu, {{linear: {{out: 10}}}}]
+""").replace("data.h5", "mlp.h5")
+
+
 def latest(w):
-    with open(w.file("ckpt/latest")) as f:
-        return w.file("ckpt/" + f.read().strip())
+    return latest_in(w.file("ckpt"))
+
+
+def latest_in(directory):
+    with open(os.path.join(directory, "latest")) as f:
+        return os.path.join(directory, f.read().strip())
 
 
 def params(path):
@@ -122,6 +142,54 @@ class Resume(unittest.TestCase):
         rc, out, err = run(self.args + ["--resume", "auto", "--set", "optim.lr=0.05"])
         self.assertEqual(rc, 0, out + err)
 
+    def test_stale_temporary_files_are_removed_and_counted(self):
+        # A kill -9 during a write leaves NAME.tmp.PID behind. At start-up and before each write those
+        # whose writer is gone are removed: a dead PID, or a live process that is not ddp_train. A live
+        # ddp_train's counts as one of the `keep` checkpoints.
+        ckpt = self.w.file("ckpt")
+        os.mkdir(ckpt)
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        sleeper = subprocess.Popen(["sleep", "120"])
+        fake = self.w.file("ddp_train")  # a live process with ddp_train's name
+        shutil.copy("/bin/sleep", fake)
+        writer = subprocess.Popen([fake, "120"])
+        try:
+            stale = [f"step-00000007.h5.tmp.{dead.pid}", f"latest.tmp.{dead.pid}", f"best.h5.tmp.{sleeper.pid}",
+                     f"step-00000002.h5.tmp.{sleeper.pid}"]
+            kept = [f"step-00000009.h5.tmp.{writer.pid}", "notes.tmp.123"]  # a live writer's, and not ours
+            for name in stale + kept:
+                with open(os.path.join(ckpt, name), "wb") as f:
+                    f.write(b"\0" * 100000)
+            rc, out, err = run(self.args + ["--set", "checkpoint.every_steps=1", "--set", "checkpoint.keep=3",
+                                            "--set", "train.max_steps=5"], np_=2)
+            self.assertEqual(rc, 0, out + err)
+            self.assertIn(f"removed 4 temporary files that crashed runs left in {ckpt}", out)
+            self.assertEqual(sorted(os.listdir(ckpt)), sorted(["latest", "step-00000004.h5", "step-00000005.h5"] + kept))
+            # and before each write: a writer that dies during the run (its file then stale), and a file
+            # left while the run is under way
+            args = self.args + ["--set", "checkpoint.every_steps=1", "--set", "checkpoint.keep=3",
+                                "--set", "train.epochs=100", "--resume", "auto", "--set", "log.every_steps=1000"]
+            p = subprocess.Popen(["mpirun", "--oversubscribe", "-np", "2", BINARY] + args, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=ENV)
+            deadline = time.monotonic() + 30
+            while latest(self.w).endswith("step-00000005.h5") and time.monotonic() < deadline:
+                time.sleep(0.01)
+            writer.kill()
+            writer.wait()
+            with open(os.path.join(ckpt, f"step-00000011.h5.tmp.{dead.pid}"), "wb") as f:
+                f.write(b"\0" * 100000)
+            self.assertIsNone(p.poll(), "the run ended before the files were left")
+            out, err = p.communicate(timeout=120)
+            self.assertEqual(p.returncode, 0, out + err)
+            self.assertNotIn("removed", out)  # not at start-up
+            self.assertEqual(sorted(os.listdir(ckpt)),
+                             ["latest", "notes.tmp.123", "step-00000798.h5", "step-00000799.h5", "step-00000800.h5"])
+        finally:
+            for p in (sleeper, writer):
+                p.kill()
+                p.wait()
+
     def test_resume_auto_without_checkpoint_starts_fresh(self):
         rc, out, err = run(self.args + ["--resume", "auto", "--set", "train.max_steps=2"])
         self.assertEqual(rc, 0, err)
@@ -215,30 +283,118 @@ class StopsAndFailures(unittest.TestCase):
         p = params(latest(self.w))
         self.assertTrue(all(np.isfinite(v).all() for v in p.values()))
 
+    def test_data_truncated_during_training_is_exit_5(self):
+        # data.cache none reads every batch from the file; HDF5 reads past the end of a file truncated
+        # under it as zeros, and the run went on training on them. Every read now checks the file's size.
+        data = self.w.dataset(n=400)
+        args = [self.cfg, "--set", "data.cache=none", "--set", "data.val.x=", "--set", "train.epochs=200",
+                "--set", "checkpoint.dir="]
+        p = subprocess.Popen(["mpirun", "--oversubscribe", "-np", "2", BINARY] + args, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=ENV)
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not (os.path.exists(self.w.file("log/metrics.jsonl")) and
+                                                       len(open(self.w.file("log/metrics.jsonl")).readlines()) >= 3):
+                time.sleep(0.02)
+            with open(data, "r+b") as f:  # in place: the same file, half of it
+                f.truncate(os.path.getsize(data) // 2)
+            out, err = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+        self.assertEqual(p.returncode, 5, out + err)
+        lines = errors(err)
+        self.assertEqual(len(lines), 1, err)
+        self.assertRegex(lines[0], rf"{data}: reading '/train/images'\[[0-9]+\]: the file changed under the run "
+                                   r"\([0-9]+ bytes when opened, now [0-9]+\)")
+        self.assertNotIn("done:", out)
+
+    def test_a_batch_failing_on_one_rank_only_ends_every_rank_with_exit_5(self):
+        # A corrupt chunk among rank 1's rows only (contiguous sharding, read batch by batch, in file
+        # order): rank 1's batch of step 13 fails while rank 0's is fine. Rank 1 still runs that step's
+        # collectives (on a stand-in row), so every rank reaches the step agreement and exits 5; before,
+        # rank 1 went to the agreement while rank 0 was in the gradient sum (an MPI error, exit 70).
+        data = self.w.dataset(n=400)
+        with h5py.File(data, "a") as f:
+            x = f["train/images"][...]
+            del f["train/images"]
+            f.create_dataset("train/images", data=x, chunks=(10,) + x.shape[1:], compression="gzip")
+        with h5py.File(data, "r") as f:
+            chunk = f["train/images"].id.get_chunk_info_by_coord((250, 0, 0, 0))
+        with open(data, "r+b") as f:
+            f.seek(chunk.byte_offset)
+            f.write(b"\xff" * chunk.size)
+        rc, out, err = run([self.cfg, "--set", "data.cache=none", "--set", "data.sharding=contiguous",
+                            "--set", "data.shuffle=false", "--set", "data.val.x="], np_=2)
+        self.assertEqual(rc, 5, out + err)
+        lines = errors(err)
+        self.assertEqual(len(lines), 1, err)
+        self.assertIn(f"on rank 1 (1 of 2 ranks failed): {data}: cannot read '/train/images'[250] (corrupt or "
+                      "unreadable file?)", lines[0])
+        self.assertEqual([r["step"] for r in self.w.metrics() if "loss" in r], list(range(1, 13)))
+
     def test_bad_fault_spec_is_exit_2(self):
         rc, out, err, _ = run_fault([self.cfg], "boom")
         self.assertEqual(rc, 2)
         self.assertIn("DDP_TRAIN_FAULT=boom: expected kind@rank:step", err)
 
-    def test_full_disk_exits_5_and_keeps_earlier_checkpoints(self):
-        mnt = self.w.file("small")
+    def fill_the_disk(self, cfg, np_):
+        """A disk that fills up inside the third checkpoint file itself (not in `latest`, which a disk
+        sized by hand fills first): room for two checkpoints, `latest` and its temporary, and half a
+        checkpoint. Exit 5 naming the file; the second checkpoint stays `latest`, intact."""
+        page = 4096
+        mnt = self.w.file(f"small-{np_}-{os.path.basename(cfg)}")
         os.mkdir(mnt)
-        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", mnt], capture_output=True).returncode:
+        args = [cfg, "--set", f"checkpoint.dir={mnt}", "--set", "checkpoint.every_steps=1",
+                "--set", "checkpoint.keep=1000", "--set", "train.max_steps=6"]
+        rc, out, err = run(args[:3] + ["--set", "train.max_steps=1"], np_=1)
+        self.assertEqual(rc, 0, out + err)
+        size = -(-os.path.getsize(os.path.join(mnt, "step-00000001.h5")) // page) * page  # tmpfs holds pages
+        shutil.rmtree(mnt)
+        os.mkdir(mnt)
+        spare = size // 2 // page * page  # tmpfs rounds its size up to whole pages
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={2 * size + 2 * page + spare}", "tmpfs", mnt],
+                          capture_output=True).returncode:
             self.skipTest("cannot mount a small tmpfs here (needs root)")
         try:
-            rc, out, err = run([self.cfg, "--set", f"checkpoint.dir={mnt}", "--set", "checkpoint.every_steps=1",
-                                "--set", "checkpoint.keep=1000", "--set", "train.epochs=50"], np_=2)
-            self.assertEqual(rc, 5, out + err)
-            line = errors(err)[0]
-            self.assertIn(mnt, line)
-            self.assertIn("No space left on device", line)
-            with open(os.path.join(mnt, "latest")) as f:
-                good = os.path.join(mnt, f.read().strip())
-            p = params(good)  # the last committed checkpoint is intact
+            rc, out, err = run(args, np_=np_)
+            self.assertEqual(rc, 5, f"{np_} ranks: {out}{err}")
+            self.assertIn(f"{mnt}/step-00000003.h5: writing the checkpoint failed: No space left on device",
+                          errors(err)[0])
+            self.assertTrue(latest_in(mnt).endswith("step-00000002.h5"))
+            p = params(latest_in(mnt))  # the last committed checkpoint is intact
             self.assertTrue(all(np.isfinite(v).all() for v in p.values()))
             self.assertFalse([n for n in os.listdir(mnt) if ".tmp." in n])
         finally:
             subprocess.run(["umount", mnt])
+
+    def test_full_disk_exits_5_and_keeps_earlier_checkpoints(self):
+        self.fill_the_disk(self.cfg, 2)
+
+    def test_full_disk_with_large_tensors_exits_5_not_139(self):
+        # 1.2 MB checkpoints: after HDF5's own write failed there, its H5Fclose failed half-way and
+        # its exit-time cleanup crashed (H5F__close_cb): exit 139 (issue 25)
+        self.w.dataset(name="mlp.h5", n=64, shape=(784,), classes=10)
+        mlp = self.w.config(MLP_784, name="mlp.yaml")
+        for np_ in (1, 2):
+            self.fill_the_disk(mlp, np_)
+
+    def test_a_lost_metrics_line_is_exit_5(self):
+        # metrics.jsonl on a disk that takes nothing (/dev/full: every write is ENOSPC): the line of
+        # step 1 is lost, so every rank exits 5 at the agreement of step 2; and a run whose only
+        # lines are its last (one step) exits 5 at its end, not 0 with an empty log
+        os.mkdir(self.w.file("log"))
+        os.symlink("/dev/full", self.w.file("log/metrics.jsonl"))
+        for steps in (5, 1):
+            rc, out, err = run([self.cfg, "--set", f"train.max_steps={steps}"], np_=2)
+            self.assertEqual(rc, 5, out + err)
+            line = errors(err)[0]
+            self.assertIn(f"{self.w.file('log/metrics.jsonl')}: writing metrics failed: No space left on device",
+                          line)
+            self.assertIn("step 1/", out)
+            self.assertNotIn("step 3/", out)
+            self.assertNotIn("done:", out)
 
     def test_keep_fits_a_disk_of_keep_checkpoints(self):
         # the oldest goes before the next is written: keep=3 needs room for 3 checkpoints, not 4

@@ -360,7 +360,7 @@ class Configs(unittest.TestCase):
         self.assertEqual(rc, 0, out + err)
         self.assertIn("data: none (data.path is empty)", out)
         self.assertIn("total parameters: 124,439,808", out)
-        self.assertRegex(out, r"memory per rank at 9 rows of 512 tokens: \d+\.\d MiB = parameters 474\.7 ")
+        self.assertRegex(out, r"memory per rank at 8 rows of 512 tokens: \d+\.\d MiB = parameters 474\.7 ")
         w = Workdir()
         try:
             with h5py.File(w.file("t.h5"), "w") as f:  # the config's data file is not in the repository

@@ -261,9 +261,9 @@ class MetricsAndStatus(unittest.TestCase):
         self.assertEqual(value(smp, "ddp_train_step"), step)  # log.every_steps 1: the newest step is logged
         rec = [r for r in records if r["step"] == step and "loss" in r][-1]
         self.assertEqual(value(smp, "ddp_train_epoch"), rec["epoch"])
-        # the same numbers, as metrics.jsonl prints them (%.6g, %.1f; times in ms with %.3f)
-        self.assertEqual(float(f"{value(smp, 'ddp_train_loss'):.6g}"), rec["loss"])
-        self.assertEqual(float(f"{value(smp, 'ddp_train_learning_rate'):.6g}"), rec["lr"])
+        # the same numbers, as metrics.jsonl prints them (%.9g, %.1f; times in ms with %.3f)
+        self.assertEqual(float(f"{value(smp, 'ddp_train_loss'):.9g}"), rec["loss"])
+        self.assertEqual(float(f"{value(smp, 'ddp_train_learning_rate'):.9g}"), rec["lr"])
         self.assertEqual(float(f"{value(smp, 'ddp_train_samples_per_second'):.1f}"), rec["samples_per_s"])
         for name, key in (("step", "step_ms"), ("compute", "compute_ms"), ("data", "data_ms"), ("comm", "comm_ms")):
             self.assertAlmostEqual(value(smp, f"ddp_train_{name}_seconds") * 1e3, rec[key], delta=6e-4, msg=name)
@@ -281,7 +281,7 @@ class MetricsAndStatus(unittest.TestCase):
             ev = [r for r in records if r["step"] == vstep and "val_loss" in r][-1]
             for name, key in (("val_loss", "val_loss"), ("val_accuracy", "val_acc"),
                               ("ema_val_loss", "ema_val_loss"), ("ema_val_accuracy", "ema_val_acc")):
-                self.assertEqual(float(f"{value(smp, f'ddp_train_{name}'):.6g}"), ev[key], name)
+                self.assertEqual(float(f"{value(smp, f'ddp_train_{name}'):.9g}"), ev[key], name)
         return smp
 
     def test_metrics_equal_metrics_jsonl_and_status_history_agree(self):

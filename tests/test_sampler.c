@@ -3,6 +3,7 @@
  * permutation on every rank, equal step counts, contiguous ownership, and drop_last. */
 #include "dt_test.h"
 
+#include "config.h"
 #include "sampler.h"
 
 static const int64_t sizes[] = {1, 7, 100, 257};
@@ -140,6 +141,41 @@ static void uneven_final_batch_is_split_across_ranks(void **state) {
   assert_true(counts[0] <= 1 && counts[1] <= 1 && counts[2] <= 1);
 }
 
+/* A local batch is never larger than the global batch's share rounded up (config_max_local_rows, what
+ * every batch buffer holds), and a full global batch reaches it. */
+static void largest_local_batch_is_the_rounded_up_share(void **state) {
+  (void)state;
+  for (int world = 1; world <= 5; world++)
+    for (size_t bi = 0; bi < sizeof batches / sizeof *batches; bi++)
+      for (size_t ni = 0; ni < sizeof sizes / sizeof *sizes; ni++)
+        for (int contiguous = 0; contiguous < 2; contiguous++) {
+          const int64_t G = batches[bi], n = sizes[ni];
+          dt_config_values v = {.global_batch_size = G};
+          const int64_t cap = config_max_local_rows(&v, world);
+          int64_t most = 0;
+          for (int r = 0; r < world; r++) {
+            dt_sampler s;
+            sampler_init(&s, n, world, r, G, contiguous, 0, 1, 7);
+            int64_t *idx = malloc((size_t)(sampler_max_local(&s) + 1) * sizeof *idx), tot;
+            assert_true(sampler_max_local(&s) <= cap);
+            for (int64_t st = 0; st < s.steps; st++) {
+              int64_t k = sampler_batch(&s, 0, st, idx, &tot);
+              assert_true(k <= sampler_max_local(&s));
+              if (k > most) most = k;
+            }
+            free(idx);
+            sampler_free(&s);
+          }
+          assert_true(most <= cap);
+          if (!contiguous && n >= G) assert_int_equal(most, cap);
+        }
+  dt_config_values one = {.global_batch_size = 8};
+  assert_int_equal(config_max_local_rows(&one, 1), 8); /* --dry-run said 9 */
+  assert_int_equal(config_max_local_rows(&one, 3), 3);
+  dt_config_values per_rank = {.batch_size = 5};
+  assert_int_equal(config_max_local_rows(&per_rank, 4), 5);
+}
+
 static void contiguous_mode_owns_its_rows(void **state) {
   (void)state;
   dt_sampler s;
@@ -181,6 +217,7 @@ int main(void) {
       cmocka_unit_test(same_permutation_on_every_rank_and_world_size),
       cmocka_unit_test(epochs_and_seeds_change_the_order),
       cmocka_unit_test(uneven_final_batch_is_split_across_ranks),
+      cmocka_unit_test(largest_local_batch_is_the_rounded_up_share),
       cmocka_unit_test(contiguous_mode_owns_its_rows),
       cmocka_unit_test(shuffle_false_keeps_file_order),
       cmocka_unit_test(shuffle_is_a_permutation),

@@ -229,6 +229,38 @@ class Layers(unittest.TestCase):
             w.cleanup()
 
 
+class InitFrom(unittest.TestCase):
+    def test_tensors_the_model_does_not_have_are_exit_2_unless_allowed(self):
+        """model.init_from is strict, as PyTorch's load_state_dict: an untied model's checkpoint loaded
+        into the tied config has a head weight (4.weight) that the tied head would silently drop, even
+        though it differs from the embedding it stands in for."""
+        w = Workdir()
+        try:
+            with h5py.File(w.file("tokens.h5"), "w") as f:
+                f["train/tokens"] = rule_rows(16, seed=2)
+                f["val/tokens"] = rule_rows(8, seed=3)
+            tied = w.config(GPT, loss="cross_entropy", optim="sgd", lr=0.1, epochs=1)
+            untied = w.config(GPT.replace('tie: "0"', "").replace("{dir}/ckpt", "{dir}/untied"), name="untied.yaml",
+                              loss="cross_entropy", optim="sgd", lr=0.1, epochs=1)
+            rc, out, err = run([untied], np_=1)
+            self.assertEqual(rc, 0, out + err)
+            src = w.latest("untied")
+            with h5py.File(src, "r") as f:
+                self.assertFalse(np.array_equal(f["model/4.weight"][...], f["model/0.tok.weight"][...]))
+            rc, out, err = run([tied, "--set", f"model.init_from={src}"], np_=2)
+            self.assertEqual(rc, 2, out + err)
+            self.assertIn(f"{src}: model.init_from: 1 tensor in /model that this model does not have: '4.weight'",
+                          errors(err)[0])
+            rc, out, err = run([tied, "--set", f"model.init_from={src}", "--set", "model.init_from_ignore_extra=true"],
+                               np_=2)
+            self.assertEqual(rc, 0, out + err)
+            # the model's own checkpoint loads as it is, without the key
+            rc, out, err = run([tied, "--set", f"model.init_from={w.latest()}"], np_=1)
+            self.assertEqual(rc, 0, out + err)
+        finally:
+            w.cleanup()
+
+
 class Resume(unittest.TestCase):
     def test_transformer_resume_is_bit_exact(self):
         """6 AdamW steps straight, against 3, a stop, and 3 more from the checkpoint."""
