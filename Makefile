@@ -43,8 +43,11 @@ OPENBLAS_DIR := /usr/lib/x86_64-linux-gnu/openblas-openmp
 OPENBLAS_INC := /usr/include/x86_64-linux-gnu/openblas-openmp
 
 BUILD := build/$(if $(SAN),$(SAN),$(if $(filter 1,$(CUDA)),cuda,cpu))
-PKG_CFLAGS = $(shell pkg-config --cflags ompi-c hdf5 yaml-0.1 libmicrohttpd 2>/dev/null)
-PKG_LIBS = $(shell pkg-config --libs ompi-c hdf5 yaml-0.1 libmicrohttpd 2>/dev/null)
+# libmicrohttpd by name: its .pc file requires gnutls's, which a machine with the library but no
+# headers of gnutls (a GPU machine given the .debs of ../shared/device/stage.sh) lacks, and one missing
+# .pc file blanks pkg-config's whole answer
+PKG_CFLAGS = $(shell pkg-config --cflags ompi-c hdf5 yaml-0.1 2>/dev/null)
+PKG_LIBS = $(shell pkg-config --libs ompi-c hdf5 yaml-0.1 2>/dev/null) -lmicrohttpd
 ifneq ($(SAN),)
   override CFLAGS := -O1 -g $(SAN_FLAGS)
 else
