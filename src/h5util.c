@@ -125,9 +125,14 @@ int h5_probe(const char *path, const char *what, int (*reader)(void *ctx, dt_sta
 /* ---- files built in memory: the core driver's memory, through file image callbacks that keep it
  * after the close (HDF5 would free it) ---- */
 
+/* H5Fcreate first opens the name as it is, to see whether HDF5 has it open: when a file of that name
+ * exists, the core driver reads it into an image of its own and closes it (image_free keeps it as if
+ * final). The image the file is then built in replaces that one. */
 static void *image_malloc(size_t size, H5FD_file_image_op_t op, void *udata) {
   (void)op;
   h5_image *im = udata;
+  free(im->buf);
+  im->closed = 0;
   im->buf = dt_malloc(size ? size : 1);
   im->cap = size;
   return im->buf;
