@@ -6,6 +6,7 @@ the budget leaves no time for are each recorded as such while the others go on."
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import unittest
 
@@ -67,7 +68,7 @@ class GpuCheck(unittest.TestCase):
         self.assertTrue(all(r["errors"] == 0 and r["exit"] == 0 for r in runs), runs)
         calls = open(os.path.join(tools, "calls")).read().splitlines()
         self.assertEqual(len(calls), 8)
-        self.assertIn("--tool memcheck --error-exitcode 9 --leak-check full", calls[0])
+        self.assertIn("--tool memcheck --leak-check full", calls[0])
         self.assertIn("train.cuda_graph=on", calls[1])
         self.assertGreater(stages["startup"]["first_step_s"], 0)
         rows = [r for r in stages["bench"]["tables"] if not r.startswith("|---") and not r.startswith("| case")]
@@ -109,3 +110,42 @@ class GpuCheck(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+# compute-sanitizer's report of one of NCCL's probes at init, as an H100 printed it (NCCL 2.28)
+PROBE = """========= Program hit cudaErrorNoKernelImageForDevice (error 209) due to "no kernel image is available for \
+execution on the device" on CUDA API call to cudaFuncGetAttributes.
+=========     Saved host backtrace up to driver entry point at error
+=========         Host Frame:  [0x4cb045] in libcuda.so.1
+=========         Host Frame:  [0x1babc0] in libnccl.so.2
+=========         Host Frame:  [0x71065] in libnccl.so.2
+=========         Host Frame:  [0x9cb83] in libc.so.6
+========= 
+"""
+
+
+class SanitizerReport(unittest.TestCase):
+    """scripts/sanitizer_report.py: what counts as an error in compute-sanitizer's output."""
+
+    def report(self, text):
+        p = subprocess.run([sys.executable, "scripts/sanitizer_report.py"], input=text, capture_output=True, text=True,
+                           cwd=ROOT, timeout=60)
+        return p.returncode, p.stdout.strip()
+
+    def test_nccls_probes_are_not_errors_and_everything_else_is(self):
+        self.assertEqual(self.report(PROBE * 4 + "========= ERROR SUMMARY: 4 errors\n"),
+                         (0, "sanitizer: 0 errors (error summary: 4 reported, 4 of them NCCL's probes of kernels "
+                             "built for other GPUs)"))
+        ours = PROBE.replace("libnccl.so.2", "libddp_train_cuda.so")  # the same call from our code counts
+        other = PROBE.replace("cudaFuncGetAttributes", "cudaLaunchKernel")  # another call from NCCL counts
+        leak = "========= Leaked 1024 bytes at 0x7f0000000000\n=========     Saved host backtrace\n"
+        for extra in (ours, other, leak):
+            rc, line = self.report(PROBE * 2 + extra + "========= ERROR SUMMARY: 3 errors\n")
+            self.assertEqual((rc, line.split(" (")[0]), (1, "sanitizer: 1 errors"), extra)
+
+    def test_racechecks_summary_and_a_run_with_none(self):
+        self.assertEqual(self.report("========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n")[0], 0)
+        rc, line = self.report("========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)\n")
+        self.assertEqual((rc, line.split(" (")[0]), (1, "sanitizer: 1 errors"))
+        self.assertEqual(self.report("step 1/20 epoch 1 loss 2.3\n"),
+                         (2, "sanitizer: no summary (the run was cut off or did not start)"))
