@@ -1,7 +1,8 @@
 """Failures on the CUDA path, over NCCL: a NaN exits 4, a hung rank exits 3 at the deadline,
 SIGUSR1 exits 75 after a checkpoint and the resumed run is bit-identical to an uninterrupted one,
-and an NCCL initialisation failure on one rank ends the job at once. In `make test` on the CPU
-stand-in (tests/gpusim); `make test-gpu` runs them on real GPUs (two are needed)."""
+and an NCCL initialisation failure on one rank ends the job at once; the first three again with two
+ranks sharing one GPU over MPI, which a machine of one GPU can run. In `make test` on the CPU
+stand-in (tests/gpusim); `make test-gpu` runs them on real GPUs (NCCL needs two)."""
 import time
 import unittest
 
@@ -11,6 +12,7 @@ import numpy as np
 from helpers import GPU_BINARY, Workdir, errors, gpu_setup, run
 
 ENV2, VISIBLE2, SIM = gpu_setup(2)
+ENV1, VISIBLE1, _ = gpu_setup(1)
 
 GPU_CNN = """\
 model:
@@ -40,18 +42,21 @@ def params(path):
         return {k: f["model"][k][...] for k in f["model"]}
 
 
-@unittest.skipUnless(VISIBLE2 >= 2, "fewer than 2 GPUs visible (NCCL needs one per rank)")
-class GpuFaults(unittest.TestCase):
+class FaultCases:
+    """The cases, for a TestCase that sets COMM (NCCL, GPU_CNN's dist.comm, or MPI) and ENV."""
+
     def setUp(self):
         self.w = Workdir()
         self.w.dataset(n=64)
         self.args = [self.w.config(GPU_CNN), "--device", "cuda"]
+        if self.COMM == "MPI":
+            self.args += ["--set", "dist.comm=mpi"]
 
     def tearDown(self):
         self.w.cleanup()
 
     def run_gpu(self, extra, fault=None, env=None, timeout=120):
-        e = dict(ENV2, **(env or {}))
+        e = dict(self.ENV, **(env or {}))
         if fault:
             e["DDP_TRAIN_FAULT"] = fault
         t0 = time.monotonic()
@@ -71,7 +76,12 @@ class GpuFaults(unittest.TestCase):
         rc, out, err, took = self.run_gpu(["--set", "dist.timeout_s=4", "--set", "train.cuda_graph=off"],
                                           fault="hang@1:3")
         self.assertEqual(rc, 3, out + err)
-        self.assertIn("the training step (forward, backward, NCCL gradient allreduce) at step 3", err)
+        self.assertIn(f"gradients: {self.COMM}", out)
+        if self.COMM == "NCCL":
+            self.assertIn("the training step (forward, backward, NCCL gradient allreduce) at step 3", err)
+        else:
+            self.assertIn("gradient allreduce at step 3 did not complete within dist.timeout_s = 4 s: rank(s) 1 never "
+                          "arrived", err)
         self.assertIn("dist.timeout_s = 4 s", err)
         self.assertLess(took, 30)
         rc, out, err, took = self.run_gpu(["--set", "dist.timeout_s=4"], fault="hang@1:3")
@@ -98,12 +108,25 @@ class GpuFaults(unittest.TestCase):
         for k in full:
             self.assertTrue(np.array_equal(full[k], resumed[k]), k)
 
+
+@unittest.skipUnless(VISIBLE2 >= 2, "fewer than 2 GPUs visible (NCCL needs one per rank)")
+class GpuFaults(FaultCases, unittest.TestCase):
+    COMM = "NCCL"
+    ENV = ENV2
+
     @unittest.skipUnless(SIM, "needs the stand-in's fault injection (GPUSIM_NCCL_FAULT)")
     def test_an_nccl_init_failure_on_one_rank_ends_the_job_at_once(self):
         rc, out, err, took = self.run_gpu(["--set", "dist.timeout_s=60"], env={"GPUSIM_NCCL_FAULT": "init@1"})
         self.assertEqual(rc, 3, out + err)
         self.assertIn("on rank 1 (1 of 2 ranks failed): NCCL initialisation failed", errors(err)[0])
         self.assertLess(took, 30)  # not the 60 s deadline
+
+
+@unittest.skipUnless(VISIBLE1 >= 1, "no GPU visible")
+class GpuFaultsSharedGpu(FaultCases, unittest.TestCase):
+    """Two ranks on one GPU, gradients over MPI through host memory (no CUDA graphs)."""
+    COMM = "MPI"
+    ENV = ENV1
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import unittest
 
 import h5py
@@ -169,8 +170,11 @@ class GpuTraining(GpuCase):
         val = [[r["val_loss"] for r in self.w.metrics(d) if "val_loss" in r] for d in ("cpu", "gpu")]
         np.testing.assert_allclose(val[1], val[0], rtol=1e-5)
         got, want = params(self.w.latest("gpu")), params(self.w.latest("cpu"))
-        bias = "1.body.1.qkv.bias"  # its key third has a zero gradient up to rounding, which AdamW scales up
-        got[bias], want[bias] = np.delete(got[bias], np.s_[24:48]), np.delete(want[bias], np.s_[24:48])
+        # each attention's key bias has a zero gradient up to rounding (softmax ignores a score added to
+        # every key of a query), which AdamW scales up to steps of lr: rounding's, not the backends'
+        # (on an H100 its CUDA and CPU values differed by 3e-4 after 9 steps; both layers' biases)
+        for bias in [k for k in want if k.endswith(".qkv.bias")]:
+            got[bias], want[bias] = np.delete(got[bias], np.s_[24:48]), np.delete(want[bias], np.s_[24:48])
         assert_params_close(self, got, want, 1e-5, "CUDA against CPU")
 
     def test_a_rank_with_no_rows_matches_the_cpu(self):
@@ -349,16 +353,24 @@ class GpuTraining(GpuCase):
         return got
 
     def assert_graphs_replayed_bit_for_bit(self, got, np_):
-        """The stand-in's own count of graph launches: every full step after the first (19 per rank),
-        none with cuda_graph off; and every tensor of the checkpoints, EMA and optimizer state
+        """Every full step after the first ran as a graph (19: each captured step is replayed once, then
+        each graph again), by ddp_train's count and, on the stand-in, by its own count of launches per
+        rank; none with cuda_graph off; and every tensor of the checkpoints, EMA and optimizer state
         included, equal to the bit."""
-        on_launches = [(int(i), int(n)) for i, n in re.findall(r"gpusim graphs \(pid \d+\): (\d+) instantiated, (\d+) launches",
-                                                              got["on"][2])]
-        self.assertEqual(len(on_launches), np_, got["on"][2][-3000:])
-        for instantiated, launches in on_launches:
-            self.assertEqual(launches, 19)
-            self.assertGreaterEqual(instantiated, 2)  # one per input buffer, again after a workspace moved
-        self.assertNotRegex(got["off"][2], r"gpusim graphs \(pid \d+\): \d+ instantiated, [1-9]")
+        counts = re.findall(r"^cuda graph: (\d+) steps? captured, (\d+) replayed$", got["on"][1], re.M)
+        self.assertEqual(len(counts), 1, got["on"][1][-3000:])
+        captures, replays = map(int, counts[0])
+        self.assertEqual(captures + replays, 19, counts)
+        self.assertGreaterEqual(captures, 2)  # one per input buffer, again after a workspace moved
+        self.assertNotRegex(got["off"][1], r"^cuda graph: \d+ steps? captured")
+        if SIM:
+            on_launches = [(int(i), int(n)) for i, n in
+                           re.findall(r"gpusim graphs \(pid \d+\): (\d+) instantiated, (\d+) launches", got["on"][2])]
+            self.assertEqual(len(on_launches), np_, got["on"][2][-3000:])
+            for instantiated, launches in on_launches:
+                self.assertEqual(launches, 19)
+                self.assertGreaterEqual(instantiated, 2)
+            self.assertNotRegex(got["off"][2], r"gpusim graphs \(pid \d+\): \d+ instantiated, [1-9]")
         self.assertIn("cuda graph: on", got["on"][1])
         self.assertIn("cuda graph: off (train.cuda_graph off)", got["off"][1])
         with h5py.File(got["on"][0], "r") as a, h5py.File(got["off"][0], "r") as b:
@@ -398,12 +410,15 @@ class GpuTraining(GpuCase):
                          "compute-sanitizer not found")
     def test_compute_sanitizer_memcheck_is_clean(self):
         tool = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
-        p = subprocess.run([tool, "--tool", "memcheck", "--error-exitcode", "9", GPU_BINARY, "configs/model.yaml",
+        p = subprocess.run([tool, "--tool", "memcheck", GPU_BINARY, "configs/model.yaml",
                             "--device", "cuda", "--set", "train.max_steps=3", "--set", f"log.dir={self.w.file('log')}",
                             "--set", "checkpoint.dir=", "--set", "data.val.x="], capture_output=True, text=True,
                            env=ENV, cwd=ROOT, timeout=600)
         self.assertEqual(p.returncode, 0, p.stdout[-3000:] + p.stderr[-3000:])
-        self.assertIn("ERROR SUMMARY: 0 errors", p.stdout + p.stderr)
+        # every report is an error, except NCCL's probes at init of kernels built for other GPUs
+        r = subprocess.run([sys.executable, "scripts/sanitizer_report.py"], input=p.stdout + p.stderr,
+                           capture_output=True, text=True, cwd=ROOT, timeout=60)
+        self.assertEqual(r.returncode, 0, r.stdout + p.stdout[-3000:] + p.stderr[-3000:])
 
 
 def meta(path):
