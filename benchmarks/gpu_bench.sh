@@ -15,6 +15,8 @@
 #   BENCH_WINDOWS       timed windows after one warm-up window (5)
 #   BENCH_BATCH         one batch for every case instead of each case's own
 #   BENCH_LAUNCHES      launches for the first-step row, the median is printed (3)
+#   BENCH_ONLY          a bash regular expression: only the rows whose case matches it run (all; e.g.
+#                       "ResNet|GPT|launch" for the rows a short GPU window left out)
 #   BENCH_DDP_SET       extra KEY=VALUE overrides for every ddp_train run, space-separated
 #                       (e.g. "train.cuda_graph=off dist.threads=4"; later ones win)
 #   BENCH_TORCH_PYTHON  the Python with PyTorch (PYTHON); BENCH_TORCH_DEVICE cuda (or cpu: smoke tests)
@@ -30,6 +32,7 @@ PYTHON=${PYTHON:-/usr/bin/python3}
 TORCH_PYTHON=${BENCH_TORCH_PYTHON:-$PYTHON}
 DDP=${BENCH_DDP_BINARY:-./ddp_train}
 STEPS=${BENCH_STEPS:-50}
+ONLY=${BENCH_ONLY:-.}
 WINDOWS=${BENCH_WINDOWS:-5}
 LAUNCHES=${BENCH_LAUNCHES:-3}
 export BENCH_TORCH_DEVICE=${BENCH_TORCH_DEVICE:-cuda}
@@ -39,12 +42,16 @@ for kv in ${BENCH_DDP_SET:-}; do extra+=(--set "$kv"); done
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
-ours() { # config batch precision [metric [more ddp_train arguments]] -> samples/s (or the logged metric)
+# config batch precision [metric [more ddp_train arguments]] -> samples/s (or the logged metric); as many
+# epochs as steps, so that a small dataset (2048 rows of synthetic CIFAR: 8 steps of 256) does not end the
+# run before its windows
+ours() {
   local log cfg=$1 batch=$2 precision=$3 metric=${4:-samples_per_s}
   shift $(($# < 4 ? $# : 4))
   log=$(mktemp -d "$out/run.XXXX")
   if ! "$DDP" "$cfg" --device cuda --set train.global_batch_size="$batch" --set train.precision="$precision" \
-    --set train.max_steps=$((STEPS * (WINDOWS + 1))) --set log.every_steps="$STEPS" --set log.dir="$log" \
+    --set train.max_steps=$((STEPS * (WINDOWS + 1))) --set train.epochs=$((STEPS * (WINDOWS + 1))) \
+    --set log.every_steps="$STEPS" --set log.dir="$log" \
     --set checkpoint.dir= --set data.val.x= --set data.drop_last=true --set data.cache=device \
     --set optim.schedule.name=constant --set optim.lr=0.01 "$@" ${extra[@]+"${extra[@]}"} >"$log/out" 2>&1; then
     cat "$log/out" >&2
@@ -71,6 +78,7 @@ notes=()
 while IFS='|' read -r label cfg batch precision target; do
   batch=${BENCH_BATCH:-$batch}
   name="$label, $precision, batch $batch"
+  [[ $name =~ $ONLY ]] || continue
   a=$(ours "$cfg" "$batch" "$precision")
   b=$("$TORCH_PYTHON" benchmarks/torch_gpu_train.py "$cfg" "$batch" "$precision" "$STEPS" "$WINDOWS")
   IFS=$'\t' read -r eager best setting tried <<<"$b"
@@ -89,16 +97,19 @@ CASES
 # ddp_train: one process started directly (MPI's singleton start, as `./ddp_train CONFIG`); "training:" is
 # printed when start-up is over, "step 1/" when the first step has finished (log.every_steps=1).
 batch=${BENCH_BATCH:-256}
-a=$(launch "$LAUNCHES" '^training:' '^step 1/' "$DDP" configs/model.yaml --device cuda \
-  --set train.global_batch_size="$batch" --set train.max_steps=1 --set log.every_steps=1 \
-  --set log.dir="$out/first" --set checkpoint.dir= --set data.val.x= ${extra[@]+"${extra[@]}"})
-b=$(launch "$LAUNCHES" '^ready' '^first step' "$TORCH_PYTHON" benchmarks/torch_gpu_train.py --first-step \
-  configs/model.yaml "$batch" fp32)
-read -r ours_s ours_ready <<<"$a"
-read -r torch_s torch_ready <<<"$b"
-printf '| launch to end of first step (s, lower is better), default CNN, fp32, batch %s | %s s | %s s | - |' \
-  "$batch" "$ours_s" "$torch_s"
-printf ' eager | %s | <= 0.5 s |\n' "$(ratio "$ours_s" "$torch_s")"
+ours_s=- ours_ready=- torch_s=- torch_ready=-
+if [[ "launch to end of first step" =~ $ONLY ]]; then
+  a=$(launch "$LAUNCHES" '^training:' '^step 1/' "$DDP" configs/model.yaml --device cuda \
+    --set train.global_batch_size="$batch" --set train.max_steps=1 --set log.every_steps=1 \
+    --set log.dir="$out/first" --set checkpoint.dir= --set data.val.x= ${extra[@]+"${extra[@]}"})
+  b=$(launch "$LAUNCHES" '^ready' '^first step' "$TORCH_PYTHON" benchmarks/torch_gpu_train.py --first-step \
+    configs/model.yaml "$batch" fp32)
+  read -r ours_s ours_ready <<<"$a"
+  read -r torch_s torch_ready <<<"$b"
+  printf '| launch to end of first step (s, lower is better), default CNN, fp32, batch %s | %s s | %s s | - |' \
+    "$batch" "$ours_s" "$torch_s"
+  printf ' eager | %s | <= 0.5 s |\n' "$(ratio "$ours_s" "$torch_s")"
+fi
 
 # GPT-2 124M at sequence 1024 (or BENCH_GPT_CONFIG / BENCH_GPT_SEQ): target tokens/s and MFU, fp32 and
 # bf16. ddp_train: the config with model.input [SEQ], one rank, its AdamW (no_decay groups,
@@ -132,6 +143,7 @@ printf ' PyTorch best tokens/s | PyTorch best MFU | PyTorch best setting | ddp_t
 printf '|---|---|---|---|---|---|---|---|---|\n'
 for precision in fp32 bf16; do
   name="$gpt_label, seq $gpt_seq, $precision, batch $gpt_batch"
+  [[ $name =~ $ONLY ]] || continue
   a=$(ours "$gpt_cfg" "$gpt_batch" "$precision" tokens_per_s --set "model.input=[$gpt_seq]" \
     --set data.path="$out/gpt_tokens.h5" --set data.train.x=/train/tokens --set train.batch_size=0 \
     --set train.grad_accum=1 --set train.epochs=1 --set model.init_from= --set optim.lr=0.0001 --set data.cache=auto)
