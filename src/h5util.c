@@ -127,12 +127,20 @@ int h5_probe(const char *path, const char *what, int (*reader)(void *ctx, dt_sta
 
 /* H5Fcreate first opens the name as it is, to see whether HDF5 has it open: when a file of that name
  * exists, the core driver reads it into an image of its own and closes it (image_free keeps it as if
- * final). The image the file is then built in replaces that one. */
+ * final). The file is then built in a new image, from image_malloc or from image_realloc of NULL:
+ * either releases that earlier one first. */
+static void drop_earlier_image(h5_image *im, const void *ptr) {
+  if (im->buf && ptr != im->buf) {
+    free(im->buf);
+    im->buf = NULL;
+  }
+  im->closed = 0;
+}
+
 static void *image_malloc(size_t size, H5FD_file_image_op_t op, void *udata) {
   (void)op;
   h5_image *im = udata;
-  free(im->buf);
-  im->closed = 0;
+  drop_earlier_image(im, NULL);
   im->buf = dt_malloc(size ? size : 1);
   im->cap = size;
   return im->buf;
@@ -146,6 +154,7 @@ static void *image_memcpy(void *dst, const void *src, size_t size, H5FD_file_ima
 static void *image_realloc(void *ptr, size_t size, H5FD_file_image_op_t op, void *udata) {
   (void)op;
   h5_image *im = udata;
+  drop_earlier_image(im, ptr);
   im->buf = dt_realloc(ptr, size ? size : 1);
   im->cap = size;
   return im->buf;
