@@ -154,27 +154,56 @@ static void sb_json_num(sbuf *b, double v) {
 
 /* ---- the token and the address (start-up) ---- */
 
-static int read_token(dt_monitor *mon, const char *path, dt_status *st) {
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return dt_fail(st, DT_EXIT_INPUT, "monitor.token_file %s: cannot open: %s", path, strerror(errno));
+/* "a FIFO", "a directory", ... for a path that is not a regular file. */
+static const char *file_kind(mode_t m) {
+  return S_ISFIFO(m)   ? "a FIFO"
+         : S_ISDIR(m)  ? "a directory"
+         : S_ISCHR(m)  ? "a character device"
+         : S_ISBLK(m)  ? "a block device"
+         : S_ISSOCK(m) ? "a socket"
+                       : "not a regular file";
+}
+
+/* "its group", "others" or "its group and others": who else has group_bit or other_bit in m; NULL
+ * for no one. */
+static const char *who(mode_t m, mode_t group_bit, mode_t other_bit) {
+  return (m & group_bit) && (m & other_bit) ? "its group and others"
+         : m & group_bit                    ? "its group"
+         : m & other_bit                    ? "others"
+                                            : NULL;
+}
+
+/* The checks ssh makes of a private key, on the file as opened: a regular file (opened without
+ * blocking, so that a FIFO cannot hang start-up), owned by this user or root, that no one else can
+ * read or write. Symbolic links are followed: what is checked is what is read. */
+static int check_token_file(const char *path, int fd, dt_status *st) {
   struct stat sb;
-  if (fstat(fd, &sb)) {
-    int e = errno;
-    close(fd);
-    return dt_fail(st, DT_EXIT_INPUT, "monitor.token_file %s: cannot stat: %s", path, strerror(e));
-  }
-  if (!S_ISREG(sb.st_mode)) {
-    close(fd);
-    return dt_fail(st, DT_EXIT_INPUT, "monitor.token_file %s: not a regular file", path);
-  }
-  if (sb.st_mode & (S_IRGRP | S_IROTH)) {
-    close(fd);
+  if (fstat(fd, &sb))
+    return dt_fail(st, DT_EXIT_INPUT, "monitor.token_file %s: cannot stat: %s", path, strerror(errno));
+  if (!S_ISREG(sb.st_mode))
+    return dt_fail(st, DT_EXIT_INPUT, "monitor.token_file %s is %s, not a regular file", path, file_kind(sb.st_mode));
+  uid_t me = geteuid();
+  if (sb.st_uid != me && sb.st_uid != 0)
     return dt_fail(st, DT_EXIT_INPUT,
-                   "monitor.token_file %s is readable by %s (mode %04o): the token must be secret; chmod 600 %s", path,
-                   (sb.st_mode & S_IRGRP) && (sb.st_mode & S_IROTH) ? "group and others"
-                   : sb.st_mode & S_IRGRP                           ? "its group"
-                                                                    : "others",
-                   (unsigned)(sb.st_mode & 07777), path);
+                   "monitor.token_file %s is owned by uid %u, not by you (uid %u) or root: its owner could change the "
+                   "token; use a file of your own",
+                   path, (unsigned)sb.st_uid, (unsigned)me);
+  const char *readers = who(sb.st_mode, S_IRGRP, S_IROTH), *writers = who(sb.st_mode, S_IWGRP, S_IWOTH);
+  if (readers || writers)
+    return dt_fail(st, DT_EXIT_INPUT,
+                   "monitor.token_file %s is %s%s%s%s%s (mode %04o): the token must be a secret only you can read "
+                   "and change; chmod 600 %s",
+                   path, readers ? "readable by " : "", readers ? readers : "", readers && writers ? " and " : "",
+                   writers ? "writable by " : "", writers ? writers : "", (unsigned)(sb.st_mode & 07777), path);
+  return 0;
+}
+
+static int read_token(dt_monitor *mon, const char *path, dt_status *st) {
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) return dt_fail(st, DT_EXIT_INPUT, "monitor.token_file %s: cannot open: %s", path, strerror(errno));
+  if (check_token_file(path, fd, st)) {
+    close(fd);
+    return st->code;
   }
   char *buf = dt_malloc(MAX_TOKEN + 2);
   size_t n = 0;

@@ -517,6 +517,45 @@ class Token(unittest.TestCase):
             self.assertEqual(rc, 2, out + err)
             self.assertIn(why, errors(err)[0])
 
+    def test_a_token_file_others_can_change_is_exit_2_naming_it(self):
+        # as ssh checks its keys: a token that another user can rewrite is not a secret of yours
+        cfg = self.w.config(MONITOR_CNN, steps=5, log_every=1)
+        for mode, why in ((0o620, "is writable by its group"), (0o602, "is writable by others"),
+                          (0o622, "is writable by its group and others"),
+                          (0o660, "is readable by its group and writable by its group")):
+            token = write_token(self.w, mode, name=f"token{mode:o}")
+            for dry in ([], ["--dry-run"]):  # the same check in --dry-run
+                rc, out, err = run([cfg, "--set", f"monitor.token_file={token}"] + dry, np_=2)
+                self.assertEqual(rc, 2, out + err)
+                line = errors(err)[0]
+                self.assertIn(f"monitor.token_file {token} {why} (mode 0{mode:o})", line)
+                self.assertIn("chmod 600", line)
+            self.assertFalse(os.path.exists(self.w.file("log/metrics.jsonl")))  # before any step
+        if os.geteuid() != 0:
+            return  # only root can give a file away
+        token = write_token(self.w, name="token_theirs")
+        os.chown(token, 4242, 4242)
+        rc, out, err = run([cfg, "--set", f"monitor.token_file={token}"], np_=2)
+        self.assertEqual(rc, 2, out + err)
+        self.assertIn(f"monitor.token_file {token} is owned by uid 4242, not by you (uid 0) or root", errors(err)[0])
+
+    def test_a_fifo_as_token_file_is_exit_2_at_once(self):
+        # open() of a FIFO waits for a writer: the file is opened without blocking and checked first
+        cfg = self.w.config(MONITOR_CNN, steps=5, log_every=1)
+        fifo = self.w.file("token_fifo")
+        os.mkfifo(fifo, 0o600)
+        t0 = time.monotonic()
+        try:
+            rc, out, err = run([cfg, "--set", f"monitor.token_file={fifo}"], np_=2, timeout=60)
+        finally:  # a rank stuck in open() is let go
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+        self.assertEqual(rc, 2, out + err)
+        self.assertIn(f"monitor.token_file {fifo} is a FIFO, not a regular file", errors(err)[0])
+        self.assertLess(time.monotonic() - t0, 30)
+
     def test_not_loopback_needs_a_token_file_and_then_every_request_the_token(self):
         cfg = self.w.config(MONITOR_CNN, steps=FOREVER, log_every=50)
         rc, out, err = run([cfg, "--set", "monitor.listen=0.0.0.0:0"], np_=2)
