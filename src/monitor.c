@@ -271,6 +271,25 @@ static int is_loopback(const struct sockaddr *a) {
   return 0;
 }
 
+/* Why no socket can listen on a, whatever the host; NULL when one may. Checked in --dry-run as in
+ * a run, so that the dry run refuses what the run would fail to bind. */
+static const char *unlistenable(const struct sockaddr *a) {
+  if (a->sa_family == AF_INET) {
+    in_addr_t x = ntohl(((const struct sockaddr_in *)a)->sin_addr.s_addr);
+    if (IN_MULTICAST(x)) return "a multicast address cannot be listened on";
+    if (x == INADDR_BROADCAST) return "the broadcast address cannot be listened on";
+  } else if (a->sa_family == AF_INET6) {
+    const struct sockaddr_in6 *x = (const struct sockaddr_in6 *)a;
+    if (IN6_IS_ADDR_V4MAPPED(&x->sin6_addr))
+      return "an IPv4-mapped IPv6 address cannot be listened on (the socket is IPv6 only); give the IPv4 address, "
+             "as 127.0.0.1:PORT";
+    if (IN6_IS_ADDR_MULTICAST(&x->sin6_addr)) return "a multicast address cannot be listened on";
+    if (IN6_IS_ADDR_LINKLOCAL(&x->sin6_addr) && !x->sin6_scope_id)
+      return "a link-local IPv6 address needs its interface, as [fe80::1%eth0]:PORT";
+  }
+  return NULL;
+}
+
 /* Resolves monitor.listen and checks that it is loopback or has a token; binds and listens when
  * bind_now, noting the bound address (its port when 0 was asked for) in mon->where. */
 static int open_socket(dt_monitor *mon, int bind_now, dt_status *st) {
@@ -284,6 +303,11 @@ static int open_socket(dt_monitor *mon, int bind_now, dt_status *st) {
   if (rc)
     return dt_fail(st, DT_EXIT_INPUT, "monitor.listen %s: cannot resolve '%s': %s", mon->listen, host,
                    rc == EAI_SYSTEM ? strerror(errno) : gai_strerror(rc));
+  const char *why = unlistenable(res->ai_addr);
+  if (why) {
+    freeaddrinfo(res);
+    return dt_fail(st, DT_EXIT_INPUT, "monitor.listen %s: %s", mon->listen, why);
+  }
   mon->family = res->ai_family;
   mon->loopback = is_loopback(res->ai_addr);
   if (!mon->loopback && !mon->token) {

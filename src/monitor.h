@@ -27,12 +27,12 @@ typedef struct {
   int checkpoints;        /* checkpoint.dir is set: POST /checkpoint can be honoured */
 } dt_monitor_opts;
 
-/* Validates the options: the address (exit 2 naming it: bad syntax, or not loopback without a
- * token file), and the token file (exit 2 naming it: unreadable, not a regular file, owned by
- * another user than this one or root, readable or writable by group or others, or empty). When
- * bind_now, also binds and listens on the address (exit 2 naming it when it is in use or cannot be
- * bound) and returns the monitor, not yet serving; NULL otherwise, or with st set. The caller frees
- * it with monitor_close. */
+/* Validates the options: the address (exit 2 naming it: bad syntax, one that no socket can listen
+ * on, or not loopback without a token file), and the token file (exit 2 naming it: unreadable, not
+ * a regular file, owned by another user than this one or root, readable or writable by group or
+ * others, or empty). When bind_now, also binds and listens on the address (exit 2 naming it when it
+ * is in use or cannot be bound) and returns the monitor, not yet serving; NULL otherwise, or with st
+ * set. The caller frees it with monitor_close. */
 dt_monitor *monitor_open(const dt_monitor_opts *o, int bind_now, dt_status *st);
 
 /* What does not change during a run, for /status and the labels of /metrics. The strings are

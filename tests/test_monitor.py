@@ -618,6 +618,15 @@ class Token(unittest.TestCase):
         self.assertEqual(rc, 2, out + err)
         rc, out, err = run([cfg, "--dry-run", "--set", "monitor.listen=127.0.0.1:9400"], np_=1)
         self.assertEqual(rc, 0, out + err)
+        # addresses that resolve but that no socket here can listen on: refused by the same check
+        # in --dry-run and in a run
+        for bad, why in (("[::ffff:127.0.0.1]:0", "an IPv4-mapped IPv6 address"),
+                         ("224.0.0.1:0", "a multicast address"), ("[ff02::1]:0", "a multicast address"),
+                         ("[fe80::1]:0", "a link-local IPv6 address needs its interface")):
+            for dry in (["--dry-run"], []):
+                rc, out, err = run([cfg, "--set", f'monitor.listen="{bad}"'] + dry, np_=1)
+                self.assertEqual(rc, 2, out + err)
+                self.assertIn(f"monitor.listen {bad}: {why}", errors(err)[0])
 
 
 class BadRequests(unittest.TestCase):
