@@ -736,17 +736,23 @@ static int index_history(dt_monitor *mon, FILE *f) {
   return ferror(f) ? -1 : 0;
 }
 
-/* The records of metrics.jsonl whose step is at least since, as a JSON array; at most limit (*next:
- * the step of the first record left out, or -1). Only whole lines are read: the training thread may
- * be appending one. */
+/* The records of metrics.jsonl from record index `from` on (a record's index: its line number
+ * from 0) whose step is at least `since`, as a JSON array; at most limit (*next: the index of the
+ * first such record left out, or -1). The index is the cursor: a step is not one, as records share
+ * a step (an evaluation's) and a resume logs some steps twice. Only whole lines are read: the
+ * training thread may be appending one. */
 static unsigned get_history(dt_monitor *mon, struct MHD_Connection *c, sbuf *b, long long *next) {
   *next = -1;
   const char *since_s = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "since");
+  const char *from_s = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "from");
   const char *limit_s = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "limit");
   long long since = since_s ? parse_count(since_s, (long long)1 << 62) : 0;
+  long long from = from_s ? parse_count(from_s, (long long)1 << 62) : 0;
   long long limit = limit_s ? parse_count(limit_s, MAX_HISTORY) : MAX_HISTORY;
-  if (since < 0 || limit < 1) {
-    sb_printf(b, "{\"error\": \"since must be a step number (0 or more) and limit a count in [1, %d]\"}\n",
+  if (since < 0 || from < 0 || limit < 1) {
+    sb_printf(b,
+              "{\"error\": \"since must be a step number (0 or more), from a record index (0 or more) and limit a "
+              "count in [1, %d]\"}\n",
               MAX_HISTORY);
     return MHD_HTTP_BAD_REQUEST;
   }
@@ -783,20 +789,23 @@ static unsigned get_history(dt_monitor *mon, struct MHD_Connection *c, sbuf *b, 
     else
       hi = mid - 1;
   }
-  off_t from = mon->n_marks ? mon->marks[lo].offset : 0, end = mon->hist_indexed;
+  long long by_index = from / HISTORY_STRIDE; /* the last mark at or before record `from` */
+  if (by_index > lo) lo = by_index < mon->n_marks ? (int)by_index : mon->n_marks;
+  off_t pos = lo < mon->n_marks ? mon->marks[lo].offset : mon->hist_indexed, end = mon->hist_indexed;
+  long long index = (long long)lo * HISTORY_STRIDE; /* of the record at pos */
   if ((rc = pthread_mutex_unlock(&mon->hist_mu))) dt_abort(__FILE__, __LINE__, "pthread_mutex_unlock failed");
   char *line = NULL;
   size_t cap = 0;
   ssize_t n;
   long long count = 0;
   sb_printf(b, "[");
-  if (!bad) bad = fseeko(f, from, SEEK_SET);
-  while (!bad && from < end && (n = getline(&line, &cap, f)) > 0 && line[n - 1] == '\n') {
-    from += n;
-    long long step = record_step(line);
-    if (step < since) continue;
+  if (!bad) bad = fseeko(f, pos, SEEK_SET);
+  while (!bad && pos < end && (n = getline(&line, &cap, f)) > 0 && line[n - 1] == '\n') {
+    pos += n;
+    long long i = index++;
+    if (i < from || record_step(line) < since) continue;
     if (count == limit) {
-      *next = step;
+      *next = i;
       break;
     }
     sb_printf(b, "%s\n", count ? "," : "");
@@ -888,8 +897,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     if (!strcmp(url, endpoints[i].path)) ep = i;
   if (ep < 0)
     return fail(c, MHD_HTTP_NOT_FOUND,
-                "no such endpoint: GET /health, /metrics, /status, /history?since=STEP; POST /checkpoint, /stop", NULL,
-                NULL);
+                "no such endpoint: GET /health, /metrics, /status, /history?since=STEP&from=INDEX&limit=N; POST "
+                "/checkpoint, /stop",
+                NULL, NULL);
   int is_get = !strcmp(method, MHD_HTTP_METHOD_GET) || !strcmp(method, MHD_HTTP_METHOD_HEAD);
   if (endpoints[ep].post ? strcmp(method, MHD_HTTP_METHOD_POST) != 0 : !is_get)
     return fail(c, MHD_HTTP_METHOD_NOT_ALLOWED, endpoints[ep].post ? "use POST" : "use GET", MHD_HTTP_HEADER_ALLOW,
@@ -917,7 +927,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
       code = get_history(mon, c, &b, &next);
       char more[32];
       snprintf(more, sizeof more, "%lld", next);
-      return respond(c, code, "application/json", &b, next >= 0 ? "X-Next-Since" : NULL, more);
+      return respond(c, code, "application/json", &b, next >= 0 ? "X-Next-From" : NULL, more);
     }
     case EP_CHECKPOINT:
       if (!mon->checkpoints)

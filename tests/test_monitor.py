@@ -337,15 +337,17 @@ class MetricsAndStatus(unittest.TestCase):
         self.assertEqual(hist, later[:len(hist)])
         status, headers, body = request(addr, "/history?since=0&limit=3")
         self.assertEqual(json.loads(body), self.w.metrics()[:3])
-        self.assertEqual(int(headers["x-next-since"]), self.w.metrics()[3]["step"])
-        for bad in ("since=-1", "since=x", "since=1&limit=0", "limit=10001"):
+        self.assertEqual(int(headers["x-next-from"]), 3)  # the index of the next record
+        self.assertNotIn("x-next-since", headers)
+        for bad in ("since=-1", "since=x", "since=1&limit=0", "limit=10001", "from=-1", "from=x"):
             self.assertEqual(request(addr, f"/history?{bad}")[0], 400, bad)
         self.assertEqual(self.job.wait(), 0, self.job.out + self.job.err)
         self.assertIn("done:", self.job.out)
 
-    def test_history_in_file_order_after_a_resume_from_an_older_checkpoint(self):
-        # metrics.jsonl then holds steps 101-300 twice: /history returns every record at or after
-        # `since`, in file order, however the file's index skips ahead
+    def resume_from_step_100(self):
+        """A run of 300 steps, then one resumed from its checkpoint at step 100, serving: its
+        metrics.jsonl holds steps 101-300 twice, and evaluation records (every 25 steps) that share
+        their step with a training record. Returns the address once step 420 is done."""
         rc, out, err = run([self.cfg, "--set", "monitor.listen=", "--set", "train.max_steps=300", "--set",
                             "checkpoint.every_steps=100", "--set", "checkpoint.keep=10"], np_=2, timeout=600)
         self.assertEqual(rc, 0, out + err)
@@ -354,6 +356,17 @@ class MetricsAndStatus(unittest.TestCase):
                         f"monitor.token_file={token}", "--set", f"train.max_steps={FOREVER}"])
         addr = self.job.address()
         wait_for_step(self, addr, 420, self.job)
+        return addr
+
+    def whole_records(self):
+        """metrics.jsonl's records so far, without a line the run is still writing."""
+        with open(self.w.file("log/metrics.jsonl")) as f:
+            return [json.loads(l) for l in f.read().split("\n")[:-1]]
+
+    def test_history_in_file_order_after_a_resume_from_an_older_checkpoint(self):
+        # /history returns every record at or after `since`, in file order, however the file's
+        # index skips ahead
+        addr = self.resume_from_step_100()
         for since in (0, 1, 63, 64, 65, 99, 100, 101, 150, 299, 300, 301, 400):
             status, headers, body = request(addr, f"/history?since={since}&limit=2000")
             self.assertEqual(status, 200)
@@ -361,6 +374,37 @@ class MetricsAndStatus(unittest.TestCase):
             want = [r for r in self.w.metrics() if r["step"] >= since]
             self.assertGreater(len(hist), 0)
             self.assertEqual(hist, want[:len(hist)], since)
+        self.assertEqual(request(addr, "/stop", "POST", token=TOKEN)[0], 202)
+        self.assertEqual(self.job.wait(), 75, self.job.out + self.job.err)
+
+    def test_history_walked_one_record_at_a_time_is_metrics_jsonl(self):
+        # the cursor is a record's index, so pages neither repeat nor skip a record, even where
+        # records share a step (an evaluation) or steps come twice (the resume)
+        addr = self.resume_from_step_100()
+        records = self.whole_records()
+        steps = [r["step"] for r in records]
+        self.assertGreater(len(steps), len(set(steps)) + 200)  # steps 101-300 twice, evaluations
+        walked, cursor = [], 0
+        while len(walked) < len(records):
+            status, headers, body = request(addr, f"/history?from={cursor}&limit=1")
+            self.assertEqual(status, 200, body)
+            page = json.loads(body)
+            self.assertEqual(len(page), 1, cursor)
+            walked += page
+            if len(walked) < len(records):  # the run goes on: there is always a next one
+                self.assertEqual(int(headers["x-next-from"]), cursor + 1)
+                cursor += 1
+        self.assertEqual(walked, records)
+        # since filters by step, from and X-Next-From page through what it keeps
+        want = [r for r in records if r["step"] >= 150]
+        got, cursor = [], 0
+        while len(got) < len(want):
+            status, headers, body = request(addr, f"/history?since=150&limit=7&from={cursor}")
+            self.assertEqual(status, 200, body)
+            got += json.loads(body)
+            if len(got) < len(want):
+                cursor = int(headers["x-next-from"])
+        self.assertEqual(got[:len(want)], want)
         self.assertEqual(request(addr, "/stop", "POST", token=TOKEN)[0], 202)
         self.assertEqual(self.job.wait(), 75, self.job.out + self.job.err)
 
