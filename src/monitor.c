@@ -26,12 +26,21 @@
 enum {
   MEMORY_LIMIT = 16 * 1024, /* request line and headers of one connection (MHD answers 431 or 414 past it) */
   MAX_HEADERS = 64,
-  MAX_CONNECTIONS = 32,
-  MAX_PER_CLIENT = 16,
+  MAX_CONNECTIONS = 32, /* served at once: a newcomer past them closes the one that waited longest */
+  MHD_CONNECTIONS = 64, /* libmicrohttpd's limit, past which it refuses: room for those being closed */
   IDLE_TIMEOUT_S = 5,
   MAX_HISTORY = 10000, /* records per /history answer */
   MAX_TOKEN = 4096,
 };
+
+/* A connection, as the daemon's callbacks see it (they all run in its one thread: no lock). */
+typedef struct {
+  struct MHD_Connection *c; /* NULL: a free slot */
+  int fd;
+  int answering; /* its request's headers are in: being answered */
+  int closing;   /* shut down for a newcomer; the daemon has yet to close it */
+  double since;  /* dt_now() when it began to wait for a request (accepted, or answered) or to be answered */
+} conn_slot;
 
 typedef struct {
   off_t offset;         /* of a record in metrics.jsonl */
@@ -55,6 +64,7 @@ struct dt_monitor {
   off_t hist_indexed; /* bytes of whole lines indexed */
   long long hist_records, hist_max;
   struct MHD_Daemon *daemon;
+  conn_slot conns[MHD_CONNECTIONS]; /* the daemon's thread only */
   /* the run (set before the daemon starts, read-only after) */
   char *config_path;
   uint64_t config_hash;
@@ -834,6 +844,67 @@ static unsigned post_request(dt_monitor *mon, int bit, sbuf *b) {
   return MHD_HTTP_ACCEPTED;
 }
 
+/* ---- connections: the daemon's thread ---- */
+
+/* The slot of c, set when it was accepted; NULL for none. */
+static conn_slot *slot_of(struct MHD_Connection *c) {
+  const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+  return ci ? ci->socket_context : NULL;
+}
+
+/* Past MAX_CONNECTIONS, closes the connection other than `newcomer` that has waited longest for a
+ * request (else the one answered longest). libmicrohttpd's limits refuse newcomers instead, so that
+ * slow clients (a header byte every few seconds never times out) from a few addresses could hold
+ * every connection and lock out /health and POST /stop; a request sent whole is answered in the
+ * daemon's next round, long before it could become the oldest. shutdown() makes the daemon see the
+ * connection end and close it; the descriptor stays open until its CLOSED notice. */
+static void make_room(dt_monitor *mon, const conn_slot *newcomer) {
+  conn_slot *victim = NULL;
+  int live = 0;
+  for (int i = 0; i < MHD_CONNECTIONS; i++) {
+    conn_slot *s = &mon->conns[i];
+    if (!s->c || s->closing) continue;
+    live++;
+    if (s != newcomer && (!victim || (victim->answering && !s->answering) ||
+                          (victim->answering == s->answering && s->since < victim->since)))
+      victim = s;
+  }
+  if (live <= MAX_CONNECTIONS || !victim) return;
+  victim->closing = 1;
+  if (shutdown(victim->fd, SHUT_RDWR) && errno != ENOTCONN) /* ENOTCONN: the client left already */
+    dt_abort(__FILE__, __LINE__, "shutdown of a monitor connection failed");
+}
+
+static void on_connection(void *cls, struct MHD_Connection *c, void **socket_context,
+                          enum MHD_ConnectionNotificationCode toe) {
+  dt_monitor *mon = cls;
+  if (toe == MHD_CONNECTION_NOTIFY_CLOSED) {
+    conn_slot *s = *socket_context;
+    if (s) s->c = NULL;
+    return;
+  }
+  conn_slot *s = NULL;
+  for (int i = 0; i < MHD_CONNECTIONS && !s; i++)
+    if (!mon->conns[i].c) s = &mon->conns[i];
+  const union MHD_ConnectionInfo *fd = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+  DT_ASSERT(s && fd); /* as many slots as the daemon takes connections */
+  *s = (conn_slot){.c = c, .fd = fd->connect_fd, .since = dt_now()};
+  *socket_context = s;
+  make_room(mon, s);
+}
+
+/* A request is done (answered, or given up): its connection waits for the next one. */
+static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls, enum MHD_RequestTerminationCode toe) {
+  (void)cls;
+  (void)req_cls;
+  (void)toe;
+  conn_slot *s = slot_of(c);
+  if (s) {
+    s->answering = 0;
+    s->since = dt_now();
+  }
+}
+
 /* ---- the request handler ---- */
 
 /* Compares the Authorization header with the token in time that depends only on the token's length. */
@@ -890,6 +961,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     return MHD_YES;
   }
   *req_cls = mon;
+  conn_slot *slot = slot_of(c);
+  if (slot) {
+    slot->answering = 1;
+    slot->since = dt_now();
+  }
   if (MHD_get_connection_values(c, MHD_HEADER_KIND, NULL, NULL) > MAX_HEADERS)
     return fail(c, MHD_HTTP_REQUEST_HEADER_FIELDS_TOO_LARGE, "more than 64 header fields", NULL, NULL);
   int ep = -1;
@@ -963,11 +1039,11 @@ int monitor_start(dt_monitor *mon, const dt_monitor_run *run, dt_status *st) {
       return dt_fail(st, DT_EXIT_INPUT, "monitor: cannot ignore SIGPIPE: %s", strerror(errno));
   }
   unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_AUTO | (mon->family == AF_INET6 ? MHD_USE_IPv6 : 0);
-  mon->daemon =
-      MHD_start_daemon(flags, 0, NULL, NULL, on_request, mon, MHD_OPTION_LISTEN_SOCKET, (MHD_socket)mon->fd,
-                       MHD_OPTION_CONNECTION_LIMIT, (unsigned)MAX_CONNECTIONS, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
-                       (unsigned)MAX_PER_CLIENT, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)IDLE_TIMEOUT_S,
-                       MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)MEMORY_LIMIT, MHD_OPTION_END);
+  mon->daemon = MHD_start_daemon(flags, 0, NULL, NULL, on_request, mon, MHD_OPTION_LISTEN_SOCKET, (MHD_socket)mon->fd,
+                                 MHD_OPTION_CONNECTION_LIMIT, (unsigned)MHD_CONNECTIONS, MHD_OPTION_NOTIFY_CONNECTION,
+                                 on_connection, mon, MHD_OPTION_NOTIFY_COMPLETED, on_completed, mon,
+                                 MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)IDLE_TIMEOUT_S,
+                                 MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)MEMORY_LIMIT, MHD_OPTION_END);
   if (!mon->daemon)
     return dt_fail(st, DT_EXIT_INPUT, "monitor.listen %s: libmicrohttpd could not start its server thread",
                    mon->listen);

@@ -1,13 +1,14 @@
 /* monitor.h: rank 0's live status endpoint (monitor.listen), served by libmicrohttpd from its own
- * thread: GET /health, /metrics (Prometheus text), /status, /history?since=STEP, and POST
+ * thread: GET /health, /metrics (Prometheus text), /status, /history (metrics.jsonl), and POST
  * /checkpoint and /stop with a bearer token (monitor.token_file).
  * - The training loop never waits on HTTP: it copies a snapshot in after each step
  *   (monitor_publish) and collects the requests that arrived (monitor_take_requests); requests
  *   read the latest snapshot under a mutex.
  * - The HTTP thread never calls MPI; comm_wait tells it which collective rank 0 is waiting in
  *   through monitor_note_wait (dt_comm's wait hook).
- * - Bounded: 16 KiB of request line and headers, 64 headers, 32 connections (16 per client
- *   address), 5 s of inactivity per connection, 10,000 /history records per response.
+ * - Bounded: 16 KiB of request line and headers, 64 headers, 32 connections (a newcomer past them
+ *   closes the one that waited longest for a request), 5 s of inactivity per connection, 10,000
+ *   /history records per response.
  * Owns: the listening socket, the daemon, the token and its copies of the snapshots. Every other
  * rank holds NULL; every function accepts NULL and does nothing. */
 #ifndef DT_MONITOR_H

@@ -2,8 +2,8 @@
 prometheus_client and equals metrics.jsonl; /status and /history; /health turns 503 when a rank
 hangs, before the job exits 3; POST /stop exits 75 with a checkpoint that resumes bit-exactly;
 POST /checkpoint; the bearer token (missing, wrong, a readable token file); addresses refused at
-start-up (not loopback without a token, in use, bad); malformed, oversized and slow requests; a
-bounded load of 4 clients during training; the NVML series on the GPU stand-in.
+start-up (not loopback without a token, in use, bad); malformed, oversized and slow requests; 100
+connections trickling their headers from 100 addresses; a bounded load of 4 clients during training; the NVML series on the GPU stand-in.
 
 Every wait polls with a deadline: the runs share two cores with everything else."""
 import http.client
@@ -786,6 +786,95 @@ class BadRequests(unittest.TestCase):
             s.close()
         self.assertEqual(request(self.addr, "/health")[0], 200)
         self.assert_still_training()
+
+
+class Tricklers:
+    """n connections to port from 127.0.0.2, .3, ... (Linux routes all of 127/8 to loopback), each
+    sending a request's headers one byte every `period` s, well inside the server's idle timeout, so
+    that it never finishes. One the server closes opens again: the slots stay under attack."""
+
+    def __init__(self, port, n=100, period=0.5):
+        self.port, self.n, self.period = port, n, period
+        self.socks, self.opened, self.closed = {}, 0, 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _open(self, i):
+        s = socket.socket()
+        try:
+            s.settimeout(1)
+            s.bind((f"127.0.0.{2 + i}", 0))
+            s.connect(("127.0.0.1", self.port))
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            s.setblocking(False)
+        except OSError:  # the server's backlog is full: next round
+            s.close()
+            return
+        self.socks[i] = s
+        self.opened += 1
+
+    def _run(self):
+        while not self.done.is_set():
+            for i in range(self.n):
+                if i not in self.socks and not self.done.is_set():
+                    self._open(i)
+            self.done.wait(self.period)
+            for i, s in list(self.socks.items()):
+                try:
+                    s.send(b"a")
+                    if s.recv(4096) != b"":  # an answer: the server gave up on the request
+                        continue
+                except BlockingIOError:  # nothing to read: still open
+                    continue
+                except OSError:
+                    pass
+                s.close()  # closed by the server
+                del self.socks[i]
+                self.closed += 1
+        for s in self.socks.values():
+            s.close()
+
+    def stop(self):
+        self.done.set()
+        self.thread.join(timeout=60)
+
+
+class SlowClients(unittest.TestCase):
+    def test_100_trickling_connections_leave_health_and_stop_served(self):
+        # each trickler holds a connection for ever: the server must close one of them for a newcomer,
+        # rather than refuse the newcomer, so that probes and POST /stop still get through
+        w, cfg = make_workdir(FOREVER, log_every=100)
+        token = write_token(w)
+        job = Job([cfg, "--set", f"monitor.token_file={token}"])
+        tricklers = rc = None
+        try:
+            addr = job.address()
+            wait_for_step(self, addr, 1, job)
+            tricklers = Tricklers(int(addr.rsplit(":", 1)[1]))
+            deadline = time.monotonic() + 60
+            while tricklers.opened < 100 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(2)  # a few bytes each: they hold every connection the server has
+            for _ in range(5):
+                status, _, body = request(addr, "/health", timeout=10)
+                self.assertEqual(status, 200, body)
+                self.assertEqual(json.loads(body)["status"], "ok")
+            self.assertGreater(tricklers.closed, 0)  # closed for newcomers, and they came back
+            status, _, body = request(addr, "/stop", "POST", token=TOKEN, timeout=10)
+            self.assertEqual(status, 202, body)
+            rc = job.wait(timeout=120)
+        finally:
+            if tricklers:
+                tricklers.stop()
+            job.stop()
+        try:
+            self.assertEqual(rc, 75, job.out + job.err)
+            m = re.search(r"stopped by POST /stop at step (\d+) after saving a checkpoint", job.err)
+            self.assertTrue(m, job.err)
+            self.assertTrue(w.latest().endswith(f"step-{int(m.group(1)):08d}.h5"))
+        finally:
+            w.cleanup()
 
 
 class Load(unittest.TestCase):
