@@ -40,6 +40,7 @@ typedef struct {
   int answering; /* its request's headers are in: being answered */
   int closing;   /* shut down for a newcomer; the daemon has yet to close it */
   double since;  /* dt_now() when it began to wait for a request (accepted, or answered) or to be answered */
+  char path[16]; /* its request's path as sent, before percent-decoding; "" when longer than any endpoint's */
 } conn_slot;
 
 typedef struct {
@@ -893,6 +894,20 @@ static void on_connection(void *cls, struct MHD_Connection *c, void **socket_con
   make_room(mon, s);
 }
 
+/* A request line has come: its target as sent (libmicrohttpd hands the handler the target
+ * percent-decoded, in which "/%68ealth" and "/health%00.json" read "/health"). */
+static void *on_request_line(void *cls, const char *uri, struct MHD_Connection *c) {
+  (void)cls;
+  conn_slot *s = slot_of(c);
+  if (s) {
+    size_t n = uri ? strcspn(uri, "?") : 0;
+    if (n >= sizeof s->path) n = 0;
+    if (n) memcpy(s->path, uri, n);
+    s->path[n] = 0;
+  }
+  return NULL; /* the handler's *req_cls starts NULL */
+}
+
 /* A request is done (answered, or given up): its connection waits for the next one. */
 static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls, enum MHD_RequestTerminationCode toe) {
   (void)cls;
@@ -950,9 +965,12 @@ static const struct {
   int post;
 } endpoints[] = {{"/health", 0}, {"/metrics", 0}, {"/status", 0}, {"/history", 0}, {"/checkpoint", 1}, {"/stop", 1}};
 
+/* The path is matched as the client sent it: only the documented spelling of an endpoint is that
+ * endpoint. */
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
                                   const char *version, const char *upload_data, size_t *upload_data_size,
                                   void **req_cls) {
+  (void)url; /* percent-decoded: slot->path instead */
   (void)version;
   (void)upload_data;
   dt_monitor *mon = cls;
@@ -969,8 +987,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
   if (MHD_get_connection_values(c, MHD_HEADER_KIND, NULL, NULL) > MAX_HEADERS)
     return fail(c, MHD_HTTP_REQUEST_HEADER_FIELDS_TOO_LARGE, "more than 64 header fields", NULL, NULL);
   int ep = -1;
-  for (int i = 0; i < (int)(sizeof endpoints / sizeof *endpoints); i++)
-    if (!strcmp(url, endpoints[i].path)) ep = i;
+  for (int i = 0; i < (int)(sizeof endpoints / sizeof *endpoints) && slot; i++)
+    if (!strcmp(slot->path, endpoints[i].path)) ep = i;
   if (ep < 0)
     return fail(c, MHD_HTTP_NOT_FOUND,
                 "no such endpoint: GET /health, /metrics, /status, /history?since=STEP&from=INDEX&limit=N; POST "
@@ -1039,11 +1057,11 @@ int monitor_start(dt_monitor *mon, const dt_monitor_run *run, dt_status *st) {
       return dt_fail(st, DT_EXIT_INPUT, "monitor: cannot ignore SIGPIPE: %s", strerror(errno));
   }
   unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_AUTO | (mon->family == AF_INET6 ? MHD_USE_IPv6 : 0);
-  mon->daemon = MHD_start_daemon(flags, 0, NULL, NULL, on_request, mon, MHD_OPTION_LISTEN_SOCKET, (MHD_socket)mon->fd,
-                                 MHD_OPTION_CONNECTION_LIMIT, (unsigned)MHD_CONNECTIONS, MHD_OPTION_NOTIFY_CONNECTION,
-                                 on_connection, mon, MHD_OPTION_NOTIFY_COMPLETED, on_completed, mon,
-                                 MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)IDLE_TIMEOUT_S,
-                                 MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)MEMORY_LIMIT, MHD_OPTION_END);
+  mon->daemon = MHD_start_daemon(
+      flags, 0, NULL, NULL, on_request, mon, MHD_OPTION_LISTEN_SOCKET, (MHD_socket)mon->fd, MHD_OPTION_CONNECTION_LIMIT,
+      (unsigned)MHD_CONNECTIONS, MHD_OPTION_NOTIFY_CONNECTION, on_connection, mon, MHD_OPTION_URI_LOG_CALLBACK,
+      on_request_line, mon, MHD_OPTION_NOTIFY_COMPLETED, on_completed, mon, MHD_OPTION_CONNECTION_TIMEOUT,
+      (unsigned)IDLE_TIMEOUT_S, MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)MEMORY_LIMIT, MHD_OPTION_END);
   if (!mon->daemon)
     return dt_fail(st, DT_EXIT_INPUT, "monitor.listen %s: libmicrohttpd could not start its server thread",
                    mon->listen);

@@ -748,6 +748,22 @@ class BadRequests(unittest.TestCase):
         self.assertEqual(request(self.addr, "/metrics", "DELETE")[0], 405)
         self.assert_still_training()
 
+    def test_paths_match_only_as_sent(self):
+        # the path is matched as the client sent it, before percent-decoding: another spelling of an
+        # endpoint is another path
+        for path in (b"/%68ealth", b"/health%00.json", b"/health%00", b"/%2Fhealth", b"/HEALTH", b"/health/",
+                     b"//health", b"/health;x", b"/stop%00", b"/%73top"):
+            reply, _ = raw_exchange(self.addr, b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            self.assertEqual(status_of(reply), 404, (path, reply[:200]))
+        reply, _ = raw_exchange(self.addr, b"POST /%73top HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                                + TOKEN.encode() + b"\r\n\r\n")
+        self.assertEqual(status_of(reply), 404, reply[:200])
+        # the query is decoded as usual
+        for path in (b"/health", b"/health?", b"/health?x=1", b"/history?since=%31&limit=1"):
+            reply, _ = raw_exchange(self.addr, b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            self.assertEqual(status_of(reply), 200, (path, reply[:200]))
+        self.assert_still_training()
+
     def test_a_slow_client_is_closed_after_the_timeout_and_others_are_served(self):
         host, port = self.addr.rsplit(":", 1)
         slow = socket.create_connection((host, int(port)), timeout=60)
