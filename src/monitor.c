@@ -704,9 +704,13 @@ static unsigned get_status(dt_monitor *mon, sbuf *b) {
   return MHD_HTTP_OK;
 }
 
-/* A whole number in [0, max] or -1. */
-static long long parse_count(const char *s, long long max) {
-  if (!s || !*s || strspn(s, "0123456789") != strlen(s) || strlen(s) > 18) return -1;
+/* Query argument `name`, a whole number in [0, max]: dflt when it is absent, -1 when it is not one.
+ * Taken with its length, not as a C string. */
+static long long count_arg(struct MHD_Connection *c, const char *name, long long dflt, long long max) {
+  const char *s;
+  size_t n;
+  if (MHD_lookup_connection_value_n(c, MHD_GET_ARGUMENT_KIND, name, strlen(name), &s, &n) != MHD_YES) return dflt;
+  if (!s || n == 0 || n > 18 || strspn(s, "0123456789") != n) return -1;
   long long x = strtoll(s, NULL, 10);
   return x <= max ? x : -1;
 }
@@ -754,12 +758,8 @@ static int index_history(dt_monitor *mon, FILE *f) {
  * training thread may be appending one. */
 static unsigned get_history(dt_monitor *mon, struct MHD_Connection *c, sbuf *b, long long *next) {
   *next = -1;
-  const char *since_s = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "since");
-  const char *from_s = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "from");
-  const char *limit_s = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "limit");
-  long long since = since_s ? parse_count(since_s, (long long)1 << 62) : 0;
-  long long from = from_s ? parse_count(from_s, (long long)1 << 62) : 0;
-  long long limit = limit_s ? parse_count(limit_s, MAX_HISTORY) : MAX_HISTORY;
+  long long since = count_arg(c, "since", 0, (long long)1 << 62), from = count_arg(c, "from", 0, (long long)1 << 62);
+  long long limit = count_arg(c, "limit", MAX_HISTORY, MAX_HISTORY);
   if (since < 0 || from < 0 || limit < 1) {
     sb_printf(b,
               "{\"error\": \"since must be a step number (0 or more), from a record index (0 or more) and limit a "
@@ -922,12 +922,14 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls, en
 
 /* ---- the request handler ---- */
 
-/* Compares the Authorization header with the token in time that depends only on the token's length. */
-static int authorised(const dt_monitor *mon, const char *header) {
-  if (!mon->token || !header || strncasecmp(header, "Bearer ", 7)) return 0;
-  const char *given = header + 7;
-  while (*given == ' ') given++;
-  size_t n = strlen(given);
+/* Compares the Authorization header (len bytes) with the token in time that depends only on the
+ * token's length. */
+static int authorised(const dt_monitor *mon, const char *header, size_t len) {
+  if (!mon->token || !header || len < 7 || strncasecmp(header, "Bearer ", 7)) return 0;
+  size_t skip = 7;
+  while (skip < len && header[skip] == ' ') skip++;
+  const char *given = header + skip;
+  size_t n = len - skip;
   unsigned diff = n != mon->token_len;
   for (size_t i = 0; i < mon->token_len; i++)
     diff |= (unsigned char)(i < n ? given[i] : 0) ^ (unsigned char)mon->token[i];
@@ -948,6 +950,23 @@ static enum MHD_Result respond(struct MHD_Connection *c, unsigned code, const ch
   if (ok == MHD_YES) ok = MHD_queue_response(c, code, r);
   MHD_destroy_response(r);
   return ok;
+}
+
+/* MHD_KeyValueIteratorN: stops at a name or value that holds a control character (a header value
+ * may hold a tab). Lengths are libmicrohttpd's: a NUL inside is seen where it keeps one (a decoded
+ * query argument), while 0.9.75 ends a header's value at a NUL itself. */
+static enum MHD_Result no_control(void *cls, enum MHD_ValueKind kind, const char *key, size_t key_size,
+                                  const char *value, size_t value_size) {
+  for (int part = 0; part < 2; part++) {
+    const unsigned char *p = (const unsigned char *)(part ? value : key);
+    size_t n = part ? value_size : key_size;
+    for (size_t i = 0; p && i < n; i++)
+      if ((p[i] < 0x20 && !(p[i] == '\t' && part && kind == MHD_HEADER_KIND)) || p[i] == 0x7f) {
+        *(int *)cls = 1;
+        return MHD_NO;
+      }
+  }
+  return MHD_YES;
 }
 
 static enum MHD_Result fail(struct MHD_Connection *c, unsigned code, const char *msg, const char *hname,
@@ -986,6 +1005,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
   }
   if (MHD_get_connection_values(c, MHD_HEADER_KIND, NULL, NULL) > MAX_HEADERS)
     return fail(c, MHD_HTTP_REQUEST_HEADER_FIELDS_TOO_LARGE, "more than 64 header fields", NULL, NULL);
+  int control = 0;
+  MHD_get_connection_values_n(c, MHD_HEADER_KIND | MHD_GET_ARGUMENT_KIND, no_control, &control);
+  if (control) return fail(c, MHD_HTTP_BAD_REQUEST, "a header or query argument holds a control character", NULL, NULL);
   int ep = -1;
   for (int i = 0; i < (int)(sizeof endpoints / sizeof *endpoints) && slot; i++)
     if (!strcmp(slot->path, endpoints[i].path)) ep = i;
@@ -1001,8 +1023,12 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
   if (endpoints[ep].post || !mon->loopback) {
     if (!mon->token)
       return fail(c, MHD_HTTP_FORBIDDEN, "POST is refused: the run was started without monitor.token_file", NULL, NULL);
-    const char *auth = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
-    if (!authorised(mon, auth))
+    const char *auth;
+    size_t auth_len = 0;
+    if (MHD_lookup_connection_value_n(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION,
+                                      strlen(MHD_HTTP_HEADER_AUTHORIZATION), &auth, &auth_len) != MHD_YES)
+      auth = NULL;
+    if (!authorised(mon, auth, auth_len))
       return fail(
           c, MHD_HTTP_UNAUTHORIZED,
           auth ? "wrong token" : "this needs an Authorization: Bearer header with the token of monitor.token_file",

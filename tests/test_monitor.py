@@ -764,6 +764,23 @@ class BadRequests(unittest.TestCase):
             self.assertEqual(status_of(reply), 200, (path, reply[:200]))
         self.assert_still_training()
 
+    def test_control_characters_in_a_header_or_query_are_400(self):
+        # values are taken with their lengths, not as C strings, and a control character (but a
+        # header's tab) makes the request malformed, the token right or not
+        for value in (f"Bearer {TOKEN}\x01garbage", f"Bearer {TOKEN}\x7f", f"Bearer {TOKEN}\x1b[0m",
+                      f"Bearer \x0b{TOKEN}"):
+            reply, _ = raw_exchange(self.addr, b"POST /checkpoint HTTP/1.1\r\nHost: x\r\nAuthorization: "
+                                    + value.encode() + b"\r\n\r\n")
+            self.assertEqual(status_of(reply), 400, (value, reply[:200]))
+        reply, _ = raw_exchange(self.addr, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Note: a\x01b\r\n\r\n")
+        self.assertEqual(status_of(reply), 400, reply[:200])
+        reply, _ = raw_exchange(self.addr, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Note: a\tb\r\n\r\n")
+        self.assertEqual(status_of(reply), 200, reply[:200])
+        for query in (b"since=5%00x", b"since=%00", b"from=1%0A", b"limit=2%01", b"x%00=1"):
+            reply, _ = raw_exchange(self.addr, b"GET /history?" + query + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            self.assertEqual(status_of(reply), 400, (query, reply[:200]))
+        self.assert_still_training()
+
     def test_a_slow_client_is_closed_after_the_timeout_and_others_are_served(self):
         host, port = self.addr.rsplit(":", 1)
         slow = socket.create_connection((host, int(port)), timeout=60)
