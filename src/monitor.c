@@ -29,7 +29,9 @@ enum {
   MAX_CONNECTIONS = 32, /* served at once: a newcomer past them closes the one that waited longest */
   MHD_CONNECTIONS = 64, /* libmicrohttpd's limit, past which it refuses: room for those being closed */
   IDLE_TIMEOUT_S = 5,
-  MAX_HISTORY = 10000, /* records per /history answer */
+  MAX_HISTORY = 10000,        /* records per /history answer (limit) */
+  HISTORY_BODY = 256 * 1024,  /* bytes of records per /history answer (but its first record, whatever its size) */
+  HISTORY_SCAN = 1024 * 1024, /* bytes of metrics.jsonl one /history request reads */
   MAX_TOKEN = 4096,
 };
 
@@ -752,10 +754,12 @@ static int index_history(dt_monitor *mon, FILE *f) {
 }
 
 /* The records of metrics.jsonl from record index `from` on (a record's index: its line number
- * from 0) whose step is at least `since`, as a JSON array; at most limit (*next: the index of the
- * first such record left out, or -1). The index is the cursor: a step is not one, as records share
- * a step (an evaluation's) and a resume logs some steps twice. Only whole lines are read: the
- * training thread may be appending one. */
+ * from 0) whose step is at least `since`, as a JSON array; at most limit (*next: the index to go on
+ * from, or -1 when none is left). The index is the cursor: a step is not one, as records share a
+ * step (an evaluation's) and a resume logs some steps twice. One request costs at most
+ * HISTORY_SCAN bytes read and HISTORY_BODY bytes sent (a whole file of thousands of records, asked
+ * for again and again, took three quarters of rank 0's core): the rest is the next page's. Only
+ * whole lines are read: the training thread may be appending one. */
 static unsigned get_history(dt_monitor *mon, struct MHD_Connection *c, sbuf *b, long long *next) {
   *next = -1;
   long long since = count_arg(c, "since", 0, (long long)1 << 62), from = count_arg(c, "from", 0, (long long)1 << 62);
@@ -809,13 +813,18 @@ static unsigned get_history(dt_monitor *mon, struct MHD_Connection *c, sbuf *b, 
   size_t cap = 0;
   ssize_t n;
   long long count = 0;
+  const off_t start = pos;
   sb_printf(b, "[");
   if (!bad) bad = fseeko(f, pos, SEEK_SET);
   while (!bad && pos < end && (n = getline(&line, &cap, f)) > 0 && line[n - 1] == '\n') {
-    pos += n;
     long long i = index++;
+    if (pos - start >= HISTORY_SCAN) { /* may be no record yet: the next page goes on from here */
+      *next = i;
+      break;
+    }
+    pos += n;
     if (i < from || record_step(line) < since) continue;
-    if (count == limit) {
+    if (count == limit || (count && b->len + (size_t)n > HISTORY_BODY)) {
       *next = i;
       break;
     }

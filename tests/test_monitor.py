@@ -377,7 +377,7 @@ class MetricsAndStatus(unittest.TestCase):
         self.assertEqual(request(addr, "/stop", "POST", token=TOKEN)[0], 202)
         self.assertEqual(self.job.wait(), 75, self.job.out + self.job.err)
 
-    def test_history_walked_one_record_at_a_time_is_metrics_jsonl(self):
+    def test_history_walked_page_by_page_is_metrics_jsonl(self):
         # the cursor is a record's index, so pages neither repeat nor skip a record, even where
         # records share a step (an evaluation) or steps come twice (the resume)
         addr = self.resume_from_step_100()
@@ -405,6 +405,19 @@ class MetricsAndStatus(unittest.TestCase):
             if len(got) < len(want):
                 cursor = int(headers["x-next-from"])
         self.assertEqual(got[:len(want)], want)
+        # an answer holds at most 256 KiB of records (the file is larger): the rest is the next page's
+        self.assertGreater(os.path.getsize(self.w.file("log/metrics.jsonl")), 300 * 1024)
+        got, cursor, pages = [], 0, 0
+        while len(got) < len(records):
+            status, headers, body = request(addr, f"/history?from={cursor}")
+            self.assertEqual(status, 200, body)
+            self.assertLess(len(body), 256 * 1024 + 16)
+            got += json.loads(body)
+            pages += 1
+            if len(got) < len(records):
+                cursor = int(headers["x-next-from"])
+        self.assertEqual(got[:len(records)], records)
+        self.assertGreater(pages, 1)
         self.assertEqual(request(addr, "/stop", "POST", token=TOKEN)[0], 202)
         self.assertEqual(self.job.wait(), 75, self.job.out + self.job.err)
 
