@@ -26,7 +26,7 @@
 enum {
   MEMORY_LIMIT = 16 * 1024, /* request line and headers of one connection (MHD answers 431 or 414 past it) */
   MAX_HEADERS = 64,
-  MAX_CONNECTIONS = 32, /* served at once: a newcomer past them closes the one that waited longest */
+  MAX_CONNECTIONS = 32, /* served at once: a newcomer past them closes one (make_room) */
   MHD_CONNECTIONS = 64, /* libmicrohttpd's limit, past which it refuses: room for those being closed */
   IDLE_TIMEOUT_S = 5,
   MAX_HISTORY = 10000,        /* records per /history answer (limit) */
@@ -35,13 +35,17 @@ enum {
   MAX_TOKEN = 4096,
 };
 
+/* Where a connection's request is; make_room closes one in the first stage first. */
+enum { IN_HEADERS, WAITING, ANSWERING };
+
 /* A connection, as the daemon's callbacks see it (they all run in its one thread: no lock). */
 typedef struct {
   struct MHD_Connection *c; /* NULL: a free slot */
   int fd;
-  int answering; /* its request's headers are in: being answered */
+  int stage;     /* WAITING (accepted, or answered) for a request line; IN_HEADERS: the line has come,
+                    not all its headers; ANSWERING: they have */
   int closing;   /* shut down for a newcomer; the daemon has yet to close it */
-  double since;  /* dt_now() when it began to wait for a request (accepted, or answered) or to be answered */
+  double since;  /* dt_now() when its stage began */
   char path[16]; /* its request's path as sent, before percent-decoding; "" when longer than any endpoint's */
 } conn_slot;
 
@@ -862,12 +866,14 @@ static conn_slot *slot_of(struct MHD_Connection *c) {
   return ci ? ci->socket_context : NULL;
 }
 
-/* Past MAX_CONNECTIONS, closes the connection other than `newcomer` that has waited longest for a
- * request (else the one answered longest). libmicrohttpd's limits refuse newcomers instead, so that
- * slow clients (a header byte every few seconds never times out) from a few addresses could hold
- * every connection and lock out /health and POST /stop; a request sent whole is answered in the
- * daemon's next round, long before it could become the oldest. shutdown() makes the daemon see the
- * connection end and close it; the descriptor stays open until its CLOSED notice. */
+/* Past MAX_CONNECTIONS, closes a connection other than `newcomer`: the one longest in its headers,
+ * else the one waiting longest for a request line (idle, or not yet read), else the one answered
+ * longest. libmicrohttpd's limits refuse newcomers instead, so that slow clients (a header byte
+ * every few seconds never times out) from a few addresses could hold every connection and lock out
+ * /health and POST /stop. A request sent whole goes from WAITING to ANSWERING in one round of the
+ * daemon, and is closed only when no connection is in its headers and 32 newer ones came in that
+ * round. shutdown() makes the daemon see the connection end and close it; the descriptor stays
+ * open until its CLOSED notice. */
 static void make_room(dt_monitor *mon, const conn_slot *newcomer) {
   conn_slot *victim = NULL;
   int live = 0;
@@ -875,8 +881,8 @@ static void make_room(dt_monitor *mon, const conn_slot *newcomer) {
     conn_slot *s = &mon->conns[i];
     if (!s->c || s->closing) continue;
     live++;
-    if (s != newcomer && (!victim || (victim->answering && !s->answering) ||
-                          (victim->answering == s->answering && s->since < victim->since)))
+    if (s != newcomer &&
+        (!victim || s->stage < victim->stage || (s->stage == victim->stage && s->since < victim->since)))
       victim = s;
   }
   if (live <= MAX_CONNECTIONS || !victim) return;
@@ -898,7 +904,7 @@ static void on_connection(void *cls, struct MHD_Connection *c, void **socket_con
     if (!mon->conns[i].c) s = &mon->conns[i];
   const union MHD_ConnectionInfo *fd = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
   DT_ASSERT(s && fd); /* as many slots as the daemon takes connections */
-  *s = (conn_slot){.c = c, .fd = fd->connect_fd, .since = dt_now()};
+  *s = (conn_slot){.c = c, .fd = fd->connect_fd, .stage = WAITING, .since = dt_now()};
   *socket_context = s;
   make_room(mon, s);
 }
@@ -909,6 +915,8 @@ static void *on_request_line(void *cls, const char *uri, struct MHD_Connection *
   (void)cls;
   conn_slot *s = slot_of(c);
   if (s) {
+    s->stage = IN_HEADERS;
+    s->since = dt_now();
     size_t n = uri ? strcspn(uri, "?") : 0;
     if (n >= sizeof s->path) n = 0;
     if (n) memcpy(s->path, uri, n);
@@ -924,7 +932,7 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls, en
   (void)toe;
   conn_slot *s = slot_of(c);
   if (s) {
-    s->answering = 0;
+    s->stage = WAITING;
     s->since = dt_now();
   }
 }
@@ -1009,7 +1017,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
   *req_cls = mon;
   conn_slot *slot = slot_of(c);
   if (slot) {
-    slot->answering = 1;
+    slot->stage = ANSWERING;
     slot->since = dt_now();
   }
   if (MHD_get_connection_values(c, MHD_HEADER_KIND, NULL, NULL) > MAX_HEADERS)

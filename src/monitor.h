@@ -7,8 +7,8 @@
  * - The HTTP thread never calls MPI; comm_wait tells it which collective rank 0 is waiting in
  *   through monitor_note_wait (dt_comm's wait hook).
  * - Bounded: 16 KiB of request line and headers, 64 headers, 32 connections (a newcomer past them
- *   closes the one that waited longest for a request), 5 s of inactivity per connection, 10,000
- *   /history records per response.
+ *   closes the one longest in its headers, else the one idle longest), 5 s of inactivity per
+ *   connection, 10,000 records and 256 KiB per /history answer.
  * Owns: the listening socket, the daemon, the token and its copies of the snapshots. Every other
  * rank holds NULL; every function accepts NULL and does nothing. */
 #ifndef DT_MONITOR_H

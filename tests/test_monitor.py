@@ -923,6 +923,44 @@ class SlowClients(unittest.TestCase):
             w.cleanup()
 
 
+    def test_a_client_slow_to_send_its_request_outlives_those_stuck_in_their_headers(self):
+        # a probe scheduled out between connect() and send() is the oldest connection that has sent
+        # nothing: the ones to close are those that sent a request line and never finished it
+        w, cfg = make_workdir(FOREVER, log_every=100)
+        token = write_token(w)
+        job = Job([cfg, "--set", f"monitor.token_file={token}"])
+        tricklers = rc = None
+        try:
+            addr = job.address()
+            wait_for_step(self, addr, 1, job)
+            host, port = addr.rsplit(":", 1)
+            slow = socket.create_connection((host, int(port)), timeout=10)
+            t0 = time.monotonic()
+            tricklers = Tricklers(int(port), n=40)
+            while tricklers.closed < 8 and time.monotonic() < t0 + 3:  # 40 > 32: some closed, back again
+                time.sleep(0.05)
+            self.assertGreaterEqual(tricklers.closed, 8)
+            slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            reply = b""
+            while True:
+                got = slow.recv(4096)
+                if not got:
+                    break
+                reply += got
+            slow.close()
+            self.assertLess(time.monotonic() - t0, 5)  # inside the idle timeout
+            self.assertEqual(status_of(reply), 200, reply[:200])
+            status, _, body = request(addr, "/stop", "POST", token=TOKEN, timeout=10)
+            self.assertEqual(status, 202, body)
+            rc = job.wait(timeout=120)
+        finally:
+            if tricklers:
+                tricklers.stop()
+            job.stop()
+            w.cleanup()
+        self.assertEqual(rc, 75, job.out + job.err)
+
+
 class Load(unittest.TestCase):
     def test_four_clients_2000_requests_during_training_all_valid(self):
         steps = steps_for(20)  # the load slows training: it outlasts the 10 s of requests
