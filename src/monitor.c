@@ -727,6 +727,29 @@ static long long record_step(const char *line) {
   return k ? strtoll(k + 8, NULL, 10) : -1;
 }
 
+/* path opened for reading, or NULL with errno set and why in msg. Opened without blocking and
+ * refused unless a regular file: a FIFO put in place of metrics.jsonl would hold the server's one
+ * thread in open() until a writer came. */
+static FILE *open_regular(const char *path, char *msg, size_t cap) {
+  struct stat sb;
+  FILE *f = NULL;
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY), e = errno;
+  if (fd >= 0 && fstat(fd, &sb))
+    e = errno;
+  else if (fd >= 0 && !S_ISREG(sb.st_mode))
+    e = -1;
+  else if (fd >= 0 && !(f = fdopen(fd, "r")))
+    e = errno;
+  if (f) return f;
+  if (fd >= 0) close(fd);
+  if (e < 0)
+    snprintf(msg, cap, "%s is %s, not a regular file", path, file_kind(sb.st_mode));
+  else
+    snprintf(msg, cap, "%s: %s", path, strerror(e));
+  errno = e < 0 ? EINVAL : e;
+  return NULL;
+}
+
 /* Extends the index of metrics.jsonl over the whole lines appended since the last request: a mark
  * every HISTORY_STRIDE records holding its offset and the largest step before it. Starting at the
  * last mark whose largest step before is under `since` skips only records under it, whatever their
@@ -788,11 +811,10 @@ static unsigned get_history(dt_monitor *mon, struct MHD_Connection *c, sbuf *b, 
   }
   int rc = pthread_mutex_lock(&mon->hist_mu);
   if (rc) dt_abort(__FILE__, __LINE__, "pthread_mutex_lock failed");
-  FILE *f = fopen(mon->history_path, "r");
+  char msg[1300];
+  FILE *f = open_regular(mon->history_path, msg, sizeof msg);
   if (!f) {
     int e = errno;
-    char msg[1300];
-    snprintf(msg, sizeof msg, "%s: %s", mon->history_path, strerror(e));
     sb_printf(b, "{\"error\": ");
     sb_json_str(b, msg);
     sb_printf(b, "}\n");

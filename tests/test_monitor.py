@@ -422,6 +422,27 @@ class MetricsAndStatus(unittest.TestCase):
         self.assertEqual(self.job.wait(), 75, self.job.out + self.job.err)
 
 
+    def test_a_fifo_in_place_of_metrics_jsonl_is_500_and_the_server_goes_on(self):
+        # the server has one thread: opening a FIFO for /history must not wait for a writer
+        self.job = Job([self.cfg, "--set", f"train.max_steps={FOREVER}"])
+        addr = self.job.address()
+        wait_for_step(self, addr, 5, self.job)
+        path = self.w.file("log/metrics.jsonl")
+        os.rename(path, path + ".old")  # the run goes on writing the renamed file
+        os.mkfifo(path, 0o600)
+        try:
+            status, _, body = request(addr, "/history?since=0", timeout=10)
+            self.assertEqual(status, 500, body)
+            self.assertIn(f"{path} is a FIFO, not a regular file", json.loads(body)["error"])
+            self.assertEqual(request(addr, "/health", timeout=10)[0], 200)
+        finally:  # a server thread stuck in open() is let go
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+        self.job.stop()
+
+
 class Health(unittest.TestCase):
     def test_health_turns_503_naming_the_missing_rank_before_the_job_exits_3(self):
         w, cfg = make_workdir(FOREVER, log_every=50)
