@@ -6,11 +6,13 @@ phase's steps over the sum of their step times). It prints one line per phase, t
 kind and the overhead, and the CPU time of rank 0's HTTP thread per request. The clients run on the
 same machine, so on a small one their own CPU use is part of the overhead.
 
-    /usr/bin/python3 benchmarks/monitor_load.py [--workload cnn|small] [--phase-s 15] [--rounds 3]
-                                                [--np 2] [--binary ./ddp_train]
+    /usr/bin/python3 benchmarks/monitor_load.py [--workload cnn|small] [--history recent|all]
+                                                [--phase-s 15] [--rounds 3] [--np 2] [--binary ./ddp_train]
 
 cnn: configs/model.yaml on data/fashion_mnist.h5 (make data), about 0.26 s a step on 2 cores;
-small: tests/test_monitor.py's 1-2 ms step, where per-request costs show most."""
+small: tests/test_monitor.py's 1-2 ms step, where per-request costs show most.
+--history recent (the test's load): /history?since= 20 steps back; all: /history?since=0 every time, a
+naive poller of the whole file (issue 25: thousands of records, the costliest request there is)."""
 import argparse
 import http.client
 import json
@@ -38,8 +40,21 @@ def request(addr, path, method="GET", token=None):
         c.close()
 
 
+def descends_from(pid, ancestor):
+    """Whether process pid is a descendant of process ancestor."""
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # the parent
+        except OSError:
+            return False
+        if pid == ancestor:
+            return True
+    return False
+
+
 def rank0_pid(mpirun_pid, binary):
-    """The ddp_train process of rank 0 under mpirun."""
+    """The ddp_train process of rank 0 under this mpirun (not another run's on the same machine)."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -50,7 +65,8 @@ def rank0_pid(mpirun_pid, binary):
                 env = f.read().split(b"\0")
         except OSError:
             continue
-        if cmd and os.path.basename(cmd[0].decode()) == os.path.basename(binary) and b"OMPI_COMM_WORLD_RANK=0" in env:
+        if (cmd and os.path.basename(cmd[0].decode()) == os.path.basename(binary) and b"OMPI_COMM_WORLD_RANK=0" in env
+                and descends_from(int(pid), mpirun_pid)):
             return int(pid)
     return None
 
@@ -70,9 +86,9 @@ def http_thread_cpu_s(pid):
     return 0.0
 
 
-def load(addr, seconds, done, failures):
-    """4 clients at 50 requests/s each for `seconds`."""
-    paths = ["/health", "/metrics", "/status", "/history?since=%d"]
+def load(addr, seconds, done, failures, history="recent"):
+    """4 clients at 50 requests/s each for `seconds`. done: [requests, /history answers, their bytes]."""
+    paths = ["/health", "/metrics", "/status", "/history?since=%d" if history == "recent" else "/history?since=0"]
     latest = [0]
 
     def client(k):
@@ -88,6 +104,9 @@ def load(addr, seconds, done, failures):
                     failures.append(f"{path}: {status}")
                 elif path == "/health":
                     latest[0] = max(latest[0], json.loads(body)["step"])
+                elif path.startswith("/history"):
+                    done[1] += 1
+                    done[2] += len(body)
             except Exception as e:  # noqa: BLE001
                 failures.append(f"{path}: {e!r}")
             done[0] += 1
@@ -105,6 +124,7 @@ def load(addr, seconds, done, failures):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=("cnn", "small"), default="cnn")
+    ap.add_argument("--history", choices=("recent", "all"), default="recent")
     ap.add_argument("--phase-s", type=float, default=15)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--np", type=int, default=2)
@@ -142,22 +162,25 @@ def main():
     while json.loads(request(addr, "/health")[1]).get("step", 0) < 3:  # past the first steps' warm-up
         time.sleep(0.2)
     phases = []  # (kind, first step, last step, requests, failures, HTTP-thread CPU s)
+    history_bytes = []  # mean bytes of a /history answer, per load phase
     kinds = ["idle"] + ["load", "idle"] * a.rounds
     for kind in kinds:
         s0 = json.loads(request(addr, "/health")[1])["step"]
         cpu0 = http_thread_cpu_s(pid) if pid else 0.0
-        done, failures = [0], []
+        done, failures = [0, 0, 0], []
         if kind == "load":
-            load(addr, a.phase_s, done, failures)
+            load(addr, a.phase_s, done, failures, a.history)
         else:
             time.sleep(a.phase_s)
         s1 = json.loads(request(addr, "/health")[1])["step"]
         cpu1 = http_thread_cpu_s(pid) if pid else 0.0
         phases.append((kind, s0, s1, done[0], len(failures), cpu1 - cpu0))
+        if kind == "load":
+            history_bytes.append(done[2] / max(done[1], 1))
     request(addr, "/stop", "POST", token=TOKEN)
     rc = p.wait(timeout=600)
     records = {r["step"]: r for r in (json.loads(l) for l in open(w.file("log/metrics.jsonl"))) if "loss" in r}
-    print(f"workload {a.workload}, {a.np} ranks, global batch {batch}, phases of {a.phase_s:.0f} s; "
+    print(f"workload {a.workload}, /history {a.history}, {a.np} ranks, global batch {batch}, phases of {a.phase_s:.0f} s; "
           f"ddp_train exit {rc} (75: stopped by POST /stop)")
     print("| phase | steps | samples/s | requests | failed | HTTP thread CPU s |")
     print("|---|---|---|---|---|---|")
@@ -172,7 +195,8 @@ def main():
     n = sum(ph[3] for ph in phases)
     cpu = sum(ph[5] for ph in phases if ph[0] == "load")
     print(f"mean samples/s without clients {idle:.1f}, with 200 requests/s {busy:.1f}: "
-          f"overhead {100 * (1 - busy / idle):.2f}%; HTTP thread {1e3 * cpu / max(n, 1):.2f} ms CPU per request")
+          f"overhead {100 * (1 - busy / idle):.2f}%; HTTP thread {1e3 * cpu / max(n, 1):.2f} ms CPU per request; "
+          f"a /history answer {sum(history_bytes) / len(history_bytes) / 1024:.0f} KiB on average")
     w.cleanup()
 
 

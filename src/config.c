@@ -135,7 +135,8 @@ static const dt_key config_keys[] = {
      "GET /health answers 503 once no step has finished for this long (0: half of dist.timeout_s)"},
     {"monitor.token_file", DT_KEY_STRING, F(monitor_token_file), "\"\"", NOB, NULL,
      "file holding the bearer token that POST /checkpoint and /stop (and every request off loopback) must send as "
-     "`Authorization: Bearer TOKEN`; read at start-up, and it must not be readable by group or others"},
+     "`Authorization: Bearer TOKEN`; read at start-up: a regular file owned by you (or root) that group and others "
+     "can neither read nor write"},
 };
 #define N_CONFIG_KEYS ((int)(sizeof config_keys / sizeof *config_keys))
 

@@ -26,12 +26,28 @@
 enum {
   MEMORY_LIMIT = 16 * 1024, /* request line and headers of one connection (MHD answers 431 or 414 past it) */
   MAX_HEADERS = 64,
-  MAX_CONNECTIONS = 32,
-  MAX_PER_CLIENT = 16,
+  MAX_CONNECTIONS = 32, /* served at once: a newcomer past them closes one (make_room) */
+  MHD_CONNECTIONS = 64, /* libmicrohttpd's limit, past which it refuses: room for those being closed */
   IDLE_TIMEOUT_S = 5,
-  MAX_HISTORY = 10000, /* records per /history answer */
+  MAX_HISTORY = 10000,        /* records per /history answer (limit) */
+  HISTORY_BODY = 256 * 1024,  /* bytes of records per /history answer (but its first record, whatever its size) */
+  HISTORY_SCAN = 1024 * 1024, /* bytes of metrics.jsonl one /history request reads */
   MAX_TOKEN = 4096,
 };
+
+/* Where a connection's request is; make_room closes one in the first stage first. */
+enum { IN_HEADERS, WAITING, ANSWERING };
+
+/* A connection, as the daemon's callbacks see it (they all run in its one thread: no lock). */
+typedef struct {
+  struct MHD_Connection *c; /* NULL: a free slot */
+  int fd;
+  int stage;     /* WAITING (accepted, or answered) for a request line; IN_HEADERS: the line has come,
+                    not all its headers; ANSWERING: they have */
+  int closing;   /* shut down for a newcomer; the daemon has yet to close it */
+  double since;  /* dt_now() when its stage began */
+  char path[16]; /* its request's path as sent, before percent-decoding; "" when longer than any endpoint's */
+} conn_slot;
 
 typedef struct {
   off_t offset;         /* of a record in metrics.jsonl */
@@ -55,6 +71,7 @@ struct dt_monitor {
   off_t hist_indexed; /* bytes of whole lines indexed */
   long long hist_records, hist_max;
   struct MHD_Daemon *daemon;
+  conn_slot conns[MHD_CONNECTIONS]; /* the daemon's thread only */
   /* the run (set before the daemon starts, read-only after) */
   char *config_path;
   uint64_t config_hash;
@@ -154,27 +171,56 @@ static void sb_json_num(sbuf *b, double v) {
 
 /* ---- the token and the address (start-up) ---- */
 
-static int read_token(dt_monitor *mon, const char *path, dt_status *st) {
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return dt_fail(st, DT_EXIT_INPUT, "monitor.token_file %s: cannot open: %s", path, strerror(errno));
+/* "a FIFO", "a directory", ... for a path that is not a regular file. */
+static const char *file_kind(mode_t m) {
+  return S_ISFIFO(m)   ? "a FIFO"
+         : S_ISDIR(m)  ? "a directory"
+         : S_ISCHR(m)  ? "a character device"
+         : S_ISBLK(m)  ? "a block device"
+         : S_ISSOCK(m) ? "a socket"
+                       : "not a regular file";
+}
+
+/* "its group", "others" or "its group and others": who else has group_bit or other_bit in m; NULL
+ * for no one. */
+static const char *who(mode_t m, mode_t group_bit, mode_t other_bit) {
+  return (m & group_bit) && (m & other_bit) ? "its group and others"
+         : m & group_bit                    ? "its group"
+         : m & other_bit                    ? "others"
+                                            : NULL;
+}
+
+/* The checks ssh makes of a private key, on the file as opened: a regular file (opened without
+ * blocking, so that a FIFO cannot hang start-up), owned by this user or root, that no one else can
+ * read or write. Symbolic links are followed: what is checked is what is read. */
+static int check_token_file(const char *path, int fd, dt_status *st) {
   struct stat sb;
-  if (fstat(fd, &sb)) {
-    int e = errno;
-    close(fd);
-    return dt_fail(st, DT_EXIT_INPUT, "monitor.token_file %s: cannot stat: %s", path, strerror(e));
-  }
-  if (!S_ISREG(sb.st_mode)) {
-    close(fd);
-    return dt_fail(st, DT_EXIT_INPUT, "monitor.token_file %s: not a regular file", path);
-  }
-  if (sb.st_mode & (S_IRGRP | S_IROTH)) {
-    close(fd);
+  if (fstat(fd, &sb))
+    return dt_fail(st, DT_EXIT_INPUT, "monitor.token_file %s: cannot stat: %s", path, strerror(errno));
+  if (!S_ISREG(sb.st_mode))
+    return dt_fail(st, DT_EXIT_INPUT, "monitor.token_file %s is %s, not a regular file", path, file_kind(sb.st_mode));
+  uid_t me = geteuid();
+  if (sb.st_uid != me && sb.st_uid != 0)
     return dt_fail(st, DT_EXIT_INPUT,
-                   "monitor.token_file %s is readable by %s (mode %04o): the token must be secret; chmod 600 %s", path,
-                   (sb.st_mode & S_IRGRP) && (sb.st_mode & S_IROTH) ? "group and others"
-                   : sb.st_mode & S_IRGRP                           ? "its group"
-                                                                    : "others",
-                   (unsigned)(sb.st_mode & 07777), path);
+                   "monitor.token_file %s is owned by uid %u, not by you (uid %u) or root: its owner could change the "
+                   "token; use a file of your own",
+                   path, (unsigned)sb.st_uid, (unsigned)me);
+  const char *readers = who(sb.st_mode, S_IRGRP, S_IROTH), *writers = who(sb.st_mode, S_IWGRP, S_IWOTH);
+  if (readers || writers)
+    return dt_fail(st, DT_EXIT_INPUT,
+                   "monitor.token_file %s is %s%s%s%s%s (mode %04o): the token must be a secret only you can read "
+                   "and change; chmod 600 %s",
+                   path, readers ? "readable by " : "", readers ? readers : "", readers && writers ? " and " : "",
+                   writers ? "writable by " : "", writers ? writers : "", (unsigned)(sb.st_mode & 07777), path);
+  return 0;
+}
+
+static int read_token(dt_monitor *mon, const char *path, dt_status *st) {
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) return dt_fail(st, DT_EXIT_INPUT, "monitor.token_file %s: cannot open: %s", path, strerror(errno));
+  if (check_token_file(path, fd, st)) {
+    close(fd);
+    return st->code;
   }
   char *buf = dt_malloc(MAX_TOKEN + 2);
   size_t n = 0;
@@ -242,6 +288,25 @@ static int is_loopback(const struct sockaddr *a) {
   return 0;
 }
 
+/* Why no socket can listen on a, whatever the host; NULL when one may. Checked in --dry-run as in
+ * a run, so that the dry run refuses what the run would fail to bind. */
+static const char *unlistenable(const struct sockaddr *a) {
+  if (a->sa_family == AF_INET) {
+    in_addr_t x = ntohl(((const struct sockaddr_in *)a)->sin_addr.s_addr);
+    if (IN_MULTICAST(x)) return "a multicast address cannot be listened on";
+    if (x == INADDR_BROADCAST) return "the broadcast address cannot be listened on";
+  } else if (a->sa_family == AF_INET6) {
+    const struct sockaddr_in6 *x = (const struct sockaddr_in6 *)a;
+    if (IN6_IS_ADDR_V4MAPPED(&x->sin6_addr))
+      return "an IPv4-mapped IPv6 address cannot be listened on (the socket is IPv6 only); give the IPv4 address, "
+             "as 127.0.0.1:PORT";
+    if (IN6_IS_ADDR_MULTICAST(&x->sin6_addr)) return "a multicast address cannot be listened on";
+    if (IN6_IS_ADDR_LINKLOCAL(&x->sin6_addr) && !x->sin6_scope_id)
+      return "a link-local IPv6 address needs its interface, as [fe80::1%eth0]:PORT";
+  }
+  return NULL;
+}
+
 /* Resolves monitor.listen and checks that it is loopback or has a token; binds and listens when
  * bind_now, noting the bound address (its port when 0 was asked for) in mon->where. */
 static int open_socket(dt_monitor *mon, int bind_now, dt_status *st) {
@@ -255,6 +320,11 @@ static int open_socket(dt_monitor *mon, int bind_now, dt_status *st) {
   if (rc)
     return dt_fail(st, DT_EXIT_INPUT, "monitor.listen %s: cannot resolve '%s': %s", mon->listen, host,
                    rc == EAI_SYSTEM ? strerror(errno) : gai_strerror(rc));
+  const char *why = unlistenable(res->ai_addr);
+  if (why) {
+    freeaddrinfo(res);
+    return dt_fail(st, DT_EXIT_INPUT, "monitor.listen %s: %s", mon->listen, why);
+  }
   mon->family = res->ai_family;
   mon->loopback = is_loopback(res->ai_addr);
   if (!mon->loopback && !mon->token) {
@@ -640,9 +710,13 @@ static unsigned get_status(dt_monitor *mon, sbuf *b) {
   return MHD_HTTP_OK;
 }
 
-/* A whole number in [0, max] or -1. */
-static long long parse_count(const char *s, long long max) {
-  if (!s || !*s || strspn(s, "0123456789") != strlen(s) || strlen(s) > 18) return -1;
+/* Query argument `name`, a whole number in [0, max]: dflt when it is absent, -1 when it is not one.
+ * Taken with its length, not as a C string. */
+static long long count_arg(struct MHD_Connection *c, const char *name, long long dflt, long long max) {
+  const char *s;
+  size_t n;
+  if (MHD_lookup_connection_value_n(c, MHD_GET_ARGUMENT_KIND, name, strlen(name), &s, &n) != MHD_YES) return dflt;
+  if (!s || n == 0 || n > 18 || strspn(s, "0123456789") != n) return -1;
   long long x = strtoll(s, NULL, 10);
   return x <= max ? x : -1;
 }
@@ -651,6 +725,29 @@ static long long parse_count(const char *s, long long max) {
 static long long record_step(const char *line) {
   const char *k = strstr(line, "\"step\": ");
   return k ? strtoll(k + 8, NULL, 10) : -1;
+}
+
+/* path opened for reading, or NULL with errno set and why in msg. Opened without blocking and
+ * refused unless a regular file: a FIFO put in place of metrics.jsonl would hold the server's one
+ * thread in open() until a writer came. */
+static FILE *open_regular(const char *path, char *msg, size_t cap) {
+  struct stat sb;
+  FILE *f = NULL;
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY), e = errno;
+  if (fd >= 0 && fstat(fd, &sb))
+    e = errno;
+  else if (fd >= 0 && !S_ISREG(sb.st_mode))
+    e = -1;
+  else if (fd >= 0 && !(f = fdopen(fd, "r")))
+    e = errno;
+  if (f) return f;
+  if (fd >= 0) close(fd);
+  if (e < 0)
+    snprintf(msg, cap, "%s is %s, not a regular file", path, file_kind(sb.st_mode));
+  else
+    snprintf(msg, cap, "%s: %s", path, strerror(e));
+  errno = e < 0 ? EINVAL : e;
+  return NULL;
 }
 
 /* Extends the index of metrics.jsonl over the whole lines appended since the last request: a mark
@@ -683,17 +780,21 @@ static int index_history(dt_monitor *mon, FILE *f) {
   return ferror(f) ? -1 : 0;
 }
 
-/* The records of metrics.jsonl whose step is at least since, as a JSON array; at most limit (*next:
- * the step of the first record left out, or -1). Only whole lines are read: the training thread may
- * be appending one. */
+/* The records of metrics.jsonl from record index `from` on (a record's index: its line number
+ * from 0) whose step is at least `since`, as a JSON array; at most limit (*next: the index to go on
+ * from, or -1 when none is left). The index is the cursor: a step is not one, as records share a
+ * step (an evaluation's) and a resume logs some steps twice. One request costs at most
+ * HISTORY_SCAN bytes read and HISTORY_BODY bytes sent (a whole file of thousands of records, asked
+ * for again and again, took three quarters of rank 0's core): the rest is the next page's. Only
+ * whole lines are read: the training thread may be appending one. */
 static unsigned get_history(dt_monitor *mon, struct MHD_Connection *c, sbuf *b, long long *next) {
   *next = -1;
-  const char *since_s = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "since");
-  const char *limit_s = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "limit");
-  long long since = since_s ? parse_count(since_s, (long long)1 << 62) : 0;
-  long long limit = limit_s ? parse_count(limit_s, MAX_HISTORY) : MAX_HISTORY;
-  if (since < 0 || limit < 1) {
-    sb_printf(b, "{\"error\": \"since must be a step number (0 or more) and limit a count in [1, %d]\"}\n",
+  long long since = count_arg(c, "since", 0, (long long)1 << 62), from = count_arg(c, "from", 0, (long long)1 << 62);
+  long long limit = count_arg(c, "limit", MAX_HISTORY, MAX_HISTORY);
+  if (since < 0 || from < 0 || limit < 1) {
+    sb_printf(b,
+              "{\"error\": \"since must be a step number (0 or more), from a record index (0 or more) and limit a "
+              "count in [1, %d]\"}\n",
               MAX_HISTORY);
     return MHD_HTTP_BAD_REQUEST;
   }
@@ -710,11 +811,10 @@ static unsigned get_history(dt_monitor *mon, struct MHD_Connection *c, sbuf *b, 
   }
   int rc = pthread_mutex_lock(&mon->hist_mu);
   if (rc) dt_abort(__FILE__, __LINE__, "pthread_mutex_lock failed");
-  FILE *f = fopen(mon->history_path, "r");
+  char msg[1300];
+  FILE *f = open_regular(mon->history_path, msg, sizeof msg);
   if (!f) {
     int e = errno;
-    char msg[1300];
-    snprintf(msg, sizeof msg, "%s: %s", mon->history_path, strerror(e));
     sb_printf(b, "{\"error\": ");
     sb_json_str(b, msg);
     sb_printf(b, "}\n");
@@ -730,20 +830,28 @@ static unsigned get_history(dt_monitor *mon, struct MHD_Connection *c, sbuf *b, 
     else
       hi = mid - 1;
   }
-  off_t from = mon->n_marks ? mon->marks[lo].offset : 0, end = mon->hist_indexed;
+  long long by_index = from / HISTORY_STRIDE; /* the last mark at or before record `from` */
+  if (by_index > lo) lo = by_index < mon->n_marks ? (int)by_index : mon->n_marks;
+  off_t pos = lo < mon->n_marks ? mon->marks[lo].offset : mon->hist_indexed, end = mon->hist_indexed;
+  long long index = (long long)lo * HISTORY_STRIDE; /* of the record at pos */
   if ((rc = pthread_mutex_unlock(&mon->hist_mu))) dt_abort(__FILE__, __LINE__, "pthread_mutex_unlock failed");
   char *line = NULL;
   size_t cap = 0;
   ssize_t n;
   long long count = 0;
+  const off_t start = pos;
   sb_printf(b, "[");
-  if (!bad) bad = fseeko(f, from, SEEK_SET);
-  while (!bad && from < end && (n = getline(&line, &cap, f)) > 0 && line[n - 1] == '\n') {
-    from += n;
-    long long step = record_step(line);
-    if (step < since) continue;
-    if (count == limit) {
-      *next = step;
+  if (!bad) bad = fseeko(f, pos, SEEK_SET);
+  while (!bad && pos < end && (n = getline(&line, &cap, f)) > 0 && line[n - 1] == '\n') {
+    long long i = index++;
+    if (pos - start >= HISTORY_SCAN) { /* may be no record yet: the next page goes on from here */
+      *next = i;
+      break;
+    }
+    pos += n;
+    if (i < from || record_step(line) < since) continue;
+    if (count == limit || (count && b->len + (size_t)n > HISTORY_BODY)) {
+      *next = i;
       break;
     }
     sb_printf(b, "%s\n", count ? "," : "");
@@ -772,14 +880,95 @@ static unsigned post_request(dt_monitor *mon, int bit, sbuf *b) {
   return MHD_HTTP_ACCEPTED;
 }
 
+/* ---- connections: the daemon's thread ---- */
+
+/* The slot of c, set when it was accepted; NULL for none. */
+static conn_slot *slot_of(struct MHD_Connection *c) {
+  const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+  return ci ? ci->socket_context : NULL;
+}
+
+/* Past MAX_CONNECTIONS, closes a connection other than `newcomer`: the one longest in its headers,
+ * else the one waiting longest for a request line (idle, or not yet read), else the one answered
+ * longest. libmicrohttpd's limits refuse newcomers instead, so that slow clients (a header byte
+ * every few seconds never times out) from a few addresses could hold every connection and lock out
+ * /health and POST /stop. A request sent whole goes from WAITING to ANSWERING in one round of the
+ * daemon, and is closed only when no connection is in its headers and 32 newer ones came in that
+ * round. shutdown() makes the daemon see the connection end and close it; the descriptor stays
+ * open until its CLOSED notice. */
+static void make_room(dt_monitor *mon, const conn_slot *newcomer) {
+  conn_slot *victim = NULL;
+  int live = 0;
+  for (int i = 0; i < MHD_CONNECTIONS; i++) {
+    conn_slot *s = &mon->conns[i];
+    if (!s->c || s->closing) continue;
+    live++;
+    if (s != newcomer &&
+        (!victim || s->stage < victim->stage || (s->stage == victim->stage && s->since < victim->since)))
+      victim = s;
+  }
+  if (live <= MAX_CONNECTIONS || !victim) return;
+  victim->closing = 1;
+  if (shutdown(victim->fd, SHUT_RDWR) && errno != ENOTCONN) /* ENOTCONN: the client left already */
+    dt_abort(__FILE__, __LINE__, "shutdown of a monitor connection failed");
+}
+
+static void on_connection(void *cls, struct MHD_Connection *c, void **socket_context,
+                          enum MHD_ConnectionNotificationCode toe) {
+  dt_monitor *mon = cls;
+  if (toe == MHD_CONNECTION_NOTIFY_CLOSED) {
+    conn_slot *s = *socket_context;
+    if (s) s->c = NULL;
+    return;
+  }
+  conn_slot *s = NULL;
+  for (int i = 0; i < MHD_CONNECTIONS && !s; i++)
+    if (!mon->conns[i].c) s = &mon->conns[i];
+  const union MHD_ConnectionInfo *fd = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+  DT_ASSERT(s && fd); /* as many slots as the daemon takes connections */
+  *s = (conn_slot){.c = c, .fd = fd->connect_fd, .stage = WAITING, .since = dt_now()};
+  *socket_context = s;
+  make_room(mon, s);
+}
+
+/* A request line has come: its target as sent (libmicrohttpd hands the handler the target
+ * percent-decoded, in which "/%68ealth" and "/health%00.json" read "/health"). */
+static void *on_request_line(void *cls, const char *uri, struct MHD_Connection *c) {
+  (void)cls;
+  conn_slot *s = slot_of(c);
+  if (s) {
+    s->stage = IN_HEADERS;
+    s->since = dt_now();
+    size_t n = uri ? strcspn(uri, "?") : 0;
+    if (n >= sizeof s->path) n = 0;
+    if (n) memcpy(s->path, uri, n);
+    s->path[n] = 0;
+  }
+  return NULL; /* the handler's *req_cls starts NULL */
+}
+
+/* A request is done (answered, or given up): its connection waits for the next one. */
+static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls, enum MHD_RequestTerminationCode toe) {
+  (void)cls;
+  (void)req_cls;
+  (void)toe;
+  conn_slot *s = slot_of(c);
+  if (s) {
+    s->stage = WAITING;
+    s->since = dt_now();
+  }
+}
+
 /* ---- the request handler ---- */
 
-/* Compares the Authorization header with the token in time that depends only on the token's length. */
-static int authorised(const dt_monitor *mon, const char *header) {
-  if (!mon->token || !header || strncasecmp(header, "Bearer ", 7)) return 0;
-  const char *given = header + 7;
-  while (*given == ' ') given++;
-  size_t n = strlen(given);
+/* Compares the Authorization header (len bytes) with the token in time that depends only on the
+ * token's length. */
+static int authorised(const dt_monitor *mon, const char *header, size_t len) {
+  if (!mon->token || !header || len < 7 || strncasecmp(header, "Bearer ", 7)) return 0;
+  size_t skip = 7;
+  while (skip < len && header[skip] == ' ') skip++;
+  const char *given = header + skip;
+  size_t n = len - skip;
   unsigned diff = n != mon->token_len;
   for (size_t i = 0; i < mon->token_len; i++)
     diff |= (unsigned char)(i < n ? given[i] : 0) ^ (unsigned char)mon->token[i];
@@ -802,6 +991,23 @@ static enum MHD_Result respond(struct MHD_Connection *c, unsigned code, const ch
   return ok;
 }
 
+/* MHD_KeyValueIteratorN: stops at a name or value that holds a control character (a header value
+ * may hold a tab). Lengths are libmicrohttpd's: a NUL inside is seen where it keeps one (a decoded
+ * query argument), while 0.9.75 ends a header's value at a NUL itself. */
+static enum MHD_Result no_control(void *cls, enum MHD_ValueKind kind, const char *key, size_t key_size,
+                                  const char *value, size_t value_size) {
+  for (int part = 0; part < 2; part++) {
+    const unsigned char *p = (const unsigned char *)(part ? value : key);
+    size_t n = part ? value_size : key_size;
+    for (size_t i = 0; p && i < n; i++)
+      if ((p[i] < 0x20 && !(p[i] == '\t' && part && kind == MHD_HEADER_KIND)) || p[i] == 0x7f) {
+        *(int *)cls = 1;
+        return MHD_NO;
+      }
+  }
+  return MHD_YES;
+}
+
 static enum MHD_Result fail(struct MHD_Connection *c, unsigned code, const char *msg, const char *hname,
                             const char *hvalue) {
   sbuf b = {0};
@@ -817,9 +1023,12 @@ static const struct {
   int post;
 } endpoints[] = {{"/health", 0}, {"/metrics", 0}, {"/status", 0}, {"/history", 0}, {"/checkpoint", 1}, {"/stop", 1}};
 
+/* The path is matched as the client sent it: only the documented spelling of an endpoint is that
+ * endpoint. */
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
                                   const char *version, const char *upload_data, size_t *upload_data_size,
                                   void **req_cls) {
+  (void)url; /* percent-decoded: slot->path instead */
   (void)version;
   (void)upload_data;
   dt_monitor *mon = cls;
@@ -828,15 +1037,24 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     return MHD_YES;
   }
   *req_cls = mon;
+  conn_slot *slot = slot_of(c);
+  if (slot) {
+    slot->stage = ANSWERING;
+    slot->since = dt_now();
+  }
   if (MHD_get_connection_values(c, MHD_HEADER_KIND, NULL, NULL) > MAX_HEADERS)
     return fail(c, MHD_HTTP_REQUEST_HEADER_FIELDS_TOO_LARGE, "more than 64 header fields", NULL, NULL);
+  int control = 0;
+  MHD_get_connection_values_n(c, MHD_HEADER_KIND | MHD_GET_ARGUMENT_KIND, no_control, &control);
+  if (control) return fail(c, MHD_HTTP_BAD_REQUEST, "a header or query argument holds a control character", NULL, NULL);
   int ep = -1;
-  for (int i = 0; i < (int)(sizeof endpoints / sizeof *endpoints); i++)
-    if (!strcmp(url, endpoints[i].path)) ep = i;
+  for (int i = 0; i < (int)(sizeof endpoints / sizeof *endpoints) && slot; i++)
+    if (!strcmp(slot->path, endpoints[i].path)) ep = i;
   if (ep < 0)
     return fail(c, MHD_HTTP_NOT_FOUND,
-                "no such endpoint: GET /health, /metrics, /status, /history?since=STEP; POST /checkpoint, /stop", NULL,
-                NULL);
+                "no such endpoint: GET /health, /metrics, /status, /history?since=STEP&from=INDEX&limit=N; POST "
+                "/checkpoint, /stop",
+                NULL, NULL);
   int is_get = !strcmp(method, MHD_HTTP_METHOD_GET) || !strcmp(method, MHD_HTTP_METHOD_HEAD);
   if (endpoints[ep].post ? strcmp(method, MHD_HTTP_METHOD_POST) != 0 : !is_get)
     return fail(c, MHD_HTTP_METHOD_NOT_ALLOWED, endpoints[ep].post ? "use POST" : "use GET", MHD_HTTP_HEADER_ALLOW,
@@ -844,8 +1062,12 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
   if (endpoints[ep].post || !mon->loopback) {
     if (!mon->token)
       return fail(c, MHD_HTTP_FORBIDDEN, "POST is refused: the run was started without monitor.token_file", NULL, NULL);
-    const char *auth = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
-    if (!authorised(mon, auth))
+    const char *auth;
+    size_t auth_len = 0;
+    if (MHD_lookup_connection_value_n(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION,
+                                      strlen(MHD_HTTP_HEADER_AUTHORIZATION), &auth, &auth_len) != MHD_YES)
+      auth = NULL;
+    if (!authorised(mon, auth, auth_len))
       return fail(
           c, MHD_HTTP_UNAUTHORIZED,
           auth ? "wrong token" : "this needs an Authorization: Bearer header with the token of monitor.token_file",
@@ -864,7 +1086,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
       code = get_history(mon, c, &b, &next);
       char more[32];
       snprintf(more, sizeof more, "%lld", next);
-      return respond(c, code, "application/json", &b, next >= 0 ? "X-Next-Since" : NULL, more);
+      return respond(c, code, "application/json", &b, next >= 0 ? "X-Next-From" : NULL, more);
     }
     case EP_CHECKPOINT:
       if (!mon->checkpoints)
@@ -900,11 +1122,11 @@ int monitor_start(dt_monitor *mon, const dt_monitor_run *run, dt_status *st) {
       return dt_fail(st, DT_EXIT_INPUT, "monitor: cannot ignore SIGPIPE: %s", strerror(errno));
   }
   unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_AUTO | (mon->family == AF_INET6 ? MHD_USE_IPv6 : 0);
-  mon->daemon =
-      MHD_start_daemon(flags, 0, NULL, NULL, on_request, mon, MHD_OPTION_LISTEN_SOCKET, (MHD_socket)mon->fd,
-                       MHD_OPTION_CONNECTION_LIMIT, (unsigned)MAX_CONNECTIONS, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
-                       (unsigned)MAX_PER_CLIENT, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)IDLE_TIMEOUT_S,
-                       MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)MEMORY_LIMIT, MHD_OPTION_END);
+  mon->daemon = MHD_start_daemon(
+      flags, 0, NULL, NULL, on_request, mon, MHD_OPTION_LISTEN_SOCKET, (MHD_socket)mon->fd, MHD_OPTION_CONNECTION_LIMIT,
+      (unsigned)MHD_CONNECTIONS, MHD_OPTION_NOTIFY_CONNECTION, on_connection, mon, MHD_OPTION_URI_LOG_CALLBACK,
+      on_request_line, mon, MHD_OPTION_NOTIFY_COMPLETED, on_completed, mon, MHD_OPTION_CONNECTION_TIMEOUT,
+      (unsigned)IDLE_TIMEOUT_S, MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)MEMORY_LIMIT, MHD_OPTION_END);
   if (!mon->daemon)
     return dt_fail(st, DT_EXIT_INPUT, "monitor.listen %s: libmicrohttpd could not start its server thread",
                    mon->listen);

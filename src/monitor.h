@@ -1,13 +1,14 @@
 /* monitor.h: rank 0's live status endpoint (monitor.listen), served by libmicrohttpd from its own
- * thread: GET /health, /metrics (Prometheus text), /status, /history?since=STEP, and POST
+ * thread: GET /health, /metrics (Prometheus text), /status, /history (metrics.jsonl), and POST
  * /checkpoint and /stop with a bearer token (monitor.token_file).
  * - The training loop never waits on HTTP: it copies a snapshot in after each step
  *   (monitor_publish) and collects the requests that arrived (monitor_take_requests); requests
  *   read the latest snapshot under a mutex.
  * - The HTTP thread never calls MPI; comm_wait tells it which collective rank 0 is waiting in
  *   through monitor_note_wait (dt_comm's wait hook).
- * - Bounded: 16 KiB of request line and headers, 64 headers, 32 connections (16 per client
- *   address), 5 s of inactivity per connection, 10,000 /history records per response.
+ * - Bounded: 16 KiB of request line and headers, 64 headers, 32 connections (a newcomer past them
+ *   closes the one longest in its headers, else the one idle longest), 5 s of inactivity per
+ *   connection, 10,000 records and 256 KiB per /history answer.
  * Owns: the listening socket, the daemon, the token and its copies of the snapshots. Every other
  * rank holds NULL; every function accepts NULL and does nothing. */
 #ifndef DT_MONITOR_H
@@ -27,10 +28,11 @@ typedef struct {
   int checkpoints;        /* checkpoint.dir is set: POST /checkpoint can be honoured */
 } dt_monitor_opts;
 
-/* Validates the options: the address (exit 2 naming it: bad syntax, or not loopback without a
- * token file), and the token file (exit 2 naming it: unreadable, empty, or readable by group or
- * others). When bind_now, also binds and listens on the address (exit 2 naming it when it is in
- * use or cannot be bound) and returns the monitor, not yet serving; NULL otherwise, or with st
+/* Validates the options: the address (exit 2 naming it: bad syntax, one that no socket can listen
+ * on, or not loopback without a token file), and the token file (exit 2 naming it: unreadable, not
+ * a regular file, owned by another user than this one or root, readable or writable by group or
+ * others, or empty). When bind_now, also binds and listens on the address (exit 2 naming it when it
+ * is in use or cannot be bound) and returns the monitor, not yet serving; NULL otherwise, or with st
  * set. The caller frees it with monitor_close. */
 dt_monitor *monitor_open(const dt_monitor_opts *o, int bind_now, dt_status *st);
 

@@ -2,8 +2,8 @@
 prometheus_client and equals metrics.jsonl; /status and /history; /health turns 503 when a rank
 hangs, before the job exits 3; POST /stop exits 75 with a checkpoint that resumes bit-exactly;
 POST /checkpoint; the bearer token (missing, wrong, a readable token file); addresses refused at
-start-up (not loopback without a token, in use, bad); malformed, oversized and slow requests; a
-bounded load of 4 clients during training; the NVML series on the GPU stand-in.
+start-up (not loopback without a token, in use, bad); malformed, oversized and slow requests; 100
+connections trickling their headers from 100 addresses; a bounded load of 4 clients during training; the NVML series on the GPU stand-in.
 
 Every wait polls with a deadline: the runs share two cores with everything else."""
 import http.client
@@ -337,15 +337,17 @@ class MetricsAndStatus(unittest.TestCase):
         self.assertEqual(hist, later[:len(hist)])
         status, headers, body = request(addr, "/history?since=0&limit=3")
         self.assertEqual(json.loads(body), self.w.metrics()[:3])
-        self.assertEqual(int(headers["x-next-since"]), self.w.metrics()[3]["step"])
-        for bad in ("since=-1", "since=x", "since=1&limit=0", "limit=10001"):
+        self.assertEqual(int(headers["x-next-from"]), 3)  # the index of the next record
+        self.assertNotIn("x-next-since", headers)
+        for bad in ("since=-1", "since=x", "since=1&limit=0", "limit=10001", "from=-1", "from=x"):
             self.assertEqual(request(addr, f"/history?{bad}")[0], 400, bad)
         self.assertEqual(self.job.wait(), 0, self.job.out + self.job.err)
         self.assertIn("done:", self.job.out)
 
-    def test_history_in_file_order_after_a_resume_from_an_older_checkpoint(self):
-        # metrics.jsonl then holds steps 101-300 twice: /history returns every record at or after
-        # `since`, in file order, however the file's index skips ahead
+    def resume_from_step_100(self):
+        """A run of 300 steps, then one resumed from its checkpoint at step 100, serving: its
+        metrics.jsonl holds steps 101-300 twice, and evaluation records (every 25 steps) that share
+        their step with a training record. Returns the address once step 420 is done."""
         rc, out, err = run([self.cfg, "--set", "monitor.listen=", "--set", "train.max_steps=300", "--set",
                             "checkpoint.every_steps=100", "--set", "checkpoint.keep=10"], np_=2, timeout=600)
         self.assertEqual(rc, 0, out + err)
@@ -354,6 +356,17 @@ class MetricsAndStatus(unittest.TestCase):
                         f"monitor.token_file={token}", "--set", f"train.max_steps={FOREVER}"])
         addr = self.job.address()
         wait_for_step(self, addr, 420, self.job)
+        return addr
+
+    def whole_records(self):
+        """metrics.jsonl's records so far, without a line the run is still writing."""
+        with open(self.w.file("log/metrics.jsonl")) as f:
+            return [json.loads(l) for l in f.read().split("\n")[:-1]]
+
+    def test_history_in_file_order_after_a_resume_from_an_older_checkpoint(self):
+        # /history returns every record at or after `since`, in file order, however the file's
+        # index skips ahead
+        addr = self.resume_from_step_100()
         for since in (0, 1, 63, 64, 65, 99, 100, 101, 150, 299, 300, 301, 400):
             status, headers, body = request(addr, f"/history?since={since}&limit=2000")
             self.assertEqual(status, 200)
@@ -363,6 +376,71 @@ class MetricsAndStatus(unittest.TestCase):
             self.assertEqual(hist, want[:len(hist)], since)
         self.assertEqual(request(addr, "/stop", "POST", token=TOKEN)[0], 202)
         self.assertEqual(self.job.wait(), 75, self.job.out + self.job.err)
+
+    def test_history_walked_page_by_page_is_metrics_jsonl(self):
+        # the cursor is a record's index, so pages neither repeat nor skip a record, even where
+        # records share a step (an evaluation) or steps come twice (the resume)
+        addr = self.resume_from_step_100()
+        records = self.whole_records()
+        steps = [r["step"] for r in records]
+        self.assertGreater(len(steps), len(set(steps)) + 200)  # steps 101-300 twice, evaluations
+        walked, cursor = [], 0
+        while len(walked) < len(records):
+            status, headers, body = request(addr, f"/history?from={cursor}&limit=1")
+            self.assertEqual(status, 200, body)
+            page = json.loads(body)
+            self.assertEqual(len(page), 1, cursor)
+            walked += page
+            if len(walked) < len(records):  # the run goes on: there is always a next one
+                self.assertEqual(int(headers["x-next-from"]), cursor + 1)
+                cursor += 1
+        self.assertEqual(walked, records)
+        # since filters by step, from and X-Next-From page through what it keeps
+        want = [r for r in records if r["step"] >= 150]
+        got, cursor = [], 0
+        while len(got) < len(want):
+            status, headers, body = request(addr, f"/history?since=150&limit=7&from={cursor}")
+            self.assertEqual(status, 200, body)
+            got += json.loads(body)
+            if len(got) < len(want):
+                cursor = int(headers["x-next-from"])
+        self.assertEqual(got[:len(want)], want)
+        # an answer holds at most 256 KiB of records (the file is larger): the rest is the next page's
+        self.assertGreater(os.path.getsize(self.w.file("log/metrics.jsonl")), 300 * 1024)
+        got, cursor, pages = [], 0, 0
+        while len(got) < len(records):
+            status, headers, body = request(addr, f"/history?from={cursor}")
+            self.assertEqual(status, 200, body)
+            self.assertLess(len(body), 256 * 1024 + 16)
+            got += json.loads(body)
+            pages += 1
+            if len(got) < len(records):
+                cursor = int(headers["x-next-from"])
+        self.assertEqual(got[:len(records)], records)
+        self.assertGreater(pages, 1)
+        self.assertEqual(request(addr, "/stop", "POST", token=TOKEN)[0], 202)
+        self.assertEqual(self.job.wait(), 75, self.job.out + self.job.err)
+
+
+    def test_a_fifo_in_place_of_metrics_jsonl_is_500_and_the_server_goes_on(self):
+        # the server has one thread: opening a FIFO for /history must not wait for a writer
+        self.job = Job([self.cfg, "--set", f"train.max_steps={FOREVER}"])
+        addr = self.job.address()
+        wait_for_step(self, addr, 5, self.job)
+        path = self.w.file("log/metrics.jsonl")
+        os.rename(path, path + ".old")  # the run goes on writing the renamed file
+        os.mkfifo(path, 0o600)
+        try:
+            status, _, body = request(addr, "/history?since=0", timeout=10)
+            self.assertEqual(status, 500, body)
+            self.assertIn(f"{path} is a FIFO, not a regular file", json.loads(body)["error"])
+            self.assertEqual(request(addr, "/health", timeout=10)[0], 200)
+        finally:  # a server thread stuck in open() is let go
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+        self.job.stop()
 
 
 class Health(unittest.TestCase):
@@ -517,6 +595,45 @@ class Token(unittest.TestCase):
             self.assertEqual(rc, 2, out + err)
             self.assertIn(why, errors(err)[0])
 
+    def test_a_token_file_others_can_change_is_exit_2_naming_it(self):
+        # as ssh checks its keys: a token that another user can rewrite is not a secret of yours
+        cfg = self.w.config(MONITOR_CNN, steps=5, log_every=1)
+        for mode, why in ((0o620, "is writable by its group"), (0o602, "is writable by others"),
+                          (0o622, "is writable by its group and others"),
+                          (0o660, "is readable by its group and writable by its group")):
+            token = write_token(self.w, mode, name=f"token{mode:o}")
+            for dry in ([], ["--dry-run"]):  # the same check in --dry-run
+                rc, out, err = run([cfg, "--set", f"monitor.token_file={token}"] + dry, np_=2)
+                self.assertEqual(rc, 2, out + err)
+                line = errors(err)[0]
+                self.assertIn(f"monitor.token_file {token} {why} (mode 0{mode:o})", line)
+                self.assertIn("chmod 600", line)
+            self.assertFalse(os.path.exists(self.w.file("log/metrics.jsonl")))  # before any step
+        if os.geteuid() != 0:
+            return  # only root can give a file away
+        token = write_token(self.w, name="token_theirs")
+        os.chown(token, 4242, 4242)
+        rc, out, err = run([cfg, "--set", f"monitor.token_file={token}"], np_=2)
+        self.assertEqual(rc, 2, out + err)
+        self.assertIn(f"monitor.token_file {token} is owned by uid 4242, not by you (uid 0) or root", errors(err)[0])
+
+    def test_a_fifo_as_token_file_is_exit_2_at_once(self):
+        # open() of a FIFO waits for a writer: the file is opened without blocking and checked first
+        cfg = self.w.config(MONITOR_CNN, steps=5, log_every=1)
+        fifo = self.w.file("token_fifo")
+        os.mkfifo(fifo, 0o600)
+        t0 = time.monotonic()
+        try:
+            rc, out, err = run([cfg, "--set", f"monitor.token_file={fifo}"], np_=2, timeout=60)
+        finally:  # a rank stuck in open() is let go
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+        self.assertEqual(rc, 2, out + err)
+        self.assertIn(f"monitor.token_file {fifo} is a FIFO, not a regular file", errors(err)[0])
+        self.assertLess(time.monotonic() - t0, 30)
+
     def test_not_loopback_needs_a_token_file_and_then_every_request_the_token(self):
         cfg = self.w.config(MONITOR_CNN, steps=FOREVER, log_every=50)
         rc, out, err = run([cfg, "--set", "monitor.listen=0.0.0.0:0"], np_=2)
@@ -579,6 +696,15 @@ class Token(unittest.TestCase):
         self.assertEqual(rc, 2, out + err)
         rc, out, err = run([cfg, "--dry-run", "--set", "monitor.listen=127.0.0.1:9400"], np_=1)
         self.assertEqual(rc, 0, out + err)
+        # addresses that resolve but that no socket here can listen on: refused by the same check
+        # in --dry-run and in a run
+        for bad, why in (("[::ffff:127.0.0.1]:0", "an IPv4-mapped IPv6 address"),
+                         ("224.0.0.1:0", "a multicast address"), ("[ff02::1]:0", "a multicast address"),
+                         ("[fe80::1]:0", "a link-local IPv6 address needs its interface")):
+            for dry in (["--dry-run"], []):
+                rc, out, err = run([cfg, "--set", f'monitor.listen="{bad}"'] + dry, np_=1)
+                self.assertEqual(rc, 2, out + err)
+                self.assertIn(f"monitor.listen {bad}: {why}", errors(err)[0])
 
 
 class BadRequests(unittest.TestCase):
@@ -656,6 +782,39 @@ class BadRequests(unittest.TestCase):
         self.assertEqual(request(self.addr, "/metrics", "DELETE")[0], 405)
         self.assert_still_training()
 
+    def test_paths_match_only_as_sent(self):
+        # the path is matched as the client sent it, before percent-decoding: another spelling of an
+        # endpoint is another path
+        for path in (b"/%68ealth", b"/health%00.json", b"/health%00", b"/%2Fhealth", b"/HEALTH", b"/health/",
+                     b"//health", b"/health;x", b"/stop%00", b"/%73top"):
+            reply, _ = raw_exchange(self.addr, b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            self.assertEqual(status_of(reply), 404, (path, reply[:200]))
+        reply, _ = raw_exchange(self.addr, b"POST /%73top HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                                + TOKEN.encode() + b"\r\n\r\n")
+        self.assertEqual(status_of(reply), 404, reply[:200])
+        # the query is decoded as usual
+        for path in (b"/health", b"/health?", b"/health?x=1", b"/history?since=%31&limit=1"):
+            reply, _ = raw_exchange(self.addr, b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            self.assertEqual(status_of(reply), 200, (path, reply[:200]))
+        self.assert_still_training()
+
+    def test_control_characters_in_a_header_or_query_are_400(self):
+        # values are taken with their lengths, not as C strings, and a control character (but a
+        # header's tab) makes the request malformed, the token right or not
+        for value in (f"Bearer {TOKEN}\x01garbage", f"Bearer {TOKEN}\x7f", f"Bearer {TOKEN}\x1b[0m",
+                      f"Bearer \x0b{TOKEN}"):
+            reply, _ = raw_exchange(self.addr, b"POST /checkpoint HTTP/1.1\r\nHost: x\r\nAuthorization: "
+                                    + value.encode() + b"\r\n\r\n")
+            self.assertEqual(status_of(reply), 400, (value, reply[:200]))
+        reply, _ = raw_exchange(self.addr, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Note: a\x01b\r\n\r\n")
+        self.assertEqual(status_of(reply), 400, reply[:200])
+        reply, _ = raw_exchange(self.addr, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Note: a\tb\r\n\r\n")
+        self.assertEqual(status_of(reply), 200, reply[:200])
+        for query in (b"since=5%00x", b"since=%00", b"from=1%0A", b"limit=2%01", b"x%00=1"):
+            reply, _ = raw_exchange(self.addr, b"GET /history?" + query + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            self.assertEqual(status_of(reply), 400, (query, reply[:200]))
+        self.assert_still_training()
+
     def test_a_slow_client_is_closed_after_the_timeout_and_others_are_served(self):
         host, port = self.addr.rsplit(":", 1)
         slow = socket.create_connection((host, int(port)), timeout=60)
@@ -694,6 +853,133 @@ class BadRequests(unittest.TestCase):
             s.close()
         self.assertEqual(request(self.addr, "/health")[0], 200)
         self.assert_still_training()
+
+
+class Tricklers:
+    """n connections to port from 127.0.0.2, .3, ... (Linux routes all of 127/8 to loopback), each
+    sending a request's headers one byte every `period` s, well inside the server's idle timeout, so
+    that it never finishes. One the server closes opens again: the slots stay under attack."""
+
+    def __init__(self, port, n=100, period=0.5):
+        self.port, self.n, self.period = port, n, period
+        self.socks, self.opened, self.closed = {}, 0, 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _open(self, i):
+        s = socket.socket()
+        try:
+            s.settimeout(1)
+            s.bind((f"127.0.0.{2 + i}", 0))
+            s.connect(("127.0.0.1", self.port))
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            s.setblocking(False)
+        except OSError:  # the server's backlog is full: next round
+            s.close()
+            return
+        self.socks[i] = s
+        self.opened += 1
+
+    def _run(self):
+        while not self.done.is_set():
+            for i in range(self.n):
+                if i not in self.socks and not self.done.is_set():
+                    self._open(i)
+            self.done.wait(self.period)
+            for i, s in list(self.socks.items()):
+                try:
+                    s.send(b"a")
+                    if s.recv(4096) != b"":  # an answer: the server gave up on the request
+                        continue
+                except BlockingIOError:  # nothing to read: still open
+                    continue
+                except OSError:
+                    pass
+                s.close()  # closed by the server
+                del self.socks[i]
+                self.closed += 1
+        for s in self.socks.values():
+            s.close()
+
+    def stop(self):
+        self.done.set()
+        self.thread.join(timeout=60)
+
+
+class SlowClients(unittest.TestCase):
+    def test_100_trickling_connections_leave_health_and_stop_served(self):
+        # each trickler holds a connection for ever: the server must close one of them for a newcomer,
+        # rather than refuse the newcomer, so that probes and POST /stop still get through
+        w, cfg = make_workdir(FOREVER, log_every=100)
+        token = write_token(w)
+        job = Job([cfg, "--set", f"monitor.token_file={token}"])
+        tricklers = rc = None
+        try:
+            addr = job.address()
+            wait_for_step(self, addr, 1, job)
+            tricklers = Tricklers(int(addr.rsplit(":", 1)[1]))
+            deadline = time.monotonic() + 60
+            while tricklers.opened < 100 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(2)  # a few bytes each: they hold every connection the server has
+            for _ in range(5):
+                status, _, body = request(addr, "/health", timeout=10)
+                self.assertEqual(status, 200, body)
+                self.assertEqual(json.loads(body)["status"], "ok")
+            self.assertGreater(tricklers.closed, 0)  # closed for newcomers, and they came back
+            status, _, body = request(addr, "/stop", "POST", token=TOKEN, timeout=10)
+            self.assertEqual(status, 202, body)
+            rc = job.wait(timeout=120)
+        finally:
+            if tricklers:
+                tricklers.stop()
+            job.stop()
+        try:
+            self.assertEqual(rc, 75, job.out + job.err)
+            m = re.search(r"stopped by POST /stop at step (\d+) after saving a checkpoint", job.err)
+            self.assertTrue(m, job.err)
+            self.assertTrue(w.latest().endswith(f"step-{int(m.group(1)):08d}.h5"))
+        finally:
+            w.cleanup()
+
+
+    def test_a_client_slow_to_send_its_request_outlives_those_stuck_in_their_headers(self):
+        # a probe scheduled out between connect() and send() is the oldest connection that has sent
+        # nothing: the ones to close are those that sent a request line and never finished it
+        w, cfg = make_workdir(FOREVER, log_every=100)
+        token = write_token(w)
+        job = Job([cfg, "--set", f"monitor.token_file={token}"])
+        tricklers = rc = None
+        try:
+            addr = job.address()
+            wait_for_step(self, addr, 1, job)
+            host, port = addr.rsplit(":", 1)
+            slow = socket.create_connection((host, int(port)), timeout=10)
+            t0 = time.monotonic()
+            tricklers = Tricklers(int(port), n=40)
+            while tricklers.closed < 8 and time.monotonic() < t0 + 3:  # 40 > 32: some closed, back again
+                time.sleep(0.05)
+            self.assertGreaterEqual(tricklers.closed, 8)
+            slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            reply = b""
+            while True:
+                got = slow.recv(4096)
+                if not got:
+                    break
+                reply += got
+            slow.close()
+            self.assertLess(time.monotonic() - t0, 5)  # inside the idle timeout
+            self.assertEqual(status_of(reply), 200, reply[:200])
+            status, _, body = request(addr, "/stop", "POST", token=TOKEN, timeout=10)
+            self.assertEqual(status, 202, body)
+            rc = job.wait(timeout=120)
+        finally:
+            if tricklers:
+                tricklers.stop()
+            job.stop()
+            w.cleanup()
+        self.assertEqual(rc, 75, job.out + job.err)
 
 
 class Load(unittest.TestCase):
