@@ -908,33 +908,47 @@ class Tricklers:
 
 
 class SlowClients(unittest.TestCase):
-    def test_100_trickling_connections_leave_health_and_stop_served(self):
-        # each trickler holds a connection for ever: the server must close one of them for a newcomer,
-        # rather than refuse the newcomer, so that probes and POST /stop still get through
+    def trickle_then_stop(self, body):
+        """A job with a token file; once step 1 is done, body(addr, trickle) runs, trickle(n) starting n
+        Tricklers; then POST /stop. Returns (exit code, job, workdir); the caller cleans the workdir."""
         w, cfg = make_workdir(FOREVER, log_every=100)
         token = write_token(w)
         job = Job([cfg, "--set", f"monitor.token_file={token}"])
-        tricklers = rc = None
+        started, rc = [], None
         try:
             addr = job.address()
             wait_for_step(self, addr, 1, job)
-            tricklers = Tricklers(int(addr.rsplit(":", 1)[1]))
+
+            def trickle(n):
+                started.append(Tricklers(int(addr.rsplit(":", 1)[1]), n=n))
+                return started[-1]
+
+            body(addr, trickle)
+            status, _, reply = request(addr, "/stop", "POST", token=TOKEN, timeout=10)
+            self.assertEqual(status, 202, reply)
+            rc = job.wait(timeout=120)
+        finally:
+            for t in started:
+                t.stop()
+            job.stop()
+        return rc, job, w
+
+    def test_100_trickling_connections_leave_health_and_stop_served(self):
+        # each trickler holds a connection for ever: the server must close one of them for a newcomer,
+        # rather than refuse the newcomer, so that probes and POST /stop still get through
+        def body(addr, trickle):
+            tricklers = trickle(100)
             deadline = time.monotonic() + 60
             while tricklers.opened < 100 and time.monotonic() < deadline:
                 time.sleep(0.1)
             time.sleep(2)  # a few bytes each: they hold every connection the server has
             for _ in range(5):
-                status, _, body = request(addr, "/health", timeout=10)
-                self.assertEqual(status, 200, body)
-                self.assertEqual(json.loads(body)["status"], "ok")
+                status, _, reply = request(addr, "/health", timeout=10)
+                self.assertEqual(status, 200, reply)
+                self.assertEqual(json.loads(reply)["status"], "ok")
             self.assertGreater(tricklers.closed, 0)  # closed for newcomers, and they came back
-            status, _, body = request(addr, "/stop", "POST", token=TOKEN, timeout=10)
-            self.assertEqual(status, 202, body)
-            rc = job.wait(timeout=120)
-        finally:
-            if tricklers:
-                tricklers.stop()
-            job.stop()
+
+        rc, job, w = self.trickle_then_stop(body)
         try:
             self.assertEqual(rc, 75, job.out + job.err)
             m = re.search(r"stopped by POST /stop at step (\d+) after saving a checkpoint", job.err)
@@ -943,21 +957,14 @@ class SlowClients(unittest.TestCase):
         finally:
             w.cleanup()
 
-
     def test_a_client_slow_to_send_its_request_outlives_those_stuck_in_their_headers(self):
         # a probe scheduled out between connect() and send() is the oldest connection that has sent
         # nothing: the ones to close are those that sent a request line and never finished it
-        w, cfg = make_workdir(FOREVER, log_every=100)
-        token = write_token(w)
-        job = Job([cfg, "--set", f"monitor.token_file={token}"])
-        tricklers = rc = None
-        try:
-            addr = job.address()
-            wait_for_step(self, addr, 1, job)
+        def body(addr, trickle):
             host, port = addr.rsplit(":", 1)
             slow = socket.create_connection((host, int(port)), timeout=10)
             t0 = time.monotonic()
-            tricklers = Tricklers(int(port), n=40)
+            tricklers = trickle(40)
             while tricklers.closed < 8 and time.monotonic() < t0 + 3:  # 40 > 32: some closed, back again
                 time.sleep(0.05)
             self.assertGreaterEqual(tricklers.closed, 8)
@@ -971,14 +978,9 @@ class SlowClients(unittest.TestCase):
             slow.close()
             self.assertLess(time.monotonic() - t0, 5)  # inside the idle timeout
             self.assertEqual(status_of(reply), 200, reply[:200])
-            status, _, body = request(addr, "/stop", "POST", token=TOKEN, timeout=10)
-            self.assertEqual(status, 202, body)
-            rc = job.wait(timeout=120)
-        finally:
-            if tricklers:
-                tricklers.stop()
-            job.stop()
-            w.cleanup()
+
+        rc, job, w = self.trickle_then_stop(body)
+        w.cleanup()
         self.assertEqual(rc, 75, job.out + job.err)
 
 
