@@ -125,10 +125,10 @@ int h5_probe(const char *path, const char *what, int (*reader)(void *ctx, dt_sta
 /* ---- files built in memory: the core driver's memory, through file image callbacks that keep it
  * after the close (HDF5 would free it) ---- */
 
-/* H5Fcreate first opens the name as it is, to see whether HDF5 has it open: when a file of that name
- * exists, the core driver reads it into an image of its own and closes it (image_free keeps it as if
- * final). The file is then built in a new image, from image_malloc or from image_realloc of NULL:
- * either releases that earlier one first. */
+/* An image left by an earlier open of the same h5_image (image_free keeps a closed one as if final)
+ * is released when HDF5 starts a new one, from image_malloc or from image_realloc of NULL. (H5Fcreate
+ * first opens its name as it is: h5_image_create gives it one that cannot exist, so that no file
+ * is read in, but a leak should HDF5 ever open twice is not left to that.) */
 static void drop_earlier_image(h5_image *im, const void *ptr) {
   if (im->buf && ptr != im->buf) {
     free(im->buf);
@@ -187,12 +187,19 @@ hid_t h5_image_create(h5_image *im, const char *name, size_t size_hint) {
   if (fapl < 0) return -1;
   H5FD_file_image_callbacks_t cb = {
       image_malloc, image_memcpy, image_realloc, image_free, image_udata_copy, image_udata_free, im};
+  /* H5Fcreate first opens its name without creating it, to see whether HDF5 has that file open, and
+   * the core driver reads whatever file is there into memory: a checkpoint about to be replaced
+   * (best.h5 at every new best), or a stale file of any size at its name. Under /dev/null no file
+   * can be (ENOTDIR); with no backing store the create itself touches no disk. */
+  char *image_name = dt_malloc(strlen(name) + 11);
+  sprintf(image_name, "/dev/null/%s", name);
   hid_t f = -1;
   if (H5Pset_libver_bounds(fapl, H5F_LIBVER_V110, H5F_LIBVER_LATEST) >= 0 && /* checksummed metadata */
       H5Pset_fapl_core(fapl, size_hint > 65536 ? size_hint : 65536, 0) >= 0 &&
       H5Pset_file_image_callbacks(fapl, &cb) >= 0)
-    f = H5Fcreate(name, H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
+    f = H5Fcreate(image_name, H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
   H5Pclose(fapl);
+  free(image_name);
   return f;
 }
 

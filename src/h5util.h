@@ -37,9 +37,9 @@ typedef struct {
   int closed;         /* HDF5 has closed the file: buf is the final image */
 } h5_image;
 
-/* Creates the file (name: for HDF5's messages only; nothing is created on disk) with checksummed
- * metadata (the 1.10 format), its memory grown size_hint bytes at a time. Returns the file, or -1
- * (HDF5's error stack set). */
+/* Creates the file (name: for HDF5's messages only, as /dev/null/NAME; nothing on disk is read or
+ * created) with checksummed metadata (the 1.10 format), its memory grown size_hint bytes at a time.
+ * Returns the file, or -1 (HDF5's error stack set). */
 hid_t h5_image_create(h5_image *im, const char *name, size_t size_hint);
 /* The length of the closed image: the end-of-file address its superblock records. 0 when the image is
  * not a closed HDF5 file. */

@@ -147,6 +147,18 @@ class Resume(unittest.TestCase):
             self.assertTrue(np.array_equal(over[k], fresh[k]), k)
         self.assertFalse(all(np.array_equal(first[k], fresh[k]) for k in fresh))
 
+    def test_a_file_at_a_checkpoints_name_is_replaced_unread(self):
+        """Whatever is at a checkpoint's name is replaced without being read: HDF5 reads any file at the
+        name it creates into memory first, which for a stale 1 TB file (sparse here) was exit 70, out
+        of memory, and costs a whole read of best.h5 at every new best."""
+        os.makedirs(self.w.file("ckpt"))
+        with open(self.w.file("ckpt/step-00000008.h5"), "wb") as f:
+            f.truncate(1 << 40)
+        rc, out, err = run(self.args + ["--set", "checkpoint.every_steps=8"], np_=1)
+        self.assertEqual(rc, 0, err)
+        with h5py.File(self.w.file("ckpt/step-00000008.h5"), "r") as f:
+            self.assertEqual(f["meta"].attrs["step"], 8)
+
     def test_changed_model_is_refused(self):
         rc, out, err = run(self.args + ["--set", "train.max_steps=4"], np_=1)
         self.assertEqual(rc, 0, err)
