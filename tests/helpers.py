@@ -63,6 +63,19 @@ class Workdir:
     def file(self, name):
         return os.path.join(self.path, name)
 
+    def corrupt_chunk(self, path, row):
+        """Rewrites /train/images of path in gzip chunks of 10 rows and overwrites the chunk holding row
+        with 0xff bytes: HDF5 fails to read it, and only it."""
+        with h5py.File(path, "a") as f:
+            x = f["train/images"][...]
+            del f["train/images"]
+            f.create_dataset("train/images", data=x, chunks=(10,) + x.shape[1:], compression="gzip")
+        with h5py.File(path, "r") as f:
+            chunk = f["train/images"].id.get_chunk_info_by_coord((row,) + (0,) * (len(x.shape) - 1))
+        with open(path, "r+b") as f:
+            f.seek(chunk.byte_offset)
+            f.write(b"\xff" * chunk.size)
+
     def dataset(self, name="data.h5", n=40, shape=(1, 6, 6), classes=3, n_val=20, dtype=np.uint8, seed=0,
                 targets=None):
         """Random images whose class is decided by a simple pattern, so a model can learn it."""

@@ -346,15 +346,7 @@ class StopsAndFailures(unittest.TestCase):
         # collectives (on a stand-in row), so every rank reaches the step agreement and exits 5; before,
         # rank 1 went to the agreement while rank 0 was in the gradient sum (an MPI error, exit 70).
         data = self.w.dataset(n=400)
-        with h5py.File(data, "a") as f:
-            x = f["train/images"][...]
-            del f["train/images"]
-            f.create_dataset("train/images", data=x, chunks=(10,) + x.shape[1:], compression="gzip")
-        with h5py.File(data, "r") as f:
-            chunk = f["train/images"].id.get_chunk_info_by_coord((250, 0, 0, 0))
-        with open(data, "r+b") as f:
-            f.seek(chunk.byte_offset)
-            f.write(b"\xff" * chunk.size)
+        self.w.corrupt_chunk(data, 250)
         rc, out, err = run([self.cfg, "--set", "data.cache=none", "--set", "data.sharding=contiguous",
                             "--set", "data.shuffle=false", "--set", "data.val.x="], np_=2)
         self.assertEqual(rc, 5, out + err)

@@ -183,15 +183,7 @@ class BackgroundCache(unittest.TestCase):
         w = Workdir()
         try:
             data = w.dataset(n=400)
-            with h5py.File(data, "a") as f:
-                x = f["train/images"][...]
-                del f["train/images"]
-                f.create_dataset("train/images", data=x, chunks=(10,) + x.shape[1:], compression="gzip")
-            with h5py.File(data, "r") as f:
-                chunk = f["train/images"].id.get_chunk_info_by_coord((150, 0, 0, 0))
-            with open(data, "r+b") as f:
-                f.seek(chunk.byte_offset)
-                f.write(b"\xff" * chunk.size)
+            w.corrupt_chunk(data, 150)
             cfg = w.config(TINY_CNN)
             rc, out, err = run([cfg, "--set", "data.shuffle=false"], np_=2)
             self.assertEqual(rc, 2, out + err)
