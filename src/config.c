@@ -79,6 +79,10 @@ static const dt_key config_keys[] = {
      "CPU convolutions: auto runs 3x3 stride-1 ones by Winograd F(4x4, 3x3) where oneDNN has it (AVX-512 CPUs; "
      "about 1.4x faster convolutions, rounding errors a few times larger, as cuDNN's Winograd) and the rest "
      "directly; direct runs all directly (PyTorch's CPU choice). GPUs: cuDNN's choice either way"},
+    {"train.recompute", DT_KEY_ENUM, F(recompute), "none", NOB, "none|blocks",
+     "blocks: keep only each block's input and output through forward (a block is a residual layer, or one "
+     "copy of a repeat's layers), and run the block's forward again just before its backward: less activation "
+     "memory for about a third more compute, the same results bit for bit; none: keep every activation"},
     {"train.cuda_graph", DT_KEY_ENUM, F(cuda_graph), "auto", NOB, "auto|on|off",
      "capture the training step (forward, backward, gradient allreduce, optimizer, EMA) as one CUDA graph after "
      "a warm-up step and replay it; steps of another shape run eagerly (auto: when the step can be captured: "

@@ -20,6 +20,7 @@ enum { DT_PROGRESS_AUTO, DT_PROGRESS_ON, DT_PROGRESS_OFF };
 enum { DT_GRAPH_AUTO, DT_GRAPH_ON, DT_GRAPH_OFF };
 enum { DT_GRAD_FP32, DT_GRAD_BF16 };
 enum { DT_CONV_ALGO_AUTO, DT_CONV_ALGO_DIRECT };
+enum { DT_RECOMPUTE_NONE, DT_RECOMPUTE_BLOCKS };
 
 typedef struct {
   /* model */
@@ -40,7 +41,7 @@ typedef struct {
   int early_metric;
   int64_t early_patience;
   double ema_decay;
-  int cuda_graph, precision, conv_algo;
+  int cuda_graph, precision, conv_algo, recompute;
   /* optim */
   int optim;
   double lr, momentum, weight_decay, eps;

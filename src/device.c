@@ -227,6 +227,13 @@ void device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data 
         "buffers %.1f + activations %.1f + workspace %.1f%s; %.0f MiB %s\n",
         (long long)rows, tokens, mib(mem.total), mib(mem.params), mib(mem.grads), mib(mem.optim), ema_part,
         mib(mem.buffers), mib(mem.activations), mib(mem.workspace), extra, mib(have), where);
+    printf("activations of the layers at %lld rows: %.1f MiB with train.recompute none, %.1f MiB with blocks (%d "
+           "blocks)%s\n",
+           (long long)rows, mib(model_activation_bytes(m, held, DT_RECOMPUTE_NONE)),
+           mib(model_activation_bytes(m, held, DT_RECOMPUTE_BLOCKS)), m->top.n_blocks,
+           v->recompute == DT_RECOMPUTE_BLOCKS && !m->top.n_blocks
+               ? "; this model has no residual layer or repeat, so train.recompute blocks recomputes nothing"
+               : "");
     fflush(stdout);
   }
   if (have && mem.total > have)

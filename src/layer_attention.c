@@ -22,11 +22,11 @@ typedef struct {
   float *qkv;    /* (B*T, 3C) */
   float *heads;  /* (3, B, H, T, hd): q, k, v per head */
   float *probs;  /* (B*H, T, T) softmax output */
-  float *kept;   /* (B*H, T, T) after dropout; == probs without dropout */
+  float *kept;   /* (B*H, T, T) after dropout; NULL without dropout (the probs are kept) */
   float *att;    /* (B*H, T, hd) */
   float *merged; /* (B*T, C): heads concatenated per position */
   /* backward scratch */
-  float *d_merged, *d_att, *d_kept, *d_probs, *d_scores, *d_heads, *d_qkv;
+  float *d_merged, *d_att, *d_kept, *d_probs, *d_scores, *d_heads, *d_qkv; /* d_probs: NULL without dropout */
 } attention_state;
 
 static int attention_setup(dt_model *m, dt_layer *l, dt_status *st) {
@@ -63,34 +63,28 @@ static int attention_causal(const dt_layer *l) {
   return l->args.causal;
 }
 
-static void attention_alloc(dt_layer *l, dt_backend *be, int64_t max_batch) {
+/* Everything is activation memory: the backward scratch (d_*) too, which lives only in backward. */
+static void attention_alloc(dt_layer *l, dt_backend *be, dt_acts *acts, int64_t max_batch) {
+  (void)be;
   attention_state *s = dt_calloc(1, sizeof *s);
+  l->priv = s;
   size_t seq, sq;
   sizes(l, max_batch, &seq, &sq);
-  s->qkv = be->alloc(be, 3 * seq);
-  s->heads = be->alloc(be, 3 * seq);
-  s->probs = be->alloc(be, sq);
-  s->kept = l->args.p > 0 ? be->alloc(be, sq) : s->probs;
-  s->att = be->alloc(be, seq);
-  s->merged = be->alloc(be, seq);
-  s->d_merged = be->alloc(be, seq);
-  s->d_att = be->alloc(be, seq);
-  s->d_kept = be->alloc(be, sq);
-  s->d_probs = l->args.p > 0 ? be->alloc(be, sq) : s->d_kept;
-  s->d_scores = be->alloc(be, sq);
-  s->d_heads = be->alloc(be, 3 * seq);
-  s->d_qkv = be->alloc(be, 3 * seq);
-  l->priv = s;
-}
-
-static void attention_release(dt_layer *l, dt_backend *be) {
-  attention_state *s = l->priv;
-  if (!s) return;
-  if (s->kept != s->probs) be->free(be, s->kept);
-  if (s->d_probs != s->d_kept) be->free(be, s->d_probs);
-  float *all[] = {s->qkv,   s->heads,  s->probs,    s->att,     s->merged, s->d_merged,
-                  s->d_att, s->d_kept, s->d_scores, s->d_heads, s->d_qkv};
-  for (size_t i = 0; i < sizeof all / sizeof *all; i++) be->free(be, all[i]);
+  acts_take(acts, &s->qkv, 3 * seq);
+  acts_take(acts, &s->heads, 3 * seq);
+  acts_take(acts, &s->probs, sq);
+  acts_take(acts, &s->att, seq);
+  acts_take(acts, &s->merged, seq);
+  acts_take(acts, &s->d_merged, seq);
+  acts_take(acts, &s->d_att, seq);
+  acts_take(acts, &s->d_kept, sq);
+  acts_take(acts, &s->d_scores, sq);
+  acts_take(acts, &s->d_heads, 3 * seq);
+  acts_take(acts, &s->d_qkv, 3 * seq);
+  if (l->args.p > 0) { /* without dropout the kept probabilities are the probabilities */
+    acts_take(acts, &s->kept, sq);
+    acts_take(acts, &s->d_probs, sq);
+  }
 }
 
 static void attention_memory(const dt_layer *l, int64_t batch, int threads, dt_memory *mem) {
@@ -142,6 +136,7 @@ static void attention_forward(dt_layer *l, dt_pass *pass, const float *x) {
   dt_backend *be = pass->be;
   const float *w = pass->params;
   const int64_t b = pass->batch, t = l->in.h, c = l->in.c, h = l->args.heads, hd = c / h, bh = b * h;
+  float *kept = s->kept ? s->kept : s->probs;
   dense_forward(be, b * t, c, 3 * c, x, w + l->tensors[0].offset, w + l->tensors[1].offset, s->qkv);
   int64_t qkv_dims[5] = {b, t, 3, h, hd};
   permute(be, 5, qkv_dims, to_heads, s->qkv, s->heads);
@@ -155,7 +150,7 @@ static void attention_forward(dt_layer *l, dt_pass *pass, const float *x) {
                                 .x = s->d_scores,
                                 .y = s->probs}};
   backend_run(be, &sm);
-  if (s->kept != s->probs) {
+  if (s->kept) {
     if (pass->training) {
       dt_op d = {.type = DT_OP_DROPOUT_FWD,
                  .p.dropout_fwd = {.n = bh * t * t,
@@ -166,10 +161,10 @@ static void attention_forward(dt_layer *l, dt_pass *pass, const float *x) {
                                    .y = s->kept}};
       backend_run(be, &d);
     } else {
-      backend_copy(be, s->kept, s->probs, bh * t * t);
+      backend_copy(be, kept, s->probs, bh * t * t);
     }
   }
-  batched_gemm(be, bh, 0, 0, t, hd, t, s->kept, v, s->att);
+  batched_gemm(be, bh, 0, 0, t, hd, t, kept, v, s->att);
   int64_t att_dims[4] = {b, h, t, hd};
   permute(be, 4, att_dims, swap_th, s->att, s->merged);
   dense_forward(be, b * t, c, c, s->merged, w + l->tensors[2].offset, w + l->tensors[3].offset, l->y);
@@ -181,6 +176,8 @@ static void attention_backward(dt_layer *l, dt_pass *pass, const float *x, float
   const float *w = pass->params;
   float *g = pass->grads;
   const int64_t b = pass->batch, t = l->in.h, c = l->in.c, h = l->args.heads, hd = c / h, bh = b * h;
+  const float *kept = s->kept ? s->kept : s->probs;
+  float *d_probs = s->d_probs ? s->d_probs : s->d_kept;
   dense_backward(be, b * t, c, c, s->merged, w + l->tensors[2].offset, l->dy, g + l->tensors[2].offset,
                  g + l->tensors[3].offset, s->d_merged);
   int64_t merged_dims[4] = {b, t, h, hd};
@@ -188,15 +185,15 @@ static void attention_backward(dt_layer *l, dt_pass *pass, const float *x, float
   const float *q = s->heads, *k = s->heads + b * t * c, *v = s->heads + 2 * b * t * c;
   float *dq = s->d_heads, *dk = s->d_heads + b * t * c, *dv = s->d_heads + 2 * b * t * c;
   batched_gemm(be, bh, 0, 1, t, t, hd, s->d_att, v, s->d_kept); /* d kept (T, T) = d att v^T */
-  batched_gemm(be, bh, 1, 0, t, hd, t, s->kept, s->d_att, dv);  /* dv (T, hd) = kept^T d att */
-  if (s->d_probs != s->d_kept) {
+  batched_gemm(be, bh, 1, 0, t, hd, t, kept, s->d_att, dv);     /* dv (T, hd) = kept^T d att */
+  if (s->d_probs) {
     dt_op d = {.type = DT_OP_DROPOUT_BWD,
                .p.dropout_bwd = {.n = bh * t * t,
                                  .p = (float)l->args.p,
                                  .seed = attention_seed(l),
                                  .step_seed = pass->step_seed,
                                  .dy = s->d_kept,
-                                 .dx = s->d_probs}};
+                                 .dx = d_probs}};
     backend_run(be, &d);
   }
   dt_op sm = {.type = DT_OP_SOFTMAX_BWD,
@@ -205,7 +202,7 @@ static void attention_backward(dt_layer *l, dt_pass *pass, const float *x, float
                                 .causal = l->args.causal,
                                 .scale = 1.0f / sqrtf((float)hd),
                                 .y = s->probs,
-                                .dy = s->d_probs,
+                                .dy = d_probs,
                                 .dx = s->d_scores}};
   backend_run(be, &sm);
   batched_gemm(be, bh, 0, 0, t, hd, t, s->d_scores, k, dq); /* dq = dS k */
@@ -230,7 +227,6 @@ const dt_layer_ops dt_layer_attention = {.kind = "attention",
                                          .alloc = attention_alloc,
                                          .forward = attention_forward,
                                          .backward = attention_backward,
-                                         .release = attention_release,
                                          .flops = attention_flops,
                                          .memory = attention_memory,
                                          .row_values = attention_row_values,

@@ -53,7 +53,10 @@ static void bn_init(dt_layer *l, float *params, float *bufs, uint64_t seed) {
   }
 }
 
-static void bn_alloc(dt_layer *l, dt_backend *be, int64_t max_batch) {
+/* Per channel, from backend memory (not activation memory): train.recompute's second forward
+ * reuses mean and invstd. */
+static void bn_alloc(dt_layer *l, dt_backend *be, dt_acts *acts, int64_t max_batch) {
+  (void)acts;
   (void)max_batch;
   int64_t c = l->in.c;
   bn_state *s = dt_calloc(1, sizeof *s);
@@ -77,10 +80,32 @@ static int64_t spatial(const dt_layer *l) {
   return l->in.h * l->in.w;
 }
 
+static void bn_apply(dt_layer *l, dt_pass *pass, const float *x) {
+  bn_state *s = l->priv;
+  dt_op ap = {.type = DT_OP_BN_APPLY,
+              .p.bn_apply = {.relu = l->fused_relu,
+                             .b = pass->batch,
+                             .c = l->in.c,
+                             .s = spatial(l),
+                             .x = x,
+                             .mean = s->mean,
+                             .invstd = s->invstd,
+                             .gamma = pass->params + l->tensors[0].offset,
+                             .beta = pass->params + l->tensors[1].offset,
+                             .y = l->y}};
+  backend_run(pass->be, &ap);
+}
+
+/* Under train.recompute, the second forward applies the first one's mean and invstd: the running
+ * statistics are not updated twice, nor are synchronised sums reduced again. */
 static void bn_forward(dt_layer *l, dt_pass *pass, const float *x) {
   bn_state *s = l->priv;
   dt_backend *be = pass->be;
   int64_t c = l->in.c;
+  if (pass->recomputing) {
+    bn_apply(l, pass, x);
+    return;
+  }
   if (pass->training) {
     dt_op op = {.type = DT_OP_BN_STATS,
                 .p.bn_stats = {.b = pass->batch, .c = c, .s = spatial(l), .x = x, .sums = s->stats}};
@@ -98,18 +123,7 @@ static void bn_forward(dt_layer *l, dt_pass *pass, const float *x) {
                                  .running_mean = pass->bufs + l->tensors[2].offset,
                                  .running_var = pass->bufs + l->tensors[3].offset}};
   backend_run(be, &fin);
-  dt_op ap = {.type = DT_OP_BN_APPLY,
-              .p.bn_apply = {.relu = l->fused_relu,
-                             .b = pass->batch,
-                             .c = c,
-                             .s = spatial(l),
-                             .x = x,
-                             .mean = s->mean,
-                             .invstd = s->invstd,
-                             .gamma = pass->params + l->tensors[0].offset,
-                             .beta = pass->params + l->tensors[1].offset,
-                             .y = l->y}};
-  backend_run(be, &ap);
+  bn_apply(l, pass, x);
 }
 
 /* Parameter gradients take the local sums (the gradient allreduce sums them); dx needs the
@@ -190,19 +204,13 @@ static void ln_init(dt_layer *l, float *params, float *bufs, uint64_t seed) {
   }
 }
 
-static void ln_alloc(dt_layer *l, dt_backend *be, int64_t max_batch) {
+static void ln_alloc(dt_layer *l, dt_backend *be, dt_acts *acts, int64_t max_batch) {
+  (void)be;
   ln_state *s = dt_calloc(1, sizeof *s);
-  size_t bytes = (size_t)shape_rows(l->in, max_batch) * sizeof(float);
-  s->mean = be->alloc(be, bytes);
-  s->rstd = be->alloc(be, bytes);
   l->priv = s;
-}
-
-static void ln_release(dt_layer *l, dt_backend *be) {
-  ln_state *s = l->priv;
-  if (!s) return;
-  be->free(be, s->mean);
-  be->free(be, s->rstd);
+  size_t bytes = (size_t)shape_rows(l->in, max_batch) * sizeof(float);
+  acts_take(acts, &s->mean, bytes);
+  acts_take(acts, &s->rstd, bytes);
 }
 
 static void ln_forward(dt_layer *l, dt_pass *pass, const float *x) {
@@ -250,6 +258,5 @@ const dt_layer_ops dt_layer_layernorm = {.kind = "layernorm",
                                          .alloc = ln_alloc,
                                          .forward = ln_forward,
                                          .backward = ln_backward,
-                                         .release = ln_release,
                                          .flops = bn_flops,
                                          .memory = ln_memory};

@@ -32,10 +32,11 @@ static int pool_setup(dt_model *m, dt_layer *l, dt_status *st) {
   return 0;
 }
 
-static void pool_alloc(dt_layer *l, dt_backend *be, int64_t max_batch) {
+/* maxpool's argmax is activation memory; global_avgpool's constant 1/(H*W) weights are kept. */
+static void pool_alloc(dt_layer *l, dt_backend *be, dt_acts *acts, int64_t max_batch) {
   pool_state *s = dt_calloc(1, sizeof *s);
   if (l->ops == &dt_layer_maxpool)
-    s->argmax = (int32_t *)be->alloc(be, (size_t)(max_batch * shape_size(l->out)) * sizeof(int32_t));
+    acts_take(acts, &s->argmax, (size_t)(max_batch * shape_size(l->out)) * sizeof(int32_t));
   if (l->ops == &dt_layer_global_avgpool) {
     int64_t hw = l->in.h * l->in.w;
     float *h = dt_malloc((size_t)hw * sizeof(float));
@@ -50,7 +51,6 @@ static void pool_alloc(dt_layer *l, dt_backend *be, int64_t max_batch) {
 static void pool_release(dt_layer *l, dt_backend *be) {
   pool_state *s = l->priv;
   if (!s) return;
-  if (s->argmax) be->free(be, s->argmax);
   if (s->ones) be->free(be, s->ones);
 }
 
@@ -94,7 +94,7 @@ static int64_t pool_flops(const dt_layer *l) {
 static void pool_memory(const dt_layer *l, int64_t batch, int threads, dt_memory *mem) {
   (void)threads;
   if (l->ops == &dt_layer_maxpool) mem->activations += (size_t)(batch * shape_size(l->out)) * sizeof(int32_t);
-  if (l->ops == &dt_layer_global_avgpool) mem->activations += (size_t)(l->in.h * l->in.w) * sizeof(float);
+  if (l->ops == &dt_layer_global_avgpool) mem->buffers += (size_t)(l->in.h * l->in.w) * sizeof(float);
 }
 
 #define POOL_LAYER(var, name)                          \

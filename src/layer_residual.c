@@ -39,15 +39,11 @@ static int residual_setup(dt_model *m, dt_layer *l, dt_status *st) {
   return 0;
 }
 
-static void residual_alloc(dt_layer *l, dt_backend *be, int64_t max_batch) {
+static void residual_alloc(dt_layer *l, dt_backend *be, dt_acts *acts, int64_t max_batch) {
+  (void)be;
   residual_state *s = dt_calloc(1, sizeof *s);
-  s->dx_short = be->alloc(be, (size_t)(max_batch * shape_size(l->in)) * sizeof(float));
   l->priv = s;
-}
-
-static void residual_release(dt_layer *l, dt_backend *be) {
-  residual_state *s = l->priv;
-  if (s) be->free(be, s->dx_short);
+  acts_take(acts, &s->dx_short, (size_t)(max_batch * shape_size(l->in)) * sizeof(float));
 }
 
 static void residual_forward(dt_layer *l, dt_pass *pass, const float *x) {
@@ -92,12 +88,12 @@ static void residual_memory(const dt_layer *l, int64_t batch, int threads, dt_me
 }
 
 const dt_layer_ops dt_layer_residual = {.kind = "residual",
+                                        .traits = DT_LAYER_BLOCK,
                                         .keys = residual_keys,
                                         .n_keys = 2,
                                         .setup = residual_setup,
                                         .alloc = residual_alloc,
                                         .forward = residual_forward,
                                         .backward = residual_backward,
-                                        .release = residual_release,
                                         .flops = residual_flops,
                                         .memory = residual_memory};

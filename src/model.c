@@ -78,10 +78,16 @@ static const char *item_kind(const dt_node *item, const dt_node **params) {
   return item->keys[0];
 }
 
+static void add_block(dt_seq *s, int first, int last) {
+  s->blocks = dt_realloc(s->blocks, (size_t)(s->n_blocks + 1) * sizeof *s->blocks);
+  s->blocks[s->n_blocks++] = (dt_block){first, last};
+}
+
 /* Builds one list item into s (appending), updating *cur; a repeat{times, layers} item appends
- * its layers `times` over, numbered on in the same list. */
+ * its layers `times` over, numbered on in the same list, each copy a block unless in_repeat (the
+ * item is itself inside a copy, which is the block). */
 static int seq_add(dt_model *m, dt_seq *s, const dt_node *item, int i, dt_shape *cur, const char *prefix,
-                   const char *what, dt_status *st) {
+                   const char *what, int in_repeat, dt_status *st) {
   char where[512];
   yaml_where(item, where, sizeof where);
   const dt_node *params;
@@ -99,9 +105,12 @@ static int seq_add(dt_model *m, dt_seq *s, const dt_node *item, int i, dt_shape 
     if (keys_read(repeat_keys, 2, &ra, params, item, kp, "parameter", st)) return st->code;
     if (ra.layers->kind != DT_NODE_SEQ || ra.layers->n == 0)
       return dt_fail(st, DT_EXIT_INPUT, "%s: %s[%d] repeat: layers must be a non-empty list of layers", where, what, i);
-    for (int64_t r = 0; r < ra.times; r++)
+    for (int64_t r = 0; r < ra.times; r++) {
+      int first = s->n;
       for (int j = 0; j < ra.layers->n; j++)
-        if (seq_add(m, s, ra.layers->items[j], i, cur, prefix, what, st)) return st->code;
+        if (seq_add(m, s, ra.layers->items[j], i, cur, prefix, what, 1, st)) return st->code;
+      if (!in_repeat) add_block(s, first, s->n - 1);
+    }
     return 0;
   }
   const dt_layer_ops *ops = layer_kind(kind);
@@ -130,6 +139,7 @@ static int seq_add(dt_model *m, dt_seq *s, const dt_node *item, int i, dt_shape 
     return dt_fail(st, DT_EXIT_INPUT, "%s: layer %s %s: %s would have more than 2^40 elements", l->where, l->name, kind,
                    l->too_large ? "a tensor" : "output per sample");
   *cur = l->out;
+  if ((ops->traits & DT_LAYER_BLOCK) && !in_repeat) add_block(s, s->n - 1, s->n - 1);
   return 0;
 }
 
@@ -138,11 +148,10 @@ int seq_build(dt_model *m, dt_seq *s, const dt_node *list, dt_shape in, const ch
   char where[512];
   if (list->kind != DT_NODE_SEQ)
     return dt_fail(st, DT_EXIT_INPUT, "%s: %s: expected a list of layers", yaml_where(list, where, sizeof where), what);
-  s->n = 0;
-  s->layers = NULL;
+  *s = (dt_seq){0};
   dt_shape cur = in;
   for (int i = 0; i < list->n; i++)
-    if (seq_add(m, s, list->items[i], i, &cur, prefix, what, st)) return st->code;
+    if (seq_add(m, s, list->items[i], i, &cur, prefix, what, 0, st)) return st->code;
   return 0;
 }
 
@@ -210,6 +219,7 @@ int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
     return dt_fail(st, DT_EXIT_INPUT, "%s: model.input: more than 2^40 elements per sample", cfg->path);
   if (seq_build(m, &m->top, cfg->v.layers, m->input, "", "model.layers", st)) return st->code;
   if (cfg->v.fuse) fuse_seq(&m->top);
+  m->recompute = m->top.recompute = cfg->v.recompute == DT_RECOMPUTE_BLOCKS;
   if (loss_parse(&m->loss, cfg->v.loss, st)) return st->code;
   const dt_layer *last = m->top.layers[m->top.n - 1];
   dt_shape out = last->out;
@@ -235,7 +245,8 @@ int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
   if ((metric == DT_METRIC_VAL_ACC || metric == DT_METRIC_EMA_VAL_ACC) && m->loss.kind != DT_LOSS_CROSS_ENTROPY)
     return dt_fail(st, DT_EXIT_INPUT,
                    "%s: train.early_stopping.metric %s: an accuracy needs a cross_entropy loss; this model's is mse "
-                   "(use %s)", cfg->path, metric == DT_METRIC_VAL_ACC ? "val_acc" : "ema_val_acc",
+                   "(use %s)",
+                   cfg->path, metric == DT_METRIC_VAL_ACC ? "val_acc" : "ema_val_acc",
                    metric == DT_METRIC_VAL_ACC ? "val_loss" : "ema_val_loss");
   m->n_classes = m->n_outputs / m->n_labels;
   if (m->loss.kind == DT_LOSS_CROSS_ENTROPY && m->n_classes < 2)
@@ -245,21 +256,132 @@ int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
   return 0;
 }
 
-static void alloc_seq(dt_model *m, dt_seq *s, dt_backend *be, int64_t max_batch) {
+/* ---- activation memory ---- */
+
+enum { ACTS_ALIGN = 256 }; /* each shared buffer's start: what the CUDA kernels' vector loads assume */
+
+typedef struct {
+  void **slot;
+  size_t offset;
+} acts_request;
+
+struct dt_acts {
+  dt_backend *be;
+  int shared;        /* requests go to the blocks' shared region (else each is its own allocation) */
+  size_t used, peak; /* bytes of the shared region the block being laid out takes; the most any block does */
+  void **owned;      /* the allocations outside it */
+  int n_owned;
+  size_t owned_bytes;     /* what they asked for */
+  acts_request *requests; /* in the shared region, placed once every block is laid out */
+  int n_requests;
+  float *region;
+};
+
+static size_t align_up(size_t bytes) {
+  return (bytes + ACTS_ALIGN - 1) / ACTS_ALIGN * ACTS_ALIGN;
+}
+
+void acts_take(dt_acts *a, void *slot, size_t bytes) {
+  if (!a->shared) {
+    a->owned = dt_realloc(a->owned, (size_t)(a->n_owned + 1) * sizeof *a->owned);
+    a->owned[a->n_owned++] = *(void **)slot = a->be->alloc(a->be, bytes ? bytes : 1);
+    a->owned_bytes += bytes;
+    return;
+  }
+  a->requests = dt_realloc(a->requests, (size_t)(a->n_requests + 1) * sizeof *a->requests);
+  a->requests[a->n_requests++] = (acts_request){slot, a->used};
+  a->used += align_up(bytes);
+}
+
+/* The end of a block's layout: the next block starts the shared region again. */
+static void acts_end_block(dt_acts *a) {
+  if (a->used > a->peak) a->peak = a->used;
+  a->used = 0;
+}
+
+static void acts_place(dt_acts *a) {
+  if (!a->n_requests) return;
+  a->region = a->be->alloc(a->be, a->peak);
+  for (int i = 0; i < a->n_requests; i++) *a->requests[i].slot = (char *)a->region + a->requests[i].offset;
+}
+
+static void acts_free(dt_acts *a) {
+  if (!a) return;
+  for (int i = 0; i < a->n_owned; i++) a->be->free(a->be, a->owned[i]);
+  if (a->region) a->be->free(a->be, a->region);
+  free(a->owned);
+  free(a->requests);
+  free(a);
+}
+
+/* The block of train.recompute that layer i of s is in, or NULL. */
+static const dt_block *block_of(const dt_seq *s, int i) {
+  for (int b = 0; b < s->n_blocks; b++)
+    if (s->blocks[b].first <= i && i <= s->blocks[b].last) return &s->blocks[b];
+  return NULL;
+}
+
+/* Whether layer i of block b holds the block's output in its y and dy: the last layer, or the
+ * batchnorm whose buffers a fused relu ending the block shares. */
+static int block_output(const dt_seq *s, const dt_block *b, int i) {
+  return i == b->last || s->layers[b->last]->fused_into == s->layers[i];
+}
+
+/* Lays out the activations of s's layers: everything in the shared region when `inside` a block;
+ * else, when `recompute`, each block's layers there but for the block's output. */
+static void alloc_seq(dt_seq *s, dt_backend *be, dt_acts *acts, int64_t max_batch, int recompute, int inside) {
   for (int i = 0; i < s->n; i++) {
     dt_layer *l = s->layers[i];
-    size_t bytes = (size_t)(max_batch * shape_size(l->out)) * sizeof(float);
-    if (l->fused_into) { /* its output is the batchnorm's, which comes before it */
-      l->y = l->fused_into->y;
-      l->dy = l->fused_into->dy;
-      continue;
+    const dt_block *b = recompute && !inside ? block_of(s, i) : NULL;
+    const int shared = inside || b;
+    if (!l->fused_into) { /* a fused relu's output is its batchnorm's (model_alloc, once placed) */
+      size_t bytes = (size_t)(max_batch * shape_size(l->out)) * sizeof(float);
+      acts->shared = inside || (b && !block_output(s, b, i));
+      acts_take(acts, &l->y, bytes);
+      acts_take(acts, &l->dy, bytes);
+      acts->shared = shared;
+      if (l->ops->alloc) l->ops->alloc(l, be, acts, max_batch);
+      alloc_seq(&l->body, be, acts, max_batch, 0, shared);
+      alloc_seq(&l->shortcut, be, acts, max_batch, 0, shared);
     }
-    l->y = be->alloc(be, bytes);
-    l->dy = be->alloc(be, bytes);
-    if (l->ops->alloc) l->ops->alloc(l, be, max_batch);
-    alloc_seq(m, &l->body, be, max_batch);
-    alloc_seq(m, &l->shortcut, be, max_batch);
+    if (b && i == b->last) acts_end_block(acts);
   }
+  acts->shared = 0;
+}
+
+/* What a layer's memory callback adds to the activations for `batch` rows. */
+static size_t layer_own_bytes(const dt_layer *l, int64_t batch) {
+  dt_memory mem = {0};
+  if (l->ops->memory) l->ops->memory(l, batch, 1, &mem);
+  return mem.activations;
+}
+
+/* Mirrors alloc_seq: adds the bytes each buffer takes to *kept (outside the shared region) or to
+ * *used (the block being counted), raising *peak at each block's end. */
+static void count_seq(const dt_seq *s, int64_t batch, int recompute, int inside, size_t *kept, size_t *used,
+                      size_t *peak) {
+  for (int i = 0; i < s->n; i++) {
+    const dt_layer *l = s->layers[i];
+    const dt_block *b = recompute && !inside ? block_of(s, i) : NULL;
+    const int shared = inside || b;
+    if (!l->fused_into) {
+      size_t out = 2 * (size_t)(batch * shape_size(l->out)) * sizeof(float); /* y, dy */
+      *(inside || (b && !block_output(s, b, i)) ? used : kept) += out;
+      *(shared ? used : kept) += layer_own_bytes(l, batch);
+      count_seq(&l->body, batch, 0, shared, kept, used, peak);
+      count_seq(&l->shortcut, batch, 0, shared, kept, used, peak);
+    }
+    if (b && i == b->last) {
+      if (*used > *peak) *peak = *used;
+      *used = 0;
+    }
+  }
+}
+
+size_t model_activation_bytes(const dt_model *m, int64_t batch, int recompute) {
+  size_t kept = 0, used = 0, peak = 0;
+  count_seq(&m->top, batch, recompute == DT_RECOMPUTE_BLOCKS, 0, &kept, &used, &peak);
+  return kept + peak;
 }
 
 void model_alloc(dt_model *m, dt_backend *be, int64_t max_batch, uint64_t seed) {
@@ -272,7 +394,18 @@ void model_alloc(dt_model *m, dt_backend *be, int64_t max_batch, uint64_t seed) 
   m->norm = be->alloc(be, (size_t)(2 * m->in_channels) * sizeof(float));
   be->to_device(be, m->norm, m->in_mean, (size_t)m->in_channels * sizeof(float));
   be->to_device(be, m->norm + m->in_channels, m->in_std, (size_t)m->in_channels * sizeof(float));
-  alloc_seq(m, &m->top, be, max_batch);
+  m->acts = dt_calloc(1, sizeof *m->acts);
+  m->acts->be = be;
+  alloc_seq(&m->top, be, m->acts, max_batch, m->recompute, 0);
+  acts_place(m->acts);
+  for (int i = 0; i < m->n_all; i++) {
+    dt_layer *l = m->all[i];
+    if (l->fused_into) l->y = l->fused_into->y, l->dy = l->fused_into->dy;
+  }
+  /* the estimate (--dry-run, the memory check) is the layers' memory callbacks: they must mirror alloc */
+  size_t want = model_activation_bytes(m, max_batch, m->recompute ? DT_RECOMPUTE_BLOCKS : DT_RECOMPUTE_NONE);
+  size_t got = m->acts->owned_bytes + m->acts->peak;
+  DT_ASSERT(got >= want && got <= want + (size_t)m->acts->n_requests * ACTS_ALIGN);
   float *hp = dt_calloc((size_t)(m->n_params ? m->n_params : 1), sizeof(float));
   float *hb = dt_calloc((size_t)(m->n_bufs ? m->n_bufs : 1), sizeof(float));
   for (int i = 0; i < m->n_all; i++) {
@@ -289,11 +422,7 @@ void model_alloc(dt_model *m, dt_backend *be, int64_t max_batch, uint64_t seed) 
 static void free_seq(dt_seq *s, dt_backend *be) {
   for (int i = 0; i < s->n; i++) {
     dt_layer *l = s->layers[i];
-    if (be && !l->fused_into) {
-      be->free(be, l->y);
-      be->free(be, l->dy);
-      if (l->ops->release) l->ops->release(l, be);
-    }
+    if (be && !l->fused_into && l->ops->release) l->ops->release(l, be);
     free_seq(&l->body, be);
     free_seq(&l->shortcut, be);
     free(l->args.tie);
@@ -301,8 +430,8 @@ static void free_seq(dt_seq *s, dt_backend *be) {
     free(l);
   }
   free(s->layers);
-  s->layers = NULL;
-  s->n = 0;
+  free(s->blocks);
+  *s = (dt_seq){0};
 }
 
 void model_free(dt_model *m) {
@@ -315,6 +444,7 @@ void model_free(dt_model *m) {
     be->free(be, m->norm);
   }
   free_seq(&m->top, be);
+  acts_free(m->acts);
   free(m->all);
   free(m->tensors);
   memset(m, 0, sizeof *m);
@@ -371,7 +501,7 @@ void model_print_layer_keys(FILE *out) {
 }
 
 /* Mirrors model_alloc and the layers' alloc functions, plus the CPU backend's per-thread conv
- * workspaces (columns of one sample and private filter gradients). */
+ * workspaces (columns of one sample and private filter gradients). The input is m->input_x. */
 dt_memory model_memory(const dt_model *m, int64_t batch, int optim_states, int threads) {
   dt_memory mem = {0};
   size_t f = sizeof(float);
@@ -379,13 +509,14 @@ dt_memory model_memory(const dt_model *m, int64_t batch, int optim_states, int t
   mem.grads = mem.params;
   mem.optim = (size_t)optim_states * mem.params;
   mem.buffers = (size_t)m->n_bufs * f;
-  size_t per_row = (size_t)shape_size(m->input);
   for (int i = 0; i < m->n_all; i++) {
-    const dt_layer *l = m->all[i];
-    if (!l->fused_into) per_row += 2 * (size_t)shape_size(l->out); /* y, dy */
-    if (l->ops->memory) l->ops->memory(l, batch, threads, &mem);
+    dt_memory layer = {0}; /* its activations are counted where model_activation_bytes places them */
+    if (m->all[i]->ops->memory) m->all[i]->ops->memory(m->all[i], batch, threads, &layer);
+    mem.buffers += layer.buffers;
+    if (layer.workspace > mem.workspace) mem.workspace = layer.workspace;
   }
-  mem.activations += per_row * (size_t)batch * f;
+  mem.activations = (size_t)(batch * shape_size(m->input)) * f +
+                    model_activation_bytes(m, batch, m->recompute ? DT_RECOMPUTE_BLOCKS : DT_RECOMPUTE_NONE);
   mem.total = mem.params + mem.grads + mem.optim + mem.buffers + mem.activations + mem.workspace;
   return mem;
 }
@@ -463,9 +594,24 @@ void seq_forward(dt_seq *s, dt_pass *pass, const float *x) {
   }
 }
 
+/* train.recompute blocks: the forward of block b again, from its kept input, filling the shared
+ * region its backward reads. Dropout draws from the micro-batch's seed and the layer's index, so
+ * they repeat; batchnorm reuses its statistics (pass->recomputing). */
+static void recompute_block(dt_seq *s, dt_pass *pass, const float *x, const dt_block *b) {
+  pass->recomputing = 1;
+  for (int i = b->first; i <= b->last; i++) {
+    dt_layer *l = s->layers[i];
+    l->ops->forward(l, pass, i == 0 ? x : s->layers[i - 1]->y);
+  }
+  pass->recomputing = 0;
+}
+
 void seq_backward(dt_seq *s, dt_pass *pass, const float *x, float *dx) {
+  int b = s->n_blocks - 1; /* the last block that does not start after layer i */
   for (int i = s->n - 1; i >= 0; i--) {
     dt_layer *l = s->layers[i];
+    while (b >= 0 && s->blocks[b].first > i) b--;
+    if (s->recompute && b >= 0 && s->blocks[b].last == i) recompute_block(s, pass, x, &s->blocks[b]);
     const float *xin = i == 0 ? x : s->layers[i - 1]->y;
     float *dxin = i == 0 ? dx : s->layers[i - 1]->dy;
     l->ops->backward(l, pass, xin, dxin);

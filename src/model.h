@@ -58,6 +58,7 @@ typedef struct {
 
 typedef struct dt_layer dt_layer;
 typedef struct dt_pass dt_pass;
+typedef struct dt_acts dt_acts;
 typedef struct dt_seq dt_seq;
 typedef struct dt_model dt_model;
 
@@ -69,15 +70,18 @@ typedef struct {
   int (*setup)(dt_model *m, dt_layer *l, dt_status *st);
   /* PyTorch's default initialisation of this layer's tensors (host copies of params/bufs). */
   void (*init)(dt_layer *l, float *params, float *bufs, uint64_t seed);
-  /* Allocates private backend buffers for up to max_batch rows (after y/dy). */
-  void (*alloc)(dt_layer *l, dt_backend *be, int64_t max_batch);
+  /* Allocates private buffers for up to max_batch rows (after y/dy): what lives from the layer's
+   * forward to its backward through acts_take, anything it keeps longer (running statistics,
+   * constants) from be, which release frees. */
+  void (*alloc)(dt_layer *l, dt_backend *be, dt_acts *acts, int64_t max_batch);
   void (*forward)(dt_layer *l, dt_pass *pass, const float *x);
   /* Reads l->dy; overwrites dx (NULL: not needed) and adds into parameter gradients. */
   void (*backward)(dt_layer *l, dt_pass *pass, const float *x, float *dx);
   void (*release)(dt_layer *l, dt_backend *be);
   int64_t (*flops)(const dt_layer *l); /* forward FLOPs per sample */
-  /* Memory beyond y and dy for `batch` rows: adds what alloc keeps (activations) and raises
-   * mem->workspace to the per-thread scratch its ops need. NULL: none. */
+  /* Memory beyond y and dy for `batch` rows: adds what alloc takes through acts_take to
+   * mem->activations (model_alloc checks the two agree), what it keeps longer to mem->buffers, and
+   * raises mem->workspace to the per-thread scratch its ops need. NULL: none. */
   void (*memory)(const dt_layer *l, int64_t batch, int threads, dt_memory *mem);
   /* Values per sample of the largest buffer its ops index, where that is more than its output
    * (attention's (H, T, T) scores): the CUDA kernels index with 32 bits. NULL: its output. */
@@ -93,7 +97,8 @@ enum {
   DT_LAYER_FUSES_RELU = 1, /* applies a relu right after it in its own ops (model.fuse: batchnorm) */
   DT_LAYER_RELU = 2,       /* a relu: the layer before may apply it */
   DT_LAYER_NORM = 4,       /* a normalisation: its weights are optim.no_decay's "norm" group */
-  DT_LAYER_EMBEDDING = 8   /* a token embedding: optim.no_decay's "embedding", what linear{tie} may name */
+  DT_LAYER_EMBEDDING = 8,  /* a token embedding: optim.no_decay's "embedding", what linear{tie} may name */
+  DT_LAYER_BLOCK = 16      /* a block for train.recompute (residual) where it is not inside a repeat's copy */
 };
 
 /* The layer kinds (layers.c): the one of that name in the config, or NULL; their names (n_kinds). */
@@ -101,10 +106,25 @@ const dt_layer_ops *layer_kind(const char *kind);
 extern const dt_layer_ops *const dt_layer_kinds[];
 extern const int dt_n_layer_kinds;
 
+/* A block of train.recompute blocks: layers first..last of a sequence. Only its input and its
+ * output (last's y and dy) are kept through forward; the rest is laid out in a region every block
+ * shares, and backward runs the block's forward again just before the block's own backward. */
+typedef struct {
+  int first, last;
+} dt_block;
+
 struct dt_seq {
   int n;
   dt_layer **layers;
+  dt_block *blocks; /* each residual layer, each copy of a repeat's layers, in order */
+  int n_blocks;
+  int recompute; /* the model's top sequence under train.recompute blocks */
 };
+
+/* Activation memory: what layers keep from their forward to their backward in one pass. A layer
+ * asks for it in alloc; the memory is in place (zeroed) when model_alloc returns. Owned by the
+ * model (model.c). *slot is a pointer variable of the layer's state (float *, int32_t *, ...). */
+void acts_take(dt_acts *a, void *slot, size_t bytes);
 
 struct dt_layer {
   const dt_layer_ops *ops;
@@ -135,6 +155,8 @@ struct dt_pass {
   dt_backend *be;
   int64_t batch; /* local rows */
   int training;
+  int recomputing;           /* train.recompute: a block's forward again, before its backward (batchnorm keeps the
+                                statistics of the first forward: running ones are not updated twice) */
   double global_targets;     /* targets in the global batch (rows x labels per row, less ignored): the loss's weight */
   const double *loss_weight; /* (1) backend memory or NULL: 1 / global_targets, uploaded each step (so a captured
                                 step replays whatever the count) */
@@ -160,6 +182,7 @@ struct dt_model {
   int64_t n_labels;  /* labels per sample: T for a token model, else 1 */
   int64_t n_classes; /* logits per label: n_outputs / n_labels */
   int64_t n_params, n_bufs;
+  int recompute;      /* train.recompute blocks */
   dt_tensor *tensors; /* every tensor, in PyTorch state_dict order */
   int n_tensors;
   /* input normalisation (data.scale, data.mean, data.std): x = (raw * scale - mean[c]) / std[c] */
@@ -172,6 +195,7 @@ struct dt_model {
   float *params, *grads, *bufs;
   float *input_x; /* (B, input) */
   float *norm;    /* (2 * in_channels): mean, then std */
+  dt_acts *acts;  /* every layer's activation memory (owned) */
 };
 
 /* Parses model.layers/loss, infers every shape. Returns 0 or st (exit 2 naming layer and shapes). */
@@ -180,7 +204,11 @@ int model_build(dt_model *m, const dt_config *cfg, dt_status *st);
 void model_alloc(dt_model *m, dt_backend *be, int64_t max_batch, uint64_t seed);
 void model_free(dt_model *m);
 
+/* What a rank's buffers take for `batch` rows under the model's train.recompute. */
 dt_memory model_memory(const dt_model *m, int64_t batch, int optim_states, int threads);
+/* The layers' activation memory for `batch` rows (y, dy and what alloc takes through acts_take, not
+ * the input) under train.recompute `recompute` (DT_RECOMPUTE_*), whatever the model's. */
+size_t model_activation_bytes(const dt_model *m, int64_t batch, int recompute);
 
 /* Splits the flat parameters into runs of consecutive tensors that do or do not take weight decay
  * under optim.no_decay's DT_NO_DECAY_* bits. Fills off/len/decay (capacity: m->n_tensors) and

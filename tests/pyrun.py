@@ -20,6 +20,11 @@ class TapResult(unittest.TestResult):
         super().addError(test, err)
         print(f"not ok - {test.id()}\n" + self._exc_info_to_string(err, test), flush=True)
 
+    def addSubTest(self, test, subtest, err):
+        super().addSubTest(test, subtest, err)
+        if err is not None:  # a passing subtest says nothing; the test's own line follows when all pass
+            print(f"not ok - {subtest.id()}\n" + self._exc_info_to_string(err, test), flush=True)
+
     def addSkip(self, test, reason):
         super().addSkip(test, reason)
         print(f"ok - {test.id()} # SKIP {reason}", flush=True)
