@@ -9,6 +9,8 @@
 #     3 steps (about 15 s a run on 2 cores);
 #   tiny GPT (configs/gpt_tiny.yaml), 32 x 128 tokens, target tokens/s, AdamW (no_decay groups,
 #     clip_grad_norm) on both sides, windows of 10 steps;
+#   the same with train.recompute blocks on ddp_train's side only (PyTorch keeps every activation): what
+#     recomputing costs is this row's ddp_train figure against the row above's;
 #   `make run`: `mpirun -np 2 ./ddp_train configs/model.yaml` with dist.threads=1 (a rank per core, bound by
 #     mpirun) against PyTorch DDP (benchmarks/torch_ddp_train.py: 2 processes of 1 thread, gloo), global
 #     batch 256 (128 a process), samples/s of the global batch, windows of 10 steps.
@@ -28,7 +30,8 @@
 # = 3 x forward = 6 x MACs; the GPT's attention products T x T per head included, the masked half too).
 # For the GPT, per target token: flops_per_sample / T. The figures are printed under the table.
 #
-# Environment: BENCH_STEPS (steps per window for every row instead of its own, for a quick smoke run),
+# Environment: BENCH_ONLY (a bash regular expression: only the rows whose case matches it run; all),
+# BENCH_STEPS (steps per window for every row instead of its own, for a quick smoke run),
 # BENCH_PAIRS (5), BENCH_WINDOWS (windows per run, the first the warm-up: 4), THREADS (nproc), PYTHON
 # (/usr/bin/python3, with torch and PyYAML), MPIRUN (mpirun). Any run that fails stops the script with its
 # output's last lines and a non-zero exit status.
@@ -53,8 +56,10 @@ for v in BENCH_PAIRS BENCH_WINDOWS THREADS BENCH_STEPS; do
 done
 ((WINDOWS >= 2)) || die "BENCH_WINDOWS must be >= 2 (a warm-up window and a timed one)"
 
-ours() { # ranks config batch steps metric -> "figure forward-FLOPs-per-unit" from ddp_train's metrics.jsonl
+ours() { # ranks config batch steps metric [--set KEY=VALUE ...] -> "figure forward-FLOPs-per-unit" from ddp_train's
+  # metrics.jsonl
   local ranks=$1 cfg=$2 batch=$3 steps=$4 metric=$5 threads=$THREADS
+  shift 5
   local launch=()
   if ((ranks > 1)); then
     launch=("$MPIRUN" --oversubscribe -np "$ranks")
@@ -64,7 +69,7 @@ ours() { # ranks config batch steps metric -> "figure forward-FLOPs-per-unit" fr
   if ! "${launch[@]}" ./ddp_train "$cfg" --set train.global_batch_size="$batch" \
     --set train.max_steps=$((steps * WINDOWS)) --set log.every_steps="$steps" --set log.dir="$out/log" \
     --set checkpoint.dir= --set data.val.x= --set dist.threads="$threads" --set optim.schedule.name=constant \
-    --set optim.lr=0.01 </dev/null >"$out/run.txt" 2>&1; then
+    --set optim.lr=0.01 "$@" </dev/null >"$out/run.txt" 2>&1; then
     tail -n 20 "$out/run.txt" >&2
     die "ddp_train failed: ${launch[*]:+${launch[*]} }./ddp_train $cfg (batch $batch, $steps steps a window)"
   fi
@@ -93,17 +98,19 @@ theirs() { # ranks config batch steps -> PyTorch's samples/s (target tokens/s)
   echo "$figure"
 }
 
-row() { # name unit ranks config batch steps metric: PAIRS paired runs -> one table row
+row() { # name unit ranks config batch steps metric [ddp_train's --set ...]: PAIRS paired runs -> one table row
   local name=$1 unit=$2 ranks=$3 cfg=$4 batch=$5 steps=${BENCH_STEPS:-$6} metric=$7 i a b
+  shift 7
+  [[ $name =~ ${BENCH_ONLY:-.} ]] || return 0
   : >"$out/pairs"
   for ((i = 1; i <= PAIRS; i++)); do
     if [ -t 2 ]; then echo "cpu_bench.sh: $name, pair $i of $PAIRS" >&2; fi
     if ((i % 2)); then
-      a=$(ours "$ranks" "$cfg" "$batch" "$steps" "$metric")
+      a=$(ours "$ranks" "$cfg" "$batch" "$steps" "$metric" "$@")
       b=$(theirs "$ranks" "$cfg" "$batch" "$steps")
     else
       b=$(theirs "$ranks" "$cfg" "$batch" "$steps")
-      a=$(ours "$ranks" "$cfg" "$batch" "$steps" "$metric")
+      a=$(ours "$ranks" "$cfg" "$batch" "$steps" "$metric" "$@")
     fi
     echo "$a $b" >>"$out/pairs"
   done
@@ -134,6 +141,8 @@ row "default CNN (configs/model.yaml), batch 256" samples/s 1 configs/model.yaml
 row "MLP 784-1024-1024-10 (configs/mlp.yaml), batch 1024" samples/s 1 configs/mlp.yaml 1024 10 samples_per_s
 row "ResNet-18 CIFAR (configs/resnet18_cifar.yaml), batch 64" samples/s 1 configs/resnet18_cifar.yaml 64 3 samples_per_s
 row "tiny GPT (configs/gpt_tiny.yaml), 32 x 128 tokens" tokens/s 1 configs/gpt_tiny.yaml 32 10 tokens_per_s
+row "tiny GPT, train.recompute blocks (PyTorch: every activation kept)" tokens/s 1 configs/gpt_tiny.yaml 32 10 \
+  tokens_per_s --set train.recompute=blocks
 row "make run: default CNN, 2 ranks x 1 thread (PyTorch: DDP, gloo), global batch 256" samples/s 2 \
   configs/model.yaml 256 10 samples_per_s
 

@@ -50,10 +50,16 @@ static const dt_key config_keys[] = {
     {"train.epochs", DT_KEY_INT, F(epochs), "1", 1, BIG, NULL, "passes over the training set"},
     {"train.max_steps", DT_KEY_INT, F(max_steps), "0", 0, BIG, NULL,
      "stop after this many optimizer steps (0: no limit)"},
-    {"train.batch_size", DT_KEY_INT, F(batch_size), "0", 0, BIG, NULL,
-     "per-rank batch (PyTorch's convention); global batch = batch_size x world size"},
+    {"train.batch_size", DT_KEY_INT, F(batch_size), "0", 0, BIG, "auto",
+     "per-rank batch (PyTorch's convention); global batch = batch_size x world size. auto (with "
+     "train.global_batch_size): the largest per-rank micro-batch whose estimated memory fits in "
+     "train.memory_fraction of what a rank has, with train.grad_accum raised so that the rows of a step stay "
+     "train.global_batch_size x train.grad_accum"},
     {"train.global_batch_size", DT_KEY_INT, F(global_batch_size), "0", 0, BIG, NULL,
      "total batch split across ranks, so the trajectory does not depend on the world size"},
+    {"train.memory_fraction", DT_KEY_FLOAT, F(memory_fraction), "0.9", 0.01, 1, NULL,
+     "train.batch_size auto: the share of a rank's memory (its GPU's free memory, or the node's available "
+     "host memory divided among its ranks) the estimate may fill"},
     {"train.grad_accum", DT_KEY_INT, F(grad_accum), "1", 1, 1024, NULL,
      "micro-batches per optimizer step; gradients are communicated on the last one only"},
     {"train.clip_grad_norm", DT_KEY_FLOAT, F(clip_grad_norm), "0", 0, BIG, NULL,
@@ -231,7 +237,12 @@ static int apply_set(dt_config *cfg, const char *arg, int idx, dt_status *st) {
 static int check_cross(dt_config *cfg, dt_status *st) {
   dt_config_values *v = &cfg->v;
   char where[512];
-  if (v->batch_size && v->global_batch_size)
+  if (v->batch_size == -1 && !v->global_batch_size)
+    return dt_fail(st, DT_EXIT_INPUT,
+                   "%s: train.batch_size auto needs train.global_batch_size: the rows of a step it keeps while "
+                   "choosing the micro-batch",
+                   cfg->path);
+  if (v->batch_size > 0 && v->global_batch_size)
     return dt_fail(st, DT_EXIT_INPUT,
                    "%s: train.batch_size and train.global_batch_size are both set; set only one (per-rank "
                    "or total)",

@@ -36,8 +36,9 @@ typedef struct {
   dt_list mean, std;
   int sharding, drop_last, cache, shuffle;
   /* train */
-  int64_t epochs, max_steps, batch_size, global_batch_size, grad_accum, seed, eval_every_steps;
-  double clip_grad_norm, time_limit;
+  int64_t epochs, max_steps, batch_size, global_batch_size, grad_accum, seed,
+      eval_every_steps; /* batch_size -1: auto */
+  double clip_grad_norm, time_limit, memory_fraction;
   int early_metric;
   int64_t early_patience;
   double ema_decay;
@@ -76,8 +77,9 @@ typedef struct {
   char *path;         /* owned: the config file's path (origin of node locations) */
   char **set_origins; /* owned: "--set KEY" strings, origins of --set nodes */
   int n_set;
-  char *effective; /* owned: canonical text of every effective value (hashed, logged, checkpointed) */
-  uint64_t hash;   /* FNV-1a of effective */
+  char *effective;      /* owned: canonical text of every effective value (hashed, logged, checkpointed) */
+  uint64_t hash;        /* FNV-1a of effective */
+  char auto_batch[512]; /* train.batch_size auto: what device_auto_batch chose and why ("": not auto) */
 } dt_config;
 
 /* Reads path, applies each "KEY=VALUE" of sets in order, validates all keys.

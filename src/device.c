@@ -171,8 +171,58 @@ static size_t host_available(void) {
   return pages > 0 && page > 0 ? (size_t)pages * (size_t)page : 0;
 }
 
-/* The memory a rank needs against what it has (its GPU's free memory when it runs on one, else the
- * host's available memory shared by the ranks on the node). */
+/* What a CUDA context takes of its GPU's memory (nvidia-smi's figure for a process that has
+ * initialised CUDA, and the stand-in's): the GPU's free memory is read before this process has one. */
+#define CUDA_CONTEXT_BYTES ((size_t)500 << 20)
+
+/* What a rank needs at the config's batch: the model's buffers, the EMA, the device cache of the
+ * data (d NULL: before the data is open, none), one bf16 gradient bucket, and on a GPU (gpu >= 0)
+ * its CUDA context. extra (cap bytes) names the additions for the printed line. */
+static dt_memory rank_memory(const dt_config_values *v, const dt_model *m, const dt_data *d, const dt_comm *comm,
+                             int threads, int gpu, char *extra, size_t cap) {
+  int states = dt_optim_kinds[v->optim]->n_states(v);
+  dt_memory mem = model_memory(m, config_model_rows(v, comm->size), states, threads);
+  extra[0] = 0;
+  if (v->ema_decay > 0) {
+    mem.ema = (size_t)(m->n_params + m->n_bufs) * sizeof(float);
+    mem.total += mem.ema;
+  }
+  if (d && v->cache == DT_CACHE_DEVICE) { /* the rank's training rows as stored, and their labels or targets */
+    const dt_split *s = &d->train;
+    size_t rows_held = (size_t)(s->hi - s->lo);
+    size_t bytes =
+        rows_held * ((size_t)s->row_elems * s->x_elem + (s->labels ? sizeof(int32_t) : (size_t)s->y_k * sizeof(float)));
+    mem.total += bytes;
+    snprintf(extra, cap, " + data.cache device %.1f", mib(bytes));
+  }
+  if (v->grad_dtype == DT_GRAD_BF16) { /* one bucket in bf16 */
+    int64_t bucket = (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float));
+    size_t bytes = (size_t)(bucket < m->n_params ? bucket : m->n_params) * 2;
+    mem.total += bytes;
+    snprintf(extra + strlen(extra), cap - strlen(extra), " + bf16 bucket %.1f", mib(bytes));
+  }
+  if (gpu >= 0) {
+    mem.total += CUDA_CONTEXT_BYTES;
+    snprintf(extra + strlen(extra), cap - strlen(extra), " + CUDA context %.1f", mib(CUDA_CONTEXT_BYTES));
+  }
+  return mem;
+}
+
+/* The memory a rank has: its GPU's free memory (gpu >= 0: a CPU run never looks for a GPU), else the
+ * host's available memory shared by the ranks on the node; *where says which. */
+static size_t rank_available(const dt_comm *comm, int gpu, const char **where) {
+  size_t have = 0;
+  if (gpu >= 0) {
+    char line[512];
+    gpu_describe(gpu, line, sizeof line, &have);
+    *where = "free on this rank's GPU";
+  } else {
+    have = host_available() / (size_t)(comm->local_size > 0 ? comm->local_size : 1);
+    *where = "of available host memory per rank on this node";
+  }
+  return have;
+}
+
 void device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data *d, const dt_comm *comm, int gpu,
                          int report, dt_status *st) {
   const dt_config_values *v = &cfg->v;
@@ -186,39 +236,11 @@ void device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data 
             (long long)rows, (long long)model_max_row(m));
     return;
   }
-  int states = dt_optim_kinds[v->optim]->n_states(v);
-  dt_memory mem = model_memory(m, held, states, device_threads(cfg, comm));
-  char ema_part[32] = "";
-  if (v->ema_decay > 0) {
-    mem.ema = (size_t)(m->n_params + m->n_bufs) * sizeof(float);
-    mem.total += mem.ema;
-    snprintf(ema_part, sizeof ema_part, " + ema %.1f", mib(mem.ema));
-  }
-  char extra[160] = "";
-  if (v->cache == DT_CACHE_DEVICE) { /* the rank's training rows as stored, and their labels or targets */
-    const dt_split *s = &d->train;
-    size_t rows_held = (size_t)(s->hi - s->lo);
-    size_t bytes =
-        rows_held * ((size_t)s->row_elems * s->x_elem + (s->labels ? sizeof(int32_t) : (size_t)s->y_k * sizeof(float)));
-    mem.total += bytes;
-    snprintf(extra, sizeof extra, " + data.cache device %.1f", mib(bytes));
-  }
-  if (v->grad_dtype == DT_GRAD_BF16) { /* one bucket in bf16 */
-    int64_t bucket = (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float));
-    size_t bytes = (size_t)(bucket < m->n_params ? bucket : m->n_params) * 2;
-    mem.total += bytes;
-    snprintf(extra + strlen(extra), sizeof extra - strlen(extra), " + bf16 bucket %.1f", mib(bytes));
-  }
-  size_t have = 0;
+  char extra[160], ema_part[32] = "";
+  dt_memory mem = rank_memory(v, m, d, comm, device_threads(cfg, comm), gpu, extra, sizeof extra);
+  if (mem.ema) snprintf(ema_part, sizeof ema_part, " + ema %.1f", mib(mem.ema));
   const char *where;
-  char gpu_line[512];
-  if (gpu >= 0) { /* the run's device: a CPU run never looks for a GPU */
-    gpu_describe(gpu, gpu_line, sizeof gpu_line, &have);
-    where = "free on this rank's GPU";
-  } else {
-    have = host_available() / (size_t)(comm->local_size > 0 ? comm->local_size : 1);
-    where = "of available host memory per rank on this node";
-  }
+  size_t have = rank_available(comm, gpu, &where);
   char tokens[64] = ""; /* a token model's rows are sequences */
   if (m->tokens) snprintf(tokens, sizeof tokens, " of %lld tokens", (long long)m->tokens);
   if (report && comm->rank == 0) {
@@ -227,13 +249,14 @@ void device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data 
         "buffers %.1f + activations %.1f + workspace %.1f%s; %.0f MiB %s\n",
         (long long)rows, tokens, mib(mem.total), mib(mem.params), mib(mem.grads), mib(mem.optim), ema_part,
         mib(mem.buffers), mib(mem.activations), mib(mem.workspace), extra, mib(have), where);
-    printf("activations of the layers at %lld rows: %.1f MiB with train.recompute none, %.1f MiB with blocks (%d "
-           "blocks)%s\n",
-           (long long)rows, mib(model_activation_bytes(m, held, DT_RECOMPUTE_NONE)),
-           mib(model_activation_bytes(m, held, DT_RECOMPUTE_BLOCKS)), m->top.n_blocks,
-           v->recompute == DT_RECOMPUTE_BLOCKS && !m->top.n_blocks
-               ? "; this model has no residual layer or repeat, so train.recompute blocks recomputes nothing"
-               : "");
+    printf(
+        "activations of the layers at %lld rows: %.1f MiB with train.recompute none, %.1f MiB with blocks (%d "
+        "blocks)%s\n",
+        (long long)rows, mib(model_activation_bytes(m, held, DT_RECOMPUTE_NONE)),
+        mib(model_activation_bytes(m, held, DT_RECOMPUTE_BLOCKS)), m->top.n_blocks,
+        v->recompute == DT_RECOMPUTE_BLOCKS && !m->top.n_blocks
+            ? "; this model has no residual layer or repeat, so train.recompute blocks recomputes nothing"
+            : "");
     fflush(stdout);
   }
   if (have && mem.total > have)
@@ -241,6 +264,94 @@ void device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data 
             "the batch does not fit: a rank needs %.1f MiB but has %.1f MiB %s; lower "
             "train.batch_size or train.global_batch_size, or use more ranks",
             mib(mem.total), mib(have), where);
+}
+
+/* The part of mem that takes the most, named for a message (the largest layer's activations). */
+static void largest_part(const dt_model *m, const dt_memory *mem, int64_t held, char *buf, size_t cap) {
+  const struct {
+    const char *name;
+    size_t bytes;
+  } parts[] = {{"the parameters", mem->params},
+               {"the gradients", mem->grads},
+               {"the optimizer state", mem->optim},
+               {"the EMA", mem->ema},
+               {"the activations", mem->activations}};
+  int most = 0;
+  for (int i = 1; i < 5; i++)
+    if (parts[i].bytes > parts[most].bytes) most = i;
+  int n = snprintf(buf, cap, "%s, %.1f MiB", parts[most].name, mib(parts[most].bytes));
+  size_t layer_bytes;
+  const dt_layer *l = model_largest_activations(m, held, &layer_bytes);
+  if (most == 4 && l && n > 0 && (size_t)n < cap)
+    snprintf(buf + n, cap - (size_t)n, " (the most: layer %s %s, %.1f MiB)", l->name, l->ops->kind, mib(layer_bytes));
+}
+
+int device_auto_batch(dt_config *cfg, const dt_model *m, dt_comm *comm, int gpu, dt_status *st) {
+  dt_config_values *v = &cfg->v;
+  const int64_t step_rows = v->global_batch_size * v->grad_accum, first_accum = v->grad_accum;
+  const char *where;
+  const size_t have = rank_available(comm, gpu, &where);
+  const double may_use = v->memory_fraction * (double)have;
+  /* candidates: each grad_accum from the configured one up that divides the step's rows, fewest first */
+  int64_t accums[1024];
+  int n = 0;
+  for (int64_t a = first_accum; a <= 1024 && step_rows / a >= comm->size; a++)
+    if (step_rows % a == 0) accums[n++] = a; /* and every rank has rows */
+  char extra[160];
+  const int threads = device_threads(cfg, comm);
+  dt_config_values trial = *v;
+  int mine = n; /* the first candidate that fits this rank */
+  for (int i = 0; i < n && mine == n; i++) {
+    trial.batch_size = 0;
+    trial.global_batch_size = step_rows / accums[i];
+    trial.grad_accum = accums[i];
+    if ((double)rank_memory(&trial, m, NULL, comm, threads, gpu, extra, sizeof extra).total <= may_use) mine = i;
+  }
+  const int chosen = -comm_min_i32(comm, -mine, "train.batch_size auto"); /* the rank that needs most decides */
+  if (chosen == n) {
+    dt_memory mem =
+        rank_memory(&trial, m, NULL, comm, threads, gpu, extra, sizeof extra); /* at the smallest micro-batch */
+    int64_t held = config_model_rows(&trial, comm->size);
+    char largest[256], hint[256] = "";
+    largest_part(m, &mem, held, largest, sizeof largest);
+    if (v->recompute == DT_RECOMPUTE_NONE) {
+      size_t saved =
+          model_activation_bytes(m, held, DT_RECOMPUTE_NONE) - model_activation_bytes(m, held, DT_RECOMPUTE_BLOCKS);
+      if ((double)(mem.total - saved) <= may_use) snprintf(hint, sizeof hint, "; train.recompute: blocks would fit it");
+    }
+    return dt_fail(st, DT_EXIT_INPUT,
+                   "train.batch_size auto: not even %lld row%s per rank fit%s (train.grad_accum %lld): a rank needs "
+                   "%.1f MiB but may use %.1f MiB (train.memory_fraction %g of %.1f MiB %s); the largest part is "
+                   "%s%s",
+                   (long long)config_max_local_rows(&trial, comm->size),
+                   config_max_local_rows(&trial, comm->size) == 1 ? "" : "s",
+                   config_max_local_rows(&trial, comm->size) == 1 ? "s" : "", (long long)trial.grad_accum,
+                   mib(mem.total), may_use / 1048576.0, v->memory_fraction, mib(have), where, largest, hint);
+  }
+  v->batch_size = 0;
+  v->global_batch_size = step_rows / accums[chosen];
+  v->grad_accum = accums[chosen];
+  const size_t need = rank_memory(v, m, NULL, comm, threads, gpu, extra, sizeof extra).total;
+  snprintf(cfg->auto_batch, sizeof cfg->auto_batch,
+           "train.batch_size auto: %lld row%s per rank, train.grad_accum %lld (%lld rows a step on %d rank%s); a rank "
+           "needs %.1f MiB of the %.1f MiB it may use (train.memory_fraction %g of %.1f MiB %s)",
+           (long long)config_max_local_rows(v, comm->size), config_max_local_rows(v, comm->size) == 1 ? "" : "s",
+           (long long)v->grad_accum, (long long)step_rows, comm->size, comm->size > 1 ? "s" : "", mib(need),
+           may_use / 1048576.0, v->memory_fraction, mib(have), where);
+  if (chosen > 0) { /* why not the larger micro-batch before it */
+    trial = *v;
+    trial.global_batch_size = step_rows / accums[chosen - 1];
+    trial.grad_accum = accums[chosen - 1];
+    size_t more = rank_memory(&trial, m, NULL, comm, threads, gpu, extra, sizeof extra).total,
+           len = strlen(cfg->auto_batch);
+    snprintf(cfg->auto_batch + len, sizeof cfg->auto_batch - len, "; %lld rows would need %.1f MiB",
+             (long long)config_max_local_rows(&trial, comm->size), mib(more));
+  }
+  if (comm->rank == 0) {
+    printf("%s\n", cfg->auto_batch);
+    fflush(stdout);
+  }
+  return 0;
 }
 
 /* The backend of the device: --device cuda's GPU, with the gradients over NCCL when no two ranks

@@ -31,6 +31,13 @@ int device_gpus_shared(dt_comm *comm, int gpu, char *why, size_t cap);
 void device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data *d, const dt_comm *comm, int gpu,
                          int report, dt_status *st);
 
+/* Collective: train.batch_size auto. Sets train.global_batch_size and train.grad_accum in cfg to the
+ * largest micro-batch whose memory (device_check_memory's estimate, without a device cache of the
+ * data) fits train.memory_fraction of what every rank has, the rows of a step unchanged; the choice
+ * and why go to cfg->auto_batch and rank 0's stdout. Exit 2 in st, naming the largest part, when
+ * none fits. Returns st->code. */
+int device_auto_batch(dt_config *cfg, const dt_model *m, dt_comm *comm, int gpu, dt_status *st);
+
 typedef struct {
   dt_backend *be;
   dt_nccl *nccl;                   /* NULL: gradients over MPI */

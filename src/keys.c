@@ -13,7 +13,7 @@ static const char *article(const char *noun) {
 
 const char *keys_type_name(const dt_key *key) {
   switch (key->type) {
-    case DT_KEY_INT: return "integer";
+    case DT_KEY_INT: return key->choices ? "integer or auto" : "integer";
     case DT_KEY_FLOAT: return "number";
     case DT_KEY_BOOL: return "boolean";
     case DT_KEY_STRING: return "string";
@@ -235,8 +235,13 @@ static int set_value(const dt_key *k, void *dst, const dt_node *node, const char
   switch (k->type) {
     case DT_KEY_INT: {
       int64_t v;
+      if (k->choices && !strcmp(s, "auto")) {
+        *(int64_t *)field = -1;
+        return 0;
+      }
       if (!parse_int(s, &v) || (bounded(k) && (v < k->min || v > k->max)))
-        return dt_fail(st, DT_EXIT_INPUT, "%s: %s%s: expected an integer%s, got '%s'", where, prefix, k->path, bt, s);
+        return dt_fail(st, DT_EXIT_INPUT, "%s: %s%s: expected an integer%s%s, got '%s'", where, prefix, k->path, bt,
+                       k->choices ? " or auto" : "", s);
       *(int64_t *)field = v;
       return 0;
     }
@@ -411,7 +416,12 @@ void keys_dump(const dt_key *table, int n, const void *src, const char *prefix, 
     char val[1024] = "";
     size_t vl = 0;
     switch (k->type) {
-      case DT_KEY_INT: snprintf(val, sizeof val, "%lld", (long long)*(const int64_t *)field); break;
+      case DT_KEY_INT:
+        if (k->choices && *(const int64_t *)field == -1)
+          snprintf(val, sizeof val, "auto");
+        else
+          snprintf(val, sizeof val, "%lld", (long long)*(const int64_t *)field);
+        break;
       case DT_KEY_FLOAT:
       case DT_KEY_DURATION: snprintf(val, sizeof val, "%.17g", *(const double *)field); break;
       case DT_KEY_BOOL: snprintf(val, sizeof val, "%s", *(const int *)field ? "true" : "false"); break;

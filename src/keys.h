@@ -19,7 +19,7 @@ typedef struct {
 } dt_list;
 
 typedef enum {
-  DT_KEY_INT,      /* int64_t */
+  DT_KEY_INT,      /* int64_t; with choices "auto", the word auto too, stored as -1 */
   DT_KEY_FLOAT,    /* double */
   DT_KEY_BOOL,     /* int (0/1) */
   DT_KEY_STRING,   /* char * (owned by the struct; freed by keys_free) */
@@ -36,7 +36,7 @@ typedef struct {
   size_t offset;       /* offsetof in the target struct */
   const char *deflt;   /* default as YAML text; NULL: required */
   double min, max;     /* bounds for INT/FLOAT (and list items); min > max: unbounded */
-  const char *choices; /* ENUM: "a|b|c" */
+  const char *choices; /* ENUM: "a|b|c"; INT: "auto" where it takes auto, else NULL */
   const char *doc;
 } dt_key;
 

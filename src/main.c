@@ -238,6 +238,9 @@ static int start_monitor(const dt_config *cfg, dt_comm *comm, dt_monitor *mon, i
                           .hosts = hosts,
                           .devices = devices,
                           .global_batch = config_global_batch(v, comm->size) * v->grad_accum,
+                          .rank_rows = config_max_local_rows(v, comm->size),
+                          .grad_accum = v->grad_accum,
+                          .auto_batch = cfg->auto_batch,
                           .epochs = v->epochs};
     if (!monitor_start(mon, &run, &st)) {
       comm->wait_hook = monitor_note_wait;
@@ -358,6 +361,8 @@ static int run_prepare(dt_run *r, dt_status *st) {
             "dist.comm nccl: %s, and NCCL refuses two ranks on one GPU; give each rank a GPU of its own, or set "
             "dist.comm: mpi to share GPUs",
             r->shared);
+  if ((code = comm_agree(comm, st))) return code;
+  if (v->batch_size == -1) device_auto_batch(&r->cfg, &r->model, comm, r->gpu, st);
   return comm_agree(comm, st);
 }
 

@@ -384,6 +384,18 @@ size_t model_activation_bytes(const dt_model *m, int64_t batch, int recompute) {
   return kept + peak;
 }
 
+const dt_layer *model_largest_activations(const dt_model *m, int64_t batch, size_t *bytes) {
+  const dt_layer *most = NULL;
+  *bytes = 0;
+  for (int i = 0; i < m->top.n; i++) {
+    dt_seq one = {.n = 1, .layers = &m->top.layers[i]};
+    size_t kept = 0, used = 0, peak = 0;
+    count_seq(&one, batch, 0, 0, &kept, &used, &peak);
+    if (kept > *bytes) *bytes = kept, most = m->top.layers[i];
+  }
+  return most;
+}
+
 void model_alloc(dt_model *m, dt_backend *be, int64_t max_batch, uint64_t seed) {
   m->be = be;
   m->max_batch = max_batch;

@@ -209,6 +209,9 @@ dt_memory model_memory(const dt_model *m, int64_t batch, int optim_states, int t
 /* The layers' activation memory for `batch` rows (y, dy and what alloc takes through acts_take, not
  * the input) under train.recompute `recompute` (DT_RECOMPUTE_*), whatever the model's. */
 size_t model_activation_bytes(const dt_model *m, int64_t batch, int recompute);
+/* The top-level layer whose activations (with everything inside it, all kept) take the most for
+ * `batch` rows, and in *bytes how much; NULL for a model without layers. */
+const dt_layer *model_largest_activations(const dt_model *m, int64_t batch, size_t *bytes);
 
 /* Splits the flat parameters into runs of consecutive tensors that do or do not take weight decay
  * under optim.no_decay's DT_NO_DECAY_* bits. Fills off/len/decay (capacity: m->n_tensors) and

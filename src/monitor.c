@@ -77,7 +77,8 @@ struct dt_monitor {
   uint64_t config_hash;
   int world;
   char **hosts, **devices;
-  int64_t global_batch, epochs;
+  int64_t global_batch, rank_rows, grad_accum, epochs;
+  char *auto_batch;
   pthread_mutex_t mu;
   /* under mu */
   int published;
@@ -653,8 +654,16 @@ static unsigned get_status(dt_monitor *mon, sbuf *b) {
             : stalled(mon, &v) ? "stalled"
                                : "training");
   sb_json_str(b, mon->config_path);
-  sb_printf(b, ", \"config_hash\": \"%016llx\", \"world_size\": %d, \"global_batch\": %lld, \"ranks\": [",
-            (unsigned long long)mon->config_hash, mon->world, (long long)mon->global_batch);
+  sb_printf(b,
+            ", \"config_hash\": \"%016llx\", \"world_size\": %d, \"global_batch\": %lld, \"batch\": {\"rank_rows\": "
+            "%lld, \"grad_accum\": %lld, \"auto\": ",
+            (unsigned long long)mon->config_hash, mon->world, (long long)mon->global_batch, (long long)mon->rank_rows,
+            (long long)mon->grad_accum);
+  if (mon->auto_batch[0])
+    sb_json_str(b, mon->auto_batch);
+  else
+    sb_printf(b, "null");
+  sb_printf(b, "}, \"ranks\": [");
   for (int r = 0; r < mon->world; r++) {
     sb_printf(b, "%s{\"rank\": %d, \"host\": ", r ? ", " : "", r);
     sb_json_str(b, mon->hosts[r]);
@@ -1104,6 +1113,9 @@ int monitor_start(dt_monitor *mon, const dt_monitor_run *run, dt_status *st) {
   mon->config_hash = run->config_hash;
   mon->world = run->world_size;
   mon->global_batch = run->global_batch;
+  mon->rank_rows = run->rank_rows;
+  mon->grad_accum = run->grad_accum;
+  mon->auto_batch = dt_strdup(run->auto_batch);
   mon->epochs = run->epochs;
   mon->hosts = dt_calloc((size_t)mon->world, sizeof(char *));
   mon->devices = dt_calloc((size_t)mon->world, sizeof(char *));
@@ -1149,6 +1161,7 @@ void monitor_close(dt_monitor *mon) {
   free(mon->hosts);
   free(mon->devices);
   free(mon->config_path);
+  free(mon->auto_batch);
   free(mon->rank_compute_ms);
   free(mon->gpu);
   if (mon->token) explicit_bzero(mon->token, mon->token_len);

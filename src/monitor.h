@@ -44,7 +44,10 @@ typedef struct {
   int world_size;
   const char *const *hosts;
   const char *const *devices; /* "cpu", or gpu_describe's "GPU 0: NVIDIA H100 ..." */
-  int64_t global_batch;
+  int64_t global_batch;       /* rows of an optimizer step */
+  int64_t rank_rows;          /* the largest rank's rows of a micro-batch */
+  int64_t grad_accum;         /* micro-batches of a step */
+  const char *auto_batch;     /* train.batch_size auto's choice and why, or "" */
   int64_t epochs;
 } dt_monitor_run;
 

@@ -106,6 +106,8 @@ class Bench(unittest.TestCase):
                 ("ResNet-18 CIFAR (configs/resnet18_cifar.yaml), batch 64", "samples/s",
                  "configs/resnet18_cifar.yaml"),
                 ("tiny GPT (configs/gpt_tiny.yaml), 32 x 128 tokens", "tokens/s", "configs/gpt_tiny.yaml"),
+                ("tiny GPT, train.recompute blocks (PyTorch: every activation kept)", "tokens/s",
+                 "configs/gpt_tiny.yaml"),
                 ("make run: default CNN, 2 ranks x 1 thread (PyTorch: DDP, gloo), global batch 256", "samples/s",
                  "configs/model.yaml")]
         self.assertEqual([(r[0], r[1]) for r in rows], [w[:2] for w in want], out)

@@ -38,7 +38,7 @@ model:
 data:
   path: {dir}/data.h5
   scale: 0.00392156862745098
-train: {{epochs: 100000, max_steps: {steps}, global_batch_size: 32, seed: 3, eval_every_steps: 25}}
+train: {{epochs: 100000, max_steps: {steps}, batch_size: auto, global_batch_size: 32, seed: 3, eval_every_steps: 25}}
 optim: {{name: sgd, lr: 0.02, momentum: 0.9}}
 log: {{dir: {dir}/log, every_steps: {log_every}}}
 checkpoint: {{dir: {dir}/ckpt, every_epochs: 0}}
@@ -327,6 +327,10 @@ class MetricsAndStatus(unittest.TestCase):
         self.assertGreaterEqual(st["eta_s"], 0)
         self.assertEqual(st["state"], "training")
         self.assertEqual(st["global_batch"], 32)
+        # train.batch_size auto: the whole step fits one micro-batch of this small model
+        self.assertEqual((st["batch"]["rank_rows"], st["batch"]["grad_accum"]), (16, 1))
+        self.assertRegex(st["batch"]["auto"], r"^train\.batch_size auto: 16 rows per rank, train\.grad_accum 1 \(32 "
+                                              r"rows a step on 2 ranks\); a rank needs [\d.]+ MiB of the [\d.]+ MiB")
         # /history: metrics.jsonl from a step on, whole records only
         since = st["progress"]["step"] - 30
         status, headers, body = request(addr, f"/history?since={since}")

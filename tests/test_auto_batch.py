@@ -1,0 +1,169 @@
+"""train.batch_size auto: on the GPU stand-in, whose memory GPUSIM_MEMORY_MIB sets, the largest
+micro-batch whose estimate fits train.memory_fraction of the free memory, the rows of a step kept by
+raising train.grad_accum, the training the same bit for bit as the same choice written by hand; the
+CPU keeps the configured batch when it fits; exit 2 before any data is read when nothing fits, naming
+the largest part and train.recompute where it would help; the key's own errors."""
+import re
+import unittest
+
+import h5py
+import numpy as np
+
+from helpers import GPU_BINARY, ROOT, Workdir, errors, gpu_setup, run
+
+ENV1, VISIBLE1, SIM = gpu_setup(1)
+
+# About 0.5 MiB of activations a row (conv output 8 x 64 x 64, its gradient, the batchnorm's), so
+# that the micro-batch decides the memory.
+CNN = """\
+model:
+  input: [1, 64, 64]
+  layers:
+    - conv2d: {{out: 8, kernel: 3, pad: 1, bias: false}}
+    - batchnorm: {{}}
+    - relu
+    - maxpool: {{kernel: 4}}
+    - flatten
+    - linear: {{out: 3}}
+data: {{path: {dir}/data.h5}}
+train: {{epochs: 1, batch_size: auto, global_batch_size: 32, seed: 2}}
+optim: {{name: sgd, lr: 0.05, momentum: 0.9}}
+log: {{dir: {dir}/log, every_steps: 1}}
+checkpoint: {{dir: {dir}/ckpt}}
+"""
+
+CHOICE = re.compile(r"^train\.batch_size auto: (\d+) rows? per rank, train\.grad_accum (\d+) \((\d+) rows a step on "
+                    r"(\d+) ranks?\); a rank needs ([\d.]+) MiB of the ([\d.]+) MiB it may use \(train\.memory_fraction "
+                    r"([\d.]+) of ([\d.]+) MiB (.*?)\)(?:; (\d+) rows would need ([\d.]+) MiB)?$", re.M)
+
+
+def params(path):
+    with h5py.File(path, "r") as f:
+        return {k: f["model"][k][...] for k in f["model"]}
+
+
+class AutoBatch(unittest.TestCase):
+    def setUp(self):
+        self.w = Workdir()
+        self.w.dataset(n=64, shape=(1, 64, 64))
+
+    def tearDown(self):
+        self.w.cleanup()
+
+    @unittest.skipUnless(SIM, "GPUSIM_MEMORY_MIB sets the stand-in's memory; a real GPU has what it has")
+    def test_the_largest_micro_batch_that_fits_the_stand_ins_memory(self):
+        """32 rows a step on a GPU of 575 MiB (500 of them the CUDA context's): the estimate of 32 rows does
+        not fit 0.9 of it, that of the chosen micro-batch does, and the run fits too; the two steps (32 rows
+        each) train as the same split written by hand."""
+        cfg = self.w.config(CNN)
+        env = dict(ENV1, GPUSIM_MEMORY_MIB="575")
+        rc, out, err = run([cfg, "--device", "cuda"], binary=GPU_BINARY, env=env, timeout=300)
+        self.assertEqual(rc, 0, out + err)
+        m = CHOICE.search(out)
+        self.assertTrue(m, out)
+        rows, accum, step_rows = int(m[1]), int(m[2]), int(m[3])
+        self.assertEqual((step_rows, rows * accum), (32, 32))
+        self.assertGreater(accum, 1, out)  # 32 rows do not fit
+        need, may_use, fraction, free = float(m[5]), float(m[6]), float(m[7]), float(m[8])
+        self.assertEqual(m[9], "free on this rank's GPU")
+        self.assertAlmostEqual(may_use, fraction * free, delta=0.1)
+        self.assertLessEqual(need, may_use)
+        self.assertGreater(float(m[11]), may_use)  # the next larger micro-batch would not fit
+        self.assertGreater(int(m[10]), rows)
+        self.assertIn("training: 2 optimizer steps", out)
+        # the same split by hand, at the stand-in's default memory
+        rc, out2, err = run([cfg, "--device", "cuda", "--set", "train.batch_size=0", "--set",
+                             f"train.global_batch_size={rows}", "--set", f"train.grad_accum={accum}", "--set",
+                             f"checkpoint.dir={self.w.file('hand')}"], binary=GPU_BINARY, env=ENV1, timeout=300)
+        self.assertEqual(rc, 0, out2 + err)
+        auto, hand = params(self.w.latest("ckpt")), params(self.w.latest("hand"))
+        for k in hand:
+            self.assertTrue(np.array_equal(auto[k], hand[k]), k)
+        # --dry-run makes the same choice and says so
+        rc, out3, err = run([cfg, "--device", "cuda", "--dry-run"], binary=GPU_BINARY, env=env, timeout=300)
+        self.assertEqual(rc, 0, out3 + err)
+        self.assertEqual(CHOICE.search(out3).group(1, 2, 3), m.group(1, 2, 3))
+
+    def test_the_configured_batch_when_it_fits(self):
+        """A small model on the CPU, 2 ranks: the whole step in one micro-batch, as configured."""
+        cfg = self.w.config(CNN)
+        rc, out, err = run([cfg, "--set", "train.global_batch_size=8", "--set", "train.max_steps=2"], np_=2)
+        self.assertEqual(rc, 0, out + err)
+        m = CHOICE.search(out)
+        self.assertTrue(m, out)
+        self.assertEqual((m[1], m[2], m[3], m[4]), ("4", "1", "8", "2"))
+        self.assertEqual(m[9], "of available host memory per rank on this node")
+        self.assertIsNone(m[10])  # nothing larger was tried
+
+    def test_nothing_fits_is_exit_2_before_the_data_is_read(self):
+        """GPT-2 124M in 1% of a rank's host memory on 2 ranks: not even one row; the data file does not
+        exist, and the error is the memory's. Activations are the largest part at 1024 tokens, and
+        recomputation would not be enough here, so it is not offered."""
+        rc, out, err = run(["configs/gpt2_124m.yaml", "--set", "data.path=/nonexistent/tokens.h5", "--set",
+                            "train.batch_size=auto", "--set", "train.global_batch_size=16", "--set",
+                            "train.grad_accum=1", "--set", "train.memory_fraction=0.01"], np_=2, cwd=ROOT)
+        self.assertEqual(rc, 2, out + err)
+        e = errors(err)
+        self.assertEqual(len(e), 1, err)
+        self.assertRegex(e[0], r"train\.batch_size auto: not even 1 row per rank fits \(train\.grad_accum 8\): a "
+                               r"rank needs [\d.]+ MiB but may use [\d.]+ MiB \(train\.memory_fraction 0\.01 of "
+                               r"[\d.]+ MiB of available host memory per rank on this node\); the largest part is ")
+        self.assertNotIn("nonexistent", err)
+
+    def test_recompute_is_offered_where_it_would_fit(self):
+        """On the stand-in, a GPT whose attention matrices dominate: with the memory set between the
+        estimates of one row with and without recomputation, the error says train.recompute: blocks
+        would fit, and with it set the run starts."""
+        cfg = self.w.config("""\
+            model:
+              input: [256]
+              layers:
+                - embedding: {{vocab: 16, dim: 32}}
+                - repeat:
+                    times: 4
+                    layers:
+                      - residual: {{body: [layernorm: {{}}, attention: {{heads: 8, causal: true}}]}}
+                - layernorm: {{}}
+                - linear: {{out: 16}}
+            data: {{path: /nonexistent.h5, train: {{x: /train/tokens}}, val: {{x: ""}}}}
+            train: {{batch_size: auto, global_batch_size: 4, seed: 1}}
+            """)
+        if not SIM:
+            self.skipTest("GPUSIM_MEMORY_MIB sets the stand-in's memory")
+        base = [cfg, "--device", "cuda", "--dry-run", "--set", "data.path="]
+        rc, out, err = run(base + ["--set", "train.batch_size=1", "--set", "train.global_batch_size=0"],
+                           binary=GPU_BINARY, env=ENV1, timeout=300)
+        self.assertEqual(rc, 0, out + err)
+        total = float(re.search(r"memory per rank at 1 rows of 256 tokens: ([\d.]+) MiB", out)[1])
+        none, blocks = map(float, re.search(r"([\d.]+) MiB with train.recompute none, ([\d.]+) MiB with blocks",
+                                            out).groups())
+        self.assertGreater(none, 3 * blocks, out)  # the attention matrices of 4 blocks against those of 1
+        mib = int((total - (none - blocks) / 2) / 0.9) + 1  # between the two totals
+        env = dict(ENV1, GPUSIM_MEMORY_MIB=str(mib))
+        rc, out, err = run(base, binary=GPU_BINARY, env=env, timeout=300)
+        self.assertEqual(rc, 2, out + err)
+        self.assertRegex(errors(err)[0], r"the largest part is the activations, [\d.]+ MiB \(the most: layer 1 "
+                                         r"residual, [\d.]+ MiB\); train\.recompute: blocks would fit it$")
+        rc, out, err = run(base + ["--set", "train.recompute=blocks"], binary=GPU_BINARY, env=env, timeout=300)
+        self.assertEqual(rc, 0, out + err)
+        self.assertRegex(out, r"(?m)^train\.batch_size auto: \d+ rows? per rank")
+
+    def test_bad_values_are_exit_2(self):
+        cfg = self.w.config(CNN)
+        for sets, want in (
+                (["train.global_batch_size=0", "train.batch_size=auto"], "train.batch_size auto needs "
+                                                                         "train.global_batch_size"),
+                (["train.batch_size=automatic"], "train.batch_size: expected an integer >= 0 or auto, got "
+                                                 "'automatic'"),
+                (["train.memory_fraction=1.5"], "train.memory_fraction: expected a number")):
+            with self.subTest(sets=sets):
+                args = [cfg, "--dry-run"]
+                for s in sets:
+                    args += ["--set", s]
+                rc, out, err = run(args)
+                self.assertEqual(rc, 2, out + err)
+                self.assertIn(want, errors(err)[0])
+
+
+if __name__ == "__main__":
+    unittest.main()
