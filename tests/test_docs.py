@@ -7,6 +7,8 @@ link of each kind, planted in a temporary tree, must be reported."""
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import unittest
 from urllib.parse import unquote
@@ -186,6 +188,12 @@ class Readme(unittest.TestCase):
 
     def test_first_two_commands_are_make_run_and_make_test(self):
         self.assertEqual([c.split()[:2] for c in commands(self.text)[:2]], [["make", "run"], ["make", "test"]])
+
+    def test_the_gpt2_memory_table_is_current(self):
+        """scripts/memory_table.py's table, from --dry-run's estimate, is the README's."""
+        p = subprocess.run([sys.executable, "scripts/memory_table.py"], capture_output=True, text=True, cwd=ROOT)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn(p.stdout, self.text, "run /usr/bin/python3 scripts/memory_table.py and update README.md")
 
     def test_every_exit_code_is_in_the_table(self):
         codes = set(re.findall(r"^\| (\d+) \|", self.text, re.M))
