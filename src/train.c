@@ -77,6 +77,13 @@ static int trainer_start(dt_trainer *tr) {
            "%d thread%s per rank",
            (long long)tr->total, (long long)v->epochs, (long long)tr->opt_per_epoch, (long long)(G * tr->accum), W,
            W > 1 ? "s" : "", tr->be->name, tr->be->threads, tr->be->threads > 1 ? "s" : "");
+  if (tr->m->recompute) /* what its memory estimate gained */
+    log_line(&tr->lg,
+             "train.recompute blocks: %d blocks run forward again before their backward; activations %.1f "
+             "MiB instead of %.1f",
+             tr->m->top.n_blocks,
+             (double)model_activation_bytes(tr->m, tr->m->max_batch, DT_RECOMPUTE_BLOCKS) / 1048576.0,
+             (double)model_activation_bytes(tr->m, tr->m->max_batch, DT_RECOMPUTE_NONE) / 1048576.0);
   step_log_setup(tr);
   tr->win.t_start = tr->win.t_window = dt_now();
   if (tr->ts.step >= tr->total) tr->stop = 1; /* nothing left: the final checkpoint is rewritten below */
@@ -151,7 +158,9 @@ static int evaluate_if_due(dt_trainer *tr, int end_of_epoch, dt_train_result *re
     log_line(&tr->lg, "eval step %lld epoch %lld: val_mse %.6f%s", step, epoch, vl, ema_text);
     log_metrics(&tr->lg, "\"step\": %lld, \"epoch\": %lld, \"val_loss\": %.9g%s", step, epoch, vl, ema_json);
   }
-  int metric = v->early_metric != DT_METRIC_NONE ? v->early_metric : classifier ? DT_METRIC_VAL_ACC : DT_METRIC_VAL_LOSS;
+  int metric = v->early_metric != DT_METRIC_NONE ? v->early_metric
+               : classifier                      ? DT_METRIC_VAL_ACC
+                                                 : DT_METRIC_VAL_LOSS;
   const double values[] = {0, vl, va, evl, eva};
   double value = values[metric];
   if (!isfinite(ts->best_metric) || improved(metric, value, ts->best_metric)) {

@@ -118,6 +118,9 @@ class Recompute(unittest.TestCase):
                 self.assertTrue(any(n.startswith(part) for n in names), names)
             for n in names:
                 self.assertTrue(np.array_equal(a[n][...], b[n][...]), n)
+        self.assertRegex(got["blocks"][2], r"(?m)^train\.recompute blocks: \d+ blocks run forward again before their "
+                                           r"backward; activations [\d.]+ MiB instead of [\d.]+$")
+        self.assertNotIn("train.recompute blocks:", got["none"][2])
         # the losses and the validation metrics logged at every step, to the bit
         for key in ("loss", "val_loss", "ema_val_loss"):
             none = [r[key] for r in got["none"][1] if key in r]
