@@ -48,6 +48,12 @@ def gpu_setup(devices):
     return env, visible, "CPU stand-in" in p.stdout
 
 
+def params(path):
+    """The /model tensors of a checkpoint, by name."""
+    with h5py.File(path, "r") as f:
+        return {k: f["model"][k][...] for k in f["model"]}
+
+
 def errors(text):
     """The ddp_train error lines of a run's stderr."""
     return [l for l in text.splitlines() if l.startswith("ddp_train: error")]

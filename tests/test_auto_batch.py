@@ -6,10 +6,9 @@ the largest part and train.recompute where it would help; the key's own errors."
 import re
 import unittest
 
-import h5py
 import numpy as np
 
-from helpers import GPU_BINARY, ROOT, Workdir, errors, gpu_setup, run
+from helpers import GPU_BINARY, ROOT, Workdir, errors, gpu_setup, params, run
 
 ENV1, VISIBLE1, SIM = gpu_setup(1)
 
@@ -35,11 +34,6 @@ checkpoint: {{dir: {dir}/ckpt}}
 CHOICE = re.compile(r"^train\.batch_size auto: (\d+) rows? per rank, train\.grad_accum (\d+) \((\d+) rows a step on "
                     r"(\d+) ranks?\); a rank needs ([\d.]+) MiB of the ([\d.]+) MiB it may use \(train\.memory_fraction "
                     r"([\d.]+) of ([\d.]+) MiB (.*?)\)(?:; (\d+) rows would need ([\d.]+) MiB)?$", re.M)
-
-
-def params(path):
-    with h5py.File(path, "r") as f:
-        return {k: f["model"][k][...] for k in f["model"]}
 
 
 class AutoBatch(unittest.TestCase):

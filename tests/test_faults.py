@@ -11,7 +11,7 @@ import unittest
 import h5py
 import numpy as np
 
-from helpers import BINARY, ENV, TINY_CNN, Workdir, errors, run
+from helpers import BINARY, ENV, TINY_CNN, Workdir, errors, params, run
 
 
 # the 784-192-10 MLP of issue 25's full disk (1.2 MB checkpoints)
@@ -36,11 +36,6 @@ def latest(w):
 def latest_in(directory):
     with open(os.path.join(directory, "latest")) as f:
         return os.path.join(directory, f.read().strip())
-
-
-def params(path):
-    with h5py.File(path, "r") as f:
-        return {k: f["model"][k][...] for k in f["model"]}
 
 
 def run_fault(args, fault, np_=2, timeout=60):

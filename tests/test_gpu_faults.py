@@ -6,10 +6,9 @@ stand-in (tests/gpusim); `make test-gpu` runs them on real GPUs (NCCL needs two)
 import time
 import unittest
 
-import h5py
 import numpy as np
 
-from helpers import GPU_BINARY, Workdir, errors, gpu_setup, run
+from helpers import GPU_BINARY, Workdir, errors, gpu_setup, params, run
 
 ENV2, VISIBLE2, SIM = gpu_setup(2)
 ENV1, VISIBLE1, _ = gpu_setup(1)
@@ -35,11 +34,6 @@ log: {{dir: {dir}/log, every_steps: 1}}
 checkpoint: {{dir: {dir}/ckpt}}
 dist: {{comm: nccl}}
 """
-
-
-def params(path):
-    with h5py.File(path, "r") as f:
-        return {k: f["model"][k][...] for k in f["model"]}
 
 
 class FaultCases:

@@ -13,7 +13,7 @@ import unittest
 import h5py
 import numpy as np
 
-from helpers import BINARY, ENV, GPU_BINARY, ROOT, Workdir, errors, gpu_setup, run
+from helpers import BINARY, ENV, GPU_BINARY, ROOT, Workdir, errors, gpu_setup, params, run
 
 ENV2, VISIBLE2, SIM = gpu_setup(2)
 ENV1, VISIBLE1, _ = gpu_setup(1)
@@ -42,11 +42,6 @@ optim: {{name: sgd, lr: 0.1, momentum: 0.9, nesterov: true}}
 log: {{dir: {dir}/log, every_steps: 1}}
 checkpoint: {{dir: {dir}/ckpt}}
 """
-
-
-def params(path):
-    with h5py.File(path, "r") as f:
-        return {k: f["model"][k][...] for k in f["model"]}
 
 
 def assert_params_close(test, got, want, rtol, what):

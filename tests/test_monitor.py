@@ -16,11 +16,10 @@ import threading
 import time
 import unittest
 
-import h5py
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import BINARY, ENV, GPU_BINARY, ROOT, Workdir, errors, gpu_setup, run
+from helpers import BINARY, ENV, GPU_BINARY, ROOT, Workdir, errors, gpu_setup, params, run
 
 # about 1-2 ms a step on one core: steps are real work, and a run of a few thousand lasts seconds
 MONITOR_CNN = """\
@@ -228,11 +227,6 @@ def raw_exchange(addr, data, chunk=65536, timeout=20):
 def status_of(reply):
     m = re.match(rb"HTTP/1\.[01] (\d{3}) ", reply)
     return int(m.group(1)) if m else None
-
-
-def params(path):
-    with h5py.File(path, "r") as f:
-        return {k: f["model"][k][...] for k in f["model"]}
 
 
 class MetricsAndStatus(unittest.TestCase):

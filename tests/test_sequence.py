@@ -8,15 +8,10 @@ import h5py
 import numpy as np
 import torch
 
-from helpers import ROOT, Workdir, errors, run
+from helpers import ROOT, Workdir, errors, params, run
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import ddp_model  # noqa: E402
-
-
-def params(path):
-    with h5py.File(path, "r") as f:
-        return {k: f["model"][k][...] for k in f["model"]}
 
 
 GPT = """\
