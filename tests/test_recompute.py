@@ -51,6 +51,32 @@ log: {{dir: {dir}/log, every_steps: 1}}
 checkpoint: {{dir: {dir}/ckpt}}
 """
 
+# Blocks inside blocks: a repeat's copies (the block) holding a repeat and a residual that holds a
+# residual; a residual ending the model, so that its output is the logits.
+NESTED = """\
+model:
+  input: [1, 8, 8]
+  layers:
+    - repeat:
+        times: 2
+        layers:
+          - repeat:
+              times: 2
+              layers: [conv2d: {{out: 4, kernel: 3, pad: 1}}, batchnorm: {{}}, relu]
+          - residual:
+              body:
+                - residual: {{body: [conv2d: {{out: 4, kernel: 3, pad: 1}}, relu]}}
+                - dropout: {{p: 0.2}}
+    - flatten
+    - linear: {{out: 3}}
+    - residual: {{body: [linear: {{out: 3}}, tanh]}}
+data: {{path: {dir}/data.h5}}
+train: {{epochs: 1, global_batch_size: 8, seed: 5, ema: {{decay: 0.9}}}}
+optim: {{name: sgd, lr: 0.01, momentum: 0.9}}
+log: {{dir: {dir}/log, every_steps: 1}}
+checkpoint: {{dir: {dir}/ckpt}}
+"""
+
 # A GPT whose blocks are a repeat's copies (two residuals each) and one residual outside it, with
 # dropout on the embeddings, the attention probabilities and inside the MLP.
 GPT = """\
@@ -110,7 +136,7 @@ class Recompute(unittest.TestCase):
             got[mode] = (self.w.latest(mode), self.w.metrics(mode + "_log"), out)
         return got
 
-    def check(self, got):
+    def check(self, got, metrics=("loss", "val_loss", "ema_val_loss")):
         with h5py.File(got["none"][0], "r") as a, h5py.File(got["blocks"][0], "r") as b:
             names = []
             a.visit(lambda n: names.append(n) if isinstance(a[n], h5py.Dataset) else None)
@@ -122,7 +148,7 @@ class Recompute(unittest.TestCase):
                                            r"backward; activations [\d.]+ MiB instead of [\d.]+$")
         self.assertNotIn("train.recompute blocks:", got["none"][2])
         # the losses and the validation metrics logged at every step, to the bit
-        for key in ("loss", "val_loss", "ema_val_loss"):
+        for key in metrics:
             none = [r[key] for r in got["none"][1] if key in r]
             self.assertTrue(none, key)
             self.assertEqual(none, [r[key] for r in got["blocks"][1] if key in r], key)
@@ -140,6 +166,13 @@ class Recompute(unittest.TestCase):
         for np_, extra in self.CPU_CASES:
             with self.subTest(ranks=np_):
                 self.check(self.runs(CNN, np_, extra))
+
+    def test_nested_blocks_on_the_cpu(self):
+        """With model.fuse on and off: the relu a batchnorm applies, or its own buffers."""
+        self.assertEqual(self.blocks(NESTED), 3)  # the outer repeat's 2 copies, the last residual
+        for fuse in ("true", "false"):
+            with self.subTest(fuse=fuse):
+                self.check(self.runs(NESTED, 1, ["--set", f"model.fuse={fuse}"]), metrics=("loss",))
 
     def test_gpt_on_the_cpu(self):
         self.assertEqual(self.blocks(GPT), 3)  # the repeat's 2 copies of 2 residuals, 1 residual
