@@ -1,6 +1,7 @@
 """train.recompute blocks against none: every tensor of the checkpoint (parameters, batchnorm running
 statistics, optimizer state, EMA) equal to the bit after 20 steps with dropout on, on the CPU (1 and 2
-ranks, gradient accumulation) and on the GPU stand-in (1 rank and 2 ranks over NCCL, CUDA graphs on);
+ranks, gradient accumulation) and on the GPU stand-in (1 rank in fp32 and bf16, 2 ranks over NCCL; CUDA
+graphs on);
 --dry-run's activation memory for both settings."""
 import re
 import unittest
@@ -182,12 +183,12 @@ class Recompute(unittest.TestCase):
 
     @unittest.skipUnless(VISIBLE1, "no GPU visible (ddp_train --info)")
     def test_on_the_gpu_with_cuda_graphs(self):
-        cases = [(1, ENV1, [])]
+        cases = [(1, ENV1, []), (1, ENV1, ["--set", "train.precision=bf16"])]
         if VISIBLE2 >= 2:
             cases.append((2, ENV2, ["--set", "dist.comm=nccl"]))
         for text in (CNN, GPT):
             for np_, env, extra in cases:
-                with self.subTest(model=text.split("\n")[3].strip(), ranks=np_):
+                with self.subTest(model=text.split("\n")[3].strip(), ranks=np_, extra=extra):
                     got = self.runs(text, np_, ["--device", "cuda", "--set", "train.cuda_graph=on"] + extra,
                                     binary=GPU_BINARY, env=env)
                     self.check(got)
