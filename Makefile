@@ -173,8 +173,12 @@ $(BUILD)/tests/test_gpu: tests/test_gpu.c $(DIRECT_OBJS) $(PLUGIN_KERNELS) tests
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(DIRECT_OBJS) $(PLUGIN_KERNELS) $(LDLIBS) $(if $(SAN),,$(CUDA_LIBS)) -lcmocka
 endif
 
+# an empty answer from pkg-config would surface as a missing mpi.h: say which packages it lacks instead
 $(BUILD)/%.o: src/%.c src/*.h src/*/*.h | $(BUILD)/tests
 	@mkdir -p $(dir $@)
+	@$(if $(strip $(PKG_CFLAGS)),true,pkg-config --print-errors --exists ompi-c hdf5 yaml-0.1; echo \
+	  "Makefile: pkg-config has no answer for ompi-c hdf5 yaml-0.1 (above): run make deps as root, or set PKG_CONFIG_PATH" \
+	  >&2; false)
 	$(CC) $(CFLAGS) -c -o $@ $<
 
 $(BUILD)/tests/%: tests/%.c $(OBJS) tests/*.h $(SAN_DEPS) | $(BUILD)/tests
