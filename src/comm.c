@@ -113,36 +113,41 @@ void comm_wait(dt_comm *c, MPI_Request *reqs, int n, const char *what) {
       }
     if (done) break;
     double waited = dt_now() - t0;
-    char at[64], missing[512] = "";
-    int n_missing = 0;
-    where_text(c, at, sizeof at);
-    if (c->rank == 0) missing_ranks(c, missing, sizeof missing, &n_missing);
-    if (c->wait_hook && waited >= hook_at) {
-      c->wait_hook(c->wait_ctx, what, c->step, waited, missing);
-      hooked = 1;
-      hook_at = waited + 0.5;
-    }
-    if (!warned && waited > warn_at) {
-      warned = 1;
-      if (c->rank == 0 && n_missing)
-        fprintf(stderr, "ddp_train: warning: %s %s: waiting %.0f s for rank(s) %s (deadline dist.timeout_s = %.0f s)\n",
-                what, at, waited, missing, c->timeout_s);
-      fflush(stderr);
-    }
+    const int hook_due = c->wait_hook && waited >= hook_at, warn_due = !warned && waited > warn_at;
     /* rank 0 knows who is missing: it reports first; the others give it a second */
-    if (waited > c->timeout_s + (c->rank == 0 ? 0 : 1)) {
-      if (c->rank == 0 && n_missing)
-        fprintf(stderr,
-                "ddp_train: error: %s %s did not complete within dist.timeout_s = %.0f s: rank(s) %s never "
-                "arrived (%d of %d); aborting the job\n",
-                what, at, c->timeout_s, missing, n_missing, c->size);
-      else
-        fprintf(stderr,
-                "ddp_train: error: rank %d: %s %s did not complete within dist.timeout_s = %.0f s; aborting "
-                "the job\n",
-                c->rank, what, at, c->timeout_s);
-      fflush(stderr);
-      comm_abort(c, DT_EXIT_PEER);
+    const int late = waited > c->timeout_s + (c->rank == 0 ? 0 : 1);
+    if (hook_due || warn_due || late) { /* the texts are made only when something is said */
+      char at[64], missing[512] = "";
+      int n_missing = 0;
+      where_text(c, at, sizeof at);
+      if (c->rank == 0) missing_ranks(c, missing, sizeof missing, &n_missing);
+      if (hook_due) {
+        c->wait_hook(c->wait_ctx, what, c->step, waited, missing);
+        hooked = 1;
+        hook_at = waited + 0.5;
+      }
+      if (warn_due) {
+        warned = 1;
+        if (c->rank == 0 && n_missing)
+          fprintf(stderr,
+                  "ddp_train: warning: %s %s: waiting %.0f s for rank(s) %s (deadline dist.timeout_s = %.0f s)\n", what,
+                  at, waited, missing, c->timeout_s);
+        fflush(stderr);
+      }
+      if (late) {
+        if (c->rank == 0 && n_missing)
+          fprintf(stderr,
+                  "ddp_train: error: %s %s did not complete within dist.timeout_s = %.0f s: rank(s) %s never "
+                  "arrived (%d of %d); aborting the job\n",
+                  what, at, c->timeout_s, missing, n_missing, c->size);
+        else
+          fprintf(stderr,
+                  "ddp_train: error: rank %d: %s %s did not complete within dist.timeout_s = %.0f s; aborting "
+                  "the job\n",
+                  c->rank, what, at, c->timeout_s);
+        fflush(stderr);
+        comm_abort(c, DT_EXIT_PEER);
+      }
     }
     if (++spins > 100) usleep(spins > 1000 ? 1000 : 50);
   }
