@@ -248,7 +248,7 @@ int device_open(dt_device *dev, const dt_config *cfg, dt_comm *comm, int gpu, co
     /* gpus_shared gave every rank the same answer, so all make the same choice (NCCL's collectives
      * on some would wait forever for MPI's on the others) */
     if (v->comm == DT_COMM_NCCL || (v->comm == DT_COMM_AUTO && !shared[0])) {
-      dev->nccl = nccl_create(comm, dev->be->stream, v->grad_dtype == DT_GRAD_BF16, st);
+      dev->nccl = nccl_create(comm, dev->be, v->grad_dtype == DT_GRAD_BF16, st);
       int code = comm_agree(comm, st);
       if (code) return code;
       dev->reducer = nccl_reducer(dev->nccl);

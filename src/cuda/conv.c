@@ -268,6 +268,6 @@ void cuda_conv_free(cuda_impl *im) {
     for (int d = 0; d < 3; d++) CUDNN_CHECK(cudnnDestroyConvolutionDescriptor(im->plans[i].conv[d]));
   }
   free(im->plans);
-  CUDA_CHECK(cudaFree(im->workspace));
-  CUDA_CHECK(cudaFree(im->h16));
+  cuda_device_free(im, im->workspace);
+  cuda_device_free(im, im->h16);
 }

@@ -25,6 +25,11 @@
 typedef struct conv_plan conv_plan; /* conv.c */
 
 typedef struct {
+  void *p;
+  size_t bytes;
+} cuda_block; /* a device buffer of cuda_device_malloc and its size */
+
+typedef struct {
   dt_backend *be; /* owner: its generation is bumped when an internal buffer moves */
   int device;
   int precision; /* DT_PREC_*: the math of GEMMs and convolutions */
@@ -51,7 +56,16 @@ typedef struct {
   int capturing;            /* between capture_begin and capture_end */
   void *retired[8];         /* buffers outgrown during a capture: freed once the stream drains */
   int n_retired;
+  cuda_block *blocks; /* (n_blocks, of cap_blocks) every live buffer of cuda_device_malloc: be->mem_used's count */
+  int n_blocks, cap_blocks;
 } cuda_impl;
+
+/* cudaMalloc of a device buffer, counted in be->mem_used (and mem_peak); the size is kept for
+ * cuda_device_free. Returns cudaMalloc's status (nothing counted on failure). */
+cudaError_t cuda_device_malloc(cuda_impl *im, void **p, size_t bytes);
+/* cudaFree of a buffer from cuda_device_malloc (NULL: nothing), taken off the count. The caller has waited
+ * for the work that uses it. */
+void cuda_device_free(cuda_impl *im, void *p);
 
 /* A failed allocation: out of memory gets the batch-size advice; any other error (a sticky one
  * left by earlier asynchronous work) is reported as it is. */
