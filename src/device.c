@@ -173,8 +173,8 @@ static size_t host_available(void) {
 
 /* The memory a rank needs against what it has (its GPU's free memory when it runs on one, else the
  * host's available memory shared by the ranks on the node). */
-void device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data *d, const dt_comm *comm, int gpu,
-                         int report, dt_status *st) {
+size_t device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data *d, const dt_comm *comm, int gpu,
+                           int report, dt_status *st) {
   const dt_config_values *v = &cfg->v;
   /* the training batch's rows are reported; the buffers, and so the memory, hold config_model_rows */
   int64_t rows = config_max_local_rows(v, comm->size), held = config_model_rows(v, comm->size);
@@ -184,7 +184,7 @@ void device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data 
             "the batch does not fit: a rank's %lld rows of up to %lld values each are more than 2^40 values in one "
             "tensor; lower train.batch_size or train.global_batch_size, or use more ranks",
             (long long)rows, (long long)model_max_row(m));
-    return;
+    return 0;
   }
   int states = dt_optim_kinds[v->optim]->n_states(v);
   dt_memory mem = model_memory(m, held, states, device_threads(cfg, comm));
@@ -234,6 +234,7 @@ void device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data 
             "the batch does not fit: a rank needs %.1f MiB but has %.1f MiB %s; lower "
             "train.batch_size or train.global_batch_size, or use more ranks",
             mib(mem.total), mib(have), where);
+  return mem.total;
 }
 
 /* The backend of the device: --device cuda's GPU, with the gradients over NCCL when no two ranks

@@ -27,9 +27,9 @@ int device_gpus_shared(dt_comm *comm, int gpu, char *why, size_t cap);
 /* The memory a rank needs against what it has (its GPU's free memory when it runs on one, else the
  * host's available memory shared by the ranks on the node); exit 2 when it does not fit, or when a
  * tensor of the batch would hold more than 2^40 values. --dry-run and every run before allocating
- * (the same check, the same code). report: rank 0 prints the parts. */
-void device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data *d, const dt_comm *comm, int gpu,
-                         int report, dt_status *st);
+ * (the same check, the same code). report: rank 0 prints the parts. Returns the estimate, bytes. */
+size_t device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data *d, const dt_comm *comm, int gpu,
+                           int report, dt_status *st);
 
 typedef struct {
   dt_backend *be;
