@@ -385,6 +385,12 @@ struct dt_backend {
   /* What the backend chose since the last call, a line each, for the log (CUDA: each new
    * convolution's cuDNN algorithms), or NULL; the caller frees it. NULL where it has none. */
   char *(*take_notes)(dt_backend *be);
+  /* The bytes of scratch the backend will hold to run ops[0..n) (described, not run: their pointers
+   * are not read): each of its scratch buffers at the most any of them needs (the CPU's oneDNN
+   * blocked copies and scratchpads or im2col columns; the CUDA backend's cuDNN workspace, 16-bit
+   * convolution operands and partial sums). Plans made to answer (primitives, algorithms) are kept
+   * for the run; nothing is allocated. */
+  size_t (*scratch)(dt_backend *be, const dt_op *ops, int n);
   int threads;
   int host_memory;    /* buffers are host memory (CPU): MPI can use them directly */
   void *stream;       /* the backend's work queue for device collectives (a cudaStream_t); NULL on the CPU */

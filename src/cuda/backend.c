@@ -264,6 +264,20 @@ static char *cuda_take_notes(dt_backend *be) {
   return notes;
 }
 
+static size_t cuda_scratch(dt_backend *be, const dt_op *ops, int n) {
+  cuda_impl *im = be->impl;
+  size_t workspace = 0, h16 = 0, partials = 0;
+  for (int i = 0; i < n; i++) {
+    const dt_op *op = &ops[i];
+    const size_t p = cuda_partials_bytes(op);
+    if (p > partials) partials = p;
+    if (op->type == DT_OP_CONV_FWD) cuda_conv_scratch(im, &op->p.conv_fwd.g, &workspace, &h16);
+    if (op->type == DT_OP_CONV_BWD_DATA) cuda_conv_scratch(im, &op->p.conv_bwd_data.g, &workspace, &h16);
+    if (op->type == DT_OP_CONV_BWD_FILTER) cuda_conv_scratch(im, &op->p.conv_bwd_filter.g, &workspace, &h16);
+  }
+  return workspace + h16 + partials;
+}
+
 static void cuda_destroy(dt_backend *be) {
   cuda_impl *im = be->impl;
   drain(im);
@@ -323,6 +337,7 @@ dt_backend *backend_cuda_create(int device, int precision) {
                      .sync = cuda_sync,
                      .destroy = cuda_destroy,
                      .take_notes = cuda_take_notes,
+                     .scratch = cuda_scratch,
                      .threads = 1,
                      .host_memory = 0,
                      .stream = im->stream,

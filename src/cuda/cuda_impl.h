@@ -80,6 +80,11 @@ static inline size_t align256(size_t n) {
 
 /* conv.c: destroys the convolution plans and frees their workspace and 16-bit operands (shut-down). */
 void cuda_conv_free(cuda_impl *im);
+/* conv.c: plans convolution g now (kept), and raises *workspace and *h16 to the cuDNN workspace and
+ * the 16-bit operands (train.precision bf16, fp16) it needs. */
+void cuda_conv_scratch(cuda_impl *im, const dt_conv_geom *g, size_t *workspace, size_t *h16);
+/* ops.c: the bytes of partial sums (im->partials) op needs; 0 for an op without them. */
+size_t cuda_partials_bytes(const dt_op *op);
 
 /* gemm.c (cuBLAS) */
 void cuda_gemm(cuda_impl *im, const dt_op *op);
