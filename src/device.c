@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "gpu.h"
+#include "memory.h"
 #include "optim.h"
 
 /* Threads per rank: the cores this rank may run on, shared with the other ranks on the node.
@@ -174,7 +175,7 @@ static size_t host_available(void) {
 /* The memory a rank needs against what it has (its GPU's free memory when it runs on one, else the
  * host's available memory shared by the ranks on the node). */
 size_t device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data *d, const dt_comm *comm, int gpu,
-                           int report, dt_status *st) {
+                           dt_backend *be, int report, dt_status *st) {
   const dt_config_values *v = &cfg->v;
   /* the training batch's rows are reported; the buffers, and so the memory, hold config_model_rows */
   int64_t rows = config_max_local_rows(v, comm->size), held = config_model_rows(v, comm->size);
@@ -188,12 +189,24 @@ size_t device_check_memory(const dt_config *cfg, const dt_model *m, const dt_dat
   }
   int states = dt_optim_kinds[v->optim]->n_states(v);
   dt_memory mem = model_memory(m, held, states, device_threads(cfg, comm));
+  mem.optim += DT_OPTIM_HYPER * sizeof(float); /* the step's learning rate etc., beside the states */
+  mem.total += DT_OPTIM_HYPER * sizeof(float);
   char ema_part[32] = "";
   if (v->ema_decay > 0) {
     mem.ema = (size_t)(m->n_params + m->n_bufs) * sizeof(float);
     mem.total += mem.ema;
     snprintf(ema_part, sizeof ema_part, " + ema %.1f", mib(mem.ema));
   }
+  dt_run_memory run; /* what the run holds beside the model (memory.h) */
+  memory_run_parts(v, m, d, be, comm->size, rows, held, &run);
+  mem.workspace += run.workspace;
+  mem.total += run.batches + run.data + run.mpi + run.checkpoint + run.workspace;
+  char run_part[160];
+  int len = snprintf(run_part, sizeof run_part, " + batches %.1f", mib(run.batches));
+  if (run.data) len += snprintf(run_part + len, sizeof run_part - (size_t)len, " + data %.1f", mib(run.data));
+  if (run.mpi) len += snprintf(run_part + len, sizeof run_part - (size_t)len, " + MPI sums %.1f", mib(run.mpi));
+  if (run.checkpoint)
+    snprintf(run_part + len, sizeof run_part - (size_t)len, " + checkpoint %.1f", mib(run.checkpoint));
   char extra[160] = "";
   if (v->cache == DT_CACHE_DEVICE) { /* the rank's training rows as stored, and their labels or targets */
     const dt_split *s = &d->train;
@@ -203,7 +216,7 @@ size_t device_check_memory(const dt_config *cfg, const dt_model *m, const dt_dat
     mem.total += bytes;
     snprintf(extra, sizeof extra, " + data.cache device %.1f", mib(bytes));
   }
-  if (v->grad_dtype == DT_GRAD_BF16) { /* one bucket in bf16 */
+  if (v->grad_dtype == DT_GRAD_BF16 && (gpu >= 0 || comm->size > 1)) { /* NCCL's bucket in bf16 */
     int64_t bucket = (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float));
     size_t bytes = (size_t)(bucket < m->n_params ? bucket : m->n_params) * 2;
     mem.total += bytes;
@@ -224,9 +237,9 @@ size_t device_check_memory(const dt_config *cfg, const dt_model *m, const dt_dat
   if (report && comm->rank == 0) {
     printf(
         "memory per rank at %lld rows%s: %.1f MiB = parameters %.1f + gradients %.1f + optimizer %.1f%s + "
-        "buffers %.1f + activations %.1f + workspace %.1f%s; %.0f MiB %s\n",
+        "buffers %.1f + activations %.1f%s + workspace %.1f%s; %.0f MiB %s\n",
         (long long)rows, tokens, mib(mem.total), mib(mem.params), mib(mem.grads), mib(mem.optim), ema_part,
-        mib(mem.buffers), mib(mem.activations), mib(mem.workspace), extra, mib(have), where);
+        mib(mem.buffers), mib(mem.activations), run_part, mib(mem.workspace), extra, mib(have), where);
     fflush(stdout);
   }
   if (have && mem.total > have)
@@ -237,6 +250,18 @@ size_t device_check_memory(const dt_config *cfg, const dt_model *m, const dt_dat
   return mem.total;
 }
 
+dt_backend *device_backend_create(const dt_config *cfg, const dt_comm *comm, int gpu, int *cpu_threads) {
+  const dt_config_values *v = &cfg->v;
+  *cpu_threads = 0;
+#ifdef DT_WITH_CUDA
+  if (gpu >= 0) return backend_cuda_create(gpu, v->precision);
+#else
+  (void)gpu;               /* without CUDA, device_select has refused --device cuda */
+#endif
+  return backend_cpu_create_with(*cpu_threads = device_threads(cfg, comm),
+                                 v->conv_algo == DT_CONV_ALGO_DIRECT ? DT_CPU_CONV_DIRECT : DT_CPU_CONV_WINOGRAD);
+}
+
 /* The backend of the device: --device cuda's GPU, with the gradients over NCCL when no two ranks
  * share a GPU (or dist.comm nccl), else over MPI through host memory; or the CPU backend. */
 int device_open(dt_device *dev, const dt_config *cfg, dt_comm *comm, int gpu, const char *shared, dt_status *st) {
@@ -245,7 +270,7 @@ int device_open(dt_device *dev, const dt_config *cfg, dt_comm *comm, int gpu, co
 #ifdef DT_WITH_CUDA
   if (gpu >= 0) {
     print_device_table(comm, gpu);
-    dev->be = backend_cuda_create(gpu, v->precision);
+    dev->be = device_backend_create(cfg, comm, gpu, &dev->cpu_threads);
     /* gpus_shared gave every rank the same answer, so all make the same choice (NCCL's collectives
      * on some would wait forever for MPI's on the others) */
     if (v->comm == DT_COMM_NCCL || (v->comm == DT_COMM_AUTO && !shared[0])) {
@@ -273,8 +298,7 @@ int device_open(dt_device *dev, const dt_config *cfg, dt_comm *comm, int gpu, co
   int code = comm_agree(comm, st);
   if (code) return code;
   if (!dev->be) /* the CPU backend's, on every rank or none (a rank without its GPU failed before) */
-    dev->be = backend_cpu_create_with(dev->cpu_threads = device_threads(cfg, comm),
-                                      v->conv_algo == DT_CONV_ALGO_DIRECT ? DT_CPU_CONV_DIRECT : DT_CPU_CONV_WINOGRAD);
+    dev->be = device_backend_create(cfg, comm, -1, &dev->cpu_threads);
   return 0;
 }
 
