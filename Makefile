@@ -68,7 +68,7 @@ CPU_SRCS := $(addprefix cpu/,backend.c dnnl.c gemm.c conv.c norm.c elementwise.c
 SRCS := common.c yaml_tree.c keys.c config.c model.c layers.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
         layer_activation.c layer_residual.c layer_embedding.c layer_attention.c loss.c comm.c \
         ddp.c device.c sampler.c data_hdf5.c batch.c optim.c optim_sgd.c optim_adamw.c ema.c \
-        checkpoint.c log.c train.c train_step.c train_metrics.c infer.c signals.c fault.c h5util.c monitor.c $(CPU_SRCS)
+        checkpoint.c log.c train.c train_step.c train_metrics.c memory.c infer.c signals.c fault.c h5util.c monitor.c $(CPU_SRCS)
 # Turing (7.5, CUDA 13's oldest), Ampere (8.0; 8.6 and 8.9 run it), Hopper, and PTX that the driver
 # compiles for later GPUs. The binary refuses a GPU with no code here (exit 2): gpu_build_runs_on.
 CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_75,code=sm_75 \

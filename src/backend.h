@@ -385,12 +385,29 @@ struct dt_backend {
   /* What the backend chose since the last call, a line each, for the log (CUDA: each new
    * convolution's cuDNN algorithms), or NULL; the caller frees it. NULL where it has none. */
   char *(*take_notes)(dt_backend *be);
+  /* The bytes of scratch the backend will hold to run ops[0..n) (described, not run: their pointers
+   * are not read): each of its scratch buffers at the most any of them needs (the CPU's oneDNN
+   * blocked copies and scratchpads or im2col columns; the CUDA backend's cuDNN workspace, 16-bit
+   * convolution operands and partial sums). Plans made to answer (primitives, algorithms) are kept
+   * for the run; nothing is allocated. */
+  size_t (*scratch)(dt_backend *be, const dt_op *ops, int n);
   int threads;
   int host_memory;    /* buffers are host memory (CPU): MPI can use them directly */
   void *stream;       /* the backend's work queue for device collectives (a cudaStream_t); NULL on the CPU */
   int64_t generation; /* bumped when the backend moves an internal buffer: captured work must be captured again */
+  /* Device memory allocated on the backend's device (bytes as requested): every buffer, workspace
+   * and scratch of the backend, and what others allocate there and count (backend_count_device),
+   * now and at most since the backend was made. Zero on the CPU, whose buffers are host memory (a
+   * run measures its process there: memory.h). */
+  size_t mem_used, mem_peak;
   void *impl;
 };
+
+/* Counts bytes allocated (bytes > 0) or freed (bytes < 0) on the backend's device. */
+static inline void backend_count_device(dt_backend *be, int64_t bytes) {
+  be->mem_used = (size_t)((int64_t)be->mem_used + bytes);
+  if (be->mem_used > be->mem_peak) be->mem_peak = be->mem_used;
+}
 
 static inline void backend_run(dt_backend *be, const dt_op *op) {
   be->run(be, op);

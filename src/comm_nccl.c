@@ -17,7 +17,8 @@
 #include "kernels.h"
 
 struct dt_nccl {
-  dt_comm *mpi; /* borrowed: rank, size, deadline, step for diagnostics */
+  dt_comm *mpi;   /* borrowed: rank, size, deadline, step for diagnostics */
+  dt_backend *be; /* borrowed: its stream is the compute stream; the packed bucket is counted in it */
   ncclComm_t comm;
   cudaStream_t compute, comm_stream;
   cudaEvent_t ready, done;
@@ -76,7 +77,9 @@ static uint16_t *packed_for(dt_nccl *n, int64_t count) {
   DT_ASSERT(capturing == cudaStreamCaptureStatusNone);
   CUDA_CHECK(cudaStreamSynchronize(n->comm_stream));
   CUDA_CHECK(cudaFree(n->packed));
+  backend_count_device(n->be, -n->packed_count * (int64_t)sizeof(uint16_t));
   CUDA_CHECK(cudaMalloc((void **)&n->packed, (size_t)count * sizeof(uint16_t)));
+  backend_count_device(n->be, count * (int64_t)sizeof(uint16_t));
   n->packed_count = count;
   return n->packed;
 }
@@ -166,7 +169,7 @@ static int join(dt_nccl *n, ncclResult_t rc, dt_status *st) {
   return -1;
 }
 
-dt_nccl *nccl_create(dt_comm *c, void *compute_stream, int grad_bf16, dt_status *st) {
+dt_nccl *nccl_create(dt_comm *c, dt_backend *be, int grad_bf16, dt_status *st) {
   ncclUniqueId id;
   memset(&id, 0, sizeof id);
   ncclResult_t rc = ncclSuccess;
@@ -180,7 +183,8 @@ dt_nccl *nccl_create(dt_comm *c, void *compute_stream, int grad_bf16, dt_status 
   comm_bcast(c, &id, sizeof id, 0);
   dt_nccl *n = dt_calloc(1, sizeof *n);
   n->mpi = c;
-  n->compute = (cudaStream_t)compute_stream;
+  n->be = be;
+  n->compute = (cudaStream_t)be->stream;
   n->bf16 = grad_bf16;
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
@@ -220,6 +224,7 @@ void nccl_destroy(dt_nccl *n, int failed) {
               ncclGetErrorString(rc));
   }
   CUDA_CHECK(cudaFree(n->packed));
+  backend_count_device(n->be, -n->packed_count * (int64_t)sizeof(uint16_t));
   CUDA_CHECK(cudaEventDestroy(n->ready));
   CUDA_CHECK(cudaEventDestroy(n->done));
   CUDA_CHECK(cudaStreamDestroy(n->comm_stream));

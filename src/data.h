@@ -56,6 +56,10 @@ typedef struct {
  * The training rows held depend on sharding (see sampler.h). */
 int data_open(dt_data *d, const dt_config *cfg, const dt_model *m, int world, int rank, dt_status *st);
 void data_close(dt_data *d);
+/* The host memory the rank's rows take once opened with data.cache `cache` (whatever cache d was
+ * opened with: --dry-run's reads none): labels or targets, and x where the cache holds it; a token
+ * model's (tokens) every token as int32. 0 for data never opened. */
+size_t data_held_bytes(const dt_data *d, int cache, int tokens);
 
 /* Reads the training rows into the cache that data_open left pending (the training split's x of an
  * image or vector model cached in host memory), so that the first step need not wait for it: the

@@ -298,14 +298,20 @@ static int read_y(dt_data *d, dt_split *s, hid_t dy, const dt_model *m, dt_statu
   return 0;
 }
 
-/* Where x's rows live: in host memory (data.cache memory or device, or auto under 4 GiB), read now
- * or left pending for data_fill (defer); or in the file, read batch by batch (s->dset_x). Takes
- * *dx when it keeps the dataset open (then -1). */
+/* The bytes of a split's x rows [lo, hi) as stored, and whether data.cache `cache` holds them in host
+ * memory (memory or device, or auto under 4 GiB). */
+static int x_in_memory(const dt_split *s, int cache, size_t *bytes) {
+  *bytes = (size_t)(s->hi - s->lo) * (size_t)s->row_elems * s->x_elem;
+  return cache == DT_CACHE_MEMORY || cache == DT_CACHE_DEVICE || (cache == DT_CACHE_AUTO && *bytes < ((size_t)4 << 30));
+}
+
+/* Where x's rows live: in host memory (x_in_memory), read now or left pending for data_fill
+ * (defer); or in the file, read batch by batch (s->dset_x). Takes *dx when it keeps the dataset
+ * open (then -1). */
 static int place_x(dt_data *d, dt_split *s, hid_t *dx, int cache, int defer, dt_status *st) {
   int64_t rows = s->hi - s->lo;
-  size_t bytes = (size_t)rows * (size_t)s->row_elems * s->x_elem;
-  int in_memory =
-      cache == DT_CACHE_MEMORY || cache == DT_CACHE_DEVICE || (cache == DT_CACHE_AUTO && bytes < ((size_t)4 << 30));
+  size_t bytes;
+  int in_memory = x_in_memory(s, cache, &bytes);
   if (in_memory && defer && cache != DT_CACHE_DEVICE && rows) {
     s->x = dt_malloc(bytes);
     s->x_pending = 1;
@@ -448,6 +454,21 @@ int data_open(dt_data *d, const dt_config *cfg, const dt_model *m, int world, in
   probe_args a = {cfg, m, world, rank};
   if (h5_probe(cfg->v.data_path, "data.path", probe_splits, &a, cfg->v.timeout_s, st)) return st->code;
   return open_splits(d, cfg, m, world, rank, cfg->v.cache, st);
+}
+
+/* A split's host memory (data_held_bytes). */
+static size_t split_held_bytes(const dt_split *s, int tokens, int cache) {
+  const size_t rows = (size_t)(s->hi - s->lo);
+  if (tokens) /* every token of the rows, as int32: tokens (N, T+1), or a stretch of the stream */
+    return rows ? ((rows - 1) * (size_t)s->tok_stride + (size_t)s->row_elems + 1) * sizeof(int32_t) : 0;
+  size_t x;
+  const size_t y = s->y_k ? rows * (size_t)s->y_k * sizeof(float) : rows * sizeof(int32_t);
+  return y + (x_in_memory(s, cache, &x) ? x : 0);
+}
+
+size_t data_held_bytes(const dt_data *d, int cache, int tokens) {
+  if (!d->train.n) return 0; /* not opened (--dry-run without data) */
+  return split_held_bytes(&d->train, tokens, cache) + (d->has_val ? split_held_bytes(&d->val, tokens, cache) : 0);
 }
 
 int data_fill(dt_data *d, dt_status *st) {

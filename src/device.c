@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "gpu.h"
+#include "memory.h"
 #include "optim.h"
 
 /* Threads per rank: the cores this rank may run on, shared with the other ranks on the node.
@@ -171,22 +172,31 @@ static size_t host_available(void) {
   return pages > 0 && page > 0 ? (size_t)pages * (size_t)page : 0;
 }
 
-/* What a CUDA context takes of its GPU's memory (nvidia-smi's figure for a process that has
- * initialised CUDA, and the stand-in's): the GPU's free memory is read before this process has one. */
-#define CUDA_CONTEXT_BYTES ((size_t)500 << 20)
-
-/* What a rank needs at the config's batch: the model's buffers, the EMA, the device cache of the
- * data (d NULL: before the data is open, none), one bf16 gradient bucket, and on a GPU (gpu >= 0)
- * its CUDA context. extra (cap bytes) names the additions for the printed line. */
+/* What a rank needs at the config's batch on backend be: the model's buffers and the optimizer's
+ * hyperparameters, the EMA, what the run holds beside the model (memory.h: batches, data, MPI sums,
+ * the checkpoint being written, the backend's scratch), the device cache of the data (d NULL: before
+ * the data is open, none), one bf16 gradient bucket. run_part and extra (cap bytes each) name the
+ * additions for the printed line. */
 static dt_memory rank_memory(const dt_config_values *v, const dt_model *m, const dt_data *d, const dt_comm *comm,
-                             int threads, int gpu, char *extra, size_t cap) {
+                             int threads, dt_backend *be, char *run_part, char *extra, size_t cap) {
+  const int64_t rows = config_max_local_rows(v, comm->size), held = config_model_rows(v, comm->size);
   int states = dt_optim_kinds[v->optim]->n_states(v);
-  dt_memory mem = model_memory(m, config_model_rows(v, comm->size), states, threads);
+  dt_memory mem = model_memory(m, held, states, threads);
+  mem.optim += DT_OPTIM_HYPER * sizeof(float); /* the step's learning rate etc., beside the states */
+  mem.total += DT_OPTIM_HYPER * sizeof(float);
   extra[0] = 0;
   if (v->ema_decay > 0) {
     mem.ema = (size_t)(m->n_params + m->n_bufs) * sizeof(float);
     mem.total += mem.ema;
   }
+  dt_run_memory run; /* what the run holds beside the model (memory.h) */
+  memory_run_parts(v, m, d, be, comm->size, rows, held, &run);
+  mem.workspace += run.workspace;
+  mem.total += run.batches + run.data + run.mpi + run.checkpoint + run.workspace;
+  int len = snprintf(run_part, cap, " + batches %.1f", mib(run.batches));
+  if (run.data) len += snprintf(run_part + len, cap - (size_t)len, " + data %.1f", mib(run.data));
+  if (run.mpi) len += snprintf(run_part + len, cap - (size_t)len, " + MPI sums %.1f", mib(run.mpi));
+  if (run.checkpoint) snprintf(run_part + len, cap - (size_t)len, " + checkpoint %.1f", mib(run.checkpoint));
   if (d && v->cache == DT_CACHE_DEVICE) { /* the rank's training rows as stored, and their labels or targets */
     const dt_split *s = &d->train;
     size_t rows_held = (size_t)(s->hi - s->lo);
@@ -195,21 +205,18 @@ static dt_memory rank_memory(const dt_config_values *v, const dt_model *m, const
     mem.total += bytes;
     snprintf(extra, cap, " + data.cache device %.1f", mib(bytes));
   }
-  if (v->grad_dtype == DT_GRAD_BF16) { /* one bucket in bf16 */
+  if (v->grad_dtype == DT_GRAD_BF16 && (!be->host_memory || comm->size > 1)) { /* NCCL's bucket in bf16 */
     int64_t bucket = (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float));
     size_t bytes = (size_t)(bucket < m->n_params ? bucket : m->n_params) * 2;
     mem.total += bytes;
     snprintf(extra + strlen(extra), cap - strlen(extra), " + bf16 bucket %.1f", mib(bytes));
   }
-  if (gpu >= 0) {
-    mem.total += CUDA_CONTEXT_BYTES;
-    snprintf(extra + strlen(extra), cap - strlen(extra), " + CUDA context %.1f", mib(CUDA_CONTEXT_BYTES));
-  }
   return mem;
 }
 
-/* The memory a rank has: its GPU's free memory (gpu >= 0: a CPU run never looks for a GPU), else the
- * host's available memory shared by the ranks on the node; *where says which. */
+/* The memory a rank has: its GPU's free memory (gpu >= 0: a CPU run never looks for a GPU), read
+ * once this process's backend (and so its CUDA context) exists, else the host's available memory
+ * shared by the ranks on the node; *where says which. */
 static size_t rank_available(const dt_comm *comm, int gpu, const char **where) {
   size_t have = 0;
   if (gpu >= 0) {
@@ -223,8 +230,8 @@ static size_t rank_available(const dt_comm *comm, int gpu, const char **where) {
   return have;
 }
 
-void device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data *d, const dt_comm *comm, int gpu,
-                         int report, dt_status *st) {
+size_t device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data *d, const dt_comm *comm, int gpu,
+                           dt_backend *be, int report, dt_status *st) {
   const dt_config_values *v = &cfg->v;
   /* the training batch's rows are reported; the buffers, and so the memory, hold config_model_rows */
   int64_t rows = config_max_local_rows(v, comm->size), held = config_model_rows(v, comm->size);
@@ -234,10 +241,10 @@ void device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data 
             "the batch does not fit: a rank's %lld rows of up to %lld values each are more than 2^40 values in one "
             "tensor; lower train.batch_size or train.global_batch_size, or use more ranks",
             (long long)rows, (long long)model_max_row(m));
-    return;
+    return 0;
   }
-  char extra[160], ema_part[32] = "";
-  dt_memory mem = rank_memory(v, m, d, comm, device_threads(cfg, comm), gpu, extra, sizeof extra);
+  char run_part[160], extra[160], ema_part[32] = "";
+  dt_memory mem = rank_memory(v, m, d, comm, device_threads(cfg, comm), be, run_part, extra, sizeof extra);
   if (mem.ema) snprintf(ema_part, sizeof ema_part, " + ema %.1f", mib(mem.ema));
   const char *where;
   size_t have = rank_available(comm, gpu, &where);
@@ -246,9 +253,9 @@ void device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data 
   if (report && comm->rank == 0) {
     printf(
         "memory per rank at %lld rows%s: %.1f MiB = parameters %.1f + gradients %.1f + optimizer %.1f%s + "
-        "buffers %.1f + activations %.1f + workspace %.1f%s; %.0f MiB %s\n",
+        "buffers %.1f + activations %.1f%s + workspace %.1f%s; %.0f MiB %s\n",
         (long long)rows, tokens, mib(mem.total), mib(mem.params), mib(mem.grads), mib(mem.optim), ema_part,
-        mib(mem.buffers), mib(mem.activations), mib(mem.workspace), extra, mib(have), where);
+        mib(mem.buffers), mib(mem.activations), run_part, mib(mem.workspace), extra, mib(have), where);
     printf(
         "activations of the layers at %lld rows: %.1f MiB with train.recompute none, %.1f MiB with blocks (%d "
         "blocks)%s\n",
@@ -264,6 +271,7 @@ void device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data 
             "the batch does not fit: a rank needs %.1f MiB but has %.1f MiB %s; lower "
             "train.batch_size or train.global_batch_size, or use more ranks",
             mib(mem.total), mib(have), where);
+  return mem.total;
 }
 
 /* The part of mem that takes the most, named for a message (the largest layer's activations). */
@@ -286,9 +294,14 @@ static void largest_part(const dt_model *m, const dt_memory *mem, int64_t held, 
     snprintf(buf + n, cap - (size_t)n, " (the most: layer %s %s, %.1f MiB)", l->name, l->ops->kind, mib(layer_bytes));
 }
 
+/* The estimate asks a backend what its scratch takes, as --dry-run does: one made for the choice
+ * (on a GPU, its CUDA context is then counted out of the free memory, as in the run's own check). */
 int device_auto_batch(dt_config *cfg, const dt_model *m, dt_comm *comm, int gpu, dt_status *st) {
   dt_config_values *v = &cfg->v;
   const int64_t step_rows = v->global_batch_size * v->grad_accum, first_accum = v->grad_accum;
+  int be_threads;
+  dt_backend *be = device_backend_create(cfg, comm, gpu, &be_threads);
+  const int threads = device_threads(cfg, comm);
   const char *where;
   const size_t have = rank_available(comm, gpu, &where);
   const double may_use = v->memory_fraction * (double)have;
@@ -297,20 +310,20 @@ int device_auto_batch(dt_config *cfg, const dt_model *m, dt_comm *comm, int gpu,
   int n = 0;
   for (int64_t a = first_accum; a <= 1024 && step_rows / a >= comm->size; a++)
     if (step_rows % a == 0) accums[n++] = a; /* and every rank has rows */
-  char extra[160];
-  const int threads = device_threads(cfg, comm);
+  char run_part[160], extra[160];
   dt_config_values trial = *v;
   int mine = n; /* the first candidate that fits this rank */
   for (int i = 0; i < n && mine == n; i++) {
     trial.batch_size = 0;
     trial.global_batch_size = step_rows / accums[i];
     trial.grad_accum = accums[i];
-    if ((double)rank_memory(&trial, m, NULL, comm, threads, gpu, extra, sizeof extra).total <= may_use) mine = i;
+    if ((double)rank_memory(&trial, m, NULL, comm, threads, be, run_part, extra, sizeof extra).total <= may_use)
+      mine = i;
   }
   const int chosen = -comm_min_i32(comm, -mine, "train.batch_size auto"); /* the rank that needs most decides */
   if (chosen == n) {
-    dt_memory mem =
-        rank_memory(&trial, m, NULL, comm, threads, gpu, extra, sizeof extra); /* at the smallest micro-batch */
+    dt_memory mem = rank_memory(&trial, m, NULL, comm, threads, be, run_part, extra,
+                                sizeof extra); /* at the smallest micro-batch */
     int64_t held = config_model_rows(&trial, comm->size);
     char largest[256], hint[256] = "";
     largest_part(m, &mem, held, largest, sizeof largest);
@@ -319,6 +332,7 @@ int device_auto_batch(dt_config *cfg, const dt_model *m, dt_comm *comm, int gpu,
           model_activation_bytes(m, held, DT_RECOMPUTE_NONE) - model_activation_bytes(m, held, DT_RECOMPUTE_BLOCKS);
       if ((double)(mem.total - saved) <= may_use) snprintf(hint, sizeof hint, "; train.recompute: blocks would fit it");
     }
+    be->destroy(be);
     return dt_fail(st, DT_EXIT_INPUT,
                    "train.batch_size auto: not even %lld row%s per rank fit%s (train.grad_accum %lld): a rank needs "
                    "%.1f MiB but may use %.1f MiB (train.memory_fraction %g of %.1f MiB %s); the largest part is "
@@ -331,7 +345,7 @@ int device_auto_batch(dt_config *cfg, const dt_model *m, dt_comm *comm, int gpu,
   v->batch_size = 0;
   v->global_batch_size = step_rows / accums[chosen];
   v->grad_accum = accums[chosen];
-  const size_t need = rank_memory(v, m, NULL, comm, threads, gpu, extra, sizeof extra).total;
+  const size_t need = rank_memory(v, m, NULL, comm, threads, be, run_part, extra, sizeof extra).total;
   snprintf(cfg->auto_batch, sizeof cfg->auto_batch,
            "train.batch_size auto: %lld row%s per rank, train.grad_accum %lld (%lld rows a step on %d rank%s); a rank "
            "needs %.1f MiB of the %.1f MiB it may use (train.memory_fraction %g of %.1f MiB %s)",
@@ -342,16 +356,29 @@ int device_auto_batch(dt_config *cfg, const dt_model *m, dt_comm *comm, int gpu,
     trial = *v;
     trial.global_batch_size = step_rows / accums[chosen - 1];
     trial.grad_accum = accums[chosen - 1];
-    size_t more = rank_memory(&trial, m, NULL, comm, threads, gpu, extra, sizeof extra).total,
+    size_t more = rank_memory(&trial, m, NULL, comm, threads, be, run_part, extra, sizeof extra).total,
            len = strlen(cfg->auto_batch);
     snprintf(cfg->auto_batch + len, sizeof cfg->auto_batch - len, "; %lld rows would need %.1f MiB",
              (long long)config_max_local_rows(&trial, comm->size), mib(more));
   }
+  be->destroy(be);
   if (comm->rank == 0) {
     printf("%s\n", cfg->auto_batch);
     fflush(stdout);
   }
   return 0;
+}
+
+dt_backend *device_backend_create(const dt_config *cfg, const dt_comm *comm, int gpu, int *cpu_threads) {
+  const dt_config_values *v = &cfg->v;
+  *cpu_threads = 0;
+#ifdef DT_WITH_CUDA
+  if (gpu >= 0) return backend_cuda_create(gpu, v->precision);
+#else
+  (void)gpu;               /* without CUDA, device_select has refused --device cuda */
+#endif
+  return backend_cpu_create_with(*cpu_threads = device_threads(cfg, comm),
+                                 v->conv_algo == DT_CONV_ALGO_DIRECT ? DT_CPU_CONV_DIRECT : DT_CPU_CONV_WINOGRAD);
 }
 
 /* The backend of the device: --device cuda's GPU, with the gradients over NCCL when no two ranks
@@ -362,11 +389,11 @@ int device_open(dt_device *dev, const dt_config *cfg, dt_comm *comm, int gpu, co
 #ifdef DT_WITH_CUDA
   if (gpu >= 0) {
     print_device_table(comm, gpu);
-    dev->be = backend_cuda_create(gpu, v->precision);
+    dev->be = device_backend_create(cfg, comm, gpu, &dev->cpu_threads);
     /* gpus_shared gave every rank the same answer, so all make the same choice (NCCL's collectives
      * on some would wait forever for MPI's on the others) */
     if (v->comm == DT_COMM_NCCL || (v->comm == DT_COMM_AUTO && !shared[0])) {
-      dev->nccl = nccl_create(comm, dev->be->stream, v->grad_dtype == DT_GRAD_BF16, st);
+      dev->nccl = nccl_create(comm, dev->be, v->grad_dtype == DT_GRAD_BF16, st);
       int code = comm_agree(comm, st);
       if (code) return code;
       dev->reducer = nccl_reducer(dev->nccl);
@@ -390,8 +417,7 @@ int device_open(dt_device *dev, const dt_config *cfg, dt_comm *comm, int gpu, co
   int code = comm_agree(comm, st);
   if (code) return code;
   if (!dev->be) /* the CPU backend's, on every rank or none (a rank without its GPU failed before) */
-    dev->be = backend_cpu_create_with(dev->cpu_threads = device_threads(cfg, comm),
-                                      v->conv_algo == DT_CONV_ALGO_DIRECT ? DT_CPU_CONV_DIRECT : DT_CPU_CONV_WINOGRAD);
+    dev->be = device_backend_create(cfg, comm, -1, &dev->cpu_threads);
   return 0;
 }
 

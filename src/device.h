@@ -27,9 +27,11 @@ int device_gpus_shared(dt_comm *comm, int gpu, char *why, size_t cap);
 /* The memory a rank needs against what it has (its GPU's free memory when it runs on one, else the
  * host's available memory shared by the ranks on the node); exit 2 when it does not fit, or when a
  * tensor of the batch would hold more than 2^40 values. --dry-run and every run before allocating
- * (the same check, the same code). report: rank 0 prints the parts. */
-void device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data *d, const dt_comm *comm, int gpu,
-                         int report, dt_status *st);
+ * (the same check, the same code). be: the backend the run uses (device_backend_create's), asked
+ * what scratch its ops take (it keeps the plans it makes). report: rank 0 prints the parts. Returns
+ * the estimate, bytes. */
+size_t device_check_memory(const dt_config *cfg, const dt_model *m, const dt_data *d, const dt_comm *comm, int gpu,
+                           dt_backend *be, int report, dt_status *st);
 
 /* Collective: train.batch_size auto. Sets train.global_batch_size and train.grad_accum in cfg to the
  * largest micro-batch whose memory (device_check_memory's estimate, without a device cache of the
@@ -45,6 +47,9 @@ typedef struct {
   int cpu_threads;                 /* the CPU backend's threads; 0 on a GPU */
 } dt_device;
 
+/* The backend alone for gpu (-1: the CPU, with *cpu_threads threads; else *cpu_threads = 0): what
+ * device_open makes, and --dry-run's, which its memory estimate asks. Caller owns. */
+dt_backend *device_backend_create(const dt_config *cfg, const dt_comm *comm, int gpu, int *cpu_threads);
 /* Collective: the backend for gpu (-1: the CPU) and, for a GPU, the gradients' transport: shared
  * is device_gpus_shared's answer. Returns the agreed exit code. */
 int device_open(dt_device *dev, const dt_config *cfg, dt_comm *comm, int gpu, const char *shared, dt_status *st);

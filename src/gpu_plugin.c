@@ -34,7 +34,7 @@ typedef struct {
   int (*build_runs_on)(int cc, char *built, size_t cap);
   void (*read)(int i, double *peak_mib, dt_gpu_reading *r);
   dt_backend *(*backend_create)(int device, int precision);
-  dt_nccl *(*nccl_create)(dt_comm *c, void *compute_stream, int grad_bf16, dt_status *st);
+  dt_nccl *(*nccl_create)(dt_comm *c, dt_backend *be, int grad_bf16, dt_status *st);
   const dt_device_reduce *(*nccl_reducer)(dt_nccl *n);
   void (*nccl_destroy)(dt_nccl *n, int failed);
 } gpu_api;
@@ -143,8 +143,8 @@ dt_backend *backend_cuda_create(int device, int precision) {
   return loaded()->backend_create(device, precision);
 }
 
-dt_nccl *nccl_create(dt_comm *c, void *compute_stream, int grad_bf16, dt_status *st) {
-  return loaded()->nccl_create(c, compute_stream, grad_bf16, st);
+dt_nccl *nccl_create(dt_comm *c, dt_backend *be, int grad_bf16, dt_status *st) {
+  return loaded()->nccl_create(c, be, grad_bf16, st);
 }
 
 const dt_device_reduce *nccl_reducer(dt_nccl *n) {

@@ -92,13 +92,10 @@ static int64_t conv_flops(const dt_layer *l) {
   return 2 * outs * l->in.c * l->args.kernel * l->args.kernel + (l->args.bias ? outs : 0);
 }
 
-/* The CPU backend's per-thread im2col of one sample (C*K*K, Ho*Wo) and weight-gradient partial
- * (O, C*K*K); cuDNN's workspace is sized by the CUDA backend at run time. */
-static void conv_memory(const dt_layer *l, int64_t batch, int threads, dt_memory *mem) {
-  (void)batch;
-  size_t ckk = (size_t)(l->in.c * l->args.kernel * l->args.kernel), hw = (size_t)(l->out.h * l->out.w);
-  size_t ws = (size_t)threads * (ckk * hw + (size_t)l->args.out * ckk) * sizeof(float);
-  if (ws > mem->workspace) mem->workspace = ws;
+int layer_conv_geom(const dt_layer *l, int64_t batch, dt_conv_geom *g) {
+  if (l->ops != &dt_layer_conv2d) return 0;
+  *g = geom(l, batch);
+  return 1;
 }
 
 const dt_layer_ops dt_layer_conv2d = {.kind = "conv2d",
@@ -108,5 +105,4 @@ const dt_layer_ops dt_layer_conv2d = {.kind = "conv2d",
                                       .init = conv_init,
                                       .forward = conv_forward,
                                       .backward = conv_backward,
-                                      .flops = conv_flops,
-                                      .memory = conv_memory};
+                                      .flops = conv_flops};

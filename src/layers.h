@@ -30,4 +30,8 @@ void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const 
 void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
                     const float *dy, float *dw, float *dbias, float *dx);
 
+/* A conv2d layer's convolution of `batch` rows into *g (its scratch is the backend's: the memory
+ * estimate asks the backend, backend.h's scratch); 0 for any other layer. layer_conv.c. */
+int layer_conv_geom(const dt_layer *l, int64_t batch, dt_conv_geom *g);
+
 #endif

@@ -325,7 +325,8 @@ typedef struct {
   char shared[512]; /* with a GPU: the ranks that share one (device_gpus_shared), else empty */
   dt_device dev;
   dt_ckpt_data resume;
-  dt_fault fault; /* DDP_TRAIN_FAULT */
+  dt_fault fault;      /* DDP_TRAIN_FAULT */
+  dt_memory_watch mem; /* the baseline of the measured memory peak: before the data and every buffer */
   dt_train_opts opts;
 } dt_run;
 
@@ -395,18 +396,23 @@ static int run_dry(dt_run *r, dt_status *st) {
     model_summary(&r->model, stdout);
     fflush(stdout);
   }
-  device_check_memory(&r->cfg, &r->model, &r->data, comm, r->gpu, 1, st);
+  int threads;
+  dt_backend *be = device_backend_create(&r->cfg, comm, r->gpu, &threads); /* asked what its scratch takes */
+  device_check_memory(&r->cfg, &r->model, &r->data, comm, r->gpu, be, 1, st);
+  be->destroy(be);
   return comm_agree(comm, st);
 }
 
-/* The backend and the model's buffers, the parameters (resumed, or model.init_from or the seed),
- * then what was asked: --predict, --sample, or training. Returns the agreed code. */
+/* The backend, the memory check (--dry-run's, unprinted: before any buffer), the model's buffers,
+ * the parameters (resumed, or model.init_from or the seed), then what was asked: --predict,
+ * --sample, or training. Returns the agreed code. */
 static int run_work(dt_run *r, dt_status *st) {
   const cli_args *a = &r->args;
   dt_comm *comm = &r->comm;
-  device_check_memory(&r->cfg, &r->model, &r->data, comm, r->gpu, 0, st); /* --dry-run's check, unprinted */
-  int code = comm_agree(comm, st);
-  if (code || (code = device_open(&r->dev, &r->cfg, comm, r->gpu, r->shared, st))) return code;
+  int code = device_open(&r->dev, &r->cfg, comm, r->gpu, r->shared, st);
+  if (code) return code;
+  r->opts.mem_estimate = device_check_memory(&r->cfg, &r->model, &r->data, comm, r->gpu, r->dev.be, 0, st);
+  if ((code = comm_agree(comm, st))) return code;
   r->opts.dev = r->dev.reducer;
   r->opts.gpu = r->gpu;
   model_alloc(&r->model, r->dev.be, config_model_rows(&r->cfg.v, comm->size), (uint64_t)r->cfg.v.seed);
@@ -467,8 +473,11 @@ int main(int argc, char **argv) {
   int code = comm_agree(&r->comm, &st);
   if (!code && r->args.info)
     print_info(&r->comm);
-  else if (!code && !(code = run_prepare(r, &st)) && !(code = run_open_data(r, &st)))
-    code = r->args.dry_run ? run_dry(r, &st) : run_work(r, &st);
+  else if (!code && !(code = run_prepare(r, &st))) {
+    memory_watch_start(&r->mem); /* the data and everything after it count */
+    r->opts.mem = &r->mem;
+    if (!(code = run_open_data(r, &st))) code = r->args.dry_run ? run_dry(r, &st) : run_work(r, &st);
+  }
   run_close(r, code);
   return code;
 }

@@ -275,6 +275,7 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, cons
          tr->os < tr->opt_per_epoch && !tr->stop && !code; tr->os++)
       code = train_step(tr, res);
   if (!code) { /* the last lines (the last step's, the last evaluation's) are in, or the run fails */
+    metrics_memory(&tr->win, opts->mem, opts->mem_estimate, tr->ts.step);
     dt_status st = {0};
     log_finish(&tr->lg, &st);
     code = comm_agree(comm, &st);

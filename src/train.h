@@ -7,6 +7,7 @@
 #include "comm.h"
 #include "config.h"
 #include "data.h"
+#include "memory.h"
 #include "monitor.h"
 
 typedef struct dt_model dt_model; /* model.h */
@@ -26,6 +27,8 @@ typedef struct {
   int gpu;                     /* this rank's visible GPU for monitoring; -1 on the CPU */
   dt_monitor *monitor;         /* rank 0 with monitor.listen: snapshots go to it after each step, and its
                                   POST /stop and /checkpoint come back through the step agreement; else NULL */
+  const dt_memory_watch *mem;  /* the baseline of the run's measured memory peak (NULL: not measured) */
+  size_t mem_estimate;         /* device_check_memory's estimate of a rank's memory, bytes */
 } dt_train_opts;
 
 /* Runs training to the end (epochs, max_steps, early stopping, or a stop request); returns 0

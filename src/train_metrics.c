@@ -212,3 +212,23 @@ void metrics_step(dt_step_window *w, int64_t step, int64_t total, int64_t epoch,
   log_backend_notes(w);
   if (step % log_every == 0 || step == total) report(w, step, total, epoch, lr, now);
 }
+
+void metrics_memory(dt_step_window *w, const dt_memory_watch *mem, size_t estimate, int64_t step) {
+  if (!mem) return;
+  dt_comm *comm = w->src.comm;
+  const double mib = 1048576.0, mine = (double)memory_watch_peak(mem, w->src.be) / mib;
+  double *all = dt_malloc((size_t)comm->size * sizeof(double));
+  comm_allgather_f64(comm, mine, all, "memory report");
+  int top = 0;
+  for (int r = 1; r < comm->size; r++)
+    if (all[r] > all[top]) top = r;
+  const double est = (double)estimate / mib, peak = all[top];
+  const char *kind = memory_watch_kind(w->src.be);
+  log_line(w->src.log, "memory: at most %.1f MiB per rank (%s, rank %d); --dry-run estimates %.1f MiB (%+.1f%%)", peak,
+           kind, top, est, peak > 0 ? 100.0 * (est / peak - 1.0) : 0.0);
+  log_metrics(w->src.log,
+              "\"step\": %lld, \"mem_peak_mib\": %.3f, \"mem_peak_rank\": %d, \"mem_estimate_mib\": %.3f, "
+              "\"mem_measured\": \"%s\"",
+              (long long)step, peak, top, est, kind);
+  free(all);
+}

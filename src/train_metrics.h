@@ -12,6 +12,7 @@
 
 #include "comm.h"
 #include "log.h"
+#include "memory.h"
 #include "model.h"
 #include "monitor.h"
 
@@ -54,5 +55,11 @@ void metrics_free(dt_step_window *w);
  * above, a collective, then a new window. */
 void metrics_step(dt_step_window *w, int64_t step, int64_t total, int64_t epoch, double lr, double loss, double count,
                   double data_s, int64_t log_every);
+
+/* Collective, at the end of a run (step: its last): every rank's measured memory peak (memory.h,
+ * from the baseline mem), gathered; rank 0 logs the largest against the estimate (bytes) and
+ * writes it as a metrics.jsonl record {"step", "mem_peak_mib", "mem_peak_rank", "mem_estimate_mib",
+ * "mem_measured"}. Nothing when mem is NULL. */
+void metrics_memory(dt_step_window *w, const dt_memory_watch *mem, size_t estimate, int64_t step);
 
 #endif

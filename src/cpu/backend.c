@@ -82,6 +82,10 @@ static void *cpu_alloc_host(dt_backend *be, size_t bytes) {
   return cpu_alloc(be, bytes);
 }
 
+static size_t cpu_scratch(dt_backend *be, const dt_op *ops, int n) {
+  return cpu_conv_scratch(be->impl, ops, n); /* the only ops with scratch of their own */
+}
+
 static void cpu_destroy(dt_backend *be) {
   cpu_impl *im = be->impl;
   for (int t = 0; t < im->threads; t++) {
@@ -136,6 +140,7 @@ dt_backend *backend_cpu_create_with(int threads, int conv) {
                      .zero = cpu_zero,
                      .sync = cpu_sync,
                      .destroy = cpu_destroy,
+                     .scratch = cpu_scratch,
                      .threads = threads,
                      .host_memory = 1,
                      .impl = im};

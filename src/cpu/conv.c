@@ -150,3 +150,26 @@ void cpu_conv_bwd_filter(cpu_impl *im, const dt_op *op) {
   conv_bwd_filter(im, &op->p.conv_bwd_filter.g, op->p.conv_bwd_filter.x, op->p.conv_bwd_filter.dy,
                   op->p.conv_bwd_filter.dw);
 }
+
+size_t cpu_conv_scratch(cpu_impl *im, const dt_op *ops, int n) {
+  size_t need[CPU_DNNL_BUFFERS] = {0}, col = 0, dw = 0;
+  for (int i = 0; i < n; i++) {
+    const dt_op *op = &ops[i];
+    const dt_conv_geom *g = op->type == DT_OP_CONV_FWD          ? &op->p.conv_fwd.g
+                            : op->type == DT_OP_CONV_BWD_DATA   ? &op->p.conv_bwd_data.g
+                            : op->type == DT_OP_CONV_BWD_FILTER ? &op->p.conv_bwd_filter.g
+                                                                : NULL;
+    if (!g) continue;
+    const int kind = op->type == DT_OP_CONV_FWD        ? CPU_DNNL_FWD
+                     : op->type == DT_OP_CONV_BWD_DATA ? CPU_DNNL_BWD_DATA
+                                                       : CPU_DNNL_BWD_FILTER;
+    if (im->dnnl && cpu_dnnl_plan(im->dnnl, kind, g, need)) continue;
+    /* im2col: grow_all's per-thread columns of one sample, and filter gradients */
+    const size_t ckk = (size_t)(g->c * g->k * g->k), hw = (size_t)(g->ho * g->wo);
+    if (ckk * hw * sizeof(float) > col) col = ckk * hw * sizeof(float);
+    if (kind == CPU_DNNL_BWD_FILTER && (size_t)g->o * ckk * sizeof(float) > dw) dw = (size_t)g->o * ckk * sizeof(float);
+  }
+  size_t total = (size_t)im->threads * (col + dw);
+  for (int k = 0; k < CPU_DNNL_BUFFERS; k++) total += need[k];
+  return total;
+}

@@ -40,6 +40,8 @@ void cpu_gemm(cpu_impl *im, const dt_op *op);
 
 /* conv.c (oneDNN, or im2col + OpenBLAS) */
 void cpu_conv_fwd(cpu_impl *im, const dt_op *op);
+/* The scratch the convolutions among ops[0..n) take (backend.h's scratch). */
+size_t cpu_conv_scratch(cpu_impl *im, const dt_op *ops, int n);
 void cpu_conv_bwd_data(cpu_impl *im, const dt_op *op);
 void cpu_conv_bwd_filter(cpu_impl *im, const dt_op *op);
 

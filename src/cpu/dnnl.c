@@ -3,9 +3,11 @@
  * layouts oneDNN prefers (channel-blocked, nChw16c on AVX-512) and reorders from our NCHW / OIHW
  * buffers into them and back. The blocked copies live in three scratch buffers shared by every
  * primitive (ops run one at a time), grown to the largest need: one for the activations (x, dx),
- * one for the weights (w, dw), one for the outputs (y, dy). A copy of an input that a convolution
- * left in its buffer serves the next convolution that reads the same buffer in the same layout,
- * when no other op ran between (the backend calls cpu_dnnl_forget before every other op and every
+ * one for the weights (w, dw), one for the outputs (y, dy); a fourth holds the primitives'
+ * scratchpads (user mode: ours, so that the memory estimate can ask for their size, and not
+ * allocated by oneDNN at every call). A copy of an input that a convolution left in its buffer
+ * serves the next convolution that reads the same buffer in the same layout, when no other op ran
+ * between (the backend calls cpu_dnnl_forget before every other op and every
  * copy): a layer's backward-data then reuses the dy its backward-filter reordered. Calls on one
  * geometry always run the same primitive with the same threads, so results repeat bit for bit.
  * With winograd, 3x3 stride-1 convolutions with channels in blocks of 16 try oneDNN's Winograd
@@ -34,7 +36,7 @@ typedef struct {
   int slot; /* scratch buffer holding inner when reordered: SLOT_X, SLOT_W or SLOT_Y */
 } operand;
 
-enum { SLOT_X, SLOT_W, SLOT_Y };
+enum { SLOT_X, SLOT_W, SLOT_Y, SLOT_PAD, SLOTS };
 
 /* What a scratch buffer holds: a reordered copy of `user` in layout md, while valid. */
 typedef struct {
@@ -48,8 +50,10 @@ typedef struct {
   dt_conv_geom g;
   int supported, winograd;
   dnnl_primitive_t conv;
-  operand op[3]; /* a, b, out as cpu_dnnl_conv names them */
-  int arg[3];    /* DNNL_ARG_* of each */
+  operand op[3];     /* a, b, out as cpu_dnnl_conv names them */
+  int arg[3];        /* DNNL_ARG_* of each */
+  dnnl_memory_t pad; /* the primitive's scratchpad, in SLOT_PAD; NULL: it needs none */
+  size_t pad_bytes;
 } conv_entry;
 
 enum { MAX_ENTRIES = 256 };
@@ -60,9 +64,9 @@ struct cpu_dnnl {
   conv_entry *entries[MAX_ENTRIES];
   int n_entries;
   int winograd; /* try Winograd for 3x3 stride 1 */
-  void *scratch[3];
-  size_t scratch_bytes[3];
-  held_copy held[3];      /* per scratch buffer */
+  void *scratch[SLOTS];
+  size_t scratch_bytes[SLOTS];
+  held_copy held[SLOTS];  /* per scratch buffer (never valid for SLOT_PAD) */
   int64_t reorders_saved; /* input reorders skipped for a held copy */
   float *dw;              /* the filter gradient in OIHW before it is added into the caller's */
   size_t dw_bytes;
@@ -91,10 +95,11 @@ void cpu_dnnl_destroy(cpu_dnnl *d) {
   for (int i = 0; i < d->n_entries; i++) {
     conv_entry *e = d->entries[i];
     if (e->conv) dnnl_primitive_destroy(e->conv);
+    if (e->pad) dnnl_memory_destroy(e->pad);
     for (int k = 0; k < 3; k++) operand_free(&e->op[k]);
     free(e);
   }
-  for (int k = 0; k < 3; k++) free(d->scratch[k]);
+  for (int k = 0; k < SLOTS; k++) free(d->scratch[k]);
   free(d->dw);
   dnnl_stream_destroy(d->stream);
   dnnl_engine_destroy(d->engine);
@@ -122,8 +127,10 @@ static void operand_init(cpu_dnnl *d, operand *o, const dnnl_memory_desc_t *inne
   DNNL_CHECK(dnnl_primitive_desc_destroy(rpd));
 }
 
-/* The primitive descriptor of the entry's convolution by `alg`, or NULL when oneDNN has none. */
-static dnnl_primitive_desc_t entry_pd(cpu_dnnl *d, conv_entry *e, dnnl_alg_kind_t alg) {
+/* The primitive descriptor of the entry's convolution by `alg`, or NULL when oneDNN has none;
+ * attr: its scratchpad is the caller's (user mode). */
+static dnnl_primitive_desc_t entry_pd(cpu_dnnl *d, conv_entry *e, dnnl_alg_kind_t alg,
+                                      const_dnnl_primitive_attr_t attr) {
   const dt_conv_geom *g = &e->g;
   dnnl_dims_t strides = {g->stride, g->stride}, pad_l = {g->pad, g->pad}, pad_r = {g->pad, g->pad};
   dnnl_memory_desc_t x_any, w_any, y_any;
@@ -135,14 +142,14 @@ static dnnl_primitive_desc_t entry_pd(cpu_dnnl *d, conv_entry *e, dnnl_alg_kind_
                                          pad_l, pad_r) != dnnl_success)
     return NULL;
   dnnl_primitive_desc_t fwd_pd = NULL, pd = NULL;
-  if (dnnl_primitive_desc_create(&fwd_pd, &fwd_desc, NULL, d->engine, NULL) != dnnl_success) return NULL;
+  if (dnnl_primitive_desc_create(&fwd_pd, &fwd_desc, attr, d->engine, NULL) != dnnl_success) return NULL;
   if (e->kind == CPU_DNNL_FWD) return fwd_pd;
   dnnl_status_t s;
   if (e->kind == CPU_DNNL_BWD_DATA)
     s = dnnl_convolution_backward_data_desc_init(&desc, alg, &x_any, &w_any, &y_any, strides, pad_l, pad_r);
   else
     s = dnnl_convolution_backward_weights_desc_init(&desc, alg, &x_any, &w_any, NULL, &y_any, strides, pad_l, pad_r);
-  if (s == dnnl_success) s = dnnl_primitive_desc_create(&pd, &desc, NULL, d->engine, fwd_pd);
+  if (s == dnnl_success) s = dnnl_primitive_desc_create(&pd, &desc, attr, d->engine, fwd_pd);
   DNNL_CHECK(dnnl_primitive_desc_destroy(fwd_pd));
   return s == dnnl_success ? pd : NULL;
 }
@@ -158,12 +165,16 @@ static void entry_build(cpu_dnnl *d, conv_entry *e) {
   md_plain(&w_user, g->o, g->c, g->k, g->k, dnnl_oihw);
   md_plain(&y_user, g->b, g->o, g->ho, g->wo, dnnl_nchw);
   dnnl_primitive_desc_t pd = NULL;
+  dnnl_primitive_attr_t attr;
+  DNNL_CHECK(dnnl_primitive_attr_create(&attr));
+  DNNL_CHECK(dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user));
   /* channels in whole blocks of 16 and at least one sample: oneDNN 2.6 accepts narrower channels and
    * an empty batch, and then divides by zero creating the primitive */
   if (d->winograd && g->k == 3 && g->stride == 1 && g->c % 16 == 0 && g->o % 16 == 0 && g->b > 0)
-    pd = entry_pd(d, e, dnnl_convolution_winograd);
+    pd = entry_pd(d, e, dnnl_convolution_winograd, attr);
   e->winograd = pd != NULL;
-  if (!pd) pd = entry_pd(d, e, dnnl_convolution_direct);
+  if (!pd) pd = entry_pd(d, e, dnnl_convolution_direct, attr);
+  DNNL_CHECK(dnnl_primitive_attr_destroy(attr));
   if (!pd) return;
   /* a, b, out in our order, with the query that gives each one's layout */
   static const struct {
@@ -192,9 +203,14 @@ static void entry_build(cpu_dnnl *d, conv_entry *e) {
     e->op[k].user_md = *users[e->kind][k];
     operand_init(d, &e->op[k], dnnl_primitive_desc_query_md(pd, roles[e->kind].q[k], 0), k == 2, slots[e->kind][k]);
   }
-  DNNL_CHECK(dnnl_primitive_create(&e->conv, pd));
+  const dnnl_memory_desc_t *pad_md = dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
+  e->pad_bytes = pad_md ? dnnl_memory_desc_get_size(pad_md) : 0;
+  if (e->pad_bytes) DNNL_CHECK(dnnl_memory_create(&e->pad, pad_md, d->engine, DNNL_MEMORY_NONE));
+  /* refused for a batch beyond its kernels' indexing (the memory estimate plans any batch it is
+   * given, before saying it does not fit): im2col would run it */
+  if (dnnl_primitive_create(&e->conv, pd) != dnnl_success) e->conv = NULL;
   DNNL_CHECK(dnnl_primitive_desc_destroy(pd));
-  e->supported = 1;
+  e->supported = e->conv != NULL;
 }
 
 static conv_entry *entry_find(cpu_dnnl *d, int kind, const dt_conv_geom *g) {
@@ -219,7 +235,7 @@ int64_t cpu_dnnl_winograd_runs(const cpu_dnnl *d) {
 
 void cpu_dnnl_forget(cpu_dnnl *d) {
   if (!d) return;
-  for (int k = 0; k < 3; k++) d->held[k].valid = 0;
+  for (int k = 0; k < SLOTS; k++) d->held[k].valid = 0;
 }
 
 int64_t cpu_dnnl_reorders_saved(const cpu_dnnl *d) {
@@ -260,7 +276,7 @@ int cpu_dnnl_conv(cpu_dnnl *d, int kind, const dt_conv_geom *g, const float *a, 
     d->dw_bytes = nw * sizeof(float);
   }
   void *user_ptr[3] = {(void *)a, (void *)b, kind == CPU_DNNL_BWD_FILTER ? (void *)d->dw : (void *)out};
-  dnnl_exec_arg_t args[3];
+  dnnl_exec_arg_t args[4];
   for (int k = 0; k < 3; k++) {
     operand *o = &e->op[k];
     DNNL_CHECK(dnnl_memory_set_data_handle(o->user, user_ptr[k]));
@@ -281,8 +297,12 @@ int cpu_dnnl_conv(cpu_dnnl *d, int kind, const dt_conv_geom *g, const float *a, 
     }
     args[k] = (dnnl_exec_arg_t){e->arg[k], m};
   }
+  if (e->pad) {
+    DNNL_CHECK(dnnl_memory_set_data_handle(e->pad, scratch(d, SLOT_PAD, e->pad_bytes)));
+    args[3] = (dnnl_exec_arg_t){DNNL_ARG_SCRATCHPAD, e->pad};
+  }
   forget_user(d, out);
-  run(d, e->conv, 3, args);
+  run(d, e->conv, e->pad ? 4 : 3, args);
   operand *o = &e->op[2];
   if (o->reorder) {
     dnnl_exec_arg_t r[2] = {{DNNL_ARG_FROM, o->inner}, {DNNL_ARG_TO, o->user}};
@@ -296,5 +316,19 @@ int cpu_dnnl_conv(cpu_dnnl *d, int kind, const dt_conv_geom *g, const float *a, 
 #pragma omp parallel for schedule(static)
     for (size_t i = 0; i < nw; i++) out[i] += dw[i];
   }
+  return 1;
+}
+
+int cpu_dnnl_plan(cpu_dnnl *d, int kind, const dt_conv_geom *g, size_t need[CPU_DNNL_BUFFERS]) {
+  conv_entry *e = entry_find(d, kind, g);
+  if (!e || !e->supported) return 0;
+  for (int k = 0; k < 3; k++)
+    if (e->op[k].reorder) {
+      size_t b = dnnl_memory_desc_get_size(&e->op[k].inner_md);
+      if (b > need[e->op[k].slot]) need[e->op[k].slot] = b;
+    }
+  if (e->pad_bytes > need[SLOT_PAD]) need[SLOT_PAD] = e->pad_bytes;
+  size_t dw = (size_t)(g->o * g->c * g->k * g->k) * sizeof(float);
+  if (kind == CPU_DNNL_BWD_FILTER && dw > need[SLOTS]) need[SLOTS] = dw; /* d->dw, the last buffer */
   return 1;
 }

@@ -21,6 +21,14 @@ void cpu_dnnl_destroy(cpu_dnnl *d);
  * held blocked copies are forgotten, as the caller then writes `out` itself). */
 int cpu_dnnl_conv(cpu_dnnl *d, int kind, const dt_conv_geom *g, const float *a, const float *b, float *out);
 
+/* The scratch buffers of cpu_dnnl_conv: the blocked copies of x, w and y, the primitives'
+ * scratchpad, the filter gradient in OIHW; each grows to the most any convolution needs. */
+enum { CPU_DNNL_BUFFERS = 5 };
+/* Makes the primitive of convolution (kind, g) now (kept for the run), and raises need[i] to the
+ * bytes each scratch buffer must hold for it. Returns 0 where oneDNN has none (the caller's own
+ * convolution runs it). */
+int cpu_dnnl_plan(cpu_dnnl *d, int kind, const dt_conv_geom *g, size_t need[CPU_DNNL_BUFFERS]);
+
 /* The backend calls this before any op but a convolution, and any copy into its memory: the
  * blocked copies of inputs that cpu_dnnl_conv keeps for the next convolution go stale. */
 void cpu_dnnl_forget(cpu_dnnl *d);

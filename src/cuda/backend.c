@@ -36,11 +36,33 @@ static _Noreturn void alloc_failed(const cuda_impl *im, cudaError_t err, size_t 
       im->device, need, (double)need / 1048576.0, what, (double)free_b / 1048576.0, (double)total_b / 1048576.0);
 }
 
+cudaError_t cuda_device_malloc(cuda_impl *im, void **p, size_t bytes) {
+  cudaError_t err = cudaMalloc(p, bytes);
+  if (err != cudaSuccess || !*p) return err;
+  if (im->n_blocks == im->cap_blocks) {
+    im->cap_blocks = im->cap_blocks ? 2 * im->cap_blocks : 256;
+    im->blocks = dt_realloc(im->blocks, (size_t)im->cap_blocks * sizeof *im->blocks);
+  }
+  im->blocks[im->n_blocks++] = (cuda_block){*p, bytes};
+  backend_count_device(im->be, (int64_t)bytes);
+  return cudaSuccess;
+}
+
+void cuda_device_free(cuda_impl *im, void *p) {
+  if (!p) return;
+  int i = im->n_blocks - 1; /* the newest first: a grown scratch buffer is among them */
+  while (i >= 0 && im->blocks[i].p != p) i--;
+  DT_ASSERT(i >= 0); /* not from cuda_device_malloc: a bug */
+  backend_count_device(im->be, -(int64_t)im->blocks[i].bytes);
+  im->blocks[i] = im->blocks[--im->n_blocks];
+  CUDA_CHECK(cudaFree(p));
+}
+
 /* Waits for the stream's work, then frees the buffers retired during a capture. */
 static void drain(cuda_impl *im) {
   CUDA_CHECK(cudaStreamSynchronize(im->copy));
   CUDA_CHECK(cudaStreamSynchronize(im->stream));
-  for (; im->n_retired > 0; im->n_retired--) CUDA_CHECK(cudaFree(im->retired[im->n_retired - 1]));
+  for (; im->n_retired > 0; im->n_retired--) cuda_device_free(im, im->retired[im->n_retired - 1]);
 }
 
 /* Grows a device buffer to `need` bytes. Work queued earlier may still use the old buffer, so the
@@ -55,12 +77,12 @@ void *cuda_grow_device(cuda_impl *im, void **buf, size_t *have, size_t need, con
       im->retired[im->n_retired++] = *buf;
     } else {
       drain(im);
-      CUDA_CHECK(cudaFree(*buf));
+      cuda_device_free(im, *buf);
     }
     *buf = NULL;
     *have = 0;
   }
-  cudaError_t err = cudaMalloc(buf, need);
+  cudaError_t err = cuda_device_malloc(im, buf, need);
   if (err != cudaSuccess) alloc_failed(im, err, need, what);
   *have = need;
   return *buf;
@@ -171,7 +193,7 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
 static float *cuda_alloc(dt_backend *be, size_t bytes) {
   cuda_impl *im = be->impl;
   void *p = NULL;
-  cudaError_t err = cudaMalloc(&p, bytes ? bytes : 256);
+  cudaError_t err = cuda_device_malloc(im, &p, bytes ? bytes : 256);
   if (err != cudaSuccess) alloc_failed(im, err, bytes, "model buffers");
   CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, im->stream));
   CUDA_CHECK(cudaEventRecord(im->cleared, im->stream));
@@ -183,7 +205,7 @@ static void cuda_free(dt_backend *be, void *p) {
   cuda_impl *im = be->impl;
   if (!p) return;
   drain(im);
-  CUDA_CHECK(cudaFree(p));
+  cuda_device_free(im, p);
 }
 
 /* cudaMemcpyDefault: host or device on either side (unified addressing). Synchronous with the
@@ -242,6 +264,20 @@ static char *cuda_take_notes(dt_backend *be) {
   return notes;
 }
 
+static size_t cuda_scratch(dt_backend *be, const dt_op *ops, int n) {
+  cuda_impl *im = be->impl;
+  size_t workspace = 0, h16 = 0, partials = 0;
+  for (int i = 0; i < n; i++) {
+    const dt_op *op = &ops[i];
+    const size_t p = cuda_partials_bytes(op);
+    if (p > partials) partials = p;
+    if (op->type == DT_OP_CONV_FWD) cuda_conv_scratch(im, &op->p.conv_fwd.g, &workspace, &h16);
+    if (op->type == DT_OP_CONV_BWD_DATA) cuda_conv_scratch(im, &op->p.conv_bwd_data.g, &workspace, &h16);
+    if (op->type == DT_OP_CONV_BWD_FILTER) cuda_conv_scratch(im, &op->p.conv_bwd_filter.g, &workspace, &h16);
+  }
+  return workspace + h16 + partials;
+}
+
 static void cuda_destroy(dt_backend *be) {
   cuda_impl *im = be->impl;
   drain(im);
@@ -253,10 +289,11 @@ static void cuda_destroy(dt_backend *be) {
   CUDA_CHECK(cudaEventDestroy(im->copied));
   CUDA_CHECK(cudaEventDestroy(im->cleared));
   CUDA_CHECK(cudaStreamDestroy(im->copy));
-  CUDA_CHECK(cudaFree(im->partials));
+  cuda_device_free(im, im->partials);
   CUDNN_CHECK(cudnnDestroy(im->dnn));
   CUBLAS_CHECK(cublasDestroy(im->blas));
   CUDA_CHECK(cudaStreamDestroy(im->stream));
+  free(im->blocks);
   free(im);
   free(be);
 }
@@ -300,6 +337,7 @@ dt_backend *backend_cuda_create(int device, int precision) {
                      .sync = cuda_sync,
                      .destroy = cuda_destroy,
                      .take_notes = cuda_take_notes,
+                     .scratch = cuda_scratch,
                      .threads = 1,
                      .host_memory = 0,
                      .stream = im->stream,

@@ -171,9 +171,29 @@ static conv_plan *plan_for(cuda_impl *im, const dt_conv_geom *g) {
     CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv[d], conv_math(im))); /* what the heuristics may offer */
     choose_algorithm(im, p, d);
   }
-  cuda_grow_device(im, &im->workspace, &im->workspace_bytes, p->ws_bytes ? p->ws_bytes : 1, "cuDNN workspace");
   note_plan(im, p);
   return p;
+}
+
+/* The plan of a convolution about to run, with the cuDNN workspace grown to what it needs. */
+static conv_plan *plan_to_run(cuda_impl *im, const dt_conv_geom *g) {
+  conv_plan *p = plan_for(im, g);
+  cuda_grow_device(im, &im->workspace, &im->workspace_bytes, p->ws_bytes ? p->ws_bytes : 1, "cuDNN workspace");
+  return p;
+}
+
+/* Bytes of a convolution's three operands in 16 bits, each 256-byte aligned (conv16_scratch). */
+static size_t conv16_bytes(const dt_conv_geom *g) {
+  return align256((size_t)(g->b * g->c * g->h * g->w) * 2) + align256((size_t)(g->o * g->c * g->k * g->k) * 2) +
+         align256((size_t)(g->b * g->o * g->ho * g->wo) * 2);
+}
+
+void cuda_conv_scratch(cuda_impl *im, const dt_conv_geom *g, size_t *workspace, size_t *h16) {
+  if (!g->b) return; /* never run (cuDNN refuses zero-sized tensors) */
+  const conv_plan *p = plan_for(im, g);
+  const size_t ws = p->ws_bytes ? p->ws_bytes : 1, b16 = is16(im) ? conv16_bytes(g) : 0;
+  if (ws > *workspace) *workspace = ws;
+  if (b16 > *h16) *h16 = b16;
 }
 
 /* A convolution's three operands in 16 bits, NHWC, in im->h16: (b, c, h, w), (o, c, k, k) and
@@ -184,8 +204,7 @@ typedef struct {
 
 static conv16 conv16_scratch(cuda_impl *im, const dt_conv_geom *g) {
   size_t nx = align256((size_t)(g->b * g->c * g->h * g->w) * 2), nw = align256((size_t)(g->o * g->c * g->k * g->k) * 2);
-  size_t ny = align256((size_t)(g->b * g->o * g->ho * g->wo) * 2);
-  char *base = cuda_grow_device(im, (void **)&im->h16, &im->h16_bytes, nx + nw + ny, "16-bit convolution operands");
+  char *base = cuda_grow_device(im, (void **)&im->h16, &im->h16_bytes, conv16_bytes(g), "16-bit convolution operands");
   return (conv16){.x = (uint16_t *)base, .w = (uint16_t *)(base + nx), .y = (uint16_t *)(base + nx + nw)};
 }
 
@@ -197,7 +216,7 @@ void cuda_conv_fwd(cuda_impl *im, const dt_op *op) {
   const dt_conv_geom *g = &q->g;
   const float one = 1.0f, zero = 0.0f;
   if (!g->b) return; /* cuDNN refuses zero-sized tensors */
-  conv_plan *p = plan_for(im, g);
+  conv_plan *p = plan_to_run(im, g);
   if (!is16(im)) {
     CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, q->x, p->w, q->w, p->conv[FWD],
                                         (cudnnConvolutionFwdAlgo_t)p->algo[FWD], im->workspace, im->workspace_bytes,
@@ -219,7 +238,7 @@ void cuda_conv_bwd_data(cuda_impl *im, const dt_op *op) {
   const dt_conv_geom *g = &q->g;
   const float one = 1.0f, zero = 0.0f;
   if (!g->b) return;
-  conv_plan *p = plan_for(im, g);
+  conv_plan *p = plan_to_run(im, g);
   if (!is16(im)) {
     CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, q->w, p->y, q->dy, p->conv[BWD_DATA],
                                              (cudnnConvolutionBwdDataAlgo_t)p->algo[BWD_DATA], im->workspace,
@@ -242,7 +261,7 @@ void cuda_conv_bwd_filter(cuda_impl *im, const dt_op *op) {
   const dt_conv_geom *g = &q->g;
   const float one = 1.0f, zero = 0.0f;
   if (!g->b) return;
-  conv_plan *p = plan_for(im, g);
+  conv_plan *p = plan_to_run(im, g);
   if (!is16(im)) {
     CUDNN_CHECK(cudnnConvolutionBackwardFilter(im->dnn, &one, p->x, q->x, p->y, q->dy, p->conv[BWD_FILTER],
                                                (cudnnConvolutionBwdFilterAlgo_t)p->algo[BWD_FILTER], im->workspace,
@@ -268,6 +287,6 @@ void cuda_conv_free(cuda_impl *im) {
     for (int d = 0; d < 3; d++) CUDNN_CHECK(cudnnDestroyConvolutionDescriptor(im->plans[i].conv[d]));
   }
   free(im->plans);
-  CUDA_CHECK(cudaFree(im->workspace));
-  CUDA_CHECK(cudaFree(im->h16));
+  cuda_device_free(im, im->workspace);
+  cuda_device_free(im, im->h16);
 }

@@ -25,6 +25,11 @@
 typedef struct conv_plan conv_plan; /* conv.c */
 
 typedef struct {
+  void *p;
+  size_t bytes;
+} cuda_block; /* a device buffer of cuda_device_malloc and its size */
+
+typedef struct {
   dt_backend *be; /* owner: its generation is bumped when an internal buffer moves */
   int device;
   int precision; /* DT_PREC_*: the math of GEMMs and convolutions */
@@ -51,7 +56,16 @@ typedef struct {
   int capturing;            /* between capture_begin and capture_end */
   void *retired[8];         /* buffers outgrown during a capture: freed once the stream drains */
   int n_retired;
+  cuda_block *blocks; /* (n_blocks, of cap_blocks) every live buffer of cuda_device_malloc: be->mem_used's count */
+  int n_blocks, cap_blocks;
 } cuda_impl;
+
+/* cudaMalloc of a device buffer, counted in be->mem_used (and mem_peak); the size is kept for
+ * cuda_device_free. Returns cudaMalloc's status (nothing counted on failure). */
+cudaError_t cuda_device_malloc(cuda_impl *im, void **p, size_t bytes);
+/* cudaFree of a buffer from cuda_device_malloc (NULL: nothing), taken off the count. The caller has waited
+ * for the work that uses it. */
+void cuda_device_free(cuda_impl *im, void *p);
 
 /* A failed allocation: out of memory gets the batch-size advice; any other error (a sticky one
  * left by earlier asynchronous work) is reported as it is. */
@@ -66,6 +80,11 @@ static inline size_t align256(size_t n) {
 
 /* conv.c: destroys the convolution plans and frees their workspace and 16-bit operands (shut-down). */
 void cuda_conv_free(cuda_impl *im);
+/* conv.c: plans convolution g now (kept), and raises *workspace and *h16 to the cuDNN workspace and
+ * the 16-bit operands (train.precision bf16, fp16) it needs. */
+void cuda_conv_scratch(cuda_impl *im, const dt_conv_geom *g, size_t *workspace, size_t *h16);
+/* ops.c: the bytes of partial sums (im->partials) op needs; 0 for an op without them. */
+size_t cuda_partials_bytes(const dt_op *op);
 
 /* gemm.c (cuBLAS) */
 void cuda_gemm(cuda_impl *im, const dt_op *op);

@@ -52,10 +52,22 @@ void cuda_scale(cuda_impl *im, const dt_op *op) {
   k_scale(im->stream, q->x, q->alpha, q->n);
 }
 
+size_t cuda_partials_bytes(const dt_op *op) {
+  int64_t n = 0; /* doubles */
+  if (op->type == DT_OP_SUMSQ) {
+    n = (int64_t)K_SUM_BLOCKS * 2;
+  } else if (op->type == DT_OP_LN_BWD) {
+    n = 2 * K_LN_CHUNKS * op->p.ln_bwd.d > 2 * K_SUM_BLOCKS ? 2 * K_LN_CHUNKS * op->p.ln_bwd.d : 2 * K_SUM_BLOCKS;
+  } else if (op->type == DT_OP_LOSS) {
+    n = (op->p.loss.b > K_SUM_BLOCKS ? op->p.loss.b : K_SUM_BLOCKS) * 2;
+  }
+  return (size_t)n * sizeof(double);
+}
+
 void cuda_sumsq(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.sumsq) *q = &op->p.sumsq;
-  double *pairs = cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes,
-                                   (size_t)K_SUM_BLOCKS * 2 * sizeof(double), "sums of squares");
+  double *pairs =
+      cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes, cuda_partials_bytes(op), "sums of squares");
   k_sumsq(im->stream, q->x, q->n, q->out, pairs);
 }
 
@@ -125,9 +137,8 @@ void cuda_ln_bwd(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.ln_bwd) *q = &op->p.ln_bwd;
   CHECK_INDEXABLE(q->n * q->d);
   if (!q->n) return;
-  size_t need = (size_t)(2 * K_LN_CHUNKS * q->d > 2 * K_SUM_BLOCKS ? 2 * K_LN_CHUNKS * q->d : 2 * K_SUM_BLOCKS);
   double *partials =
-      cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes, need * sizeof(double), "layernorm sums");
+      cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes, cuda_partials_bytes(op), "layernorm sums");
   k_ln_bwd(im->stream, q->x, q->dy, q->gamma, q->mean, q->rstd, q->dx, q->dgamma, q->dbeta, q->n, q->d, partials);
 }
 
@@ -150,8 +161,7 @@ void cuda_pool_bwd(cuda_impl *im, const dt_op *op) {
 void cuda_loss(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.loss) *q = &op->p.loss;
   double *pairs =
-      cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes,
-                       (size_t)(q->b > K_SUM_BLOCKS ? q->b : K_SUM_BLOCKS) * 2 * sizeof(double), "loss sums");
+      cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes, cuda_partials_bytes(op), "loss sums");
   k_loss(im->stream, q->kind, q->logits, q->labels, q->targets, q->dlogits, q->b, q->k, q->label_smoothing,
          q->ignore ? q->ignore_index : -1, q->weight, q->weight_dev, q->grad_scale, q->sums, pairs);
 }

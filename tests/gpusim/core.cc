@@ -27,7 +27,8 @@ namespace gpusim {
 namespace {
 
 const uint8_t kGuardByte = 0xa5;
-const size_t kRegionBytes = (size_t)1 << 40;  // address space for every device's allocations
+const size_t kRegionBytes = (size_t)1 << 40;     // address space for every device's allocations
+const size_t kContextBytes = (size_t)500 << 20;  // what a primary context takes, as nvidia-smi shows it
 
 struct Core {
   std::recursive_mutex lock;
@@ -67,6 +68,27 @@ size_t env_size(const char *name, size_t dflt) {
 }
 
 void on_fault(int sig, siginfo_t *info, void *uctx);
+
+// GPUSIM_MEMORY_REPORT=FILE: at exit, a line per device this process made a context on, appended
+// to FILE in one write (ranks may share it): "rank R pid P device D peak BYTES used BYTES context
+// BYTES", the most bytes in use at once (the context's and the live allocations', at cudaMalloc's
+// requested sizes), what is still in use, and the context's part of both.
+void report_memory() {
+  Core &c = core();
+  std::lock_guard<std::recursive_mutex> guard(c.lock);
+  const char *path = getenv("GPUSIM_MEMORY_REPORT");
+  FILE *f = path && *path ? fopen(path, "a") : nullptr;
+  if (!f) {
+    fprintf(stderr, "gpusim: GPUSIM_MEMORY_REPORT=%s: cannot append: %s\n", path ? path : "", strerror(errno));
+    return;
+  }
+  setvbuf(f, nullptr, _IOFBF, 1 << 16);  // every line in one write at fclose
+  for (const Device &d : c.devices)
+    if (d.context)
+      fprintf(f, "rank %d pid %d device %d peak %zu used %zu context %zu\n", c.cfg.rank, (int)getpid(), d.index, d.peak,
+              d.used, kContextBytes);
+  if (fclose(f)) fprintf(stderr, "gpusim: GPUSIM_MEMORY_REPORT=%s: %s\n", path, strerror(errno));
+}
 
 void install_handler() {
   Core &c = core();
@@ -146,6 +168,7 @@ void init_locked() {
   // the stand-in is one executor: its library calls (cuBLAS, cuDNN) use one BLAS thread, so that
   // several ranks on a machine do not oversubscribe its cores
   openblas_set_num_threads(1);
+  if (getenv("GPUSIM_MEMORY_REPORT") && atexit(report_memory)) fatal("atexit failed");
   c.ready = true;
 }
 
@@ -364,7 +387,7 @@ void make_context(Device *d) {
         d->index, c.context_device);
   c.context_device = d->index;
   d->context = true;
-  d->used += (size_t)500 << 20;  // what a primary context takes, as nvidia-smi shows it
+  d->used += kContextBytes;
   d->legacy = new Stream;
   d->legacy->dev = d;
   d->legacy->legacy = true;
