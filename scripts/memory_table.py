@@ -2,7 +2,8 @@
 """Prints the README's table of GPT-2 memory per rank (124M, 355M, 774M, 1.5B at 8 x 1024 tokens a
 rank, AdamW, fp32) under each train.recompute setting, from `ddp_train --dry-run`'s estimate. The
 sizes are configs/gpt2_124m.yaml with GPT-2's widths, heads and depths. Without ZeRO a rank holds the
-same whatever the world size, so one process gives the figure for 8 ranks.
+same whatever the world size, so one process gives the figure for 8 ranks. Without checkpoints: the copy
+rank 0 makes while it writes one is host memory on a GPU (in the CPU backend's estimate, it is added).
 
     /usr/bin/python3 scripts/memory_table.py [./ddp_train]
 """
@@ -35,7 +36,8 @@ def config(dim, heads, blocks):
 def estimate(binary, path, recompute):
     """(total, parameters, gradients, optimizer, activations) in MiB, and the parameter count."""
     p = subprocess.run([binary, path, "--dry-run", "--set", "data.path=", "--set", "model.input=[1024]", "--set",
-                        "train.batch_size=8", "--set", "train.grad_accum=1", "--set", f"train.recompute={recompute}"],
+                        "train.batch_size=8", "--set", "train.grad_accum=1", "--set", f"train.recompute={recompute}",
+                        "--set", "checkpoint.dir="],
                        capture_output=True, text=True, cwd=ROOT)
     m = PARTS.search(p.stdout)
     n = re.search(r"total parameters: ([\d,]+)", p.stdout)

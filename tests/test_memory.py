@@ -23,8 +23,8 @@ are what takes it a few seconds. More in CASES, one line each: the 16-bit convol
 bf16 gradient bucket, the EMA and the device cache on the GPU; checkpoints and two ranks' MPI sums on
 the CPU. The whole module takes about 65 s on the 2-core development machine.
 
-CASES is a list of Case: a new setting (train.recompute) is a new line, and each line a test on the
-CPU and one on the GPU where it gives a batch for them."""
+CASES is a list of Case: a new setting is a new line (train.recompute blocks has two), and each line
+a test on the CPU and one on the GPU where it gives a batch for them."""
 import os
 import re
 import unittest
@@ -92,6 +92,10 @@ CASES = [
     Case("resnet18", "resnet18_cifar.yaml", IMAGES, ("images", (3, 32, 32)), 8, 8),
     Case("gpt_tiny", "gpt_tiny.yaml", [], ("tokens", (128, 256)), 8, 4),
     Case("gpt2_shaped", GPT2_SHAPED, [], ("tokens", (64, 50257)), 4, 4),
+    # train.recompute blocks: the insides of the blocks in one region all blocks share
+    Case("resnet18_recompute", "resnet18_cifar.yaml", IMAGES + ["train.recompute=blocks"], ("images", (3, 32, 32)),
+         16, 16),
+    Case("gpt_tiny_recompute", "gpt_tiny.yaml", ["train.recompute=blocks"], ("tokens", (128, 256)), 16, 8),
     # Open MPI's non-blocking sums of 9 buckets of gradients (the CPU's "MPI sums"): 6 sequences a rank
     Case("gpt2_shaped_2_ranks", GPT2_SHAPED, [], ("tokens", (64, 50257)), 12, None, ranks=2),
 ]
