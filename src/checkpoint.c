@@ -622,8 +622,12 @@ static int check_compatible(const char *path, const char *stored, const dt_confi
     if (!a || !b || la != lb || strncmp(a, b, la))
       return dt_fail(st, DT_EXIT_INPUT,
                      "cannot resume from %s: %s differs\n  checkpoint: %.*s\n  config:     %.*s\n"
-                     "(README \"Resuming\" lists what may change)",
-                     path, frozen_keys[i], (int)la, a ? a : "(none)", (int)lb, b ? b : "(none)");
+                     "(README \"Resuming\" lists what may change)%s",
+                     path, frozen_keys[i], (int)la, a ? a : "(none)", (int)lb, b ? b : "(none)",
+                     cfg->auto_batch[0] && !strcmp(frozen_keys[i], "train.grad_accum")
+                         ? "; train.batch_size auto chose another split here: set train.batch_size, "
+                           "train.global_batch_size and train.grad_accum to the checkpoint's"
+                         : "");
   }
   if (ts->global_batch != global_batch)
     return dt_fail(st, DT_EXIT_INPUT,

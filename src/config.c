@@ -338,6 +338,14 @@ int config_load(dt_config *cfg, const char *path, char *const *sets, int n_sets,
   return 0;
 }
 
+void config_refresh_effective(dt_config *cfg) {
+  size_t elen = 0, ecap = 0;
+  free(cfg->effective);
+  cfg->effective = NULL;
+  keys_dump(config_keys, N_CONFIG_KEYS, &cfg->v, "", &cfg->effective, &elen, &ecap);
+  cfg->hash = dt_fnv1a(cfg->effective, elen, 0);
+}
+
 void config_free(dt_config *cfg) {
   keys_free(config_keys, N_CONFIG_KEYS, &cfg->v);
   yaml_tree_free(cfg->tree);

@@ -86,6 +86,9 @@ typedef struct {
  * Returns 0, or sets st (exit 2 for config errors). cfg must be freed with config_free either way. */
 int config_load(dt_config *cfg, const char *path, char *const *sets, int n_sets, dt_status *st);
 void config_free(dt_config *cfg);
+/* Writes effective (and hash) again from the values, after a value was chosen at start-up
+ * (train.batch_size auto's split): logs and checkpoints then say what ran. */
+void config_refresh_effective(dt_config *cfg);
 /* Rows of one global micro-batch on `world` ranks: train.global_batch_size, or train.batch_size per rank. */
 int64_t config_global_batch(const dt_config_values *v, int world);
 /* Rows of the largest local batch: the global batch split over `world` ranks, rounded up (an

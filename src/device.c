@@ -110,9 +110,9 @@ int device_select(int cuda, const dt_config *cfg, const dt_model *m, const dt_co
     dt_fail(st, DT_EXIT_INPUT, "--device cuda: %s; use --device cpu", why);
     return -1;
   }
-  /* the kernels and cuDNN index a tensor with 32 bits */
+  /* the kernels and cuDNN index a tensor with 32 bits (train.batch_size auto keeps to it as it chooses) */
   int64_t rows = config_model_rows(&cfg->v, comm->size), values = rows * model_max_row(m); /* an eval chunk's */
-  if (values >= ((int64_t)1 << 31)) {
+  if (cfg->v.batch_size != -1 && values >= ((int64_t)1 << 31)) {
     dt_fail(st, DT_EXIT_INPUT,
             "--device cuda: the largest tensor holds %lld values per rank (%lld rows x %lld), over the 2^31 "
             "that the CUDA kernels and cuDNN index; lower train.batch_size or train.global_batch_size, or use "
@@ -305,14 +305,27 @@ int device_auto_batch(dt_config *cfg, const dt_model *m, dt_comm *comm, int gpu,
   const char *where;
   const size_t have = rank_available(comm, gpu, &where);
   const double may_use = v->memory_fraction * (double)have;
-  /* candidates: each grad_accum from the configured one up that divides the step's rows, fewest first */
+  /* candidates: each grad_accum from the configured one up that divides the step's rows and leaves
+   * every rank a row (the configured one whatever it leaves), fewest first; with train.cuda_graph on,
+   * only grad_accum 1, which a captured step needs; none holding a tensor the kernels cannot index */
+  const double values_limit = gpu >= 0 ? (double)((int64_t)1 << 31) : (double)((int64_t)1 << 40);
+  const int graphs = gpu >= 0 && v->cuda_graph == DT_GRAPH_ON;
   int64_t accums[1024];
   int n = 0;
-  for (int64_t a = first_accum; a <= 1024 && step_rows / a >= comm->size; a++)
-    if (step_rows % a == 0) accums[n++] = a; /* and every rank has rows */
+  for (int64_t a = first_accum; a <= 1024 && (a == first_accum || step_rows / a >= comm->size); a++) {
+    if (step_rows % a || (graphs && a > 1)) continue;
+    dt_config_values c = *v;
+    c.global_batch_size = step_rows / a;
+    c.grad_accum = a;
+    if ((double)config_model_rows(&c, comm->size) * (double)model_max_row(m) < values_limit) accums[n++] = a;
+  }
+  int mine = n; /* the first candidate that fits this rank */
+  if (!have && n) {
+    dt_fail(st, DT_EXIT_INPUT, "train.batch_size auto: the free memory %s cannot be read; set train.batch_size", where);
+    mine = -1;
+  }
   char run_part[160], extra[160];
   dt_config_values trial = *v;
-  int mine = n; /* the first candidate that fits this rank */
   for (int i = 0; i < n && mine == n; i++) {
     trial.batch_size = 0;
     trial.global_batch_size = step_rows / accums[i];
@@ -321,6 +334,18 @@ int device_auto_batch(dt_config *cfg, const dt_model *m, dt_comm *comm, int gpu,
       mine = i;
   }
   const int chosen = -comm_min_i32(comm, -mine, "train.batch_size auto"); /* the rank that needs most decides */
+  if (mine < 0 || (chosen == n && mine != n)) { /* this rank's own failure, or another's that it reports */
+    be->destroy(be);
+    return st->code;
+  }
+  if (chosen == n && !n) {
+    be->destroy(be);
+    return dt_fail(st, DT_EXIT_INPUT,
+                   "train.batch_size auto: no split of the step's %lld rows keeps a rank's largest tensor under %s%s; "
+                   "lower train.global_batch_size or use more ranks",
+                   (long long)step_rows, gpu >= 0 ? "2^31 values (the CUDA kernels' 32-bit indices)" : "2^40 values",
+                   graphs ? " with train.cuda_graph on (grad_accum 1)" : "");
+  }
   if (chosen == n) {
     dt_memory mem = rank_memory(&trial, m, NULL, comm, threads, be, run_part, extra,
                                 sizeof extra); /* at the smallest micro-batch */
@@ -345,6 +370,7 @@ int device_auto_batch(dt_config *cfg, const dt_model *m, dt_comm *comm, int gpu,
   v->batch_size = 0;
   v->global_batch_size = step_rows / accums[chosen];
   v->grad_accum = accums[chosen];
+  config_refresh_effective(cfg); /* checkpoints say what ran, so a resume splitting otherwise is refused */
   const size_t need = rank_memory(v, m, NULL, comm, threads, be, run_part, extra, sizeof extra).total;
   snprintf(cfg->auto_batch, sizeof cfg->auto_batch,
            "train.batch_size auto: %lld row%s per rank, train.grad_accum %lld (%lld rows a step on %d rank%s); a rank "

@@ -623,7 +623,9 @@ void seq_backward(dt_seq *s, dt_pass *pass, const float *x, float *dx) {
   for (int i = s->n - 1; i >= 0; i--) {
     dt_layer *l = s->layers[i];
     while (b >= 0 && s->blocks[b].first > i) b--;
-    if (s->recompute && b >= 0 && s->blocks[b].last == i) recompute_block(s, pass, x, &s->blocks[b]);
+    /* the last block's insides are still in the shared region from forward */
+    if (s->recompute && b >= 0 && b < s->n_blocks - 1 && s->blocks[b].last == i)
+      recompute_block(s, pass, x, &s->blocks[b]);
     const float *xin = i == 0 ? x : s->layers[i - 1]->y;
     float *dxin = i == 0 ? dx : s->layers[i - 1]->dy;
     l->ops->backward(l, pass, xin, dxin);

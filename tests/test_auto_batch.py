@@ -1,11 +1,14 @@
 """train.batch_size auto: on the GPU stand-in, whose memory GPUSIM_MEMORY_MIB sets, the largest
 micro-batch whose estimate fits train.memory_fraction of the free memory, the rows of a step kept by
 raising train.grad_accum, the training the same bit for bit as the same choice written by hand; the
-CPU keeps the configured batch when it fits; exit 2 before any data is read when nothing fits, naming
-the largest part and train.recompute where it would help; the key's own errors."""
+CPU keeps the configured batch when it fits; the split recorded in the checkpoint, so that a resume
+splitting otherwise is refused; a GPT-2 split under the kernels' 32-bit limit; exit 2 before any data
+is read when nothing fits, naming the largest part and train.recompute where it would help; the key's
+own errors."""
 import re
 import unittest
 
+import h5py
 import numpy as np
 
 from helpers import GPU_BINARY, ROOT, Workdir, errors, gpu_setup, params, run
@@ -88,6 +91,45 @@ class AutoBatch(unittest.TestCase):
         self.assertEqual((m[1], m[2], m[3], m[4]), ("4", "1", "8", "2"))
         self.assertEqual(m[9], "of available host memory per rank on this node")
         self.assertIsNone(m[10])  # nothing larger was tried
+
+    def test_the_checkpoint_records_the_split_and_a_resume_keeps_it(self):
+        """The effective config a checkpoint holds is the split auto chose, so a resume with the same
+        choice continues and one splitting the step's rows otherwise is refused, naming train.grad_accum
+        (the data position counts micro-batches)."""
+        cfg = self.w.config(CNN)
+        base = [cfg, "--set", "train.global_batch_size=8", "--set", "checkpoint.every_steps=2"]
+        rc, out, err = run(base + ["--set", "train.max_steps=2"], np_=2)
+        self.assertEqual(rc, 0, out + err)
+        with h5py.File(self.w.latest("ckpt"), "r") as f:
+            text = f["meta"].attrs["config"].decode()
+        for line in ("train.batch_size: 0", "train.global_batch_size: 8", "train.grad_accum: 1"):
+            self.assertIn(line, text.splitlines())
+        rc, out, err = run(base + ["--set", "train.max_steps=4", "--resume", "auto"], np_=2)
+        self.assertEqual(rc, 0, out + err)
+        self.assertTrue(self.w.latest("ckpt").endswith("step-00000004.h5"), self.w.latest("ckpt"))
+        rc, out, err = run(base + ["--set", "train.batch_size=0", "--set", "train.global_batch_size=4", "--set",
+                                   "train.grad_accum=2", "--set", "train.max_steps=6", "--resume", "auto"], np_=2)
+        self.assertEqual(rc, 2, out + err)
+        self.assertIn("train.grad_accum differs", errors(err)[0])
+
+    @unittest.skipUnless(SIM, "the stand-in's default memory (80 GiB) gives a known answer")
+    def test_gpt2_on_one_gpu_is_split_under_the_kernels_32_bit_limit(self):
+        """GPT-2 124M, 64 sequences of 1024 tokens a step on one GPU: 65 rows of 50257 logits a token are
+        over the 2^31 values the kernels index, which auto must split under rather than refuse; with
+        train.cuda_graph on it may not split (grad_accum 1), and says why."""
+        base = ["configs/gpt2_124m.yaml", "--device", "cuda", "--dry-run", "--set", "data.path=", "--set",
+                "model.input=[1024]", "--set", "train.batch_size=auto", "--set", "train.global_batch_size=64", "--set",
+                "train.grad_accum=1"]
+        rc, out, err = run(base, binary=GPU_BINARY, env=ENV1, timeout=300, cwd=ROOT)
+        self.assertEqual(rc, 0, out + err)
+        m = CHOICE.search(out)
+        self.assertTrue(m, out)
+        rows, accum = int(m[1]), int(m[2])
+        self.assertEqual(rows * accum, 64)
+        self.assertLess((rows + 1) * 1024 * 50257, 2 ** 31)
+        rc, out, err = run(base + ["--set", "train.cuda_graph=on"], binary=GPU_BINARY, env=ENV1, timeout=300, cwd=ROOT)
+        self.assertEqual(rc, 2, out + err)
+        self.assertIn("no split of the step's 64 rows keeps a rank's largest tensor under 2^31 values", errors(err)[0])
 
     def test_nothing_fits_is_exit_2_before_the_data_is_read(self):
         """GPT-2 124M in 1% of a rank's host memory on 2 ranks: not even one row; the data file does not
