@@ -296,7 +296,7 @@ static void largest_part(const dt_model *m, const dt_memory *mem, int64_t held, 
 
 /* The estimate asks a backend what its scratch takes, as --dry-run does: one made for the choice
  * (on a GPU, its CUDA context is then counted out of the free memory, as in the run's own check). */
-int device_auto_batch(dt_config *cfg, const dt_model *m, dt_comm *comm, int gpu, dt_status *st) {
+int device_auto_batch(dt_config *cfg, const dt_model *m, const dt_data *d, dt_comm *comm, int gpu, dt_status *st) {
   dt_config_values *v = &cfg->v;
   const int64_t step_rows = v->global_batch_size * v->grad_accum, first_accum = v->grad_accum;
   int be_threads;
@@ -330,8 +330,7 @@ int device_auto_batch(dt_config *cfg, const dt_model *m, dt_comm *comm, int gpu,
     trial.batch_size = 0;
     trial.global_batch_size = step_rows / accums[i];
     trial.grad_accum = accums[i];
-    if ((double)rank_memory(&trial, m, NULL, comm, threads, be, run_part, extra, sizeof extra).total <= may_use)
-      mine = i;
+    if ((double)rank_memory(&trial, m, d, comm, threads, be, run_part, extra, sizeof extra).total <= may_use) mine = i;
   }
   const int chosen = -comm_min_i32(comm, -mine, "train.batch_size auto"); /* the rank that needs most decides */
   if (mine < 0 || (chosen == n && mine != n)) { /* this rank's own failure, or another's that it reports */
@@ -347,8 +346,8 @@ int device_auto_batch(dt_config *cfg, const dt_model *m, dt_comm *comm, int gpu,
                    graphs ? " with train.cuda_graph on (grad_accum 1)" : "");
   }
   if (chosen == n) {
-    dt_memory mem = rank_memory(&trial, m, NULL, comm, threads, be, run_part, extra,
-                                sizeof extra); /* at the smallest micro-batch */
+    dt_memory mem =
+        rank_memory(&trial, m, d, comm, threads, be, run_part, extra, sizeof extra); /* at the smallest micro-batch */
     int64_t held = config_model_rows(&trial, comm->size);
     char largest[256], hint[256] = "";
     largest_part(m, &mem, held, largest, sizeof largest);
@@ -371,7 +370,7 @@ int device_auto_batch(dt_config *cfg, const dt_model *m, dt_comm *comm, int gpu,
   v->global_batch_size = step_rows / accums[chosen];
   v->grad_accum = accums[chosen];
   config_refresh_effective(cfg); /* checkpoints say what ran, so a resume splitting otherwise is refused */
-  const size_t need = rank_memory(v, m, NULL, comm, threads, be, run_part, extra, sizeof extra).total;
+  const size_t need = rank_memory(v, m, d, comm, threads, be, run_part, extra, sizeof extra).total;
   snprintf(cfg->auto_batch, sizeof cfg->auto_batch,
            "train.batch_size auto: %lld row%s per rank, train.grad_accum %lld (%lld rows a step on %d rank%s); a rank "
            "needs %.1f MiB of the %.1f MiB it may use (train.memory_fraction %g of %.1f MiB %s)",
@@ -382,7 +381,7 @@ int device_auto_batch(dt_config *cfg, const dt_model *m, dt_comm *comm, int gpu,
     trial = *v;
     trial.global_batch_size = step_rows / accums[chosen - 1];
     trial.grad_accum = accums[chosen - 1];
-    size_t more = rank_memory(&trial, m, NULL, comm, threads, be, run_part, extra, sizeof extra).total,
+    size_t more = rank_memory(&trial, m, d, comm, threads, be, run_part, extra, sizeof extra).total,
            len = strlen(cfg->auto_batch);
     snprintf(cfg->auto_batch + len, sizeof cfg->auto_batch - len, "; %lld rows would need %.1f MiB",
              (long long)config_max_local_rows(&trial, comm->size), mib(more));

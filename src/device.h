@@ -34,11 +34,11 @@ size_t device_check_memory(const dt_config *cfg, const dt_model *m, const dt_dat
                            dt_backend *be, int report, dt_status *st);
 
 /* Collective: train.batch_size auto. Sets train.global_batch_size and train.grad_accum in cfg to the
- * largest micro-batch whose memory (device_check_memory's estimate, without a device cache of the
- * data) fits train.memory_fraction of what every rank has, the rows of a step unchanged; the choice
- * and why go to cfg->auto_batch and rank 0's stdout. Exit 2 in st, naming the largest part, when
- * none fits. Returns st->code. */
-int device_auto_batch(dt_config *cfg, const dt_model *m, dt_comm *comm, int gpu, dt_status *st);
+ * largest micro-batch whose memory (device_check_memory's estimate, with the rows d says a rank
+ * keeps: d opened for its shapes, or NULL where there is no data) fits train.memory_fraction of what
+ * every rank has, the rows of a step unchanged; the choice and why go to cfg->auto_batch and rank
+ * 0's stdout. Exit 2 in st, naming the largest part, when none fits. Returns st->code. */
+int device_auto_batch(dt_config *cfg, const dt_model *m, const dt_data *d, dt_comm *comm, int gpu, dt_status *st);
 
 typedef struct {
   dt_backend *be;

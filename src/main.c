@@ -363,7 +363,16 @@ static int run_prepare(dt_run *r, dt_status *st) {
             "dist.comm: mpi to share GPUs",
             r->shared);
   if ((code = comm_agree(comm, st))) return code;
-  if (v->batch_size == -1) device_auto_batch(&r->cfg, &r->model, comm, r->gpu, st);
+  if (v->batch_size == -1) { /* the data's shapes count (the rows a rank keeps in memory): none is read */
+    const int shapes = r->cfg.v.data_path[0] && !a->sample;
+    dt_data probe = {0};
+    dt_config opened = r->cfg;
+    opened.v.cache = DT_CACHE_NONE;
+    if (shapes) data_open(&probe, &opened, &r->model, comm->size, comm->rank, st);
+    if (!(code = comm_agree(comm, st))) device_auto_batch(&r->cfg, &r->model, shapes ? &probe : NULL, comm, r->gpu, st);
+    if (shapes) data_close(&probe);
+    if (code) return code;
+  }
   return comm_agree(comm, st);
 }
 

@@ -132,19 +132,32 @@ class AutoBatch(unittest.TestCase):
         self.assertIn("no split of the step's 64 rows keeps a rank's largest tensor under 2^31 values", errors(err)[0])
 
     def test_nothing_fits_is_exit_2_before_the_data_is_read(self):
-        """GPT-2 124M in 1% of a rank's host memory on 2 ranks: not even one row; the data file does not
-        exist, and the error is the memory's. Activations are the largest part at 1024 tokens, and
-        recomputation would not be enough here, so it is not offered."""
-        rc, out, err = run(["configs/gpt2_124m.yaml", "--set", "data.path=/nonexistent/tokens.h5", "--set",
-                            "train.batch_size=auto", "--set", "train.global_batch_size=16", "--set",
-                            "train.grad_accum=1", "--set", "train.memory_fraction=0.01"], np_=2, cwd=ROOT)
-        self.assertEqual(rc, 2, out + err)
-        e = errors(err)
-        self.assertEqual(len(e), 1, err)
-        self.assertRegex(e[0], r"train\.batch_size auto: not even 1 row per rank fits \(train\.grad_accum 8\): a "
-                               r"rank needs [\d.]+ MiB but may use [\d.]+ MiB \(train\.memory_fraction 0\.01 of "
-                               r"[\d.]+ MiB of available host memory per rank on this node\); the largest part is ")
-        self.assertNotIn("nonexistent", err)
+        """GPT-2 124M in 1% of a rank's host memory on 2 ranks: not even one row, and exit 2 before
+        training. Activations are the largest part at 512 tokens, and recomputation would not be enough
+        here, so it is not offered. The rows a rank keeps in memory count (the file's shapes are read,
+        not its rows): a token model keeps its tokens, which --dry-run without data leaves out."""
+        path = self.w.file("tokens.h5")
+        with h5py.File(path, "w") as f:
+            f["train/tokens"] = np.zeros((4000, 513), np.int32)
+            f["val/tokens"] = np.zeros((8, 513), np.int32)
+        base = ["configs/gpt2_124m.yaml", "--set", f"data.path={path}", "--set", "train.batch_size=auto", "--set",
+                "train.global_batch_size=16", "--set", "train.grad_accum=1", "--set", "train.memory_fraction=0.01",
+                "--set", f"checkpoint.dir={self.w.file('ckpt')}", "--set", f"log.dir={self.w.file('log')}"]
+        needs = {}
+        for name, extra in (("data", []), ("none", ["--dry-run", "--set", "data.path="])):
+            rc, out, err = run(base + extra, np_=2, cwd=ROOT)
+            self.assertEqual(rc, 2, out + err)
+            e = errors(err)
+            self.assertEqual(len(e), 1, err)
+            m = re.search(r"train\.batch_size auto: not even 1 row per rank fits \(train\.grad_accum 8\): a rank needs "
+                          r"([\d.]+) MiB but may use [\d.]+ MiB \(train\.memory_fraction 0\.01 of [\d.]+ MiB of "
+                          r"available host memory per rank on this node\); the largest part is the activations", e[0])
+            self.assertTrue(m, e[0])
+            self.assertNotIn("recompute", e[0])
+            self.assertNotIn("step 1", out)
+            needs[name] = float(m[1])
+        # under data.sharding global each rank keeps all 4000 training rows of 513 int32 tokens (7.8 MiB)
+        self.assertAlmostEqual(needs["data"] - needs["none"], 4000 * 513 * 4 / 2 ** 20, delta=0.1)
 
     def test_recompute_is_offered_where_it_would_fit(self):
         """On the stand-in, a GPT whose attention matrices dominate: with the memory set between the
