@@ -21,7 +21,7 @@ and 4 sequences of 128 tokens for gpt_tiny (85-91%), 4 of 64 tokens for the GPT-
 50257-wide logits and their gradient). The stand-in runs kernels thread by thread, so its batches
 are what takes it a few seconds. More in CASES, one line each: the 16-bit convolution operands, the
 bf16 gradient bucket, the EMA and the device cache on the GPU; checkpoints and two ranks' MPI sums on
-the CPU. The whole module takes about 65 s on the 2-core development machine.
+the CPU. The whole module takes about 100 s on the 2-core development machine (102 s in CI).
 
 CASES is a list of Case: a new setting is a new line (train.recompute blocks has two), and each line
 a test on the CPU and one on the GPU where it gives a batch for them."""
