@@ -28,7 +28,8 @@
 # stage gets its own limit or what is left, and is skipped when less than 20 s are left. Each stage's
 # limit: GPU_CHECK_LIMIT_<STAGE> (seconds). Knobs for the stages: GPU_CHECK_PYTHON (python3),
 # GPU_CHECK_SANITIZER (compute-sanitizer), GPU_CHECK_SANITIZER_RUN_S (each run's share of the stage, 120),
-# GPU_CHECK_SANITIZER_TOOLS / _TARGETS (which tools, over ops and/or train), GPU_CHECK_TRAIN_TESTS /
+# GPU_CHECK_SANITIZER_TOOLS / _TARGETS (which tools, over ops and/or train), GPU_CHECK_SANITIZER_BATCH (the
+# training run's global batch, 256: racecheck's time grows with it), GPU_CHECK_TRAIN_TESTS /
 # GPU_CHECK_FAULT_TESTS (test names for
 # tests/pyrun.py; default the whole suites), GPU_CHECK_EPOCHS (15), the BENCH_* knobs of gpu_bench.sh.
 #
@@ -66,7 +67,7 @@ if [ "$STANDIN" = 1 ]; then
 else
   export PY=${GPU_CHECK_PYTHON:-python3} BIN=$ROOT/ddp_train TEST_GPU=$ROOT/build/cuda/tests/test_gpu
   export BUILD=build/cuda DDP_TRAIN_GPU_BINARY=$ROOT/ddp_train
-  export EPOCHS=${GPU_CHECK_EPOCHS:-15} FMNIST_STEPS=0 LAUNCHES=3 SANITIZER_BATCH=256
+  export EPOCHS=${GPU_CHECK_EPOCHS:-15} FMNIST_STEPS=0 LAUNCHES=3 SANITIZER_BATCH=${GPU_CHECK_SANITIZER_BATCH:-256}
   BUDGET=${GPU_CHECK_BUDGET_S:-510}
 fi
 export SANITIZER=${GPU_CHECK_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}

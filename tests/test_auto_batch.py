@@ -81,6 +81,25 @@ class AutoBatch(unittest.TestCase):
         self.assertEqual(rc, 0, out3 + err)
         self.assertEqual(CHOICE.search(out3).group(1, 2, 3), m.group(1, 2, 3))
 
+    @unittest.skipUnless(VISIBLE1, "no GPU visible (ddp_train --info)")
+    def test_a_step_that_fits_the_gpu_is_kept_whole(self):
+        """On whatever GPU there is (the stand-in's 80 GiB, or real hardware's free memory as the CUDA driver
+        reports it): 32 rows of the small CNN fit in one micro-batch, the free memory read is a real
+        amount, the estimate is under its fraction, and the run trains."""
+        cfg = self.w.config(CNN)
+        rc, out, err = run([cfg, "--device", "cuda", "--set", "train.max_steps=2"], binary=GPU_BINARY, env=ENV1,
+                           timeout=300)
+        self.assertEqual(rc, 0, out + err)
+        m = CHOICE.search(out)
+        self.assertTrue(m, out)
+        self.assertEqual((m[1], m[2], m[3], m[4]), ("32", "1", "32", "1"))
+        need, may_use, fraction, free = float(m[5]), float(m[6]), float(m[7]), float(m[8])
+        self.assertEqual(m[9], "free on this rank's GPU")
+        self.assertGreater(free, 1024)  # every GPU this runs on has over 1 GiB free
+        self.assertAlmostEqual(may_use, fraction * free, delta=0.1)
+        self.assertLess(need, may_use)
+        self.assertIn("training: 2 optimizer steps", out)
+
     def test_the_configured_batch_when_it_fits(self):
         """A small model on the CPU, 2 ranks: the whole step in one micro-batch, as configured."""
         cfg = self.w.config(CNN)
