@@ -66,7 +66,7 @@ ours() { # ranks config batch steps metric [--set KEY=VALUE ...] -> "figure forw
     threads=1
   fi
   rm -rf "$out/log"
-  if ! "${launch[@]}" ./ddp_train "$cfg" --set train.global_batch_size="$batch" \
+  if ! "${launch[@]}" ./ddp_train "$cfg" --device cpu --set train.global_batch_size="$batch" \
     --set train.max_steps=$((steps * WINDOWS)) --set log.every_steps="$steps" --set log.dir="$out/log" \
     --set checkpoint.dir= --set data.val.x= --set dist.threads="$threads" --set optim.schedule.name=constant \
     --set optim.lr=0.01 "$@" </dev/null >"$out/run.txt" 2>&1; then

@@ -207,7 +207,7 @@ def evaluate(cfg, r, weights, threads):
 def run_ddp(args, r, tmp, init):
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     log, ck = os.path.join(tmp, "ddp_log"), os.path.join(tmp, "ddp_ckpt")
-    cmd = [os.environ.get("MPIRUN", "mpirun"), "--oversubscribe", "-np", str(args.np), args.binary, args.config,
+    cmd = [os.environ.get("MPIRUN", "mpirun"), "--oversubscribe", "-np", str(args.np), args.binary, args.config, "--device", "cpu",
            "--set", f"log.dir={log}", "--set", f"checkpoint.dir={ck}", "--set", f"log.every_steps={args.every}"]
     if args.max_steps:
         cmd += ["--set", f"train.max_steps={args.max_steps}"]

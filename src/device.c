@@ -90,9 +90,40 @@ int device_gpus_shared(dt_comm *comm, int gpu, char *why, size_t cap) {
   return why[0] != 0;
 }
 
-/* The GPU this rank uses (-1: the CPU backend). --device auto stays on the CPU until the CUDA
- * backend has been validated on a GPU (README "Status"); --device cuda opts in. Rank i of a node
- * uses visible GPU i; with dist.comm mpi several ranks may share one GPU. */
+int device_auto_cuda(dt_comm *comm, char *why, size_t cap) {
+  char mine[256] = "", shared[512];
+  int n = gpu_count(mine, sizeof mine), gpu = n > 0 ? comm->local_rank % n : -1;
+  int ok = n > 0;
+  if (ok) {
+    char built[256];
+    int cc = gpu_compute_capability(gpu);
+    ok = gpu_build_runs_on(cc, built, sizeof built);
+    if (!ok)
+      snprintf(mine, sizeof mine,
+               "GPU %d of rank %d (%s) has compute capability %d.%d, which this build has no code for", gpu, comm->rank,
+               comm->host, cc / 10, cc % 10);
+  }
+  int sharing = device_gpus_shared(comm, gpu, shared, sizeof shared); /* collective */
+  int all_ok = comm_min_i32(comm, ok && !sharing, "--device auto");
+  int any_gpu = -comm_min_i32(comm, -(n > 0), "--device auto"); /* the highest */
+  why[0] = 0;                                                   /* filled on rank 0 */
+  if (all_ok || !any_gpu) return all_ok;
+  if (sharing)
+    snprintf(why, cap, "%s (--device cuda shares them over MPI)", shared);
+  else { /* the first rank that lacks a usable GPU says why */
+    char *all = comm->rank == 0 ? dt_calloc((size_t)comm->size, sizeof mine) : NULL;
+    if (ok) mine[0] = 0;
+    comm_gather_text(comm, mine, sizeof mine, all);
+    for (int r = 0; comm->rank == 0 && r < comm->size && !why[0]; r++)
+      if (all[(size_t)r * sizeof mine]) snprintf(why, cap, "rank %d: %s", r, all + (size_t)r * sizeof mine);
+    free(all);
+  }
+  return 0;
+}
+
+/* The GPU this rank uses (-1: the CPU backend). --device cuda, or --device auto where
+ * device_auto_cuda agrees. Rank i of a node uses visible GPU i; with dist.comm mpi several ranks
+ * may share one GPU. */
 int device_select(int cuda, const dt_config *cfg, const dt_model *m, const dt_comm *comm, dt_status *st) {
   static const char *const precisions[] = {"fp32", "tf32", "bf16", "fp16"};
   const int prec = cfg->v.precision;

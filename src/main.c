@@ -30,7 +30,7 @@ static const char usage_text[] =
     "options:\n"
     "  --set KEY=VALUE   override a config key (dotted path, repeatable), e.g. --set train.epochs=3\n"
     "  --dry-run         validate the config and the data, print the model summary, exit 0\n"
-    "  --device DEV      auto, cpu or cuda (auto: cpu until the CUDA backend is validated on a GPU)\n"
+    "  --device DEV      auto, cpu or cuda (auto: cuda when every rank has a GPU of its own, else cpu)\n"
     "  --resume PATH     continue from a checkpoint file; `--resume auto` takes the newest good one in\n"
     "                    checkpoint.dir (falling back past unreadable ones) or starts fresh when there is none\n"
     "  --predict OUT.h5  write the validation logits of the model (from --resume or model.init_from) and exit\n"
@@ -355,7 +355,14 @@ static int run_prepare(dt_run *r, dt_status *st) {
   if ((code = comm_agree(comm, st))) return code;
   model_build(&r->model, &r->cfg, st);
   if ((code = comm_agree(comm, st))) return code;
-  r->gpu = device_select(a->device == DEV_CUDA, &r->cfg, &r->model, comm, st);
+  int cuda = a->device == DEV_CUDA;
+  if (a->device == DEV_AUTO) { /* the GPUs when every rank has one of its own; said whenever there are any */
+    char why[768];
+    cuda = device_auto_cuda(comm, why, sizeof why);
+    if (comm->rank == 0 && (cuda || why[0]))
+      printf("device: %s (--device auto: %s)\n", cuda ? "cuda" : "cpu", cuda ? "every rank has a GPU of its own" : why);
+  }
+  r->gpu = device_select(cuda, &r->cfg, &r->model, comm, st);
   if ((code = comm_agree(comm, st))) return code;
   if (r->gpu >= 0 && device_gpus_shared(comm, r->gpu, r->shared, sizeof r->shared) && v->comm == DT_COMM_NCCL)
     dt_fail(st, DT_EXIT_INPUT,

@@ -24,15 +24,18 @@ def run(args, np_=1, timeout=120, cwd=None, mpmd=None, binary=BINARY, env=None):
     """Runs ddp_train on np_ ranks; returns (exit code, stdout, stderr).
     mpmd: a list of per-rank argument lists instead (mpirun's ':' syntax); an item may be a pair
     (variables, arguments) to set environment variables for that rank only.
-    env: extra environment variables for every rank."""
+    env: extra environment variables for every rank.
+    A run that names no --device gets --device cpu."""
     cmd = ["mpirun", "--oversubscribe"]
+    # the CPU backend unless the test names a device: --device auto would take a GPU where there is one
+    pin = lambda a: a if any(x == "--device" or x.startswith("--device=") for x in a) else a + ["--device", "cpu"]
     if mpmd:
         for i, item in enumerate(mpmd):
             rank_env, args_ = item if isinstance(item, tuple) else ({}, item)
             prefix = ["env"] + [f"{k}={v}" for k, v in rank_env.items()] if rank_env else []
-            cmd += ([":"] if i else []) + ["-np", "1"] + prefix + [binary] + args_
+            cmd += ([":"] if i else []) + ["-np", "1"] + prefix + [binary] + pin(args_)
     else:
-        cmd += ["-np", str(np_), binary] + args
+        cmd += ["-np", str(np_), binary] + pin(args)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT,
                        env=dict(ENV, **(env or {})))
     return p.returncode, p.stdout, p.stderr

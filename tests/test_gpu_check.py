@@ -5,6 +5,7 @@ checks the options it is given and runs the program; a failing stage, one past i
 the budget leaves no time for are each recorded as such while the others go on."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -81,6 +82,41 @@ class GpuCheck(unittest.TestCase):
         self.assertIn("memcheck ops: 0 errors", md)
         self.assertIn("## Benchmarks", md)
         self.assertIn("CPU stand-in", summary["env"]["mode"])
+
+    def test_the_window_plan_runs_every_stage_in_its_parts(self):
+        """scripts/gpu_window.sh: build and data, four parallel parts, the timings; every stage passes in
+        some part, every sanitizer tool runs once over each target, and summary.md joins the parts."""
+        tools = tempfile.mkdtemp(prefix="sanitizer_")
+        tool = os.path.join(tools, "compute-sanitizer")
+        with open(tool, "w") as f:
+            f.write(FAKE_SANITIZER)
+        os.chmod(tool, 0o755)
+        out = tempfile.mkdtemp(prefix="gpu_window_")
+        self.addCleanup(shutil.rmtree, out, True)
+        self.addCleanup(shutil.rmtree, tools, True)
+        p = subprocess.run(["bash", "scripts/gpu_window.sh", "--standin", out], capture_output=True, text=True,
+                           cwd=ROOT, timeout=900, env=dict(ENV, GPU_CHECK_SANITIZER=tool, BENCH_ONLY="launch"))
+        self.assertEqual(p.returncode, 0, p.stdout[-3000:] + p.stderr[-3000:])
+        ran = {}
+        for part in ("1-prepare", "2-ops-training", "3-precision-newer-faults", "4-sanitizer", "5-racecheck",
+                     "6-timing"):
+            with open(os.path.join(out, part, "summary.json")) as f:
+                for s in json.load(f)["stages"]:
+                    if "not asked for" not in s["why"]:
+                        self.assertEqual(s["status"], "passed", (part, s))
+                        ran.setdefault(s["stage"], []).append(part)
+        self.assertEqual(sorted(ran), sorted(["build", "data", "ops", "train", "faults", "sanitizer", "startup",
+                                              "bench", "fmnist"]))
+        self.assertEqual(ran["train"], ["2-ops-training", "3-precision-newer-faults"])
+        with open(os.path.join(tools, "calls")) as f:
+            calls = sorted(" ".join(c.split()[:2]) + (" train" if "configs/model.yaml" in c else " ops") for c in f)
+        self.assertEqual(calls, sorted(f"--tool {t} {x}" for t in ("memcheck", "racecheck", "synccheck", "initcheck")
+                                       for x in ("ops", "train")))
+        with open(os.path.join(out, "summary.md")) as f:
+            md = f.read()
+        for part in ("## 2-ops-training", "## 5-racecheck", "| fmnist | passed |", "launch to end of first step"):
+            self.assertIn(part, md)
+        self.assertNotIn("not asked for", md)
 
     def test_a_stage_that_fails_or_runs_out_of_time_does_not_stop_the_others(self):
         p, out, summary = check(["--stages", "ops,train,startup,fmnist"],

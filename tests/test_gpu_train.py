@@ -119,6 +119,41 @@ class GpuTraining(GpuCase):
         out = self.equivalence(2, ENV1, ["--set", "dist.comm=mpi"])
         self.assertIn("gradients: MPI through host memory (dist.comm mpi)", out)
 
+    def test_device_auto_takes_a_gpu_of_its_own_else_the_cpu(self):
+        """--device auto (the default): the GPU when every rank has one of its own, the same training as
+        --device cuda bit for bit; the CPU, saying why, when two ranks would share one or a GPU has no
+        code in this build; nothing said where there is no GPU at all."""
+        self.w.dataset(n=48)
+        cfg = self.w.config(GPU_CNN, dropout="relu")
+        steps = ["--set", "train.max_steps=3"]
+        rc, out, err = gpu_run([cfg, "--device", "auto"] + steps, 1, ENV1)
+        self.assertEqual(rc, 0, out + err)
+        self.assertIn("device: cuda (--device auto: every rank has a GPU of its own)", out)
+        self.assertRegex(out, r"(?m)^training: .* cuda backend")
+        rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", f"checkpoint.dir={self.w.file('cuda')}"] + steps,
+                               1, ENV1)
+        self.assertEqual(rc, 0, out + err)
+        auto, cuda = params(self.w.latest("ckpt")), params(self.w.latest("cuda"))
+        for k in cuda:
+            self.assertTrue(np.array_equal(auto[k], cuda[k]), k)
+        rc, out, err = gpu_run([cfg, "--device", "auto", "--set", f"checkpoint.dir={self.w.file('two')}"] + steps,
+                               2, ENV1)
+        self.assertEqual(rc, 0, out + err)
+        self.assertRegex(out, r"(?m)^device: cpu \(--device auto: ranks 0 and 1 use the same GPU \(PCI \S+ on \S+\) "
+                              r"\(--device cuda shares them over MPI\)\)$")
+        self.assertRegex(out, r"(?m)^training: .* cpu backend")
+        if SIM:  # a GPU older than the build's code
+            rc, out, err = gpu_run([cfg, "--device", "auto", "--set", f"checkpoint.dir={self.w.file('old')}"] + steps,
+                                   1, dict(ENV1, GPUSIM_CC="6.1"))
+            self.assertEqual(rc, 0, out + err)
+            self.assertRegex(out, r"(?m)^device: cpu \(--device auto: rank 0: GPU 0 of rank 0 \(\S+\) has compute "
+                                  r"capability 6\.1, which this build has no code for\)$")
+        if "GPUs: none" in subprocess.run([BINARY, "--info"], capture_output=True, text=True, env=ENV).stdout:
+            rc, out, err = run([cfg, "--device", "auto", "--set", f"checkpoint.dir={self.w.file('none')}"] + steps)
+            self.assertEqual(rc, 0, out + err)
+            self.assertNotIn("device:", out)
+            self.assertRegex(out, r"(?m)^training: .* cpu backend")
+
     def test_transformer_matches_the_cpu(self):
         """A GPT (embedding with positions, pre-LN blocks with causal attention and attention dropout,
         tied head, padding left out by ignore_index) on 2 ranks: CUDA against the CPU, steps captured
