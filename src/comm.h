@@ -105,7 +105,7 @@ _Noreturn void comm_abort(dt_comm *c, int code);
 typedef struct {
   void (*start)(void *ctx, float *buf, int64_t count); /* queue the sum of buf[0..count) */
   void (*join)(void *ctx);                             /* the compute stream waits for the queued sums */
-  void (*sum_f64)(void *ctx, double *buf, int n);      /* queue the sum of n doubles, on the compute stream */
+  void (*sum_f64)(void *ctx, double *buf, int n);      /* queue the sum of n doubles; the compute stream waits */
   /* While the host waits for queued work: a failed or vanished peer, or the deadline passed
    * since `since` (dt_now()), aborts the communicator and the job (exit 3), naming `what`. */
   void (*check)(void *ctx, const char *what, double since);

@@ -111,16 +111,23 @@ static void nccl_join(void *ctx) {
   CUDA_CHECK(cudaStreamWaitEvent(n->compute, n->done, 0));
 }
 
-/* Small sums (synchronised batchnorm statistics) go on the compute stream, in its order. */
+/* Small sums (synchronised batchnorm statistics), needed by the compute stream at once: on
+ * comm_stream all the same, after the buckets queued there, so that every collective of the
+ * communicator is in one stream's order. On two streams a captured step holds them on parallel
+ * branches, which a graph launch may run in either order, and the ranks then disagree. */
 static void nccl_sum_f64(void *ctx, double *buf, int count) {
   dt_nccl *n = ctx;
-  ncclResult_t rc = ncclAllReduce(buf, buf, (size_t)count, ncclDouble, ncclSum, n->comm, n->compute);
+  CUDA_CHECK(cudaEventRecord(n->ready, n->compute));
+  CUDA_CHECK(cudaStreamWaitEvent(n->comm_stream, n->ready, 0));
+  ncclResult_t rc = ncclAllReduce(buf, buf, (size_t)count, ncclDouble, ncclSum, n->comm, n->comm_stream);
   if (rc != ncclSuccess && rc != ncclInProgress) {
     char why[256];
     snprintf(why, sizeof why, "failed for %d values: %s", count, ncclGetErrorString(rc));
     give_up(n, "ncclAllReduce (batchnorm statistics)", why);
   }
   settle(n, "ncclAllReduce (batchnorm statistics)");
+  CUDA_CHECK(cudaEventRecord(n->done, n->comm_stream));
+  CUDA_CHECK(cudaStreamWaitEvent(n->compute, n->done, 0));
 }
 
 /* A peer's failure surfaces as an asynchronous error of the communicator. */

@@ -417,8 +417,10 @@ class GpuTraining(GpuCase):
 
     @unittest.skipUnless(VISIBLE2 >= 2, "fewer than 2 GPUs visible")
     def test_cuda_graph_replay_equals_eager_over_nccl(self):
-        """The graph holds the bucketed NCCL all-reduce and the synchronised batchnorm sums."""
-        got = self.graph_runs(2, ENV2, ["--set", "dist.comm=nccl"])
+        """The graph holds the bucketed NCCL all-reduce and the synchronised batchnorm sums: buckets of 52
+        values, so that the later layers' buckets are sent before batchnorm's backward sums its
+        statistics, and every rank's graph must still run the collectives in one order."""
+        got = self.graph_runs(2, ENV2, ["--set", "dist.comm=nccl", "--set", "dist.bucket_mb=0.0002"])
         self.assert_graphs_replayed_bit_for_bit(got, 2)
 
     def test_cuda_graph_on_is_refused_where_a_step_cannot_be_captured(self):
