@@ -308,6 +308,26 @@ void comm_isum_f32(dt_comm *c, float *buf, int64_t count, dt_comm_request *req) 
   MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, MPI_FLOAT, MPI_SUM, c->world, req));
 }
 
+void comm_ireduce_f32(dt_comm *c, float *buf, int64_t count, int root, dt_comm_request *req) {
+  DT_ASSERT(count <= 0x7fffffff && root >= 0 && root < c->size);
+  if (c->rank == root)
+    MPI_CHECK(MPI_Ireduce(MPI_IN_PLACE, buf, (int)count, MPI_FLOAT, MPI_SUM, root, c->world, req));
+  else
+    MPI_CHECK(MPI_Ireduce(buf, NULL, (int)count, MPI_FLOAT, MPI_SUM, root, c->world, req));
+}
+
+void comm_allgather_slices_f32(dt_comm *c, float *buf, const int64_t *lo, const char *what) {
+  DT_ASSERT(lo[c->size] <= 0x7fffffff);
+  if (c->size == 1) return;
+  int *counts = dt_malloc((size_t)c->size * sizeof(int)), *displs = dt_malloc((size_t)c->size * sizeof(int));
+  for (int r = 0; r < c->size; r++) counts[r] = (int)(lo[r + 1] - lo[r]), displs[r] = (int)lo[r];
+  MPI_Request req;
+  MPI_CHECK(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, counts, displs, MPI_FLOAT, c->world, &req));
+  comm_wait(c, &req, 1, what);
+  free(counts);
+  free(displs);
+}
+
 void comm_progress(dt_comm_request *req) {
   int done = 0;
   if (*req != MPI_REQUEST_NULL) MPI_CHECK(MPI_Test(req, &done, MPI_STATUS_IGNORE));

@@ -92,6 +92,12 @@ typedef MPI_Request dt_comm_request;
 #define DT_COMM_REQUEST_NULL MPI_REQUEST_NULL
 /* Starts the sum of buf[0..count) over the ranks, in place (count < 2^31). */
 void comm_isum_f32(dt_comm *c, float *buf, int64_t count, dt_comm_request *req);
+/* Starts the sum of buf[0..count) over the ranks into root's buf (in place there; the others' buf
+ * is only read) (count < 2^31). */
+void comm_ireduce_f32(dt_comm *c, float *buf, int64_t count, int root, dt_comm_request *req);
+/* Every rank r's slice buf[lo[r], lo[r + 1]) to every rank, in place (lo: size + 1 offsets, lo[size]
+ * < 2^31), under the deadline. */
+void comm_allgather_slices_f32(dt_comm *c, float *buf, const int64_t *lo, const char *what);
 /* Lets the library advance req (Open MPI progresses non-blocking collectives only inside MPI calls). */
 void comm_progress(dt_comm_request *req);
 
@@ -104,8 +110,12 @@ _Noreturn void comm_abort(dt_comm *c, int code);
  * one, ddp.c's buckets go through MPI. */
 typedef struct {
   void (*start)(void *ctx, float *buf, int64_t count); /* queue the sum of buf[0..count) */
-  void (*join)(void *ctx);                             /* the compute stream waits for the queued sums */
-  void (*sum_f64)(void *ctx, double *buf, int n);      /* queue the sum of n doubles; the compute stream waits */
+  /* dist.zero 1: queue the sum of buf[0..count) into root's buf; queue every rank r's slice
+   * buf[lo[r], lo[r + 1]) to every rank; the compute stream waits (lo: size + 1 offsets) */
+  void (*reduce)(void *ctx, float *buf, int64_t count, int root);
+  void (*gather)(void *ctx, float *buf, const int64_t *lo);
+  void (*join)(void *ctx);                        /* the compute stream waits for the queued sums */
+  void (*sum_f64)(void *ctx, double *buf, int n); /* queue the sum of n doubles; the compute stream waits */
   /* While the host waits for queued work: a failed or vanished peer, or the deadline passed
    * since `since` (dt_now()), aborts the communicator and the job (exit 3), naming `what`. */
   void (*check)(void *ctx, const char *what, double since);

@@ -84,25 +84,59 @@ static uint16_t *packed_for(dt_nccl *n, int64_t count) {
   return n->packed;
 }
 
-static void nccl_start(void *ctx, float *buf, int64_t count) {
-  dt_nccl *n = ctx;
+/* The sum of buf[0..count) over the ranks, queued on comm_stream after the compute stream's work so
+ * far: into every rank's buf (root -1: ncclAllReduce) or into root's (ncclReduce, dist.zero 1). */
+static void nccl_sum_into(dt_nccl *n, float *buf, int64_t count, int root) {
+  const char *what = root < 0 ? "ncclAllReduce" : "ncclReduce";
   CUDA_CHECK(cudaEventRecord(n->ready, n->compute));
   CUDA_CHECK(cudaStreamWaitEvent(n->comm_stream, n->ready, 0));
   /* bf16: rounded to nearest even, summed by NCCL in bf16, widened back in place */
   uint16_t *packed = n->bf16 ? packed_for(n, count) : NULL;
   if (packed) k_pack16(n->comm_stream, buf, packed, count, 1, 1, 1);
-  ncclResult_t rc = packed
-                        ? ncclAllReduce(packed, packed, (size_t)count, ncclBfloat16, ncclSum, n->comm, n->comm_stream)
-                        : ncclAllReduce(buf, buf, (size_t)count, ncclFloat, ncclSum, n->comm, n->comm_stream);
+  void *data = packed ? (void *)packed : (void *)buf;
+  const ncclDataType_t type = packed ? ncclBfloat16 : ncclFloat;
+  ncclResult_t rc = root < 0 ? ncclAllReduce(data, data, (size_t)count, type, ncclSum, n->comm, n->comm_stream)
+                             : ncclReduce(data, data, (size_t)count, type, ncclSum, root, n->comm, n->comm_stream);
   if (rc != ncclSuccess && rc != ncclInProgress) {
     char why[256];
     snprintf(why, sizeof why, "failed for %lld values: %s", (long long)count, ncclGetErrorString(rc));
-    give_up(n, "ncclAllReduce", why);
+    give_up(n, what, why);
   }
   /* a non-blocking communicator may still be queueing the sum: nothing else goes on its stream
    * before it has (NCCL's rule), or the widening could run ahead of it */
-  settle(n, "ncclAllReduce");
-  if (packed) k_unpack16(n->comm_stream, packed, buf, count, 1, 1, 1, 0);
+  settle(n, what);
+  if (packed && (root < 0 || root == n->mpi->rank)) k_unpack16(n->comm_stream, packed, buf, count, 1, 1, 1, 0);
+}
+
+static void nccl_start(void *ctx, float *buf, int64_t count) {
+  nccl_sum_into(ctx, buf, count, -1);
+}
+
+static void nccl_reduce(void *ctx, float *buf, int64_t count, int root) {
+  nccl_sum_into(ctx, buf, count, root);
+}
+
+/* Every rank's slice to every rank: one broadcast from each rank (NCCL's all-gather wants equal
+ * slices, and an uneven split has none), on comm_stream after the compute stream's update, which
+ * then waits for them (one stream for every collective: nccl_sum_f64 says why). */
+static void nccl_gather(void *ctx, float *buf, const int64_t *lo) {
+  dt_nccl *n = ctx;
+  CUDA_CHECK(cudaEventRecord(n->ready, n->compute));
+  CUDA_CHECK(cudaStreamWaitEvent(n->comm_stream, n->ready, 0));
+  for (int r = 0; r < n->mpi->size; r++) {
+    if (lo[r + 1] == lo[r]) continue;
+    ncclResult_t rc =
+        ncclBroadcast(buf + lo[r], buf + lo[r], (size_t)(lo[r + 1] - lo[r]), ncclFloat, r, n->comm, n->comm_stream);
+    if (rc != ncclSuccess && rc != ncclInProgress) {
+      char why[256];
+      snprintf(why, sizeof why, "failed for rank %d's %lld values: %s", r, (long long)(lo[r + 1] - lo[r]),
+               ncclGetErrorString(rc));
+      give_up(n, "ncclBroadcast (parameters)", why);
+    }
+    settle(n, "ncclBroadcast (parameters)");
+  }
+  CUDA_CHECK(cudaEventRecord(n->done, n->comm_stream));
+  CUDA_CHECK(cudaStreamWaitEvent(n->compute, n->done, 0));
 }
 
 static void nccl_join(void *ctx) {
@@ -203,8 +237,13 @@ dt_nccl *nccl_create(dt_comm *c, dt_backend *be, int grad_bf16, dt_status *st) {
   CUDA_CHECK(cudaStreamCreateWithFlags(&n->comm_stream, cudaStreamNonBlocking));
   CUDA_CHECK(cudaEventCreateWithFlags(&n->ready, cudaEventDisableTiming));
   CUDA_CHECK(cudaEventCreateWithFlags(&n->done, cudaEventDisableTiming));
-  n->reducer = (dt_device_reduce){
-      .start = nccl_start, .join = nccl_join, .sum_f64 = nccl_sum_f64, .check = nccl_check, .ctx = n};
+  n->reducer = (dt_device_reduce){.start = nccl_start,
+                                  .reduce = nccl_reduce,
+                                  .gather = nccl_gather,
+                                  .join = nccl_join,
+                                  .sum_f64 = nccl_sum_f64,
+                                  .check = nccl_check,
+                                  .ctx = n};
   return n;
 }
 

@@ -132,6 +132,9 @@ static const dt_key config_keys[] = {
     {"dist.grad_dtype", DT_KEY_ENUM, F(grad_dtype), "fp32", NOB, "fp32|bf16",
      "type of the gradient all-reduce: bf16 rounds each bucket to bfloat16 for the NCCL sum and back, halving the "
      "bytes sent (NCCL only; the gradients and the optimizer stay fp32)"},
+    {"dist.zero", DT_KEY_INT, F(zero), "0", 0, 1, NULL,
+     "ZeRO stage: 1 keeps the optimizer state of 1/W of the parameters on each rank, reduces each gradient to the "
+     "rank that owns it instead of to all, and gathers the updated parameters after the step (0: off)"},
     {"dist.bucket_mb", DT_KEY_FLOAT, F(bucket_mb), "25", 1e-6, 4096, NULL,
      "gradient bucket size; each bucket's allreduce starts as soon as backward completes it"},
     {"dist.timeout_s", DT_KEY_FLOAT, F(timeout_s), "600", 1, BIG, NULL,

@@ -14,9 +14,17 @@
 #include "backend.h"
 #include "comm.h"
 
+/* A bucket's part summed into one place: every rank (root -1), or under dist.zero 1 the rank whose
+ * shard holds it. */
+typedef struct {
+  int64_t begin, end;
+  int root;
+  dt_comm_request req;
+} dt_piece;
+
 typedef struct {
   int64_t begin, end; /* [begin, end) of the gradient buffer */
-  dt_comm_request req;
+  int first, n;       /* its pieces: pieces[first, first + n) */
   int started;
 } dt_bucket;
 
@@ -24,11 +32,13 @@ typedef struct dt_ddp {
   dt_comm *comm;
   const dt_device_reduce *dev; /* NULL: MPI */
   dt_backend *be;
-  float *grads;       /* (n) backend memory */
-  float *staging;     /* (n) host copy for MPI when the backend's memory is not the host's; else NULL */
-  double *grad_check; /* (2) backend memory: sum of squares and non-finite count of the sent buckets */
-  int n_buckets;
+  float *grads;         /* (n) backend memory */
+  float *staging;       /* (n) host copy for MPI when the backend's memory is not the host's; else NULL */
+  double *grad_check;   /* (2) backend memory: sum of squares and non-finite count of the sent buckets */
+  const int64_t *shard; /* dist.zero 1: (size + 1) rank r owns [shard[r], shard[r + 1]); NULL: all-reduce */
+  int n_buckets, n_pieces;
   dt_bucket *buckets; /* buckets[0] is the last range of the buffer */
+  dt_piece *pieces;   /* bucket by bucket, in the order they are sent */
   int next;           /* the first bucket not yet started */
   double wait_s;      /* seconds in ddp_finish this step */
   /* the last micro-batch's backward (host clock: meaningful where the backend runs its work as it is
@@ -38,9 +48,10 @@ typedef struct dt_ddp {
   double *ready_s, *ready_mpi_s; /* (n_buckets) */
 } dt_ddp;
 
-/* Buckets of bucket_elems floats over grads[0..n); check counts non-finite values into grad_check. */
+/* Buckets of bucket_elems floats over grads[0..n); check counts non-finite values into grad_check.
+ * shard (borrowed, or NULL): dist.zero 1's slices, each rank's gradients summed into its own only. */
 void ddp_init(dt_ddp *g, dt_comm *c, const dt_device_reduce *dev, dt_backend *be, float *grads, int64_t n,
-              int64_t bucket_elems, double *grad_check);
+              int64_t bucket_elems, double *grad_check, const int64_t *shard);
 void ddp_free(dt_ddp *g);
 
 /* The pass hooks (dt_pass.grads_ready and dt_pass.allreduce_sum, with ctx the dt_ddp): every
@@ -55,9 +66,14 @@ void ddp_allreduce_sum(void *ctx, double *data, int n);
 void ddp_backward_begin(dt_ddp *g);
 void ddp_backward_end(dt_ddp *g);
 
-/* Starts what is left; sums over ranks in place. Over MPI it waits for every bucket (under the
- * deadline); on the device it only makes the compute stream wait for them. */
+/* Starts what is left; sums over ranks in place (dist.zero 1: each rank's shard only; the rest of
+ * its gradients are left as they were). Over MPI it waits for every bucket (under the deadline); on
+ * the device it only makes the compute stream wait for them. */
 void ddp_finish(dt_ddp *g);
+
+/* dist.zero 1, after the update: every rank's shard of params (n values, backend memory) to every
+ * rank (queued on the device with NCCL; over MPI waited for). */
+void ddp_gather(dt_ddp *g, float *params);
 
 /* The MPI seconds inside the last backward's hooks. */
 static inline double ddp_backward_mpi_s(const dt_ddp *g) {

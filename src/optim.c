@@ -47,15 +47,19 @@ int optim_index(const char *name) {
   return -1;
 }
 
-void optim_init(dt_optim *o, const dt_config_values *cfg, dt_backend *be, int64_t n, int64_t total_steps) {
+void optim_init(dt_optim *o, const dt_config_values *cfg, dt_backend *be, int64_t n, int64_t lo, int64_t hi,
+                int64_t total_steps) {
+  DT_ASSERT(0 <= lo && lo <= hi && hi <= n);
   memset(o, 0, sizeof *o);
   DT_ASSERT(cfg->optim >= 0 && cfg->optim < dt_n_optim_kinds);
   o->ops = dt_optim_kinds[cfg->optim];
   o->cfg = cfg;
   o->n = n;
+  o->lo = lo;
+  o->hi = hi;
   o->total_steps = total_steps;
   o->n_states = o->ops->n_states(cfg);
-  for (int i = 0; i < o->n_states; i++) o->states[i] = be->alloc(be, (size_t)(n ? n : 1) * sizeof(float));
+  for (int i = 0; i < o->n_states; i++) o->states[i] = be->alloc(be, (size_t)(hi > lo ? hi - lo : 1) * sizeof(float));
   o->hyper = be->alloc(be, DT_OPTIM_HYPER * sizeof(float));
 }
 
@@ -84,19 +88,23 @@ void optim_prepare(dt_optim *o, dt_backend *be, double lr) {
   be->upload(be, o->hyper, h, sizeof h);
 }
 
+/* One run [off, off + len) of the flat buffer, clipped to the slice [lo, hi) this rank steps. */
+static void apply_run(dt_optim *o, dt_backend *be, int64_t off, int64_t len, float wd, float *params,
+                      const float *grads) {
+  const int64_t a = off > o->lo ? off : o->lo, b = off + len < o->hi ? off + len : o->hi;
+  if (a >= b) return;
+  float *states[DT_OPTIM_MAX_STATES] = {0};
+  for (int i = 0; i < o->n_states; i++) states[i] = o->states[i] + (a - o->lo);
+  o->ops->step(o->cfg, be, b - a, o->step, o->hyper, o->skip, wd, params + a, grads + a, states);
+}
+
 void optim_apply(dt_optim *o, dt_backend *be, float *params, const float *grads) {
   const float wd = (float)o->cfg->weight_decay;
-  if (o->n_runs == 0) {
-    o->ops->step(o->cfg, be, o->n, o->step, o->hyper, o->skip, wd, params, grads, o->states);
-  } else {
-    for (int r = 0; r < o->n_runs; r++) {
-      const int64_t off = o->run_off[r];
-      float *states[DT_OPTIM_MAX_STATES] = {0};
-      for (int i = 0; i < o->n_states; i++) states[i] = o->states[i] + off;
-      o->ops->step(o->cfg, be, o->run_len[r], o->step, o->hyper, o->skip, o->run_decay[r] ? wd : 0.0f, params + off,
-                   grads + off, states);
-    }
-  }
+  if (o->n_runs == 0)
+    apply_run(o, be, 0, o->n, wd, params, grads);
+  else
+    for (int r = 0; r < o->n_runs; r++)
+      apply_run(o, be, o->run_off[r], o->run_len[r], o->run_decay[r] ? wd : 0.0f, params, grads);
   o->step++;
 }
 

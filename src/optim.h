@@ -41,8 +41,9 @@ typedef struct {
   const dt_config_values *cfg; /* borrowed */
   int64_t total_steps;
   int64_t n;
+  int64_t lo, hi; /* the slice of the flat buffer this rank steps: [0, n), or its shard under dist.zero 1 */
   int n_states;
-  float *states[DT_OPTIM_MAX_STATES]; /* (n) each, backend memory */
+  float *states[DT_OPTIM_MAX_STATES]; /* (hi - lo) each, backend memory: the state of params[lo, hi) */
   float *hyper;                       /* (DT_OPTIM_HYPER) backend memory: this step's learning rate etc. */
   const double *skip;                 /* (1) backend memory or NULL: the op's skip (set by the trainer) */
   int64_t step;                       /* optimizer steps taken */
@@ -55,13 +56,15 @@ typedef struct {
 
 double schedule_lr(const dt_config_values *cfg, int64_t t, int64_t total);
 
-void optim_init(dt_optim *o, const dt_config_values *cfg, dt_backend *be, int64_t n, int64_t total_steps);
+/* The optimizer of a flat buffer of n values, keeping state for and stepping [lo, hi) only. */
+void optim_init(dt_optim *o, const dt_config_values *cfg, dt_backend *be, int64_t n, int64_t lo, int64_t hi,
+                int64_t total_steps);
 void optim_free(dt_optim *o, dt_backend *be);
 /* Steps runs [off, off + len) with weight decay where decay[i], without elsewhere (copied). */
 void optim_set_runs(dt_optim *o, int n, const int64_t *off, const int64_t *len, const int *decay);
 /* Uploads the next step's values at lr (queued; outside a captured step). */
 void optim_prepare(dt_optim *o, dt_backend *be, double lr);
-/* Queues the step prepared last over params with grads; advances o->step. */
+/* Queues the step prepared last over params[lo, hi) with grads[lo, hi); advances o->step. */
 void optim_apply(dt_optim *o, dt_backend *be, float *params, const float *grads);
 /* Counts a step whose optim_apply work was queued by replaying a captured one. */
 void optim_advance(dt_optim *o);

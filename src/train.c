@@ -95,6 +95,7 @@ static int trainer_start(dt_trainer *tr) {
 /* Rank 0 writes a step checkpoint (or best.h5); all ranks agree on the outcome. */
 static int save_checkpoint(dt_trainer *tr, int best) {
   dt_status st = {0};
+  step_gather_shards(tr, tr->comm->rank == 0 ? &tr->scratch : NULL); /* dist.zero 1's optimizer state */
   if (tr->comm->rank == 0) {
     const dt_config_values *v = tr->v;
     step_snapshot(tr, &tr->scratch);

@@ -56,7 +56,8 @@ typedef struct {
 struct dt_step {
   dt_sampler smp;
   dt_optim opt;
-  dt_ema ema; /* params NULL: train.ema is off */
+  int64_t *shard; /* dist.zero 1: (ranks + 1) rank r steps and keeps state for params[shard[r], shard[r + 1]) */
+  dt_ema ema;     /* params NULL: train.ema is off */
   dt_ddp ddp;
   dt_loader L;
   dt_dev_batch in[2];  /* micro-batches alternate between the two */
@@ -110,7 +111,14 @@ const dt_ddp *step_alloc(dt_trainer *tr) {
   dt_model *m = tr->m;
   dt_backend *be = tr->be;
   if (tr->step->counter.idx) tr->step->counter.weight = (double *)be->alloc(be, sizeof(double));
-  optim_init(&tr->step->opt, v, be, m->n_params, tr->total);
+  const int W = tr->comm->size, rank = tr->comm->rank;
+  int64_t lo = 0, hi = m->n_params;
+  if (v->zero) {
+    tr->step->shard = dt_malloc((size_t)(W + 1) * sizeof(int64_t));
+    for (int r = 0; r <= W; r++) tr->step->shard[r] = split_lo(m->n_params, W, r);
+    lo = tr->step->shard[rank], hi = tr->step->shard[rank + 1];
+  }
+  optim_init(&tr->step->opt, v, be, m->n_params, lo, hi, tr->total);
   if (v->no_decay) { /* optim.no_decay: weight decay only on the other tensors */
     int64_t *off = dt_malloc((size_t)m->n_tensors * sizeof(int64_t)),
             *len = dt_malloc((size_t)m->n_tensors * sizeof(int64_t));
@@ -132,7 +140,7 @@ const dt_ddp *step_alloc(dt_trainer *tr) {
   for (int i = 0; i < 2; i++) batch_alloc(&tr->step->in[i], m, m->max_batch);
   if (v->cache == DT_CACHE_DEVICE) cache_fill(&tr->step->cache, be, &tr->d->train); /* one copy, then row numbers */
   ddp_init(&tr->step->ddp, tr->comm, tr->opts->dev, be, m->grads, m->n_params,
-           (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float)), s->stats + 2);
+           (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float)), s->stats + 2, tr->step->shard);
   return &tr->step->ddp;
 }
 
@@ -144,8 +152,10 @@ void step_restore(dt_trainer *tr) {
   dt_step *s = tr->step;
   if (resume) {
     if (!s->sums.scaler) tr->ts.loss_scale = tr->ts.scale_growth = 0;
-    for (int k = 0; k < s->opt.n_states; k++)
-      if (resume->opt[k]) be->to_device(be, s->opt.states[k], resume->opt[k], (size_t)m->n_params * sizeof(float));
+    for (int k = 0; k < s->opt.n_states; k++) /* this rank's slice (all of it without dist.zero) */
+      if (resume->opt[k] && s->opt.hi > s->opt.lo)
+        be->to_device(be, s->opt.states[k], resume->opt[k] + s->opt.lo,
+                      (size_t)(s->opt.hi - s->opt.lo) * sizeof(float));
     s->opt.step = tr->ts.optim_step;
   }
   if (s->sums.scaler) { /* a run that did not scale starts from GradScaler's initial scale */
@@ -165,6 +175,14 @@ void step_restore(dt_trainer *tr) {
 
 void step_log_setup(dt_trainer *tr) {
   const dt_config_values *v = tr->v;
+  const dt_optim *o = &tr->step->opt;
+  if (tr->step->shard)
+    log_line(&tr->lg,
+             "dist.zero 1: rank 0 keeps the optimizer state of parameters [%lld, %lld), %lld of %lld (%.2f MiB instead "
+             "of %.2f); gradients are reduced to each slice's rank, parameters gathered after each step",
+             (long long)o->lo, (long long)o->hi, (long long)(o->hi - o->lo), (long long)o->n,
+             (double)(o->n_states * (o->hi - o->lo)) * sizeof(float) / 1048576.0,
+             (double)(o->n_states * o->n) * sizeof(float) / 1048576.0);
   if (tr->step->cache.x) {
     const dt_split *s = &tr->d->train;
     log_line(&tr->lg, "data.cache device: %lld training rows per rank in device memory (%.1f MiB as stored)",
@@ -256,22 +274,28 @@ static void queue_update(dt_trainer *tr) {
   dt_step_sums *s = &tr->step->sums;
   ddp_finish(&tr->step->ddp);
   const double t0 = dt_now();
-  if (s->scaler) { /* the summed gradients unscaled, then checked: a non-finite one skips the update */
-    dt_op un = {.type = DT_OP_UNSCALE, .p.unscale = {.n = m->n_params, .scaler = s->scaler, .x = m->grads}};
+  /* the summed gradients: all of them, or under dist.zero this rank's shard, whose partial sums of
+   * squares and counts are then summed over the ranks, so that every rank clips and skips alike */
+  const int64_t lo = tr->step->opt.lo, n = tr->step->opt.hi - lo;
+  float *grads = m->grads + lo;
+  if (s->scaler) { /* unscaled, then checked: a non-finite one skips the update */
+    dt_op un = {.type = DT_OP_UNSCALE, .p.unscale = {.n = n, .scaler = s->scaler, .x = grads}};
     backend_run(be, &un);
-    dt_op check = {.type = DT_OP_SUMSQ, .p.sumsq = {.n = m->n_params, .x = m->grads, .out = s->stats + 4}};
+    dt_op check = {.type = DT_OP_SUMSQ, .p.sumsq = {.n = n, .x = grads, .out = s->stats + 4}};
     backend_run(be, &check);
+    if (tr->step->shard) ddp_allreduce_sum(&tr->step->ddp, s->stats + 4, 2);
   }
   if (v->clip_grad_norm > 0) {
     be->zero(be, s->clip_sq, 2 * sizeof(double));
-    dt_op sq = {.type = DT_OP_SUMSQ, .p.sumsq = {.n = m->n_params, .x = m->grads, .out = s->clip_sq}};
+    dt_op sq = {.type = DT_OP_SUMSQ, .p.sumsq = {.n = n, .x = grads, .out = s->clip_sq}};
     backend_run(be, &sq);
-    dt_op clip = {
-        .type = DT_OP_CLIP,
-        .p.clip = {.n = m->n_params, .max_norm = (float)v->clip_grad_norm, .sumsq = s->clip_sq, .x = m->grads}};
+    if (tr->step->shard) ddp_allreduce_sum(&tr->step->ddp, s->clip_sq, 2);
+    dt_op clip = {.type = DT_OP_CLIP,
+                  .p.clip = {.n = n, .max_norm = (float)v->clip_grad_norm, .sumsq = s->clip_sq, .x = grads}};
     backend_run(be, &clip);
   }
   optim_apply(&tr->step->opt, be, m->params, m->grads);
+  if (tr->step->shard) ddp_gather(&tr->step->ddp, m->params);                   /* every rank's updated shard to all */
   if (tr->step->ema.params) ema_update(&tr->step->ema, be, m->params, m->bufs); /* every step, as timm's loop */
   if (s->scaler) {
     dt_op up = {.type = DT_OP_SCALER_UPDATE,
@@ -524,9 +548,23 @@ void step_snapshot(const dt_trainer *tr, dt_ckpt_data *d) {
     be->to_host(be, d->ema_params, s->ema.params, pb);
     be->to_host(be, d->ema_bufs, s->ema.bufs, bb);
   }
-  for (int k = 0; k < s->opt.n_states; k++) be->to_host(be, d->opt[k], s->opt.states[k], pb);
+  if (!s->shard) /* else step_gather_shards has put them there */
+    for (int k = 0; k < s->opt.n_states; k++) be->to_host(be, d->opt[k], s->opt.states[k], pb);
   d->ts = tr->ts;
   d->ts.optim_step = s->opt.step;
+}
+
+void step_gather_shards(const dt_trainer *tr, dt_ckpt_data *d) {
+  const dt_step *s = tr->step;
+  if (!s->shard) return;
+  dt_backend *be = tr->be;
+  const int64_t n = s->opt.hi - s->opt.lo;
+  float *mine = dt_malloc((size_t)(n ? n : 1) * sizeof(float));
+  for (int k = 0; k < s->opt.n_states; k++) {
+    be->to_host(be, mine, s->opt.states[k], (size_t)n * sizeof(float));
+    comm_gather_rows(tr->comm, mine, n, 1, d ? d->opt[k] : NULL);
+  }
+  free(mine);
 }
 
 void step_graph_counts(const dt_trainer *tr, int64_t *captures, int64_t *replays) {
@@ -559,6 +597,7 @@ void step_close(dt_trainer *tr) {
   if (s->ema.params) ema_free(&s->ema, be);
   if (s->opt.ops) optim_free(&s->opt, be);
   ddp_free(&s->ddp);
+  free(s->shard);
   sampler_free(&s->smp);
   free(s);
   tr->step = NULL;

@@ -64,6 +64,9 @@ void step_wait_filled(dt_trainer *tr);
 int step_ema(const dt_trainer *tr, const float **params, const float **bufs);
 /* What a checkpoint holds, copied to host memory d (ckpt_data_alloc'd for this run). */
 void step_snapshot(const dt_trainer *tr, dt_ckpt_data *d);
+/* dist.zero 1, collective, before rank 0's step_snapshot: every rank's slice of the optimizer state
+ * into d (rank 0's; NULL elsewhere). Nothing without it. */
+void step_gather_shards(const dt_trainer *tr, dt_ckpt_data *d);
 /* Counts of captured and replayed steps. */
 void step_graph_counts(const dt_trainer *tr, int64_t *captures, int64_t *replays);
 void step_close(dt_trainer *tr);

@@ -128,7 +128,7 @@ static void check_model(const char *model_yaml, int64_t batch) {
     v.nesterov = 1;
     v.weight_decay = 0.01;
     for (int i = 0; i < 2; i++) {
-      optim_init(&o[i], &v, sides[i]->be, c.m.n_params, 10);
+      optim_init(&o[i], &v, sides[i]->be, c.m.n_params, 0, c.m.n_params, 10);
       optim_step(&o[i], sides[i]->be, sides[i]->m.params, sides[i]->m.grads, 0.05);
       optim_free(&o[i], sides[i]->be);
     }

@@ -34,7 +34,7 @@ static void sgd_nesterov_with_weight_decay(void **s) {
   c.weight_decay = 0.01;
   dt_backend *be = backend_cpu_create(1);
   dt_optim o;
-  optim_init(&o, &c, be, 1, 10);
+  optim_init(&o, &c, be, 1, 0, 1, 10);
   float p = 1.0f, g = 0.5f;
   /* step 1: g' = 0.5 + 0.01*1 = 0.51; buf = 0.51; g'' = 0.51 + 0.9*0.51 = 0.969; p = 1 - 0.0969 */
   optim_step(&o, be, &p, &g, 0.1);
@@ -52,13 +52,13 @@ static void sgd_plain_and_heavy_ball(void **s) {
   dt_config_values c = base();
   dt_backend *be = backend_cpu_create(1);
   dt_optim o;
-  optim_init(&o, &c, be, 1, 10);
+  optim_init(&o, &c, be, 1, 0, 1, 10);
   float p = 1.0f, g = 2.0f;
   optim_step(&o, be, &p, &g, 0.1); /* p = 1 - 0.2 */
   assert_near(p, 0.8, 1e-7);
   optim_free(&o, be);
   c.momentum = 0.5;
-  optim_init(&o, &c, be, 1, 10);
+  optim_init(&o, &c, be, 1, 0, 1, 10);
   p = 1.0f;
   optim_step(&o, be, &p, &g, 0.1); /* buf = 2; p = 0.8 */
   optim_step(&o, be, &p, &g, 0.1); /* buf = 1 + 2 = 3; p = 0.8 - 0.3 = 0.5 */
@@ -74,7 +74,7 @@ static void adamw_two_steps(void **s) {
   c.weight_decay = 0.01;
   dt_backend *be = backend_cpu_create(1);
   dt_optim o;
-  optim_init(&o, &c, be, 1, 10);
+  optim_init(&o, &c, be, 1, 0, 1, 10);
   float p = 1.0f, g = 0.5f;
   /* step 1: p = 1*(1 - 0.1*0.01) = 0.999; m = 0.05, v = 0.00025; mhat = 0.5, vhat = 0.25;
    * p -= 0.1 * 0.5 / (0.5 + 1e-8) -> 0.899 */
