@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Prints the README's table of GPT-2 memory per rank (124M, 355M, 774M, 1.5B at 8 x 1024 tokens a
-rank, AdamW, fp32) under each train.recompute setting, from `ddp_train --dry-run`'s estimate. The
-sizes are configs/gpt2_124m.yaml with GPT-2's widths, heads and depths. Without ZeRO a rank holds the
-same whatever the world size, so one process gives the figure for 8 ranks. Without checkpoints: the copy
+rank, AdamW, fp32) under each train.recompute setting, from `ddp_train --dry-run`'s estimate, and with
+blocks and dist.zero 1 on 8 ranks. The sizes are configs/gpt2_124m.yaml with GPT-2's widths, heads and
+depths. Without ZeRO a rank holds the same whatever the world size, so one process gives the figure for 8
+ranks; with it, rank 0 keeps AdamW's state for its eighth of the parameters (split_lo(n, 8, 1) of n, as
+the binary splits them), the only part that changes. Without checkpoints: the copy
 rank 0 makes while it writes one is host memory on a GPU (in the CPU backend's estimate, it is added).
 
     /usr/bin/python3 scripts/memory_table.py [./ddp_train]
@@ -53,8 +55,8 @@ def gib(mib):
 def main():
     binary = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "ddp_train")
     print("| model (parameters) | weights, gradients, AdamW (GiB) | activations, `recompute: none` | total | "
-          "activations, `recompute: blocks` | total |")
-    print("|---|---|---|---|---|---|")
+          "activations, `recompute: blocks` | total | total, `blocks` and `dist.zero: 1` on 8 ranks |")
+    print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="ddp_train_memory_") as tmp:
         for name, dim, heads, blocks in SIZES:
             path = os.path.join(tmp, "gpt2.yaml")
@@ -65,6 +67,7 @@ def main():
             cells = [f"{name} ({n:,})", gib(params + grads + optim)]
             for r in SETTINGS:
                 cells += [gib(got[r][0][4]), gib(got[r][0][0])]
+            cells.append(gib(got["blocks"][0][0] - optim + optim * (n * 1 // 8) / n))
             print("| " + " | ".join(cells) + " |")
 
 

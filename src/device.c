@@ -11,6 +11,7 @@
 #include "gpu.h"
 #include "memory.h"
 #include "optim.h"
+#include "sampler.h"
 
 /* Threads per rank: the cores this rank may run on, shared with the other ranks on the node.
  * cfg NULL: the default (dist.threads unset). */
@@ -216,8 +217,15 @@ static dt_memory rank_memory(const dt_config_values *v, const dt_model *m, const
   mem.optim += DT_OPTIM_HYPER * sizeof(float); /* the step's learning rate etc., beside the states */
   mem.total += DT_OPTIM_HYPER * sizeof(float);
   extra[0] = 0;
+  int64_t slice = m->n_params; /* the parameters whose optimizer state and EMA this rank keeps */
+  if (v->zero) {               /* dist.zero 1: its share of the flat buffer (train_step.c's split) */
+    slice = split_lo(m->n_params, comm->size, comm->rank + 1) - split_lo(m->n_params, comm->size, comm->rank);
+    const size_t saved = (size_t)states * (size_t)(m->n_params - slice) * sizeof(float);
+    mem.optim -= saved;
+    mem.total -= saved;
+  }
   if (v->ema_decay > 0) {
-    mem.ema = (size_t)(m->n_params + m->n_bufs) * sizeof(float);
+    mem.ema = (size_t)(slice + m->n_bufs) * sizeof(float);
     mem.total += mem.ema;
   }
   dt_run_memory run; /* what the run holds beside the model (memory.h) */
@@ -283,10 +291,11 @@ size_t device_check_memory(const dt_config *cfg, const dt_model *m, const dt_dat
   if (m->tokens) snprintf(tokens, sizeof tokens, " of %lld tokens", (long long)m->tokens);
   if (report && comm->rank == 0) {
     printf(
-        "memory per rank at %lld rows%s: %.1f MiB = parameters %.1f + gradients %.1f + optimizer %.1f%s + "
+        "memory per rank at %lld rows%s: %.1f MiB = parameters %.1f + gradients %.1f + optimizer %.1f%s%s + "
         "buffers %.1f + activations %.1f%s + workspace %.1f%s; %.0f MiB %s\n",
-        (long long)rows, tokens, mib(mem.total), mib(mem.params), mib(mem.grads), mib(mem.optim), ema_part,
-        mib(mem.buffers), mib(mem.activations), run_part, mib(mem.workspace), extra, mib(have), where);
+        (long long)rows, tokens, mib(mem.total), mib(mem.params), mib(mem.grads), mib(mem.optim),
+        v->zero && comm->size > 1 ? " (dist.zero 1: rank 0's slice)" : "", ema_part, mib(mem.buffers),
+        mib(mem.activations), run_part, mib(mem.workspace), extra, mib(have), where);
     printf(
         "activations of the layers at %lld rows: %.1f MiB with train.recompute none, %.1f MiB with blocks (%d "
         "blocks)%s\n",

@@ -18,6 +18,8 @@
 #include "fault.h"
 #include "infer.h"
 #include "monitor.h"
+#include "optim.h"
+#include "sampler.h"
 #include "signals.h"
 #include "train.h"
 
@@ -215,7 +217,7 @@ static void print_version(void) {
 
 /* monitor.listen: every rank sends its host and device; rank 0 starts serving (monitor.h) and
  * hears about its long collective waits. Collective; returns the agreed code. */
-static int start_monitor(const dt_config *cfg, dt_comm *comm, dt_monitor *mon, int gpu) {
+static int start_monitor(const dt_config *cfg, const dt_model *m, dt_comm *comm, dt_monitor *mon, int gpu) {
   enum { CAP = 512 };
   dt_status st = {0};
   char mine[CAP] = "cpu";
@@ -232,16 +234,22 @@ static int start_monitor(const dt_config *cfg, dt_comm *comm, dt_monitor *mon, i
       devices[r] = all + (size_t)(comm->size + r) * CAP;
     }
     const dt_config_values *v = &cfg->v;
-    dt_monitor_run run = {.config_path = cfg->path,
-                          .config_hash = cfg->hash,
-                          .world_size = comm->size,
-                          .hosts = hosts,
-                          .devices = devices,
-                          .global_batch = config_global_batch(v, comm->size) * v->grad_accum,
-                          .rank_rows = config_max_local_rows(v, comm->size),
-                          .grad_accum = v->grad_accum,
-                          .auto_batch = cfg->auto_batch,
-                          .epochs = v->epochs};
+    /* rank 0's optimizer state: all of it, or under dist.zero 1 its slice (train_step.c's split) */
+    const int64_t slice = v->zero ? split_lo(m->n_params, comm->size, 1) : m->n_params;
+    dt_monitor_run run = {
+        .config_path = cfg->path,
+        .config_hash = cfg->hash,
+        .world_size = comm->size,
+        .hosts = hosts,
+        .devices = devices,
+        .global_batch = config_global_batch(v, comm->size) * v->grad_accum,
+        .rank_rows = config_max_local_rows(v, comm->size),
+        .grad_accum = v->grad_accum,
+        .auto_batch = cfg->auto_batch,
+        .optim_name = dt_optim_kinds[v->optim]->name,
+        .zero = v->zero,
+        .optim_state_bytes = (int64_t)dt_optim_kinds[v->optim]->n_states(v) * slice * (int64_t)sizeof(float),
+        .epochs = v->epochs};
     if (!monitor_start(mon, &run, &st)) {
       comm->wait_hook = monitor_note_wait;
       comm->wait_ctx = mon;
@@ -438,7 +446,7 @@ static int run_work(dt_run *r, dt_status *st) {
   r->opts.resume = resumed ? &r->resume : NULL;
   if (a->predict) return infer_predict(&r->model, &r->data, comm, a->predict);
   if (a->sample) return infer_sample(&r->cfg, &r->model, comm, a->sample, a->prompt, a->temperature, a->top_k);
-  if (r->cfg.v.monitor_listen[0] && (code = start_monitor(&r->cfg, comm, r->mon, r->gpu))) return code;
+  if (r->cfg.v.monitor_listen[0] && (code = start_monitor(&r->cfg, &r->model, comm, r->mon, r->gpu))) return code;
   r->opts.monitor = r->mon;
   if (r->dev.cpu_threads) device_print_placement(comm, r->dev.cpu_threads);
   dt_train_result res;

@@ -54,7 +54,8 @@ void memory_run_parts(const dt_config_values *v, const dt_model *m, const dt_dat
   out->batches = (size_t)(2 + val) * device_batch_bytes(m, held) + sums;
   if (host) out->batches += 2 * host_batch_bytes(m, rows) + (val ? host_batch_bytes(m, held) : 0);
   if (host && d) out->data = data_held_bytes(d, v->cache, m->tokens != 0); /* d NULL: not open yet */
-  if (host && world > 1) out->mpi = (size_t)m->n_params * sizeof(float);
+  if (host && world > 1) /* dist.zero 1: a reduce needs a temporary at its root only, for this rank's share */
+    out->mpi = (size_t)(v->zero ? (m->n_params + world - 1) / world : m->n_params) * sizeof(float);
   if (host && v->ckpt_dir[0]) { /* while it writes: its copy, the file built in memory, a tensor's chunk */
     const size_t pb = (size_t)m->n_params * sizeof(float), bb = (size_t)m->n_bufs * sizeof(float);
     const int states = dt_optim_kinds[v->optim]->n_states(v);

@@ -27,7 +27,8 @@ typedef struct {
                         host copy */
   size_t data;       /* host-memory backend: the rank's rows held in memory (data_held_bytes) */
   size_t mpi;        /* host-memory backend on several ranks: what Open MPI's non-blocking gradient sums may
-                        hold, a temporary per bucket in flight: at most the gradients once more */
+                        hold, a temporary per bucket in flight: at most the gradients once more (dist.zero
+                        1: the temporaries of the reduces rooted at this rank, its share) */
   size_t checkpoint; /* host-memory backend with checkpoint.dir: rank 0's, while it writes one: its host copy
                         of the state, the file built in memory (ckpt_write: the state and 1 MiB), and
                         HDF5's copy of one tensor (its checksum filter's buffer) */

@@ -79,6 +79,9 @@ struct dt_monitor {
   char **hosts, **devices;
   int64_t global_batch, rank_rows, grad_accum, epochs;
   char *auto_batch;
+  char *optim_name;
+  int zero;
+  int64_t optim_state_bytes;
   pthread_mutex_t mu;
   /* under mu */
   int published;
@@ -663,6 +666,9 @@ static unsigned get_status(dt_monitor *mon, sbuf *b) {
     sb_json_str(b, mon->auto_batch);
   else
     sb_printf(b, "null");
+  sb_printf(b, "}, \"optimizer\": {\"name\": ");
+  sb_json_str(b, mon->optim_name);
+  sb_printf(b, ", \"zero\": %d, \"state_bytes_per_rank\": %lld", mon->zero, (long long)mon->optim_state_bytes);
   sb_printf(b, "}, \"ranks\": [");
   for (int r = 0; r < mon->world; r++) {
     sb_printf(b, "%s{\"rank\": %d, \"host\": ", r ? ", " : "", r);
@@ -1116,6 +1122,9 @@ int monitor_start(dt_monitor *mon, const dt_monitor_run *run, dt_status *st) {
   mon->rank_rows = run->rank_rows;
   mon->grad_accum = run->grad_accum;
   mon->auto_batch = dt_strdup(run->auto_batch);
+  mon->optim_name = dt_strdup(run->optim_name);
+  mon->zero = run->zero;
+  mon->optim_state_bytes = run->optim_state_bytes;
   mon->epochs = run->epochs;
   mon->hosts = dt_calloc((size_t)mon->world, sizeof(char *));
   mon->devices = dt_calloc((size_t)mon->world, sizeof(char *));
@@ -1162,6 +1171,7 @@ void monitor_close(dt_monitor *mon) {
   free(mon->devices);
   free(mon->config_path);
   free(mon->auto_batch);
+  free(mon->optim_name);
   free(mon->rank_compute_ms);
   free(mon->gpu);
   if (mon->token) explicit_bzero(mon->token, mon->token_len);

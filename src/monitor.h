@@ -48,6 +48,9 @@ typedef struct {
   int64_t rank_rows;          /* the largest rank's rows of a micro-batch */
   int64_t grad_accum;         /* micro-batches of a step */
   const char *auto_batch;     /* train.batch_size auto's choice and why, or "" */
+  const char *optim_name;     /* optim.name */
+  int zero;                   /* dist.zero */
+  int64_t optim_state_bytes;  /* rank 0's optimizer state (dist.zero 1: of its slice) */
   int64_t epochs;
 } dt_monitor_run;
 

@@ -164,9 +164,10 @@ void step_restore(dt_trainer *tr) {
     be->to_device(be, s->sums.scaler, sc, sizeof sc);
   }
   if (v->ema_decay > 0) {
-    ema_init(&s->ema, be, v->ema_decay, m->params, m->n_params, m->bufs, m->n_bufs);
+    const int64_t lo = s->opt.lo, n = s->opt.hi - lo; /* its slice, like the optimizer's */
+    ema_init(&s->ema, be, v->ema_decay, m->params + lo, n, m->bufs, m->n_bufs);
     if (resume && resume->has_ema) {
-      be->to_device(be, s->ema.params, resume->ema_params, (size_t)m->n_params * sizeof(float));
+      be->to_device(be, s->ema.params, resume->ema_params + lo, (size_t)n * sizeof(float));
       be->to_device(be, s->ema.bufs, resume->ema_bufs, (size_t)m->n_bufs * sizeof(float));
     }
   }
@@ -295,8 +296,9 @@ static void queue_update(dt_trainer *tr) {
     backend_run(be, &clip);
   }
   optim_apply(&tr->step->opt, be, m->params, m->grads);
-  if (tr->step->shard) ddp_gather(&tr->step->ddp, m->params);                   /* every rank's updated shard to all */
-  if (tr->step->ema.params) ema_update(&tr->step->ema, be, m->params, m->bufs); /* every step, as timm's loop */
+  if (tr->step->shard) ddp_gather(&tr->step->ddp, m->params); /* every rank's updated shard to all */
+  if (tr->step->ema.params)                                   /* every step, as timm's loop */
+    ema_update(&tr->step->ema, be, m->params + tr->step->opt.lo, m->bufs);
   if (s->scaler) {
     dt_op up = {.type = DT_OP_SCALER_UPDATE,
                 .p.scaler_update = {.overflow = s->stats + 5,
@@ -530,10 +532,23 @@ void step_wait_filled(dt_trainer *tr) {
   loader_wait_filled(&tr->step->L);
 }
 
-int step_ema(const dt_trainer *tr, const float **params, const float **bufs) {
-  const dt_ema *e = &tr->step->ema;
+int step_ema(dt_trainer *tr, const float **params, const float **bufs) {
+  dt_step *s = tr->step;
+  const dt_ema *e = &s->ema;
   if (params) *params = e->params;
   if (bufs) *bufs = e->bufs;
+  if (params && e->params && s->shard) { /* every rank's slice into the gradients, free until the next step */
+    dt_backend *be = tr->be;
+    float *whole = tr->m->grads;
+    const int64_t lo = s->opt.lo, n = s->opt.hi - lo;
+    if (n) {
+      be->zero(be, whole + lo, (size_t)n * sizeof(float)); /* a copy through the op set, as ema.c's */
+      dt_op op = {.type = DT_OP_EMA, .p.ema = {.n = n, .decay = 0.0f, .x = e->params, .ema = whole + lo}};
+      backend_run(be, &op);
+    }
+    ddp_gather(&s->ddp, whole);
+    *params = whole;
+  }
   return e->params != NULL;
 }
 
@@ -545,7 +560,7 @@ void step_snapshot(const dt_trainer *tr, dt_ckpt_data *d) {
   be->to_host(be, d->params, m->params, pb);
   be->to_host(be, d->bufs, m->bufs, bb);
   if (s->ema.params) {
-    be->to_host(be, d->ema_params, s->ema.params, pb);
+    if (!s->shard) be->to_host(be, d->ema_params, s->ema.params, pb);
     be->to_host(be, d->ema_bufs, s->ema.bufs, bb);
   }
   if (!s->shard) /* else step_gather_shards has put them there */
@@ -560,9 +575,11 @@ void step_gather_shards(const dt_trainer *tr, dt_ckpt_data *d) {
   dt_backend *be = tr->be;
   const int64_t n = s->opt.hi - s->opt.lo;
   float *mine = dt_malloc((size_t)(n ? n : 1) * sizeof(float));
-  for (int k = 0; k < s->opt.n_states; k++) {
-    be->to_host(be, mine, s->opt.states[k], (size_t)n * sizeof(float));
-    comm_gather_rows(tr->comm, mine, n, 1, d ? d->opt[k] : NULL);
+  for (int k = 0; k <= s->opt.n_states; k++) {
+    const float *state = k < s->opt.n_states ? s->opt.states[k] : s->ema.params; /* then the EMA's */
+    if (!state) break;
+    be->to_host(be, mine, state, (size_t)n * sizeof(float));
+    comm_gather_rows(tr->comm, mine, n, 1, d ? (k < s->opt.n_states ? d->opt[k] : d->ema_params) : NULL);
   }
   free(mine);
 }

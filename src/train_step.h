@@ -60,12 +60,13 @@ void step_run(dt_trainer *tr, dt_step_report *mine, double *data_s, dt_status *s
 int step_agree(dt_trainer *tr, dt_step_report *mine, dt_status *st);
 /* The loader is done filling its cache (HDF5 is its thread's until then). */
 void step_wait_filled(dt_trainer *tr);
-/* The EMA's params and bufs (backend memory), or 0 when train.ema is off. */
-int step_ema(const dt_trainer *tr, const float **params, const float **bufs);
+/* The EMA's params and bufs (backend memory), or 0 when train.ema is off. Under dist.zero 1, params
+ * (collective) are every rank's slice gathered into the gradient buffer, good until the next step. */
+int step_ema(dt_trainer *tr, const float **params, const float **bufs);
 /* What a checkpoint holds, copied to host memory d (ckpt_data_alloc'd for this run). */
 void step_snapshot(const dt_trainer *tr, dt_ckpt_data *d);
 /* dist.zero 1, collective, before rank 0's step_snapshot: every rank's slice of the optimizer state
- * into d (rank 0's; NULL elsewhere). Nothing without it. */
+ * and the EMA into d (rank 0's; NULL elsewhere). Nothing without it. */
 void step_gather_shards(const dt_trainer *tr, dt_ckpt_data *d);
 /* Counts of captured and replayed steps. */
 void step_graph_counts(const dt_trainer *tr, int64_t *captures, int64_t *replays);

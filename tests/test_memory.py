@@ -98,6 +98,10 @@ CASES = [
     Case("gpt_tiny_recompute", "gpt_tiny.yaml", ["train.recompute=blocks"], ("tokens", (128, 256)), 16, 8),
     # Open MPI's non-blocking sums of 9 buckets of gradients (the CPU's "MPI sums"): 6 sequences a rank
     Case("gpt2_shaped_2_ranks", GPT2_SHAPED, [], ("tokens", (64, 50257)), 12, None, ranks=2),
+    # dist.zero 1: each rank keeps AdamW's moments and the EMA of half the parameters (on the GPU the
+    # two ranks share the stand-in's GPU over MPI: the gradients and the gathered parameters through host memory)
+    Case("gpt2_shaped_2_ranks_zero", GPT2_SHAPED, ["dist.zero=1", "train.ema.decay=0.999"], ("tokens", (64, 50257)),
+         12, 8, ranks=2),
 ]
 
 

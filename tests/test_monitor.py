@@ -280,7 +280,7 @@ class MetricsAndStatus(unittest.TestCase):
 
     def test_metrics_equal_metrics_jsonl_and_status_history_agree(self):
         self.job = Job([self.cfg, "--set", "train.ema.decay=0.9", "--set", "checkpoint.every_steps=40", "--set",
-                        "checkpoint.keep=100000"])
+                        "checkpoint.keep=100000", "--set", "dist.zero=1"])
         addr = self.job.address()
         status, headers, body = request(addr, "/metrics")  # before or at the first step: answers too
         self.assertEqual(status, 200)
@@ -325,6 +325,8 @@ class MetricsAndStatus(unittest.TestCase):
         self.assertEqual((st["batch"]["rank_rows"], st["batch"]["grad_accum"]), (16, 1))
         self.assertRegex(st["batch"]["auto"], r"^train\.batch_size auto: 16 rows per rank, train\.grad_accum 1 \(32 "
                                               r"rows a step on 2 ranks\); a rank needs [\d.]+ MiB of the [\d.]+ MiB")
+        # dist.zero 1: rank 0 keeps SGD's momentum for 1,898 of the 3,796 parameters
+        self.assertEqual(st["optimizer"], {"name": "sgd", "zero": 1, "state_bytes_per_rank": 1898 * 4})
         # /history: metrics.jsonl from a step on, whole records only
         since = st["progress"]["step"] - 30
         status, headers, body = request(addr, f"/history?since={since}")

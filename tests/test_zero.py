@@ -3,7 +3,8 @@ are reduced to the slice's owner and parameters gathered after the step. Every t
 (parameters, optimizer state, batchnorm statistics, EMA) within 1e-6 relative of the plain run's, with
 SGD (momentum) and AdamW (no_decay groups, clipping), on 2 and 3 ranks (an uneven split); the checkpoint
 keeps the plain layout, so it resumes into a plain run and a plain one into ZeRO, at another world size;
-on the GPU stand-in the same over NCCL with CUDA graphs."""
+on the GPU stand-in the same over NCCL with CUDA graphs, and fp16's overflow skipping the update on
+every rank."""
 import unittest
 
 import h5py
@@ -12,6 +13,7 @@ import numpy as np
 from helpers import GPU_BINARY, Workdir, gpu_setup, run
 
 ENV2, VISIBLE2, _ = gpu_setup(2)
+ENV1, VISIBLE1, _ = gpu_setup(1)
 
 # 3,147 parameters: an odd count, so that 3 ranks' slices differ, and slices that cut tensors
 CNN = """\
@@ -82,17 +84,17 @@ class Zero(unittest.TestCase):
                     self.assert_close(self.w.latest(f"zero{optim}{np_}"), self.w.latest(f"plain{optim}{np_}"))
 
     def test_checkpoints_move_between_zero_and_plain_and_world_sizes(self):
-        """A ZeRO run on 3 ranks stopped at step 10 resumes as a plain run on 2 and the other way round,
-        both ending where an unbroken plain run on 2 ranks does... on 2 ranks the world-size change
-        alters nothing but the slices, so the results agree to rounding."""
-        self.train("adamw", 2, 0, "whole")
-        self.train("adamw", 3, 1, "a", ["--set", "train.max_steps=10"])
-        self.train("adamw", 2, 0, "a", ["--resume", "auto"])
-        self.train("adamw", 2, 0, "b", ["--set", "train.max_steps=10"])
-        self.train("adamw", 3, 1, "b", ["--resume", "auto"])
-        for name in ("a", "b"):
-            self.assertTrue(self.w.latest(name).endswith("step-00000020.h5"), self.w.latest(name))
-        # a resume at the same world size is bit-exact
+        """The checkpoint keeps the plain layout: a ZeRO run on 3 ranks stopped at step 10 resumes as a
+        plain run on 2, and a plain run on 2 as a ZeRO run on 3, each ending where the same two runs
+        without ZeRO end (within 1e-6); a ZeRO resume at the same world size is bit-exact."""
+        for name, (first, second) in (("a", ((3, 1), (2, 0))), ("b", ((2, 0), (3, 1)))):
+            for zero in (True, False):
+                tag = name + ("zero" if zero else "plain")
+                (np1, z1), (np2, z2) = first, second
+                self.train("adamw", np1, z1 if zero else 0, tag, ["--set", "train.max_steps=10"])
+                self.train("adamw", np2, z2 if zero else 0, tag, ["--resume", "auto"])
+                self.assertTrue(self.w.latest(tag).endswith("step-00000020.h5"), self.w.latest(tag))
+            self.assert_close(self.w.latest(name + "zero"), self.w.latest(name + "plain"))
         self.train("adamw", 2, 1, "c", ["--set", "train.max_steps=10"])
         self.train("adamw", 2, 1, "c", ["--resume", "auto"])
         self.train("adamw", 2, 1, "d")
@@ -100,6 +102,14 @@ class Zero(unittest.TestCase):
         for n in tb:
             if n.startswith(("model/", "optim", "ema/")):
                 self.assertTrue(np.array_equal(ta[n], tb[n]), n)
+
+    @unittest.skipUnless(VISIBLE1, "no GPU visible (ddp_train --info)")
+    def test_zero_over_mpi_through_host_memory_equals_plain(self):
+        """Two ranks sharing one GPU: the gradients reduced and the parameters gathered through host memory."""
+        extra = ["--device", "cuda", "--set", "dist.comm=mpi"]
+        self.train("adamw", 2, 0, "hplain", extra, GPU_BINARY, ENV1)
+        self.train("adamw", 2, 1, "hzero", extra, GPU_BINARY, ENV1)
+        self.assert_close(self.w.latest("hzero"), self.w.latest("hplain"))
 
     @unittest.skipUnless(VISIBLE2 >= 2, "fewer than 2 GPUs visible")
     def test_zero_over_nccl_with_cuda_graphs_equals_plain(self):
@@ -109,6 +119,14 @@ class Zero(unittest.TestCase):
                 self.train(optim, 2, 0, f"gplain{optim}", extra, GPU_BINARY, ENV2)
                 self.train(optim, 2, 1, f"gzero{optim}", extra, GPU_BINARY, ENV2)
                 self.assert_close(self.w.latest(f"gzero{optim}"), self.w.latest(f"gplain{optim}"))
+        # fp16: rank 1's injected overflow lands in rank 0's slice (the buffer's first value), and the
+        # count summed over the slices makes both ranks skip that update
+        fp16 = extra + ["--set", "train.precision=fp16"]
+        env = dict(ENV2, DDP_TRAIN_FAULT="overflow@1:3")
+        for zero in (0, 1):
+            out = self.train("adamw", 2, zero, f"fp16_{zero}", fp16, GPU_BINARY, env)
+            self.assertRegex(out, r"(?m)^step 3: \d+ gradient values overflowed in fp16: update skipped")
+        self.assert_close(self.w.latest("fp16_1"), self.w.latest("fp16_0"))
 
 
 if __name__ == "__main__":
