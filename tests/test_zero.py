@@ -5,12 +5,13 @@ SGD (momentum) and AdamW (no_decay groups, clipping), on 2 and 3 ranks (an uneve
 keeps the plain layout, so it resumes into a plain run and a plain one into ZeRO, at another world size;
 on the GPU stand-in the same over NCCL with CUDA graphs, and fp16's overflow skipping the update on
 every rank."""
+import re
 import unittest
 
 import h5py
 import numpy as np
 
-from helpers import GPU_BINARY, Workdir, gpu_setup, run
+from helpers import GPU_BINARY, ROOT, Workdir, gpu_setup, run
 
 ENV2, VISIBLE2, _ = gpu_setup(2)
 ENV1, VISIBLE1, _ = gpu_setup(1)
@@ -77,7 +78,7 @@ class Zero(unittest.TestCase):
     def test_zero_equals_plain_on_2_and_3_ranks(self):
         """And with 2 micro-batches a step: the buckets are sent in the last one's backward."""
         for optim in ("sgd", "adamw"):
-            for np_, extra in ((2, []), (3, []), (2, ["--set", "train.grad_accum=2"])):
+            for np_, extra in ((1, []), (2, []), (3, []), (2, ["--set", "train.grad_accum=2"])):
                 with self.subTest(optim=optim, ranks=np_, extra=extra):
                     tag = f"{optim}{np_}{len(extra)}"
                     self.train(optim, np_, 0, "plain" + tag, extra)
@@ -85,6 +86,21 @@ class Zero(unittest.TestCase):
                     self.assertRegex(out, r"(?m)^dist\.zero 1: rank 0 keeps the optimizer state of parameters \[0, "
                                           rf"{3111 // np_}\), {3111 // np_} of 3111 ")
                     self.assert_close(self.w.latest("zero" + tag), self.w.latest("plain" + tag))
+
+    def test_dry_run_counts_a_quarter_of_adamw_on_4_ranks(self):
+        """GPT-2 124M: AdamW's two moments of 124,439,808 values, 949.4 MiB, a quarter of them per rank."""
+        optim = {}
+        for zero in (0, 1):
+            rc, out, err = run(["configs/gpt2_124m.yaml", "--dry-run", "--set", "data.path=", "--set",
+                                f"dist.zero={zero}", "--set", "checkpoint.dir=", "--set", "train.batch_size=1", "--set",
+                                "train.grad_accum=1"], np_=4, cwd=ROOT)
+            self.assertEqual(rc, 0, out + err)
+            m = re.search(r"optimizer ([\d.]+)( \(dist\.zero 1: rank 0's slice\))? \+", out)
+            self.assertTrue(m, out)
+            self.assertEqual(bool(m[2]), bool(zero), out)
+            optim[zero] = float(m[1])
+        self.assertAlmostEqual(optim[0], 2 * 124439808 * 4 / 2 ** 20, delta=0.1)
+        self.assertAlmostEqual(optim[1], optim[0] / 4, delta=0.1)
 
     def test_checkpoints_move_between_zero_and_plain_and_world_sizes(self):
         """The checkpoint keeps the plain layout: a ZeRO run on 3 ranks stopped at step 10 resumes as a
