@@ -64,7 +64,7 @@ typedef struct {
   int progress;
   /* dist */
   int comm, grad_dtype;
-  int zero; /* dist.zero: 0 or 1 */
+  int64_t zero; /* dist.zero: 0 or 1 */
   double bucket_mb, timeout_s;
   int64_t threads;
   /* monitor */

@@ -247,7 +247,7 @@ static int start_monitor(const dt_config *cfg, const dt_model *m, dt_comm *comm,
         .grad_accum = v->grad_accum,
         .auto_batch = cfg->auto_batch,
         .optim_name = dt_optim_kinds[v->optim]->name,
-        .zero = v->zero,
+        .zero = (int)v->zero,
         .optim_state_bytes = (int64_t)dt_optim_kinds[v->optim]->n_states(v) * slice * (int64_t)sizeof(float),
         .epochs = v->epochs};
     if (!monitor_start(mon, &run, &st)) {
