@@ -391,11 +391,26 @@ int device_auto_batch(dt_config *cfg, const dt_model *m, const dt_data *d, dt_co
     int64_t held = config_model_rows(&trial, comm->size);
     char largest[256], hint[256] = "";
     largest_part(m, &mem, held, largest, sizeof largest);
-    if (v->recompute == DT_RECOMPUTE_NONE) {
-      size_t saved =
-          model_activation_bytes(m, held, DT_RECOMPUTE_NONE) - model_activation_bytes(m, held, DT_RECOMPUTE_BLOCKS);
-      if ((double)(mem.total - saved) <= may_use) snprintf(hint, sizeof hint, "; train.recompute: blocks would fit it");
+    /* what recomputation and ZeRO-1 would save, each and together */
+    const int can_recompute = v->recompute == DT_RECOMPUTE_NONE, can_shard = !v->zero && comm->size > 1;
+    const size_t saved = can_recompute ? model_activation_bytes(m, held, DT_RECOMPUTE_NONE) -
+                                             model_activation_bytes(m, held, DT_RECOMPUTE_BLOCKS)
+                                       : 0;
+    size_t sharded = mem.total;
+    if (can_shard) {
+      dt_config_values z = trial;
+      z.zero = 1;
+      sharded = rank_memory(&z, m, d, comm, threads, be, run_part, extra, sizeof extra).total;
     }
+    const int by_recompute = can_recompute && (double)(mem.total - saved) <= may_use,
+              by_zero = can_shard && (double)sharded <= may_use,
+              by_both = can_recompute && can_shard && (double)(sharded - saved) <= may_use;
+    snprintf(hint, sizeof hint, "%s",
+             by_recompute && by_zero ? "; train.recompute: blocks would fit it, and so would dist.zero: 1"
+             : by_recompute          ? "; train.recompute: blocks would fit it"
+             : by_zero               ? "; dist.zero: 1 would fit it"
+             : by_both               ? "; train.recompute: blocks with dist.zero: 1 would fit it"
+                                     : "");
     be->destroy(be);
     return dt_fail(st, DT_EXIT_INPUT,
                    "train.batch_size auto: not even %lld row%s per rank fit%s (train.grad_accum %lld): a rank needs "

@@ -14,6 +14,7 @@ import numpy as np
 from helpers import GPU_BINARY, ROOT, Workdir, errors, gpu_setup, params, run
 
 ENV1, VISIBLE1, SIM = gpu_setup(1)
+ENV2, VISIBLE2, _ = gpu_setup(2)
 
 # About 0.5 MiB of activations a row (conv output 8 x 64 x 64, its gradient, the batchnorm's), so
 # that the micro-batch decides the memory.
@@ -215,6 +216,38 @@ class AutoBatch(unittest.TestCase):
         rc, out, err = run(base + ["--set", "train.recompute=blocks"], binary=GPU_BINARY, env=env, timeout=300)
         self.assertEqual(rc, 0, out + err)
         self.assertRegex(out, r"(?m)^train\.batch_size auto: \d+ rows? per rank")
+
+    def test_zero_is_offered_where_it_would_fit(self):
+        """On the stand-in's 2 GPUs, an MLP whose AdamW state is most of its memory: with the memory set between
+        a rank's estimates of one row with and without dist.zero 1 (which halves the state on 2 ranks), the
+        error says dist.zero: 1 would fit (recomputation would not: the model has no blocks), and with it set
+        the run starts."""
+        cfg = self.w.config("""\
+            model:
+              input: [1, 64, 64]
+              layers: [flatten, linear: {{out: 1024}}, relu, linear: {{out: 3}}]
+            data: {{path: {dir}/data.h5}}
+            train: {{batch_size: auto, global_batch_size: 2, seed: 1}}
+            optim: {{name: adamw, lr: 0.001}}
+            """)
+        if not SIM or VISIBLE2 < 2:
+            self.skipTest("GPUSIM_MEMORY_MIB sets the stand-in's memory, and this needs 2 of its GPUs")
+        base = [cfg, "--device", "cuda", "--dry-run"]
+        total = {}
+        for zero in (0, 1):
+            rc, out, err = run(base + ["--set", "train.batch_size=1", "--set", "train.global_batch_size=0", "--set",
+                                       f"dist.zero={zero}"], np_=2, binary=GPU_BINARY, env=ENV2, timeout=300)
+            self.assertEqual(rc, 0, out + err)
+            total[zero] = float(re.search(r"memory per rank at 1 rows?: ([\d.]+) MiB", out)[1])
+        self.assertGreater(total[0] - total[1], 15, total)  # half of AdamW's 2 x 4.2M values
+        mib = 500 + int((total[0] + total[1]) / 2 / 0.9) + 1  # between the two, and the context
+        env = dict(ENV2, GPUSIM_MEMORY_MIB=str(mib))
+        rc, out, err = run(base, np_=2, binary=GPU_BINARY, env=env, timeout=300)
+        self.assertEqual(rc, 2, out + err)
+        self.assertRegex(errors(err)[0], r"; the largest part is .*; dist\.zero: 1 would fit it$")
+        rc, out, err = run(base + ["--set", "dist.zero=1"], np_=2, binary=GPU_BINARY, env=env, timeout=300)
+        self.assertEqual(rc, 0, out + err)
+        self.assertRegex(out, r"(?m)^train\.batch_size auto: 1 row per rank, train\.grad_accum 1")
 
     def test_bad_values_are_exit_2(self):
         cfg = self.w.config(CNN)
