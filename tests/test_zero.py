@@ -138,6 +138,11 @@ class Zero(unittest.TestCase):
                 self.train(optim, 2, 0, f"gplain{optim}", extra, GPU_BINARY, ENV2)
                 self.train(optim, 2, 1, f"gzero{optim}", extra, GPU_BINARY, ENV2)
                 self.assert_close(self.w.latest(f"gzero{optim}"), self.w.latest(f"gplain{optim}"))
+        # dist.grad_dtype bf16: the buckets reduced in bfloat16, widened on the slice's rank only
+        bf16 = extra + ["--set", "dist.grad_dtype=bf16"]
+        self.train("adamw", 2, 0, "bf16_0", bf16, GPU_BINARY, ENV2)
+        self.train("adamw", 2, 1, "bf16_1", bf16, GPU_BINARY, ENV2)
+        self.assert_close(self.w.latest("bf16_1"), self.w.latest("bf16_0"))
         # fp16: rank 1's injected overflow lands in rank 0's slice (the buffer's first value), and the
         # count summed over the slices makes both ranks skip that update
         fp16 = extra + ["--set", "train.precision=fp16"]
