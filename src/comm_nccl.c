@@ -84,12 +84,25 @@ static uint16_t *packed_for(dt_nccl *n, int64_t count) {
   return n->packed;
 }
 
+/* comm_stream waits for the compute stream's work queued so far: every collective goes on comm_stream
+ * (nccl_sum_f64 says why). */
+static void after_compute(dt_nccl *n) {
+  CUDA_CHECK(cudaEventRecord(n->ready, n->compute));
+  CUDA_CHECK(cudaStreamWaitEvent(n->comm_stream, n->ready, 0));
+}
+
+/* The compute stream waits for everything queued on comm_stream. */
+static void nccl_join(void *ctx) {
+  dt_nccl *n = ctx;
+  CUDA_CHECK(cudaEventRecord(n->done, n->comm_stream));
+  CUDA_CHECK(cudaStreamWaitEvent(n->compute, n->done, 0));
+}
+
 /* The sum of buf[0..count) over the ranks, queued on comm_stream after the compute stream's work so
  * far: into every rank's buf (root -1: ncclAllReduce) or into root's (ncclReduce, dist.zero 1). */
 static void nccl_sum_into(dt_nccl *n, float *buf, int64_t count, int root) {
   const char *what = root < 0 ? "ncclAllReduce" : "ncclReduce";
-  CUDA_CHECK(cudaEventRecord(n->ready, n->compute));
-  CUDA_CHECK(cudaStreamWaitEvent(n->comm_stream, n->ready, 0));
+  after_compute(n);
   /* bf16: rounded to nearest even, summed by NCCL in bf16, widened back in place */
   uint16_t *packed = n->bf16 ? packed_for(n, count) : NULL;
   if (packed) k_pack16(n->comm_stream, buf, packed, count, 1, 1, 1);
@@ -121,8 +134,7 @@ static void nccl_reduce(void *ctx, float *buf, int64_t count, int root) {
  * then waits for them (one stream for every collective: nccl_sum_f64 says why). */
 static void nccl_gather(void *ctx, float *buf, const int64_t *lo) {
   dt_nccl *n = ctx;
-  CUDA_CHECK(cudaEventRecord(n->ready, n->compute));
-  CUDA_CHECK(cudaStreamWaitEvent(n->comm_stream, n->ready, 0));
+  after_compute(n);
   for (int r = 0; r < n->mpi->size; r++) {
     if (lo[r + 1] == lo[r]) continue;
     ncclResult_t rc =
@@ -135,14 +147,7 @@ static void nccl_gather(void *ctx, float *buf, const int64_t *lo) {
     }
     settle(n, "ncclBroadcast (parameters)");
   }
-  CUDA_CHECK(cudaEventRecord(n->done, n->comm_stream));
-  CUDA_CHECK(cudaStreamWaitEvent(n->compute, n->done, 0));
-}
-
-static void nccl_join(void *ctx) {
-  dt_nccl *n = ctx;
-  CUDA_CHECK(cudaEventRecord(n->done, n->comm_stream));
-  CUDA_CHECK(cudaStreamWaitEvent(n->compute, n->done, 0));
+  nccl_join(n);
 }
 
 /* Small sums (synchronised batchnorm statistics), needed by the compute stream at once: on
@@ -151,8 +156,7 @@ static void nccl_join(void *ctx) {
  * branches, which a graph launch may run in either order, and the ranks then disagree. */
 static void nccl_sum_f64(void *ctx, double *buf, int count) {
   dt_nccl *n = ctx;
-  CUDA_CHECK(cudaEventRecord(n->ready, n->compute));
-  CUDA_CHECK(cudaStreamWaitEvent(n->comm_stream, n->ready, 0));
+  after_compute(n);
   ncclResult_t rc = ncclAllReduce(buf, buf, (size_t)count, ncclDouble, ncclSum, n->comm, n->comm_stream);
   if (rc != ncclSuccess && rc != ncclInProgress) {
     char why[256];
@@ -160,8 +164,7 @@ static void nccl_sum_f64(void *ctx, double *buf, int count) {
     give_up(n, "ncclAllReduce (batchnorm statistics)", why);
   }
   settle(n, "ncclAllReduce (batchnorm statistics)");
-  CUDA_CHECK(cudaEventRecord(n->done, n->comm_stream));
-  CUDA_CHECK(cudaStreamWaitEvent(n->compute, n->done, 0));
+  nccl_join(n);
 }
 
 /* A peer's failure surfaces as an asynchronous error of the communicator. */

@@ -11,7 +11,6 @@
 #include "gpu.h"
 #include "memory.h"
 #include "optim.h"
-#include "sampler.h"
 
 /* Threads per rank: the cores this rank may run on, shared with the other ranks on the node.
  * cfg NULL: the default (dist.threads unset). */
@@ -217,13 +216,12 @@ static dt_memory rank_memory(const dt_config_values *v, const dt_model *m, const
   mem.optim += DT_OPTIM_HYPER * sizeof(float); /* the step's learning rate etc., beside the states */
   mem.total += DT_OPTIM_HYPER * sizeof(float);
   extra[0] = 0;
-  int64_t slice = m->n_params; /* the parameters whose optimizer state and EMA this rank keeps */
-  if (v->zero) {               /* dist.zero 1: its share of the flat buffer (train_step.c's split) */
-    slice = split_lo(m->n_params, comm->size, comm->rank + 1) - split_lo(m->n_params, comm->size, comm->rank);
-    const size_t saved = (size_t)states * (size_t)(m->n_params - slice) * sizeof(float);
-    mem.optim -= saved;
-    mem.total -= saved;
-  }
+  int64_t lo, hi; /* the parameters whose optimizer state and EMA this rank keeps (dist.zero 1: a slice) */
+  optim_slice(v, m->n_params, comm->size, comm->rank, &lo, &hi);
+  const int64_t slice = hi - lo;
+  const size_t saved = (size_t)states * (size_t)(m->n_params - slice) * sizeof(float);
+  mem.optim -= saved;
+  mem.total -= saved;
   if (v->ema_decay > 0) {
     mem.ema = (size_t)(slice + m->n_bufs) * sizeof(float);
     mem.total += mem.ema;
@@ -334,6 +332,42 @@ static void largest_part(const dt_model *m, const dt_memory *mem, int64_t held, 
     snprintf(buf + n, cap - (size_t)n, " (the most: layer %s %s, %.1f MiB)", l->name, l->ops->kind, mib(layer_bytes));
 }
 
+/* train.batch_size auto's exit 2 when not even the smallest micro-batch (trial) fits: what a rank
+ * needs and may use, the largest part, and whether train.recompute blocks or dist.zero 1 (each, or
+ * together) would make it fit. */
+static void nothing_fits(const dt_config_values *v, const dt_config_values *trial, const dt_model *m, const dt_data *d,
+                         const dt_comm *comm, int threads, dt_backend *be, double may_use, size_t have,
+                         const char *where, dt_status *st) {
+  char run_part[160], extra[160], largest[256];
+  const dt_memory mem = rank_memory(trial, m, d, comm, threads, be, run_part, extra, sizeof extra);
+  const int64_t held = config_model_rows(trial, comm->size), rows = config_max_local_rows(trial, comm->size);
+  largest_part(m, &mem, held, largest, sizeof largest);
+  const int can_recompute = v->recompute == DT_RECOMPUTE_NONE, can_shard = !v->zero && comm->size > 1;
+  const size_t saved = can_recompute ? model_activation_bytes(m, held, DT_RECOMPUTE_NONE) -
+                                           model_activation_bytes(m, held, DT_RECOMPUTE_BLOCKS)
+                                     : 0;
+  size_t sharded = mem.total;
+  if (can_shard) {
+    dt_config_values z = *trial;
+    z.zero = 1;
+    sharded = rank_memory(&z, m, d, comm, threads, be, run_part, extra, sizeof extra).total;
+  }
+  const int by_recompute = can_recompute && (double)(mem.total - saved) <= may_use,
+            by_zero = can_shard && (double)sharded <= may_use,
+            by_both = can_recompute && can_shard && (double)(sharded - saved) <= may_use;
+  const char *hint = by_recompute && by_zero ? "; train.recompute: blocks would fit it, and so would dist.zero: 1"
+                     : by_recompute          ? "; train.recompute: blocks would fit it"
+                     : by_zero               ? "; dist.zero: 1 would fit it"
+                     : by_both               ? "; train.recompute: blocks with dist.zero: 1 would fit it"
+                                             : "";
+  dt_fail(
+      st, DT_EXIT_INPUT,
+      "train.batch_size auto: not even %lld row%s per rank fit%s (train.grad_accum %lld): a rank needs %.1f MiB but "
+      "may use %.1f MiB (train.memory_fraction %g of %.1f MiB %s); the largest part is %s%s",
+      (long long)rows, rows == 1 ? "" : "s", rows == 1 ? "s" : "", (long long)trial->grad_accum, mib(mem.total),
+      may_use / 1048576.0, v->memory_fraction, mib(have), where, largest, hint);
+}
+
 /* The estimate asks a backend what its scratch takes, as --dry-run does: one made for the choice
  * (on a GPU, its CUDA context is then counted out of the free memory, as in the run's own check). */
 int device_auto_batch(dt_config *cfg, const dt_model *m, const dt_data *d, dt_comm *comm, int gpu, dt_status *st) {
@@ -386,40 +420,9 @@ int device_auto_batch(dt_config *cfg, const dt_model *m, const dt_data *d, dt_co
                    graphs ? " with train.cuda_graph on (grad_accum 1)" : "");
   }
   if (chosen == n) {
-    dt_memory mem =
-        rank_memory(&trial, m, d, comm, threads, be, run_part, extra, sizeof extra); /* at the smallest micro-batch */
-    int64_t held = config_model_rows(&trial, comm->size);
-    char largest[256], hint[256] = "";
-    largest_part(m, &mem, held, largest, sizeof largest);
-    /* what recomputation and ZeRO-1 would save, each and together */
-    const int can_recompute = v->recompute == DT_RECOMPUTE_NONE, can_shard = !v->zero && comm->size > 1;
-    const size_t saved = can_recompute ? model_activation_bytes(m, held, DT_RECOMPUTE_NONE) -
-                                             model_activation_bytes(m, held, DT_RECOMPUTE_BLOCKS)
-                                       : 0;
-    size_t sharded = mem.total;
-    if (can_shard) {
-      dt_config_values z = trial;
-      z.zero = 1;
-      sharded = rank_memory(&z, m, d, comm, threads, be, run_part, extra, sizeof extra).total;
-    }
-    const int by_recompute = can_recompute && (double)(mem.total - saved) <= may_use,
-              by_zero = can_shard && (double)sharded <= may_use,
-              by_both = can_recompute && can_shard && (double)(sharded - saved) <= may_use;
-    snprintf(hint, sizeof hint, "%s",
-             by_recompute && by_zero ? "; train.recompute: blocks would fit it, and so would dist.zero: 1"
-             : by_recompute          ? "; train.recompute: blocks would fit it"
-             : by_zero               ? "; dist.zero: 1 would fit it"
-             : by_both               ? "; train.recompute: blocks with dist.zero: 1 would fit it"
-                                     : "");
+    nothing_fits(v, &trial, m, d, comm, threads, be, may_use, have, where, st);
     be->destroy(be);
-    return dt_fail(st, DT_EXIT_INPUT,
-                   "train.batch_size auto: not even %lld row%s per rank fit%s (train.grad_accum %lld): a rank needs "
-                   "%.1f MiB but may use %.1f MiB (train.memory_fraction %g of %.1f MiB %s); the largest part is "
-                   "%s%s",
-                   (long long)config_max_local_rows(&trial, comm->size),
-                   config_max_local_rows(&trial, comm->size) == 1 ? "" : "s",
-                   config_max_local_rows(&trial, comm->size) == 1 ? "s" : "", (long long)trial.grad_accum,
-                   mib(mem.total), may_use / 1048576.0, v->memory_fraction, mib(have), where, largest, hint);
+    return st->code;
   }
   v->batch_size = 0;
   v->global_batch_size = step_rows / accums[chosen];

@@ -19,7 +19,6 @@
 #include "infer.h"
 #include "monitor.h"
 #include "optim.h"
-#include "sampler.h"
 #include "signals.h"
 #include "train.h"
 
@@ -234,8 +233,8 @@ static int start_monitor(const dt_config *cfg, const dt_model *m, dt_comm *comm,
       devices[r] = all + (size_t)(comm->size + r) * CAP;
     }
     const dt_config_values *v = &cfg->v;
-    /* rank 0's optimizer state: all of it, or under dist.zero 1 its slice (train_step.c's split) */
-    const int64_t slice = v->zero ? split_lo(m->n_params, comm->size, 1) : m->n_params;
+    int64_t lo, hi; /* rank 0's optimizer state: all of it, or under dist.zero 1 its slice */
+    optim_slice(v, m->n_params, comm->size, 0, &lo, &hi);
     dt_monitor_run run = {
         .config_path = cfg->path,
         .config_hash = cfg->hash,
@@ -248,7 +247,7 @@ static int start_monitor(const dt_config *cfg, const dt_model *m, dt_comm *comm,
         .auto_batch = cfg->auto_batch,
         .optim_name = dt_optim_kinds[v->optim]->name,
         .zero = (int)v->zero,
-        .optim_state_bytes = (int64_t)dt_optim_kinds[v->optim]->n_states(v) * slice * (int64_t)sizeof(float),
+        .optim_state_bytes = (int64_t)dt_optim_kinds[v->optim]->n_states(v) * (hi - lo) * (int64_t)sizeof(float),
         .epochs = v->epochs};
     if (!monitor_start(mon, &run, &st)) {
       comm->wait_hook = monitor_note_wait;

@@ -4,6 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "sampler.h"
+
 static double cos_anneal(double start, double end, double pct) {
   return end + (start - end) / 2.0 * (cos(M_PI * pct) + 1.0);
 }
@@ -45,6 +47,11 @@ int optim_index(const char *name) {
   for (int i = 0; i < dt_n_optim_kinds; i++)
     if (!strcmp(dt_optim_kinds[i]->name, name)) return i;
   return -1;
+}
+
+void optim_slice(const dt_config_values *cfg, int64_t n, int world, int rank, int64_t *lo, int64_t *hi) {
+  *lo = cfg->zero ? split_lo(n, world, rank) : 0;
+  *hi = cfg->zero ? split_lo(n, world, rank + 1) : n;
 }
 
 void optim_init(dt_optim *o, const dt_config_values *cfg, dt_backend *be, int64_t n, int64_t lo, int64_t hi,

@@ -56,6 +56,9 @@ typedef struct {
 
 double schedule_lr(const dt_config_values *cfg, int64_t t, int64_t total);
 
+/* The slice [*lo, *hi) of a flat buffer of n values whose optimizer state rank `rank` of `world`
+ * keeps: all of it, or under dist.zero 1 its share (the sampler's split_lo). */
+void optim_slice(const dt_config_values *cfg, int64_t n, int world, int rank, int64_t *lo, int64_t *hi);
 /* The optimizer of a flat buffer of n values, keeping state for and stepping [lo, hi) only. */
 void optim_init(dt_optim *o, const dt_config_values *cfg, dt_backend *be, int64_t n, int64_t lo, int64_t hi,
                 int64_t total_steps);

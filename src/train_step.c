@@ -111,12 +111,12 @@ const dt_ddp *step_alloc(dt_trainer *tr) {
   dt_model *m = tr->m;
   dt_backend *be = tr->be;
   if (tr->step->counter.idx) tr->step->counter.weight = (double *)be->alloc(be, sizeof(double));
-  const int W = tr->comm->size, rank = tr->comm->rank;
-  int64_t lo = 0, hi = m->n_params;
-  if (v->zero) {
+  const int W = tr->comm->size;
+  int64_t lo, hi;
+  optim_slice(v, m->n_params, W, tr->comm->rank, &lo, &hi);
+  if (v->zero) { /* every rank's slice, for the buckets' reduces and the gather */
     tr->step->shard = dt_malloc((size_t)(W + 1) * sizeof(int64_t));
-    for (int r = 0; r <= W; r++) tr->step->shard[r] = split_lo(m->n_params, W, r);
-    lo = tr->step->shard[rank], hi = tr->step->shard[rank + 1];
+    for (int r = 0; r < W; r++) optim_slice(v, m->n_params, W, r, &tr->step->shard[r], &tr->step->shard[r + 1]);
   }
   optim_init(&tr->step->opt, v, be, m->n_params, lo, hi, tr->total);
   if (v->no_decay) { /* optim.no_decay: weight decay only on the other tensors */
