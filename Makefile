@@ -65,7 +65,7 @@ LDLIBS = $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -ld
 # the CPU backend (src/cpu/): its dt_backend and op table, oneDNN's convolutions, and the ops by
 # family, as kernels/*.cu
 CPU_SRCS := $(addprefix cpu/,backend.c dnnl.c gemm.c conv.c norm.c elementwise.c pool.c loss.c optim.c transformer.c)
-SRCS := common.c yaml_tree.c keys.c config.c model.c layers.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
+SRCS := common.c yaml_tree.c keys.c config.c model.c distill.c layers.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
         layer_activation.c layer_residual.c layer_embedding.c layer_attention.c loss.c comm.c \
         ddp.c device.c sampler.c data_hdf5.c batch.c optim.c optim_sgd.c optim_adamw.c ema.c \
         checkpoint.c log.c train.c train_step.c train_metrics.c memory.c infer.c signals.c fault.c h5util.c monitor.c $(CPU_SRCS)
@@ -301,7 +301,7 @@ test: deps
 # build/asan/logs; any report fails the run. Open MPI's own leaks are suppressed by tests/sanitizers/lsan.supp; its
 # components stay loaded (disable_dlclose) so that the suppressions can name them.
 ASAN_SUITES := test_config test_sampler test_model test_ops test_optim gpusim gpusim_nccl test_gpu_on_gpusim \
-               test_faults test_gpu_train test_gpu_faults test_recompute test_zero
+               test_faults test_gpu_train test_gpu_faults test_recompute test_zero test_distill
 ASAN_LOGS := $(CURDIR)/build/asan/logs
 test-asan: deps
 	$(MAKE) SAN=asan test-bins data

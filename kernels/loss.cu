@@ -1,27 +1,73 @@
 // loss.cu: softmax cross-entropy (label smoothing) and mean squared error, one block per sample,
-// fused with their gradient; per-sample losses and hits go to pairs, summed into out[0], out[1]
-// (doubles) in a fixed order, so that the loss is the same on every run.
+// fused with their gradient, and with distillation's term where a teacher's logits are given;
+// per-sample losses and hits go to pairs, summed into out[0], out[1] (doubles) in a fixed order,
+// so that the loss is the same on every run.
 #include <math.h>
 
 #include "common.cuh"
 #include "kernels.h"
 
-enum { LOSS_CE, LOSS_MSE };  // backend.h's DT_LOSS_*
+enum { LOSS_CE, LOSS_MSE };                     // backend.h's DT_LOSS_*
+enum { DISTILL_NONE, DISTILL_KL, DISTILL_MSE };  // backend.h's DT_DISTILL_*
+
+// Row b's log-sum-exps at temperature temp of the student's logits z and the teacher's t, as
+// max / temp + log(se) (cpu/loss.c's distill_row), valid in every thread on return.
+static __device__ void distill_row(const float *z, const float *t, int64_t k, double temp, double *r) {
+  __shared__ double s_r[4];
+  float zm = -INFINITY, tm = -INFINITY;
+  for (int64_t j = threadIdx.x; j < k; j += blockDim.x) zm = fmaxf(zm, z[j]), tm = fmaxf(tm, t[j]);
+  zm = block_max(zm);
+  tm = block_max(tm);
+  if (threadIdx.x == 0) s_r[0] = zm, s_r[2] = tm;
+  __syncthreads();
+  double ss = 0, st = 0;
+  for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
+    ss += exp(((double)z[j] - s_r[0]) / temp);
+    st += exp(((double)t[j] - s_r[2]) / temp);
+  }
+  ss = block_sum(ss);
+  st = block_sum(st);
+  if (threadIdx.x == 0) s_r[1] = log(ss), s_r[3] = log(st);
+  __syncthreads();
+  for (int i = 0; i < 4; i++) r[i] = s_r[i];
+}
+
+// Element j's distillation gradient (before alpha) into *grad; its part of the row's loss returned.
+static __device__ double distill_element(int kind, const double *r, double z, double t, int64_t k, double temp,
+                                  double *grad) {
+  if (kind == DISTILL_MSE) {
+    double d = z - t;
+    *grad = 2.0 * d / (double)k;
+    return d * d / (double)k;
+  }
+  double ls = (z - r[0]) / temp - r[1], lt = (t - r[2]) / temp - r[3];
+  double pt = exp(lt);
+  *grad = temp * (exp(ls) - pt);
+  return temp * temp * pt * (lt - ls);
+}
 
 __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels, const float *targets, float *dz,
                             int64_t k, float ls, int32_t ignore, double weight, const double *weight_dev,
-                            const float *grad_scale, double *pairs) {
+                            const float *grad_scale, int distill, double alpha, double temp, const float *teacher,
+                            double *pairs) {
   int64_t b = blockIdx.x;
   if (weight_dev) weight = weight_dev[0];
   if (grad_scale) weight *= (double)grad_scale[0];
+  const double keep = 1.0 - alpha;
   const float *z = logits + b * k;
+  const float *tz = distill ? teacher + b * k : NULL;
   float *d = dz + b * k;
   __shared__ float s_max;
   __shared__ int s_arg;
   if (kind == LOSS_CE && labels[b] == ignore) {  // padding: no loss, hit or gradient
     for (int64_t j = threadIdx.x; j < k; j += blockDim.x) d[j] = 0.0f;
     if (threadIdx.x == 0) pairs[2 * b] = 0.0, pairs[2 * b + 1] = 0.0;
-  } else if (kind == LOSS_CE) {
+    return;
+  }
+  double r[4] = {0, 0, 0, 0};
+  if (distill == DISTILL_KL) distill_row(z, tz, k, temp, r);
+  double own = 0, dist = 0, hit = 0;
+  if (kind == LOSS_CE) {
     // the max over the block, then its first index (the CPU's argmax): k may be a vocabulary
     float mx = -INFINITY;
     for (int64_t j = threadIdx.x; j < k; j += blockDim.x) mx = fmaxf(mx, z[j]);
@@ -41,31 +87,47 @@ __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels
     if (threadIdx.x == 0) s_lse = s_max + log(se);
     __syncthreads();
     int32_t y = labels[b];
-    double off = (double)ls / (double)k, loss = 0;
+    double off = (double)ls / (double)k;
     for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
       double t = off + (j == y ? 1.0 - ls : 0.0), lp = (double)z[j] - s_lse;
-      loss -= t * lp;
-      d[j] = (float)((exp(lp) - t) * weight);
+      own -= t * lp;
+      double g = exp(lp) - t;
+      if (distill) {
+        double dg;
+        dist += distill_element(distill, r, z[j], tz[j], k, temp, &dg);
+        g = keep * g + alpha * dg;
+      }
+      d[j] = (float)(g * weight);
     }
-    loss = block_sum(loss);
-    if (threadIdx.x == 0) pairs[2 * b] = loss, pairs[2 * b + 1] = s_arg == y ? 1.0 : 0.0;
+    hit = s_arg == y ? 1.0 : 0.0;
   } else {
     const float *t = targets + b * k;
-    double loss = 0;
     for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
       double diff = (double)z[j] - t[j];
-      loss += diff * diff;
-      d[j] = (float)(2.0 * diff / (double)k * weight);
+      own += diff * diff;
+      double g = 2.0 * diff / (double)k;
+      if (distill) {
+        double dg;
+        dist += distill_element(distill, r, z[j], tz[j], k, temp, &dg);
+        g = keep * g + alpha * dg;
+      }
+      d[j] = (float)(g * weight);
     }
-    loss = block_sum(loss);
-    if (threadIdx.x == 0) pairs[2 * b] = loss / (double)k, pairs[2 * b + 1] = 0.0;
+  }
+  own = block_sum(own);
+  if (distill) dist = block_sum(dist);
+  if (threadIdx.x == 0) {
+    if (kind == LOSS_MSE) own /= (double)k;
+    pairs[2 * b] = distill ? keep * own + alpha * dist : own, pairs[2 * b + 1] = hit;
   }
 }
 
 extern "C" void k_loss(cudaStream_t s, int kind, const float *logits, const int32_t *labels, const float *targets,
                        float *dlogits, int64_t b, int64_t k, float label_smoothing, int32_t ignore_index, double weight,
-                       const double *weight_dev, const float *grad_scale, double *out, double *pairs) {
+                       const double *weight_dev, const float *grad_scale, int distill, float alpha, float temperature,
+                       const float *teacher, double *out, double *pairs) {
   if (b > 0) LAUNCH(loss_kernel, (unsigned)b, 128, 0, s)
-  (kind, logits, labels, targets, dlogits, k, label_smoothing, ignore_index, weight, weight_dev, grad_scale, pairs);
+  (kind, logits, labels, targets, dlogits, k, label_smoothing, ignore_index, weight, weight_dev, grad_scale, distill,
+   (double)alpha, (double)temperature, teacher, pairs);
   k_sum_pairs(s, pairs, b, out);  // zeros when b is 0
 }

@@ -82,6 +82,7 @@ enum {
 }; /* GELU_TANH: PyTorch's approximate='tanh' */
 enum { DT_POOL_MAX, DT_POOL_AVG };
 enum { DT_LOSS_CROSS_ENTROPY, DT_LOSS_MSE };
+enum { DT_DISTILL_NONE, DT_DISTILL_KL, DT_DISTILL_MSE }; /* distill.loss: how a teacher's logits join the loss */
 
 typedef struct {
   int64_t b, c, h, w; /* input (B,C,H,W) */
@@ -223,6 +224,12 @@ typedef struct {
       const float *targets;
       float *dlogits;
       double *sums; /* (2): += sum of per-sample losses, += hits */
+      /* distillation (distill != DT_DISTILL_NONE): each row's loss is (1 - alpha) own + alpha d, where d is
+         T^2 KL(softmax(teacher / T) || softmax(logits / T)) (kl) or mean_k (logits - teacher)^2 (mse); rows
+         cross_entropy ignores add neither */
+      int distill;
+      float alpha, temperature;
+      const float *teacher; /* (b, k) the teacher's logits */
     } loss;
     struct {
       int64_t n;

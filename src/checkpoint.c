@@ -90,8 +90,8 @@ static herr_t note_extra(hid_t obj, const char *name, const H5O_info_t *info, vo
  * the model does not have is an error too (as PyTorch's strict load_state_dict), unless
  * ignore_extra (model.init_from_ignore_extra). */
 static int read_model(const char *path, const dt_model *m, float *params, float *bufs, int ignore_extra,
-                      dt_status *st) {
-  hid_t f = open_read(path, "model.init_from", st);
+                      const char *what, dt_status *st) {
+  hid_t f = open_read(path, what, st);
   if (f < 0) return st->code;
   for (int i = 0; i < m->n_tensors && !st->code; i++) {
     const dt_tensor *t = &m->tensors[i];
@@ -102,13 +102,15 @@ static int read_model(const char *path, const dt_model *m, float *params, float 
     hid_t g = H5Gopen2(f, "/model", H5P_DEFAULT);
     char e[256];
     if (g < 0 || H5Ovisit2(g, H5_INDEX_NAME, H5_ITER_NATIVE, note_extra, &x, H5O_INFO_BASIC) < 0)
-      dt_fail(st, DT_EXIT_INPUT, "%s: model.init_from: cannot list /model: %s", path, h5_error_text(e, sizeof e));
+      dt_fail(st, DT_EXIT_INPUT, "%s: %s: cannot list /model: %s", path, what, h5_error_text(e, sizeof e));
     else if (x.n)
       dt_fail(st, DT_EXIT_INPUT,
-              "%s: model.init_from: %d tensor%s in /model that this model does not have: %s (another model's, or "
-              "a head weight where this model ties its head to the embedding?); set model.init_from_ignore_extra: "
-              "true to load the model's tensors and leave those",
-              path, x.n, x.n > 1 ? "s" : "", x.list);
+              "%s: %s: %d tensor%s in /model that this model does not have: %s (another model's, or a head weight "
+              "where this model ties its head to the embedding?)%s",
+              path, what, x.n, x.n > 1 ? "s" : "", x.list,
+              strcmp(what, "model.init_from") ? ""
+                                              : "; set model.init_from_ignore_extra: true to load the model's "
+                                                "tensors and leave those");
     if (g >= 0) H5Gclose(g);
   }
   H5Fclose(f);
@@ -501,12 +503,13 @@ typedef struct {
   dt_ckpt_data *d;
   float *params, *bufs;
   int ignore_extra;
+  const char *what;
   dt_train_state *ts;
 } probe_args;
 
 static int probe_model(void *ctx, dt_status *st) {
   probe_args *a = ctx;
-  return read_model(a->path, a->m, a->params, a->bufs, a->ignore_extra, st);
+  return read_model(a->path, a->m, a->params, a->bufs, a->ignore_extra, a->what, st);
 }
 
 static int probe_meta(void *ctx, dt_status *st) {
@@ -525,10 +528,11 @@ static int probe_load(void *ctx, dt_status *st) {
   return st->code;
 }
 
-int ckpt_read_model(const char *path, const dt_model *m, float *params, float *bufs, int ignore_extra, dt_status *st) {
-  probe_args a = {.path = path, .m = m, .params = params, .bufs = bufs, .ignore_extra = ignore_extra};
-  if (h5_probe(path, "model.init_from", probe_model, &a, CKPT_PROBE_TIMEOUT_S, st)) return st->code;
-  return read_model(path, m, params, bufs, ignore_extra, st);
+int ckpt_read_model(const char *path, const dt_model *m, float *params, float *bufs, int ignore_extra, const char *what,
+                    dt_status *st) {
+  probe_args a = {.path = path, .m = m, .params = params, .bufs = bufs, .ignore_extra = ignore_extra, .what = what};
+  if (h5_probe(path, what, probe_model, &a, CKPT_PROBE_TIMEOUT_S, st)) return st->code;
+  return read_model(path, m, params, bufs, ignore_extra, what, st);
 }
 
 int ckpt_read_meta(const char *path, dt_train_state *ts, char **config_text, dt_status *st) {

@@ -46,10 +46,12 @@ typedef struct {
   dt_train_state ts;
 } dt_ckpt_data;
 
-/* Loads the /model tensors of path into params and bufs (model.init_from). Exit 2 naming the
- * file and the tensor on a missing tensor or a shape mismatch, and naming them when /model holds
- * tensors the model does not have, unless ignore_extra (model.init_from_ignore_extra). */
-int ckpt_read_model(const char *path, const dt_model *m, float *params, float *bufs, int ignore_extra, dt_status *st);
+/* Loads the /model tensors of path into params and bufs (model.init_from, distill.weights: `what`,
+ * for messages). Exit 2 naming the file and the tensor on a missing tensor or a shape mismatch, and
+ * naming them when /model holds tensors the model does not have, unless ignore_extra
+ * (model.init_from_ignore_extra). */
+int ckpt_read_model(const char *path, const dt_model *m, float *params, float *bufs, int ignore_extra, const char *what,
+                    dt_status *st);
 
 /* Writes a checkpoint to path atomically. Exit 5 naming the path on any failure, with any
  * earlier file left as it was. */

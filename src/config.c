@@ -113,6 +113,20 @@ static const dt_key config_keys[] = {
     {"optim.schedule.min_lr", DT_KEY_FLOAT, F(min_lr), "0", 0, BIG, NULL, "cosine: final learning rate"},
     {"optim.schedule.pct_start", DT_KEY_FLOAT, F(pct_start), "0.3", 0, 1, NULL,
      "onecycle: fraction of steps spent warming up (from lr/25, then cosine down to lr/25e4, as PyTorch)"},
+    {"distill.teacher", DT_KEY_STRING, F(distill_teacher), "\"\"", NOB, NULL,
+     "knowledge distillation: a config file whose model section (and data.scale, mean, std) describes a frozen "
+     "teacher that runs forward on every training batch, in evaluation mode and the run's precision; the model "
+     "learns from its outputs as well as from the labels (empty: off)"},
+    {"distill.weights", DT_KEY_STRING, F(distill_weights), "\"\"", NOB, NULL,
+     "the teacher's parameters: an HDF5 file in the checkpoint layout (a ddp_train checkpoint or best.h5, "
+     "import_gpt2.py's file); read, never written"},
+    {"distill.temperature", DT_KEY_FLOAT, F(distill_temperature), "1", 1e-3, 1e3, NULL,
+     "kl: both softmaxes are taken of logits / temperature"},
+    {"distill.alpha", DT_KEY_FLOAT, F(distill_alpha), "0.5", 0, 1, NULL,
+     "loss = alpha x distillation term + (1 - alpha) x the model's own loss"},
+    {"distill.loss", DT_KEY_ENUM, F(distill_loss), "kl", NOB, "kl|mse",
+     "kl: T^2 KL(softmax(teacher / T) || softmax(model / T)) per label (PyTorch's kl_div, batchmean, per token for a "
+     "token model, ignore_index's positions left out); mse: the mean squared difference of the logits"},
     {"checkpoint.dir", DT_KEY_STRING, F(ckpt_dir), "checkpoints", NOB, NULL,
      "where rank 0 writes step-<N>.h5 checkpoints and the `latest` pointer; empty: none at all"},
     {"checkpoint.every_steps", DT_KEY_INT, F(ckpt_every_steps), "0", 0, BIG, NULL,
@@ -237,20 +251,21 @@ static int apply_set(dt_config *cfg, const char *arg, int idx, dt_status *st) {
   return 0;
 }
 
-static int check_cross(dt_config *cfg, dt_status *st) {
+static int check_cross(dt_config *cfg, int model_only, dt_status *st) {
   dt_config_values *v = &cfg->v;
   char where[512];
-  if (v->batch_size == -1 && !v->global_batch_size)
+  if (model_only) { /* a teacher's config: the batch is the run's */
+  } else if (v->batch_size == -1 && !v->global_batch_size)
     return dt_fail(st, DT_EXIT_INPUT,
                    "%s: train.batch_size auto needs train.global_batch_size: the rows of a step it keeps while "
                    "choosing the micro-batch",
                    cfg->path);
-  if (v->batch_size > 0 && v->global_batch_size)
+  else if (v->batch_size > 0 && v->global_batch_size)
     return dt_fail(st, DT_EXIT_INPUT,
                    "%s: train.batch_size and train.global_batch_size are both set; set only one (per-rank "
                    "or total)",
                    cfg->path);
-  if (!v->batch_size && !v->global_batch_size)
+  else if (!v->batch_size && !v->global_batch_size)
     return dt_fail(st, DT_EXIT_INPUT, "%s: set train.batch_size (per rank) or train.global_batch_size (total)",
                    cfg->path);
   if (v->input.n < 1 || v->input.n > 3)
@@ -283,6 +298,10 @@ static int check_cross(dt_config *cfg, dt_status *st) {
     }
     v->no_decay |= 1 << bit;
   }
+  if (!model_only && v->distill_teacher[0] && !v->distill_weights[0])
+    return dt_fail(st, DT_EXIT_INPUT,
+                   "%s: distill.teacher %s needs distill.weights: the teacher's trained parameters (a checkpoint)",
+                   cfg->path, v->distill_teacher);
   if ((v->early_metric == DT_METRIC_EMA_VAL_LOSS || v->early_metric == DT_METRIC_EMA_VAL_ACC) && v->ema_decay <= 0)
     return dt_fail(st, DT_EXIT_INPUT, "%s: train.early_stopping.metric %s needs train.ema.decay > 0", cfg->path,
                    v->early_metric == DT_METRIC_EMA_VAL_LOSS ? "ema_val_loss" : "ema_val_acc");
@@ -315,7 +334,7 @@ int64_t config_model_rows(const dt_config_values *v, int world) {
   return config_max_local_rows(v, world) + 1;
 }
 
-int config_load(dt_config *cfg, const char *path, char *const *sets, int n_sets, dt_status *st) {
+static int load(dt_config *cfg, const char *path, char *const *sets, int n_sets, int model_only, dt_status *st) {
   memset(cfg, 0, sizeof *cfg);
   cfg->path = dt_strdup(path);
   size_t len;
@@ -333,12 +352,26 @@ int config_load(dt_config *cfg, const char *path, char *const *sets, int n_sets,
   cfg->n_set = n_sets;
   for (int i = 0; i < n_sets; i++)
     if (apply_set(cfg, sets[i], i, st)) return st->code;
+  const dt_node *data = yaml_map_get(cfg->tree, "data");
+  if (model_only && !(data && data->kind == DT_NODE_MAP && yaml_map_get(data, "path"))) { /* a model alone */
+    char *none[] = {"data.path=''"};
+    cfg->n_set = 1; /* set_origins has its one slot */
+    if (apply_set(cfg, none[0], 0, st)) return st->code;
+  }
   if (keys_read(config_keys, N_CONFIG_KEYS, &cfg->v, cfg->tree, NULL, "", "key", st)) return st->code;
-  if (check_cross(cfg, st)) return st->code;
+  if (check_cross(cfg, model_only, st)) return st->code;
   size_t elen = 0, ecap = 0;
   keys_dump(config_keys, N_CONFIG_KEYS, &cfg->v, "", &cfg->effective, &elen, &ecap);
   cfg->hash = dt_fnv1a(cfg->effective, elen, 0);
   return 0;
+}
+
+int config_load(dt_config *cfg, const char *path, char *const *sets, int n_sets, dt_status *st) {
+  return load(cfg, path, sets, n_sets, 0, st);
+}
+
+int config_load_model(dt_config *cfg, const char *path, dt_status *st) {
+  return load(cfg, path, NULL, 0, 1, st);
 }
 
 void config_refresh_effective(dt_config *cfg) {

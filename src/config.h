@@ -54,6 +54,10 @@ typedef struct {
   dt_list milestones;
   double gamma, min_lr, pct_start;
   int64_t warmup_steps;
+  /* distill */
+  char *distill_teacher, *distill_weights; /* "": no distillation */
+  double distill_temperature, distill_alpha;
+  int distill_loss; /* DT_DISTILL_KL or DT_DISTILL_MSE (backend.h): 1, 2 */
   /* checkpoint */
   char *ckpt_dir;
   int64_t ckpt_every_steps, ckpt_every_epochs, ckpt_keep;
@@ -86,6 +90,9 @@ typedef struct {
 /* Reads path, applies each "KEY=VALUE" of sets in order, validates all keys.
  * Returns 0, or sets st (exit 2 for config errors). cfg must be freed with config_free either way. */
 int config_load(dt_config *cfg, const char *path, char *const *sets, int n_sets, dt_status *st);
+/* Reads path for a model only (distill.teacher's config: its model section and data.scale, mean and
+ * std): the keys of training need not be set. The same checks otherwise; cfg freed with config_free. */
+int config_load_model(dt_config *cfg, const char *path, dt_status *st);
 void config_free(dt_config *cfg);
 /* Writes effective (and hash) again from the values, after a value was chosen at start-up
  * (train.batch_size auto's split): logs and checkpoints then say what ran. */

@@ -226,6 +226,12 @@ static dt_memory rank_memory(const dt_config_values *v, const dt_model *m, const
     mem.ema = (size_t)(slice + m->n_bufs) * sizeof(float);
     mem.total += mem.ema;
   }
+  if (m->teacher) { /* distillation: its parameters, buffers and forward's activations; scratch shared */
+    dt_memory t = model_memory(m->teacher, held, 0, threads);
+    mem.teacher = t.params + t.buffers + t.activations;
+    if (t.workspace > mem.workspace) mem.total += t.workspace - mem.workspace, mem.workspace = t.workspace;
+    mem.total += mem.teacher;
+  }
   dt_run_memory run; /* what the run holds beside the model (memory.h) */
   memory_run_parts(v, m, d, be, comm->size, rows, held, &run);
   mem.workspace += run.workspace;
@@ -280,9 +286,11 @@ size_t device_check_memory(const dt_config *cfg, const dt_model *m, const dt_dat
             (long long)rows, (long long)model_max_row(m));
     return 0;
   }
-  char run_part[160], extra[160], ema_part[32] = "";
+  char run_part[160], extra[160], ema_part[64] = "";
   dt_memory mem = rank_memory(v, m, d, comm, device_threads(cfg, comm), be, run_part, extra, sizeof extra);
   if (mem.ema) snprintf(ema_part, sizeof ema_part, " + ema %.1f", mib(mem.ema));
+  if (mem.teacher)
+    snprintf(ema_part + strlen(ema_part), sizeof ema_part - strlen(ema_part), " + teacher %.1f", mib(mem.teacher));
   const char *where;
   size_t have = rank_available(comm, gpu, &where);
   char tokens[64] = ""; /* a token model's rows are sequences */

@@ -61,8 +61,8 @@ const char *loss_name(const dt_loss *l) {
 }
 
 void loss_run(const dt_loss *l, dt_backend *be, int64_t rows, int64_t k, double weight, const double *weight_dev,
-              const float *grad_scale, const float *logits, const int32_t *labels, const float *targets, float *dlogits,
-              double *sums) {
+              const float *grad_scale, const float *logits, const float *teacher, const int32_t *labels,
+              const float *targets, float *dlogits, double *sums) {
   if (rows == 0) return; /* a rank with no rows this batch */
   dt_op op = {.type = DT_OP_LOSS,
               .p.loss = {.kind = l->kind,
@@ -78,6 +78,10 @@ void loss_run(const dt_loss *l, dt_backend *be, int64_t rows, int64_t k, double 
                          .labels = labels,
                          .targets = targets,
                          .dlogits = dlogits,
-                         .sums = sums}};
+                         .sums = sums,
+                         .distill = teacher ? l->distill : DT_DISTILL_NONE,
+                         .alpha = (float)l->alpha,
+                         .temperature = (float)l->temperature,
+                         .teacher = teacher}};
   backend_run(be, &op);
 }

@@ -13,6 +13,10 @@ typedef struct {
   double label_smoothing;
   int64_t ignore_index; /* cross_entropy: labels equal to it add no loss and no gradient (padding) */
   int ignore_index_set;
+  /* distillation (the distill section): how a teacher's logits join the training loss, DT_DISTILL_* (NONE: they
+   * do not), with its alpha and temperature */
+  int distill;
+  double alpha, temperature;
 } dt_loss;
 
 /* Parses model.loss (NULL: cross_entropy; a name; or a one-key map). Returns 0 or st (exit 2). */
@@ -23,9 +27,11 @@ const char *loss_name(const dt_loss *l);
 
 /* Queues the loss over rows x k logits: overwrites dlogits (weighted by `weight`, 1/global
  * count, and by grad_scale[0] unless it is NULL) and adds the summed per-sample loss and the hits
- * to sums[0], sums[1]. Every pointer is backend memory (labels: rows int32; targets: rows x k). */
+ * to sums[0], sums[1]. With a teacher's logits (rows x k; NULL: none) and l->distill, each row's loss
+ * is distillation's mix (backend.h's loss op). Every pointer is backend memory (labels: rows int32;
+ * targets: rows x k). */
 void loss_run(const dt_loss *l, dt_backend *be, int64_t rows, int64_t k, double weight, const double *weight_dev,
-              const float *grad_scale, const float *logits, const int32_t *labels, const float *targets, float *dlogits,
-              double *sums);
+              const float *grad_scale, const float *logits, const float *teacher, const int32_t *labels,
+              const float *targets, float *dlogits, double *sums);
 
 #endif

@@ -13,6 +13,7 @@
 #include "config.h"
 #include "data.h"
 #include "device.h"
+#include "distill.h"
 #include "gpu.h"
 #include "model.h"
 #include "fault.h"
@@ -248,7 +249,13 @@ static int start_monitor(const dt_config *cfg, const dt_model *m, dt_comm *comm,
         .optim_name = dt_optim_kinds[v->optim]->name,
         .zero = (int)v->zero,
         .optim_state_bytes = (int64_t)dt_optim_kinds[v->optim]->n_states(v) * (hi - lo) * (int64_t)sizeof(float),
-        .epochs = v->epochs};
+        .epochs = v->epochs,
+        .teacher = m->teacher ? v->distill_teacher : "",
+        .teacher_weights = v->distill_weights,
+        .distill_loss = v->distill_loss ? "mse" : "kl",
+        .teacher_params = m->teacher ? m->teacher->n_params : 0,
+        .temperature = v->distill_temperature,
+        .alpha = v->distill_alpha};
     if (!monitor_start(mon, &run, &st)) {
       comm->wait_hook = monitor_note_wait;
       comm->wait_ctx = mon;
@@ -269,7 +276,7 @@ static int init_params(const dt_config *cfg, dt_model *m, dt_comm *comm) {
   be->to_host(be, hp, m->params, (size_t)m->n_params * sizeof(float));
   be->to_host(be, hb, m->bufs, (size_t)m->n_bufs * sizeof(float));
   if (comm->rank == 0 && cfg->v.init_from[0])
-    ckpt_read_model(cfg->v.init_from, m, hp, hb, cfg->v.init_from_ignore_extra, &st);
+    ckpt_read_model(cfg->v.init_from, m, hp, hb, cfg->v.init_from_ignore_extra, "model.init_from", &st);
   int code = comm_agree(comm, &st);
   if (!code) {
     comm_bcast(comm, hp, (size_t)m->n_params * sizeof(float), 0);
@@ -326,6 +333,7 @@ typedef struct {
   dt_comm comm;
   dt_config cfg;
   dt_model model;
+  dt_teacher teacher; /* distill.teacher's (distill.h): the model borrows it */
   dt_data data;
   dt_monitor *mon;
   int gpu;          /* this rank's GPU, or -1 */
@@ -361,6 +369,8 @@ static int run_prepare(dt_run *r, dt_status *st) {
   }
   if ((code = comm_agree(comm, st))) return code;
   model_build(&r->model, &r->cfg, st);
+  if ((code = comm_agree(comm, st))) return code;
+  if (!a->predict && !a->sample) teacher_build(&r->teacher, &r->cfg, &r->model, st); /* training's only */
   if ((code = comm_agree(comm, st))) return code;
   int cuda = a->device == DEV_CUDA;
   if (a->device == DEV_AUTO) { /* the GPUs when every rank has one of its own; said whenever there are any */
@@ -442,6 +452,9 @@ static int run_work(dt_run *r, dt_status *st) {
   int resumed = 0;
   if (a->resume && (code = ckpt_resume(a->resume, &r->cfg, &r->model, comm, &r->resume, &resumed))) return code;
   if (!resumed && (code = init_params(&r->cfg, &r->model, comm))) return code;
+  if (r->teacher.on &&
+      (code = teacher_load(&r->teacher, &r->cfg, r->dev.be, config_model_rows(&r->cfg.v, comm->size), comm)))
+    return code;
   r->opts.resume = resumed ? &r->resume : NULL;
   if (a->predict) return infer_predict(&r->model, &r->data, comm, a->predict);
   if (a->sample) return infer_sample(&r->cfg, &r->model, comm, a->sample, a->prompt, a->temperature, a->top_k);
@@ -457,6 +470,7 @@ static void run_close(dt_run *r, int code) {
   monitor_close(r->mon);
   ckpt_data_free(&r->resume);
   model_free(&r->model);
+  teacher_free(&r->teacher);
   data_close(&r->data);
   device_close(&r->dev, code != 0 && code != DT_EXIT_STOPPED);
   config_free(&r->cfg);

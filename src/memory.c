@@ -66,9 +66,11 @@ void memory_run_parts(const dt_config_values *v, const dt_model *m, const dt_dat
     out->checkpoint = copy + (copy + ((size_t)1 << 20)) + (size_t)largest * sizeof(float);
   }
   if (be->scratch) {
-    dt_op *ops = dt_malloc((size_t)(2 * (3 * m->n_all + 2)) * sizeof *ops);
+    const int teacher_ops = m->teacher ? 3 * m->teacher->n_all + 2 : 0;
+    dt_op *ops = dt_malloc((size_t)(2 * (3 * m->n_all + 2) + teacher_ops) * sizeof *ops);
     int n = scratch_ops(m, rows, 1, ops, 0);
-    if (val) n = scratch_ops(m, held, 0, ops, n); /* evaluation's chunks: forward only */
+    if (val) n = scratch_ops(m, held, 0, ops, n);                 /* evaluation's chunks: forward only */
+    if (m->teacher) n = scratch_ops(m->teacher, rows, 0, ops, n); /* distillation's teacher: forward only */
     out->workspace = be->scratch(be, ops, n);
     free(ops);
   }

@@ -329,7 +329,8 @@ static int block_output(const dt_seq *s, const dt_block *b, int i) {
 
 /* Lays out the activations of s's layers: everything in the shared region when `inside` a block;
  * else, when `recompute`, each block's layers there but for the block's output. */
-static void alloc_seq(dt_seq *s, dt_backend *be, dt_acts *acts, int64_t max_batch, int recompute, int inside) {
+static void alloc_seq(dt_seq *s, dt_backend *be, dt_acts *acts, int64_t max_batch, int recompute, int inside,
+                      int frozen) {
   for (int i = 0; i < s->n; i++) {
     dt_layer *l = s->layers[i];
     const dt_block *b = recompute && !inside ? block_of(s, i) : NULL;
@@ -338,11 +339,11 @@ static void alloc_seq(dt_seq *s, dt_backend *be, dt_acts *acts, int64_t max_batc
       size_t bytes = (size_t)(max_batch * shape_size(l->out)) * sizeof(float);
       acts->shared = inside || (b && !block_output(s, b, i));
       acts_take(acts, &l->y, bytes);
-      acts_take(acts, &l->dy, bytes);
+      if (!frozen) acts_take(acts, &l->dy, bytes); /* a frozen model has no backward */
       acts->shared = shared;
       if (l->ops->alloc) l->ops->alloc(l, be, acts, max_batch);
-      alloc_seq(&l->body, be, acts, max_batch, 0, shared);
-      alloc_seq(&l->shortcut, be, acts, max_batch, 0, shared);
+      alloc_seq(&l->body, be, acts, max_batch, 0, shared, frozen);
+      alloc_seq(&l->shortcut, be, acts, max_batch, 0, shared, frozen);
     }
     if (b && i == b->last) acts_end_block(acts);
   }
@@ -358,18 +359,18 @@ static size_t layer_own_bytes(const dt_layer *l, int64_t batch) {
 
 /* Mirrors alloc_seq: adds the bytes each buffer takes to *kept (outside the shared region) or to
  * *used (the block being counted), raising *peak at each block's end. */
-static void count_seq(const dt_seq *s, int64_t batch, int recompute, int inside, size_t *kept, size_t *used,
+static void count_seq(const dt_seq *s, int64_t batch, int recompute, int inside, int frozen, size_t *kept, size_t *used,
                       size_t *peak) {
   for (int i = 0; i < s->n; i++) {
     const dt_layer *l = s->layers[i];
     const dt_block *b = recompute && !inside ? block_of(s, i) : NULL;
     const int shared = inside || b;
     if (!l->fused_into) {
-      size_t out = 2 * (size_t)(batch * shape_size(l->out)) * sizeof(float); /* y, dy */
+      size_t out = (frozen ? 1 : 2) * (size_t)(batch * shape_size(l->out)) * sizeof(float); /* y, dy */
       *(inside || (b && !block_output(s, b, i)) ? used : kept) += out;
       *(shared ? used : kept) += layer_own_bytes(l, batch);
-      count_seq(&l->body, batch, 0, shared, kept, used, peak);
-      count_seq(&l->shortcut, batch, 0, shared, kept, used, peak);
+      count_seq(&l->body, batch, 0, shared, frozen, kept, used, peak);
+      count_seq(&l->shortcut, batch, 0, shared, frozen, kept, used, peak);
     }
     if (b && i == b->last) {
       if (*used > *peak) *peak = *used;
@@ -380,7 +381,7 @@ static void count_seq(const dt_seq *s, int64_t batch, int recompute, int inside,
 
 size_t model_activation_bytes(const dt_model *m, int64_t batch, int recompute) {
   size_t kept = 0, used = 0, peak = 0;
-  count_seq(&m->top, batch, recompute == DT_RECOMPUTE_BLOCKS, 0, &kept, &used, &peak);
+  count_seq(&m->top, batch, recompute == DT_RECOMPUTE_BLOCKS, 0, m->frozen, &kept, &used, &peak);
   return kept + peak;
 }
 
@@ -390,7 +391,7 @@ const dt_layer *model_largest_activations(const dt_model *m, int64_t batch, size
   for (int i = 0; i < m->top.n; i++) {
     dt_seq one = {.n = 1, .layers = &m->top.layers[i]};
     size_t kept = 0, used = 0, peak = 0;
-    count_seq(&one, batch, 0, 0, &kept, &used, &peak);
+    count_seq(&one, batch, 0, 0, m->frozen, &kept, &used, &peak);
     if (kept > *bytes) *bytes = kept, most = m->top.layers[i];
   }
   return most;
@@ -400,7 +401,7 @@ void model_alloc(dt_model *m, dt_backend *be, int64_t max_batch, uint64_t seed) 
   m->be = be;
   m->max_batch = max_batch;
   m->params = be->alloc(be, (size_t)m->n_params * sizeof(float));
-  m->grads = be->alloc(be, (size_t)m->n_params * sizeof(float));
+  m->grads = m->frozen ? NULL : be->alloc(be, (size_t)m->n_params * sizeof(float));
   m->bufs = be->alloc(be, (size_t)(m->n_bufs ? m->n_bufs : 1) * sizeof(float));
   m->input_x = be->alloc(be, (size_t)(max_batch * shape_size(m->input)) * sizeof(float));
   m->norm = be->alloc(be, (size_t)(2 * m->in_channels) * sizeof(float));
@@ -408,7 +409,7 @@ void model_alloc(dt_model *m, dt_backend *be, int64_t max_batch, uint64_t seed) 
   be->to_device(be, m->norm + m->in_channels, m->in_std, (size_t)m->in_channels * sizeof(float));
   m->acts = dt_calloc(1, sizeof *m->acts);
   m->acts->be = be;
-  alloc_seq(&m->top, be, m->acts, max_batch, m->recompute, 0);
+  alloc_seq(&m->top, be, m->acts, max_batch, m->recompute, 0, m->frozen);
   acts_place(m->acts);
   for (int i = 0; i < m->n_all; i++) {
     dt_layer *l = m->all[i];
@@ -450,7 +451,7 @@ void model_free(dt_model *m) {
   dt_backend *be = m->be;
   if (be) {
     be->free(be, m->params);
-    be->free(be, m->grads);
+    if (m->grads) be->free(be, m->grads);
     be->free(be, m->bufs);
     be->free(be, m->input_x);
     be->free(be, m->norm);
@@ -518,7 +519,7 @@ dt_memory model_memory(const dt_model *m, int64_t batch, int optim_states, int t
   dt_memory mem = {0};
   size_t f = sizeof(float);
   mem.params = (size_t)m->n_params * f;
-  mem.grads = mem.params;
+  mem.grads = m->frozen ? 0 : mem.params;
   mem.optim = (size_t)optim_states * mem.params;
   mem.buffers = (size_t)m->n_bufs * f;
   for (int i = 0; i < m->n_all; i++) {
@@ -540,6 +541,7 @@ int64_t model_max_row(const dt_model *m) {
     int64_t v = l->ops->row_values ? l->ops->row_values(l) : shape_size(l->out);
     if (v > most) most = v;
   }
+  if (m->teacher && model_max_row(m->teacher) > most) most = model_max_row(m->teacher); /* its batch is ours */
   return most;
 }
 
@@ -597,6 +599,16 @@ void model_summary(const dt_model *m, FILE *out) {
   fprintf(out, "  loss: %s", loss_name(&m->loss));
   if (m->loss.label_smoothing > 0) fprintf(out, " (label_smoothing %g)", m->loss.label_smoothing);
   fprintf(out, "\n");
+  if (m->teacher) {
+    const dt_model *t = m->teacher;
+    fprintf(out, "  distillation: %g x %s from a frozen teacher + %g x the loss; teacher: ", m->loss.alpha,
+            m->loss.distill == DT_DISTILL_KL ? "T^2 KL" : "mse", 1.0 - m->loss.alpha);
+    print_int(out, t->n_params, 0);
+    fprintf(out, " parameters, %.2f MFLOP per sample (%.2fx the model's forward)", (double)model_flops(t) / 1e6,
+            model_flops(m) ? (double)model_flops(t) / (double)model_flops(m) : 0.0);
+    if (m->loss.distill == DT_DISTILL_KL) fprintf(out, ", temperature %g", m->loss.temperature);
+    fprintf(out, "\n");
+  }
 }
 
 void seq_forward(dt_seq *s, dt_pass *pass, const float *x) {
@@ -666,5 +678,5 @@ void model_input(dt_model *m, const float *raw, int64_t rows) {
 
 void model_loss(dt_model *m, dt_pass *pass, const int32_t *labels, const float *targets, double *sums) {
   loss_run(&m->loss, pass->be, pass->batch * m->n_labels, m->n_classes, 1.0 / pass->global_targets, pass->loss_weight,
-           pass->grad_scale, model_logits(m), labels, targets, model_dlogits(m), sums);
+           pass->grad_scale, model_logits(m), pass->teacher_logits, labels, targets, model_dlogits(m), sums);
 }

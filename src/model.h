@@ -53,8 +53,8 @@ typedef struct {
 
 /* Memory one rank needs, in bytes, by part, for `batch` rows per rank. */
 typedef struct {
-  size_t params, grads, optim, ema, buffers, activations, workspace, total;
-} dt_memory;
+  size_t params, grads, optim, ema, buffers, activations, workspace, teacher, total;
+} dt_memory; /* teacher: distillation's frozen model (its parameters, buffers and activations) */
 
 typedef struct dt_layer dt_layer;
 typedef struct dt_pass dt_pass;
@@ -162,6 +162,7 @@ struct dt_pass {
                                 step replays whatever the count) */
   const float *grad_scale;   /* (1) backend memory or NULL: the fp16 loss scale dlogits carry */
   const uint64_t *step_seed; /* (1) backend memory: the micro-batch's dropout seed; NULL when not training */
+  const float *teacher_logits;  /* (B, K) backend memory: distillation's teacher's logits for the loss, or NULL */
   float *params, *grads, *bufs; /* flat, backend memory */
   /* sync batchnorm: sums (n doubles, backend memory) over all ranks in place, queued where the
    * communicator allows; NULL: single process */
@@ -183,6 +184,8 @@ struct dt_model {
   int64_t n_classes; /* logits per label: n_outputs / n_labels */
   int64_t n_params, n_bufs;
   int recompute;      /* train.recompute blocks */
+  int frozen;         /* forward only (distillation's teacher): no gradients, no dy; set before model_alloc */
+  dt_model *teacher;  /* distill.teacher: its logits join the training loss (distill.h; borrowed), or NULL */
   dt_tensor *tensors; /* every tensor, in PyTorch state_dict order */
   int n_tensors;
   /* input normalisation (data.scale, data.mean, data.std): x = (raw * scale - mean[c]) / std[c] */
@@ -224,7 +227,8 @@ void model_print_layer_keys(FILE *out);
 /* Prints the summary: each layer's output shape and parameters, totals, FLOPs per sample. */
 void model_summary(const dt_model *m, FILE *out);
 int64_t model_flops(const dt_model *m);
-/* The largest tensor one row passes through: the input or a layer's output (values per row). */
+/* The largest tensor one row passes through: the input or a layer's output (values per row), the
+ * teacher's included. */
 int64_t model_max_row(const dt_model *m);
 
 /* Queues the normalised input of rows raw rows (backend memory, (rows, input)) into m->input_x. */

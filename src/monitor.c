@@ -82,6 +82,9 @@ struct dt_monitor {
   char *optim_name;
   int zero;
   int64_t optim_state_bytes;
+  char *teacher, *teacher_weights, *distill_loss; /* teacher "": no distillation */
+  int64_t teacher_params;
+  double temperature, alpha;
   pthread_mutex_t mu;
   /* under mu */
   int published;
@@ -669,7 +672,23 @@ static unsigned get_status(dt_monitor *mon, sbuf *b) {
   sb_printf(b, "}, \"optimizer\": {\"name\": ");
   sb_json_str(b, mon->optim_name);
   sb_printf(b, ", \"zero\": %d, \"state_bytes_per_rank\": %lld", mon->zero, (long long)mon->optim_state_bytes);
-  sb_printf(b, "}, \"ranks\": [");
+  sb_printf(b, "}, \"distill\": ");
+  if (mon->teacher[0]) {
+    sb_printf(b, "{\"teacher\": ");
+    sb_json_str(b, mon->teacher);
+    sb_printf(b, ", \"weights\": ");
+    sb_json_str(b, mon->teacher_weights);
+    sb_printf(b, ", \"teacher_parameters\": %lld, \"loss\": ", (long long)mon->teacher_params);
+    sb_json_str(b, mon->distill_loss);
+    sb_printf(b, ", \"temperature\": ");
+    sb_json_num(b, mon->temperature);
+    sb_printf(b, ", \"alpha\": ");
+    sb_json_num(b, mon->alpha);
+    sb_printf(b, "}");
+  } else {
+    sb_printf(b, "null");
+  }
+  sb_printf(b, ", \"ranks\": [");
   for (int r = 0; r < mon->world; r++) {
     sb_printf(b, "%s{\"rank\": %d, \"host\": ", r ? ", " : "", r);
     sb_json_str(b, mon->hosts[r]);
@@ -1126,6 +1145,12 @@ int monitor_start(dt_monitor *mon, const dt_monitor_run *run, dt_status *st) {
   mon->zero = run->zero;
   mon->optim_state_bytes = run->optim_state_bytes;
   mon->epochs = run->epochs;
+  mon->teacher = dt_strdup(run->teacher ? run->teacher : "");
+  mon->teacher_weights = dt_strdup(run->teacher_weights ? run->teacher_weights : "");
+  mon->distill_loss = dt_strdup(run->distill_loss ? run->distill_loss : "");
+  mon->teacher_params = run->teacher_params;
+  mon->temperature = run->temperature;
+  mon->alpha = run->alpha;
   mon->hosts = dt_calloc((size_t)mon->world, sizeof(char *));
   mon->devices = dt_calloc((size_t)mon->world, sizeof(char *));
   for (int r = 0; r < mon->world; r++) {
@@ -1172,6 +1197,9 @@ void monitor_close(dt_monitor *mon) {
   free(mon->config_path);
   free(mon->auto_batch);
   free(mon->optim_name);
+  free(mon->teacher);
+  free(mon->teacher_weights);
+  free(mon->distill_loss);
   free(mon->rank_compute_ms);
   free(mon->gpu);
   if (mon->token) explicit_bzero(mon->token, mon->token_len);

@@ -52,6 +52,11 @@ typedef struct {
   int zero;                   /* dist.zero */
   int64_t optim_state_bytes;  /* rank 0's optimizer state (dist.zero 1: of its slice) */
   int64_t epochs;
+  /* distillation: distill.teacher and distill.weights ("": none), the teacher's parameters, distill.loss,
+   * its temperature and alpha */
+  const char *teacher, *teacher_weights, *distill_loss;
+  int64_t teacher_params;
+  double temperature, alpha;
 } dt_monitor_run;
 
 /* Starts serving from the daemon's thread and prints where it listens on stdout. Exit 2 naming the

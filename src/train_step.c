@@ -13,6 +13,7 @@
 
 #include "batch.h"
 #include "ddp.h"
+#include "distill.h"
 #include "ema.h"
 #include "fault.h"
 #include "optim.h"
@@ -240,7 +241,9 @@ static void queue_micro(dt_trainer *tr, const dt_dev_batch *db, int64_t rows, in
     const float nan = NAN;
     be->upload(be, db->raw, &nan, sizeof nan);
   }
+  const double t0 = dt_now();
   model_input(m, db->raw, rows);
+  if (m->teacher) teacher_forward(m->teacher, db->raw, rows); /* distillation: its logits join the loss */
   dt_pass pass = {.be = be,
                   .batch = rows,
                   .training = 1,
@@ -248,13 +251,13 @@ static void queue_micro(dt_trainer *tr, const dt_dev_batch *db, int64_t rows, in
                   .loss_weight = tr->step->counter.weight,
                   .grad_scale = tr->step->sums.scaler,
                   .step_seed = db->seed,
+                  .teacher_logits = m->teacher ? model_logits(m->teacher) : NULL,
                   .params = m->params,
                   .grads = m->grads,
                   .bufs = m->bufs,
                   .allreduce_sum = ddp_allreduce_sum,
                   .grads_ready = last ? ddp_ready : NULL,
                   .ctx = &tr->step->ddp};
-  const double t0 = dt_now();
   model_forward(m, &pass);
   model_loss(m, &pass, db->labels, db->targets, tr->step->sums.stats);
   const double t1 = dt_now();

@@ -942,6 +942,37 @@ static void ops_loss(void) {
       if (kind == DT_LOSS_CROSS_ENTROPY && hits < (double)((rows + 1) / 2))
         fail_msg("op loss [%s]: %g correct, at least %lld expected", ot.kase, hits, (long long)((rows + 1) / 2));
       ot_check("dlogits", dz, rows * K);
+      /* distillation: a teacher's logits mixed in by KL at T = 2.5 or by MSE, alpha 0.6; cross_entropy's
+       * with the rows labelled as row 0 ignored */
+      dbuf teacher = ot_rand(cap * K, -3, 3);
+      for (int distill = DT_DISTILL_KL; distill <= DT_DISTILL_MSE; distill++) {
+        ot_case(DT_OP_LOSS, "%s distilled by %s, %s", kind == DT_LOSS_MSE ? "mse" : "cross entropy, rows ignored",
+                distill == DT_DISTILL_KL ? "kl" : "mse", ROWS_NAME(r));
+        dbuf dz_d = ot_rand(cap * K, -1, 1), sums_d = ot_buf(OT_F64, before, 2);
+        BOTH {
+          dt_op op = {.type = DT_OP_LOSS,
+                      .p.loss = {.kind = kind,
+                                 .b = rows,
+                                 .k = K,
+                                 .ignore = kind == DT_LOSS_CROSS_ENTROPY,
+                                 .ignore_index = (int32_t)ot_get(lab, 0, 0),
+                                 .weight = 1.0 / (double)(2 * cap),
+                                 .logits = F(z),
+                                 .labels = kind == DT_LOSS_MSE ? NULL : I(lab),
+                                 .targets = kind == DT_LOSS_MSE ? F(targets) : NULL,
+                                 .dlogits = F(dz_d),
+                                 .sums = D(sums_d),
+                                 .distill = distill,
+                                 .alpha = 0.6f,
+                                 .temperature = 2.5f,
+                                 .teacher = F(teacher)}};
+          RUN(op);
+        }
+        ot_check("distilled dlogits", dz_d, rows * K);
+        ot_check("distilled loss sum and hits", sums_d, 2);
+        if (rows > 1 && ot_get(sums_d, 0, 0) == ot_get(sums, 0, 0))
+          fail_msg("op loss [%s]: the teacher changed nothing", ot.kase);
+      }
       if (kind != DT_LOSS_CROSS_ENTROPY) continue;
       const int32_t ignored_label = (int32_t)ot_get(lab, 0, 0); /* row 0's, so at least one row is ignored */
       ot_case(DT_OP_LOSS, "cross entropy, rows labelled %d ignored, %s", ignored_label, ROWS_NAME(r));

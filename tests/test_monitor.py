@@ -327,6 +327,7 @@ class MetricsAndStatus(unittest.TestCase):
                                               r"rows a step on 2 ranks\); a rank needs [\d.]+ MiB of the [\d.]+ MiB")
         # dist.zero 1: rank 0 keeps SGD's momentum for 1,898 of the 3,796 parameters
         self.assertEqual(st["optimizer"], {"name": "sgd", "zero": 1, "state_bytes_per_rank": 1898 * 4})
+        self.assertIsNone(st["distill"])  # no distill section
         # /history: metrics.jsonl from a step on, whole records only
         since = st["progress"]["step"] - 30
         status, headers, body = request(addr, f"/history?since={since}")

@@ -18,6 +18,7 @@ typedef struct {
   int64_t batch;
   int32_t *labels;
   float *targets;
+  float *teacher;     /* (batch, K) distillation's teacher logits, or NULL */
   uint64_t step_seed; /* the dropout seed (backend memory: host on the CPU) */
 } fixture;
 
@@ -55,6 +56,7 @@ static void teardown(fixture *f) {
   config_free(&f->cfg);
   free(f->labels);
   free(f->targets);
+  free(f->teacher);
 }
 
 static dt_pass make_pass(fixture *f) {
@@ -63,6 +65,7 @@ static dt_pass make_pass(fixture *f) {
                    .training = 1,
                    .global_targets = (double)f->batch,
                    .step_seed = &f->step_seed,
+                   .teacher_logits = f->teacher,
                    .params = f->m.params,
                    .grads = f->m.grads,
                    .bufs = f->m.bufs};
@@ -247,6 +250,58 @@ static void loss_grads(void **s) {
 }
 
 /* Hand-worked values: the loss itself, not only its gradient. */
+static float *rand_teacher(int64_t n) {
+  float *t = malloc((size_t)n * sizeof(float));
+  for (int64_t i = 0; i < n; i++) t[i] = 3.0f * dt_hash_uniform(23, (uint64_t)i) - 1.5f;
+  return t;
+}
+
+/* Distillation's loss (distill.loss kl or mse, mixed with the model's own by alpha): the gradient
+ * by central differences, with temperatures below, at and above 1, and rows that cross_entropy
+ * ignores (label 2 here), which must add neither term. */
+static void distill_grads_case(const char *loss, int distill, double alpha, double temperature, int ignore) {
+  char yaml[256];
+  snprintf(yaml, sizeof yaml, "  input: [5]\n  layers: [{linear: {out: 4}}]\n  loss: %s\n", loss);
+  fixture f;
+  setup(&f, yaml, 6);
+  f.m.loss.distill = distill, f.m.loss.alpha = alpha, f.m.loss.temperature = temperature;
+  if (ignore) f.m.loss.ignore_index_set = 1, f.m.loss.ignore_index = 2;
+  f.teacher = rand_teacher(6 * 4);
+  int64_t nin = 6 * 5;
+  float *dx = calloc((size_t)nin, sizeof(float));
+  memset(f.m.grads, 0, (size_t)f.m.n_params * sizeof(float));
+  dt_pass p = make_pass(&f);
+  model_forward(&f.m, &p);
+  double sums[2] = {0, 0};
+  model_loss(&f.m, &p, f.labels, f.targets, sums);
+  seq_backward(&f.m.top, &p, f.m.input_x, dx);
+  float *grads = malloc((size_t)f.m.n_params * sizeof(float));
+  memcpy(grads, f.m.grads, (size_t)f.m.n_params * sizeof(float));
+  double err = check_buffer(&f, f.m.params, grads, f.m.n_params, 1e-3);
+  if (err > 1e-2)
+    fail_msg("%s, distill %d, alpha %g, T %g: gradient off by %.3g", loss, distill, alpha, temperature, err);
+  err = check_buffer(&f, f.m.input_x, dx, nin, 1e-3);
+  if (err > 1e-2) fail_msg("%s, distill %d: input gradient off by %.3g", loss, distill, err);
+  if (ignore) {
+    int64_t ignored = 0;
+    for (int64_t b = 0; b < 6; b++) ignored += f.labels[b] == 2;
+    if (!ignored) fail_msg("no row is labelled 2: the ignore case tests nothing");
+  }
+  free(grads);
+  free(dx);
+  teardown(&f);
+}
+
+static void distill_loss_grads(void **s) {
+  (void)s;
+  distill_grads_case("cross_entropy", DT_DISTILL_KL, 0.5, 1.0, 0);
+  distill_grads_case("cross_entropy", DT_DISTILL_KL, 0.7, 4.0, 0);
+  distill_grads_case("cross_entropy", DT_DISTILL_KL, 0.3, 0.5, 1);
+  distill_grads_case("{cross_entropy: {label_smoothing: 0.1}}", DT_DISTILL_MSE, 0.4, 1.0, 0);
+  distill_grads_case("mse", DT_DISTILL_MSE, 0.6, 1.0, 0);
+  distill_grads_case("mse", DT_DISTILL_KL, 1.0, 2.0, 0);
+}
+
 static void loss_values_by_hand(void **s) {
   (void)s;
   fixture f;
@@ -266,6 +321,21 @@ static void loss_values_by_hand(void **s) {
   f.m.input_x[0] = 1, f.m.input_x[1] = 1;
   f.targets[0] = 0, f.targets[1] = 3; /* errors (2, -2): mean of squares 4 */
   assert_true(fabs(loss_of(&f) - 4.0) < 1e-6);
+  teardown(&f);
+  /* distillation, T = 2, alpha 0.25: student logits (2, 0), teacher (0, 2), label 0. At T = 2,
+   * p_s = (e, 1) / (e + 1) and p_t = (1, e) / (e + 1), so log p_t - log p_s = (-1, 1) and
+   * KL(p_t || p_s) = -p_t0 + p_t1; loss = 0.75 CE + 0.25 * T^2 * KL */
+  setup(&f, "  input: [2]\n  layers: [{linear: {out: 2, bias: false}}]\n  loss: cross_entropy\n", 1);
+  f.m.params[0] = 2, f.m.params[1] = 0, f.m.params[2] = 0, f.m.params[3] = 0;
+  f.m.input_x[0] = 1, f.m.input_x[1] = 0;
+  f.labels[0] = 0;
+  f.m.loss.distill = DT_DISTILL_KL, f.m.loss.alpha = 0.25, f.m.loss.temperature = 2;
+  f.teacher = malloc(2 * sizeof(float));
+  f.teacher[0] = 0, f.teacher[1] = 2;
+  const double e = exp(1.0), pt0 = 1 / (e + 1), pt1 = e / (e + 1);
+  const double kl = pt0 * -1.0 + pt1 * 1.0, ce = log(exp(2.0) + 1.0) - 2.0;
+  want = 0.75 * ce + 0.25 * 4.0 * kl;
+  if (fabs(loss_of(&f) - want) > 1e-6) fail_msg("distillation loss %.9g, by hand %.9g", loss_of(&f), want);
   teardown(&f);
 }
 
@@ -886,6 +956,7 @@ int main(void) {
       cmocka_unit_test(residual_grads),
       cmocka_unit_test(loss_grads),
       cmocka_unit_test(loss_values_by_hand),
+      cmocka_unit_test(distill_loss_grads),
       cmocka_unit_test(embed_forward_and_grads),
       cmocka_unit_test(layernorm_forward_and_grads),
       cmocka_unit_test(softmax_forward_and_grads),

@@ -163,7 +163,8 @@ void cuda_loss(cuda_impl *im, const dt_op *op) {
   double *pairs =
       cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes, cuda_partials_bytes(op), "loss sums");
   k_loss(im->stream, q->kind, q->logits, q->labels, q->targets, q->dlogits, q->b, q->k, q->label_smoothing,
-         q->ignore ? q->ignore_index : -1, q->weight, q->weight_dev, q->grad_scale, q->sums, pairs);
+         q->ignore ? q->ignore_index : -1, q->weight, q->weight_dev, q->grad_scale, q->distill, q->alpha,
+         q->temperature, q->teacher, q->sums, pairs);
 }
 
 /* kernels/optim.cu: optimizer steps, fp16 loss scaling, EMA */
