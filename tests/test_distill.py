@@ -367,6 +367,26 @@ class Runs(unittest.TestCase):
             w.cleanup()
 
 
+    def test_the_shipped_configs_run(self):
+        """configs/distill_fmnist.yaml and configs/distill_gpt_tiny.yaml as the README runs them, on their
+        real data for 3 steps, with teachers of random weights in place of the trained ones."""
+        w = Workdir()
+        try:
+            for config in ("configs/distill_fmnist.yaml", "configs/distill_gpt_tiny.yaml"):
+                with open(os.path.join(ROOT, config)) as f:
+                    cfg = yaml.safe_load(f)
+                teacher, _ = ddp_model.build_from_yaml(os.path.join(ROOT, cfg["distill"]["teacher"]))
+                ddp_model.save_h5(teacher, w.file("teacher.h5"))
+                out_dir = w.file(os.path.basename(config))
+                rc, out, err = run([config, "--set", f"distill.weights={w.file('teacher.h5')}", "--set",
+                                    "train.max_steps=3", "--set", f"log.dir={out_dir}", "--set",
+                                    f"checkpoint.dir={out_dir}", "--set", "data.cache=none"], np_=2, timeout=300)
+                self.assertEqual(rc, 0, out + err)
+                self.assertIn(f"distill: teacher {cfg['distill']['teacher']}", out)
+        finally:
+            w.cleanup()
+
+
 class Gpu(unittest.TestCase):
     def test_cuda_with_graphs_equals_the_cpu(self):
         """The stand-in (or a GPU): the image and the token case, CUDA graphs on, to 1e-5 of the CPU."""
