@@ -535,6 +535,26 @@ int ckpt_read_model(const char *path, const dt_model *m, float *params, float *b
   return read_model(path, m, params, bufs, ignore_extra, what, st);
 }
 
+int ckpt_share_model(const char *path, dt_model *m, int ignore_extra, const char *what, dt_comm *comm) {
+  dt_status st = {0};
+  dt_backend *be = m->be;
+  const size_t pbytes = (size_t)m->n_params * sizeof(float), bbytes = (size_t)m->n_bufs * sizeof(float);
+  float *hp = dt_malloc(pbytes ? pbytes : 1), *hb = dt_malloc(bbytes ? bbytes : 1);
+  be->to_host(be, hp, m->params, pbytes);
+  be->to_host(be, hb, m->bufs, bbytes);
+  if (comm->rank == 0 && path[0]) ckpt_read_model(path, m, hp, hb, ignore_extra, what, &st);
+  int code = comm_agree(comm, &st);
+  if (!code) {
+    comm_bcast(comm, hp, pbytes, 0);
+    comm_bcast(comm, hb, bbytes, 0);
+    be->to_device(be, m->params, hp, pbytes);
+    be->to_device(be, m->bufs, hb, bbytes);
+  }
+  free(hp);
+  free(hb);
+  return code;
+}
+
 int ckpt_read_meta(const char *path, dt_train_state *ts, char **config_text, dt_status *st) {
   *config_text = NULL;
   probe_args a = {.path = path, .ts = ts};

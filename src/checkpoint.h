@@ -53,6 +53,10 @@ typedef struct {
 int ckpt_read_model(const char *path, const dt_model *m, float *params, float *bufs, int ignore_extra, const char *what,
                     dt_status *st);
 
+/* Collective: rank 0's parameters and buffers of m (backend memory), read from path's /model first
+ * unless path is empty (ckpt_read_model, naming `what`), become every rank's. Returns the agreed code. */
+int ckpt_share_model(const char *path, dt_model *m, int ignore_extra, const char *what, dt_comm *comm);
+
 /* Writes a checkpoint to path atomically. Exit 5 naming the path on any failure, with any
  * earlier file left as it was. */
 int ckpt_write(const char *path, const dt_model *m, const dt_ckpt_data *d, const dt_config *cfg, dt_status *st);

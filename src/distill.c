@@ -2,7 +2,6 @@
 #include "distill.h"
 
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "checkpoint.h"
@@ -59,24 +58,12 @@ int teacher_build(dt_teacher *t, const dt_config *cfg, dt_model *m, dt_status *s
 }
 
 int teacher_load(dt_teacher *t, const dt_config *cfg, dt_backend *be, int64_t max_batch, dt_comm *comm) {
-  dt_status st = {0};
   dt_model *tm = &t->model;
   model_alloc(tm, be, max_batch, 0);
-  float *hp = dt_calloc((size_t)(tm->n_params ? tm->n_params : 1), sizeof(float));
-  float *hb = dt_calloc((size_t)(tm->n_bufs ? tm->n_bufs : 1), sizeof(float));
-  if (comm->rank == 0) ckpt_read_model(cfg->v.distill_weights, tm, hp, hb, 0, "distill.weights", &st);
-  int code = comm_agree(comm, &st);
-  if (!code) {
-    comm_bcast(comm, hp, (size_t)tm->n_params * sizeof(float), 0);
-    comm_bcast(comm, hb, (size_t)tm->n_bufs * sizeof(float), 0);
-    be->to_device(be, tm->params, hp, (size_t)tm->n_params * sizeof(float));
-    be->to_device(be, tm->bufs, hb, (size_t)tm->n_bufs * sizeof(float));
-    if (comm->rank == 0)
-      printf("distill: teacher %s (%lld parameters) from %s, frozen, in evaluation mode\n", t->cfg.path,
-             (long long)tm->n_params, cfg->v.distill_weights);
-  }
-  free(hp);
-  free(hb);
+  int code = ckpt_share_model(cfg->v.distill_weights, tm, 0, "distill.weights", comm);
+  if (!code && comm->rank == 0)
+    printf("distill: teacher %s (%lld parameters) from %s, frozen, in evaluation mode\n", t->cfg.path,
+           (long long)tm->n_params, cfg->v.distill_weights);
   return code;
 }
 

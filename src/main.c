@@ -267,28 +267,6 @@ static int start_monitor(const dt_config *cfg, const dt_model *m, dt_comm *comm,
   return comm_agree(comm, &st);
 }
 
-/* Rank 0's parameters (from init_from or the seed) become everyone's. */
-static int init_params(const dt_config *cfg, dt_model *m, dt_comm *comm) {
-  dt_status st = {0};
-  dt_backend *be = m->be;
-  float *hp = dt_malloc((size_t)(m->n_params ? m->n_params : 1) * sizeof(float));
-  float *hb = dt_malloc((size_t)(m->n_bufs ? m->n_bufs : 1) * sizeof(float));
-  be->to_host(be, hp, m->params, (size_t)m->n_params * sizeof(float));
-  be->to_host(be, hb, m->bufs, (size_t)m->n_bufs * sizeof(float));
-  if (comm->rank == 0 && cfg->v.init_from[0])
-    ckpt_read_model(cfg->v.init_from, m, hp, hb, cfg->v.init_from_ignore_extra, "model.init_from", &st);
-  int code = comm_agree(comm, &st);
-  if (!code) {
-    comm_bcast(comm, hp, (size_t)m->n_params * sizeof(float), 0);
-    comm_bcast(comm, hb, (size_t)m->n_bufs * sizeof(float), 0);
-    be->to_device(be, m->params, hp, (size_t)m->n_params * sizeof(float));
-    be->to_device(be, m->bufs, hb, (size_t)m->n_bufs * sizeof(float));
-  }
-  free(hp);
-  free(hb);
-  return code;
-}
-
 static void print_data_summary(const dt_data *d, const dt_config *cfg, int world) {
   const dt_config_values *v = &cfg->v;
   int64_t G = config_global_batch(v, world);
@@ -451,7 +429,9 @@ static int run_work(dt_run *r, dt_status *st) {
   model_alloc(&r->model, r->dev.be, config_model_rows(&r->cfg.v, comm->size), (uint64_t)r->cfg.v.seed);
   int resumed = 0;
   if (a->resume && (code = ckpt_resume(a->resume, &r->cfg, &r->model, comm, &r->resume, &resumed))) return code;
-  if (!resumed && (code = init_params(&r->cfg, &r->model, comm))) return code;
+  if (!resumed && (code = ckpt_share_model(r->cfg.v.init_from, &r->model, r->cfg.v.init_from_ignore_extra,
+                                           "model.init_from", comm)))
+    return code; /* rank 0's parameters, from model.init_from or the seed, become everyone's */
   if (r->teacher.on &&
       (code = teacher_load(&r->teacher, &r->cfg, r->dev.be, config_model_rows(&r->cfg.v, comm->size), comm)))
     return code;

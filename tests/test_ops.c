@@ -101,29 +101,35 @@ static double check_buffer(fixture *f, float *values, const float *analytic, int
   return sqrt(diff) / (scale > 1e-3 ? scale : 1e-3);
 }
 
+/* Checks every parameter's gradient and the input's of a set-up fixture against central differences;
+ * what names the case in messages. */
+static void grad_check_fixture(fixture *f, const char *what) {
+  int64_t nin = f->batch * shape_size(f->m.input);
+  float *dx = calloc((size_t)nin, sizeof(float));
+  memset(f->m.grads, 0, (size_t)f->m.n_params * sizeof(float));
+  dt_pass p = make_pass(f);
+  model_forward(&f->m, &p);
+  double sums[2] = {0, 0};
+  model_loss(&f->m, &p, f->labels, f->targets, sums);
+  seq_backward(&f->m.top, &p, f->m.input_x, dx);
+  float *grads = malloc((size_t)(f->m.n_params + 1) * sizeof(float));
+  memcpy(grads, f->m.grads, (size_t)f->m.n_params * sizeof(float));
+  for (int t = 0; t < f->m.n_tensors; t++) {
+    dt_tensor *tt = &f->m.tensors[t];
+    if (tt->is_buffer) continue;
+    double err = check_buffer(f, f->m.params + tt->offset, grads + tt->offset, tt->count, 1e-3);
+    if (err > 1e-2) fail_msg("%s: gradient of %s off by %.3g (relative)", what, tt->name, err);
+  }
+  double err = check_buffer(f, f->m.input_x, dx, nin, 1e-3);
+  if (err > 1e-2) fail_msg("%s: input gradient off by %.3g (relative)", what, err);
+  free(grads);
+  free(dx);
+}
+
 static void grad_check(const char *model_yaml, int64_t batch) {
   fixture f;
   setup(&f, model_yaml, batch);
-  int64_t nin = batch * shape_size(f.m.input);
-  float *dx = calloc((size_t)nin, sizeof(float));
-  memset(f.m.grads, 0, (size_t)f.m.n_params * sizeof(float));
-  dt_pass p = make_pass(&f);
-  model_forward(&f.m, &p);
-  double sums[2] = {0, 0};
-  model_loss(&f.m, &p, f.labels, f.targets, sums);
-  seq_backward(&f.m.top, &p, f.m.input_x, dx);
-  float *grads = malloc((size_t)(f.m.n_params + 1) * sizeof(float));
-  memcpy(grads, f.m.grads, (size_t)f.m.n_params * sizeof(float));
-  for (int t = 0; t < f.m.n_tensors; t++) {
-    dt_tensor *tt = &f.m.tensors[t];
-    if (tt->is_buffer) continue;
-    double err = check_buffer(&f, f.m.params + tt->offset, grads + tt->offset, tt->count, 1e-3);
-    if (err > 1e-2) fail_msg("%s: gradient of %s off by %.3g (relative)", model_yaml, tt->name, err);
-  }
-  double err = check_buffer(&f, f.m.input_x, dx, nin, 1e-3);
-  if (err > 1e-2) fail_msg("%s: input gradient off by %.3g (relative)", model_yaml, err);
-  free(grads);
-  free(dx);
+  grad_check_fixture(&f, model_yaml);
   teardown(&f);
 }
 
@@ -249,7 +255,7 @@ static void loss_grads(void **s) {
   grad_check("  input: [5]\n  layers: [{linear: {out: 1}}]\n  loss: mse\n", 6);
 }
 
-/* Hand-worked values: the loss itself, not only its gradient. */
+/* (n) teacher logits in [-1.5, 1.5), from a fixed stream (caller frees). */
 static float *rand_teacher(int64_t n) {
   float *t = malloc((size_t)n * sizeof(float));
   for (int64_t i = 0; i < n; i++) t[i] = 3.0f * dt_hash_uniform(23, (uint64_t)i) - 1.5f;
@@ -267,28 +273,14 @@ static void distill_grads_case(const char *loss, int distill, double alpha, doub
   f.m.loss.distill = distill, f.m.loss.alpha = alpha, f.m.loss.temperature = temperature;
   if (ignore) f.m.loss.ignore_index_set = 1, f.m.loss.ignore_index = 2;
   f.teacher = rand_teacher(6 * 4);
-  int64_t nin = 6 * 5;
-  float *dx = calloc((size_t)nin, sizeof(float));
-  memset(f.m.grads, 0, (size_t)f.m.n_params * sizeof(float));
-  dt_pass p = make_pass(&f);
-  model_forward(&f.m, &p);
-  double sums[2] = {0, 0};
-  model_loss(&f.m, &p, f.labels, f.targets, sums);
-  seq_backward(&f.m.top, &p, f.m.input_x, dx);
-  float *grads = malloc((size_t)f.m.n_params * sizeof(float));
-  memcpy(grads, f.m.grads, (size_t)f.m.n_params * sizeof(float));
-  double err = check_buffer(&f, f.m.params, grads, f.m.n_params, 1e-3);
-  if (err > 1e-2)
-    fail_msg("%s, distill %d, alpha %g, T %g: gradient off by %.3g", loss, distill, alpha, temperature, err);
-  err = check_buffer(&f, f.m.input_x, dx, nin, 1e-3);
-  if (err > 1e-2) fail_msg("%s, distill %d: input gradient off by %.3g", loss, distill, err);
+  char what[512];
+  snprintf(what, sizeof what, "%s, distill %d, alpha %g, T %g", loss, distill, alpha, temperature);
+  grad_check_fixture(&f, what);
   if (ignore) {
     int64_t ignored = 0;
     for (int64_t b = 0; b < 6; b++) ignored += f.labels[b] == 2;
     if (!ignored) fail_msg("no row is labelled 2: the ignore case tests nothing");
   }
-  free(grads);
-  free(dx);
   teardown(&f);
 }
 
@@ -302,6 +294,7 @@ static void distill_loss_grads(void **s) {
   distill_grads_case("mse", DT_DISTILL_KL, 1.0, 2.0, 0);
 }
 
+/* Hand-worked values: the loss itself, not only its gradient. */
 static void loss_values_by_hand(void **s) {
   (void)s;
   fixture f;
