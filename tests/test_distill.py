@@ -413,5 +413,31 @@ class Gpu(unittest.TestCase):
                 w.cleanup()
 
 
+    def test_16_bit_precisions_run_the_teacher_too(self):
+        """bf16 and fp16 (loss scaling, which the teacher's term carries too): the taught run's losses
+        stay within 2% of fp32's on the same device, and differ from them (the teacher's and the
+        student's products both ran in 16 bits)."""
+        env, visible, _ = helpers.gpu_setup(1)
+        if visible < 1:
+            self.skipTest("no GPU")
+        w = Workdir()
+        try:
+            case = Case(w, False)
+            cfg = case.write(optim=OPTIMS["sgd"])
+            losses = {}
+            for precision in ("fp32", "bf16", "fp16"):
+                log = w.file(f"log-{precision}")
+                rc, out, err = run([cfg, "--device", "cuda", "--set", f"train.precision={precision}", "--set",
+                                    f"log.dir={log}", "--set", f"checkpoint.dir={log}"],
+                                   binary=helpers.GPU_BINARY, env=env, timeout=300)
+                self.assertEqual(rc, 0, out + err)
+                losses[precision] = [r["loss"] for r in w.metrics(f"log-{precision}") if "loss" in r]
+            for precision in ("bf16", "fp16"):
+                np.testing.assert_allclose(losses[precision], losses["fp32"], rtol=0.02, err_msg=precision)
+                self.assertNotEqual(losses[precision], losses["fp32"], precision)
+        finally:
+            w.cleanup()
+
+
 if __name__ == "__main__":
     unittest.main()
