@@ -284,7 +284,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
 run: deps
 	$(MAKE) ddp_train data
-	$(MPIRUN) --oversubscribe -np $(NP) ./ddp_train configs/model.yaml
+	$(MPIRUN) --oversubscribe -np $(NP) ./ddp_train configs/model.yaml --set checkpoint.best=true
 
 test-bins: $(TEST_BINS)
 
