@@ -67,8 +67,13 @@ void cache_gather(const dt_dev_cache *c, dt_backend *be, const dt_split *s, cons
 double count_targets(const dt_split *s, const int64_t *idx, int64_t n, int64_t ignore) {
   double c = 0;
   for (int64_t i = 0; i < n; i++) {
-    const int32_t *w = s->tokens + (idx[i] - s->lo) * s->tok_stride;
-    for (int64_t j = 1; j <= s->row_elems; j++) c += w[j] != ignore;
+    if (!s->tokens) { /* left in the file: counted when it was opened */
+      DT_ASSERT(s->row_targets);
+      c += s->row_targets[idx[i] - s->lo];
+      continue;
+    }
+    const int64_t at = (idx[i] - s->lo) * s->tok_stride;
+    for (int64_t j = 1; j <= s->row_elems; j++) c += split_token(s, at + j) != ignore;
   }
   return c;
 }

@@ -4,7 +4,10 @@
  * integer class labels (N,) for cross_entropy, float targets (N, K) or (N,) for mse.
  * A token model's split is x alone: integer tokens (N, T+1), a row's first T the input and its last
  * T the targets, or a flat stream (L,) cut into N = (L-1)/T such windows, each overlapping the
- * next by one token; every token is checked to be in [0, vocab) and held in memory as int32.
+ * next by one token; every token is checked to be in [0, vocab) when the split is opened. The rows'
+ * tokens are held in memory as the file stores them when it is uint8 or uint16 (as uint16), else as
+ * int32; or, with data.cache none (auto: over 4 GiB), read from the file batch by batch, with only
+ * each row's count of targets kept (for loss.ignore_index).
  * Each rank holds the rows it may use ([lo, hi)): all of them for global sharding, its own 1/W
  * for contiguous sharding, its 1/W slice of the validation set. Labels are always in memory; x
  * is in memory when cached, otherwise read row by row from the file per batch.
@@ -21,6 +24,7 @@
 #include "sampler.h"
 
 enum { DT_X_U8, DT_X_F32, DT_X_F64 };
+enum { DT_TOK_U16, DT_TOK_I32 };
 enum { DT_CACHE_PROBE = -1 }; /* data_hdf5.c: the forked probe's open, which reads no more than it must */
 
 typedef struct {
@@ -28,16 +32,26 @@ typedef struct {
   int64_t n, row_elems;
   int x_type;
   size_t x_elem;
-  int64_t y_k;     /* targets per row (mse); 0 for class labels */
-  int64_t lo, hi;  /* rows held by this rank */
-  void *x;         /* rows [lo, hi) in the file's type; NULL: read per batch */
-  int x_pending;   /* x is allocated but not read yet (dset_x stays open): data_fill reads it */
-  int32_t *labels; /* rows [lo, hi) (cross_entropy) */
-  float *targets;  /* rows [lo, hi) x y_k (mse) */
-  int32_t *tokens; /* token model: row r's T+1 tokens start at tokens[(r - lo) * tok_stride] */
-  int64_t tok_stride;
+  int64_t y_k;          /* targets per row (mse); 0 for class labels */
+  int64_t lo, hi;       /* rows held by this rank */
+  void *x;              /* rows [lo, hi) in the file's type; NULL: read per batch */
+  int x_pending;        /* x is allocated but not read yet (dset_x stays open): data_fill reads it */
+  int32_t *labels;      /* rows [lo, hi) (cross_entropy) */
+  float *targets;       /* rows [lo, hi) x y_k (mse) */
+  void *tokens;         /* token model, held: row r's T+1 tokens start at element (r - lo) * tok_stride, tok_type
+                          each; NULL: read from dset_x per batch */
+  int tok_type;         /* DT_TOK_U16 (the file's uint8 or uint16) or DT_TOK_I32 */
+  int64_t tok_stride;   /* > 0 for a token split */
+  int64_t tok_count;    /* the tokens rows [lo, hi) span */
+  int tok_ignore;       /* the model has loss.ignore_index (row_targets is kept when the tokens are not) */
+  int32_t *row_targets; /* tokens read per batch, with loss.ignore_index: each row's targets not ignored */
   hid_t dset_x;
 } dt_split;
+
+/* Token i of a split's held tokens (counted from its first row's first token). */
+static inline int32_t split_token(const dt_split *s, int64_t i) {
+  return s->tok_type == DT_TOK_U16 ? (int32_t)((const uint16_t *)s->tokens)[i] : ((const int32_t *)s->tokens)[i];
+}
 
 typedef struct {
   char path[1024];
@@ -58,7 +72,8 @@ int data_open(dt_data *d, const dt_config *cfg, const dt_model *m, int world, in
 void data_close(dt_data *d);
 /* The host memory the rank's rows take once opened with data.cache `cache` (whatever cache d was
  * opened with: --dry-run's reads none): labels or targets, and x where the cache holds it; a token
- * model's (tokens) every token as int32. 0 for data never opened. */
+ * model's (tokens) tokens where the cache holds them (as uint16 or int32), else its rows' target counts
+ * with loss.ignore_index. 0 for data never opened. */
 size_t data_held_bytes(const dt_data *d, int cache, int tokens);
 
 /* Reads the training rows into the cache that data_open left pending (the training split's x of an

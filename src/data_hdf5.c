@@ -148,11 +148,45 @@ static int shape_matches(int nd, const hsize_t *dims, const dt_shape *in) {
   return 1;
 }
 
-/* A token model's split (see data.h): all of this rank's rows read as int32 and checked. */
-/* A probe (cache DT_CACHE_PROBE) reads only the first and last window: the real open checks the rest. */
+/* Whether a token split's tokens are held in memory under data.cache `cache` (data.h). */
+static int tokens_in_memory(const dt_split *s, int cache, size_t *bytes) {
+  *bytes = (size_t)s->tok_count * (s->tok_type == DT_TOK_U16 ? sizeof(uint16_t) : sizeof(int32_t));
+  return cache == DT_CACHE_MEMORY || (cache == DT_CACHE_AUTO && *bytes < ((size_t)4 << 30));
+}
+
+/* Checks tokens [at, at + n) of the split's stretch (buf, tok_type each) against the vocabulary, and
+ * counts each row's targets that are not ignore_index into s->row_targets when it is kept. */
+static int check_tokens(dt_data *d, dt_split *s, const void *buf, int64_t at, int64_t n, int two_d, int64_t vocab,
+                        int64_t ignore, dt_status *st) {
+  const int64_t t = s->row_elems, first = two_d ? s->lo * (t + 1) : s->lo * t;
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t q = at + i; /* within the stretch */
+    const int32_t v = s->tok_type == DT_TOK_U16 ? (int32_t)((const uint16_t *)buf)[i] : ((const int32_t *)buf)[i];
+    if (v < 0 || v >= vocab) {
+      if (two_d)
+        return dt_fail(st, DT_EXIT_INPUT, "%s: '%s'[%lld, %lld] = %d: token outside [0, %lld) (the model's vocabulary)",
+                       d->path, s->x_name, (long long)(s->lo + q / (t + 1)), (long long)(q % (t + 1)), v,
+                       (long long)vocab);
+      return dt_fail(st, DT_EXIT_INPUT, "%s: '%s'[%lld] = %d: token outside [0, %lld) (the model's vocabulary)",
+                     d->path, s->x_name, (long long)(first + q), v, (long long)vocab);
+    }
+    if (s->row_targets && v != ignore) { /* a target: a row's tokens 1..T (a stream's windows share ends) */
+      if (two_d && q % (t + 1))
+        s->row_targets[q / (t + 1)]++;
+      else if (!two_d && q > 0)
+        s->row_targets[(q - 1) / t]++;
+    }
+  }
+  return 0;
+}
+
+/* A token model's split (see data.h): this rank's rows held in memory (as uint16 or int32) or left in
+ * the file, every token checked either way; the file's are read in pieces of a few MiB. A probe
+ * (cache DT_CACHE_PROBE) reads only the first and last window: the real open checks the rest. */
 static int open_token_split(dt_data *d, dt_split *s, const char *xkey, const dt_model *m, int64_t lo_frac_r, int world,
-                            int contiguous, int probe, dt_status *st) {
+                            int contiguous, int cache, dt_status *st) {
   char dt[128];
+  const int probe = cache == DT_CACHE_PROBE;
   hid_t dx = open_dset(d, s->x_name, xkey, st);
   if (dx < 0) return st->code;
   hsize_t xd[8];
@@ -161,6 +195,7 @@ static int open_token_split(dt_data *d, dt_split *s, const char *xkey, const dt_
   dims_text(xn, xd, dt, sizeof dt);
   hid_t ty = H5Dget_type(dx);
   H5T_class_t cls = H5Tget_class(ty);
+  const int narrow = cls == H5T_INTEGER && H5Tget_sign(ty) == H5T_SGN_NONE && H5Tget_size(ty) <= 2;
   H5Tclose(ty);
   if (cls != H5T_INTEGER || !((xn == 2 && (int64_t)xd[1] == t + 1) || xn == 1)) {
     rc = dt_fail(st, DT_EXIT_INPUT,
@@ -172,6 +207,8 @@ static int open_token_split(dt_data *d, dt_split *s, const char *xkey, const dt_
   }
   int64_t len = (int64_t)xd[0];
   s->tok_stride = xn == 2 ? t + 1 : t;
+  s->tok_type = narrow ? DT_TOK_U16 : DT_TOK_I32;
+  s->tok_ignore = m->loss.ignore_index_set;
   s->n = xn == 2 ? len : (len > t ? (len - 1) / t : 0);
   s->row_elems = t;
   s->x_type = DT_X_F32, s->x_elem = sizeof(float);
@@ -181,6 +218,7 @@ static int open_token_split(dt_data *d, dt_split *s, const char *xkey, const dt_
   int64_t rows = s->hi - s->lo;
   /* the values rows [lo, hi) span: as rows of the dataset, or a stretch of the stream */
   int64_t first = xn == 2 ? s->lo : s->lo * t, count = rows ? (rows - 1) * s->tok_stride + t + 1 : 0;
+  s->tok_count = count;
   if (probe) { /* the rows this rank holds, at both ends (the chunk index is walked to reach them) */
     int32_t *ends = dt_malloc((size_t)(2 * (t + 1)) * sizeof(int32_t));
     int64_t last = xn == 2 ? s->hi - 1 : first + count - (t + 1);
@@ -194,25 +232,35 @@ static int open_token_split(dt_data *d, dt_split *s, const char *xkey, const dt_
     free(ends);
     goto out;
   }
-  s->tokens = dt_malloc((size_t)(count ? count : 1) * sizeof(int32_t));
-  if (count && (rc = xn == 2 ? read_rows(d, dx, s->x_name, H5T_NATIVE_INT32, s->lo, s->hi, s->tokens, DT_EXIT_INPUT, st)
-                             : read_rows(d, dx, s->x_name, H5T_NATIVE_INT32, first, first + count, s->tokens,
-                                         DT_EXIT_INPUT, st)))
-    goto out;
-  for (int64_t i = 0; i < count; i++)
-    if (s->tokens[i] < 0 || s->tokens[i] >= vocab) {
-      if (xn == 2)
-        rc = dt_fail(st, DT_EXIT_INPUT, "%s: '%s'[%lld, %lld] = %d: token outside [0, %lld) (the model's vocabulary)",
-                     d->path, s->x_name, (long long)(first + i / (t + 1)), (long long)(i % (t + 1)), s->tokens[i],
-                     (long long)vocab);
-      else
-        rc = dt_fail(st, DT_EXIT_INPUT, "%s: '%s'[%lld] = %d: token outside [0, %lld) (the model's vocabulary)",
-                     d->path, s->x_name, (long long)(first + i), s->tokens[i], (long long)vocab);
+  const hid_t mt = narrow ? H5T_NATIVE_UINT16 : H5T_NATIVE_INT32;
+  const size_t elem = narrow ? sizeof(uint16_t) : sizeof(int32_t);
+  size_t bytes;
+  if (tokens_in_memory(s, cache, &bytes)) {
+    s->tokens = dt_malloc(bytes ? bytes : 1);
+    if (count && (rc = xn == 2 ? read_rows(d, dx, s->x_name, mt, s->lo, s->hi, s->tokens, DT_EXIT_INPUT, st)
+                               : read_rows(d, dx, s->x_name, mt, first, first + count, s->tokens, DT_EXIT_INPUT, st)))
       goto out;
-    }
-  d->cached = 1;
+    rc = check_tokens(d, s, s->tokens, 0, count, xn == 2, vocab, m->loss.ignore_index, st);
+    d->cached = 1;
+    goto out;
+  }
+  /* left in the file: checked piece by piece (whole rows of a 2-D dataset), and kept open */
+  if (s->tok_ignore) s->row_targets = dt_calloc((size_t)(rows ? rows : 1), sizeof(int32_t));
+  const int64_t per_piece = xn == 2 ? (((int64_t)1 << 20) / (t + 1) > 0 ? ((int64_t)1 << 20) / (t + 1) : 1)
+                                    : (int64_t)1 << 20; /* rows of a 2-D dataset, else tokens */
+  void *piece = dt_malloc((size_t)(xn == 2 ? per_piece * (t + 1) : per_piece) * elem);
+  const int64_t end = xn == 2 ? s->hi : first + count;
+  for (int64_t at = xn == 2 ? s->lo : first; at < end && !rc; at += per_piece) {
+    const int64_t n = end - at < per_piece ? end - at : per_piece;
+    rc = read_rows(d, dx, s->x_name, mt, at, at + n, piece, DT_EXIT_INPUT, st);
+    if (!rc)
+      rc = xn == 2 ? check_tokens(d, s, piece, (at - s->lo) * (t + 1), n * (t + 1), 1, vocab, m->loss.ignore_index, st)
+                   : check_tokens(d, s, piece, at - first, n, 0, vocab, m->loss.ignore_index, st);
+  }
+  free(piece);
+  if (!rc) s->dset_x = dx, dx = -1;
 out:
-  H5Dclose(dx);
+  if (dx >= 0) H5Dclose(dx);
   return rc;
 }
 
@@ -338,7 +386,7 @@ static int open_split(dt_data *d, dt_split *s, const char *xkey, const char *yke
   if (m->tokens) {
     if (cache == DT_CACHE_DEVICE)
       return dt_fail(st, DT_EXIT_INPUT, "data.cache: device is not available for token models yet (use auto)");
-    return open_token_split(d, s, xkey, m, lo_frac_r, world, contiguous, cache == DT_CACHE_PROBE, st);
+    return open_token_split(d, s, xkey, m, lo_frac_r, world, contiguous, cache, st);
   }
   hid_t dx = open_dset(d, s->x_name, xkey, st);
   if (dx < 0) return st->code;
@@ -459,8 +507,9 @@ int data_open(dt_data *d, const dt_config *cfg, const dt_model *m, int world, in
 /* A split's host memory (data_held_bytes). */
 static size_t split_held_bytes(const dt_split *s, int tokens, int cache) {
   const size_t rows = (size_t)(s->hi - s->lo);
-  if (tokens) /* every token of the rows, as int32: tokens (N, T+1), or a stretch of the stream */
-    return rows ? ((rows - 1) * (size_t)s->tok_stride + (size_t)s->row_elems + 1) * sizeof(int32_t) : 0;
+  size_t bytes;
+  if (tokens) /* the tokens the rows span, or without them each row's count of targets (ignore_index) */
+    return tokens_in_memory(s, cache, &bytes) ? bytes : s->tok_ignore ? rows * sizeof(int32_t) : 0;
   size_t x;
   const size_t y = s->y_k ? rows * (size_t)s->y_k * sizeof(float) : rows * sizeof(int32_t);
   return y + (x_in_memory(s, cache, &x) ? x : 0);
@@ -487,6 +536,8 @@ static void split_free(dt_split *s) {
   free(s->x);
   free(s->tokens);
   s->tokens = NULL;
+  free(s->row_targets);
+  s->row_targets = NULL;
   free(s->labels);
   free(s->targets);
   if (s->dset_x >= 0) H5Dclose(s->dset_x);
@@ -515,16 +566,26 @@ static void convert_row(const dt_split *s, const void *src, float *dst) {
 
 int data_gather(dt_data *d, dt_split *s, const int64_t *idx, int64_t n, float *x, int32_t *labels, float *targets,
                 dt_status *st) {
-  if (s->tokens) { /* inputs: a window's first T tokens; labels: its last T */
+  if (s->tok_stride) { /* inputs: a window's first T tokens; labels: its last T */
     const int64_t t = s->row_elems;
+    int32_t *w = s->tokens ? NULL : dt_malloc((size_t)(t + 1) * sizeof(int32_t)); /* a window from the file */
+    const int two_d = s->tok_stride == t + 1;
     for (int64_t i = 0; i < n; i++) {
-      DT_ASSERT(idx[i] >= s->lo && idx[i] < s->hi);
-      const int32_t *w = s->tokens + (idx[i] - s->lo) * s->tok_stride;
+      const int64_t r = idx[i];
+      DT_ASSERT(r >= s->lo && r < s->hi);
+      if (w && read_rows(d, s->dset_x, s->x_name, H5T_NATIVE_INT32, two_d ? r : r * t, two_d ? r + 1 : r * t + t + 1, w,
+                         DT_EXIT_IO, st)) {
+        free(w);
+        return st->code;
+      }
+      const int64_t at = (r - s->lo) * s->tok_stride;
       for (int64_t j = 0; j < t; j++) {
-        x[i * t + j] = (float)w[j]; /* exact below 2^24 */
-        labels[i * t + j] = w[j + 1];
+        const int32_t in = w ? w[j] : split_token(s, at + j), next = w ? w[j + 1] : split_token(s, at + j + 1);
+        x[i * t + j] = (float)in; /* exact below 2^24 */
+        labels[i * t + j] = next;
       }
     }
+    free(w);
     return 0;
   }
   unsigned char row[8 * 4096];

@@ -270,7 +270,7 @@ static int start_monitor(const dt_config *cfg, const dt_model *m, dt_comm *comm,
 static void print_data_summary(const dt_data *d, const dt_config *cfg, int world) {
   const dt_config_values *v = &cfg->v;
   int64_t G = config_global_batch(v, world);
-  if (d->train.tokens) { /* a token model's targets are its inputs shifted by one */
+  if (d->train.tok_stride) { /* a token model's targets are its inputs shifted by one */
     int64_t t = d->train.row_elems;
     printf("data: %s: train %lld sequences of %lld tokens ('%s'), ", d->path, (long long)d->train.n, (long long)t,
            d->train.x_name);
