@@ -65,7 +65,7 @@ LDLIBS = $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -ld
 # the CPU backend (src/cpu/): its dt_backend and op table, oneDNN's convolutions, and the ops by
 # family, as kernels/*.cu
 CPU_SRCS := $(addprefix cpu/,backend.c dnnl.c gemm.c conv.c norm.c elementwise.c pool.c loss.c optim.c transformer.c)
-SRCS := common.c yaml_tree.c keys.c config.c model.c distill.c layers.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
+SRCS := common.c yaml_tree.c keys.c config.c model.c distill.c tokenizer.c layers.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
         layer_activation.c layer_residual.c layer_embedding.c layer_attention.c loss.c comm.c \
         ddp.c device.c sampler.c data_hdf5.c batch.c optim.c optim_sgd.c optim_adamw.c ema.c \
         checkpoint.c log.c train.c train_step.c train_metrics.c memory.c infer.c signals.c fault.c h5util.c monitor.c $(CPU_SRCS)
@@ -132,7 +132,7 @@ else
   PLUGIN_LIBS = -Wl,--disable-new-dtags -L$(SIM) -lgpusim -lstdc++ -Wl,-rpath,$(abspath $(SIM))
 endif
 
-TESTS := test_config test_sampler test_model test_ops test_optim $(if $(filter 1,$(CUDA)),test_gpu)
+TESTS := test_config test_sampler test_model test_ops test_optim tokenize_ids $(if $(filter 1,$(CUDA)),test_gpu)
 TEST_BINS := $(TESTS:%=$(BUILD)/tests/%) $(if $(filter 1,$(CUDA)),$(SIM_BINS))
 
 # libFuzzer harnesses (tests/fuzz), built with clang, ASan and UBSan: the config reader, HDF5

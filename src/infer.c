@@ -9,6 +9,7 @@
 
 #include "batch.h"
 #include "checkpoint.h"
+#include "tokenizer.h"
 
 /* Forward over this rank's validation rows with params and bufs (backend memory: the model's or
  * the EMA's); sums[0..1] get loss and hits (read once at the end); logits (rows, K) and labels are
@@ -165,18 +166,28 @@ int infer_sample(const dt_config *cfg, dt_model *m, dt_comm *comm, int64_t n, co
                  int64_t top_k) {
   dt_status st = {0};
   const int64_t t = m->tokens, v = m->n_classes;
-  const int bytes = v == 256;
+  dt_vocab vocab = {0}; /* the data file's, when it holds one (scripts/tokenize_text.py) */
+  const int has_vocab = t && cfg->v.data_path[0] && !vocab_read(&vocab, cfg->v.data_path, v, &st);
+  const int bytes = v == 256 && !has_vocab;
   int64_t len = 0, cap = (int64_t)strlen(prompt) + n + 2;
   int32_t *ctx = dt_malloc((size_t)cap * sizeof(int32_t));
   int causal = 1; /* the context is padded after the prompt: only causal attention leaves that unseen */
   for (int i = 0; i < m->n_all; i++)
     if (m->all[i]->ops->causal && !m->all[i]->ops->causal(m->all[i])) causal = 0;
-  if (!t) {
+  if (st.code) {
+  } else if (!t) {
     dt_fail(&st, DT_EXIT_INPUT, "--sample: the model is not a token model (its first layer is not an embedding)");
   } else if (!causal) {
     dt_fail(&st, DT_EXIT_INPUT,
             "--sample: the model has attention with causal: false, which sees the tokens after "
             "each position; sampling needs causal attention");
+  } else if (has_vocab) {
+    int32_t *ids;
+    if (!vocab_encode(&vocab, prompt, &ids, &len, &st)) {
+      ctx = dt_realloc(ctx, (size_t)(cap = len + n + 2) * sizeof(int32_t));
+      memcpy(ctx, ids, (size_t)len * sizeof(int32_t));
+      free(ids);
+    }
   } else if (bytes) {
     for (const unsigned char *p = (const unsigned char *)prompt; *p; p++) ctx[len++] = *p;
   } else {
@@ -201,9 +212,11 @@ int infer_sample(const dt_config *cfg, dt_model *m, dt_comm *comm, int64_t n, co
   int code = comm_agree(comm, &st);
   if (code) {
     free(ctx);
+    vocab_free(&vocab);
     return code;
   }
-  if (len == 0) ctx[len++] = bytes ? '\n' : 0; /* an empty prompt starts a new line */
+  if (len == 0) /* an empty prompt starts a new line */
+    ctx[len++] = has_vocab && vocab.byte_id['\n'] >= 0 ? vocab.byte_id['\n'] : bytes ? '\n' : 0;
   dt_backend *be = m->be;
   float *x = dt_calloc((size_t)t, sizeof(float)), *logits = dt_malloc((size_t)v * sizeof(float));
   float *scratch = dt_malloc((size_t)v * sizeof(float));
@@ -215,7 +228,7 @@ int infer_sample(const dt_config *cfg, dt_model *m, dt_comm *comm, int64_t n, co
                   .params = m->params,
                   .grads = m->grads,
                   .bufs = m->bufs};
-  if (comm->rank == 0 && bytes) fwrite(prompt, 1, strlen(prompt), stdout);
+  if (comm->rank == 0 && (bytes || has_vocab)) fwrite(prompt, 1, strlen(prompt), stdout);
   for (int64_t i = 0; i < n; i++) {
     /* the last T tokens, left-aligned: causal attention keeps the zero padding after them unseen */
     int64_t start = len > t ? len - t : 0, w = len - start;
@@ -228,7 +241,9 @@ int infer_sample(const dt_config *cfg, dt_model *m, dt_comm *comm, int64_t n, co
         sample_token(logits, v, temperature, top_k, dt_hash_uniform((uint64_t)cfg->v.seed, (uint64_t)i), scratch);
     ctx[len++] = tok;
     if (comm->rank == 0) {
-      if (bytes)
+      if (has_vocab)
+        vocab_write(&vocab, tok, stdout);
+      else if (bytes)
         fputc(tok, stdout);
       else
         printf("%s%d", i ? " " : "", tok);
@@ -241,5 +256,6 @@ int infer_sample(const dt_config *cfg, dt_model *m, dt_comm *comm, int64_t n, co
   free(logits);
   free(scratch);
   free(ctx);
+  vocab_free(&vocab);
   return comm_agree(comm, &st);
 }
