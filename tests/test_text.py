@@ -85,6 +85,18 @@ class Inputs(unittest.TestCase):
             w.cleanup()
 
 
+    def test_the_unicode_classes_are_what_the_script_generates(self):
+        w = Workdir()
+        try:
+            p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gen_unicode_classes.py"),
+                                w.file("u.h")], capture_output=True, text=True)
+            self.assertEqual(p.returncode, 0, p.stderr)
+            with open(w.file("u.h")) as a, open(os.path.join(ROOT, "src", "unicode_classes.h")) as b:
+                self.assertEqual(a.read(), b.read(), "run scripts/gen_unicode_classes.py")
+        finally:
+            w.cleanup()
+
+
 @unittest.skipIf(ByteLevelBPETokenizer is None, "no Hugging Face tokenizers (make pydeps)")
 @unittest.skipIf(not os.path.isdir(FORTUNES), "no fortunes package (make deps installs it)")
 class Gpt2Tokenizer(unittest.TestCase):
