@@ -254,20 +254,21 @@ static int apply_set(dt_config *cfg, const char *arg, int idx, dt_status *st) {
 static int check_cross(dt_config *cfg, int model_only, dt_status *st) {
   dt_config_values *v = &cfg->v;
   char where[512];
-  if (model_only) { /* a teacher's config: the batch is the run's */
-  } else if (v->batch_size == -1 && !v->global_batch_size)
-    return dt_fail(st, DT_EXIT_INPUT,
-                   "%s: train.batch_size auto needs train.global_batch_size: the rows of a step it keeps while "
-                   "choosing the micro-batch",
-                   cfg->path);
-  else if (v->batch_size > 0 && v->global_batch_size)
-    return dt_fail(st, DT_EXIT_INPUT,
-                   "%s: train.batch_size and train.global_batch_size are both set; set only one (per-rank "
-                   "or total)",
-                   cfg->path);
-  else if (!v->batch_size && !v->global_batch_size)
-    return dt_fail(st, DT_EXIT_INPUT, "%s: set train.batch_size (per rank) or train.global_batch_size (total)",
-                   cfg->path);
+  if (!model_only) { /* a run's config; a teacher's batch is the run's */
+    if (v->batch_size == -1 && !v->global_batch_size)
+      return dt_fail(st, DT_EXIT_INPUT,
+                     "%s: train.batch_size auto needs train.global_batch_size: the rows of a step it keeps while "
+                     "choosing the micro-batch",
+                     cfg->path);
+    if (v->batch_size > 0 && v->global_batch_size)
+      return dt_fail(st, DT_EXIT_INPUT,
+                     "%s: train.batch_size and train.global_batch_size are both set; set only one (per-rank "
+                     "or total)",
+                     cfg->path);
+    if (!v->batch_size && !v->global_batch_size)
+      return dt_fail(st, DT_EXIT_INPUT, "%s: set train.batch_size (per rank) or train.global_batch_size (total)",
+                     cfg->path);
+  }
   if (v->input.n < 1 || v->input.n > 3)
     return dt_fail(st, DT_EXIT_INPUT, "%s: model.input: expected [C,H,W], [H,W] or [D], got %d numbers", cfg->path,
                    v->input.n);

@@ -57,7 +57,7 @@ typedef struct {
   /* distill */
   char *distill_teacher, *distill_weights; /* "": no distillation */
   double distill_temperature, distill_alpha;
-  int distill_loss; /* DT_DISTILL_KL or DT_DISTILL_MSE (backend.h): 1, 2 */
+  int distill_loss; /* 0 kl, 1 mse: backend.h's DT_DISTILL_KL + it */
   /* checkpoint */
   char *ckpt_dir;
   int64_t ckpt_every_steps, ckpt_every_epochs, ckpt_keep;

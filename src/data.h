@@ -48,9 +48,14 @@ typedef struct {
   hid_t dset_x;
 } dt_split;
 
+/* Token i of buf, whose tokens are of type (DT_TOK_*). */
+static inline int32_t token_at(int type, const void *buf, int64_t i) {
+  return type == DT_TOK_U16 ? (int32_t)((const uint16_t *)buf)[i] : ((const int32_t *)buf)[i];
+}
+
 /* Token i of a split's held tokens (counted from its first row's first token). */
 static inline int32_t split_token(const dt_split *s, int64_t i) {
-  return s->tok_type == DT_TOK_U16 ? (int32_t)((const uint16_t *)s->tokens)[i] : ((const int32_t *)s->tokens)[i];
+  return token_at(s->tok_type, s->tokens, i);
 }
 
 typedef struct {

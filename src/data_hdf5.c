@@ -148,10 +148,16 @@ static int shape_matches(int nd, const hsize_t *dims, const dt_shape *in) {
   return 1;
 }
 
+/* Whether data.cache `cache` holds a rank's `bytes` of rows in host memory: memory and device do (device
+ * from host memory), auto under 4 GiB. */
+static int cache_holds(int cache, size_t bytes) {
+  return cache == DT_CACHE_MEMORY || cache == DT_CACHE_DEVICE || (cache == DT_CACHE_AUTO && bytes < ((size_t)4 << 30));
+}
+
 /* Whether a token split's tokens are held in memory under data.cache `cache` (data.h). */
 static int tokens_in_memory(const dt_split *s, int cache, size_t *bytes) {
   *bytes = (size_t)s->tok_count * (s->tok_type == DT_TOK_U16 ? sizeof(uint16_t) : sizeof(int32_t));
-  return cache == DT_CACHE_MEMORY || (cache == DT_CACHE_AUTO && *bytes < ((size_t)4 << 30));
+  return cache_holds(cache, *bytes);
 }
 
 /* Checks tokens [at, at + n) of the split's stretch (buf, tok_type each) against the vocabulary, and
@@ -161,7 +167,7 @@ static int check_tokens(dt_data *d, dt_split *s, const void *buf, int64_t at, in
   const int64_t t = s->row_elems, first = two_d ? s->lo * (t + 1) : s->lo * t;
   for (int64_t i = 0; i < n; i++) {
     const int64_t q = at + i; /* within the stretch */
-    const int32_t v = s->tok_type == DT_TOK_U16 ? (int32_t)((const uint16_t *)buf)[i] : ((const int32_t *)buf)[i];
+    const int32_t v = token_at(s->tok_type, buf, i);
     if (v < 0 || v >= vocab) {
       if (two_d)
         return dt_fail(st, DT_EXIT_INPUT, "%s: '%s'[%lld, %lld] = %d: token outside [0, %lld) (the model's vocabulary)",
@@ -350,7 +356,7 @@ static int read_y(dt_data *d, dt_split *s, hid_t dy, const dt_model *m, dt_statu
  * memory (memory or device, or auto under 4 GiB). */
 static int x_in_memory(const dt_split *s, int cache, size_t *bytes) {
   *bytes = (size_t)(s->hi - s->lo) * (size_t)s->row_elems * s->x_elem;
-  return cache == DT_CACHE_MEMORY || cache == DT_CACHE_DEVICE || (cache == DT_CACHE_AUTO && *bytes < ((size_t)4 << 30));
+  return cache_holds(cache, *bytes);
 }
 
 /* Where x's rows live: in host memory (x_in_memory), read now or left pending for data_fill

@@ -286,11 +286,12 @@ size_t device_check_memory(const dt_config *cfg, const dt_model *m, const dt_dat
             (long long)rows, (long long)model_max_row(m));
     return 0;
   }
-  char run_part[160], extra[160], ema_part[64] = "";
+  char run_part[160], extra[160], state_part[64] = "";
   dt_memory mem = rank_memory(v, m, d, comm, device_threads(cfg, comm), be, run_part, extra, sizeof extra);
-  if (mem.ema) snprintf(ema_part, sizeof ema_part, " + ema %.1f", mib(mem.ema));
+  if (mem.ema) snprintf(state_part, sizeof state_part, " + ema %.1f", mib(mem.ema));
   if (mem.teacher)
-    snprintf(ema_part + strlen(ema_part), sizeof ema_part - strlen(ema_part), " + teacher %.1f", mib(mem.teacher));
+    snprintf(state_part + strlen(state_part), sizeof state_part - strlen(state_part), " + teacher %.1f",
+             mib(mem.teacher));
   const char *where;
   size_t have = rank_available(comm, gpu, &where);
   char tokens[64] = ""; /* a token model's rows are sequences */
@@ -300,7 +301,7 @@ size_t device_check_memory(const dt_config *cfg, const dt_model *m, const dt_dat
         "memory per rank at %lld rows%s: %.1f MiB = parameters %.1f + gradients %.1f + optimizer %.1f%s%s + "
         "buffers %.1f + activations %.1f%s + workspace %.1f%s; %.0f MiB %s\n",
         (long long)rows, tokens, mib(mem.total), mib(mem.params), mib(mem.grads), mib(mem.optim),
-        v->zero && comm->size > 1 ? " (dist.zero 1: rank 0's slice)" : "", ema_part, mib(mem.buffers),
+        v->zero && comm->size > 1 ? " (dist.zero 1: rank 0's slice)" : "", state_part, mib(mem.buffers),
         mib(mem.activations), run_part, mib(mem.workspace), extra, mib(have), where);
     printf(
         "activations of the layers at %lld rows: %.1f MiB with train.recompute none, %.1f MiB with blocks (%d "

@@ -541,8 +541,8 @@ int64_t model_max_row(const dt_model *m) {
     int64_t v = l->ops->row_values ? l->ops->row_values(l) : shape_size(l->out);
     if (v > most) most = v;
   }
-  if (m->teacher && model_max_row(m->teacher) > most) most = model_max_row(m->teacher); /* its batch is ours */
-  return most;
+  const int64_t teacher = m->teacher ? model_max_row(m->teacher) : 0; /* its batch is ours */
+  return teacher > most ? teacher : most;
 }
 
 int64_t model_flops(const dt_model *m) {

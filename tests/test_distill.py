@@ -117,8 +117,9 @@ class Case:
             "checkpoint": {"dir": w.file("ckpt")},
         }
 
-    def write(self, name="student.yaml", **sections):
-        cfg = {k: dict(v) if isinstance(v, dict) else v for k, v in self.cfg.items()}
+    def write(self, name="student.yaml", plain=False, **sections):
+        """The student's config with sections updated; plain: without the distill section."""
+        cfg = {k: dict(v) if isinstance(v, dict) else v for k, v in self.cfg.items() if not (plain and k == "distill")}
         for k, v in sections.items():
             cfg[k] = dict(cfg.get(k, {}), **v)
         path = self.w.file(name)
@@ -257,11 +258,7 @@ class Runs(unittest.TestCase):
         w = Workdir()
         try:
             case = Case(w, False)
-            plain = dict(case.cfg)
-            plain.pop("distill")
-            with open(w.file("plain.yaml"), "w") as f:
-                yaml.safe_dump(dict(plain, checkpoint={"dir": w.file("p")}), f)
-            rc, out, err = run([w.file("plain.yaml")])
+            rc, out, err = run([case.write("plain.yaml", plain=True, checkpoint={"dir": w.file("p")})])
             self.assertEqual(rc, 0, out + err)
             for alpha, sub in ((0.0, "a0"), (0.7, "a7")):
                 rc, out, err = run([case.write(), "--set", f"distill.alpha={alpha}", "--set",
@@ -329,11 +326,7 @@ class Runs(unittest.TestCase):
             teacher = float(line.split("+ teacher ")[1].split()[0])
             values = 483 + 8 + 40001 * (36 + 4 * 144 + 3)
             self.assertAlmostEqual(teacher, values * 4 / 1048576, delta=0.06, msg=line)
-            plain = dict(case.cfg)
-            plain.pop("distill")
-            with open(w.file("plain.yaml"), "w") as f:
-                yaml.safe_dump(plain, f)
-            rc, out2, err = run([w.file("plain.yaml"), "--dry-run"])
+            rc, out2, err = run([case.write("plain.yaml", plain=True), "--dry-run"])
             self.assertEqual(rc, 0, out2 + err)
             self.assertNotIn("teacher", out2)
         finally:
