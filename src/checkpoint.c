@@ -117,14 +117,6 @@ static int read_model(const char *path, const dt_model *m, float *params, float 
   return st->code;
 }
 
-static int fsync_dir(const char *path) {
-  int fd = open(path, O_RDONLY | O_DIRECTORY);
-  if (fd < 0) return -1;
-  int rc = fsync(fd);
-  close(fd);
-  return rc;
-}
-
 static int attr_str(hid_t obj, const char *name, const char *value) {
   hid_t t = H5Tcopy(H5T_C_S1);
   H5Tset_size(t, strlen(value) + 1);
@@ -171,44 +163,7 @@ static int write_group(hid_t f, const char *group, const dt_model *m, const floa
   return bad ? -1 : 0;
 }
 
-/* Writes len bytes to path atomically: into path.tmp.PID, fsynced, renamed over path, then the
- * directory fsynced. Exit 5 naming path and what was written on any failure, the temporary removed. */
-static int write_atomic(const char *path, const void *data, size_t len, const char *what, dt_status *st) {
-  char tmp[1200], dir[1200];
-  snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
-  if (fd < 0) return dt_fail(st, DT_EXIT_IO, "%s: cannot create: %s", tmp, strerror(errno));
-  const char *p = data;
-  int err = 0;
-  while (len && !err) {
-    ssize_t w = write(fd, p, len);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0)
-      err = w < 0 ? errno : EIO;
-    else
-      p += w, len -= (size_t)w;
-  }
-  if (!err && fsync(fd)) err = errno;
-  if (close(fd) && !err) err = errno;
-  if (err) {
-    unlink(tmp);
-    return dt_fail(st, DT_EXIT_IO, "%s: writing %s failed: %s", path, what, strerror(err));
-  }
-  dt_strlcpy(dir, path, sizeof dir);
-  char *slash = strrchr(dir, '/');
-  if (slash)
-    *slash = 0;
-  else
-    snprintf(dir, sizeof dir, ".");
-  if (rename(tmp, path) || fsync_dir(dir)) {
-    err = errno;
-    unlink(tmp);
-    return dt_fail(st, DT_EXIT_IO, "%s: committing %s failed: %s", path, what, strerror(err));
-  }
-  return 0;
-}
-
-/* Closes f, an h5_image's file, and writes the image to path atomically (write_atomic). Exit 5
+/* Closes f, an h5_image's file, and writes the image to path atomically (dt_write_atomic). Exit 5
  * naming path when HDF5 failed before (bad) or at the close, or the write failed. */
 static int commit_image(hid_t f, h5_image *im, int bad, const char *path, const char *what, dt_status *st) {
   char e[256] = "";
@@ -216,7 +171,7 @@ static int commit_image(hid_t f, h5_image *im, int bad, const char *path, const 
   if (H5Fclose(f) < 0 && !bad) bad = 1, h5_error_text(e, sizeof e);
   size_t len = bad ? 0 : h5_image_length(im);
   if (!bad && !len) snprintf(e, sizeof e, "HDF5 left no complete file in memory");
-  int rc = len ? write_atomic(path, im->buf, len, what, st)
+  int rc = len ? dt_write_atomic(path, im->buf, len, what, st)
                : dt_fail(st, DT_EXIT_IO, "%s: writing %s failed: %s", path, what, e);
   h5_image_free(im);
   return rc;
@@ -270,7 +225,7 @@ static int write_latest(const char *dir, const char *name, dt_status *st) {
   char path[1200], line[300];
   snprintf(path, sizeof path, "%s/latest", dir);
   int n = snprintf(line, sizeof line, "%s\n", name);
-  return write_atomic(path, line, (size_t)n, "the latest pointer", st);
+  return dt_write_atomic(path, line, (size_t)n, "the latest pointer", st);
 }
 
 static int64_t step_of(const char *name) {

@@ -1,11 +1,14 @@
 #include "common.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <mpi.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 int dt_fail(dt_status *st, int code, const char *fmt, ...) {
   if (st->code != 0) return st->code;
@@ -89,4 +92,49 @@ void dt_strlcpy(char *dst, const char *src, size_t cap) {
   if (n >= cap) n = cap - 1;
   memcpy(dst, src, n);
   dst[n] = 0;
+}
+
+static int fsync_dir(const char *path) {
+  int fd = open(path, O_RDONLY | O_DIRECTORY);
+  if (fd < 0) return -1;
+  int rc = fsync(fd);
+  close(fd);
+  return rc;
+}
+
+/* Writes len bytes to path atomically: into path.tmp.PID, fsynced, renamed over path, then the
+ * directory fsynced. Exit 5 naming path and what was written on any failure, the temporary removed. */
+int dt_write_atomic(const char *path, const void *data, size_t len, const char *what, dt_status *st) {
+  char tmp[1200], dir[1200];
+  snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (fd < 0) return dt_fail(st, DT_EXIT_IO, "%s: cannot create: %s", tmp, strerror(errno));
+  const char *p = data;
+  int err = 0;
+  while (len && !err) {
+    ssize_t w = write(fd, p, len);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0)
+      err = w < 0 ? errno : EIO;
+    else
+      p += w, len -= (size_t)w;
+  }
+  if (!err && fsync(fd)) err = errno;
+  if (close(fd) && !err) err = errno;
+  if (err) {
+    unlink(tmp);
+    return dt_fail(st, DT_EXIT_IO, "%s: writing %s failed: %s", path, what, strerror(err));
+  }
+  dt_strlcpy(dir, path, sizeof dir);
+  char *slash = strrchr(dir, '/');
+  if (slash)
+    *slash = 0;
+  else
+    snprintf(dir, sizeof dir, ".");
+  if (rename(tmp, path) || fsync_dir(dir)) {
+    err = errno;
+    unlink(tmp);
+    return dt_fail(st, DT_EXIT_IO, "%s: committing %s failed: %s", path, what, strerror(err));
+  }
+  return 0;
 }

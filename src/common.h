@@ -57,4 +57,8 @@ double dt_now(void);
 /* Bounded string copy that always terminates. */
 void dt_strlcpy(char *dst, const char *src, size_t cap);
 
+/* Writes len bytes to path atomically: into path.tmp.PID, fsynced, renamed over path, then the
+ * directory fsynced. Exit 5 naming path and what was written on any failure, the temporary removed. */
+int dt_write_atomic(const char *path, const void *data, size_t len, const char *what, dt_status *st);
+
 #endif
