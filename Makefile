@@ -38,7 +38,8 @@ SAN_FLAGS := $(SAN_FLAGS_$(SAN))
 
 DEB_PKGS := pkg-config libopenmpi-dev openmpi-bin libhdf5-dev hdf5-tools libyaml-dev libopenblas-openmp-dev \
             dataset-fashion-mnist fortunes libcmocka-dev python3-numpy python3-h5py python3-torch python3-yaml python3-matplotlib help2man slurmctld slurmd slurm-client \
-            clang libclang-rt-14-dev libmicrohttpd-dev python3-prometheus-client libdnnl-dev openssh-server
+            clang libclang-rt-14-dev libmicrohttpd-dev python3-prometheus-client libdnnl-dev openssh-server \
+            libjs-chart.js chromium chromium-driver python3-selenium
 OPENBLAS_DIR := /usr/lib/x86_64-linux-gnu/openblas-openmp
 OPENBLAS_INC := /usr/include/x86_64-linux-gnu/openblas-openmp
 
@@ -94,7 +95,10 @@ ifeq ($(CUDA),1)
 else
   SRCS += gpu_none.c
 endif
-HOST_OBJS := $(SRCS:%.c=$(BUILD)/%.o)
+# the dashboard (src/dashboard/ and Debian's Chart.js) as data in the binary: scripts/embed_dashboard.py
+CHARTJS ?= /usr/share/javascript/chart.js/chart.min.js
+DASHBOARD_OBJ := $(BUILD)/dashboard_assets.o
+HOST_OBJS := $(SRCS:%.c=$(BUILD)/%.o) $(DASHBOARD_OBJ)
 OBJS := $(HOST_OBJS)
 # the GPU code linked in, for the test binaries that call it directly
 DIRECT_OBJS := $(filter-out $(BUILD)/gpu_plugin.o,$(HOST_OBJS)) $(GPU_SRCS:%.c=$(BUILD)/%.o)
@@ -180,6 +184,14 @@ $(BUILD)/%.o: src/%.c src/*.h src/*/*.h | $(BUILD)/tests
 	  "Makefile: pkg-config has no answer for ompi-c hdf5 yaml-0.1 (above): run make deps as root, or set PKG_CONFIG_PATH" \
 	  >&2; false)
 	$(CC) $(CFLAGS) -c -o $@ $<
+
+$(BUILD)/dashboard_assets.c: scripts/embed_dashboard.py $(wildcard src/dashboard/*) $(wildcard $(CHARTJS))
+	@test -f $(CHARTJS) || { echo "Makefile: $(CHARTJS) is missing: make deps installs libjs-chart.js (or set CHARTJS)" >&2; exit 1; }
+	@mkdir -p $(dir $@)
+	$(PYTHON) scripts/embed_dashboard.py src/dashboard $(CHARTJS) $@
+
+$(DASHBOARD_OBJ): $(BUILD)/dashboard_assets.c
+	$(CC) -O0 -c -o $@ $<
 
 $(BUILD)/tests/%: tests/%.c $(OBJS) tests/*.h $(SAN_DEPS) | $(BUILD)/tests
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(OBJS) $(LDLIBS) -lcmocka

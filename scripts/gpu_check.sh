@@ -84,6 +84,10 @@ stage_build() {
     echo "compute capability ${arch:0:${#arch}-1}.${arch: -1}: building for sm_$arch only"
     targets+=("CUDA_ARCH=-gencode arch=compute_$arch,code=sm_$arch" build/cuda/tests/test_gpu)
   fi
+  # the dashboard's Chart.js: Debian's libjs-chart.js, which ../shared/device/stage.sh does not stage; carry
+  # /usr/share/javascript/chart.js/chart.min.js as .device-data/chart.min.js where that machine lacks it
+  [ -f /usr/share/javascript/chart.js/chart.min.js ] || [ ! -f .device-data/chart.min.js ] ||
+    targets+=(CHARTJS=.device-data/chart.min.js)
   echo "make -j$NPROC CUDA=1 ${DEVICE_MAKE_ARGS:-} ${targets[*]}"
   # shellcheck disable=SC2086 # DEVICE_MAKE_ARGS is a list of VAR=value words
   make -j"$NPROC" CUDA=1 ${DEVICE_MAKE_ARGS:-} "${targets[@]}"

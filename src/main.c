@@ -216,8 +216,9 @@ static void print_version(void) {
   printf("  %s\n", gpu);
 }
 
-/* monitor.listen: every rank sends its host and device; rank 0 starts serving (monitor.h) and
- * hears about its long collective waits. Collective; returns the agreed code. */
+/* monitor.listen or log.dir: every rank sends its host and device; rank 0 starts serving (monitor.h)
+ * and hears about its long collective waits, or keeps the state for report.html. Collective;
+ * returns the agreed code. */
 static int start_monitor(const dt_config *cfg, const dt_model *m, dt_comm *comm, dt_monitor *mon, int gpu) {
   enum { CAP = 512 };
   dt_status st = {0};
@@ -237,8 +238,16 @@ static int start_monitor(const dt_config *cfg, const dt_model *m, dt_comm *comm,
     const dt_config_values *v = &cfg->v;
     int64_t lo, hi; /* rank 0's optimizer state: all of it, or under dist.zero 1 its slice */
     optim_slice(v, m->n_params, comm->size, 0, &lo, &hi);
+    char *summary = NULL;
+    size_t summary_len = 0;
+    FILE *f = open_memstream(&summary, &summary_len);
+    if (!f) dt_abort(__FILE__, __LINE__, "open_memstream failed");
+    model_summary(m, f);
+    if (fclose(f)) dt_abort(__FILE__, __LINE__, "writing the model summary to memory failed");
     dt_monitor_run run = {
         .config_path = cfg->path,
+        .model_summary = summary,
+        .data_path = v->data_path,
         .config_hash = cfg->hash,
         .world_size = comm->size,
         .hosts = hosts,
@@ -263,6 +272,7 @@ static int start_monitor(const dt_config *cfg, const dt_model *m, dt_comm *comm,
     }
     free(hosts);
     free(devices);
+    free(summary);
   }
   free(all);
   return comm_agree(comm, &st);
@@ -337,8 +347,9 @@ static int run_prepare(dt_run *r, dt_status *st) {
   comm->timeout_s = v->timeout_s;
   comm_check_same(comm, r->cfg.hash, "the effective config", st);
   if ((code = comm_agree(comm, st))) return code;
-  if (comm->rank == 0 && v->monitor_listen[0]) { /* served once training starts */
-    const int trains = !a->dry_run && !a->predict && !a->sample;
+  const int trains = !a->dry_run && !a->predict && !a->sample;
+  /* served once training starts; without monitor.listen its state is report.html's */
+  if (comm->rank == 0 && (v->monitor_listen[0] || (trains && v->log_dir[0]))) {
     dt_monitor_opts mo = {.listen = v->monitor_listen,
                           .token_file = v->monitor_token_file,
                           .stall_s = v->monitor_stall_s > 0 ? v->monitor_stall_s : v->timeout_s / 2,
@@ -439,11 +450,18 @@ static int run_work(dt_run *r, dt_status *st) {
   r->opts.resume = resumed ? &r->resume : NULL;
   if (a->predict) return infer_predict(&r->model, &r->data, comm, a->predict);
   if (a->sample) return infer_sample(&r->cfg, &r->model, comm, a->sample, a->prompt, a->temperature, a->top_k);
-  if (r->cfg.v.monitor_listen[0] && (code = start_monitor(&r->cfg, &r->model, comm, r->mon, r->gpu))) return code;
+  if ((r->cfg.v.monitor_listen[0] || r->cfg.v.log_dir[0]) &&
+      (code = start_monitor(&r->cfg, &r->model, comm, r->mon, r->gpu)))
+    return code;
   r->opts.monitor = r->mon;
   if (r->dev.cpu_threads) device_print_placement(comm, r->dev.cpu_threads);
   dt_train_result res;
-  return train_run(&r->cfg, &r->model, &r->data, comm, &r->opts, &res);
+  code = train_run(&r->cfg, &r->model, &r->data, comm, &r->opts, &res);
+  if (code == 0 || code == DT_EXIT_STOPPED) { /* rank 0's; a failure to write it is said, and the run stands */
+    dt_status rst = {0};
+    if (monitor_write_report(r->mon, code, &rst)) fprintf(stderr, "ddp_train: warning: no report.html: %s\n", rst.msg);
+  }
+  return code;
 }
 
 static void run_close(dt_run *r, int code) {

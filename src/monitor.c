@@ -33,7 +33,16 @@ enum {
   HISTORY_BODY = 256 * 1024,  /* bytes of records per /history answer (but its first record, whatever its size) */
   HISTORY_SCAN = 1024 * 1024, /* bytes of metrics.jsonl one /history request reads */
   MAX_TOKEN = 4096,
+  REPORT_BYTES = 64 * 1024 * 1024, /* bytes of metrics.jsonl that report.html inlines whole */
 };
+
+/* The dashboard's files, generated into the build by scripts/embed_dashboard.py from src/dashboard/
+ * and Debian's Chart.js: the live page (GET /) and its three files, and report.html's text before
+ * and after the run's JSON. Each _len bytes, NUL-terminated. */
+extern const unsigned char dt_dash_page[], dt_dash_js[], dt_dash_css[], dt_dash_chart[], dt_dash_report_head[],
+    dt_dash_report_tail[];
+extern const unsigned long dt_dash_page_len, dt_dash_js_len, dt_dash_css_len, dt_dash_chart_len,
+    dt_dash_report_head_len, dt_dash_report_tail_len;
 
 /* Where a connection's request is; make_room closes one in the first stage first. */
 enum { IN_HEADERS, WAITING, ANSWERING };
@@ -63,6 +72,7 @@ struct dt_monitor {
   size_t token_len;
   double stall_s;
   int checkpoints;
+  char log_dir[1024];      /* log.dir: report.html goes there; "" none */
   char history_path[1100]; /* "" when log.dir is empty */
   /* /history's index of metrics.jsonl, under hist_mu (index_history) */
   pthread_mutex_t hist_mu;
@@ -74,6 +84,7 @@ struct dt_monitor {
   conn_slot conns[MHD_CONNECTIONS]; /* the daemon's thread only */
   /* the run (set before the daemon starts, read-only after) */
   char *config_path;
+  char *model_summary, *data_path;
   uint64_t config_hash;
   int world;
   char **hosts, **devices;
@@ -387,12 +398,13 @@ dt_monitor *monitor_open(const dt_monitor_opts *o, int bind_now, dt_status *st) 
   dt_strlcpy(mon->listen, o->listen, sizeof mon->listen);
   mon->stall_s = o->stall_s;
   mon->checkpoints = o->checkpoints;
+  dt_strlcpy(mon->log_dir, o->log_dir, sizeof mon->log_dir);
   if (o->log_dir[0]) snprintf(mon->history_path, sizeof mon->history_path, "%s/metrics.jsonl", o->log_dir);
   mon->hist_max = -1;
   int rc = pthread_mutex_init(&mon->mu, NULL), rc2 = rc ? rc : pthread_mutex_init(&mon->hist_mu, NULL);
   if (rc || rc2) dt_fail(st, DT_EXIT_INPUT, "monitor: pthread_mutex_init: %s", strerror(rc ? rc : rc2));
-  if (!st->code && o->token_file[0]) read_token(mon, o->token_file, st);
-  if (!st->code) open_socket(mon, bind_now, st);
+  if (!st->code && o->listen[0] && o->token_file[0]) read_token(mon, o->token_file, st);
+  if (!st->code && o->listen[0]) open_socket(mon, bind_now, st);
   if (st->code || !bind_now) {
     if (!rc) pthread_mutex_destroy(&mon->mu);
     if (!rc && !rc2) pthread_mutex_destroy(&mon->hist_mu);
@@ -651,14 +663,12 @@ out:
   return MHD_HTTP_OK;
 }
 
-static unsigned get_status(dt_monitor *mon, sbuf *b) {
-  view v = {0};
-  take_view(mon, &v);
+/* /status's object for the view, in `state` ("starting", "training", "stalled"; report.html's
+ * "finished" or "stopped"). */
+static void status_json(const dt_monitor *mon, const view *vp, const char *state, sbuf *b) {
+  const view v = *vp;
   const dt_monitor_snapshot *s = &v.s;
-  sb_printf(b, "{\"version\": \"%s\", \"state\": \"%s\", \"config\": ", DT_VERSION,
-            !v.published       ? "starting"
-            : stalled(mon, &v) ? "stalled"
-                               : "training");
+  sb_printf(b, "{\"version\": \"%s\", \"state\": \"%s\", \"config\": ", DT_VERSION, state);
   sb_json_str(b, mon->config_path);
   sb_printf(b,
             ", \"config_hash\": \"%016llx\", \"world_size\": %d, \"global_batch\": %lld, \"batch\": {\"rank_rows\": "
@@ -694,11 +704,27 @@ static unsigned get_status(dt_monitor *mon, sbuf *b) {
     sb_json_str(b, mon->hosts[r]);
     sb_printf(b, ", \"device\": ");
     sb_json_str(b, mon->devices[r]);
-    sb_printf(b, "}");
+    sb_printf(b, ", \"compute_ms\": "); /* the last log window's mean */
+    sb_json_num(b, v.published && s->log_step > 0 ? v.rank_compute_ms[r] : NAN);
+    const double *g = v.gpu + (size_t)r * DT_MON_GPU_FIELDS;
+    if (v.has_gpu && g[DT_MON_GPU_VALID])
+      sb_printf(b,
+                ", \"gpu\": {\"index\": %d, \"util_pct\": %.0f, \"mem_used_mib\": %.0f, \"mem_peak_mib\": %.0f, "
+                "\"power_w\": %.0f, \"temp_c\": %.0f}}",
+                (int)g[DT_MON_GPU_INDEX], g[DT_MON_GPU_UTIL], g[DT_MON_GPU_MEM_USED], g[DT_MON_GPU_MEM_PEAK],
+                g[DT_MON_GPU_POWER], g[DT_MON_GPU_TEMP]);
+    else
+      sb_printf(b, ", \"gpu\": null}");
   }
   sb_printf(b, "], \"monitor\": {\"listen\": ");
   sb_json_str(b, mon->where);
-  sb_printf(b, ", \"stall_s\": %g, \"post\": %s}", mon->stall_s, mon->token ? "\"bearer token\"" : "\"refused\"");
+  sb_printf(b, ", \"stall_s\": %g, \"post\": %s}, \"log_dir\": ", mon->stall_s,
+            mon->token ? "\"bearer token\"" : "\"refused\"");
+  sb_json_str(b, mon->log_dir);
+  sb_printf(b, ", \"data\": ");
+  sb_json_str(b, mon->data_path);
+  sb_printf(b, ", \"model_summary\": ");
+  sb_json_str(b, mon->model_summary);
   if (v.published) {
     double eta = eta_s(&v);
     sb_printf(b,
@@ -714,6 +740,7 @@ static unsigned get_status(dt_monitor *mon, sbuf *b) {
     sb_json_num(b, s->loss);
     sb_printf(b, ", \"lr\": ");
     sb_json_num(b, s->lr);
+    if (s->tokens_per_s > 0) sb_printf(b, ", \"tokens_per_s\": %.1f", s->tokens_per_s);
     sb_printf(b,
               ", \"samples_per_s\": %.1f, \"step_ms\": %.3f, \"compute_ms\": %.3f, \"data_ms\": %.3f, "
               "\"comm_ms\": %.3f, \"straggler_rank\": %d}",
@@ -739,7 +766,14 @@ static unsigned get_status(dt_monitor *mon, sbuf *b) {
   if (v.published && s->ckpt_step > 0)
     sb_printf(b, ", \"last_checkpoint\": {\"step\": %lld, \"age_s\": %.1f}", (long long)s->ckpt_step,
               dt_now() - s->ckpt_time);
-  sb_printf(b, "}\n");
+  sb_printf(b, "}");
+}
+
+static unsigned get_status(dt_monitor *mon, sbuf *b) {
+  view v = {0};
+  take_view(mon, &v);
+  status_json(mon, &v, !v.published ? "starting" : stalled(mon, &v) ? "stalled" : "training", b);
+  sb_printf(b, "\n");
   free_view(&v);
   return MHD_HTTP_OK;
 }
@@ -1009,6 +1043,31 @@ static int authorised(const dt_monitor *mon, const char *header, size_t len) {
   return diff == 0;
 }
 
+/* Every answer's headers. The page may load scripts, styles and data from this server only, and
+ * nothing may frame it: an answer that a browser takes for a page runs nothing from elsewhere. */
+static const struct {
+  const char *name, *value;
+} security_headers[] = {
+    {"Content-Security-Policy",
+     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+     "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"},
+    {"X-Content-Type-Options", "nosniff"},
+    {"Referrer-Policy", "no-referrer"},
+    {MHD_HTTP_HEADER_CACHE_CONTROL, "no-store"},
+};
+
+/* Queues r with its headers, and releases it. */
+static enum MHD_Result queue(struct MHD_Connection *c, unsigned code, struct MHD_Response *r, const char *type,
+                             const char *hname, const char *hvalue) {
+  enum MHD_Result ok = MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
+  for (size_t i = 0; i < sizeof security_headers / sizeof *security_headers && ok == MHD_YES; i++)
+    ok = MHD_add_response_header(r, security_headers[i].name, security_headers[i].value);
+  if (ok == MHD_YES && hname) ok = MHD_add_response_header(r, hname, hvalue);
+  if (ok == MHD_YES) ok = MHD_queue_response(c, code, r);
+  MHD_destroy_response(r);
+  return ok;
+}
+
 static enum MHD_Result respond(struct MHD_Connection *c, unsigned code, const char *type, sbuf *b, const char *hname,
                                const char *hvalue) {
   if (!b->p) sb_printf(b, "\n");
@@ -1017,12 +1076,14 @@ static enum MHD_Result respond(struct MHD_Connection *c, unsigned code, const ch
     free(b->p);
     return MHD_NO; /* MHD closes the connection */
   }
-  enum MHD_Result ok = MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
-  if (ok == MHD_YES) ok = MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-store");
-  if (ok == MHD_YES && hname) ok = MHD_add_response_header(r, hname, hvalue);
-  if (ok == MHD_YES) ok = MHD_queue_response(c, code, r);
-  MHD_destroy_response(r);
-  return ok;
+  return queue(c, code, r, type, hname, hvalue);
+}
+
+/* One of the page's files, from the binary. */
+static enum MHD_Result respond_file(struct MHD_Connection *c, const unsigned char *p, unsigned long n,
+                                    const char *type) {
+  struct MHD_Response *r = MHD_create_response_from_buffer(n, (void *)p, MHD_RESPMEM_PERSISTENT);
+  return r ? queue(c, MHD_HTTP_OK, r, type, NULL, NULL) : MHD_NO;
 }
 
 /* MHD_KeyValueIteratorN: stops at a name or value that holds a control character (a header value
@@ -1051,11 +1112,15 @@ static enum MHD_Result fail(struct MHD_Connection *c, unsigned code, const char 
   return respond(c, code, "application/json", &b, hname, hvalue);
 }
 
-enum { EP_HEALTH, EP_METRICS, EP_STATUS, EP_HISTORY, EP_CHECKPOINT, EP_STOP };
+enum { EP_HEALTH, EP_METRICS, EP_STATUS, EP_HISTORY, EP_CHECKPOINT, EP_STOP, EP_PAGE, EP_JS, EP_CSS, EP_CHART };
+/* page: one of the dashboard's files, the same for everyone (no run data: that comes from /status
+ * and /history, under their rules), so served without the token also off loopback */
 static const struct {
   const char *path;
-  int post;
-} endpoints[] = {{"/health", 0}, {"/metrics", 0}, {"/status", 0}, {"/history", 0}, {"/checkpoint", 1}, {"/stop", 1}};
+  int post, page;
+} endpoints[] = {{"/health", 0, 0},        {"/metrics", 0, 0},     {"/status", 0, 0}, {"/history", 0, 0},
+                 {"/checkpoint", 1, 0},    {"/stop", 1, 0},        {"/", 0, 1},       {"/dashboard.js", 0, 1},
+                 {"/dashboard.css", 0, 1}, {"/chart.min.js", 0, 1}};
 
 /* The path is matched as the client sent it: only the documented spelling of an endpoint is that
  * endpoint. */
@@ -1086,14 +1151,14 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     if (!strcmp(slot->path, endpoints[i].path)) ep = i;
   if (ep < 0)
     return fail(c, MHD_HTTP_NOT_FOUND,
-                "no such endpoint: GET /health, /metrics, /status, /history?since=STEP&from=INDEX&limit=N; POST "
-                "/checkpoint, /stop",
+                "no such endpoint: GET / (the dashboard), /health, /metrics, /status, "
+                "/history?since=STEP&from=INDEX&limit=N; POST /checkpoint, /stop",
                 NULL, NULL);
   int is_get = !strcmp(method, MHD_HTTP_METHOD_GET) || !strcmp(method, MHD_HTTP_METHOD_HEAD);
   if (endpoints[ep].post ? strcmp(method, MHD_HTTP_METHOD_POST) != 0 : !is_get)
     return fail(c, MHD_HTTP_METHOD_NOT_ALLOWED, endpoints[ep].post ? "use POST" : "use GET", MHD_HTTP_HEADER_ALLOW,
                 endpoints[ep].post ? "POST" : "GET, HEAD");
-  if (endpoints[ep].post || !mon->loopback) {
+  if (endpoints[ep].post || (!mon->loopback && !endpoints[ep].page)) {
     if (!mon->token)
       return fail(c, MHD_HTTP_FORBIDDEN, "POST is refused: the run was started without monitor.token_file", NULL, NULL);
     const char *auth;
@@ -1127,7 +1192,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         return fail(c, MHD_HTTP_CONFLICT, "checkpoint.dir is empty: this run writes no checkpoints", NULL, NULL);
       code = post_request(mon, DT_MON_CHECKPOINT, &b);
       break;
-    default: code = post_request(mon, DT_MON_STOP, &b); break;
+    case EP_STOP: code = post_request(mon, DT_MON_STOP, &b); break;
+    case EP_PAGE: return respond_file(c, dt_dash_page, dt_dash_page_len, "text/html; charset=utf-8");
+    case EP_JS: return respond_file(c, dt_dash_js, dt_dash_js_len, "text/javascript; charset=utf-8");
+    case EP_CSS: return respond_file(c, dt_dash_css, dt_dash_css_len, "text/css; charset=utf-8");
+    default: return respond_file(c, dt_dash_chart, dt_dash_chart_len, "text/javascript; charset=utf-8");
   }
   return respond(c, code, "application/json", &b, NULL, NULL);
 }
@@ -1135,6 +1204,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 int monitor_start(dt_monitor *mon, const dt_monitor_run *run, dt_status *st) {
   if (!mon) return 0;
   mon->config_path = dt_strdup(run->config_path);
+  mon->model_summary = dt_strdup(run->model_summary ? run->model_summary : "");
+  mon->data_path = dt_strdup(run->data_path ? run->data_path : "");
   mon->config_hash = run->config_hash;
   mon->world = run->world_size;
   mon->global_batch = run->global_batch;
@@ -1159,6 +1230,7 @@ int monitor_start(dt_monitor *mon, const dt_monitor_run *run, dt_status *st) {
   }
   mon->rank_compute_ms = dt_calloc((size_t)mon->world, sizeof(double));
   mon->gpu = dt_calloc((size_t)mon->world * DT_MON_GPU_FIELDS, sizeof(double));
+  if (!mon->listen[0]) return 0; /* report.html's state only */
   if (MHD_is_feature_supported(MHD_FEATURE_AUTOSUPPRESS_SIGPIPE) != MHD_YES) {
     /* a client that hangs up must not kill the run */
     struct sigaction sa;
@@ -1177,11 +1249,71 @@ int monitor_start(dt_monitor *mon, const dt_monitor_run *run, dt_status *st) {
     return dt_fail(st, DT_EXIT_INPUT, "monitor.listen %s: libmicrohttpd could not start its server thread",
                    mon->listen);
   mon->fd = -1; /* the daemon's now: MHD_stop_daemon closes it */
-  printf("monitor: listening on http://%s (GET /health /metrics /status /history; POST /checkpoint /stop %s)\n",
-         mon->where, mon->token ? "with the token in monitor.token_file" : "refused: no monitor.token_file");
+  printf(
+      "monitor: listening on http://%s (the dashboard at /; GET /health /metrics /status /history; POST "
+      "/checkpoint /stop %s)\n",
+      mon->where, mon->token ? "with the token in monitor.token_file" : "refused: no monitor.token_file");
   if (!mon->loopback) printf("monitor: %s is not loopback: every request needs the bearer token\n", mon->where);
   fflush(stdout);
   return 0;
+}
+
+/* JSON text s (len bytes) as it may stand inside <script>: '<', '>' and '&' as \\u escapes, which
+ * no JSON reader tells apart (none of them ends a JSON string), so no "</script>" or "<!--" in a
+ * name or path can end the element. */
+static void sb_json_in_html(sbuf *b, const char *s, size_t len) {
+  size_t from = 0;
+  for (size_t i = 0; i < len; i++) {
+    if (s[i] != '<' && s[i] != '>' && s[i] != '&') continue;
+    sb_append(b, s + from, i - from);
+    sb_printf(b, "\\u%04x", (unsigned)s[i]);
+    from = i + 1;
+  }
+  sb_append(b, s + from, len - from);
+}
+
+int monitor_write_report(dt_monitor *mon, int code, dt_status *st) {
+  if (!mon || !mon->log_dir[0] || !mon->world) return 0;
+  view v = {0};
+  take_view(mon, &v);
+  sbuf json = {0}, page = {0};
+  sb_printf(&json, "{\"status\": ");
+  status_json(mon, &v, code == DT_EXIT_STOPPED ? "stopped" : "finished", &json);
+  free_view(&v);
+  sb_printf(&json, ", \"records\": [");
+  FILE *f = fopen(mon->history_path, "r");
+  if (!f && errno != ENOENT)
+    return dt_fail(st, DT_EXIT_IO, "%s: cannot read for report.html: %s", mon->history_path, strerror(errno));
+  struct stat fs;
+  /* a log past REPORT_BYTES keeps every k-th training record (and every evaluation) */
+  long long every = f && !fstat(fileno(f), &fs) ? 1 + (long long)fs.st_size / REPORT_BYTES : 1;
+  char *line = NULL;
+  size_t cap = 0;
+  ssize_t n;
+  long long records = 0, index = 0;
+  while (f && (n = getline(&line, &cap, f)) > 0) {
+    if (line[n - 1] != '\n' || line[0] != '{') continue; /* whole records only */
+    if (index++ % every && !strstr(line, "\"val_loss\"")) continue;
+    sb_printf(&json, "%s\n", records++ ? "," : "");
+    sb_append(&json, line, (size_t)n - 1);
+  }
+  int bad = f && ferror(f);
+  free(line);
+  if (f) fclose(f);
+  sb_printf(&json, "]}");
+  if (bad) {
+    free(json.p);
+    return dt_fail(st, DT_EXIT_IO, "%s: reading it for report.html failed", mon->history_path);
+  }
+  sb_append(&page, (const char *)dt_dash_report_head, dt_dash_report_head_len);
+  sb_json_in_html(&page, json.p, json.len);
+  sb_append(&page, (const char *)dt_dash_report_tail, dt_dash_report_tail_len);
+  free(json.p);
+  char path[1100];
+  snprintf(path, sizeof path, "%s/report.html", mon->log_dir);
+  int rc = dt_write_atomic(path, page.p, page.len, "the run's report", st);
+  free(page.p);
+  return rc;
 }
 
 void monitor_close(dt_monitor *mon) {
@@ -1195,6 +1327,8 @@ void monitor_close(dt_monitor *mon) {
   free(mon->hosts);
   free(mon->devices);
   free(mon->config_path);
+  free(mon->model_summary);
+  free(mon->data_path);
   free(mon->auto_batch);
   free(mon->optim_name);
   free(mon->teacher);

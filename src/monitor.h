@@ -1,6 +1,7 @@
 /* monitor.h: rank 0's live status endpoint (monitor.listen), served by libmicrohttpd from its own
- * thread: GET /health, /metrics (Prometheus text), /status, /history (metrics.jsonl), and POST
- * /checkpoint and /stop with a bearer token (monitor.token_file).
+ * thread: GET / (the dashboard page, src/dashboard/), /health, /metrics (Prometheus text), /status,
+ * /history (metrics.jsonl), and POST /checkpoint and /stop with a bearer token (monitor.token_file);
+ * and at the end of a run the same page, static, as log.dir/report.html.
  * - The training loop never waits on HTTP: it copies a snapshot in after each step
  *   (monitor_publish) and collects the requests that arrived (monitor_take_requests); requests
  *   read the latest snapshot under a mutex.
@@ -40,6 +41,8 @@ dt_monitor *monitor_open(const dt_monitor_opts *o, int bind_now, dt_status *st);
  * copied. hosts and devices: (world_size) each. */
 typedef struct {
   const char *config_path;
+  const char *model_summary; /* model_summary's text */
+  const char *data_path;     /* data.path */
   uint64_t config_hash;
   int world_size;
   const char *const *hosts;
@@ -60,7 +63,8 @@ typedef struct {
 } dt_monitor_run;
 
 /* Starts serving from the daemon's thread and prints where it listens on stdout. Exit 2 naming the
- * address when the daemon cannot start. */
+ * address when the daemon cannot start. Without monitor.listen it only keeps the state, for
+ * monitor_write_report. */
 int monitor_start(dt_monitor *mon, const dt_monitor_run *run, dt_status *st);
 
 /* Each rank's NVML reading, in /metrics as one series per rank: the fields of dt_gpu_reading. */
@@ -109,6 +113,11 @@ int monitor_take_requests(dt_monitor *mon);
 /* dt_comm's wait hook (ctx: the monitor): rank 0 has waited waited_s in collective `what` at step
  * `step` for the ranks in `missing` ("1, 3"; "" when unknown); what NULL: the wait ended. */
 void monitor_note_wait(void *ctx, const char *what, int64_t step, double waited_s, const char *missing);
+
+/* Writes log.dir/report.html atomically: the dashboard page with /status (state "finished", or
+ * "stopped" for code DT_EXIT_STOPPED) and every whole record of metrics.jsonl inlined, to open from
+ * the file with no server and no network. Nothing without log.dir. Exit 5 naming the file. */
+int monitor_write_report(dt_monitor *mon, int code, dt_status *st);
 
 /* Stops the daemon (closing its connections) and frees everything. */
 void monitor_close(dt_monitor *mon);

@@ -61,7 +61,7 @@ fi
 if [ -x build/fuzz/fuzz_config ]; then
   run_suite fuzz bash tests/fuzz/run.sh 30 0 config data checkpoint
 fi
-for t in test_cli test_docs test_train test_sequence test_text test_recompute test_zero test_distill test_auto_batch test_torch_oracle test_gpt2 test_ema test_faults test_monitor test_threads test_export test_bench test_slurm test_multinode test_gpu_train test_gpu_faults test_gpu_check test_memory test_scaling; do
+for t in test_cli test_docs test_train test_sequence test_text test_recompute test_zero test_distill test_auto_batch test_torch_oracle test_gpt2 test_ema test_faults test_monitor test_dashboard test_threads test_export test_bench test_slurm test_multinode test_gpu_train test_gpu_faults test_gpu_check test_memory test_scaling; do
   run_suite "$t" "$PYTHON" tests/pyrun.py "$t"
 done
 
