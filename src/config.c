@@ -137,7 +137,8 @@ static const dt_key config_keys[] = {
     {"checkpoint.best", DT_KEY_BOOL, F(ckpt_best), "false", NOB, NULL,
      "also keep best.h5, the checkpoint with the best validation metric (train.early_stopping.metric, "
      "else val_acc)"},
-    {"log.dir", DT_KEY_STRING, F(log_dir), "runs/latest", NOB, NULL, "where rank 0 writes metrics.jsonl"},
+    {"log.dir", DT_KEY_STRING, F(log_dir), "runs/latest", NOB, NULL,
+     "where rank 0 writes metrics.jsonl, and report.html at the end of a run"},
     {"log.every_steps", DT_KEY_INT, F(log_every_steps), "50", 1, BIG, NULL, "console and metrics line every N steps"},
     {"log.progress", DT_KEY_ENUM, F(progress), "auto", NOB, "auto|on|off",
      "progress bar with ETA (auto: when stdout is a terminal and not under mpirun or Slurm)"},
@@ -155,9 +156,10 @@ static const dt_key config_keys[] = {
      "deadline of every collective: a warning naming the missing ranks at half of it, exit 3 at it"},
     {"dist.threads", DT_KEY_INT, F(threads), "0", 0, 1024, NULL, "CPU threads per rank (0: cores / ranks on the node)"},
     {"monitor.listen", DT_KEY_STRING, F(monitor_listen), "\"\"", NOB, NULL,
-     "HOST:PORT where rank 0 serves /health, /metrics (Prometheus), /status, /history and POST /checkpoint, /stop, "
-     "e.g. 127.0.0.1:9400 (\"[::1]:9400\", quoted, for IPv6; port 0: any free port, logged); empty: off. An address "
-     "other than loopback needs monitor.token_file, and then every request needs the token"},
+     "HOST:PORT where rank 0 serves the dashboard page on /, /health, /metrics (Prometheus), /status, /history and "
+     "POST /checkpoint, /stop, e.g. 127.0.0.1:9400 (\"[::1]:9400\", quoted, for IPv6; port 0: any free port, logged); "
+     "empty: off. An address "
+     "other than loopback needs monitor.token_file, and then every request needs the token (but the page's own files)"},
     {"monitor.stall_s", DT_KEY_DURATION, F(monitor_stall_s), "0", NOB, NULL,
      "GET /health answers 503 once no step has finished for this long (0: half of dist.timeout_s)"},
     {"monitor.token_file", DT_KEY_STRING, F(monitor_token_file), "\"\"", NOB, NULL,
