@@ -310,12 +310,12 @@ test: deps
 # AddressSanitizer + UndefinedBehaviorSanitizer, with leak checking at exit: the unit tests, the
 # stand-in's checks and GPU suites, the fault suite (2-rank training, resume, crash, hang, NaN,
 # signal, full disk), train.recompute against none and dist.zero against 0, distillation, token data and the
-# tokenizer, every binary built with them. Reports go to
+# tokenizer, the dashboard and report.html in the browser, every binary built with them. Reports go to
 # build/asan/logs; any report fails the run. Open MPI's own leaks are suppressed by tests/sanitizers/lsan.supp; its
 # components stay loaded (disable_dlclose) so that the suppressions can name them.
 ASAN_SUITES := test_config test_sampler test_model test_ops test_optim gpusim gpusim_nccl test_gpu_on_gpusim \
                test_faults test_gpu_train test_gpu_faults test_recompute test_zero test_distill \
-               test_sequence test_text
+               test_sequence test_text test_dashboard
 ASAN_LOGS := $(CURDIR)/build/asan/logs
 test-asan: deps
 	$(MAKE) SAN=asan test-bins data

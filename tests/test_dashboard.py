@@ -8,6 +8,8 @@ headless, driven by selenium through chromedriver, against real 2-rank training 
 - report.html of that run opens from the file, with no server and no network, and shows the same
   charts and the state "stopped"; a run that finishes writes one with "finished".
 - Off loopback the page asks for the token before it shows anything.
+- On the GPU stand-in, each rank's NVML reading (utilisation, memory, power, temperature) in the rank
+  table, live and in report.html equal to the last metrics.jsonl record's.
 - Names and paths holding <script>, tags and quotes (the config's directory, data.path, log.dir)
   show as text in both pages, and nothing of theirs runs.
 
@@ -26,7 +28,7 @@ from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
-from helpers import ROOT, Workdir, run
+from helpers import GPU_BINARY, ROOT, Workdir, gpu_setup, run
 from test_monitor import FOREVER, MONITOR_CNN, TOKEN, Job, request, write_token
 
 CHROMIUM = "/usr/bin/chromium"
@@ -98,7 +100,9 @@ class Page:
             self.d.switch_to.alert.text
 
 
-class DashboardTest(unittest.TestCase):
+class Base(unittest.TestCase):
+    """A browser and a work directory per test."""
+
     @classmethod
     def setUpClass(cls):
         for tool in (CHROMIUM, CHROMEDRIVER):
@@ -147,6 +151,8 @@ class DashboardTest(unittest.TestCase):
         self.open(origin)
         return origin
 
+
+class DashboardTest(Base):
     def test_live_page_then_stop_from_the_page_then_report(self):
         self.w.dataset(n=512, n_val=64, shape=(3, 16, 16), classes=4)
         cfg = self.w.config(MONITOR_CNN, steps=FOREVER, log_every=2)
@@ -316,6 +322,40 @@ class DashboardTest(unittest.TestCase):
             self.assertEqual(request(addr, "/", "POST")[0], 405)
         finally:
             job.stop()
+
+
+GPU_ENV, GPU_VISIBLE, _ = gpu_setup(2)
+
+
+@unittest.skipUnless(GPU_VISIBLE >= 2, "needs 2 GPUs (or the stand-in)")
+class GpuReadings(Base):
+    def gpu_cells(self):
+        """Each rank row's GPU util, memory (peak), power and temperature cells."""
+        return [[td.text for td in r.find_elements(By.TAG_NAME, "td")[4:8]] for r in self.page.rank_rows()]
+
+    def test_nvml_readings_per_rank_live_and_in_the_report(self):
+        self.w.dataset(n=512, n_val=64, shape=(3, 16, 16), classes=4)
+        cfg = self.w.config(MONITOR_CNN, steps=FOREVER, log_every=5)
+        token = write_token(self.w)
+        job = Job([cfg, "--device", "cuda", "--set", f"monitor.token_file={token}"], env=GPU_ENV, binary=GPU_BINARY)
+        try:
+            addr = self.open_live(job)[len("http://"):-1]
+            wait_until(self, "GPU readings in the rank table",
+                       lambda: len(self.gpu_cells()) == 2 and all("–" not in c for row in self.gpu_cells() for c in row),
+                       timeout=180, job=job)
+            devices = [r.find_elements(By.TAG_NAME, "td")[2].text for r in self.page.rank_rows()]
+            self.assertTrue(all(d.startswith(f"GPU {i}: ") for i, d in enumerate(devices)), devices)
+            self.assertEqual(self.page.console_errors(), [])
+            self.assertEqual(request(addr, "/stop", "POST", token=TOKEN)[0], 202)
+            self.assertEqual(job.wait(), 75, job.out + job.err)
+        finally:
+            job.stop()
+        last = [r for r in self.w.metrics() if "gpu" in r][-1]
+        self.open("file://" + urllib.parse.quote(self.w.file("log/report.html")))
+        wait_until(self, "the report's state", lambda: self.page.text("state") == "stopped")
+        want = [[f"{g['util_pct']:.0f}", f"{g['mem_used_mib']:.0f} ({g['mem_peak_mib']:.0f})", f"{g['power_w']:.0f}",
+                 f"{g['temp_c']:.0f}"] for g in sorted(last["gpu"], key=lambda g: g["rank"])]
+        self.assertEqual(self.gpu_cells(), want)
 
 
 if __name__ == "__main__":
