@@ -19,17 +19,15 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from helpers import ENV, Workdir  # noqa: E402
-from monitor_load import http_thread_cpu_s, rank0_pid, request  # noqa: E402
+from helpers import Workdir  # noqa: E402
+from monitor_load import http_thread_cpu_s, launch, rank0_pid, request  # noqa: E402
 from test_dashboard import browser  # noqa: E402
 from test_monitor import TOKEN, write_token  # noqa: E402
 
@@ -77,17 +75,7 @@ def main():
     cmd = ["mpirun", "--oversubscribe", "-np", str(np_), "--bind-to", "core", a.binary, cfg]
     for s in sets:
         cmd += ["--set", s]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=ENV)
-    lines = []
-    threading.Thread(target=lambda: [lines.append(l) for l in p.stdout], daemon=True).start()
-    addr = None
-    while addr is None:
-        if p.poll() is not None:
-            sys.exit("ddp_train exited:\n" + "".join(lines))
-        for line in list(lines):
-            m = re.match(r"monitor: listening on http://(\S+) ", line)
-            addr = addr or (m and m.group(1))
-        time.sleep(0.1)
+    p, addr = launch(cmd)
     pid = rank0_pid(p.pid, a.binary)
     with open(f"/proc/{pid}/status") as f:
         rank_cpus = re.search(r"Cpus_allowed_list:\s*(\S+)", f.read()).group(1)

@@ -40,6 +40,22 @@ def request(addr, path, method="GET", token=None):
         c.close()
 
 
+def launch(cmd):
+    """Starts the ddp_train job of cmd (its output drained by a thread); returns the process and the
+    monitor's HOST:PORT from its start-up line. Exits naming the output when the job ends first."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=ENV)
+    lines = []
+    threading.Thread(target=lambda: [lines.append(l) for l in p.stdout], daemon=True).start()
+    while True:
+        if p.poll() is not None:
+            sys.exit("ddp_train exited:\n" + "".join(lines))
+        for line in list(lines):
+            m = re.match(r"monitor: listening on http://(\S+) ", line)
+            if m:
+                return p, m.group(1)
+        time.sleep(0.1)
+
+
 def descends_from(pid, ancestor):
     """Whether process pid is a descendant of process ancestor."""
     while pid > 1:
@@ -147,17 +163,7 @@ def main():
     cmd = ["mpirun", "--oversubscribe", "-np", str(a.np), a.binary, cfg]
     for s in sets:
         cmd += ["--set", s]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=ENV)
-    lines = []
-    threading.Thread(target=lambda: [lines.append(l) for l in p.stdout], daemon=True).start()
-    addr = None
-    while addr is None:
-        if p.poll() is not None:
-            sys.exit("ddp_train exited:\n" + "".join(lines))
-        for line in list(lines):
-            m = re.match(r"monitor: listening on http://(\S+) ", line)
-            addr = addr or (m and m.group(1))
-        time.sleep(0.1)
+    p, addr = launch(cmd)
     pid = rank0_pid(p.pid, a.binary)
     while json.loads(request(addr, "/health")[1]).get("step", 0) < 3:  # past the first steps' warm-up
         time.sleep(0.2)
