@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from helpers import Workdir  # noqa: E402
-from monitor_load import http_thread_cpu_s, launch, rank0_pid, request  # noqa: E402
+from monitor_load import http_thread_cpu_s, launch, phase_rate, rank0_pid, request  # noqa: E402
 from test_dashboard import browser  # noqa: E402
 from test_monitor import TOKEN, write_token  # noqa: E402
 
@@ -115,8 +115,7 @@ def main():
     print("|---|---|---|---|---|")
     rates = {"closed": [], "open": []}
     for kind, s0, s1, bcpu, hcpu in phases:
-        steps = [records[s] for s in range(s0 + 1, s1 + 1) if s in records]
-        sps = len(steps) * batch / (sum(r["step_ms"] for r in steps) / 1e3) if steps else float("nan")
+        steps, sps = phase_rate(records, s0, s1, batch)
         rates[kind].append(sps)
         print(f"| {kind} | {len(steps)} | {sps:.1f} | {bcpu:.2f} | {hcpu:.3f} |")
     closed = sum(rates["closed"]) / len(rates["closed"])

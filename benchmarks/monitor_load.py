@@ -56,6 +56,13 @@ def launch(cmd):
         time.sleep(0.1)
 
 
+def phase_rate(records, s0, s1, batch):
+    """(steps, samples/s) of the training records {step: record} of steps s0+1..s1: their samples over
+    the sum of their step times."""
+    steps = [records[s] for s in range(s0 + 1, s1 + 1) if s in records]
+    return steps, len(steps) * batch / (sum(r["step_ms"] for r in steps) / 1e3) if steps else float("nan")
+
+
 def descends_from(pid, ancestor):
     """Whether process pid is a descendant of process ancestor."""
     while pid > 1:
@@ -192,8 +199,7 @@ def main():
     print("|---|---|---|---|---|---|")
     rates = {"idle": [], "load": []}
     for kind, s0, s1, n, bad, cpu in phases:
-        steps = [records[s] for s in range(s0 + 1, s1 + 1) if s in records]
-        sps = len(steps) * batch / (sum(r["step_ms"] for r in steps) / 1e3) if steps else float("nan")
+        steps, sps = phase_rate(records, s0, s1, batch)
         rates[kind].append(sps)
         print(f"| {kind} | {len(steps)} | {sps:.1f} | {n} | {bad} | {cpu:.2f} |")
     idle = sum(rates["idle"]) / len(rates["idle"])
