@@ -1068,6 +1068,28 @@ static enum MHD_Result queue(struct MHD_Connection *c, unsigned code, struct MHD
   return ok;
 }
 
+/* Whether a Host header (len bytes) names loopback: localhost, 127.x.y.z or [::1], with or without a
+ * port. A site whose DNS name was pointed at 127.0.0.1 sends its own name, so a browser on this
+ * machine (or at the far end of an ssh tunnel) cannot be made to read a run for it. */
+static int loopback_host(const char *h, size_t len) {
+  char host[300];
+  if (len == 0 || len >= sizeof host) return 0;
+  memcpy(host, h, len);
+  host[len] = 0;
+  char *port = host[0] == '[' ? strchr(host, ']') : strrchr(host, ':');
+  if (host[0] == '[') {
+    if (!port) return 0;
+    *port++ = 0; /* "[::1]:9400": port at ":9400" */
+  }
+  if (port && *port) {
+    if (*port != ':' || strspn(port + 1, "0123456789") != strlen(port + 1)) return 0;
+    *port = 0;
+  }
+  if (host[0] == '[') return !strcmp(host + 1, "::1");
+  struct in_addr a;
+  return !strcasecmp(host, "localhost") || (inet_pton(AF_INET, host, &a) == 1 && ntohl(a.s_addr) >> 24 == 127);
+}
+
 static enum MHD_Result respond(struct MHD_Connection *c, unsigned code, const char *type, sbuf *b, const char *hname,
                                const char *hvalue) {
   if (!b->p) sb_printf(b, "\n");
@@ -1158,14 +1180,23 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
   if (endpoints[ep].post ? strcmp(method, MHD_HTTP_METHOD_POST) != 0 : !is_get)
     return fail(c, MHD_HTTP_METHOD_NOT_ALLOWED, endpoints[ep].post ? "use POST" : "use GET", MHD_HTTP_HEADER_ALLOW,
                 endpoints[ep].post ? "POST" : "GET, HEAD");
+  const char *auth, *host;
+  size_t auth_len = 0, host_len = 0;
+  if (MHD_lookup_connection_value_n(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION,
+                                    strlen(MHD_HTTP_HEADER_AUTHORIZATION), &auth, &auth_len) != MHD_YES)
+    auth = NULL;
+  if (MHD_lookup_connection_value_n(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_HOST, strlen(MHD_HTTP_HEADER_HOST), &host,
+                                    &host_len) != MHD_YES)
+    host = NULL; /* HTTP/1.0 may leave it out; a browser always sends it */
+  if (!endpoints[ep].post && mon->loopback && host && !loopback_host(host, host_len) &&
+      !authorised(mon, auth, auth_len))
+    return fail(c, MHD_HTTP_FORBIDDEN,
+                "the Host header names no loopback address: without the token, ask for http://127.0.0.1:PORT/ or "
+                "http://localhost:PORT/ (a page from another site cannot read the run)",
+                NULL, NULL);
   if (endpoints[ep].post || (!mon->loopback && !endpoints[ep].page)) {
     if (!mon->token)
       return fail(c, MHD_HTTP_FORBIDDEN, "POST is refused: the run was started without monitor.token_file", NULL, NULL);
-    const char *auth;
-    size_t auth_len = 0;
-    if (MHD_lookup_connection_value_n(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION,
-                                      strlen(MHD_HTTP_HEADER_AUTHORIZATION), &auth, &auth_len) != MHD_YES)
-      auth = NULL;
     if (!authorised(mon, auth, auth_len))
       return fail(
           c, MHD_HTTP_UNAUTHORIZED,
@@ -1274,31 +1305,49 @@ static void sb_json_in_html(sbuf *b, const char *s, size_t len) {
 
 int monitor_write_report(dt_monitor *mon, int code, dt_status *st) {
   if (!mon || !mon->log_dir[0] || !mon->world) return 0;
+  FILE *f = fopen(mon->history_path, "r"); /* NULL: no metrics.jsonl (yet), no records */
+  if (!f && errno != ENOENT)
+    return dt_fail(st, DT_EXIT_IO, "%s: cannot read for report.html: %s", mon->history_path, strerror(errno));
+  struct stat fs;
+  if (f && fstat(fileno(f), &fs)) {
+    int e = errno;
+    fclose(f);
+    return dt_fail(st, DT_EXIT_IO, "%s: cannot stat for report.html: %s", mon->history_path, strerror(e));
+  }
+  /* a log past REPORT_BYTES keeps every k-th training record, every evaluation and the last */
+  const long long every = f ? 1 + (long long)fs.st_size / REPORT_BYTES : 1;
   view v = {0};
   take_view(mon, &v);
   sbuf json = {0}, page = {0};
   sb_printf(&json, "{\"status\": ");
   status_json(mon, &v, code == DT_EXIT_STOPPED ? "stopped" : "finished", &json);
   free_view(&v);
+  /* each record a JSON string, parsed one by one by the page: a line that a crash cut and a resume
+   * appended to spoils that record only */
   sb_printf(&json, ", \"records\": [");
-  FILE *f = fopen(mon->history_path, "r");
-  if (!f && errno != ENOENT)
-    return dt_fail(st, DT_EXIT_IO, "%s: cannot read for report.html: %s", mon->history_path, strerror(errno));
-  struct stat fs;
-  /* a log past REPORT_BYTES keeps every k-th training record (and every evaluation) */
-  long long every = f && !fstat(fileno(f), &fs) ? 1 + (long long)fs.st_size / REPORT_BYTES : 1;
-  char *line = NULL;
-  size_t cap = 0;
+  char *bufs[2] = {NULL, NULL}; /* bufs[cur ^ 1]: the last whole line */
+  size_t caps[2] = {0, 0};
+  int cur = 0, last_out = 1;
   ssize_t n;
   long long records = 0, index = 0;
-  while (f && (n = getline(&line, &cap, f)) > 0) {
-    if (line[n - 1] != '\n' || line[0] != '{') continue; /* whole records only */
-    if (index++ % every && !strstr(line, "\"val_loss\"")) continue;
+  while (f && (n = getline(&bufs[cur], &caps[cur], f)) > 0) {
+    char *line = bufs[cur];
+    if (line[n - 1] != '\n') continue; /* whole lines only */
+    line[n - 1] = 0;
+    last_out = index++ % every == 0 || strstr(line, "\"val_loss\"") != NULL;
+    if (last_out) {
+      sb_printf(&json, "%s\n", records++ ? "," : "");
+      sb_json_str(&json, line);
+    }
+    cur ^= 1;
+  }
+  if (!last_out) {
     sb_printf(&json, "%s\n", records++ ? "," : "");
-    sb_append(&json, line, (size_t)n - 1);
+    sb_json_str(&json, bufs[cur ^ 1]);
   }
   int bad = f && ferror(f);
-  free(line);
+  free(bufs[0]);
+  free(bufs[1]);
   if (f) fclose(f);
   sb_printf(&json, "]}");
   if (bad) {

@@ -35,7 +35,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 SCREENSHOT = os.path.join(ROOT, "build", "dashboard.png")
 # what a name may hold to break out of text: each would set window.pwned or the title if it ran
-HOSTILE = "x\"'<script>window.pwned=1</script><img src=x onerror=\"window.pwned=2\">"
+HOSTILE = "x\"'<script>window.pwned=1</script><img src=x onerror=\"window.pwned=2\">"  # "/": directories
 
 
 def browser(profile):
@@ -49,6 +49,18 @@ def browser(profile):
     d = webdriver.Chrome(service=Service(CHROMEDRIVER), options=o)
     d.set_page_load_timeout(60)
     return d
+
+
+def series(records, key):
+    """The steps of a chart's line of `key`: a record at or before the last step drops the points from
+    its step on (a resume goes back to its checkpoint)."""
+    steps = []
+    for r in records:
+        if key in r:
+            while steps and steps[-1] >= r["step"]:
+                steps.pop()
+            steps.append(r["step"])
+    return steps
 
 
 def wait_until(test, what, fn, timeout=90, job=None):
@@ -94,6 +106,10 @@ class Page:
         return urls
 
     def nothing_ran(self, test):
+        """No element came from a run's string, and nothing of theirs ran (the CSP alone would stop an
+        onerror: both are checked)."""
+        for where in ("#config", "#run", "#model", "#ranks"):
+            test.assertEqual(self.d.find_elements(By.CSS_SELECTOR, f"{where} script, {where} img"), [], where)
         test.assertIsNone(self.d.execute_script("return window.pwned === undefined ? null : window.pwned"))
         test.assertEqual(self.d.title, "ddp_train")
         with test.assertRaises(NoAlertPresentException):
@@ -124,7 +140,7 @@ class Base(unittest.TestCase):
     def hostile_workdir(self, steps):
         """A config in a directory whose name holds HOSTILE, with data.path, log.dir and checkpoint.dir
         there (quoted in the YAML as JSON strings)."""
-        sub = os.path.join(self.w.path, HOSTILE.replace("/", "|"))
+        sub = os.path.join(self.w.path, HOSTILE)
         os.makedirs(sub)
         self.w.dataset(n=512, n_val=64, shape=(3, 16, 16), classes=4)
         os.rename(self.w.file("data.h5"), os.path.join(sub, "data.h5"))
@@ -199,7 +215,7 @@ class DashboardTest(Base):
             self.d.find_element(By.ID, "stop").click()
             self.assertEqual(job.wait(), 75, job.out + job.err)
             self.assertIn("stopped by POST /stop", job.err)
-            self.assertIn("stop accepted", p.text("message"))
+            wait_until(self, "the stop's answer", lambda: "stop accepted" in p.text("message"))
             self.assertIsNotNone(self.w.latest(), "no checkpoint")
             wait_until(self, "the page to see the run gone", lambda: p.text("state") == "disconnected")
 
@@ -207,7 +223,7 @@ class DashboardTest(Base):
             errors = [e["message"] for e in p.console_errors()]
             self.assertEqual(len([e for e in errors if "/stop" in e and "401" in e]), 1, errors)
             self.assertEqual([e for e in errors if not ("/stop" in e and "401" in e)
-                              and "ERR_CONNECTION_REFUSED" not in e and "Failed to fetch" not in e], [])
+                              and "net::ERR_" not in e and "Failed to fetch" not in e], [])
             self.assert_offline(p.requested_urls(), origin)
         finally:
             job.stop()
@@ -230,7 +246,7 @@ class DashboardTest(Base):
         sub, cfg = self.hostile_workdir(steps=FOREVER)
         token = write_token(self.w)
         job = Job([cfg, "--set", f"monitor.token_file={token}"])
-        shown = HOSTILE.replace("/", "|")
+        shown = HOSTILE
         try:
             origin = self.open_live(job)
             addr = origin[len("http://"):-1]
@@ -260,21 +276,64 @@ class DashboardTest(Base):
         self.assert_offline(self.page.requested_urls(), "file://")
 
     def test_finished_run_without_monitor_writes_a_report(self):
+        """20 steps, a record cut short as by a crash, a resume from step 10 to step 40 (which appends
+        its first record to the cut one and logs steps 12 to 20 again): the report, from the file,
+        shows one point a step, 2 to 40, the spoilt line left out."""
         self.w.dataset(n=512, n_val=64, shape=(3, 16, 16), classes=4)
-        cfg = self.w.config(MONITOR_CNN, steps=40, log_every=2)
-        rc, out, err = run([cfg, "--set", "monitor.listen="], np_=2, timeout=300)
+        cfg = self.w.config(MONITOR_CNN, steps=20, log_every=2)
+        sets = ["--set", "monitor.listen=", "--set", "checkpoint.every_steps=10"]
+        rc, out, err = run([cfg] + sets, np_=2, timeout=300)
         self.assertEqual(rc, 0, out + err)
         self.assertNotIn("monitor:", out)
+        with open(self.w.file("log/metrics.jsonl"), "a") as f:
+            f.write('{"step": 21, "epoch": 2, "loss": 0.')
+        rc, out, err = run([cfg, "--resume", self.w.file("ckpt/step-00000010.h5"), "--set", "train.max_steps=40"]
+                           + sets, np_=2, timeout=300)
+        self.assertEqual(rc, 0, out + err)
         report = self.w.file("log/report.html")
         self.open("file://" + urllib.parse.quote(report))
         p = self.page
         wait_until(self, "the report's state", lambda: p.text("state") == "finished")
         self.assertEqual(p.step(), 40)
         self.assertEqual(p.points("chart-loss"), 20)
-        self.assertEqual(p.points("chart-val"), len([r for r in self.w.metrics() if "val_loss" in r]) * 2)
+        self.assertEqual(self.d.find_element(By.ID, "chart-loss").get_attribute("data-last-step"), "40")
+        records = []
+        with open(self.w.file("log/metrics.jsonl")) as f:
+            for line in f:
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    self.assertIn('{"step": 21, "epoch": 2, "loss": 0.{"step": 12', line)  # the spoilt one
+        self.assertEqual(p.points("chart-val"), 2 * len(series(records, "val_loss")))
+        self.assertEqual(p.points("chart-loss"), len(series(records, "loss")))
         self.assertEqual(p.text("eta"), "–")
         self.assertEqual(p.console_errors(), [])
         self.assert_offline(p.requested_urls(), "file://")
+
+    def test_a_long_live_run_draws_its_last_record(self):
+        """More records than a chart draws (log.every_steps 1, a step of 1-2 ms): the page keeps every
+        one it received and draws up to the last of them."""
+        self.w.dataset(n=512, n_val=64, shape=(3, 16, 16), classes=4)
+        cfg = self.w.config(MONITOR_CNN, steps=FOREVER, log_every=1)
+        token = write_token(self.w)
+        job = Job([cfg, "--set", f"monitor.token_file={token}", "--set", "train.eval_every_steps=0"])
+        try:
+            addr = self.open_live(job)[len("http://"):-1]
+            p = self.page
+            wait_until(self, "2,500 loss points", lambda: p.points("chart-loss") >= 2500, timeout=180, job=job)
+            self.assertEqual(request(addr, "/stop", "POST", token=TOKEN)[0], 202)
+            self.assertEqual(job.wait(), 75, job.out + job.err)
+        finally:
+            job.stop()
+        wait_until(self, "the page to see the run gone", lambda: p.text("state") == "disconnected")
+        n = p.points("chart-loss")
+        losses = [r for r in self.w.metrics() if "loss" in r]
+        self.assertEqual(int(self.d.find_element(By.ID, "chart-loss").get_attribute("data-last-step")),
+                         losses[n - 1]["step"])  # the first n records, the last of them drawn
+        drawn = self.d.execute_script("return Chart.getChart(document.querySelector('#chart-loss canvas'))"
+                                      ".data.datasets[0].data.length")
+        self.assertLessEqual(drawn, 1001)
+        self.assertGreater(drawn, 500)
 
     def test_off_loopback_the_page_asks_for_the_token(self):
         self.w.dataset(n=512, n_val=64, shape=(3, 16, 16), classes=4)
@@ -298,10 +357,11 @@ class DashboardTest(Base):
         finally:
             job.stop()
 
-    def test_headers(self):
+    def test_headers_and_the_host(self):
         self.w.dataset(n=512, n_val=64, shape=(3, 16, 16), classes=4)
         cfg = self.w.config(MONITOR_CNN, steps=FOREVER, log_every=50)
-        job = Job([cfg])
+        token = write_token(self.w)
+        job = Job([cfg, "--set", f"monitor.token_file={token}"])
         try:
             addr = job.address()
             for path, kind in (("/", "text/html"), ("/dashboard.js", "text/javascript"),
@@ -320,6 +380,20 @@ class DashboardTest(Base):
                 self.assertEqual(chart, f.read())  # Debian's Chart.js, as built in
             self.assertEqual(request(addr, "/index.html")[0], 404)
             self.assertEqual(request(addr, "/", "POST")[0], 405)
+            # on loopback a read without the token must name a loopback host: a site whose name was
+            # pointed at 127.0.0.1 (DNS rebinding) sends its own
+            port = addr.rsplit(":", 1)[1]
+            for host in ("127.0.0.1", f"127.0.0.1:{port}", f"localhost:{port}", "LOCALHOST", f"127.3.2.1:{port}",
+                         f"[::1]:{port}"):
+                self.assertEqual(request(addr, "/status", headers={"Host": host})[0], 200, host)
+            for host in (f"evil.example:{port}", "evil.example", f"127.0.0.1.evil.example:{port}",
+                         f"localhost.evil:{port}", f"10.0.0.1:{port}", f"[::2]:{port}", f"127.0.0.1:{port}x"):
+                for path in ("/", "/status", "/history", "/metrics", "/health"):
+                    code, _, body = request(addr, path, headers={"Host": host})
+                    self.assertEqual(code, 403, (host, path))
+                self.assertIn("Host header names no loopback address", body)
+                self.assertEqual(request(addr, "/status", token=TOKEN, headers={"Host": host})[0], 200, host)
+            self.assertEqual(request(addr, "/status", token="wrong", headers={"Host": "evil.example"})[0], 403)
         finally:
             job.stop()
 

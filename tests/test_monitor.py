@@ -755,7 +755,7 @@ class BadRequests(unittest.TestCase):
             self.assertLess(replies[i][1], 15)
         self.assertGreaterEqual(codes.count(400), 5)
         for data in (b"GET /health\r\n\r\n", b"GET /health HTTP/1.1\r\nno colon here\r\n\r\n",
-                     b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n"):
+                     b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: abc\r\n\r\n"):
             reply, _ = raw_exchange(self.addr, data)
             self.assertEqual(status_of(reply), 400, (data, reply[:200]))
         # a request line with no target at all: libmicrohttpd 0.9.75 hangs up without a status line
@@ -763,21 +763,21 @@ class BadRequests(unittest.TestCase):
             reply, took = raw_exchange(self.addr, data)
             self.assertIn(status_of(reply), (None, 400), reply[:200])
             self.assertLess(took, 15)
-        reply, _ = raw_exchange(self.addr, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply, _ = raw_exchange(self.addr, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         self.assertEqual(status_of(reply), 200)
         self.assert_still_training()
 
     def test_oversized_requests(self):
-        big = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n"
+        big = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n"
         reply, _ = raw_exchange(self.addr, big)
         self.assertEqual(status_of(reply), 431, reply[:200])
-        many = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(65)) + b"\r\n"
+        many = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(65)) + b"\r\n"
         reply, _ = raw_exchange(self.addr, many)
         self.assertEqual(status_of(reply), 431, reply[:200])
-        reply, _ = raw_exchange(self.addr, b"GET /" + b"a" * 100000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply, _ = raw_exchange(self.addr, b"GET /" + b"a" * 100000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         self.assertEqual(status_of(reply), 414, reply[:200])
         # a POST announcing a huge body is answered (401 here) without reading it
-        reply, _ = raw_exchange(self.addr, b"POST /stop HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\nxx")
+        reply, _ = raw_exchange(self.addr, b"POST /stop HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000000000\r\n\r\nxx")
         self.assertEqual(status_of(reply), 401, reply[:200])
         self.assertEqual(request(self.addr, "/nowhere")[0], 404)
         self.assertEqual(request(self.addr, "/metrics", "DELETE")[0], 405)
@@ -788,14 +788,14 @@ class BadRequests(unittest.TestCase):
         # endpoint is another path
         for path in (b"/%68ealth", b"/health%00.json", b"/health%00", b"/%2Fhealth", b"/HEALTH", b"/health/",
                      b"//health", b"/health;x", b"/stop%00", b"/%73top"):
-            reply, _ = raw_exchange(self.addr, b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            reply, _ = raw_exchange(self.addr, b"GET " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             self.assertEqual(status_of(reply), 404, (path, reply[:200]))
-        reply, _ = raw_exchange(self.addr, b"POST /%73top HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        reply, _ = raw_exchange(self.addr, b"POST /%73top HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
                                 + TOKEN.encode() + b"\r\n\r\n")
         self.assertEqual(status_of(reply), 404, reply[:200])
         # the query is decoded as usual
         for path in (b"/health", b"/health?", b"/health?x=1", b"/history?since=%31&limit=1"):
-            reply, _ = raw_exchange(self.addr, b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            reply, _ = raw_exchange(self.addr, b"GET " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             self.assertEqual(status_of(reply), 200, (path, reply[:200]))
         self.assert_still_training()
 
@@ -804,15 +804,15 @@ class BadRequests(unittest.TestCase):
         # header's tab) makes the request malformed, the token right or not
         for value in (f"Bearer {TOKEN}\x01garbage", f"Bearer {TOKEN}\x7f", f"Bearer {TOKEN}\x1b[0m",
                       f"Bearer \x0b{TOKEN}"):
-            reply, _ = raw_exchange(self.addr, b"POST /checkpoint HTTP/1.1\r\nHost: x\r\nAuthorization: "
+            reply, _ = raw_exchange(self.addr, b"POST /checkpoint HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: "
                                     + value.encode() + b"\r\n\r\n")
             self.assertEqual(status_of(reply), 400, (value, reply[:200]))
-        reply, _ = raw_exchange(self.addr, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Note: a\x01b\r\n\r\n")
+        reply, _ = raw_exchange(self.addr, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Note: a\x01b\r\n\r\n")
         self.assertEqual(status_of(reply), 400, reply[:200])
-        reply, _ = raw_exchange(self.addr, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Note: a\tb\r\n\r\n")
+        reply, _ = raw_exchange(self.addr, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Note: a\tb\r\n\r\n")
         self.assertEqual(status_of(reply), 200, reply[:200])
         for query in (b"since=5%00x", b"since=%00", b"from=1%0A", b"limit=2%01", b"x%00=1"):
-            reply, _ = raw_exchange(self.addr, b"GET /history?" + query + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            reply, _ = raw_exchange(self.addr, b"GET /history?" + query + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             self.assertEqual(status_of(reply), 400, (query, reply[:200]))
         self.assert_still_training()
 
@@ -820,7 +820,7 @@ class BadRequests(unittest.TestCase):
         host, port = self.addr.rsplit(":", 1)
         slow = socket.create_connection((host, int(port)), timeout=60)
         try:
-            slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            slow.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
             t0 = time.monotonic()
             for _ in range(20):  # others are served meanwhile
                 self.assertEqual(request(self.addr, "/health")[0], 200)
@@ -874,7 +874,7 @@ class Tricklers:
             s.settimeout(1)
             s.bind((f"127.0.0.{2 + i}", 0))
             s.connect(("127.0.0.1", self.port))
-            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
             s.setblocking(False)
         except OSError:  # the server's backlog is full: next round
             s.close()
@@ -969,7 +969,7 @@ class SlowClients(unittest.TestCase):
             while tricklers.closed < 8 and time.monotonic() < t0 + 3:  # 40 > 32: some closed, back again
                 time.sleep(0.05)
             self.assertGreaterEqual(tricklers.closed, 8)
-            slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            slow.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
             reply = b""
             while True:
                 got = slow.recv(4096)

@@ -5,6 +5,7 @@
 
 (function () {
   const POLL_MS = 1000;
+  const MAX_DRAWN = 1000; /* points a line draws; a longer series draws every k-th and its last */
   const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2"];
 
   /* ---- small helpers ---- */
@@ -57,10 +58,11 @@
       data: {datasets: datasets},
       options: {animation: false, responsive: true, maintainAspectRatio: false, parsing: false, normalized: true,
                 interaction: {mode: "nearest", axis: "x", intersect: false}, scales: scales,
-                plugins: {decimation: {enabled: true, algorithm: "lttb", samples: 600},
-                          legend: {display: series.length > 1}}}
+                plugins: {legend: {display: series.length > 1}}}
     });
-    return {chart: chart, holder: holder, keys: series.map(function (s) { return s.key; })};
+    /* series: every point received, per dataset; the chart draws a thinned copy (redraw) */
+    return {chart: chart, holder: holder, keys: series.map(function (s) { return s.key; }),
+            series: series.map(function () { return []; })};
   }
 
   /* Adds a record's values to the chart's series; a step at or before a series' last point (a
@@ -69,17 +71,57 @@
     c.keys.forEach(function (key, i) {
       const v = typeof key === "function" ? key(r) : r[key];
       if (v === undefined || v === null || !isFinite(v)) return;
-      const data = c.chart.data.datasets[i].data;
+      const data = c.series[i];
       while (data.length && data[data.length - 1].x >= r.step) data.pop();
       data.push({x: r.step, y: v});
     });
   }
 
+  /* Every k-th point and the last, at most about MAX_DRAWN: series of one chart with as many points
+   * keep the same steps, so stacked ones stay aligned. */
+  function thin(points) {
+    if (points.length <= MAX_DRAWN) return points.slice();
+    const k = Math.ceil(points.length / MAX_DRAWN), out = [];
+    for (let i = 0; i < points.length; i += k) out.push(points[i]);
+    if (out[out.length - 1] !== points[points.length - 1]) out.push(points[points.length - 1]);
+    return out;
+  }
+
+  /* data-points: the points received; data-last-step: the last step the first line draws. */
   function redraw(c) {
     let n = 0;
-    c.chart.data.datasets.forEach(function (d) { n += d.data.length; });
+    c.series.forEach(function (points, i) {
+      n += points.length;
+      c.chart.data.datasets[i].data = thin(points);
+    });
     c.holder.setAttribute("data-points", String(n));
+    const drawn = c.chart.data.datasets[0].data;
+    c.holder.setAttribute("data-last-step", drawn.length ? String(drawn[drawn.length - 1].x) : "");
     c.chart.update("none");
+  }
+
+  /* The records of a /history answer or of report.html, as objects: a line that is no JSON object (a
+   * record cut by a crash, which a resume appended to) is left out, not the whole answer. */
+  function parseRecords(lines) {
+    const out = [];
+    lines.forEach(function (line) {
+      try {
+        const r = typeof line === "string" ? JSON.parse(line) : line;
+        if (r && typeof r === "object" && !Array.isArray(r)) out.push(r);
+      } catch (e) { /* left out */ }
+    });
+    return out;
+  }
+
+  /* A /history answer: a JSON array with one record a line; parsed line by line when it is not
+   * valid JSON as a whole. */
+  function historyRecords(text) {
+    try {
+      return parseRecords(JSON.parse(text));
+    } catch (e) {
+      return parseRecords(text.split("\n").map(function (l) { return l.replace(/,\s*$/, ""); })
+                              .filter(function (l) { return l.charAt(0) === "{"; }));
+    }
   }
 
   /* ---- the page ---- */
@@ -239,17 +281,34 @@
       return;
     }
     if (!r.ok) throw new Error("/status answered " + r.status);
-    this.showStatus(await r.json());
+    const s = await r.json();
+    const step = s.progress ? s.progress.step : 0;
+    if (this.nextFrom && (s.config_hash !== this.hash || step < this.step)) this.restart();
+    this.hash = s.config_hash;
+    this.step = step;
+    this.showStatus(s);
     for (let page = 0; page < 20; page++) {
       const hr = await fetch("history?from=" + this.nextFrom, {headers: h, cache: "no-store"});
       if (hr.status === 404) return; /* no log.dir: no history */
       if (!hr.ok) throw new Error("/history answered " + hr.status);
-      const records = await hr.json();
+      const text = await hr.text();
       const next = hr.headers.get("X-Next-From");
-      this.nextFrom = next !== null ? Number(next) : this.nextFrom + records.length;
-      this.addRecords(records);
+      /* "[", a record a line, "]": the lines sent, good or not */
+      this.nextFrom = next !== null ? Number(next) : this.nextFrom + Math.max(0, text.split("\n").length - 3);
+      this.addRecords(historyRecords(text));
       if (next === null) return;
     }
+  };
+
+  /* Another run on this address (another config, or a step before the last one seen: a new
+   * metrics.jsonl, or a resume from an older checkpoint): its history is read again from the start. */
+  Dashboard.prototype.restart = function () {
+    const self = this;
+    this.nextFrom = 0;
+    Object.keys(this.charts).forEach(function (k) {
+      self.charts[k].series.forEach(function (points) { points.length = 0; });
+      redraw(self.charts[k]);
+    });
   };
 
   /* Polls at most once a second, and not at all while the tab is hidden. */
@@ -299,7 +358,7 @@
       const data = JSON.parse(inlined.textContent);
       $("controls").hidden = true;
       d.showStatus(data.status);
-      d.addRecords(data.records);
+      d.addRecords(parseRecords(data.records));
       return;
     }
     $("checkpoint-now").addEventListener("click", function () { d.post("checkpoint"); });
