@@ -663,26 +663,8 @@ out:
   return MHD_HTTP_OK;
 }
 
-/* /status's object for the view, in `state` ("starting", "training", "stalled"; report.html's
- * "finished" or "stopped"). */
-static void status_json(const dt_monitor *mon, const view *vp, const char *state, sbuf *b) {
-  const view v = *vp;
-  const dt_monitor_snapshot *s = &v.s;
-  sb_printf(b, "{\"version\": \"%s\", \"state\": \"%s\", \"config\": ", DT_VERSION, state);
-  sb_json_str(b, mon->config_path);
-  sb_printf(b,
-            ", \"config_hash\": \"%016llx\", \"world_size\": %d, \"global_batch\": %lld, \"batch\": {\"rank_rows\": "
-            "%lld, \"grad_accum\": %lld, \"auto\": ",
-            (unsigned long long)mon->config_hash, mon->world, (long long)mon->global_batch, (long long)mon->rank_rows,
-            (long long)mon->grad_accum);
-  if (mon->auto_batch[0])
-    sb_json_str(b, mon->auto_batch);
-  else
-    sb_printf(b, "null");
-  sb_printf(b, "}, \"optimizer\": {\"name\": ");
-  sb_json_str(b, mon->optim_name);
-  sb_printf(b, ", \"zero\": %d, \"state_bytes_per_rank\": %lld", mon->zero, (long long)mon->optim_state_bytes);
-  sb_printf(b, "}, \"distill\": ");
+/* /status's "distill": the teacher, or null. */
+static void distill_json(const dt_monitor *mon, sbuf *b) {
   if (mon->teacher[0]) {
     sb_printf(b, "{\"teacher\": ");
     sb_json_str(b, mon->teacher);
@@ -698,16 +680,20 @@ static void status_json(const dt_monitor *mon, const view *vp, const char *state
   } else {
     sb_printf(b, "null");
   }
-  sb_printf(b, ", \"ranks\": [");
+}
+
+/* /status's "ranks" items: host, device, the last log window's compute time and the NVML reading. */
+static void ranks_json(const dt_monitor *mon, const view *v, sbuf *b) {
+  const dt_monitor_snapshot *s = &v->s;
   for (int r = 0; r < mon->world; r++) {
     sb_printf(b, "%s{\"rank\": %d, \"host\": ", r ? ", " : "", r);
     sb_json_str(b, mon->hosts[r]);
     sb_printf(b, ", \"device\": ");
     sb_json_str(b, mon->devices[r]);
     sb_printf(b, ", \"compute_ms\": "); /* the last log window's mean */
-    sb_json_num(b, v.published && s->log_step > 0 ? v.rank_compute_ms[r] : NAN);
-    const double *g = v.gpu + (size_t)r * DT_MON_GPU_FIELDS;
-    if (v.has_gpu && g[DT_MON_GPU_VALID])
+    sb_json_num(b, v->published && s->log_step > 0 ? v->rank_compute_ms[r] : NAN);
+    const double *g = v->gpu + (size_t)r * DT_MON_GPU_FIELDS;
+    if (v->has_gpu && g[DT_MON_GPU_VALID])
       sb_printf(b,
                 ", \"gpu\": {\"index\": %d, \"util_pct\": %.0f, \"mem_used_mib\": %.0f, \"mem_peak_mib\": %.0f, "
                 "\"power_w\": %.0f, \"temp_c\": %.0f}}",
@@ -716,6 +702,30 @@ static void status_json(const dt_monitor *mon, const view *vp, const char *state
     else
       sb_printf(b, ", \"gpu\": null}");
   }
+}
+
+/* /status's object for the view, in `state` ("starting", "training", "stalled"; report.html's
+ * "finished" or "stopped"). */
+static void status_json(const dt_monitor *mon, const view *v, const char *state, sbuf *b) {
+  const dt_monitor_snapshot *s = &v->s;
+  sb_printf(b, "{\"version\": \"%s\", \"state\": \"%s\", \"config\": ", DT_VERSION, state);
+  sb_json_str(b, mon->config_path);
+  sb_printf(b,
+            ", \"config_hash\": \"%016llx\", \"world_size\": %d, \"global_batch\": %lld, \"batch\": {\"rank_rows\": "
+            "%lld, \"grad_accum\": %lld, \"auto\": ",
+            (unsigned long long)mon->config_hash, mon->world, (long long)mon->global_batch, (long long)mon->rank_rows,
+            (long long)mon->grad_accum);
+  if (mon->auto_batch[0])
+    sb_json_str(b, mon->auto_batch);
+  else
+    sb_printf(b, "null");
+  sb_printf(b, "}, \"optimizer\": {\"name\": ");
+  sb_json_str(b, mon->optim_name);
+  sb_printf(b, ", \"zero\": %d, \"state_bytes_per_rank\": %lld", mon->zero, (long long)mon->optim_state_bytes);
+  sb_printf(b, "}, \"distill\": ");
+  distill_json(mon, b);
+  sb_printf(b, ", \"ranks\": [");
+  ranks_json(mon, v, b);
   sb_printf(b, "], \"monitor\": {\"listen\": ");
   sb_json_str(b, mon->where);
   sb_printf(b, ", \"stall_s\": %g, \"post\": %s}, \"log_dir\": ", mon->stall_s,
@@ -725,17 +735,17 @@ static void status_json(const dt_monitor *mon, const view *vp, const char *state
   sb_json_str(b, mon->data_path);
   sb_printf(b, ", \"model_summary\": ");
   sb_json_str(b, mon->model_summary);
-  if (v.published) {
-    double eta = eta_s(&v);
+  if (v->published) {
+    double eta = eta_s(v);
     sb_printf(b,
               ", \"progress\": {\"step\": %lld, \"total_steps\": %lld, \"epoch\": %lld, \"epochs\": %lld, "
               "\"fraction\": %.4f}, \"train_s\": %.1f, \"seconds_since_step\": %.1f, \"eta_s\": ",
               (long long)s->step, (long long)s->total_steps, (long long)s->epoch, (long long)mon->epochs,
-              s->total_steps > 0 ? (double)s->step / (double)s->total_steps : 0.0, s->train_s + v.since_step,
-              v.since_step);
+              s->total_steps > 0 ? (double)s->step / (double)s->total_steps : 0.0, s->train_s + v->since_step,
+              v->since_step);
     sb_json_num(b, eta >= 0 ? eta : NAN);
   }
-  if (v.published && s->log_step > 0) {
+  if (v->published && s->log_step > 0) {
     sb_printf(b, ", \"last_log\": {\"step\": %lld, \"loss\": ", (long long)s->log_step);
     sb_json_num(b, s->loss);
     sb_printf(b, ", \"lr\": ");
@@ -746,7 +756,7 @@ static void status_json(const dt_monitor *mon, const view *vp, const char *state
               "\"comm_ms\": %.3f, \"straggler_rank\": %d}",
               s->samples_per_s, s->step_ms, s->compute_ms, s->data_ms, s->comm_ms, s->straggler_rank);
   }
-  if (v.published && s->val_step > 0) {
+  if (v->published && s->val_step > 0) {
     sb_printf(b, ", \"last_eval\": {\"step\": %lld, \"val_loss\": ", (long long)s->val_step);
     sb_json_num(b, s->val_loss);
     if (s->val_acc >= 0) {
@@ -763,7 +773,7 @@ static void status_json(const dt_monitor *mon, const view *vp, const char *state
     }
     sb_printf(b, "}");
   }
-  if (v.published && s->ckpt_step > 0)
+  if (v->published && s->ckpt_step > 0)
     sb_printf(b, ", \"last_checkpoint\": {\"step\": %lld, \"age_s\": %.1f}", (long long)s->ckpt_step,
               dt_now() - s->ckpt_time);
   sb_printf(b, "}");
