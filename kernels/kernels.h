@@ -106,6 +106,17 @@ void k_softmax_bwd(cudaStream_t s, const float *y, const float *dy, float *dx, i
 /* y = x with dims permuted (y's dim i is x's dim perm[i]); ndim 2..5, perm checked by the caller */
 void k_permute(cudaStream_t s, const float *x, float *y, int ndim, const int64_t *dims, const int *perm);
 
+/* attention.cu: backend.h's DT_OP_ATTENTION_* (hd <= DT_ATTENTION_MAX_HD); each returns the error of
+ * opting its kernels in to the shared memory they take (the launches' are cudaGetLastError's). No
+ * atomics: the same bits on every run. */
+cudaError_t k_attention_fwd(cudaStream_t s, const float *q, const float *k, const float *v, float *o, float *lse,
+                            int64_t bh, int64_t t, int64_t hd, int causal, float scale, float p, uint64_t seed,
+                            const uint64_t *step_seed);
+cudaError_t k_attention_bwd(cudaStream_t s, const float *q, const float *k, const float *v, const float *o,
+                            const float *lse, const float *dout, float *delta, float *dq, float *dk, float *dv,
+                            int64_t bh, int64_t t, int64_t hd, int causal, float scale, float p, uint64_t seed,
+                            const uint64_t *step_seed);
+
 #ifdef __cplusplus
 }
 #endif

@@ -62,7 +62,10 @@
   X(SOFTMAX_FWD, softmax_fwd)         /* y(R, T) = softmax(scale * x) per row; causal: column                          \
                                          j > r % T is masked (y = 0) */                                                \
   X(SOFTMAX_BWD, softmax_bwd)         /* dx = scale * y * (dy - sum_j dy * y), per row */                              \
-  X(PERMUTE, permute)                 /* y = x with its dims permuted: y's dim i is x's dim perm[i] */
+  X(PERMUTE, permute)                 /* y = x with its dims permuted: y's dim i is x's dim perm[i] */              \
+  X(ATTENTION_FWD, attention_fwd)     /* o = dropout(softmax(scale q k^T)) v per head, the (T, T) scores never     \
+                                         stored; lse kept for the backward */                                          \
+  X(ATTENTION_BWD, attention_bwd)     /* dq, dk, dv of attention_fwd, its scores computed again */
 // clang-format on
 
 typedef enum {
@@ -72,6 +75,9 @@ typedef enum {
       DT_OP_COUNT
 } dt_op_type;
 
+/* The widest head the CUDA attention kernels take (model.attention fused): wider ones use the
+ * materialised path. */
+enum { DT_ATTENTION_MAX_HD = 128 };
 enum { DT_GATHER_U8, DT_GATHER_F32, DT_GATHER_F64, DT_GATHER_I32 }; /* data.h's DT_X_* order, then int32 */
 enum {
   DT_ACT_RELU,
@@ -337,6 +343,26 @@ typedef struct {
       const float *x;
       float *y;
     } permute;
+    struct {
+      int64_t bh, t, hd; /* B*H heads of T positions, hd values each (at most DT_ATTENTION_MAX_HD on CUDA) */
+      int causal;        /* position i sees j <= i */
+      float scale, p;    /* scores scaled by scale; dropout p on the probabilities (0: none) */
+      uint64_t seed;     /* as dropout_fwd's: probability (h, i, j) gets the mask of element (h * T + i) * T + j */
+      const uint64_t *step_seed; /* (1), read when p > 0 */
+      const float *q, *k, *v;    /* (B*H, T, hd) each */
+      float *o;                  /* (B*H, T, hd) */
+      float *lse;                /* (B*H, T): log of each row's sum of exp(scale q k^T), for the backward */
+    } attention_fwd;
+    struct {
+      int64_t bh, t, hd;
+      int causal;
+      float scale, p;
+      uint64_t seed;
+      const uint64_t *step_seed;
+      const float *q, *k, *v, *o, *lse, *dout; /* the forward's inputs and outputs; dout (B*H, T, hd) */
+      float *delta;                            /* (B*H, T) scratch: each row's dout . o */
+      float *dq, *dk, *dv;                     /* (B*H, T, hd) overwritten */
+    } attention_bwd;
     struct {
       int64_t b, c, s;
       float scale;

@@ -21,6 +21,7 @@ enum { DT_GRAPH_AUTO, DT_GRAPH_ON, DT_GRAPH_OFF };
 enum { DT_GRAD_FP32, DT_GRAD_BF16 };
 enum { DT_CONV_ALGO_AUTO, DT_CONV_ALGO_DIRECT };
 enum { DT_RECOMPUTE_NONE, DT_RECOMPUTE_BLOCKS };
+enum { DT_ATTENTION_AUTO, DT_ATTENTION_FUSED, DT_ATTENTION_MATERIALIZED }; /* model.attention */
 
 typedef struct {
   /* model */
@@ -30,6 +31,7 @@ typedef struct {
   char *init_from;
   int init_from_ignore_extra;
   int fuse;
+  int attention; /* DT_ATTENTION_* */
   /* data */
   char *data_path, *train_x, *train_y, *val_x, *val_y;
   double scale;

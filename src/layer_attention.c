@@ -3,8 +3,10 @@
  * hd = C/H; per head softmax(q k^T / sqrt(hd)) (causal: position i sees j <= i), dropout on the
  * probabilities, times v; heads concatenated (T, C); y = that Wproj^T + b.
  * Tensors as two torch.nn.Linear: qkv.weight (3C, C), qkv.bias, proj.weight (C, C), proj.bias.
- * Work per layer: GEMMs for the projections, strided-batched GEMMs over B*H heads, a softmax op
- * and permutes between the (B, T, 3, H, hd) and (3, B, H, T, hd) layouts. */
+ * Work per layer: GEMMs for the projections, permutes between the (B, T, 3, H, hd) and
+ * (3, B, H, T, hd) layouts, and between them either the fused attention ops (model.attention fused,
+ * heads of at most DT_ATTENTION_MAX_HD values: no (B*H, T, T) buffer) or the materialised path:
+ * strided-batched GEMMs over B*H heads and a softmax op. */
 #include <math.h>
 #include <stddef.h>
 
@@ -21,7 +23,9 @@ static const dt_key attention_keys[] = {
 typedef struct {
   float *qkv;    /* (B*T, 3C) */
   float *heads;  /* (3, B, H, T, hd): q, k, v per head */
-  float *probs;  /* (B*H, T, T) softmax output */
+  float *lse;    /* (B*H, T) fused: each row's log sum exp; NULL materialised */
+  float *delta;  /* (B*H, T) fused backward scratch; NULL materialised */
+  float *probs;  /* (B*H, T, T) softmax output; NULL fused */
   float *kept;   /* (B*H, T, T) after dropout; NULL without dropout (the probs are kept) */
   float *att;    /* (B*H, T, hd) */
   float *merged; /* (B*T, C): heads concatenated per position */
@@ -29,8 +33,13 @@ typedef struct {
   float *d_merged, *d_att, *d_kept, *d_probs, *d_scores, *d_heads, *d_qkv; /* d_probs: NULL without dropout */
 } attention_state;
 
+/* model.attention: fused (auto: on CUDA) for heads of at most DT_ATTENTION_MAX_HD values. */
+static void attention_pick(dt_layer *l, const dt_model *m, int cuda) {
+  const int fits = l->in.c / l->args.heads <= DT_ATTENTION_MAX_HD;
+  l->fused_attention = fits && (m->attention == DT_ATTENTION_FUSED || (m->attention == DT_ATTENTION_AUTO && cuda));
+}
+
 static int attention_setup(dt_model *m, dt_layer *l, dt_status *st) {
-  (void)m;
   if (l->in.rank != 2)
     return dt_fail(st, DT_EXIT_INPUT, "%s: layer %s attention: expects a sequence (T, C) (after an embedding)",
                    l->where, l->name);
@@ -39,6 +48,7 @@ static int attention_setup(dt_model *m, dt_layer *l, dt_status *st) {
     return dt_fail(st, DT_EXIT_INPUT, "%s: layer %s attention: width %lld does not divide into %lld heads", l->where,
                    l->name, (long long)c, (long long)l->args.heads);
   l->out = l->in;
+  attention_pick(l, m, 0);
   int64_t wqkv[2] = {3 * c, c}, bqkv = 3 * c, wproj[2] = {c, c};
   layer_add_tensor(l, "qkv.weight", 0, 2, wqkv);
   layer_add_tensor(l, "qkv.bias", 0, 1, &bqkv);
@@ -47,16 +57,19 @@ static int attention_setup(dt_model *m, dt_layer *l, dt_status *st) {
   return 0;
 }
 
-static void sizes(const dt_layer *l, int64_t batch, size_t *seq, size_t *square) {
+/* Bytes of a (B*T, C) buffer, of the (B*H, T, T) ones (materialised) and of the (B*H, T) ones (fused). */
+static void sizes(const dt_layer *l, int64_t batch, size_t *seq, size_t *square, size_t *rows) {
   int64_t t = l->in.h;
   *seq = (size_t)(batch * t * l->in.c) * sizeof(float);
   *square = (size_t)(batch * l->args.heads * t * t) * sizeof(float);
+  *rows = (size_t)(batch * l->args.heads * t) * sizeof(float);
 }
 
-/* Per sample: the (H, T, T) scores and probabilities, or q, k and v together (3, T, C). */
+/* Per sample: q, k and v together (3, T, C), or the (H, T, T) scores and probabilities when larger
+ * (materialised). */
 static int64_t attention_row_values(const dt_layer *l) {
   const int64_t t = l->in.h, square = l->args.heads * t * t, heads = 3 * t * l->in.c;
-  return square > heads ? square : heads;
+  return !l->fused_attention && square > heads ? square : heads;
 }
 
 static int attention_causal(const dt_layer *l) {
@@ -68,19 +81,24 @@ static void attention_alloc(dt_layer *l, dt_backend *be, dt_acts *acts, int64_t 
   (void)be;
   attention_state *s = dt_calloc(1, sizeof *s);
   l->priv = s;
-  size_t seq, sq;
-  sizes(l, max_batch, &seq, &sq);
+  size_t seq, sq, rows;
+  sizes(l, max_batch, &seq, &sq, &rows);
   acts_take(acts, &s->qkv, 3 * seq);
   acts_take(acts, &s->heads, 3 * seq);
-  acts_take(acts, &s->probs, sq);
   acts_take(acts, &s->att, seq);
   acts_take(acts, &s->merged, seq);
   acts_take(acts, &s->d_merged, seq);
   acts_take(acts, &s->d_att, seq);
-  acts_take(acts, &s->d_kept, sq);
-  acts_take(acts, &s->d_scores, sq);
   acts_take(acts, &s->d_heads, 3 * seq);
   acts_take(acts, &s->d_qkv, 3 * seq);
+  if (l->fused_attention) {
+    acts_take(acts, &s->lse, rows);
+    acts_take(acts, &s->delta, rows);
+    return;
+  }
+  acts_take(acts, &s->probs, sq);
+  acts_take(acts, &s->d_kept, sq);
+  acts_take(acts, &s->d_scores, sq);
   if (l->args.p > 0) { /* without dropout the kept probabilities are the probabilities */
     acts_take(acts, &s->kept, sq);
     acts_take(acts, &s->d_probs, sq);
@@ -89,10 +107,10 @@ static void attention_alloc(dt_layer *l, dt_backend *be, dt_acts *acts, int64_t 
 
 static void attention_memory(const dt_layer *l, int64_t batch, int threads, dt_memory *mem) {
   (void)threads;
-  size_t seq, sq;
-  sizes(l, batch, &seq, &sq);
+  size_t seq, sq, rows;
+  sizes(l, batch, &seq, &sq, &rows);
   int drop = l->args.p > 0;
-  mem->activations += 3 * seq * 4 + seq * 4 + sq * (size_t)(3 + 2 * drop);
+  mem->activations += 3 * seq * 4 + seq * 4 + (l->fused_attention ? 2 * rows : sq * (size_t)(3 + 2 * drop));
 }
 
 /* Queues `count` row-major products C = op(A) op(B) of (m, k) and (k, n), strided by their sizes. */
@@ -131,16 +149,12 @@ static uint64_t attention_seed(const dt_layer *l) {
   return (uint64_t)l->index * 0x9e3779b97f4a7c15ULL + 0x5bd1e995ULL;
 }
 
-static void attention_forward(dt_layer *l, dt_pass *pass, const float *x) {
+/* Materialised: att (B*H, T, hd) = dropout(softmax(scale q k^T)) v through the (B*H, T, T) buffers. */
+static void heads_forward_materialized(dt_layer *l, dt_pass *pass, const float *q, const float *k, const float *v) {
   attention_state *s = l->priv;
   dt_backend *be = pass->be;
-  const float *w = pass->params;
-  const int64_t b = pass->batch, t = l->in.h, c = l->in.c, h = l->args.heads, hd = c / h, bh = b * h;
+  const int64_t t = l->in.h, hd = l->in.c / l->args.heads, bh = pass->batch * l->args.heads;
   float *kept = s->kept ? s->kept : s->probs;
-  dense_forward(be, b * t, c, 3 * c, x, w + l->tensors[0].offset, w + l->tensors[1].offset, s->qkv);
-  int64_t qkv_dims[5] = {b, t, 3, h, hd};
-  permute(be, 5, qkv_dims, to_heads, s->qkv, s->heads);
-  const float *q = s->heads, *k = s->heads + b * t * c, *v = s->heads + 2 * b * t * c;
   batched_gemm(be, bh, 0, 1, t, t, hd, q, k, s->d_scores); /* raw scores (B*H, T, T), as scratch */
   dt_op sm = {.type = DT_OP_SOFTMAX_FWD,
               .p.softmax_fwd = {.rows = bh * t,
@@ -165,25 +179,54 @@ static void attention_forward(dt_layer *l, dt_pass *pass, const float *x) {
     }
   }
   batched_gemm(be, bh, 0, 0, t, hd, t, kept, v, s->att);
+}
+
+/* Dropout of the probabilities only in training. */
+static float dropout_p(const dt_layer *l, const dt_pass *pass) {
+  return pass->training ? (float)l->args.p : 0.0f;
+}
+
+static void attention_forward(dt_layer *l, dt_pass *pass, const float *x) {
+  attention_state *s = l->priv;
+  dt_backend *be = pass->be;
+  const float *w = pass->params;
+  const int64_t b = pass->batch, t = l->in.h, c = l->in.c, h = l->args.heads, hd = c / h;
+  dense_forward(be, b * t, c, 3 * c, x, w + l->tensors[0].offset, w + l->tensors[1].offset, s->qkv);
+  int64_t qkv_dims[5] = {b, t, 3, h, hd};
+  permute(be, 5, qkv_dims, to_heads, s->qkv, s->heads);
+  const float *q = s->heads, *k = s->heads + b * t * c, *v = s->heads + 2 * b * t * c;
+  if (l->fused_attention) {
+    dt_op op = {.type = DT_OP_ATTENTION_FWD,
+                .p.attention_fwd = {.bh = b * h,
+                                    .t = t,
+                                    .hd = hd,
+                                    .causal = l->args.causal,
+                                    .scale = 1.0f / sqrtf((float)hd),
+                                    .p = dropout_p(l, pass),
+                                    .seed = attention_seed(l),
+                                    .step_seed = pass->step_seed,
+                                    .q = q,
+                                    .k = k,
+                                    .v = v,
+                                    .o = s->att,
+                                    .lse = s->lse}};
+    backend_run(be, &op);
+  } else {
+    heads_forward_materialized(l, pass, q, k, v);
+  }
   int64_t att_dims[4] = {b, h, t, hd};
   permute(be, 4, att_dims, swap_th, s->att, s->merged);
   dense_forward(be, b * t, c, c, s->merged, w + l->tensors[2].offset, w + l->tensors[3].offset, l->y);
 }
 
-static void attention_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
+/* Materialised: dq, dk, dv (each (B*H, T, hd)) from d_att through the (B*H, T, T) buffers. */
+static void heads_backward_materialized(dt_layer *l, dt_pass *pass, const float *q, const float *k, const float *v,
+                                        float *dq, float *dk, float *dv) {
   attention_state *s = l->priv;
   dt_backend *be = pass->be;
-  const float *w = pass->params;
-  float *g = pass->grads;
-  const int64_t b = pass->batch, t = l->in.h, c = l->in.c, h = l->args.heads, hd = c / h, bh = b * h;
+  const int64_t t = l->in.h, hd = l->in.c / l->args.heads, bh = pass->batch * l->args.heads;
   const float *kept = s->kept ? s->kept : s->probs;
   float *d_probs = s->d_probs ? s->d_probs : s->d_kept;
-  dense_backward(be, b * t, c, c, s->merged, w + l->tensors[2].offset, l->dy, g + l->tensors[2].offset,
-                 g + l->tensors[3].offset, s->d_merged);
-  int64_t merged_dims[4] = {b, t, h, hd};
-  permute(be, 4, merged_dims, swap_th, s->d_merged, s->d_att);
-  const float *q = s->heads, *k = s->heads + b * t * c, *v = s->heads + 2 * b * t * c;
-  float *dq = s->d_heads, *dk = s->d_heads + b * t * c, *dv = s->d_heads + 2 * b * t * c;
   batched_gemm(be, bh, 0, 1, t, t, hd, s->d_att, v, s->d_kept); /* d kept (T, T) = d att v^T */
   batched_gemm(be, bh, 1, 0, t, hd, t, kept, s->d_att, dv);     /* dv (T, hd) = kept^T d att */
   if (s->d_probs) {
@@ -207,6 +250,44 @@ static void attention_backward(dt_layer *l, dt_pass *pass, const float *x, float
   backend_run(be, &sm);
   batched_gemm(be, bh, 0, 0, t, hd, t, s->d_scores, k, dq); /* dq = dS k */
   batched_gemm(be, bh, 1, 0, t, hd, t, s->d_scores, q, dk); /* dk = dS^T q */
+}
+
+static void attention_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
+  attention_state *s = l->priv;
+  dt_backend *be = pass->be;
+  const float *w = pass->params;
+  float *g = pass->grads;
+  const int64_t b = pass->batch, t = l->in.h, c = l->in.c, h = l->args.heads, hd = c / h;
+  dense_backward(be, b * t, c, c, s->merged, w + l->tensors[2].offset, l->dy, g + l->tensors[2].offset,
+                 g + l->tensors[3].offset, s->d_merged);
+  int64_t merged_dims[4] = {b, t, h, hd};
+  permute(be, 4, merged_dims, swap_th, s->d_merged, s->d_att);
+  const float *q = s->heads, *k = s->heads + b * t * c, *v = s->heads + 2 * b * t * c;
+  float *dq = s->d_heads, *dk = s->d_heads + b * t * c, *dv = s->d_heads + 2 * b * t * c;
+  if (l->fused_attention) {
+    dt_op op = {.type = DT_OP_ATTENTION_BWD,
+                .p.attention_bwd = {.bh = b * h,
+                                    .t = t,
+                                    .hd = hd,
+                                    .causal = l->args.causal,
+                                    .scale = 1.0f / sqrtf((float)hd),
+                                    .p = dropout_p(l, pass),
+                                    .seed = attention_seed(l),
+                                    .step_seed = pass->step_seed,
+                                    .q = q,
+                                    .k = k,
+                                    .v = v,
+                                    .o = s->att,
+                                    .lse = s->lse,
+                                    .dout = s->d_att,
+                                    .delta = s->delta,
+                                    .dq = dq,
+                                    .dk = dk,
+                                    .dv = dv}};
+    backend_run(be, &op);
+  } else {
+    heads_backward_materialized(l, pass, q, k, v, dq, dk, dv);
+  }
   int64_t head_dims[5] = {3, b, h, t, hd};
   permute(be, 5, head_dims, from_heads, s->d_heads, s->d_qkv);
   dense_backward(be, b * t, c, 3 * c, x, w + l->tensors[0].offset, s->d_qkv, g + l->tensors[0].offset,
@@ -230,4 +311,5 @@ const dt_layer_ops dt_layer_attention = {.kind = "attention",
                                          .flops = attention_flops,
                                          .memory = attention_memory,
                                          .row_values = attention_row_values,
-                                         .causal = attention_causal};
+                                         .causal = attention_causal,
+                                         .pick = attention_pick};

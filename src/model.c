@@ -187,6 +187,12 @@ static void fuse_seq(dt_seq *s) {
   }
 }
 
+void model_pick_ops(dt_model *m, int cuda) {
+  for (int i = 0; i < m->n_all; i++)
+    if (m->all[i]->ops->pick) m->all[i]->ops->pick(m->all[i], m, cuda);
+  if (m->teacher) model_pick_ops(m->teacher, cuda);
+}
+
 int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
   memset(m, 0, sizeof *m);
   const dt_list *in = &cfg->v.input;
@@ -217,6 +223,7 @@ int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
   for (int c = 0; c < v->std.n && c < DT_MAX_LIST; c++) m->in_std[c] = (float)v->std.v[c];
   if (!shape_fits(m->input))
     return dt_fail(st, DT_EXIT_INPUT, "%s: model.input: more than 2^40 elements per sample", cfg->path);
+  m->attention = cfg->v.attention;
   if (seq_build(m, &m->top, cfg->v.layers, m->input, "", "model.layers", st)) return st->code;
   if (cfg->v.fuse) fuse_seq(&m->top);
   m->recompute = m->top.recompute = cfg->v.recompute == DT_RECOMPUTE_BLOCKS;

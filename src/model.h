@@ -91,6 +91,8 @@ typedef struct {
   /* Whether no position of a sequence sees later ones (--sample pads after the prompt): NULL for
    * a position-wise kind, which trivially does not. */
   int (*causal)(const dt_layer *l);
+  /* Picks its ops for the device (model_pick_ops): NULL for a kind whose ops are the same on both. */
+  void (*pick)(dt_layer *l, const dt_model *m, int cuda);
 } dt_layer_ops;
 
 enum {
@@ -142,6 +144,8 @@ struct dt_layer {
   int fused_relu;        /* batchnorm: applies the relu that follows it (model.fuse) */
   dt_layer *fused_into;  /* relu: the batchnorm that applies it; y and dy are that layer's (borrowed) */
   int too_large;         /* layer_add_tensor got a tensor of more than DT_MAX_ELEMENTS */
+  int fused_attention;   /* attention: its heads in the fused ops (model.attention, heads of at most
+                            DT_ATTENTION_MAX_HD values) */
   void *priv;            /* per-kind state */
 };
 
@@ -184,6 +188,7 @@ struct dt_model {
   int64_t n_classes; /* logits per label: n_outputs / n_labels */
   int64_t n_params, n_bufs;
   int recompute;      /* train.recompute blocks */
+  int attention;      /* model.attention (DT_ATTENTION_*): read by the attention layers' setup and pick */
   int frozen;         /* forward only (distillation's teacher): no gradients, no dy; set before model_alloc */
   dt_model *teacher;  /* distill.teacher: its logits join the training loss (distill.h; borrowed), or NULL */
   dt_tensor *tensors; /* every tensor, in PyTorch state_dict order */
@@ -203,6 +208,10 @@ struct dt_model {
 
 /* Parses model.layers/loss, infers every shape. Returns 0 or st (exit 2 naming layer and shapes). */
 int model_build(dt_model *m, const dt_config *cfg, dt_status *st);
+/* Layers whose ops depend on the device pick them for `cuda` (attention under model.attention auto:
+ * fused on CUDA), in m and its teacher; model_build has picked the CPU's. Before the memory
+ * estimate and model_alloc. */
+void model_pick_ops(dt_model *m, int cuda);
 /* Allocates flat buffers and activations for max_batch rows; initialises from seed. */
 void model_alloc(dt_model *m, dt_backend *be, int64_t max_batch, uint64_t seed);
 void model_free(dt_model *m);

@@ -180,7 +180,7 @@ class AutoBatch(unittest.TestCase):
         self.assertAlmostEqual(needs["data"] - needs["none"], 4000 * 513 * 4 / 2 ** 20, delta=0.1)
 
     def test_recompute_is_offered_where_it_would_fit(self):
-        """On the stand-in, a GPT whose attention matrices dominate: with the memory set between the
+        """On the stand-in, a GPT whose attention matrices dominate (materialized): with the memory set between the
         estimates of one row with and without recomputation, the error says train.recompute: blocks
         would fit, and with it set the run starts."""
         cfg = self.w.config("""\
@@ -199,7 +199,7 @@ class AutoBatch(unittest.TestCase):
             """)
         if not SIM:
             self.skipTest("GPUSIM_MEMORY_MIB sets the stand-in's memory")
-        base = [cfg, "--device", "cuda", "--dry-run", "--set", "data.path="]
+        base = [cfg, "--device", "cuda", "--dry-run", "--set", "data.path=", "--set", "model.attention=materialized"]
         rc, out, err = run(base + ["--set", "train.batch_size=1", "--set", "train.global_batch_size=0"],
                            binary=GPU_BINARY, env=ENV1, timeout=300)
         self.assertEqual(rc, 0, out + err)

@@ -1548,6 +1548,85 @@ static void ops_softmax(void) {
   softmax_case(300, 2 * 300, 2 * 300, "(1, 2, 300, 300)");
 }
 
+/* Fused attention over H heads of `rows` samples (buffers for `cap`): q, k, v of (cap*H, T, hd), the
+ * scores scaled by 1/sqrt(hd), q of every third head times 8 (scores of hundreds: exp overflows
+ * unless the running maximum is taken out). T = 5 and 70 (a partial tile, two tiles) with hd 8 and
+ * 24 (a partial column group), T = 130 (three tiles) with hd 64, T = 33 with hd 128 (the widest);
+ * causal and not, dropout 0 and 0.25 (the dropout op's masks). */
+static void attention_case(int64_t T, int64_t hd, int64_t H, int64_t cap, int64_t rows, const char *rows_name) {
+  const int64_t n = cap * H * T * hd, heads = rows * H;
+  float *qh = ot_host_rand(n, -2, 2);
+  for (int64_t i = 0; i < n; i++) qh[i] *= (i / (T * hd)) % 3 == 1 ? 8.0f : 1.0f;
+  dbuf q = ot_buf(OT_F32, qh, n), k = ot_rand(n, -2, 2), v = ot_rand(n, -1, 1), dout = ot_rand(n, -1, 1);
+  free(qh);
+  const uint64_t step_seed_h = 0x1234567u;
+  dbuf step_seed = ot_buf(OT_F64, &step_seed_h, 1);
+  for (int causal = 0; causal < 2; causal++)
+    for (int drop = 0; drop < 2; drop++) {
+      const float p = drop ? 0.25f : 0.0f, scale = 1.0f / sqrtf((float)hd);
+      dbuf o = ot_rand(n, -1, 1), lse = ot_rand(cap * H * T, -1, 1), delta = ot_rand(cap * H * T, -1, 1);
+      dbuf dq = ot_rand(n, -1, 1), dk = ot_rand(n, -1, 1), dv = ot_rand(n, -1, 1);
+      ot_case(DT_OP_ATTENTION_FWD, "T %lld, hd %lld, %s, dropout %g, %s", (long long)T, (long long)hd,
+              causal ? "causal" : "not causal", p, rows_name);
+      BOTH {
+        dt_op op = {.type = DT_OP_ATTENTION_FWD,
+                    .p.attention_fwd = {.bh = heads,
+                                        .t = T,
+                                        .hd = hd,
+                                        .causal = causal,
+                                        .scale = scale,
+                                        .p = p,
+                                        .seed = 77,
+                                        .step_seed = (const uint64_t *)D(step_seed),
+                                        .q = F(q),
+                                        .k = F(k),
+                                        .v = F(v),
+                                        .o = F(o),
+                                        .lse = F(lse)}};
+        RUN(op);
+      }
+      ot_check("o", o, heads * T * hd);
+      ot_check("lse", lse, heads * T);
+      ot_case(DT_OP_ATTENTION_BWD, "T %lld, hd %lld, %s, dropout %g, %s", (long long)T, (long long)hd,
+              causal ? "causal" : "not causal", p, rows_name);
+      BOTH {
+        dt_op op = {.type = DT_OP_ATTENTION_BWD,
+                    .p.attention_bwd = {.bh = heads,
+                                        .t = T,
+                                        .hd = hd,
+                                        .causal = causal,
+                                        .scale = scale,
+                                        .p = p,
+                                        .seed = 77,
+                                        .step_seed = (const uint64_t *)D(step_seed),
+                                        .q = F(q),
+                                        .k = F(k),
+                                        .v = F(v),
+                                        .o = F(o),
+                                        .lse = F(lse),
+                                        .dout = F(dout),
+                                        .delta = F(delta),
+                                        .dq = F(dq),
+                                        .dk = F(dk),
+                                        .dv = F(dv)}};
+        RUN(op);
+      }
+      ot_check("delta", delta, heads * T);
+      ot_check("dq", dq, heads * T * hd);
+      ot_check("dk", dk, heads * T * hd);
+      ot_check("dv", dv, heads * T * hd);
+    }
+}
+
+static void ops_attention(void) {
+  FOR_ROWS(r) {
+    attention_case(5, 8, 2, cap, rows, ROWS_NAME(r));
+    attention_case(70, 24, 2, cap, rows, ROWS_NAME(r));
+  }
+  attention_case(130, 64, 3, 1, 1, "1 row, 3 heads");
+  attention_case(33, 128, 1, 1, 1, "1 row, 1 head");
+}
+
 /* Permutes with the batch as x's first dim: (B, T, H, hd) to (B, H, T, hd), the attention's
  * (B, T, 3, H, hd) to (3, B, H, T, hd), a 3-d and a 2-d transpose. */
 static void ops_permute(void) {
@@ -1640,6 +1719,7 @@ GPU_TEST(cuda_op_embed, (ot_begin(), ops_embed(), ot_end()))
 GPU_TEST(cuda_op_layernorm, (ot_begin(), ops_layernorm(), ot_end()))
 GPU_TEST(cuda_op_softmax, (ot_begin(), ops_softmax(), ot_end()))
 GPU_TEST(cuda_op_permute, (ot_begin(), ops_permute(), ot_end()))
+GPU_TEST(cuda_op_attention, (ot_begin(), ops_attention(), ot_end()))
 GPU_TEST(cuda_transformer_grads_same_bits_every_run, (ot_begin(), transformer_grads_same_bits(), ot_end()))
 GPU_TEST(cuda_op_bias, (ot_begin(), ops_bias(), ot_end()))
 GPU_TEST(cuda_op_conv, (ot_begin(), ops_conv(), ot_end()))
@@ -1722,6 +1802,7 @@ int main(void) {
       cmocka_unit_test(cuda_op_layernorm),
       cmocka_unit_test(cuda_op_softmax),
       cmocka_unit_test(cuda_op_permute),
+      cmocka_unit_test(cuda_op_attention),
       cmocka_unit_test(cuda_transformer_grads_same_bits_every_run),
       cmocka_unit_test(cuda_op_bias),
       cmocka_unit_test(cuda_op_conv),

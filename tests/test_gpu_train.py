@@ -205,6 +205,13 @@ class GpuTraining(GpuCase):
         # (on an H100 its CUDA and CPU values differed by 3e-4 after 9 steps; both layers' biases)
         for bias in [k for k in want if k.endswith(".qkv.bias")]:
             got[bias], want[bias] = np.delete(got[bias], np.s_[24:48]), np.delete(want[bias], np.s_[24:48])
+        # the key weights' gradient is sum_j dk_j x_j with sum_j dk_j = 0 (the same invariance): a sum that
+        # cancels its mean part, whose rounding AdamW scales up like the bias's. CUDA runs the fused attention
+        # (model.attention auto) and the CPU the materialised one, which round differently: after 9 steps
+        # one key weight differed by 3e-6 (1e-3 lr); the keys' rows are held to 1e-5 absolute (3e-3 lr)
+        for weight in [k for k in want if k.endswith(".qkv.weight")]:
+            np.testing.assert_allclose(got[weight][24:48], want[weight][24:48], rtol=0, atol=1e-5, err_msg=weight)
+            got[weight], want[weight] = np.delete(got[weight], np.s_[24:48], 0), np.delete(want[weight], np.s_[24:48], 0)
         assert_params_close(self, got, want, 1e-5, "CUDA against CPU")
 
     def test_a_rank_with_no_rows_matches_the_cpu(self):
@@ -276,9 +283,14 @@ class GpuTraining(GpuCase):
             data: {{path: {dir}/none.h5, train: {{x: /train/tokens}}}}
             train: {{batch_size: 7}}
             """)
-        rc, out, err = gpu_run([cfg, "--device", "cuda"], 1, ENV1)
+        rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", "model.attention=materialized"], 1, ENV1)
         self.assertEqual(rc, 2, out + err)
         self.assertIn("the largest tensor holds 2147483648 values per rank (8 rows x 268435456)", errors(err)[0])
+        # fused (model.attention auto, on CUDA), no (B, H, T, T) tensor exists: the check passes and the
+        # run goes on to the data, which is missing
+        rc, out, err = gpu_run([cfg, "--device", "cuda"], 1, ENV1)
+        self.assertEqual(rc, 2, out + err)
+        self.assertIn("none.h5: data.path: cannot open", errors(err)[0])
 
     @unittest.skipUnless(SIM, "needs the stand-in's GPUSIM_SEED")
     def test_results_do_not_depend_on_the_order_threads_run(self):

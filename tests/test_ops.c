@@ -1,8 +1,8 @@
 /* test_ops: a finite-difference gradient check of every layer and loss on the CPU backend.
  * For a tiny model around the layer, the analytic gradients of the loss with respect to the
  * parameters and to the input (backward's dx) are compared with central differences. The
- * transformer ops (embedding, layernorm, softmax, GELU tanh, permute, batched GEMM) are also
- * checked op by op, forward against independent references. */
+ * transformer ops (embedding, layernorm, softmax, fused attention, GELU tanh, permute, batched GEMM)
+ * are also checked op by op, forward against independent references. */
 #include <math.h>
 
 #include "dt_test.h"
@@ -609,6 +609,126 @@ static void softmax_forward_and_grads(void **s) {
 
 typedef struct {
   dt_backend *be;
+  int64_t bh, t, hd;
+  int causal;
+  float p;
+  uint64_t step_seed;
+  float *q, *k, *v, *o, *lse, *w;
+} attn_ctx;
+
+static double attn_loss(void *ptr) {
+  attn_ctx *c = ptr;
+  dt_op op = {.type = DT_OP_ATTENTION_FWD,
+              .p.attention_fwd = {.bh = c->bh,
+                                  .t = c->t,
+                                  .hd = c->hd,
+                                  .causal = c->causal,
+                                  .scale = 1.0f / sqrtf((float)c->hd),
+                                  .p = c->p,
+                                  .seed = 5,
+                                  .step_seed = &c->step_seed,
+                                  .q = c->q,
+                                  .k = c->k,
+                                  .v = c->v,
+                                  .o = c->o,
+                                  .lse = c->lse}};
+  backend_run(c->be, &op);
+  return dot_d(c->o, c->w, c->bh * c->t * c->hd);
+}
+
+/* The fused attention ops on (3 heads, T = 7, hd = 5), causal and not, dropout 0 and 0.3: o and lse
+ * against softmax(scale q k^T) in double with the dropout op's masks (element (h T + i) T + j of
+ * the probabilities, as the materialised path drops them), one head's q times 30 (scores up to
+ * hundreds: exp overflows unless the running maximum is taken out); dq, dk, dv against central
+ * differences (overwritten), and delta = dout . o. */
+static void attention_fused_forward_and_grads(void **s) {
+  (void)s;
+  for (int causal = 0; causal < 2; causal++)
+    for (int drop = 0; drop < 2; drop++) {
+      attn_ctx c = {.be = backend_cpu_create(2), .bh = 3, .t = 7, .hd = 5, .causal = causal, .p = drop ? 0.3f : 0};
+      c.step_seed = 99;
+      const int64_t n = c.bh * c.t * c.hd, rows = c.bh * c.t;
+      const float scale = 1.0f / sqrtf((float)c.hd);
+      c.q = rand_floats(30, n, -1, 1), c.k = rand_floats(31, n, -1, 1), c.v = rand_floats(32, n, -1, 1);
+      c.w = rand_floats(33, n, -1, 1), c.o = calloc((size_t)n, sizeof(float));
+      c.lse = calloc((size_t)rows, sizeof(float));
+      for (int64_t i = c.t * c.hd; i < 2 * c.t * c.hd; i++) c.q[i] *= 30.0f;
+      attn_loss(&c);
+      const uint64_t seed = dt_hash64(5 ^ c.step_seed);
+      int dropped = 0;
+      for (int64_t r = 0; r < rows; r++) {
+        const int64_t h = r / c.t, i = r % c.t, valid = causal ? i + 1 : c.t;
+        double sc[16], mx = -INFINITY, sum = 0;
+        for (int64_t j = 0; j < valid; j++) {
+          double d = 0;
+          for (int64_t e = 0; e < c.hd; e++) d += (double)c.q[r * c.hd + e] * c.k[(h * c.t + j) * c.hd + e];
+          sc[j] = scale * d;
+          mx = fmax(mx, sc[j]);
+        }
+        for (int64_t j = 0; j < valid; j++) sum += exp(sc[j] - mx);
+        double want_lse = mx + log(sum);
+        if (!(fabs(c.lse[r] - want_lse) <= 1e-5 * fabs(want_lse) + 1e-6))
+          fail_msg("attention_fwd lse[%lld] = %.9g, expected %.9g", (long long)r, c.lse[r], want_lse);
+        for (int64_t e = 0; e < c.hd; e++) {
+          double want = 0, mag = 0;
+          for (int64_t j = 0; j < valid; j++) {
+            double keep = 1;
+            if (c.p > 0) keep = dt_hash_uniform(seed, (uint64_t)(r * c.t + j)) >= c.p ? 1.0 / (1.0 - c.p) : 0.0;
+            dropped += keep == 0 && e == 0;
+            double term = keep * exp(sc[j] - mx) / sum * c.v[(h * c.t + j) * c.hd + e];
+            want += term, mag += fabs(term);
+          }
+          float got = c.o[r * c.hd + e];
+          if (!(fabs(got - want) <= 1e-5 * mag + 1e-7))
+            fail_msg("attention_fwd (causal %d, p %g) o[%lld][%lld] = %.9g, expected %.9g", causal, c.p, (long long)r,
+                     (long long)e, got, want);
+        }
+      }
+      if (drop && !dropped) fail_msg("attention_fwd: dropout 0.3 dropped nothing");
+      for (int64_t i = c.t * c.hd; i < 2 * c.t * c.hd; i++) c.q[i] /= 30.0f; /* O(1) scores for differences */
+      attn_loss(&c);
+      float *dq = rand_floats(34, n, -9, 9), *dk = rand_floats(35, n, -9, 9), *dv = rand_floats(36, n, -9, 9);
+      float *delta = rand_floats(37, rows, -9, 9);
+      dt_op op = {.type = DT_OP_ATTENTION_BWD,
+                  .p.attention_bwd = {.bh = c.bh,
+                                      .t = c.t,
+                                      .hd = c.hd,
+                                      .causal = causal,
+                                      .scale = scale,
+                                      .p = c.p,
+                                      .seed = 5,
+                                      .step_seed = &c.step_seed,
+                                      .q = c.q,
+                                      .k = c.k,
+                                      .v = c.v,
+                                      .o = c.o,
+                                      .lse = c.lse,
+                                      .dout = c.w,
+                                      .delta = delta,
+                                      .dq = dq,
+                                      .dk = dk,
+                                      .dv = dv}};
+      backend_run(c.be, &op);
+      for (int64_t r = 0; r < rows; r++) {
+        double want = dot_d(c.w + r * c.hd, c.o + r * c.hd, c.hd);
+        if (!(fabs(delta[r] - want) <= 1e-5 * fabs(want) + 1e-6))
+          fail_msg("attention_bwd delta[%lld] = %.9g, expected %.9g", (long long)r, delta[r], want);
+      }
+      char what[64];
+      snprintf(what, sizeof what, "attention (causal %d, p %g) dq", causal, c.p);
+      FD_EXPECT(what, fd_error(attn_loss, &c, c.q, dq, n, 1e-3), 2e-3);
+      what[strlen(what) - 1] = 'k';
+      FD_EXPECT(what, fd_error(attn_loss, &c, c.k, dk, n, 1e-3), 2e-3);
+      what[strlen(what) - 1] = 'v';
+      FD_EXPECT(what, fd_error(attn_loss, &c, c.v, dv, n, 1e-3), 2e-3);
+      free(dq), free(dk), free(dv), free(delta);
+      free(c.q), free(c.k), free(c.v), free(c.w), free(c.o), free(c.lse);
+      c.be->destroy(c.be);
+    }
+}
+
+typedef struct {
+  dt_backend *be;
   int64_t n;
   float *x, *y, *w;
 } act_ctx;
@@ -953,6 +1073,7 @@ int main(void) {
       cmocka_unit_test(embed_forward_and_grads),
       cmocka_unit_test(layernorm_forward_and_grads),
       cmocka_unit_test(softmax_forward_and_grads),
+      cmocka_unit_test(attention_fused_forward_and_grads),
       cmocka_unit_test(gelu_tanh_forward_and_grads),
       cmocka_unit_test(permute_matches_index_loop),
       cmocka_unit_test(gemm_batched_matches_separate),

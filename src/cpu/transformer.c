@@ -149,3 +149,99 @@ void cpu_permute(cpu_impl *im, const dt_op *op) {
           for (int64_t f = 0; f < n[4]; f++) out[e * n[4] + f] = in[e * s[3] + f * s[4]];
       }
 }
+
+/* x . y over n values, in 8 interleaved partial sums (vectorisable without reassociation) added in
+ * a fixed order: the same bits every run. */
+static inline float dot8(const float *x, const float *y, int64_t n) {
+  float part[8] = {0};
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8)
+    for (int u = 0; u < 8; u++) part[u] += x[d + u] * y[d + u];
+  for (int u = 0; d < n; d++, u++) part[u] += x[d] * y[d];
+  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
+/* The dropout factor of probability (h, i, j): keep or 0, as cpu_dropout_fwd on element (h * T + i) * T + j. */
+static inline float attention_mask(uint64_t seed, float p, float keep, int64_t row, int64_t t, int64_t j) {
+  return dt_hash_uniform(seed, (uint64_t)(row * t + j)) >= p ? keep : 0.0f;
+}
+
+/* One query row at a time (rows in parallel), in one pass over its keys: the running maximum m
+ * rescales the sum and the output so far when it grows (online softmax); o = sum_j mask_j p_j v_j /
+ * sum_j p_j, lse = m + log sum. */
+VECTOR_CLONES void cpu_attention_fwd(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.attention_fwd) *q = &op->p.attention_fwd;
+  const int64_t t = q->t, hd = q->hd;
+  const uint64_t seed = q->p > 0 ? dt_hash64(q->seed ^ *q->step_seed) : 0;
+  const float keep = q->p > 0 ? 1.0f / (1.0f - q->p) : 1.0f;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < q->bh * t; r++) {
+    const int64_t head = r / t, i = r % t, valid = q->causal ? i + 1 : t;
+    const float *qi = q->q + r * hd, *k = q->k + head * t * hd, *v = q->v + head * t * hd;
+    float *o = q->o + r * hd;
+    for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
+    float mx = -INFINITY;
+    double sum = 0;
+    for (int64_t j = 0; j < valid; j++) {
+      float s = q->scale * dot8(qi, k + j * hd, hd);
+      if (s > mx) {
+        float c = expf(mx - s);
+        sum *= c;
+        for (int64_t d = 0; d < hd; d++) o[d] *= c;
+        mx = s;
+      }
+      float pj = expf(s - mx);
+      sum += pj;
+      if (q->p > 0) pj *= attention_mask(seed, q->p, keep, r, t, j);
+      const float *vj = v + j * hd;
+      for (int64_t d = 0; d < hd; d++) o[d] += pj * vj[d];
+    }
+    float inv = (float)(1.0 / sum);
+    for (int64_t d = 0; d < hd; d++) o[d] *= inv;
+    q->lse[r] = mx + (float)log(sum);
+  }
+}
+
+/* One head at a time (heads in parallel, so dk and dv have one writer): for each row i and key j,
+ * p = exp(scale q_i . k_j - lse_i), dp = dout_i . v_j (masked as forward), ds = scale p (dp - delta_i);
+ * dv_j += mask p dout_i, dq_i += ds k_j, dk_j += ds q_i, rows in increasing order. */
+VECTOR_CLONES void cpu_attention_bwd(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.attention_bwd) *q = &op->p.attention_bwd;
+  const int64_t t = q->t, hd = q->hd;
+  const uint64_t seed = q->p > 0 ? dt_hash64(q->seed ^ *q->step_seed) : 0;
+  const float keep = q->p > 0 ? 1.0f / (1.0f - q->p) : 1.0f;
+#pragma omp parallel for schedule(static)
+  for (int64_t head = 0; head < q->bh; head++) {
+    const int64_t off = head * t * hd;
+    const float *qh = q->q + off, *k = q->k + off, *v = q->v + off, *o = q->o + off, *dout = q->dout + off;
+    float *dq = q->dq + off, *dk = q->dk + off, *dv = q->dv + off;
+    memset(dk, 0, (size_t)(t * hd) * sizeof(float));
+    memset(dv, 0, (size_t)(t * hd) * sizeof(float));
+    for (int64_t i = 0; i < t; i++) {
+      const int64_t r = head * t + i, valid = q->causal ? i + 1 : t;
+      const float *qi = qh + i * hd, *doi = dout + i * hd;
+      float *dqi = dq + i * hd;
+      const float delta = dot8(doi, o + i * hd, hd), lse = q->lse[r];
+      q->delta[r] = delta;
+      for (int64_t d = 0; d < hd; d++) dqi[d] = 0.0f;
+      for (int64_t j = 0; j < valid; j++) {
+        float p = expf(q->scale * dot8(qi, k + j * hd, hd) - lse), dp = dot8(doi, v + j * hd, hd);
+        float pk = p;
+        if (q->p > 0) {
+          float m = attention_mask(seed, q->p, keep, r, t, j);
+          pk *= m, dp *= m;
+        }
+        float ds = q->scale * p * (dp - delta);
+        float *dvj = dv + j * hd, *dkj = dk + j * hd;
+        const float *kj = k + j * hd;
+        for (int64_t d = 0; d < hd; d++) {
+          dvj[d] += pk * doi[d];
+          dqi[d] += ds * kj[d];
+          dkj[d] += ds * qi[d];
+        }
+      }
+    }
+  }
+}

@@ -138,6 +138,9 @@ void cuda_embed_bwd(cuda_impl *im, const dt_op *op);
 void cuda_softmax_fwd(cuda_impl *im, const dt_op *op);
 void cuda_softmax_bwd(cuda_impl *im, const dt_op *op);
 void cuda_permute(cuda_impl *im, const dt_op *op);
+/* ops.c, kernels/attention.cu: fused attention */
+void cuda_attention_fwd(cuda_impl *im, const dt_op *op);
+void cuda_attention_bwd(cuda_impl *im, const dt_op *op);
 
 #pragma GCC visibility pop
 

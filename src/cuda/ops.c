@@ -238,3 +238,21 @@ void cuda_permute(cuda_impl *im, const dt_op *op) {
   CHECK_INDEXABLE(total);
   k_permute(im->stream, q->x, q->y, q->ndim, q->dims, q->perm);
 }
+
+/* kernels/attention.cu: fused attention */
+
+void cuda_attention_fwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.attention_fwd) *q = &op->p.attention_fwd;
+  DT_ASSERT(q->hd >= 1 && q->hd <= DT_ATTENTION_MAX_HD);
+  CHECK_INDEXABLE(q->bh * q->t * q->hd);
+  CUDA_CHECK(k_attention_fwd(im->stream, q->q, q->k, q->v, q->o, q->lse, q->bh, q->t, q->hd, q->causal, q->scale, q->p,
+                             q->seed, q->step_seed));
+}
+
+void cuda_attention_bwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.attention_bwd) *q = &op->p.attention_bwd;
+  DT_ASSERT(q->hd >= 1 && q->hd <= DT_ATTENTION_MAX_HD);
+  CHECK_INDEXABLE(q->bh * q->t * q->hd);
+  CUDA_CHECK(k_attention_bwd(im->stream, q->q, q->k, q->v, q->o, q->lse, q->dout, q->delta, q->dq, q->dk, q->dv, q->bh,
+                             q->t, q->hd, q->causal, q->scale, q->p, q->seed, q->step_seed));
+}
