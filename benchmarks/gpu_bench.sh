@@ -24,6 +24,8 @@
 #   BENCH_GPT_CONFIG    the GPT rows' config (configs/gpt2_124m.yaml; the smoke test gives a tiny one)
 #   BENCH_GPT_SEQ       their sequence length, model.input (1024)
 #   BENCH_GPT_BATCH     their batch in sequences (BENCH_BATCH, else 8: the fine-tuning recipe's per GPU)
+#   BENCH_GPT_ATTENTION their model.attention values, a row each ("auto": fused on CUDA; "auto materialized"
+#                       measures the fused kernels against the (B, H, T, T) path in the same run)
 #   BENCH_PEAK_TFLOPS   the peaks MFU divides by, per precision ("fp32=67 tf32=494.7 bf16=989.4": an
 #                       H100 SXM's dense figures; TF32 off in the fp32 rows, so fp32 is FP32's peak)
 set -euo pipefail
@@ -144,16 +146,20 @@ printf '|---|---|---|---|---|---|---|---|---|\n'
 for precision in fp32 bf16; do
   name="$gpt_label, seq $gpt_seq, $precision, batch $gpt_batch"
   [[ $name =~ $ONLY ]] || continue
-  a=$(ours "$gpt_cfg" "$gpt_batch" "$precision" tokens_per_s --set "model.input=[$gpt_seq]" \
-    --set data.path="$out/gpt_tokens.h5" --set data.train.x=/train/tokens --set train.batch_size=0 \
-    --set train.grad_accum=1 --set train.epochs=1 --set model.init_from= --set optim.lr=0.0001 --set data.cache=auto)
   b=$("$TORCH_PYTHON" benchmarks/torch_gpu_train.py --seq "$gpt_seq" "$gpt_cfg" "$gpt_batch" "$precision" "$STEPS" \
     "$WINDOWS")
   IFS=$'\t' read -r eager best setting tried <<<"$b"
   eager_mfu=-
   [ "$eager" != - ] && eager_mfu=$(mfu "$eager" "$precision")
-  printf '| %s | %s | %s | %s | %s | %s | %s | %s | %s |\n' "$name" "$a" "$(mfu "$a" "$precision")" "$eager" \
-    "$eager_mfu" "$best" "$(mfu "$best" "$precision")" "$setting" "$(ratio "$a" "$best")"
+  for attention in ${BENCH_GPT_ATTENTION:-auto}; do
+    a=$(ours "$gpt_cfg" "$gpt_batch" "$precision" tokens_per_s --set "model.input=[$gpt_seq]" \
+      --set data.path="$out/gpt_tokens.h5" --set data.train.x=/train/tokens --set train.batch_size=0 \
+      --set train.grad_accum=1 --set train.epochs=1 --set model.init_from= --set optim.lr=0.0001 \
+      --set data.cache=auto --set model.attention="$attention")
+    printf '| %s, attention %s | %s | %s | %s | %s | %s | %s | %s | %s |\n' "$name" "$attention" "$a" \
+      "$(mfu "$a" "$precision")" "$eager" "$eager_mfu" "$best" "$(mfu "$best" "$precision")" "$setting" \
+      "$(ratio "$a" "$best")"
+  done
   notes+=("- $name (tokens/s): $tried")
 done
 

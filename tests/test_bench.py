@@ -44,7 +44,8 @@ class Bench(unittest.TestCase):
     def test_the_gpu_table_has_every_row(self):
         env = dict(ENV, **ENV1, PYTHON=sys.executable, BENCH_DDP_BINARY=GPU_BINARY, BENCH_STEPS="1",
                    BENCH_WINDOWS="1", BENCH_BATCH="4", BENCH_LAUNCHES="1", BENCH_TORCH_DEVICE="cpu",
-                   BENCH_GPT_CONFIG="configs/gpt_tiny.yaml", BENCH_GPT_SEQ="16", BENCH_GPT_BATCH="2")
+                   BENCH_GPT_CONFIG="configs/gpt_tiny.yaml", BENCH_GPT_SEQ="16", BENCH_GPT_BATCH="2",
+                   BENCH_GPT_ATTENTION="auto materialized")
         p = subprocess.run(["bash", "benchmarks/bench.sh"], capture_output=True, text=True, env=env, cwd=ROOT,
                            timeout=600)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
@@ -73,7 +74,8 @@ class Bench(unittest.TestCase):
         self.assertRegex(out, rf"ddp_train {NUMBER} s, of which {NUMBER} s\s+to its")
         self.assertEqual(gpt_header[1:3], ["ddp_train tokens/s", "ddp_train MFU"], out)
         gpt = "GPT (configs/gpt_tiny.yaml), seq 16"
-        self.assertEqual([r[0] for r in gpt_rows], [f"{gpt}, fp32, batch 2", f"{gpt}, bf16, batch 2"], out)
+        self.assertEqual([r[0] for r in gpt_rows], [f"{gpt}, {p}, batch 2, attention {a}" for p in ("fp32", "bf16")
+                                                    for a in ("auto", "materialized")], out)
         for r in gpt_rows:  # tokens/s and MFU of ddp_train, PyTorch eager, PyTorch best; setting; ratio
             self.assertEqual(len(r), 9, r)
             for c in (r[1], r[3], r[5]):

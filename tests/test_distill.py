@@ -80,7 +80,7 @@ class Case:
     """A teacher (weights written from a PyTorch twin), a student (initial weights likewise) and
     the data, in a work directory."""
 
-    def __init__(self, w, token, loss="kl", temperature=3.0, alpha=0.7):
+    def __init__(self, w, token, loss="kl", temperature=3.0, alpha=0.7, attention="auto"):
         self.w, self.token = w, token
         self.kind, self.temperature, self.alpha = loss, temperature, alpha
         torch.manual_seed(1)
@@ -106,9 +106,10 @@ class Case:
             teacher_data = {"scale": 1 / 255, "mean": [0.4], "std": [0.3]}  # the teacher's own normalisation
         # the teacher's config: its model and input normalisation only, no train section
         with open(w.file("teacher.yaml"), "w") as f:
-            yaml.safe_dump({"model": TOKEN_TEACHER if token else IMAGE_TEACHER, "data": teacher_data}, f)
+            yaml.safe_dump({"model": dict(TOKEN_TEACHER if token else IMAGE_TEACHER, attention=attention),
+                            "data": teacher_data}, f)
         self.cfg = {
-            "model": dict(TOKEN_STUDENT if token else IMAGE_STUDENT, init_from=w.file("init.h5")),
+            "model": dict(TOKEN_STUDENT if token else IMAGE_STUDENT, init_from=w.file("init.h5"), attention=attention),
             "data": dict(data, shuffle=False),
             "train": {"epochs": 1, "global_batch_size": BATCH, "seed": 3},
             "distill": {"teacher": w.file("teacher.yaml"), "weights": w.file("teacher.h5"),
@@ -184,10 +185,10 @@ OPTIMS = {"sgd": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
 
 
 class Twin(unittest.TestCase):
-    def compare(self, token, optim, np_, loss="kl"):
+    def compare(self, token, optim, np_, loss="kl", attention="auto"):
         w = Workdir()
         try:
-            case = Case(w, token, loss=loss)
+            case = Case(w, token, loss=loss, attention=attention)
             before = file_digest(w.file("teacher.h5"))
             rc, out, err = run([case.write(optim=OPTIMS[optim])], np_=np_, timeout=300)
             self.assertEqual(rc, 0, out + err)
@@ -231,6 +232,13 @@ class Twin(unittest.TestCase):
 
     def test_token_ignore_index_adamw_1_rank(self):
         self.compare(True, "adamw", 1)
+
+    def test_token_fused_attention_sgd_2_ranks(self):
+        """model.attention fused on the CPU (auto picks materialized there), student and teacher."""
+        self.compare(True, "sgd", 2, attention="fused")
+
+    def test_token_fused_attention_adamw_1_rank(self):
+        self.compare(True, "adamw", 1, attention="fused")
 
 
 class Runs(unittest.TestCase):
