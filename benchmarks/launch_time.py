@@ -4,8 +4,8 @@ median of N launches (gpu_bench.sh's first-step row, gpu_check.sh's startup stag
 
   launch_time.py N READY DONE command...
 
-Prints each launch on stderr and `DONE_MEDIAN READY_MEDIAN` on stdout; exits 1 naming the command
-when it fails or a line is missing."""
+Prints each launch on stderr (with ddp_train's "start-up:" line, where its start-up time went) and
+`DONE_MEDIAN READY_MEDIAN` on stdout; exits 1 naming the command when it fails or a line is missing."""
 import re
 import statistics
 import subprocess
@@ -17,16 +17,19 @@ def main():
     n, ready, done, cmd = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
     got = []
     for i in range(n):
-        seen, t0 = {}, time.perf_counter()
+        seen, breakdown, t0 = {}, "", time.perf_counter()
         p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
         for line in p.stdout:
+            if line.startswith("start-up:"):
+                breakdown = ", " + line.strip()
             for key, pattern in (("ready", ready), ("done", done)):
                 if key not in seen and re.match(pattern, line):
                     seen[key] = time.perf_counter() - t0
         if p.wait() != 0 or len(seen) != 2:
             sys.exit(f"launch_time.py: {' '.join(cmd)}: exit {p.returncode}, lines seen: {sorted(seen)}")
         got.append((seen["done"], seen["ready"]))
-        print(f"launch {i + 1}: {seen['done']:.3f} s to DONE, {seen['ready']:.3f} s to READY", file=sys.stderr)
+        print(f"launch {i + 1}: {seen['done']:.3f} s to DONE, {seen['ready']:.3f} s to READY{breakdown}",
+              file=sys.stderr)
     print(" ".join(f"{statistics.median(g[k] for g in got):.3f}" for k in range(2)))
 
 

@@ -435,6 +435,7 @@ static int run_work(dt_run *r, dt_status *st) {
   dt_comm *comm = &r->comm;
   int code = device_open(&r->dev, &r->cfg, comm, r->gpu, r->shared, st);
   if (code) return code;
+  r->opts.startup.device = dt_now() - r->opts.t_launch;
   r->opts.mem_estimate = device_check_memory(&r->cfg, &r->model, &r->data, comm, r->gpu, r->dev.be, 0, st);
   if ((code = comm_agree(comm, st))) return code;
   r->opts.dev = r->dev.reducer;
@@ -449,6 +450,7 @@ static int run_work(dt_run *r, dt_status *st) {
       (code = teacher_load(&r->teacher, &r->cfg, r->dev.be, config_model_rows(&r->cfg.v, comm->size), comm)))
     return code;
   r->opts.resume = resumed ? &r->resume : NULL;
+  r->opts.startup.weights = dt_now() - r->opts.t_launch;
   if (a->predict) return infer_predict(&r->model, &r->data, comm, a->predict);
   if (a->sample) return infer_sample(&r->cfg, &r->model, comm, a->sample, a->prompt, a->temperature, a->top_k);
   if ((r->cfg.v.monitor_listen[0] || r->cfg.v.log_dir[0]) &&
@@ -504,6 +506,7 @@ int main(int argc, char **argv) {
   mpi_start_defaults();
   comm_init(&r->comm, &argc, &argv);
   r->opts = (dt_train_opts){.t_launch = t_launch, .gpu = -1, .fault = &r->fault};
+  r->opts.startup.mpi = dt_now() - t_launch;
   r->gpu = -1;
   r->data.file = -1;
   r->data.train.dset_x = r->data.val.dset_x = -1;
@@ -511,9 +514,13 @@ int main(int argc, char **argv) {
   if (!code && r->args.info)
     print_info(&r->comm);
   else if (!code && !(code = run_prepare(r, &st))) {
+    r->opts.startup.prepared = dt_now() - t_launch;
     memory_watch_start(&r->mem); /* the data and everything after it count */
     r->opts.mem = &r->mem;
-    if (!(code = run_open_data(r, &st))) code = r->args.dry_run ? run_dry(r, &st) : run_work(r, &st);
+    if (!(code = run_open_data(r, &st))) {
+      r->opts.startup.data = dt_now() - t_launch;
+      code = r->args.dry_run ? run_dry(r, &st) : run_work(r, &st);
+    }
   }
   run_close(r, code);
   return code;

@@ -19,6 +19,15 @@ typedef struct {
   double wall_s;
 } dt_train_result;
 
+/* Seconds from launch (main's first line) to the end of each start-up stage, this rank's clock. */
+typedef struct {
+  double mpi;      /* MPI started (Open MPI's launch wire-up) */
+  double prepared; /* the config, the model, the teacher, the device chosen (a GPU's context made) */
+  double data;     /* the data opened (and read into memory under data.cache) */
+  double device;   /* the backend: CUDA streams, cuBLAS, cuDNN, NCCL's communicator; or the CPU's */
+  double weights;  /* buffers allocated, the weights set (seed, model.init_from or a checkpoint) and shared */
+} dt_startup_times;
+
 typedef struct {
   const dt_ckpt_data *resume;  /* host state to continue from (NULL: fresh start) */
   const dt_fault *fault;       /* DDP_TRAIN_FAULT's (tests) */
@@ -29,6 +38,7 @@ typedef struct {
                                   POST /stop and /checkpoint come back through the step agreement; else NULL */
   const dt_memory_watch *mem;  /* the baseline of the run's measured memory peak (NULL: not measured) */
   size_t mem_estimate;         /* device_check_memory's estimate of a rank's memory, bytes */
+  dt_startup_times startup;    /* where start-up's time went, for the start-up line */
 } dt_train_opts;
 
 /* Runs training to the end (epochs, max_steps, early stopping, or a stop request); returns 0

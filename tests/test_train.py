@@ -38,6 +38,13 @@ class Smoke(unittest.TestCase):
             self.assertEqual(max(digits), 9, digits)
             self.assertIn("best val_acc", out)
             self.assertEqual(out.count("done:"), 1)  # rank 0 only
+            # where start-up's time went: its stages add up to the total (each rounded to 1 ms)
+            m = re.search(r"^start-up: ([\d.]+) s \(MPI ([\d.]+), config and model ([\d.]+), data ([\d.]+), device "
+                          r"([\d.]+), weights ([\d.]+), the rest ([\d.]+)\)$", out, re.M)
+            self.assertIsNotNone(m, out)
+            total, *parts = map(float, m.groups())
+            self.assertAlmostEqual(sum(parts), total, delta=0.004)
+            self.assertGreater(parts[0], 0)  # MPI's start always takes some time
             p = final_params(w.latest())
             self.assertEqual(p["0.weight"].shape, (4, 1, 3, 3))
             self.assertEqual(p["4.weight"].shape, (3, 36))
