@@ -33,14 +33,22 @@ static __device__ void load_tile(float *tile, const float *head, int64_t row0, i
 // s[a][b] = sum_d x[ty + kSide a][d] y[tx + kSide b][d]: the thread's part of x y^T, x and y (kTile, ld).
 static __device__ void tile_xyt(const float *x, const float *y, int hd, int ld, float s[kRows][kRows]) {
   const int tx = thread_x(), ty = thread_y();
-  for (int a = 0; a < kRows; a++)
+  UNROLL
+  for (int a = 0; a < kRows; a++) {
+    UNROLL
     for (int b = 0; b < kRows; b++) s[a][b] = 0.0f;
+  }
   for (int d = 0; d < hd; d++) {
     float xa[kRows], yb[kRows];
+    UNROLL
     for (int a = 0; a < kRows; a++) xa[a] = x[(ty + kSide * a) * ld + d];
+    UNROLL
     for (int b = 0; b < kRows; b++) yb[b] = y[(tx + kSide * b) * ld + d];
-    for (int a = 0; a < kRows; a++)
+    UNROLL
+    for (int a = 0; a < kRows; a++) {
+      UNROLL
       for (int b = 0; b < kRows; b++) s[a][b] += xa[a] * yb[b];
+    }
   }
 }
 
@@ -51,15 +59,19 @@ static __device__ void tile_py(const float *p, int trans, const float *y, int hd
   const int tx = thread_x(), ty = thread_y();
   for (int j = 0; j < kTile; j++) {
     float pa[kRows];
+    UNROLL
     for (int a = 0; a < kRows; a++) {
       int r = ty + kSide * a;
       pa[a] = trans ? p[j * kScoreLd + r] : p[r * kScoreLd + j];
     }
+    UNROLL
     for (int b = 0; b < COLS; b++) {
       int c = tx + kSide * b;
-      if (c >= hd) break;
-      float yv = y[j * ld + c];
-      for (int a = 0; a < kRows; a++) acc[a][b] += pa[a] * yv;
+      if (c < hd) {
+        float yv = y[j * ld + c];
+        UNROLL
+        for (int a = 0; a < kRows; a++) acc[a][b] += pa[a] * yv;
+      }
     }
   }
 }
@@ -69,9 +81,11 @@ template <int COLS>
 static __device__ void store_rows(float *head, const float acc[kRows][COLS], const float *scale, int64_t row0,
                                   int64_t t, int hd) {
   const int tx = thread_x(), ty = thread_y();
+  UNROLL
   for (int a = 0; a < kRows; a++) {
     int64_t r = row0 + ty + kSide * a;
     if (r >= t) continue;
+    UNROLL
     for (int b = 0; b < COLS; b++) {
       int c = tx + kSide * b;
       if (c < hd) head[r * hd + c] = acc[a][b] * scale[a];
@@ -119,8 +133,10 @@ __global__ void attn_fwd_kernel(const float *q, const float *k, const float *v, 
   const uint64_t seed = g.p > 0 ? dt_hash64(g.layer_seed ^ *step_seed) : 0;
   load_tile(sq, q + base, i0, g.t, g.hd, ld);
   float m[kRows], l[kRows], acc[kRows][COLS];
+  UNROLL
   for (int a = 0; a < kRows; a++) {
     m[a] = -INFINITY, l[a] = 0.0f;
+    UNROLL
     for (int b = 0; b < COLS; b++) acc[a][b] = 0.0f;
   }
   const int64_t end = g.causal && i0 + kTile < g.t ? i0 + kTile : g.t;
@@ -131,9 +147,11 @@ __global__ void attn_fwd_kernel(const float *q, const float *k, const float *v, 
     __syncthreads();
     float s[kRows][kRows];
     tile_xyt(sq, sk, g.hd, ld, s);
+    UNROLL
     for (int a = 0; a < kRows; a++) {
       const int64_t i = i0 + ty + kSide * a;
       float mx = -INFINITY;
+      UNROLL
       for (int b = 0; b < kRows; b++) {
         int64_t j = j0 + tx + kSide * b;
         s[a][b] = attn_visible(g, i, j) ? g.scale * s[a][b] : -INFINITY;
@@ -143,6 +161,7 @@ __global__ void attn_fwd_kernel(const float *q, const float *k, const float *v, 
       // a row with nothing visible yet (only rows past T) keeps m = -inf: its exponentials are 0
       const float corr = m_new == -INFINITY ? 1.0f : expf(m[a] - m_new);
       float sum = 0.0f;
+      UNROLL
       for (int b = 0; b < kRows; b++) {
         int64_t j = j0 + tx + kSide * b;
         float e = s[a][b] == -INFINITY ? 0.0f : expf(s[a][b] - m_new);
@@ -151,12 +170,14 @@ __global__ void attn_fwd_kernel(const float *q, const float *k, const float *v, 
       }
       l[a] = l[a] * corr + row_sum(sum);
       m[a] = m_new;
+      UNROLL
       for (int b = 0; b < COLS; b++) acc[a][b] *= corr;
     }
     __syncthreads();
     tile_py<COLS>(sp, 0, sv, g.hd, ld, acc);
   }
   float inv[kRows];
+  UNROLL
   for (int a = 0; a < kRows; a++) {
     inv[a] = l[a] > 0 ? 1.0f / l[a] : 0.0f;
     int64_t i = i0 + ty + kSide * a;
@@ -184,7 +205,9 @@ static __device__ void attn_scores_bwd(const attn_geom &g, uint64_t seed, int64_
   float s[kRows][kRows], dp[kRows][kRows];
   tile_xyt(sq, sk, g.hd, ld, s);
   tile_xyt(sdo, sv, g.hd, ld, dp);
-  for (int a = 0; a < kRows; a++)
+  UNROLL
+  for (int a = 0; a < kRows; a++) {
+    UNROLL
     for (int b = 0; b < kRows; b++) {
       const int r = ty + kSide * a, c = tx + kSide * b;
       const int64_t i = i0 + r, j = j0 + c;
@@ -193,6 +216,7 @@ static __device__ void attn_scores_bwd(const attn_geom &g, uint64_t seed, int64_
       if (sp) sp[r * kScoreLd + c] = p * mask;
       sds[r * kScoreLd + c] = g.scale * p * (dp[a][b] * mask - sd[r]);
     }
+  }
 }
 
 // Rows [row0, row0 + kTile) of lse and delta into sl, sd (0 past T).
@@ -218,8 +242,10 @@ __global__ void attn_bwd_kv_kernel(const float *q, const float *k, const float *
   load_tile(sk, k + base, j0, g.t, g.hd, ld);
   load_tile(sv, v + base, j0, g.t, g.hd, ld);
   float dk_acc[kRows][COLS], dv_acc[kRows][COLS], ones[kRows];
+  UNROLL
   for (int a = 0; a < kRows; a++) {
     ones[a] = 1.0f;
+    UNROLL
     for (int b = 0; b < COLS; b++) dk_acc[a][b] = dv_acc[a][b] = 0.0f;
   }
   for (int64_t i0 = g.causal ? j0 : 0; i0 < g.t; i0 += kTile) {
@@ -251,8 +277,10 @@ __global__ void attn_bwd_q_kernel(const float *q, const float *k, const float *v
   load_tile(sdo, dout + base, i0, g.t, g.hd, ld);
   load_row_stats(sl, sd, lse, delta, head, i0, g.t);
   float dq_acc[kRows][COLS], ones[kRows];
+  UNROLL
   for (int a = 0; a < kRows; a++) {
     ones[a] = 1.0f;
+    UNROLL
     for (int b = 0; b < COLS; b++) dq_acc[a][b] = 0.0f;
   }
   const int64_t end = g.causal && i0 + kTile < g.t ? i0 + kTile : g.t;

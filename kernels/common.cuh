@@ -13,6 +13,14 @@
 #define DYNAMIC_SHARED(T, name) extern __shared__ T name[]
 #endif
 
+// Unrolls the loop that follows fully, so that register arrays indexed by its counter stay in registers
+// (nvcc; GCC, which builds the stand-in, is left to its own choice).
+#ifdef __CUDACC__
+#define UNROLL _Pragma("unroll")
+#else
+#define UNROLL
+#endif
+
 static const int kThreads = 256;
 // Grid-stride kernels get at most this many blocks: two waves of 256-thread blocks on an H100
 // (132 SMs x 8 resident blocks), so each thread handles several elements once tensors are large.
