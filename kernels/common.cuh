@@ -20,6 +20,14 @@
 #else
 #define UNROLL
 #endif
+// __launch_bounds__(threads, blocks) for nvcc: registers capped so that `blocks` blocks of `threads` fit an
+// SM. A hint to the compiler; a launch of more threads than `threads` would fail on a GPU, so kernels that
+// carry it are launched with exactly `threads` (the stand-in's GCC ignores it).
+#ifdef __CUDACC__
+#define LAUNCH_BOUNDS(threads, blocks) __launch_bounds__(threads, blocks)
+#else
+#define LAUNCH_BOUNDS(threads, blocks)
+#endif
 
 static const int kThreads = 256;
 // Grid-stride kernels get at most this many blocks: two waves of 256-thread blocks on an H100

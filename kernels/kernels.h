@@ -8,6 +8,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "attention_geom.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -109,13 +111,11 @@ void k_permute(cudaStream_t s, const float *x, float *y, int ndim, const int64_t
 /* attention.cu: backend.h's DT_OP_ATTENTION_* (hd <= DT_ATTENTION_MAX_HD); each returns the error of
  * opting its kernels in to the shared memory they take (the launches' are cudaGetLastError's). No
  * atomics: the same bits on every run. */
-cudaError_t k_attention_fwd(cudaStream_t s, const float *q, const float *k, const float *v, float *o, float *lse,
-                            int64_t bh, int64_t t, int64_t hd, int causal, float scale, float p, uint64_t seed,
-                            const uint64_t *step_seed);
-cudaError_t k_attention_bwd(cudaStream_t s, const float *q, const float *k, const float *v, const float *o,
-                            const float *lse, const float *dout, float *delta, float *dq, float *dk, float *dv,
-                            int64_t bh, int64_t t, int64_t hd, int causal, float scale, float p, uint64_t seed,
-                            const uint64_t *step_seed);
+cudaError_t k_attention_fwd(cudaStream_t s, const dt_attention_geom *g, const float *q, const float *k, const float *v,
+                            float *o, float *lse);
+cudaError_t k_attention_bwd(cudaStream_t s, const dt_attention_geom *g, const float *q, const float *k, const float *v,
+                            const float *o, const float *lse, const float *dout, float *delta, float *dq, float *dk,
+                            float *dv);
 
 #ifdef __cplusplus
 }

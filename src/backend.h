@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "common.h"
+#include "attention_geom.h"
 #include "hash.h"
 
 /* Every op once, in the order of dt_op_type: X(NAME, name) for DT_OP_NAME, whose parameters are
@@ -75,9 +76,6 @@ typedef enum {
       DT_OP_COUNT
 } dt_op_type;
 
-/* The widest head the CUDA attention kernels take (model.attention fused): wider ones use the
- * materialised path. */
-enum { DT_ATTENTION_MAX_HD = 128 };
 enum { DT_GATHER_U8, DT_GATHER_F32, DT_GATHER_F64, DT_GATHER_I32 }; /* data.h's DT_X_* order, then int32 */
 enum {
   DT_ACT_RELU,
@@ -344,24 +342,16 @@ typedef struct {
       float *y;
     } permute;
     struct {
-      int64_t bh, t, hd; /* B*H heads of T positions, hd values each (at most DT_ATTENTION_MAX_HD on CUDA) */
-      int causal;        /* position i sees j <= i */
-      float scale, p;    /* scores scaled by scale; dropout p on the probabilities (0: none) */
-      uint64_t seed;     /* as dropout_fwd's: probability (h, i, j) gets the mask of element (h * T + i) * T + j */
-      const uint64_t *step_seed; /* (1), read when p > 0 */
-      const float *q, *k, *v;    /* (B*H, T, hd) each */
-      float *o;                  /* (B*H, T, hd) */
-      float *lse;                /* (B*H, T): log of each row's sum of exp(scale q k^T), for the backward */
+      dt_attention_geom g;
+      const float *q, *k, *v; /* as the geometry says */
+      float *o;
+      float *lse; /* (B, H, T): log of each row's sum of exp(scale q k^T), for the backward */
     } attention_fwd;
     struct {
-      int64_t bh, t, hd;
-      int causal;
-      float scale, p;
-      uint64_t seed;
-      const uint64_t *step_seed;
-      const float *q, *k, *v, *o, *lse, *dout; /* the forward's inputs and outputs; dout (B*H, T, hd) */
-      float *delta;                            /* (B*H, T) scratch: each row's dout . o */
-      float *dq, *dk, *dv;                     /* (B*H, T, hd) overwritten */
+      dt_attention_geom g;
+      const float *q, *k, *v, *o, *lse, *dout; /* the forward's inputs and outputs; dout as o */
+      float *delta;                            /* (B, H, T) scratch: each row's dout . o */
+      float *dq, *dk, *dv;                     /* as q, k, v; overwritten */
     } attention_bwd;
     struct {
       int64_t b, c, s;

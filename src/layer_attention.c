@@ -21,16 +21,18 @@ static const dt_key attention_keys[] = {
 
 /* Backend memory for max_batch samples; forward keeps what backward reads. */
 typedef struct {
-  float *qkv;    /* (B*T, 3C) */
-  float *heads;  /* (3, B, H, T, hd): q, k, v per head */
-  float *lse;    /* (B*H, T) fused: each row's log sum exp; NULL materialised */
-  float *delta;  /* (B*H, T) fused backward scratch; NULL materialised */
-  float *probs;  /* (B*H, T, T) softmax output; NULL fused */
-  float *kept;   /* (B*H, T, T) after dropout; NULL without dropout (the probs are kept) */
-  float *att;    /* (B*H, T, hd) */
-  float *merged; /* (B*T, C): heads concatenated per position */
-  /* backward scratch */
-  float *d_merged, *d_att, *d_kept, *d_probs, *d_scores, *d_heads, *d_qkv; /* d_probs: NULL without dropout */
+  float *qkv;    /* (B*T, 3C) = (B, T, 3, H, hd) */
+  float *merged; /* (B*T, C) = (B, T, H, hd): heads concatenated per position */
+  /* fused only (NULL materialised) */
+  float *lse;   /* (B*H, T) each row's log sum exp */
+  float *delta; /* (B*H, T) backward scratch */
+  /* materialised only (NULL fused) */
+  float *heads; /* (3, B, H, T, hd): q, k, v per head */
+  float *probs; /* (B*H, T, T) softmax output */
+  float *kept;  /* (B*H, T, T) after dropout; NULL without dropout (the probs are kept) */
+  float *att;   /* (B*H, T, hd) */
+  /* backward scratch: d_merged, d_qkv always; the rest materialised only, d_probs with dropout only */
+  float *d_merged, *d_qkv, *d_att, *d_kept, *d_probs, *d_scores, *d_heads;
 } attention_state;
 
 /* model.attention: fused (auto: on CUDA) for heads of at most DT_ATTENTION_MAX_HD values. */
@@ -65,7 +67,7 @@ static void sizes(const dt_layer *l, int64_t batch, size_t *seq, size_t *square,
   *rows = (size_t)(batch * l->args.heads * t) * sizeof(float);
 }
 
-/* Per sample: q, k and v together (3, T, C), or the (H, T, T) scores and probabilities when larger
+/* Per sample: the projections (T, 3C), or the (H, T, T) scores and probabilities when larger
  * (materialised). */
 static int64_t attention_row_values(const dt_layer *l) {
   const int64_t t = l->in.h, square = l->args.heads * t * t, heads = 3 * t * l->in.c;
@@ -84,18 +86,18 @@ static void attention_alloc(dt_layer *l, dt_backend *be, dt_acts *acts, int64_t 
   size_t seq, sq, rows;
   sizes(l, max_batch, &seq, &sq, &rows);
   acts_take(acts, &s->qkv, 3 * seq);
-  acts_take(acts, &s->heads, 3 * seq);
-  acts_take(acts, &s->att, seq);
   acts_take(acts, &s->merged, seq);
   acts_take(acts, &s->d_merged, seq);
-  acts_take(acts, &s->d_att, seq);
-  acts_take(acts, &s->d_heads, 3 * seq);
   acts_take(acts, &s->d_qkv, 3 * seq);
-  if (l->fused_attention) {
+  if (l->fused_attention) { /* the ops read and write the four above in place: no per-head copies */
     acts_take(acts, &s->lse, rows);
     acts_take(acts, &s->delta, rows);
     return;
   }
+  acts_take(acts, &s->heads, 3 * seq);
+  acts_take(acts, &s->att, seq);
+  acts_take(acts, &s->d_att, seq);
+  acts_take(acts, &s->d_heads, 3 * seq);
   acts_take(acts, &s->probs, sq);
   acts_take(acts, &s->d_kept, sq);
   acts_take(acts, &s->d_scores, sq);
@@ -110,7 +112,10 @@ static void attention_memory(const dt_layer *l, int64_t batch, int threads, dt_m
   size_t seq, sq, rows;
   sizes(l, batch, &seq, &sq, &rows);
   int drop = l->args.p > 0;
-  mem->activations += 3 * seq * 4 + seq * 4 + (l->fused_attention ? 2 * rows : sq * (size_t)(3 + 2 * drop));
+  if (l->fused_attention)
+    mem->activations += 3 * seq * 2 + seq * 2 + 2 * rows;
+  else
+    mem->activations += 3 * seq * 4 + seq * 4 + sq * (size_t)(3 + 2 * drop);
 }
 
 /* Queues `count` row-major products C = op(A) op(B) of (m, k) and (k, n), strided by their sizes. */
@@ -181,9 +186,20 @@ static void heads_forward_materialized(dt_layer *l, dt_pass *pass, const float *
   batched_gemm(be, bh, 0, 0, t, hd, t, kept, v, s->att);
 }
 
-/* Dropout of the probabilities only in training. */
-static float dropout_p(const dt_layer *l, const dt_pass *pass) {
-  return pass->training ? (float)l->args.p : 0.0f;
+/* The fused ops' geometry over the layer's own buffers: q, k, v in (B, T, 3, H, hd), o in (B, T, H, hd). */
+static dt_attention_geom fused_geom(const dt_layer *l, const dt_pass *pass) {
+  const int64_t c = l->in.c, h = l->args.heads;
+  return (dt_attention_geom){.b = pass->batch,
+                             .h = h,
+                             .t = l->in.h,
+                             .hd = c / h,
+                             .ld_qkv = 3 * c,
+                             .ld_o = c,
+                             .causal = l->args.causal,
+                             .scale = 1.0f / sqrtf((float)(c / h)),
+                             .p = pass->training ? (float)l->args.p : 0.0f, /* dropout only in training */
+                             .seed = attention_seed(l),
+                             .step_seed = pass->step_seed};
 }
 
 static void attention_forward(dt_layer *l, dt_pass *pass, const float *x) {
@@ -192,30 +208,22 @@ static void attention_forward(dt_layer *l, dt_pass *pass, const float *x) {
   const float *w = pass->params;
   const int64_t b = pass->batch, t = l->in.h, c = l->in.c, h = l->args.heads, hd = c / h;
   dense_forward(be, b * t, c, 3 * c, x, w + l->tensors[0].offset, w + l->tensors[1].offset, s->qkv);
-  int64_t qkv_dims[5] = {b, t, 3, h, hd};
-  permute(be, 5, qkv_dims, to_heads, s->qkv, s->heads);
-  const float *q = s->heads, *k = s->heads + b * t * c, *v = s->heads + 2 * b * t * c;
   if (l->fused_attention) {
     dt_op op = {.type = DT_OP_ATTENTION_FWD,
-                .p.attention_fwd = {.bh = b * h,
-                                    .t = t,
-                                    .hd = hd,
-                                    .causal = l->args.causal,
-                                    .scale = 1.0f / sqrtf((float)hd),
-                                    .p = dropout_p(l, pass),
-                                    .seed = attention_seed(l),
-                                    .step_seed = pass->step_seed,
-                                    .q = q,
-                                    .k = k,
-                                    .v = v,
-                                    .o = s->att,
+                .p.attention_fwd = {.g = fused_geom(l, pass),
+                                    .q = s->qkv,
+                                    .k = s->qkv + c,
+                                    .v = s->qkv + 2 * c,
+                                    .o = s->merged,
                                     .lse = s->lse}};
     backend_run(be, &op);
   } else {
-    heads_forward_materialized(l, pass, q, k, v);
+    int64_t qkv_dims[5] = {b, t, 3, h, hd};
+    permute(be, 5, qkv_dims, to_heads, s->qkv, s->heads);
+    heads_forward_materialized(l, pass, s->heads, s->heads + b * t * c, s->heads + 2 * b * t * c);
+    int64_t att_dims[4] = {b, h, t, hd};
+    permute(be, 4, att_dims, swap_th, s->att, s->merged);
   }
-  int64_t att_dims[4] = {b, h, t, hd};
-  permute(be, 4, att_dims, swap_th, s->att, s->merged);
   dense_forward(be, b * t, c, c, s->merged, w + l->tensors[2].offset, w + l->tensors[3].offset, l->y);
 }
 
@@ -260,36 +268,28 @@ static void attention_backward(dt_layer *l, dt_pass *pass, const float *x, float
   const int64_t b = pass->batch, t = l->in.h, c = l->in.c, h = l->args.heads, hd = c / h;
   dense_backward(be, b * t, c, c, s->merged, w + l->tensors[2].offset, l->dy, g + l->tensors[2].offset,
                  g + l->tensors[3].offset, s->d_merged);
-  int64_t merged_dims[4] = {b, t, h, hd};
-  permute(be, 4, merged_dims, swap_th, s->d_merged, s->d_att);
-  const float *q = s->heads, *k = s->heads + b * t * c, *v = s->heads + 2 * b * t * c;
-  float *dq = s->d_heads, *dk = s->d_heads + b * t * c, *dv = s->d_heads + 2 * b * t * c;
   if (l->fused_attention) {
     dt_op op = {.type = DT_OP_ATTENTION_BWD,
-                .p.attention_bwd = {.bh = b * h,
-                                    .t = t,
-                                    .hd = hd,
-                                    .causal = l->args.causal,
-                                    .scale = 1.0f / sqrtf((float)hd),
-                                    .p = dropout_p(l, pass),
-                                    .seed = attention_seed(l),
-                                    .step_seed = pass->step_seed,
-                                    .q = q,
-                                    .k = k,
-                                    .v = v,
-                                    .o = s->att,
+                .p.attention_bwd = {.g = fused_geom(l, pass),
+                                    .q = s->qkv,
+                                    .k = s->qkv + c,
+                                    .v = s->qkv + 2 * c,
+                                    .o = s->merged,
                                     .lse = s->lse,
-                                    .dout = s->d_att,
+                                    .dout = s->d_merged,
                                     .delta = s->delta,
-                                    .dq = dq,
-                                    .dk = dk,
-                                    .dv = dv}};
+                                    .dq = s->d_qkv,
+                                    .dk = s->d_qkv + c,
+                                    .dv = s->d_qkv + 2 * c}};
     backend_run(be, &op);
   } else {
-    heads_backward_materialized(l, pass, q, k, v, dq, dk, dv);
+    int64_t merged_dims[4] = {b, t, h, hd};
+    permute(be, 4, merged_dims, swap_th, s->d_merged, s->d_att);
+    const float *q = s->heads, *k = s->heads + b * t * c, *v = s->heads + 2 * b * t * c;
+    heads_backward_materialized(l, pass, q, k, v, s->d_heads, s->d_heads + b * t * c, s->d_heads + 2 * b * t * c);
+    int64_t head_dims[5] = {3, b, h, t, hd};
+    permute(be, 5, head_dims, from_heads, s->d_heads, s->d_qkv);
   }
-  int64_t head_dims[5] = {3, b, h, t, hd};
-  permute(be, 5, head_dims, from_heads, s->d_heads, s->d_qkv);
   dense_backward(be, b * t, c, 3 * c, x, w + l->tensors[0].offset, s->d_qkv, g + l->tensors[0].offset,
                  g + l->tensors[1].offset, dx);
 }

@@ -1548,73 +1548,66 @@ static void ops_softmax(void) {
   softmax_case(300, 2 * 300, 2 * 300, "(1, 2, 300, 300)");
 }
 
-/* Fused attention over H heads of `rows` samples (buffers for `cap`): q, k, v of (cap*H, T, hd), the
- * scores scaled by 1/sqrt(hd), q of every third head times 8 (scores of hundreds: exp overflows
- * unless the running maximum is taken out). T = 5 and 70 (a partial tile, two tiles) with hd 8 and
- * 24 (a partial column group), T = 130 (three tiles) with hd 64, T = 33 with hd 128 (the widest);
- * causal and not, dropout 0 and 0.25 (the dropout op's masks). */
+/* Fused attention over H heads of `rows` samples (buffers for `cap`), in the attention layer's layout:
+ * q, k, v in one (cap, T, 3, H, hd) buffer, o in (cap, T, H, hd); the scores scaled by 1/sqrt(hd), q of
+ * every third head (h = 1, 4, ...) times 8 (scores of hundreds: exp overflows unless the running maximum
+ * is taken out). T = 5 and 70 (a partial tile, two tiles) with hd 8 and 24 (a partial column group),
+ * T = 130 (three tiles) with hd 64, T = 33 with hd 128 (the widest); causal and not, dropout 0 and 0.25
+ * (the dropout op's masks). */
 static void attention_case(int64_t T, int64_t hd, int64_t H, int64_t cap, int64_t rows, const char *rows_name) {
-  const int64_t n = cap * H * T * hd, heads = rows * H;
-  float *qh = ot_host_rand(n, -2, 2);
-  for (int64_t i = 0; i < n; i++) qh[i] *= (i / (T * hd)) % 3 == 1 ? 8.0f : 1.0f;
-  dbuf q = ot_buf(OT_F32, qh, n), k = ot_rand(n, -2, 2), v = ot_rand(n, -1, 1), dout = ot_rand(n, -1, 1);
-  free(qh);
+  const int64_t c = H * hd, n = cap * T * 3 * c, no = cap * T * c, written = rows * T * 3 * c;
+  float *qkvh = ot_host_rand(n, -2, 2);
+  for (int64_t i = 0; i < n; i++) /* (row, 3, H, hd): the q third's heads h = 1 mod 3 */
+    qkvh[i] *= i % (3 * c) < c && (i % c) / hd % 3 == 1 ? 8.0f : 1.0f;
+  dbuf qkv = ot_buf(OT_F32, qkvh, n), dout = ot_rand(no, -1, 1);
+  free(qkvh);
   const uint64_t step_seed_h = 0x1234567u;
   dbuf step_seed = ot_buf(OT_F64, &step_seed_h, 1);
   for (int causal = 0; causal < 2; causal++)
     for (int drop = 0; drop < 2; drop++) {
-      const float p = drop ? 0.25f : 0.0f, scale = 1.0f / sqrtf((float)hd);
-      dbuf o = ot_rand(n, -1, 1), lse = ot_rand(cap * H * T, -1, 1), delta = ot_rand(cap * H * T, -1, 1);
-      dbuf dq = ot_rand(n, -1, 1), dk = ot_rand(n, -1, 1), dv = ot_rand(n, -1, 1);
-      ot_case(DT_OP_ATTENTION_FWD, "T %lld, hd %lld, %s, dropout %g, %s", (long long)T, (long long)hd,
-              causal ? "causal" : "not causal", p, rows_name);
+      dbuf o = ot_rand(no, -1, 1), lse = ot_rand(cap * H * T, -1, 1), delta = ot_rand(cap * H * T, -1, 1);
+      dbuf dqkv = ot_rand(n, -1, 1);
+      dt_attention_geom g = {.b = rows,
+                             .h = H,
+                             .t = T,
+                             .hd = hd,
+                             .ld_qkv = 3 * c,
+                             .ld_o = c,
+                             .causal = causal,
+                             .scale = 1.0f / sqrtf((float)hd),
+                             .p = drop ? 0.25f : 0.0f,
+                             .seed = 77};
+      ot_case(DT_OP_ATTENTION_FWD, "T %lld, hd %lld, H %lld, %s, dropout %g, %s", (long long)T, (long long)hd,
+              (long long)H, causal ? "causal" : "not causal", g.p, rows_name);
       BOTH {
-        dt_op op = {.type = DT_OP_ATTENTION_FWD,
-                    .p.attention_fwd = {.bh = heads,
-                                        .t = T,
-                                        .hd = hd,
-                                        .causal = causal,
-                                        .scale = scale,
-                                        .p = p,
-                                        .seed = 77,
-                                        .step_seed = (const uint64_t *)D(step_seed),
-                                        .q = F(q),
-                                        .k = F(k),
-                                        .v = F(v),
-                                        .o = F(o),
-                                        .lse = F(lse)}};
+        g.step_seed = (const uint64_t *)D(step_seed);
+        dt_op op = {
+            .type = DT_OP_ATTENTION_FWD,
+            .p.attention_fwd = {.g = g, .q = F(qkv), .k = F(qkv) + c, .v = F(qkv) + 2 * c, .o = F(o), .lse = F(lse)}};
         RUN(op);
       }
-      ot_check("o", o, heads * T * hd);
-      ot_check("lse", lse, heads * T);
-      ot_case(DT_OP_ATTENTION_BWD, "T %lld, hd %lld, %s, dropout %g, %s", (long long)T, (long long)hd,
-              causal ? "causal" : "not causal", p, rows_name);
+      ot_check("o", o, rows * T * c);
+      ot_check("lse", lse, rows * H * T);
+      ot_case(DT_OP_ATTENTION_BWD, "T %lld, hd %lld, H %lld, %s, dropout %g, %s", (long long)T, (long long)hd,
+              (long long)H, causal ? "causal" : "not causal", g.p, rows_name);
       BOTH {
+        g.step_seed = (const uint64_t *)D(step_seed);
         dt_op op = {.type = DT_OP_ATTENTION_BWD,
-                    .p.attention_bwd = {.bh = heads,
-                                        .t = T,
-                                        .hd = hd,
-                                        .causal = causal,
-                                        .scale = scale,
-                                        .p = p,
-                                        .seed = 77,
-                                        .step_seed = (const uint64_t *)D(step_seed),
-                                        .q = F(q),
-                                        .k = F(k),
-                                        .v = F(v),
+                    .p.attention_bwd = {.g = g,
+                                        .q = F(qkv),
+                                        .k = F(qkv) + c,
+                                        .v = F(qkv) + 2 * c,
                                         .o = F(o),
                                         .lse = F(lse),
                                         .dout = F(dout),
                                         .delta = F(delta),
-                                        .dq = F(dq),
-                                        .dk = F(dk),
-                                        .dv = F(dv)}};
+                                        .dq = F(dqkv),
+                                        .dk = F(dqkv) + c,
+                                        .dv = F(dqkv) + 2 * c}};
         RUN(op);
       }
-      ot_check("delta", delta, heads * T);
-      ot_check("dq", dq, heads * T * hd);
-      ot_check("dk", dk, heads * T * hd);
-      ot_check("dv", dv, heads * T * hd);
+      ot_check("delta", delta, rows * H * T);
+      ot_check("dq, dk, dv", dqkv, written);
     }
 }
 

@@ -616,22 +616,26 @@ typedef struct {
   float *q, *k, *v, *o, *lse, *w;
 } attn_ctx;
 
+/* bh samples of one head each, (T, hd) apart: the compact layout (the layer's strided one is the
+ * distillation test's, against PyTorch, and test_gpu's) */
+static dt_attention_geom attn_geom(const attn_ctx *c) {
+  return (dt_attention_geom){.b = c->bh,
+                             .h = 1,
+                             .t = c->t,
+                             .hd = c->hd,
+                             .ld_qkv = c->hd,
+                             .ld_o = c->hd,
+                             .causal = c->causal,
+                             .scale = 1.0f / sqrtf((float)c->hd),
+                             .p = c->p,
+                             .seed = 5,
+                             .step_seed = &c->step_seed};
+}
+
 static double attn_loss(void *ptr) {
   attn_ctx *c = ptr;
   dt_op op = {.type = DT_OP_ATTENTION_FWD,
-              .p.attention_fwd = {.bh = c->bh,
-                                  .t = c->t,
-                                  .hd = c->hd,
-                                  .causal = c->causal,
-                                  .scale = 1.0f / sqrtf((float)c->hd),
-                                  .p = c->p,
-                                  .seed = 5,
-                                  .step_seed = &c->step_seed,
-                                  .q = c->q,
-                                  .k = c->k,
-                                  .v = c->v,
-                                  .o = c->o,
-                                  .lse = c->lse}};
+              .p.attention_fwd = {.g = attn_geom(c), .q = c->q, .k = c->k, .v = c->v, .o = c->o, .lse = c->lse}};
   backend_run(c->be, &op);
   return dot_d(c->o, c->w, c->bh * c->t * c->hd);
 }
@@ -690,14 +694,7 @@ static void attention_fused_forward_and_grads(void **s) {
       float *dq = rand_floats(34, n, -9, 9), *dk = rand_floats(35, n, -9, 9), *dv = rand_floats(36, n, -9, 9);
       float *delta = rand_floats(37, rows, -9, 9);
       dt_op op = {.type = DT_OP_ATTENTION_BWD,
-                  .p.attention_bwd = {.bh = c.bh,
-                                      .t = c.t,
-                                      .hd = c.hd,
-                                      .causal = causal,
-                                      .scale = scale,
-                                      .p = c.p,
-                                      .seed = 5,
-                                      .step_seed = &c.step_seed,
+                  .p.attention_bwd = {.g = attn_geom(&c),
                                       .q = c.q,
                                       .k = c.k,
                                       .v = c.v,

@@ -161,9 +161,14 @@ static inline float dot8(const float *x, const float *y, int64_t n) {
   return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
 }
 
-/* The dropout factor of probability (h, i, j): keep or 0, as cpu_dropout_fwd on element (h * T + i) * T + j. */
-static inline float attention_mask(uint64_t seed, float p, float keep, int64_t row, int64_t t, int64_t j) {
-  return dt_hash_uniform(seed, (uint64_t)(row * t + j)) >= p ? keep : 0.0f;
+/* The dropout factor of probability (head, i, j): keep or 0, as cpu_dropout_fwd on element (head T + i) T + j. */
+static inline float attention_mask(uint64_t seed, float p, float keep, int64_t head, int64_t t, int64_t i, int64_t j) {
+  return dt_hash_uniform(seed, (uint64_t)((head * t + i) * t + j)) >= p ? keep : 0.0f;
+}
+
+/* Where head `head` (b H + h) starts in a buffer of row stride ld (backend.h's dt_attention_geom). */
+static inline int64_t attention_head_offset(const dt_attention_geom *g, int64_t head, int64_t ld) {
+  return head / g->h * g->t * ld + head % g->h * g->hd;
 }
 
 /* One query row at a time (rows in parallel), in one pass over its keys: the running maximum m
@@ -172,19 +177,21 @@ static inline float attention_mask(uint64_t seed, float p, float keep, int64_t r
 VECTOR_CLONES void cpu_attention_fwd(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.attention_fwd) *q = &op->p.attention_fwd;
-  const int64_t t = q->t, hd = q->hd;
-  const uint64_t seed = q->p > 0 ? dt_hash64(q->seed ^ *q->step_seed) : 0;
-  const float keep = q->p > 0 ? 1.0f / (1.0f - q->p) : 1.0f;
+  const dt_attention_geom *g = &q->g;
+  const int64_t t = g->t, hd = g->hd;
+  const uint64_t seed = g->p > 0 ? dt_hash64(g->seed ^ *g->step_seed) : 0;
+  const float keep = g->p > 0 ? 1.0f / (1.0f - g->p) : 1.0f;
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < q->bh * t; r++) {
-    const int64_t head = r / t, i = r % t, valid = q->causal ? i + 1 : t;
-    const float *qi = q->q + r * hd, *k = q->k + head * t * hd, *v = q->v + head * t * hd;
-    float *o = q->o + r * hd;
+  for (int64_t r = 0; r < g->b * g->h * t; r++) {
+    const int64_t head = r / t, i = r % t, valid = g->causal ? i + 1 : t;
+    const int64_t in = attention_head_offset(g, head, g->ld_qkv), ld = g->ld_qkv;
+    const float *qi = q->q + in + i * ld, *k = q->k + in, *v = q->v + in;
+    float *o = q->o + attention_head_offset(g, head, g->ld_o) + i * g->ld_o;
     for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
     float mx = -INFINITY;
     double sum = 0;
     for (int64_t j = 0; j < valid; j++) {
-      float s = q->scale * dot8(qi, k + j * hd, hd);
+      float s = g->scale * dot8(qi, k + j * ld, hd);
       if (s > mx) {
         float c = expf(mx - s);
         sum *= c;
@@ -193,8 +200,8 @@ VECTOR_CLONES void cpu_attention_fwd(cpu_impl *im, const dt_op *op) {
       }
       float pj = expf(s - mx);
       sum += pj;
-      if (q->p > 0) pj *= attention_mask(seed, q->p, keep, r, t, j);
-      const float *vj = v + j * hd;
+      if (g->p > 0) pj *= attention_mask(seed, g->p, keep, head, t, i, j);
+      const float *vj = v + j * ld;
       for (int64_t d = 0; d < hd; d++) o[d] += pj * vj[d];
     }
     float inv = (float)(1.0 / sum);
@@ -209,33 +216,34 @@ VECTOR_CLONES void cpu_attention_fwd(cpu_impl *im, const dt_op *op) {
 VECTOR_CLONES void cpu_attention_bwd(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.attention_bwd) *q = &op->p.attention_bwd;
-  const int64_t t = q->t, hd = q->hd;
-  const uint64_t seed = q->p > 0 ? dt_hash64(q->seed ^ *q->step_seed) : 0;
-  const float keep = q->p > 0 ? 1.0f / (1.0f - q->p) : 1.0f;
+  const dt_attention_geom *g = &q->g;
+  const int64_t t = g->t, hd = g->hd, ld = g->ld_qkv, ldo = g->ld_o;
+  const uint64_t seed = g->p > 0 ? dt_hash64(g->seed ^ *g->step_seed) : 0;
+  const float keep = g->p > 0 ? 1.0f / (1.0f - g->p) : 1.0f;
 #pragma omp parallel for schedule(static)
-  for (int64_t head = 0; head < q->bh; head++) {
-    const int64_t off = head * t * hd;
-    const float *qh = q->q + off, *k = q->k + off, *v = q->v + off, *o = q->o + off, *dout = q->dout + off;
-    float *dq = q->dq + off, *dk = q->dk + off, *dv = q->dv + off;
-    memset(dk, 0, (size_t)(t * hd) * sizeof(float));
-    memset(dv, 0, (size_t)(t * hd) * sizeof(float));
+  for (int64_t head = 0; head < g->b * g->h; head++) {
+    const int64_t in = attention_head_offset(g, head, ld), out = attention_head_offset(g, head, ldo);
+    const float *qh = q->q + in, *k = q->k + in, *v = q->v + in, *o = q->o + out, *dout = q->dout + out;
+    float *dq = q->dq + in, *dk = q->dk + in, *dv = q->dv + in;
+    for (int64_t j = 0; j < t; j++)
+      for (int64_t d = 0; d < hd; d++) dk[j * ld + d] = dv[j * ld + d] = 0.0f;
     for (int64_t i = 0; i < t; i++) {
-      const int64_t r = head * t + i, valid = q->causal ? i + 1 : t;
-      const float *qi = qh + i * hd, *doi = dout + i * hd;
-      float *dqi = dq + i * hd;
-      const float delta = dot8(doi, o + i * hd, hd), lse = q->lse[r];
+      const int64_t r = head * t + i, valid = g->causal ? i + 1 : t;
+      const float *qi = qh + i * ld, *doi = dout + i * ldo;
+      float *dqi = dq + i * ld;
+      const float delta = dot8(doi, o + i * ldo, hd), lse = q->lse[r];
       q->delta[r] = delta;
       for (int64_t d = 0; d < hd; d++) dqi[d] = 0.0f;
       for (int64_t j = 0; j < valid; j++) {
-        float p = expf(q->scale * dot8(qi, k + j * hd, hd) - lse), dp = dot8(doi, v + j * hd, hd);
+        float p = expf(g->scale * dot8(qi, k + j * ld, hd) - lse), dp = dot8(doi, v + j * ld, hd);
         float pk = p;
-        if (q->p > 0) {
-          float m = attention_mask(seed, q->p, keep, r, t, j);
+        if (g->p > 0) {
+          float m = attention_mask(seed, g->p, keep, head, t, i, j);
           pk *= m, dp *= m;
         }
-        float ds = q->scale * p * (dp - delta);
-        float *dvj = dv + j * hd, *dkj = dk + j * hd;
-        const float *kj = k + j * hd;
+        float ds = g->scale * p * (dp - delta);
+        float *dvj = dv + j * ld, *dkj = dk + j * ld;
+        const float *kj = k + j * ld;
         for (int64_t d = 0; d < hd; d++) {
           dvj[d] += pk * doi[d];
           dqi[d] += ds * kj[d];

@@ -243,16 +243,18 @@ void cuda_permute(cuda_impl *im, const dt_op *op) {
 
 void cuda_attention_fwd(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.attention_fwd) *q = &op->p.attention_fwd;
-  DT_ASSERT(q->hd >= 1 && q->hd <= DT_ATTENTION_MAX_HD);
-  CHECK_INDEXABLE(q->bh * q->t * q->hd);
-  CUDA_CHECK(k_attention_fwd(im->stream, q->q, q->k, q->v, q->o, q->lse, q->bh, q->t, q->hd, q->causal, q->scale, q->p,
-                             q->seed, q->step_seed));
+  const dt_attention_geom *g = &q->g;
+  DT_ASSERT(g->hd >= 1 && g->hd <= DT_ATTENTION_MAX_HD && g->ld_qkv >= g->h * g->hd && g->ld_o >= g->h * g->hd);
+  CHECK_INDEXABLE(g->b * g->t * g->ld_qkv);
+  CHECK_INDEXABLE(g->b * g->t * g->ld_o);
+  CUDA_CHECK(k_attention_fwd(im->stream, g, q->q, q->k, q->v, q->o, q->lse));
 }
 
 void cuda_attention_bwd(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.attention_bwd) *q = &op->p.attention_bwd;
-  DT_ASSERT(q->hd >= 1 && q->hd <= DT_ATTENTION_MAX_HD);
-  CHECK_INDEXABLE(q->bh * q->t * q->hd);
-  CUDA_CHECK(k_attention_bwd(im->stream, q->q, q->k, q->v, q->o, q->lse, q->dout, q->delta, q->dq, q->dk, q->dv, q->bh,
-                             q->t, q->hd, q->causal, q->scale, q->p, q->seed, q->step_seed));
+  const dt_attention_geom *g = &q->g;
+  DT_ASSERT(g->hd >= 1 && g->hd <= DT_ATTENTION_MAX_HD && g->ld_qkv >= g->h * g->hd && g->ld_o >= g->h * g->hd);
+  CHECK_INDEXABLE(g->b * g->t * g->ld_qkv);
+  CHECK_INDEXABLE(g->b * g->t * g->ld_o);
+  CUDA_CHECK(k_attention_bwd(im->stream, g, q->q, q->k, q->v, q->o, q->lse, q->dout, q->delta, q->dq, q->dk, q->dv));
 }
