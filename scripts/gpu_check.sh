@@ -24,6 +24,11 @@
 #   startup    launch to the end of step 1 (configs/model.yaml, one rank), the median of 3 launches
 #   bench      make bench's GPU table (benchmarks/gpu_bench.sh) with PyTorch on the same GPU in the same run
 #   fmnist     configs/model.yaml for 15 epochs on Fashion-MNIST: seconds and test accuracy
+#   profile    the top kernels of one benchmark row (GPU_CHECK_PROFILE_ROW: gpt, GPT-2 124M at 8 x 1024
+#              tokens; cnn, the default CNN at 256; resnet, ResNet-18 at 256; each in bf16), without CUDA
+#              graphs so that each kernel is timed alone: Nsight Compute's gpu__time_duration over
+#              GPU_CHECK_PROFILE_LAUNCHES launches (600) after the first GPU_CHECK_PROFILE_SKIP (600: past
+#              the first step), clocks left alone (--clock-control none); profile.md in OUT_DIR
 # Budget: GPU_CHECK_BUDGET_S seconds in all (default 510: a second call fits in a 15-minute window); a
 # stage gets its own limit or what is left, and is skipped when less than 20 s are left. Each stage's
 # limit: GPU_CHECK_LIMIT_<STAGE> (seconds). Knobs for the stages: GPU_CHECK_PYTHON (python3),
@@ -50,7 +55,7 @@ while [ $# -gt 1 ]; do
 done
 [ $# -eq 1 ] || { echo "usage: scripts/gpu_check.sh [--standin] [--stages LIST] OUT_DIR" >&2; exit 2; }
 OUT=$(mkdir -p "$1" && cd "$1" && pwd) || { echo "gpu_check: cannot make $1" >&2; exit 2; }
-ALL="build data ops train faults sanitizer startup bench fmnist"
+ALL="build data ops train faults sanitizer startup bench fmnist profile"
 for s in ${STAGES//,/ }; do
   [ "$s" = all ] || [[ " $ALL " == *" $s "* ]] || { echo "gpu_check: unknown stage $s (stages: $ALL)" >&2; exit 2; }
 done
@@ -213,12 +218,50 @@ PY
   return $rc
 }
 
+# The stand-in has no Nsight Compute: its GPUSIM_PROFILE table (CPU seconds) goes through the same
+# summary, so that the stage's plumbing is what `make test` ran.
+stage_profile() {
+  local row=${GPU_CHECK_PROFILE_ROW:-gpt} args=()
+  case $row in
+    gpt)
+      local cfg=configs/gpt2_124m.yaml seq=1024 batch=8
+      [ "$STANDIN" = 1 ] && cfg=configs/gpt_tiny.yaml seq=16 batch=2
+      "$PY" - "$cfg" "$OUT/profile_tokens.h5" $((batch * 4)) "$seq" <<'PY' || return 1
+import sys, h5py, numpy as np, yaml
+cfg, path, rows, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+(kind, args), = yaml.safe_load(open(cfg))["model"]["layers"][0].items()
+with h5py.File(path, "w") as f:
+    f["train/tokens"] = np.random.default_rng(0).integers(0, args["vocab"], (rows, seq + 1)).astype(np.int32)
+PY
+      args=("$cfg" --set "model.input=[$seq]" --set data.path="$OUT/profile_tokens.h5" --set data.train.x=/train/tokens
+        --set train.global_batch_size="$batch" --set train.batch_size=0 --set train.grad_accum=1 --set model.init_from=) ;;
+    cnn) args=(configs/model.yaml --set train.global_batch_size=256 --set data.cache=device) ;;
+    resnet) args=(configs/resnet18_cifar.yaml --set train.global_batch_size=256 --set data.cache=device) ;;
+    *) echo "GPU_CHECK_PROFILE_ROW is gpt, cnn or resnet, not $row"; return 2 ;;
+  esac
+  [ "$STANDIN" = 1 ] && [ "$row" != gpt ] && args+=(--set train.global_batch_size=4)
+  args+=(--device cuda --set train.precision=bf16 --set train.cuda_graph=off --set train.max_steps=3 --set train.epochs=3
+    --set data.val.x= --set log.dir= --set checkpoint.dir=)
+  echo "profile: $row: ${args[*]}"
+  if [ "$STANDIN" = 1 ]; then
+    GPUSIM_PROFILE=1 "$BIN" "${args[@]}" 2>"$OUT/profile.txt" || { tail -n 20 "$OUT/profile.txt"; return 1; }
+    "$PY" scripts/kernel_profile.py gpusim "$OUT/profile.txt" | tee "$OUT/profile.md"
+    return "${PIPESTATUS[0]}"
+  fi
+  command -v ncu >/dev/null || { echo "ncu (Nsight Compute) not found"; return 3; }
+  ncu --clock-control none --metrics gpu__time_duration.sum --csv --launch-skip "${GPU_CHECK_PROFILE_SKIP:-600}" \
+    --launch-count "${GPU_CHECK_PROFILE_LAUNCHES:-600}" "$BIN" "${args[@]}" >"$OUT/profile.csv" ||
+    { tail -n 20 "$OUT/profile.csv"; return 1; }
+  "$PY" scripts/kernel_profile.py ncu "$OUT/profile.csv" | tee "$OUT/profile.md"
+  return "${PIPESTATUS[0]}"
+}
+
 export -f stage_build stage_data stage_ops suite stage_train stage_faults stage_sanitizer stage_startup \
-  stage_bench stage_fmnist
+  stage_bench stage_fmnist stage_profile
 
 # ---- the runner: limits, the budget, the record of each stage ----
 declare -A LIMIT=([build]=240 [data]=90 [ops]=120 [train]=300 [faults]=180 [sanitizer]=600 [startup]=60 [bench]=420
-  [fmnist]=180)
+  [fmnist]=180 [profile]=150)
 T0=$SECONDS
 RECORD=$OUT/stages.tsv
 : >"$RECORD"
@@ -300,6 +343,8 @@ for line in open(os.path.join(out, "stages.tsv")):
     elif name == "bench":
         s["tables"] = [l for l in text.splitlines() if l.startswith("|")]
         s["notes"] = [l for l in text.splitlines() if l and not l.startswith("|")][-12:]
+    elif name == "profile":
+        s["kernels"] = [l for l in text.splitlines() if l.startswith("| ") and not l.startswith("| kernel")]
     elif name == "fmnist":
         acc = re.findall(r"val_acc ([\d.]+)", text)
         done = re.search(r"done: (\d+) steps in ([\d.]+) s", text)
@@ -323,6 +368,8 @@ def detail(s):
                                                            else f"{r['errors']} errors") for r in s["runs"])
     if s["stage"] == "startup" and "first_step_s" in s:
         return f"launch to the end of step 1: {s['first_step_s']:.3f} s (start-up {s['startup_s']:.3f} s)"
+    if s["stage"] == "profile" and s.get("kernels"):
+        return "top kernels: " + "; ".join(" ".join(k.strip("| ").split(" | ")[i] for i in (0, 3)) for k in s["kernels"][:3])
     if s["stage"] == "fmnist" and s.get("wall_s") is not None:
         acc = f"{100 * s['val_acc']:.2f}%" if s["val_acc"] is not None else "no accuracy logged"
         return f"{s['steps']} steps, {s['train_s']} s training, {s['wall_s']} s from launch; test accuracy {acc}"
@@ -335,6 +382,10 @@ md += [f"| {s['stage']} | {s['status']} | {s['seconds']} | {detail(s)} |" for s 
 bench = next((s for s in stages if s["stage"] == "bench" and s.get("tables")), None)
 if bench:
     md += ["", "## Benchmarks", ""] + bench["tables"] + [""] + bench["notes"]
+prof = next((s for s in stages if s["stage"] == "profile" and s.get("kernels")), None)
+if prof:
+    md += ["", "## Top kernels", "", "| kernel | launches | total ms | share | mean us |", "|---|---|---|---|---|"]
+    md += prof["kernels"]
 open(os.path.join(out, "summary.md"), "w").write("\n".join(md) + "\n")
 print("\n".join(md))
 PY

@@ -6,7 +6,8 @@
 #      auto, and the fault tests; compute-sanitizer's memcheck, synccheck and initcheck; racecheck alone
 #      (the slowest, its training run at GPU_CHECK_SANITIZER_BATCH rows, 8: on an H100 racecheck takes 4 s a
 #      step at 8 rows and 12 s at 32);
-#   3. the timings alone on the GPU: start-up, Fashion-MNIST, the benchmark rows (BENCH_ONLY picks them).
+#   3. the timings alone on the GPU: start-up, Fashion-MNIST, the benchmark rows (BENCH_ONLY picks them),
+#      then one row's top kernels (GPU_CHECK_PROFILE_ROW), where the budget leaves time.
 # Each run writes its gpu_check folder and its output under OUT_DIR; OUT_DIR/summary.md joins their summaries.
 #
 #   scripts/gpu_window.sh [--standin] OUT_DIR
@@ -50,7 +51,7 @@ check 4-sanitizer "$parallel" sanitizer "GPU_CHECK_SANITIZER_TOOLS=memcheck sync
 check 5-racecheck "$parallel" sanitizer GPU_CHECK_SANITIZER_TOOLS=racecheck \
   GPU_CHECK_SANITIZER_RUN_S=$((parallel - 25)) GPU_CHECK_SANITIZER_BATCH="${GPU_CHECK_SANITIZER_BATCH:-8}" &
 wait
-check 6-timing "${GPU_WINDOW_TIMING_S:-215}" startup,fmnist,bench
+check 6-timing "${GPU_WINDOW_TIMING_S:-215}" startup,fmnist,bench,profile
 
 for f in "$OUT"/[0-9]-*/summary.md; do
   echo "## ${f%/summary.md}" | sed "s|$OUT/||"

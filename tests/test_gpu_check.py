@@ -54,7 +54,7 @@ class GpuCheck(unittest.TestCase):
         self.assertEqual(p.returncode, 0, p.stdout[-3000:] + p.stderr[-3000:])
         stages = {s["stage"]: s for s in summary["stages"]}
         self.assertEqual(list(stages), ["build", "data", "ops", "train", "faults", "sanitizer", "startup", "bench",
-                                        "fmnist"])
+                                        "fmnist", "profile"])
         for name, s in stages.items():
             self.assertEqual(s["status"], "passed", (name, s, open(os.path.join(out, s["log"])).read()[-3000:]))
             self.assertTrue(os.path.getsize(os.path.join(out, s["log"])) > 0, name)
@@ -76,6 +76,10 @@ class GpuCheck(unittest.TestCase):
         self.assertEqual(len(rows), 8, stages["bench"]["tables"])  # 5 cases, the first step, 2 GPT rows
         self.assertGreater(stages["fmnist"]["val_acc"], 0.2)  # 12 steps from 10 classes' chance of 0.1
         self.assertEqual(stages["fmnist"]["steps"], 12)
+        # the GPT row's kernels, the fused attention's among them (the stand-in's CPU time: plumbing only)
+        kernels = [r.split(" | ")[0].strip("| ") for r in stages["profile"]["kernels"]]
+        self.assertIn("attn_fwd_kernel<2>", kernels)
+        self.assertRegex(stages["profile"]["kernels"][0], r"^\| \S+ \| \d+ \| [\d.]+ \| [\d.]+% \| [\d.]+ \|$")
         md = open(os.path.join(out, "summary.md")).read()
         self.assertIn("| stage | status | seconds | details |", md)
         self.assertIn("| sanitizer | passed |", md)
@@ -106,7 +110,7 @@ class GpuCheck(unittest.TestCase):
                         self.assertEqual(s["status"], "passed", (part, s))
                         ran.setdefault(s["stage"], []).append(part)
         self.assertEqual(sorted(ran), sorted(["build", "data", "ops", "train", "faults", "sanitizer", "startup",
-                                              "bench", "fmnist"]))
+                                              "bench", "fmnist", "profile"]))
         self.assertEqual(ran["train"], ["2-ops-training", "3-precision-newer-faults"])
         with open(os.path.join(tools, "calls")) as f:
             calls = sorted(" ".join(c.split()[:2]) + (" train" if "configs/model.yaml" in c else " ops") for c in f)
