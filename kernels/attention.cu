@@ -16,7 +16,7 @@
 // meets without spilling; their shared memory, 66 and 100 KiB, fits twice), one for wider heads.
 // A block is kSide x kSide threads; thread (tx, ty) owns rows ty + kSide a (a < kRows) of a tile and
 // columns tx + kSide b: of the (kTile, kTile) scores (b < kRows) or of the head's hd values (b < COLS).
-enum { kTile = 64, kSide = 16, kRows = kTile / kSide, kBlock = kSide * kSide, kScoreLd = kTile + 1 };
+enum { kTile = DT_ATTENTION_TILE, kSide = 16, kRows = kTile / kSide, kBlock = kSide * kSide, kScoreLd = kTile + 1 };
 
 static __device__ __forceinline__ int thread_x() {
   return (int)threadIdx.x % kSide;
@@ -319,16 +319,9 @@ static attn_geom make_geom(const dt_attention_geom *a) {
   return g;
 }
 
-// Shared memory of each kernel: three or four (kTile, hd + 1) tiles, score tiles, lse and delta.
-static size_t fwd_smem(int64_t hd) {
-  return (size_t)(3 * kTile * (hd + 1) + kTile * kScoreLd) * sizeof(float);
-}
-static size_t bwd_smem(int64_t hd) {
-  return (size_t)(4 * kTile * (hd + 1) + 2 * kTile * kScoreLd + 2 * kTile) * sizeof(float);
-}
-
 // Launches kernel<COLS> with COLS the column groups hd needs (1, 2, 4 or 8), opting in to the shared
-// memory it takes; returns the opt-in's error.
+// memory it takes (attention_geom.h's dt_attention_shared); on the opt-in's error, returns it from the
+// function it is used in.
 #define ATTN_LAUNCH(kernel, hd, smem, grid, stream, ...)                                                     \
   do {                                                                                                       \
     int cols_ = (int)(((hd) + kSide - 1) / kSide);                                                           \
@@ -364,7 +357,8 @@ cudaError_t k_attention_fwd(cudaStream_t s, const dt_attention_geom *a, const fl
   if (!heads || !a->t) return cudaSuccess;
   attn_geom g = make_geom(a);
   unsigned grid = (unsigned)(heads * g.tiles);
-  ATTN_LAUNCH(attn_fwd_kernel, a->hd, fwd_smem(a->hd), grid, s, q, k, v, o, lse, a->step_seed, g);
+  ATTN_LAUNCH(attn_fwd_kernel, a->hd, dt_attention_shared(DT_ATTENTION_FWD_KERNEL, a->hd), grid, s, q, k, v, o, lse,
+              a->step_seed, g);
   return cudaSuccess;
 }
 
@@ -376,8 +370,10 @@ cudaError_t k_attention_bwd(cudaStream_t s, const dt_attention_geom *a, const fl
   attn_geom g = make_geom(a);
   unsigned grid = (unsigned)(heads * g.tiles);
   LAUNCH(attn_delta_kernel, blocks_for(heads * a->t), kThreads, 0, s)(dout, o, delta, heads * a->t, g);
-  ATTN_LAUNCH(attn_bwd_kv_kernel, a->hd, bwd_smem(a->hd), grid, s, q, k, v, dout, lse, delta, dk, dv, a->step_seed, g);
-  ATTN_LAUNCH(attn_bwd_q_kernel, a->hd, bwd_smem(a->hd), grid, s, q, k, v, dout, lse, delta, dq, a->step_seed, g);
+  ATTN_LAUNCH(attn_bwd_kv_kernel, a->hd, dt_attention_shared(DT_ATTENTION_BWD_KV_KERNEL, a->hd), grid, s, q, k, v, dout,
+              lse, delta, dk, dv, a->step_seed, g);
+  ATTN_LAUNCH(attn_bwd_q_kernel, a->hd, dt_attention_shared(DT_ATTENTION_BWD_Q_KERNEL, a->hd), grid, s, q, k, v, dout,
+              lse, delta, dq, a->step_seed, g);
   return cudaSuccess;
 }
 

@@ -3,11 +3,28 @@
 #ifndef DT_ATTENTION_GEOM_H
 #define DT_ATTENTION_GEOM_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* The widest head the CUDA attention kernels take (model.attention fused): wider ones use the
- * materialised path. */
-enum { DT_ATTENTION_MAX_HD = 128 };
+ * materialised path. A kernel block holds DT_ATTENTION_TILE rows of a head. */
+enum { DT_ATTENTION_MAX_HD = 128, DT_ATTENTION_TILE = 64 };
+enum { DT_ATTENTION_FWD_KERNEL, DT_ATTENTION_BWD_KV_KERNEL, DT_ATTENTION_BWD_Q_KERNEL };
+
+/* Shared memory bytes a block of each CUDA attention kernel takes for heads of hd values: (tile, hd + 1)
+ * tiles of q, k, v (and dout), (tile, tile + 1) score tiles, and the backward's lse and delta. */
+static inline size_t dt_attention_shared(int kernel, int64_t hd) {
+  const size_t t = DT_ATTENTION_TILE, row = (size_t)hd + 1, scores = t * (t + 1);
+  size_t floats = kernel == DT_ATTENTION_FWD_KERNEL      ? 3 * t * row + scores
+                  : kernel == DT_ATTENTION_BWD_KV_KERNEL ? 4 * t * row + 2 * scores + 2 * t
+                                                         : 4 * t * row + scores + 2 * t;
+  return floats * sizeof(float);
+}
+
+/* Whether a GPU whose blocks may opt in to `shared` bytes runs the kernels for heads of hd values. */
+static inline int dt_attention_fits(int64_t hd, size_t shared) {
+  return hd >= 1 && hd <= DT_ATTENTION_MAX_HD && dt_attention_shared(DT_ATTENTION_BWD_KV_KERNEL, hd) <= shared;
+}
 
 /* The fused attention ops' geometry: B samples of T positions, H heads of hd values. Element
  * (b, t, h, e) of q, k, v (and dq, dk, dv) is at [(b T + t) ld_qkv + h hd + e] and of o (and dout)

@@ -28,9 +28,10 @@ static const dt_key config_keys[] = {
      "results bit for bit); false runs them apart"},
     {"model.attention", DT_KEY_ENUM, F(attention), "auto", NOB, "auto|fused|materialized",
      "fused: each attention layer's heads in one op that never stores the (B, H, T, T) scores (online softmax; "
-     "backward computes them again), for heads of up to 128 values (wider ones stay materialized); materialized: "
-     "the scores and probabilities in memory, batched GEMMs and a softmax; auto: fused on CUDA, materialized on "
-     "the CPU (where BLAS makes it the faster)"},
+     "backward computes them again); on CUDA for heads of up to 128 values whose tiles fit the GPU's shared "
+     "memory per block (98 KiB at 64 values: not a T4's 64), else materialized; materialized: the scores and "
+     "probabilities in memory, batched GEMMs and a softmax; auto: fused on CUDA, materialized on the CPU (where "
+     "BLAS makes it the faster). A distillation teacher follows its own config's"},
     {"data.path", DT_KEY_STRING, F(data_path), NULL, NOB, NULL, "HDF5 file holding the datasets"},
     {"data.train.x", DT_KEY_STRING, F(train_x), "/train/images", NOB, NULL,
      "training inputs: (N,C,H,W), (N,H,W) or (N,D); uint8, float32 or float64"},

@@ -124,7 +124,7 @@ int device_auto_cuda(dt_comm *comm, char *why, size_t cap) {
 /* The GPU this rank uses (-1: the CPU backend). --device cuda, or --device auto where
  * device_auto_cuda agrees. Rank i of a node uses visible GPU i; with dist.comm mpi several ranks
  * may share one GPU. */
-int device_select(int cuda, const dt_config *cfg, const dt_model *m, const dt_comm *comm, dt_status *st) {
+int device_select(int cuda, const dt_config *cfg, dt_model *m, const dt_comm *comm, dt_status *st) {
   static const char *const precisions[] = {"fp32", "tf32", "bf16", "fp16"};
   const int prec = cfg->v.precision;
   if (!cuda) {
@@ -139,16 +139,6 @@ int device_select(int cuda, const dt_config *cfg, const dt_model *m, const dt_co
   int n = gpu_count(why, sizeof why);
   if (n == 0) {
     dt_fail(st, DT_EXIT_INPUT, "--device cuda: %s; use --device cpu", why);
-    return -1;
-  }
-  /* the kernels and cuDNN index a tensor with 32 bits (train.batch_size auto keeps to it as it chooses) */
-  int64_t rows = config_model_rows(&cfg->v, comm->size), values = rows * model_max_row(m); /* an eval chunk's */
-  if (cfg->v.batch_size != -1 && values >= ((int64_t)1 << 31)) {
-    dt_fail(st, DT_EXIT_INPUT,
-            "--device cuda: the largest tensor holds %lld values per rank (%lld rows x %lld), over the 2^31 "
-            "that the CUDA kernels and cuDNN index; lower train.batch_size or train.global_batch_size, or use "
-            "more ranks",
-            (long long)values, (long long)rows, (long long)model_max_row(m));
     return -1;
   }
   int gpu = comm->local_rank % n, cc = gpu_compute_capability(gpu);
@@ -167,6 +157,17 @@ int device_select(int cuda, const dt_config *cfg, const dt_model *m, const dt_co
             "(%s) has %d.%d; use train.precision %s",
             precisions[prec], need / 10, need % 10, gpu, comm->rank, comm->host, cc / 10, cc % 10,
             cc >= 70 ? "fp16 or fp32" : "fp32");
+    return -1;
+  }
+  model_pick_ops(m, 1, gpu_shared_per_block(gpu));
+  /* the kernels and cuDNN index a tensor with 32 bits (train.batch_size auto keeps to it as it chooses) */
+  int64_t rows = config_model_rows(&cfg->v, comm->size), values = rows * model_max_row(m); /* an eval chunk's */
+  if (cfg->v.batch_size != -1 && values >= ((int64_t)1 << 31)) {
+    dt_fail(st, DT_EXIT_INPUT,
+            "--device cuda: the largest tensor holds %lld values per rank (%lld rows x %lld), over the 2^31 "
+            "that the CUDA kernels and cuDNN index; lower train.batch_size or train.global_batch_size, or use "
+            "more ranks",
+            (long long)values, (long long)rows, (long long)model_max_row(m));
     return -1;
   }
   return gpu;

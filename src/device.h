@@ -19,8 +19,9 @@ int device_threads(const dt_config *cfg, const dt_comm *c);
 void device_print_placement(dt_comm *comm, int threads);
 
 /* The GPU this rank uses (cuda: --device cuda), or -1 for the CPU backend; exit 2 in st where the
- * device cannot run the model as configured. */
-int device_select(int cuda, const dt_config *cfg, const dt_model *m, const dt_comm *comm, dt_status *st);
+ * device cannot run the model as configured. With a GPU, m's layers (and its teacher's) pick their
+ * ops for it (model_pick_ops) before the 32-bit index check, which counts what they picked. */
+int device_select(int cuda, const dt_config *cfg, dt_model *m, const dt_comm *comm, dt_status *st);
 /* Collective, for --device auto: 1 when every rank has a GPU of its own (rank i of a node GPU i, no two
  * ranks on one by PCI bus id) that this build has code for, else 0 with why saying what is missing
  * (on rank 0; empty when no rank sees a GPU at all). Every rank gets the same answer. */

@@ -14,6 +14,8 @@ void gpu_build_versions(char *buf, size_t cap);
 
 /* Compute capability of visible device i as major * 10 + minor (0 when unknown); makes no context. */
 int gpu_compute_capability(int i);
+/* The shared memory a block of visible device i may opt in to, bytes (0 when unknown); makes no context. */
+size_t gpu_shared_per_block(int i);
 /* Whether this build has code for compute capability cc (major * 10 + minor): machine code for
  * the same major at or below it, or PTX at or below it. built: what it has ("sm_75, sm_80, ..."). */
 int gpu_build_runs_on(int cc, char *built, size_t cap);

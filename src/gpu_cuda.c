@@ -30,6 +30,12 @@ int gpu_compute_capability(int i) {
   return major * 10 + minor;
 }
 
+size_t gpu_shared_per_block(int i) {
+  int bytes = 0;
+  if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, i) != cudaSuccess) return 0;
+  return (size_t)bytes;
+}
+
 /* DT_CUDA_SASS and DT_CUDA_PTX: the compute capabilities the Makefile's CUDA_ARCH builds machine
  * code and PTX for ("75 80 90", "90"). Machine code runs on its major version at or above its
  * minor; PTX is compiled by the driver for any later GPU. */

@@ -21,6 +21,11 @@ int gpu_compute_capability(int i) {
   return 0;
 }
 
+size_t gpu_shared_per_block(int i) {
+  (void)i;
+  return 0;
+}
+
 int gpu_build_runs_on(int cc, char *built, size_t cap) {
   (void)cc;
   snprintf(built, cap, "no CUDA code");

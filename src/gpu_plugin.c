@@ -29,6 +29,7 @@ typedef struct {
   int (*count)(char *why, size_t cap);
   void (*versions)(char *buf, size_t cap);
   int (*compute_capability)(int i);
+  size_t (*shared_per_block)(int i);
   void (*describe)(int i, char *buf, size_t cap, size_t *free_bytes);
   int (*bus_id)(int i, char *buf, size_t cap);
   int (*build_runs_on)(int cc, char *built, size_t cap);
@@ -75,6 +76,7 @@ static const gpu_api *api(void) {
   SYM(count, "gpu_count");
   SYM(versions, "gpu_versions");
   SYM(compute_capability, "gpu_compute_capability");
+  SYM(shared_per_block, "gpu_shared_per_block");
   SYM(describe, "gpu_describe");
   SYM(bus_id, "gpu_bus_id");
   SYM(build_runs_on, "gpu_build_runs_on");
@@ -121,6 +123,10 @@ void gpu_build_versions(char *buf, size_t cap) {
 
 int gpu_compute_capability(int i) {
   return loaded()->compute_capability(i);
+}
+
+size_t gpu_shared_per_block(int i) {
+  return loaded()->shared_per_block(i);
 }
 
 void gpu_describe(int i, char *buf, size_t cap, size_t *free_bytes) {

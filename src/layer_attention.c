@@ -3,10 +3,10 @@
  * hd = C/H; per head softmax(q k^T / sqrt(hd)) (causal: position i sees j <= i), dropout on the
  * probabilities, times v; heads concatenated (T, C); y = that Wproj^T + b.
  * Tensors as two torch.nn.Linear: qkv.weight (3C, C), qkv.bias, proj.weight (C, C), proj.bias.
- * Work per layer: GEMMs for the projections, permutes between the (B, T, 3, H, hd) and
- * (3, B, H, T, hd) layouts, and between them either the fused attention ops (model.attention fused,
- * heads of at most DT_ATTENTION_MAX_HD values: no (B*H, T, T) buffer) or the materialised path:
- * strided-batched GEMMs over B*H heads and a softmax op. */
+ * Work per layer: GEMMs for the projections and between them either the fused attention ops
+ * (model.attention, attention_pick: they read q, k, v from the (B, T, 3, H, hd) projections and write
+ * the merged heads, no (B*H, T, T) buffer) or the materialised path: permutes to and from the
+ * (3, B, H, T, hd) layout, strided-batched GEMMs over B*H heads, a softmax op and the dropout op. */
 #include <math.h>
 #include <stddef.h>
 
@@ -35,10 +35,12 @@ typedef struct {
   float *d_merged, *d_qkv, *d_att, *d_kept, *d_probs, *d_scores, *d_heads;
 } attention_state;
 
-/* model.attention: fused (auto: on CUDA) for heads of at most DT_ATTENTION_MAX_HD values. */
-static void attention_pick(dt_layer *l, const dt_model *m, int cuda) {
-  const int fits = l->in.c / l->args.heads <= DT_ATTENTION_MAX_HD;
-  l->fused_attention = fits && (m->attention == DT_ATTENTION_FUSED || (m->attention == DT_ATTENTION_AUTO && cuda));
+/* model.attention: fused (auto: on CUDA); on CUDA only where the kernels take the head's width and
+ * their shared memory fits the GPU's blocks (attention_geom.h). */
+static void attention_pick(dt_layer *l, const dt_model *m, int cuda, size_t shared_per_block) {
+  const int64_t hd = l->in.c / l->args.heads;
+  const int asked = m->attention == DT_ATTENTION_FUSED || (m->attention == DT_ATTENTION_AUTO && cuda);
+  l->fused_attention = asked && (!cuda || dt_attention_fits(hd, shared_per_block));
 }
 
 static int attention_setup(dt_model *m, dt_layer *l, dt_status *st) {
@@ -50,7 +52,7 @@ static int attention_setup(dt_model *m, dt_layer *l, dt_status *st) {
     return dt_fail(st, DT_EXIT_INPUT, "%s: layer %s attention: width %lld does not divide into %lld heads", l->where,
                    l->name, (long long)c, (long long)l->args.heads);
   l->out = l->in;
-  attention_pick(l, m, 0);
+  attention_pick(l, m, 0, 0);
   int64_t wqkv[2] = {3 * c, c}, bqkv = 3 * c, wproj[2] = {c, c};
   layer_add_tensor(l, "qkv.weight", 0, 2, wqkv);
   layer_add_tensor(l, "qkv.bias", 0, 1, &bqkv);

@@ -369,7 +369,6 @@ static int run_prepare(dt_run *r, dt_status *st) {
     if (comm->rank == 0 && (cuda || why[0]))
       printf("device: %s (--device auto: %s)\n", cuda ? "cuda" : "cpu", cuda ? "every rank has a GPU of its own" : why);
   }
-  model_pick_ops(&r->model, cuda);
   r->gpu = device_select(cuda, &r->cfg, &r->model, comm, st);
   if ((code = comm_agree(comm, st))) return code;
   if (r->gpu >= 0 && device_gpus_shared(comm, r->gpu, r->shared, sizeof r->shared) && v->comm == DT_COMM_NCCL)

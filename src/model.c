@@ -187,10 +187,10 @@ static void fuse_seq(dt_seq *s) {
   }
 }
 
-void model_pick_ops(dt_model *m, int cuda) {
+void model_pick_ops(dt_model *m, int cuda, size_t shared_per_block) {
   for (int i = 0; i < m->n_all; i++)
-    if (m->all[i]->ops->pick) m->all[i]->ops->pick(m->all[i], m, cuda);
-  if (m->teacher) model_pick_ops(m->teacher, cuda);
+    if (m->all[i]->ops->pick) m->all[i]->ops->pick(m->all[i], m, cuda, shared_per_block);
+  if (m->teacher) model_pick_ops(m->teacher, cuda, shared_per_block);
 }
 
 int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {

@@ -92,7 +92,7 @@ typedef struct {
    * a position-wise kind, which trivially does not. */
   int (*causal)(const dt_layer *l);
   /* Picks its ops for the device (model_pick_ops): NULL for a kind whose ops are the same on both. */
-  void (*pick)(dt_layer *l, const dt_model *m, int cuda);
+  void (*pick)(dt_layer *l, const dt_model *m, int cuda, size_t shared_per_block);
 } dt_layer_ops;
 
 enum {
@@ -208,10 +208,11 @@ struct dt_model {
 
 /* Parses model.layers/loss, infers every shape. Returns 0 or st (exit 2 naming layer and shapes). */
 int model_build(dt_model *m, const dt_config *cfg, dt_status *st);
-/* Layers whose ops depend on the device pick them for `cuda` (attention under model.attention auto:
- * fused on CUDA), in m and its teacher; model_build has picked the CPU's. Before the memory
+/* Layers whose ops depend on the device pick them for `cuda`, a GPU whose blocks may opt in to
+ * shared_per_block bytes of shared memory (attention under model.attention auto: fused on CUDA where
+ * its kernels fit), in m and its teacher; model_build has picked the CPU's. Before the memory
  * estimate and model_alloc. */
-void model_pick_ops(dt_model *m, int cuda);
+void model_pick_ops(dt_model *m, int cuda, size_t shared_per_block);
 /* Allocates flat buffers and activations for max_batch rows; initialises from seed. */
 void model_alloc(dt_model *m, dt_backend *be, int64_t max_batch, uint64_t seed);
 void model_free(dt_model *m);

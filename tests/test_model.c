@@ -206,6 +206,59 @@ static void memory_estimate_by_hand(void **state) {
   config_free(&cfg);
 }
 
+/* model.attention: auto picks the fused ops on a GPU whose blocks take their shared memory (a head of 64
+ * values: 98 KiB in dk/dv's kernel), the materialised ones on the CPU and on a GPU with less (a T4's 64 KiB);
+ * fused and materialized are taken as said, except that a head wider than the kernels take stays
+ * materialised on CUDA. The activation memory follows, by hand: per attention layer the materialised path
+ * keeps 16 (B, T, C) buffers and 3 (B, H, T, T) ones, the fused one 8 and 2 (B, H, T). */
+static void attention_picks_by_device_and_shared_memory(void **state) {
+  (void)state;
+  const int64_t B = 3, T = 8, C = 128, H = 2;
+  const size_t seq = B * T * C * 4, square = B * H * T * T * 4, rows = B * H * T * 4;
+  const char *gpt = "  input: [8]\n  layers: [{embedding: {vocab: 10, dim: 128}}, {attention: {heads: 2}},"
+                    " {linear: {out: 10}}]\n";
+  const struct {
+    const char *mode;
+    int cuda;
+    size_t shared;
+    int fused;
+  } cases[] = {{"auto", 0, 0, 0},         {"auto", 1, 227 << 10, 1}, {"auto", 1, 99 << 10, 1},
+               {"auto", 1, 64 << 10, 0},  {"fused", 0, 0, 1},        {"fused", 1, 227 << 10, 1},
+               {"fused", 1, 64 << 10, 0}, {"materialized", 1, 227 << 10, 0}};
+  size_t materialized = 0;
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+    char yaml[512];
+    snprintf(yaml, sizeof yaml, "%s  attention: %s\n", gpt, cases[i].mode);
+    dt_config cfg;
+    dt_model m;
+    dt_status st;
+    assert_int_equal(build(yaml, &cfg, &m, &st), 0);
+    if (cases[i].cuda) model_pick_ops(&m, 1, cases[i].shared);
+    if (m.all[1]->fused_attention != cases[i].fused)
+      fail_msg("model.attention %s, %s with %zu bytes a block: fused %d, expected %d", cases[i].mode,
+               cases[i].cuda ? "CUDA" : "CPU", cases[i].shared, m.all[1]->fused_attention, cases[i].fused);
+    size_t act = model_memory(&m, B, 1, 1).activations;
+    if (i == 0) materialized = act;
+    size_t want = cases[i].fused ? materialized - (16 * seq + 3 * square) + (8 * seq + 2 * rows) : materialized;
+    if (act != want) fail_msg("model.attention %s: activations %zu bytes, expected %zu", cases[i].mode, act, want);
+    model_free(&m);
+    config_free(&cfg);
+  }
+  /* a head of 256 values: fused on the CPU, materialised on CUDA */
+  dt_config cfg;
+  dt_model m;
+  dt_status st;
+  assert_int_equal(build("  input: [8]\n  layers: [{embedding: {vocab: 10, dim: 256}}, {attention: {heads: 1}},"
+                         " {linear: {out: 10}}]\n  attention: fused\n",
+                         &cfg, &m, &st),
+                   0);
+  assert_int_equal(m.all[1]->fused_attention, 1);
+  model_pick_ops(&m, 1, 227 << 10);
+  assert_int_equal(m.all[1]->fused_attention, 0);
+  model_free(&m);
+  config_free(&cfg);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(default_cnn_has_870826_parameters),
@@ -214,6 +267,7 @@ int main(void) {
       cmocka_unit_test(unknown_layers_and_parameters_suggest),
       cmocka_unit_test(losses_parse),
       cmocka_unit_test(memory_estimate_by_hand),
+      cmocka_unit_test(attention_picks_by_device_and_shared_memory),
   };
   return cmocka_run_group_tests_name("model", tests, NULL, NULL);
 }
