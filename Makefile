@@ -65,7 +65,8 @@ LDLIBS = $(PKG_LIBS) -L$(OPENBLAS_DIR) -Wl,-rpath,$(OPENBLAS_DIR) -lopenblas -ld
 
 # the CPU backend (src/cpu/): its dt_backend and op table, oneDNN's convolutions, and the ops by
 # family, as kernels/*.cu
-CPU_SRCS := $(addprefix cpu/,backend.c dnnl.c gemm.c conv.c norm.c elementwise.c pool.c loss.c optim.c transformer.c)
+CPU_SRCS := $(addprefix cpu/,backend.c dnnl.c gemm.c conv.c norm.c elementwise.c pool.c loss.c optim.c transformer.c \
+                            attention.c)
 SRCS := common.c yaml_tree.c keys.c config.c model.c distill.c tokenizer.c layers.c layer_dense.c layer_conv.c layer_norm.c layer_pool.c \
         layer_activation.c layer_residual.c layer_embedding.c layer_attention.c loss.c comm.c \
         ddp.c device.c sampler.c data_hdf5.c batch.c optim.c optim_sgd.c optim_adamw.c ema.c \

@@ -83,12 +83,14 @@ void cpu_unscale(cpu_impl *im, const dt_op *op);
 void cpu_scaler_update(cpu_impl *im, const dt_op *op);
 void cpu_ema(cpu_impl *im, const dt_op *op);
 
-/* transformer.c: embeddings, softmax, permute, fused attention */
+/* transformer.c: embeddings, softmax, permute */
 void cpu_embed_fwd(cpu_impl *im, const dt_op *op);
 void cpu_embed_bwd(cpu_impl *im, const dt_op *op);
 void cpu_softmax_fwd(cpu_impl *im, const dt_op *op);
 void cpu_softmax_bwd(cpu_impl *im, const dt_op *op);
 void cpu_permute(cpu_impl *im, const dt_op *op);
+
+/* attention.c: the fused attention */
 void cpu_attention_fwd(cpu_impl *im, const dt_op *op);
 void cpu_attention_bwd(cpu_impl *im, const dt_op *op);
 
