@@ -1548,6 +1548,30 @@ static void ops_softmax(void) {
   softmax_case(300, 2 * 300, 2 * 300, "(1, 2, 300, 300)");
 }
 
+/* The fused attention ops over the layer's layout: q, k, v in qkv (B, T, 3, H, hd), o in (B, T, H, hd). */
+static dt_op attention_fwd_op(dt_attention_geom g, const float *qkv, float *o, float *lse) {
+  const int64_t c = g.h * g.hd;
+  return (dt_op){.type = DT_OP_ATTENTION_FWD,
+                 .p.attention_fwd = {.g = g, .q = qkv, .k = qkv + c, .v = qkv + 2 * c, .o = o, .lse = lse}};
+}
+
+static dt_op attention_bwd_op(dt_attention_geom g, const float *qkv, const float *o, const float *lse,
+                              const float *dout, float *delta, float *dqkv) {
+  const int64_t c = g.h * g.hd;
+  return (dt_op){.type = DT_OP_ATTENTION_BWD,
+                 .p.attention_bwd = {.g = g,
+                                     .q = qkv,
+                                     .k = qkv + c,
+                                     .v = qkv + 2 * c,
+                                     .o = o,
+                                     .lse = lse,
+                                     .dout = dout,
+                                     .delta = delta,
+                                     .dq = dqkv,
+                                     .dk = dqkv + c,
+                                     .dv = dqkv + 2 * c}};
+}
+
 /* Fused attention over H heads of `rows` samples (buffers for `cap`), in the attention layer's layout:
  * q, k, v in one (cap, T, 3, H, hd) buffer, o in (cap, T, H, hd); the scores scaled by 1/sqrt(hd), q of
  * every third head (h = 1, 4, ...) times 8 (scores of hundreds: exp overflows unless the running maximum
@@ -1581,9 +1605,7 @@ static void attention_case(int64_t T, int64_t hd, int64_t H, int64_t cap, int64_
               (long long)H, causal ? "causal" : "not causal", g.p, rows_name);
       BOTH {
         g.step_seed = (const uint64_t *)D(step_seed);
-        dt_op op = {
-            .type = DT_OP_ATTENTION_FWD,
-            .p.attention_fwd = {.g = g, .q = F(qkv), .k = F(qkv) + c, .v = F(qkv) + 2 * c, .o = F(o), .lse = F(lse)}};
+        dt_op op = attention_fwd_op(g, F(qkv), F(o), F(lse));
         RUN(op);
       }
       ot_check("o", o, rows * T * c);
@@ -1592,18 +1614,7 @@ static void attention_case(int64_t T, int64_t hd, int64_t H, int64_t cap, int64_
               (long long)H, causal ? "causal" : "not causal", g.p, rows_name);
       BOTH {
         g.step_seed = (const uint64_t *)D(step_seed);
-        dt_op op = {.type = DT_OP_ATTENTION_BWD,
-                    .p.attention_bwd = {.g = g,
-                                        .q = F(qkv),
-                                        .k = F(qkv) + c,
-                                        .v = F(qkv) + 2 * c,
-                                        .o = F(o),
-                                        .lse = F(lse),
-                                        .dout = F(dout),
-                                        .delta = F(delta),
-                                        .dq = F(dqkv),
-                                        .dk = F(dqkv) + c,
-                                        .dv = F(dqkv) + 2 * c}};
+        dt_op op = attention_bwd_op(g, F(qkv), F(o), F(lse), F(dout), F(delta), F(dqkv));
         RUN(op);
       }
       ot_check("delta", delta, rows * H * T);
@@ -1635,24 +1646,11 @@ static void attention_same_bits(void) {
     BOTH {
       g.step_seed = (const uint64_t *)D(step_seed);
       if (run == 0) { /* o and lse of these inputs, so that the backward's probabilities sum to 1 */
-        dt_op f = {
-            .type = DT_OP_ATTENTION_FWD,
-            .p.attention_fwd = {.g = g, .q = F(qkv), .k = F(qkv) + c, .v = F(qkv) + 2 * c, .o = F(o), .lse = F(lse)}};
+        dt_op f = attention_fwd_op(g, F(qkv), F(o), F(lse));
         RUN(f);
         continue;
       }
-      dt_op op = {.type = DT_OP_ATTENTION_BWD,
-                  .p.attention_bwd = {.g = g,
-                                      .q = F(qkv),
-                                      .k = F(qkv) + c,
-                                      .v = F(qkv) + 2 * c,
-                                      .o = F(o),
-                                      .lse = F(lse),
-                                      .dout = F(dout),
-                                      .delta = F(delta),
-                                      .dq = F(d[run - 1]),
-                                      .dk = F(d[run - 1]) + c,
-                                      .dv = F(d[run - 1]) + 2 * c}};
+      dt_op op = attention_bwd_op(g, F(qkv), F(o), F(lse), F(dout), F(delta), F(d[run - 1]));
       RUN(op);
     }
   }
