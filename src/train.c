@@ -78,11 +78,12 @@ static int trainer_start(dt_trainer *tr) {
            (long long)tr->total, (long long)v->epochs, (long long)tr->opt_per_epoch, (long long)(G * tr->accum), W,
            W > 1 ? "s" : "", tr->be->name, tr->be->threads, tr->be->threads > 1 ? "s" : "");
   const dt_startup_times *t = &tr->opts->startup;
+  const double total = dt_now() - tr->opts->t_launch;
   log_line(&tr->lg,
            "start-up: %.3f s (MPI %.3f, config and model %.3f, data %.3f, device %.3f, weights %.3f, the rest "
            "%.3f)",
-           dt_now() - tr->opts->t_launch, t->mpi, t->prepared - t->mpi, t->data - t->prepared, t->device - t->data,
-           t->weights - t->device, dt_now() - tr->opts->t_launch - t->weights);
+           total, t->mpi, t->prepared - t->mpi, t->data - t->prepared, t->device - t->data, t->weights - t->device,
+           total - t->weights);
   if (tr->m->recompute) /* what its memory estimate gained */
     log_line(&tr->lg,
              "train.recompute blocks: %d blocks run forward again before their backward; activations %.1f "

@@ -241,20 +241,23 @@ void cuda_permute(cuda_impl *im, const dt_op *op) {
 
 /* kernels/attention.cu: fused attention */
 
-void cuda_attention_fwd(cuda_impl *im, const dt_op *op) {
-  const typeof(op->p.attention_fwd) *q = &op->p.attention_fwd;
-  const dt_attention_geom *g = &q->g;
+/* A head the kernels take, rows that hold the heads, buffers they can index. */
+static void check_attention_geom(const dt_attention_geom *g) {
   DT_ASSERT(g->hd >= 1 && g->hd <= DT_ATTENTION_MAX_HD && g->ld_qkv >= g->h * g->hd && g->ld_o >= g->h * g->hd);
   CHECK_INDEXABLE(g->b * g->t * g->ld_qkv);
   CHECK_INDEXABLE(g->b * g->t * g->ld_o);
+}
+
+void cuda_attention_fwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.attention_fwd) *q = &op->p.attention_fwd;
+  const dt_attention_geom *g = &q->g;
+  check_attention_geom(g);
   CUDA_CHECK(k_attention_fwd(im->stream, g, q->q, q->k, q->v, q->o, q->lse));
 }
 
 void cuda_attention_bwd(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.attention_bwd) *q = &op->p.attention_bwd;
   const dt_attention_geom *g = &q->g;
-  DT_ASSERT(g->hd >= 1 && g->hd <= DT_ATTENTION_MAX_HD && g->ld_qkv >= g->h * g->hd && g->ld_o >= g->h * g->hd);
-  CHECK_INDEXABLE(g->b * g->t * g->ld_qkv);
-  CHECK_INDEXABLE(g->b * g->t * g->ld_o);
+  check_attention_geom(g);
   CUDA_CHECK(k_attention_bwd(im->stream, g, q->q, q->k, q->v, q->o, q->lse, q->dout, q->delta, q->dq, q->dk, q->dv));
 }
