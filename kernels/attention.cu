@@ -12,6 +12,11 @@
 #include "common.cuh"
 #include "kernels.h"
 
+#ifdef __CUDACC__  // the stand-in's gpusim_device.h brings both
+#include <cuda_bf16.h>
+#include <mma.h>
+#endif
+
 // Two blocks an SM for heads of up to 64 values (LAUNCH_BOUNDS: registers capped at 128, which ptxas
 // meets without spilling; their shared memory, 66 and 100 KiB, fits twice), one for wider heads.
 // A block is kSide x kSide threads; thread (tx, ty) owns rows ty + kSide a (a < kRows) of a tile and
@@ -142,6 +147,51 @@ static __device__ __forceinline__ bool attn_visible(const attn_geom &g, int64_t 
   return i < g.t && j < g.t && !(g.causal && j > i);
 }
 
+// Stores v into a tile of float or bfloat16 (rounded to nearest even).
+static __device__ __forceinline__ void put(float *p, float v) {
+  *p = v;
+}
+static __device__ __forceinline__ void put(__nv_bfloat16 *p, float v) {
+  *p = __float2bfloat16_rn(v);
+}
+
+// One key tile j0 of the forward's online softmax, for the thread's rows of query tile i0: s (its
+// unscaled scores) -> the probabilities times their dropout factors into sp (row stride ld); each
+// row's running maximum m and sum l updated, and its part of the output acc rescaled to the new
+// maximum.
+template <int COLS, class T>
+static __device__ __forceinline__ void attn_softmax_tile(const attn_geom &g, uint64_t seed, int64_t head, int64_t i0,
+                                                         int64_t j0, float s[kRows][kRows], float m[kRows],
+                                                         float l[kRows], float acc[kRows][COLS], T *sp, int ld) {
+  const int tx = thread_x(), ty = thread_y();
+  UNROLL
+  for (int a = 0; a < kRows; a++) {
+    const int64_t i = i0 + ty + kSide * a;
+    float mx = -INFINITY;
+    UNROLL
+    for (int b = 0; b < kRows; b++) {
+      int64_t j = j0 + tx + kSide * b;
+      s[a][b] = attn_visible(g, i, j) ? g.scale * s[a][b] : -INFINITY;
+      mx = fmaxf(mx, s[a][b]);
+    }
+    const float m_new = fmaxf(m[a], row_max(mx));
+    // a row with nothing visible yet (only rows past T) keeps m = -inf: its exponentials are 0
+    const float corr = m_new == -INFINITY ? 1.0f : expf(m[a] - m_new);
+    float sum = 0.0f;
+    UNROLL
+    for (int b = 0; b < kRows; b++) {
+      int64_t j = j0 + tx + kSide * b;
+      float e = s[a][b] == -INFINITY ? 0.0f : expf(s[a][b] - m_new);
+      sum += e;
+      put(sp + (ty + kSide * a) * ld + tx + kSide * b, e * attn_mask(g, seed, head, i, j));
+    }
+    l[a] = l[a] * corr + row_sum(sum);
+    m[a] = m_new;
+    UNROLL
+    for (int b = 0; b < COLS; b++) acc[a][b] *= corr;
+  }
+}
+
 // Forward: a block per (head, query tile): shared q, k, v tiles (kTile, hd + 1) and the probabilities
 // (kTile, kScoreLd).
 template <int COLS>
@@ -166,32 +216,7 @@ __global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
     __syncthreads();
     float s[kRows][kRows];
     tile_xyt(sq, sk, g.hd, ld, s);
-    UNROLL
-    for (int a = 0; a < kRows; a++) {
-      const int64_t i = i0 + ty + kSide * a;
-      float mx = -INFINITY;
-      UNROLL
-      for (int b = 0; b < kRows; b++) {
-        int64_t j = j0 + tx + kSide * b;
-        s[a][b] = attn_visible(g, i, j) ? g.scale * s[a][b] : -INFINITY;
-        mx = fmaxf(mx, s[a][b]);
-      }
-      const float m_new = fmaxf(m[a], row_max(mx));
-      // a row with nothing visible yet (only rows past T) keeps m = -inf: its exponentials are 0
-      const float corr = m_new == -INFINITY ? 1.0f : expf(m[a] - m_new);
-      float sum = 0.0f;
-      UNROLL
-      for (int b = 0; b < kRows; b++) {
-        int64_t j = j0 + tx + kSide * b;
-        float e = s[a][b] == -INFINITY ? 0.0f : expf(s[a][b] - m_new);
-        sum += e;
-        sp[(ty + kSide * a) * kScoreLd + tx + kSide * b] = e * attn_mask(g, seed, head, i, j);
-      }
-      l[a] = l[a] * corr + row_sum(sum);
-      m[a] = m_new;
-      UNROLL
-      for (int b = 0; b < COLS; b++) acc[a][b] *= corr;
-    }
+    attn_softmax_tile<COLS>(g, seed, head, i0, j0, s, m, l, acc, sp, kScoreLd);
     __syncthreads();
     tile_py<COLS>(sp, 0, sv, g.hd, ld, acc);
   }
@@ -218,13 +243,14 @@ __global__ void attn_delta_kernel(const float *dout, const float *o, float *delt
 // The backward's scores of one (query tile i0, key tile j0) pair, for the thread's elements (rows i
 // = queries, columns j = keys): p = exp(scale q k^T - lse) times the dropout factor into sp (when
 // not NULL), ds = scale p (mask dout v^T - delta) into sds. sl, sd: the query tile's lse and delta.
-static __device__ void attn_scores_bwd(const attn_geom &g, uint64_t seed, int64_t head, int64_t i0, int64_t j0,
-                                       const float *sq, const float *sdo, const float *sk, const float *sv,
-                                       const float *sl, const float *sd, float *sp, float *sds) {
-  const int ld = g.hd + 1, tx = thread_x(), ty = thread_y();
-  float s[kRows][kRows], dp[kRows][kRows];
-  tile_xyt(sq, sk, g.hd, ld, s);
-  tile_xyt(sdo, sv, g.hd, ld, dp);
+// From the thread's elements of the unscaled scores s = q k^T and of dp = dout v^T: p (times the dropout
+// factor) into sp (when not NULL) and ds = scale p (mask dp - delta) into sds, both of row stride ld.
+template <class T>
+static __device__ __forceinline__ void attn_ds_tile(const attn_geom &g, uint64_t seed, int64_t head, int64_t i0,
+                                                    int64_t j0, const float s[kRows][kRows],
+                                                    const float dp[kRows][kRows], const float *sl, const float *sd,
+                                                    T *sp, T *sds, int ld) {
+  const int tx = thread_x(), ty = thread_y();
   UNROLL
   for (int a = 0; a < kRows; a++) {
     UNROLL
@@ -233,10 +259,20 @@ static __device__ void attn_scores_bwd(const attn_geom &g, uint64_t seed, int64_
       const int64_t i = i0 + r, j = j0 + c;
       float p = 0.0f, mask = 0.0f;
       if (attn_visible(g, i, j)) p = expf(g.scale * s[a][b] - sl[r]), mask = attn_mask(g, seed, head, i, j);
-      if (sp) sp[r * kScoreLd + c] = p * mask;
-      sds[r * kScoreLd + c] = g.scale * p * (dp[a][b] * mask - sd[r]);
+      if (sp) put(sp + r * ld + c, p * mask);
+      put(sds + r * ld + c, g.scale * p * (dp[a][b] * mask - sd[r]));
     }
   }
+}
+
+static __device__ void attn_scores_bwd(const attn_geom &g, uint64_t seed, int64_t head, int64_t i0, int64_t j0,
+                                       const float *sq, const float *sdo, const float *sk, const float *sv,
+                                       const float *sl, const float *sd, float *sp, float *sds) {
+  const int ld = g.hd + 1;
+  float s[kRows][kRows], dp[kRows][kRows];
+  tile_xyt(sq, sk, g.hd, ld, s);
+  tile_xyt(sdo, sv, g.hd, ld, dp);
+  attn_ds_tile(g, seed, head, i0, j0, s, dp, sl, sd, sp, sds, kScoreLd);
 }
 
 // Rows [row0, row0 + kTile) of lse and delta into sl, sd (0 past T).
@@ -311,6 +347,297 @@ __global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
   store_rows<COLS>(dq + in, g.ld, dq_acc, NULL, i0, g.t, g.hd);
 }
 
+// ---- Tensor cores (train.precision bf16, compute capability 8.0 and later) --------------------------
+// The same blocks, tiles, loops and thread ownership as above, with the tile products on tensor cores
+// through WMMA (16x16x16 pieces, bfloat16 inputs, FP32 sums): q, k, v, dout, the probabilities and ds
+// are rounded to bfloat16 in shared memory, as cuBLAS rounds GEMM inputs under bf16, and the softmax,
+// lse, delta, dropout and the outputs' sums stay FP32. The block's 8 warps share each product's
+// pieces. Scores come back through an FP32 tile that threads read as above; the forward's p v is
+// staged there too (its rows need rescaling), while the backward keeps dq, dk and dv in fragments
+// across the loop and stages them once at the end.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define ATTN_TENSOR_CORES 1
+#else
+#define ATTN_TENSOR_CORES 0  // sm_75: the host never picks these kernels there (tc_supported)
+#endif
+
+typedef __nv_bfloat16 bfloat;
+typedef nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> acc_frag;
+enum { kWarps = kBlock / 32, kSld = kTile + 4, kPld = kTile + 8 };  // row strides of score and p tiles
+
+static __device__ __forceinline__ int width16(int hd) {
+  return (hd + 15) / 16 * 16;
+}
+
+// Takes consecutive regions of the block's dynamic shared memory, from a 128-byte aligned start
+// (WMMA needs 256-bit aligned tiles; every region's size is a multiple of 32 bytes).
+struct shared_regions {
+  char *at;
+  __device__ explicit shared_regions(void *base) : at((char *)(((uintptr_t)base + 127) / 128 * 128)) {}
+  template <class T>
+  __device__ T *take(int64_t n) {
+    T *p = (T *)at;
+    at += n * (int64_t)sizeof(T);
+    return p;
+  }
+};
+
+#if ATTN_TENSOR_CORES  // bfloat16 fragments do not exist below sm_80
+// Rows [row0, row0 + kTile) of a head into a (kTile, width16(hd) + 8) bfloat16 tile; columns hd to
+// width16(hd) and rows past T as zeros.
+static __device__ void load_tile16(bfloat *tile, const float *head, int64_t stride, int64_t row0, int64_t t, int hd) {
+  const int w = width16(hd), ld = w + 8;
+  for (int e = threadIdx.x; e < kTile * w; e += kBlock) {
+    int r = e / w, c = e - r * w;
+    tile[r * ld + c] = __float2bfloat16_rn(row0 + r < t && c < hd ? head[(row0 + r) * stride + c] : 0.0f);
+  }
+}
+
+// out (kTile, kTile), row stride kSld, = x y^T for (kTile, width16(hd)) tiles x, y.
+static __device__ void tc_xyt(const bfloat *x, const bfloat *y, int hd, float *out) {
+  using namespace nvcuda;
+  const int w = width16(hd), ld = w + 8;
+  for (int f = (int)threadIdx.x / 32; f < 16; f += kWarps) {
+    const int fr = f / 4, fc = f % 4;
+    acc_frag acc;
+    wmma::fill_fragment(acc, 0.0f);
+    for (int kk = 0; kk < w; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, bfloat, wmma::row_major> a;
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, bfloat, wmma::col_major> b;  // y^T: y's rows are its columns
+      wmma::load_matrix_sync(a, x + fr * 16 * ld + kk, ld);
+      wmma::load_matrix_sync(b, y + fc * 16 * ld + kk, ld);
+      wmma::mma_sync(acc, a, b, acc);
+    }
+    wmma::store_matrix_sync(out + fr * 16 * kSld + fc * 16, acc, kSld, wmma::mem_row_major);
+  }
+}
+
+// The warp's pieces of a (kTile, width16(hd)) result: piece f = warp + kWarps r (r < FR), at row f / (w / 16)
+// and column f % (w / 16) of pieces; pieces past the result's 4 w / 16 are none of the warp's.
+template <int FR>
+static __device__ void tc_zero(acc_frag acc[FR]) {
+  UNROLL
+  for (int r = 0; r < FR; r++) nvcuda::wmma::fill_fragment(acc[r], 0.0f);
+}
+
+// acc += p y (TRANS: p^T y) on the warp's pieces, p (kTile, kTile) bfloat16 of row stride kPld, y a
+// (kTile, width16(hd)) tile.
+template <int TRANS, int FR>
+static __device__ void tc_py(const bfloat *p, const bfloat *y, int hd, acc_frag acc[FR]) {
+  using namespace nvcuda;
+  const int w = width16(hd), ld = w + 8, nc = w / 16;
+  UNROLL
+  for (int r = 0; r < FR; r++) {
+    const int f = (int)threadIdx.x / 32 + kWarps * r;
+    if (f >= 4 * nc) continue;  // the same for every lane of the warp
+    const int fr = f / nc, fc = f % nc;
+    for (int kk = 0; kk < kTile; kk += 16) {
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, bfloat, wmma::row_major> b;
+      wmma::load_matrix_sync(b, y + kk * ld + fc * 16, ld);
+      if (TRANS) {  // p^T's piece (fr, kk) is p's (kk, fr) read column-major
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, bfloat, wmma::col_major> a;
+        wmma::load_matrix_sync(a, p + kk * kPld + fr * 16, kPld);
+        wmma::mma_sync(acc[r], a, b, acc[r]);
+      } else {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, bfloat, wmma::row_major> a;
+        wmma::load_matrix_sync(a, p + fr * 16 * kPld + kk, kPld);
+        wmma::mma_sync(acc[r], a, b, acc[r]);
+      }
+    }
+  }
+}
+
+// The warp's pieces into out (kTile, width16(hd)) FP32 of row stride width16(hd) + 4.
+template <int FR>
+static __device__ void tc_stage(const acc_frag acc[FR], int hd, float *out) {
+  const int w = width16(hd), nc = w / 16;
+  UNROLL
+  for (int r = 0; r < FR; r++) {
+    const int f = (int)threadIdx.x / 32 + kWarps * r;
+    if (f < 4 * nc)
+      nvcuda::wmma::store_matrix_sync(out + f / nc * 16 * (w + 4) + f % nc * 16, acc[r], w + 4,
+                                      nvcuda::wmma::mem_row_major);
+  }
+}
+
+// A staged (kTile, width16(hd) + 4) tile's rows below T into a head (rows `stride` apart).
+static __device__ void store_staged(float *head, int64_t stride, const float *staged, int64_t row0, int64_t t, int hd) {
+  const int ld = width16(hd) + 4;
+  for (int e = threadIdx.x; e < kTile * hd; e += kBlock) {
+    int r = e / hd, c = e - r * hd;
+    if (row0 + r < t) head[(row0 + r) * stride + c] = staged[r * ld + c];
+  }
+}
+
+// The thread's elements of a (kTile, kTile) FP32 tile of row stride kSld.
+static __device__ __forceinline__ void read_scores(const float *tile, float s[kRows][kRows]) {
+  const int tx = thread_x(), ty = thread_y();
+  UNROLL
+  for (int a = 0; a < kRows; a++) {
+    UNROLL
+    for (int b = 0; b < kRows; b++) s[a][b] = tile[(ty + kSide * a) * kSld + tx + kSide * b];
+  }
+}
+
+#endif
+
+template <int COLS>
+__global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
+    attn_fwd_tc_kernel(const float *q, const float *k, const float *v, float *o, float *lse, const uint64_t *step_seed,
+                       attn_geom g) {
+#if ATTN_TENSOR_CORES
+  constexpr int FR = (COLS + 1) / 2;  // pieces of a (kTile, 16 COLS) result per warp
+  DYNAMIC_SHARED(float, smem);
+  shared_regions sh(smem);
+  const int w = width16(g.hd), tx = thread_x(), ty = thread_y();
+  bfloat *sq = sh.take<bfloat>(kTile * (w + 8)), *sk = sh.take<bfloat>(kTile * (w + 8)),
+         *sv = sh.take<bfloat>(kTile * (w + 8));
+  float *ss = sh.take<float>(kTile * (kSld > w + 4 ? kSld : w + 4));  // the scores, then p v staged
+  bfloat *sp = sh.take<bfloat>(kTile * kPld);
+  const int64_t head = blockIdx.x / g.tiles, i0 = (blockIdx.x % g.tiles) * kTile, in = head_offset(g, head, g.ld);
+  const uint64_t seed = g.p > 0 ? dt_hash64(g.layer_seed ^ *step_seed) : 0;
+  load_tile16(sq, q + in, g.ld, i0, g.t, g.hd);
+  float m[kRows], l[kRows], acc[kRows][COLS];
+  zero_rows<COLS>(acc);
+  UNROLL
+  for (int a = 0; a < kRows; a++) m[a] = -INFINITY, l[a] = 0.0f;
+  const int64_t end = g.causal && i0 + kTile < g.t ? i0 + kTile : g.t;
+  for (int64_t j0 = 0; j0 < end; j0 += kTile) {
+    __syncthreads();  // the last tile's readers are done with sk, sv, ss
+    load_tile16(sk, k + in, g.ld, j0, g.t, g.hd);
+    load_tile16(sv, v + in, g.ld, j0, g.t, g.hd);
+    __syncthreads();
+    tc_xyt(sq, sk, g.hd, ss);
+    __syncthreads();
+    float s[kRows][kRows];
+    read_scores(ss, s);
+    attn_softmax_tile<COLS>(g, seed, head, i0, j0, s, m, l, acc, sp, kPld);
+    __syncthreads();  // sp written, ss read
+    acc_frag pv[FR];
+    tc_zero<FR>(pv);
+    tc_py<0, FR>(sp, sv, g.hd, pv);
+    tc_stage<FR>(pv, g.hd, ss);
+    __syncthreads();
+    UNROLL
+    for (int a = 0; a < kRows; a++) {
+      UNROLL
+      for (int b = 0; b < COLS; b++) {
+        int c = tx + kSide * b;
+        if (c < g.hd) acc[a][b] += ss[(ty + kSide * a) * (w + 4) + c];
+      }
+    }
+  }
+  float inv[kRows];
+  UNROLL
+  for (int a = 0; a < kRows; a++) {
+    inv[a] = l[a] > 0 ? 1.0f / l[a] : 0.0f;
+    int64_t i = i0 + ty + kSide * a;
+    if (tx == 0 && i < g.t) lse[head * g.t + i] = m[a] + logf(l[a]);
+  }
+  store_rows<COLS>(o + head_offset(g, head, g.ld_o), g.ld_o, acc, inv, i0, g.t, g.hd);
+#else
+  __trap();
+#endif
+}
+
+template <int COLS>
+__global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
+    attn_bwd_kv_tc_kernel(const float *q, const float *k, const float *v, const float *dout, const float *lse,
+                          const float *delta, float *dk, float *dv, const uint64_t *step_seed, attn_geom g) {
+#if ATTN_TENSOR_CORES
+  constexpr int FR = (COLS + 1) / 2;
+  DYNAMIC_SHARED(float, smem);
+  shared_regions sh(smem);
+  const int w = width16(g.hd);
+  bfloat *sk = sh.take<bfloat>(kTile * (w + 8)), *sv = sh.take<bfloat>(kTile * (w + 8)),
+         *sq = sh.take<bfloat>(kTile * (w + 8)), *sdo = sh.take<bfloat>(kTile * (w + 8));
+  float *ss = sh.take<float>(kTile * kSld), *sdp = sh.take<float>(kTile * kSld);  // ss..sdp stage dk, dv
+  bfloat *sp = sh.take<bfloat>(kTile * kPld), *sds = sh.take<bfloat>(kTile * kPld);
+  float *sl = sh.take<float>(kTile), *sd = sh.take<float>(kTile);
+  const int64_t head = blockIdx.x / g.tiles, j0 = (blockIdx.x % g.tiles) * kTile;
+  const int64_t in = head_offset(g, head, g.ld), out = head_offset(g, head, g.ld_o);
+  const uint64_t seed = g.p > 0 ? dt_hash64(g.layer_seed ^ *step_seed) : 0;
+  load_tile16(sk, k + in, g.ld, j0, g.t, g.hd);
+  load_tile16(sv, v + in, g.ld, j0, g.t, g.hd);
+  acc_frag dk_f[FR], dv_f[FR];
+  tc_zero<FR>(dk_f);
+  tc_zero<FR>(dv_f);
+  for (int64_t i0 = g.causal ? j0 : 0; i0 < g.t; i0 += kTile) {
+    __syncthreads();  // the last tile's readers are done with sq, sdo, sp, sds
+    load_tile16(sq, q + in, g.ld, i0, g.t, g.hd);
+    load_tile16(sdo, dout + out, g.ld_o, i0, g.t, g.hd);
+    load_row_stats(sl, sd, lse, delta, head, i0, g.t);
+    __syncthreads();
+    tc_xyt(sq, sk, g.hd, ss);
+    tc_xyt(sdo, sv, g.hd, sdp);
+    __syncthreads();
+    float s[kRows][kRows], dp[kRows][kRows];
+    read_scores(ss, s);
+    read_scores(sdp, dp);
+    attn_ds_tile(g, seed, head, i0, j0, s, dp, sl, sd, sp, sds, kPld);
+    __syncthreads();
+    tc_py<1, FR>(sp, sdo, g.hd, dv_f);  // dv_j += sum_i p_ij dout_i
+    tc_py<1, FR>(sds, sq, g.hd, dk_f);  // dk_j += sum_i ds_ij q_i
+  }
+  // ss and sdp were last read before the loop's last barrier
+  tc_stage<FR>(dk_f, g.hd, ss);
+  __syncthreads();
+  store_staged(dk + in, g.ld, ss, j0, g.t, g.hd);
+  __syncthreads();
+  tc_stage<FR>(dv_f, g.hd, ss);
+  __syncthreads();
+  store_staged(dv + in, g.ld, ss, j0, g.t, g.hd);
+#else
+  __trap();
+#endif
+}
+
+template <int COLS>
+__global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
+    attn_bwd_q_tc_kernel(const float *q, const float *k, const float *v, const float *dout, const float *lse,
+                         const float *delta, float *dq, const uint64_t *step_seed, attn_geom g) {
+#if ATTN_TENSOR_CORES
+  constexpr int FR = (COLS + 1) / 2;
+  DYNAMIC_SHARED(float, smem);
+  shared_regions sh(smem);
+  const int w = width16(g.hd);
+  bfloat *sq = sh.take<bfloat>(kTile * (w + 8)), *sdo = sh.take<bfloat>(kTile * (w + 8)),
+         *sk = sh.take<bfloat>(kTile * (w + 8)), *sv = sh.take<bfloat>(kTile * (w + 8));
+  float *ss = sh.take<float>(kTile * kSld), *sdp = sh.take<float>(kTile * kSld);  // ss..sdp stage dq
+  bfloat *sds = sh.take<bfloat>(kTile * kPld);
+  float *sl = sh.take<float>(kTile), *sd = sh.take<float>(kTile);
+  const int64_t head = blockIdx.x / g.tiles, i0 = (blockIdx.x % g.tiles) * kTile;
+  const int64_t in = head_offset(g, head, g.ld), out = head_offset(g, head, g.ld_o);
+  const uint64_t seed = g.p > 0 ? dt_hash64(g.layer_seed ^ *step_seed) : 0;
+  load_tile16(sq, q + in, g.ld, i0, g.t, g.hd);
+  load_tile16(sdo, dout + out, g.ld_o, i0, g.t, g.hd);
+  load_row_stats(sl, sd, lse, delta, head, i0, g.t);
+  acc_frag dq_f[FR];
+  tc_zero<FR>(dq_f);
+  const int64_t end = g.causal && i0 + kTile < g.t ? i0 + kTile : g.t;
+  for (int64_t j0 = 0; j0 < end; j0 += kTile) {
+    __syncthreads();  // the last tile's readers are done with sk, sv, sds
+    load_tile16(sk, k + in, g.ld, j0, g.t, g.hd);
+    load_tile16(sv, v + in, g.ld, j0, g.t, g.hd);
+    __syncthreads();
+    tc_xyt(sq, sk, g.hd, ss);
+    tc_xyt(sdo, sv, g.hd, sdp);
+    __syncthreads();
+    float s[kRows][kRows], dp[kRows][kRows];
+    read_scores(ss, s);
+    read_scores(sdp, dp);
+    attn_ds_tile(g, seed, head, i0, j0, s, dp, sl, sd, (bfloat *)NULL, sds, kPld);
+    __syncthreads();
+    tc_py<0, FR>(sds, sk, g.hd, dq_f);  // dq_i += sum_j ds_ij k_j
+  }
+  tc_stage<FR>(dq_f, g.hd, ss);  // ss and sdp were last read before the loop's last barrier
+  __syncthreads();
+  store_staged(dq + in, g.ld, ss, i0, g.t, g.hd);
+#else
+  __trap();
+#endif
+}
+
 static attn_geom make_geom(const dt_attention_geom *a) {
   attn_geom g;
   g.t = a->t, g.tiles = (a->t + kTile - 1) / kTile, g.h = a->h, g.ld = a->ld_qkv, g.ld_o = a->ld_o;
@@ -351,25 +678,36 @@ static attn_geom make_geom(const dt_attention_geom *a) {
 
 extern "C" {
 
-cudaError_t k_attention_fwd(cudaStream_t s, const dt_attention_geom *a, const float *q, const float *k, const float *v,
-                            float *o, float *lse) {
+cudaError_t k_attention_fwd(cudaStream_t s, const dt_attention_geom *a, int tensor_cores, const float *q,
+                            const float *k, const float *v, float *o, float *lse) {
   const int64_t heads = a->b * a->h;
   if (!heads || !a->t) return cudaSuccess;
   attn_geom g = make_geom(a);
   unsigned grid = (unsigned)(heads * g.tiles);
-  ATTN_LAUNCH(attn_fwd_kernel, a->hd, dt_attention_shared(DT_ATTENTION_FWD_KERNEL, a->hd), grid, s, q, k, v, o, lse,
-              a->step_seed, g);
+  if (tensor_cores)
+    ATTN_LAUNCH(attn_fwd_tc_kernel, a->hd, dt_attention_shared_tc(DT_ATTENTION_FWD_KERNEL, a->hd), grid, s, q, k, v, o,
+                lse, a->step_seed, g);
+  else
+    ATTN_LAUNCH(attn_fwd_kernel, a->hd, dt_attention_shared(DT_ATTENTION_FWD_KERNEL, a->hd), grid, s, q, k, v, o, lse,
+                a->step_seed, g);
   return cudaSuccess;
 }
 
-cudaError_t k_attention_bwd(cudaStream_t s, const dt_attention_geom *a, const float *q, const float *k, const float *v,
-                            const float *o, const float *lse, const float *dout, float *delta, float *dq, float *dk,
-                            float *dv) {
+cudaError_t k_attention_bwd(cudaStream_t s, const dt_attention_geom *a, int tensor_cores, const float *q,
+                            const float *k, const float *v, const float *o, const float *lse, const float *dout,
+                            float *delta, float *dq, float *dk, float *dv) {
   const int64_t heads = a->b * a->h;
   if (!heads || !a->t) return cudaSuccess;
   attn_geom g = make_geom(a);
   unsigned grid = (unsigned)(heads * g.tiles);
   LAUNCH(attn_delta_kernel, blocks_for(heads * a->t), kThreads, 0, s)(dout, o, delta, heads * a->t, g);
+  if (tensor_cores) {
+    ATTN_LAUNCH(attn_bwd_kv_tc_kernel, a->hd, dt_attention_shared_tc(DT_ATTENTION_BWD_KV_KERNEL, a->hd), grid, s, q, k,
+                v, dout, lse, delta, dk, dv, a->step_seed, g);
+    ATTN_LAUNCH(attn_bwd_q_tc_kernel, a->hd, dt_attention_shared_tc(DT_ATTENTION_BWD_Q_KERNEL, a->hd), grid, s, q, k, v,
+                dout, lse, delta, dq, a->step_seed, g);
+    return cudaSuccess;
+  }
   ATTN_LAUNCH(attn_bwd_kv_kernel, a->hd, dt_attention_shared(DT_ATTENTION_BWD_KV_KERNEL, a->hd), grid, s, q, k, v, dout,
               lse, delta, dk, dv, a->step_seed, g);
   ATTN_LAUNCH(attn_bwd_q_kernel, a->hd, dt_attention_shared(DT_ATTENTION_BWD_Q_KERNEL, a->hd), grid, s, q, k, v, dout,

@@ -110,12 +110,13 @@ void k_permute(cudaStream_t s, const float *x, float *y, int ndim, const int64_t
 
 /* attention.cu: backend.h's DT_OP_ATTENTION_* (hd <= DT_ATTENTION_MAX_HD); each returns the error of
  * opting its kernels in to the shared memory they take (the launches' are cudaGetLastError's). No
- * atomics: the same bits on every run. */
-cudaError_t k_attention_fwd(cudaStream_t s, const dt_attention_geom *g, const float *q, const float *k, const float *v,
-                            float *o, float *lse);
-cudaError_t k_attention_bwd(cudaStream_t s, const dt_attention_geom *g, const float *q, const float *k, const float *v,
-                            const float *o, const float *lse, const float *dout, float *delta, float *dq, float *dk,
-                            float *dv);
+ * atomics: the same bits on every run. tensor_cores: the tile products in bfloat16 on tensor cores
+ * (compute capability 8.0 and later only), else FP32. */
+cudaError_t k_attention_fwd(cudaStream_t s, const dt_attention_geom *g, int tensor_cores, const float *q,
+                            const float *k, const float *v, float *o, float *lse);
+cudaError_t k_attention_bwd(cudaStream_t s, const dt_attention_geom *g, int tensor_cores, const float *q,
+                            const float *k, const float *v, const float *o, const float *lse, const float *dout,
+                            float *delta, float *dq, float *dk, float *dv);
 
 #ifdef __cplusplus
 }

@@ -21,6 +21,20 @@ static inline size_t dt_attention_shared(int kernel, int64_t hd) {
   return floats * sizeof(float);
 }
 
+/* The same for the tensor-core kernels (train.precision bf16): (tile, hd16 + 8) bfloat16 tiles of q, k,
+ * v (and dout) with hd16 = hd rounded up to 16; (tile, tile + 4) FP32 score tiles, which also stage
+ * (tile, hd16 + 4) outputs; (tile, tile + 8) bfloat16 probability tiles; lse and delta; and 128 bytes
+ * to align the start. At most 121 KiB, and no more than dt_attention_shared's from hd 48 on: wherever
+ * the FP32 kernels fit a GPU of compute capability 8.0 or later (99 KiB a block or more), these fit
+ * too (tests/test_gpu.c), so the pick (dt_attention_fits) need not know the precision. */
+static inline size_t dt_attention_shared_tc(int kernel, int64_t hd) {
+  const size_t t = DT_ATTENTION_TILE, hd16 = ((size_t)hd + 15) / 16 * 16, tile = t * (hd16 + 8) * 2;
+  const size_t scores = t * (t + 4) * 4, staged = t * (hd16 + 4) * 4, probs = t * (t + 8) * 2;
+  return 128 + (kernel == DT_ATTENTION_FWD_KERNEL      ? 3 * tile + (scores > staged ? scores : staged) + probs
+                : kernel == DT_ATTENTION_BWD_KV_KERNEL ? 4 * tile + 2 * scores + 2 * probs + 2 * t * 4
+                                                       : 4 * tile + 2 * scores + probs + 2 * t * 4);
+}
+
 /* Whether a GPU whose blocks may opt in to `shared` bytes runs the kernels for heads of hd values. */
 static inline int dt_attention_fits(int64_t hd, size_t shared) {
   return hd >= 1 && hd <= DT_ATTENTION_MAX_HD && dt_attention_shared(DT_ATTENTION_BWD_KV_KERNEL, hd) <= shared;

@@ -205,6 +205,8 @@ static struct {
   uint64_t seed;
   dt_op_type op;
   char kase[160];
+  int precision; /* the CUDA backend's train.precision */
+  double tol;    /* ot_check's relative error for floats */
 } ot;
 static int ot_covered[DT_OP_COUNT];
 
@@ -222,11 +224,18 @@ static void ot_end(void) {
   memset(&ot, 0, sizeof ot);
 }
 
-static void ot_begin(void) {
+/* The CPU backend against CUDA under train.precision `precision`, compared to a relative `tol`. */
+static void ot_begin_precision(int precision, double tol) {
   if (ot.be[0]) ot_end(); /* what a failed test left behind */
   ot.be[0] = backend_cpu_create(1);
-  ot.be[1] = backend_cuda_create(0, DT_PREC_FP32);
+  ot.be[1] = backend_cuda_create(0, precision);
   ot.seed = 1000;
+  ot.precision = precision;
+  ot.tol = tol;
+}
+
+static void ot_begin(void) {
+  ot_begin_precision(DT_PREC_FP32, 1e-5);
 }
 
 /* Names the op and case that the following checks report. */
@@ -282,7 +291,7 @@ static double ot_elem(int type, const void *p, int64_t i) {
   return type == OT_F64 ? ((const double *)p)[i] : type == OT_I32 ? ((const int32_t *)p)[i] : ((const float *)p)[i];
 }
 
-/* Compares buffer b of both backends: CPU and CUDA agree (relative error <= 1e-5 norm-wise for
+/* Compares buffer b of both backends: CPU and CUDA agree (relative error <= ot.tol, 1e-5, norm-wise for
  * floats, exactly for int32), and elements [written, n) still hold their initial values on both. */
 static void ot_check(const char *what, dbuf b, int64_t written) {
   size_t es = ot_size(b.type), bytes = (size_t)b.n * es;
@@ -301,7 +310,7 @@ static void ot_check(const char *what, dbuf b, int64_t written) {
     if (!(e <= worst)) worst = e, at = i; /* NaN counts as the worst */
   }
   double err = sqrt(d) / (sqrt(na) > 1e-6 ? sqrt(na) : 1e-6);
-  double tol = b.type == OT_I32 ? 0.0 : 1e-5;
+  double tol = b.type == OT_I32 ? 0.0 : ot.tol;
   char first[200] = "";
   if (at >= 0)
     snprintf(first, sizeof first, "; largest difference at element %lld of %lld: CPU %.9g, CUDA %.9g", (long long)at,
@@ -1572,6 +1581,15 @@ static dt_op attention_bwd_op(dt_attention_geom g, const float *qkv, const float
                                      .dv = dqkv + 2 * c}};
 }
 
+/* f rounded to the nearest bfloat16, ties to even (finite f). */
+static float round_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 /* Fused attention over H heads of `rows` samples (buffers for `cap`), in the attention layer's layout:
  * q, k, v in one (cap, T, 3, H, hd) buffer, o in (cap, T, H, hd); the scores scaled by 1/sqrt(hd), q of
  * every third head (h = 1, 4, ...) times 8 (scores of hundreds: exp overflows unless the running maximum
@@ -1580,11 +1598,16 @@ static dt_op attention_bwd_op(dt_attention_geom g, const float *qkv, const float
  * (the dropout op's masks). */
 static void attention_case(int64_t T, int64_t hd, int64_t H, int64_t cap, int64_t rows, const char *rows_name) {
   const int64_t c = H * hd, n = cap * T * 3 * c, no = cap * T * c, written = rows * T * 3 * c;
-  float *qkvh = ot_host_rand(n, -2, 2);
-  for (int64_t i = 0; i < n; i++) /* (row, 3, H, hd): the q third's heads h = 1 mod 3 */
-    qkvh[i] *= i % (3 * c) < c && (i % c) / hd % 3 == 1 ? 8.0f : 1.0f;
-  dbuf qkv = ot_buf(OT_F32, qkvh, n), dout = ot_rand(no, -1, 1);
+  const int tc = ot.precision == DT_PREC_BF16;
+  float *qkvh = ot_host_rand(n, -2, 2), *douth = ot_host_rand(no, -1, 1);
+  for (int64_t i = 0; i < n; i++) { /* (row, 3, H, hd): the q third's heads h = 1 mod 3 */
+    qkvh[i] *= !tc && i % (3 * c) < c && (i % c) / hd % 3 == 1 ? 8.0f : 1.0f;
+    if (tc) qkvh[i] = round_bf16(qkvh[i]);
+  }
+  for (int64_t i = 0; tc && i < no; i++) douth[i] = round_bf16(douth[i]);
+  dbuf qkv = ot_buf(OT_F32, qkvh, n), dout = ot_buf(OT_F32, douth, no);
   free(qkvh);
+  free(douth);
   const uint64_t step_seed_h = 0x1234567u;
   dbuf step_seed = ot_buf(OT_F64, &step_seed_h, 1);
   for (int causal = 0; causal < 2; causal++)
@@ -1667,6 +1690,32 @@ static void ops_attention(void) {
     attention_case(5, 8, 2, cap, rows, ROWS_NAME(r));
     attention_case(70, 24, 2, cap, rows, ROWS_NAME(r));
   }
+  attention_case(130, 64, 3, 1, 1, "1 row, 3 heads");
+  attention_case(33, 128, 1, 1, 1, "1 row, 1 head");
+  attention_same_bits();
+}
+
+/* The tensor-core kernels (train.precision bf16, compute capability 8.0 and later) against the CPU's
+ * FP32 op, on inputs that bfloat16 holds exactly (so only the probabilities and ds are rounded, to
+ * bfloat16) and without the scaled-up heads (the bfloat16 rounding of a score in the hundreds moves
+ * its probability by a factor, on a GPU as in PyTorch): a relative error of 1e-2 norm-wise. hd 48
+ * leaves some warps one piece of a (64, 48) product and others two. Their shared memory fits
+ * wherever the FP32 kernels' does on an 8.0+ GPU (99, 163, 227 KiB a block), so the pick need not
+ * know the precision (attention_geom.h). */
+static void ops_attention_tensor_cores(void) {
+  for (int64_t hd = 1; hd <= DT_ATTENTION_MAX_HD; hd++)
+    for (int i = 0; i < 3; i++) {
+      const size_t shared = (size_t)(int[]){99, 163, 227}[i] << 10;
+      for (int kernel = DT_ATTENTION_FWD_KERNEL; kernel <= DT_ATTENTION_BWD_Q_KERNEL; kernel++)
+        if (dt_attention_fits(hd, shared) && dt_attention_shared_tc(kernel, hd) > shared)
+          fail_msg("hd %lld: tensor-core kernel %d takes %zu bytes of shared memory, over %zu where the FP32 ones fit",
+                   (long long)hd, kernel, dt_attention_shared_tc(kernel, hd), shared);
+    }
+  FOR_ROWS(r) {
+    attention_case(5, 8, 2, cap, rows, ROWS_NAME(r));
+    attention_case(70, 24, 2, cap, rows, ROWS_NAME(r));
+  }
+  attention_case(70, 48, 2, 1, 1, "1 row, 2 heads");
   attention_case(130, 64, 3, 1, 1, "1 row, 3 heads");
   attention_case(33, 128, 1, 1, 1, "1 row, 1 head");
   attention_same_bits();
@@ -1765,6 +1814,8 @@ GPU_TEST(cuda_op_layernorm, (ot_begin(), ops_layernorm(), ot_end()))
 GPU_TEST(cuda_op_softmax, (ot_begin(), ops_softmax(), ot_end()))
 GPU_TEST(cuda_op_permute, (ot_begin(), ops_permute(), ot_end()))
 GPU_TEST(cuda_op_attention, (ot_begin(), ops_attention(), ot_end()))
+GPU_TEST(cuda_op_attention_tensor_cores,
+         (ot_begin_precision(DT_PREC_BF16, 1e-2), ops_attention_tensor_cores(), ot_end()))
 GPU_TEST(cuda_transformer_grads_same_bits_every_run, (ot_begin(), transformer_grads_same_bits(), ot_end()))
 GPU_TEST(cuda_op_bias, (ot_begin(), ops_bias(), ot_end()))
 GPU_TEST(cuda_op_conv, (ot_begin(), ops_conv(), ot_end()))
@@ -1848,6 +1899,7 @@ int main(void) {
       cmocka_unit_test(cuda_op_softmax),
       cmocka_unit_test(cuda_op_permute),
       cmocka_unit_test(cuda_op_attention),
+      cmocka_unit_test(cuda_op_attention_tensor_cores),
       cmocka_unit_test(cuda_transformer_grads_same_bits_every_run),
       cmocka_unit_test(cuda_op_bias),
       cmocka_unit_test(cuda_op_conv),

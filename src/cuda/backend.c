@@ -5,7 +5,8 @@
  * (everything else, through kernels/).
  * train.precision sets the math of GEMMs and convolutions: fp32 (FMA, no TF32: results follow the
  * CPU reference to float rounding), tf32, or bf16/fp16 (GEMM inputs rounded on tensor cores;
- * convolution operands copied to 16-bit NHWC); accumulation, storage and every other op stay FP32.
+ * convolution operands copied to 16-bit NHWC; under bf16 from compute capability 8.0 the fused
+ * attention's tile products too); accumulation, storage and every other op stay FP32.
  * All work is queued on one stream and no op waits on the host, so a training step can be
  * captured as a CUDA graph (capture_begin/capture_end/replay; a buffer outgrown mid-capture is
  * retired until the stream drains, and the generation bump makes the owner capture again).
@@ -304,6 +305,10 @@ dt_backend *backend_cuda_create(int device, int precision) {
   im->device = device;
   im->precision = precision;
   CUDA_CHECK(cudaSetDevice(device));
+  int major = 0, minor = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  im->cc = major * 10 + minor;
   CUDA_CHECK(cudaStreamCreateWithFlags(&im->stream, cudaStreamNonBlocking));
   CUBLAS_CHECK(cublasCreate(&im->blas));
   CUBLAS_CHECK(cublasSetStream(im->blas, im->stream));

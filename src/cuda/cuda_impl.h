@@ -32,7 +32,8 @@ typedef struct {
 typedef struct {
   dt_backend *be; /* owner: its generation is bumped when an internal buffer moves */
   int device;
-  int precision; /* DT_PREC_*: the math of GEMMs and convolutions */
+  int precision; /* DT_PREC_*: the math of GEMMs, convolutions and the fused attention's products */
+  int cc;        /* the device's compute capability, major * 10 + minor */
   cudaStream_t stream;
   cublasHandle_t blas;
   cudnnHandle_t dnn;

@@ -560,8 +560,10 @@ void run_kernel(const gpusim_launch_desc *d, void *task) {
   b->task = task;
   b->n = (int)(d->block.x * d->block.y * d->block.z);
   b->rng = Rng(next_seed());
-  if (e.dyn.size() < d->smem) e.dyn.resize(d->smem);
-  b->dyn = e.dyn.data();
+  // 16 bytes past a 64-byte boundary: the alignment of the element type, no more, is what a kernel may
+  // count on (one that wants more rounds its pointer up)
+  if (e.dyn.size() < d->smem + 80) e.dyn.resize(d->smem + 80);
+  b->dyn = reinterpret_cast<char *>(((uintptr_t)e.dyn.data() + 63) / 64 * 64 + 16);
   gpusim_now.block_dim = d->block;
   gpusim_now.grid_dim = d->grid;
   e.active = true;
@@ -666,6 +668,12 @@ extern "C" void gpusim_check_atomic(const void *p, size_t bytes, const char *wha
     describe_running_kernel(here, sizeof here);
     fatal("%s: %s on %p, which is neither device nor shared memory (%s)", here, what, p, describe_address(p).c_str());
   }
+}
+
+extern "C" void gpusim_kernel_error(const char *what) {
+  char here[512] = "";
+  describe_running_kernel(here, sizeof here);
+  fatal("%s: %s", here, what);
 }
 
 extern "C" void *gpusim_dynamic_shared(void) {

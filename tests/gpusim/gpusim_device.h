@@ -18,9 +18,11 @@
 // declare __shared__ variables must be static, which is good practice for headers anyway.)
 #define __shared__ static __attribute__((section("gpusim_shared"), aligned(16)))
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #include <tuple>
@@ -128,6 +130,110 @@ static inline int __any_sync(unsigned mask, int p) {
 static inline unsigned __ballot_sync(unsigned mask, int p) {
   return (unsigned)gpusim_warp_op(GPUSIM_VOTE_BALLOT, mask, p != 0, 4, 0, 32);
 }
+
+// bfloat16: the toolkit's own cuda_bf16.h (its host code: __float2bfloat16_rn rounds to nearest
+// even), included above.
+
+// Warp matrix operations (mma.h's nvcuda::wmma), 16x16x16 with bfloat16 inputs and FP32
+// accumulators, as tensor cores run them from compute capability 8.0. CUDA leaves the mapping of a
+// fragment's elements to lanes unspecified; here every lane holds the whole tile (x[r * cols + c]),
+// so a kernel that applies one operation to every element, as CUDA allows, gets the same result,
+// and the products are exact and summed in FP32 in k order. Each operation is warp-wide: every
+// lane of a full warp must call it with the same pointer and leading dimension, the pointer
+// 256-bit aligned and the leading dimension a multiple of 16 bytes, or the program stops.
+namespace nvcuda {
+namespace wmma {
+struct matrix_a;
+struct matrix_b;
+struct accumulator;
+struct row_major;
+struct col_major;
+enum layout_t { mem_row_major, mem_col_major };
+
+template <class Use, int M, int N, int K, class T, class Layout = void>
+struct fragment {
+  static_assert(M == 16 && N == 16 && K == 16, "the stand-in models the 16x16x16 shape only");
+  static_assert(std::is_same<Use, accumulator>::value
+                    ? std::is_same<T, float>::value && std::is_void<Layout>::value
+                    : std::is_same<T, __nv_bfloat16>::value && !std::is_void<Layout>::value,
+                "the stand-in models bfloat16 matrix_a/matrix_b fragments with a layout and float accumulators");
+  enum { num_elements = 256 };
+  T x[num_elements];
+};
+
+namespace detail {
+// The warp-wide checks of every operation (what names it).
+template <class T>
+inline void collective(const T *p, unsigned ldm, const char *what) {
+  const int64_t threads = (int64_t)blockDim.x * blockDim.y * blockDim.z;
+  const int64_t tid = threadIdx.x + (int64_t)blockDim.x * (threadIdx.y + (int64_t)blockDim.y * threadIdx.z);
+  char msg[256];
+  if (threads - tid / 32 * 32 < 32) {
+    snprintf(msg, sizeof msg, "%s in a partial warp: warp matrix operations need all 32 lanes", what);
+    gpusim_kernel_error(msg);
+  }
+  __syncwarp();  // every lane arrives
+  if (!p) return;
+  if ((uintptr_t)p % 32 || (ldm * sizeof(T)) % 16) {
+    snprintf(msg, sizeof msg,
+             "%s with pointer %p and leading dimension %u: the pointer must be 256-bit aligned and the leading "
+             "dimension a multiple of 16 bytes",
+             what, (const void *)p, ldm);
+    gpusim_kernel_error(msg);
+  }
+  unsigned long long mine = (unsigned long long)(uintptr_t)p;
+  if (__shfl_sync(0xffffffffu, mine, 0) != mine || __shfl_sync(0xffffffffu, ldm, 0) != ldm) {
+    snprintf(msg, sizeof msg, "%s: the lanes of a warp passed different pointers or leading dimensions", what);
+    gpusim_kernel_error(msg);
+  }
+}
+}  // namespace detail
+
+template <class Use, class Layout>
+inline void load_matrix_sync(fragment<Use, 16, 16, 16, __nv_bfloat16, Layout> &f, const __nv_bfloat16 *p,
+                             unsigned ldm) {
+  detail::collective(p, ldm, "wmma::load_matrix_sync");
+  const bool row = std::is_same<Layout, row_major>::value;
+  for (int r = 0; r < 16; r++)
+    for (int c = 0; c < 16; c++) f.x[r * 16 + c] = row ? p[(size_t)r * ldm + c] : p[(size_t)c * ldm + r];
+}
+inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float> &f, const float *p, unsigned ldm,
+                             layout_t layout) {
+  detail::collective(p, ldm, "wmma::load_matrix_sync");
+  for (int r = 0; r < 16; r++)
+    for (int c = 0; c < 16; c++)
+      f.x[r * 16 + c] = layout == mem_row_major ? p[(size_t)r * ldm + c] : p[(size_t)c * ldm + r];
+}
+inline void store_matrix_sync(float *p, const fragment<accumulator, 16, 16, 16, float> &f, unsigned ldm,
+                              layout_t layout) {
+  detail::collective(p, ldm, "wmma::store_matrix_sync");
+  for (int r = 0; r < 16; r++)
+    for (int c = 0; c < 16; c++)
+      (layout == mem_row_major ? p[(size_t)r * ldm + c] : p[(size_t)c * ldm + r]) = f.x[r * 16 + c];
+}
+template <class Use, class T, class Layout>
+inline void fill_fragment(fragment<Use, 16, 16, 16, T, Layout> &f, T v) {
+  detail::collective<T>(nullptr, 0, "wmma::fill_fragment");
+  for (int i = 0; i < 256; i++) f.x[i] = v;
+}
+// d = a b + c (d may be c).
+template <class LA, class LB>
+inline void mma_sync(fragment<accumulator, 16, 16, 16, float> &d,
+                     const fragment<matrix_a, 16, 16, 16, __nv_bfloat16, LA> &a,
+                     const fragment<matrix_b, 16, 16, 16, __nv_bfloat16, LB> &b,
+                     const fragment<accumulator, 16, 16, 16, float> &c) {
+  detail::collective<float>(nullptr, 0, "wmma::mma_sync");
+  float out[256];
+  for (int r = 0; r < 16; r++)
+    for (int col = 0; col < 16; col++) {
+      float sum = c.x[r * 16 + col];
+      for (int k = 0; k < 16; k++) sum += __bfloat162float(a.x[r * 16 + k]) * __bfloat162float(b.x[k * 16 + col]);
+      out[r * 16 + col] = sum;
+    }
+  memcpy(d.x, out, sizeof out);
+}
+}  // namespace wmma
+}  // namespace nvcuda
 
 // Atomics: the threads of the stand-in never run at the same moment, so each is a checked
 // read-modify-write of device or shared memory.

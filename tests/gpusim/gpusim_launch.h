@@ -53,6 +53,9 @@ enum {
 uint64_t gpusim_warp_op(int kind, unsigned mask, uint64_t value, int size, int arg, int width);
 /* Checks that an atomic's address is device or shared memory. */
 void gpusim_check_atomic(const void *p, size_t bytes, const char *what);
+/* Stops the program: a kernel broke a rule of the programming model (what), named with the kernel,
+ * block and thread. */
+void gpusim_kernel_error(const char *what);
 /* The dynamic shared memory of the running block. */
 void *gpusim_dynamic_shared(void);
 /* Puts the stand-in's device-memory fault handler back in front of any installed since. */
