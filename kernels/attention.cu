@@ -4,7 +4,8 @@
 // maximum and sum (online softmax) and writes lse = max + log sum; backward computes the
 // probabilities again from lse. dq is a kernel of its own (a block per query tile) rather than
 // atomics from the key tiles: no atomics, the same bits on every run. Causal tiles above the
-// diagonal are skipped. FP32 on CUDA cores; dropout masks are the dropout op's, element
+// diagonal are skipped. FP32 on CUDA cores, or the tile products on tensor cores under bf16 (the second
+// half of this file); dropout masks are the dropout op's, element
 // (h * T + i) * T + j of the probabilities. q, k, v, o are read and written where the layer keeps them
 // (backend.h's dt_attention_geom: rows of a head strided by ld), so no permute runs around the kernels.
 #include <math.h>
@@ -358,7 +359,7 @@ __global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 #define ATTN_TENSOR_CORES 1
 #else
-#define ATTN_TENSOR_CORES 0  // sm_75: the host never picks these kernels there (tc_supported)
+#define ATTN_TENSOR_CORES 0  // their bodies trap: the host asks first (k_attention_tensor_cores_built)
 #endif
 
 typedef __nv_bfloat16 bfloat;
@@ -373,7 +374,8 @@ static __device__ __forceinline__ int width16(int hd) {
 // (WMMA needs 256-bit aligned tiles; every region's size is a multiple of 32 bytes).
 struct shared_regions {
   char *at;
-  __device__ explicit shared_regions(void *base) : at((char *)(((uintptr_t)base + 127) / 128 * 128)) {}
+  // offset from base, not a pointer made from an integer: the compiler keeps knowing it is shared memory
+  __device__ explicit shared_regions(void *base) : at((char *)base + ((0u - (unsigned)(uintptr_t)base) & 127u)) {}
   template <class T>
   __device__ T *take(int64_t n) {
     T *p = (T *)at;
@@ -677,6 +679,13 @@ static attn_geom make_geom(const dt_attention_geom *a) {
   } while (0)
 
 extern "C" {
+
+cudaError_t k_attention_tensor_cores_built(int *built) {
+  cudaFuncAttributes fa;
+  cudaError_t err = cudaFuncGetAttributes(&fa, (const void *)attn_fwd_tc_kernel<1>);
+  *built = err == cudaSuccess && fa.ptxVersion >= 80;
+  return err;
+}
 
 cudaError_t k_attention_fwd(cudaStream_t s, const dt_attention_geom *a, int tensor_cores, const float *q,
                             const float *k, const float *v, float *o, float *lse) {

@@ -112,6 +112,9 @@ void k_permute(cudaStream_t s, const float *x, float *y, int ndim, const int64_t
  * opting its kernels in to the shared memory they take (the launches' are cudaGetLastError's). No
  * atomics: the same bits on every run. tensor_cores: the tile products in bfloat16 on tensor cores
  * (compute capability 8.0 and later only), else FP32. */
+/* *built: whether the device runs the tensor-core kernels as built (their code compiled from PTX for
+ * compute capability 8.0 or later: a build whose newest PTX is older has them trap even on an 8.0 GPU). */
+cudaError_t k_attention_tensor_cores_built(int *built);
 cudaError_t k_attention_fwd(cudaStream_t s, const dt_attention_geom *g, int tensor_cores, const float *q,
                             const float *k, const float *v, float *o, float *lse);
 cudaError_t k_attention_bwd(cudaStream_t s, const dt_attention_geom *g, int tensor_cores, const float *q,

@@ -501,10 +501,8 @@ class GpuPrecision(GpuCase):
             self.assertLess(got[-10:].mean(), 0.6 * got[0], prec)  # and it learns
             self.assertNotIn("overflowed", out, prec)  # fp16's scale needs no backoff on this model
 
-    def test_each_precision_trains_a_gpt_near_fp32_on_the_cpu(self):
-        """A small GPT (its attention GEMMs strided-batched in the reduced precision, the rest fp32) for
-        30 steps on one rank in tf32, bf16 and fp16 against fp32 on the CPU: the first 3 losses within
-        1e-2 relative, the mean of the last 5 within 2%, and each learns."""
+    def small_gpt(self):
+        """A 1-block GPT over 64 rows of 9 tokens (heads of 8 values); returns its config's path."""
         rng = np.random.default_rng(3)
         rows = [[int(rng.integers(20))] for _ in range(64)]
         for r in rows:
@@ -527,6 +525,13 @@ class GpuPrecision(GpuCase):
             log: {{every_steps: 1}}
             checkpoint: {{dir: ""}}
             """)
+        return cfg
+
+    def test_each_precision_trains_a_gpt_near_fp32_on_the_cpu(self):
+        """A small GPT (its fused attention's products on tensor cores in bf16, FP32 in tf32 and fp16; the
+        rest as the precision says) for 30 steps on one rank in tf32, bf16 and fp16 against fp32 on the
+        CPU: the first 3 losses within 1e-2 relative, the mean of the last 5 within 2%, and each learns."""
+        cfg = self.small_gpt()
         rc, out, err = run([cfg, "--device", "cpu", "--set", f"log.dir={self.w.file('cpu')}"])
         self.assertEqual(rc, 0, out + err)
         cpu = np.array(self.losses("cpu"))
@@ -540,6 +545,22 @@ class GpuPrecision(GpuCase):
             self.assertLess(abs(got[-5:].mean() - cpu[-5:].mean()) / cpu[-5:].mean(), 0.02, (prec, got, cpu))
             self.assertLess(got[-5:].mean(), 0.7 * got[0], prec)
             self.assertGreater(np.abs(got - cpu).max(), 0, prec)  # the reduced precision really rounds
+
+    def test_bf16_attention_uses_tensor_cores_only_where_the_build_has_them(self):
+        """bf16 runs the fused attention's tensor-core kernels on a GPU of 8.0 or later; where the build's
+        code for it comes from older PTX (GPUSIM_PTX=7.5 on a 9.0 GPU), those kernels would trap, and
+        the FP32 ones run instead. fp16 keeps the FP32 ones. Two steps each, kernels from the stand-in's
+        profile."""
+        cfg = self.small_gpt()
+        for prec, ptx, tc in (("bf16", "", True), ("bf16", "7.5", False), ("fp16", "", False)):
+            env = dict(ENV1, GPUSIM_PROFILE="1", **({"GPUSIM_PTX": ptx} if ptx else {}))
+            rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", f"train.precision={prec}", "--set",
+                                    "train.max_steps=2", "--set", f"log.dir={self.w.file('tc' + prec + ptx)}"], 1, env)
+            self.assertEqual(rc, 0, out + err)
+            kernels = set(re.findall(r"^\s*(attn_\w+_kernel)<", err, re.M))
+            want = {"attn_fwd_tc_kernel", "attn_bwd_kv_tc_kernel", "attn_bwd_q_tc_kernel"} if tc else \
+                {"attn_fwd_kernel", "attn_bwd_kv_kernel", "attn_bwd_q_kernel"}
+            self.assertEqual(kernels, want, (prec, ptx, err[-2000:]))
 
     def fp16_run(self, sub, steps, np_=1, env=ENV1, fault=None, extra=(), resume=False):
         cfg = self.w.config(GPU_CNN, dropout="dropout: {p: 0.2}")

@@ -309,6 +309,7 @@ dt_backend *backend_cuda_create(int device, int precision) {
   CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   im->cc = major * 10 + minor;
+  if (precision == DT_PREC_BF16 && im->cc >= 80) CUDA_CHECK(k_attention_tensor_cores_built(&im->attention_tc));
   CUDA_CHECK(cudaStreamCreateWithFlags(&im->stream, cudaStreamNonBlocking));
   CUBLAS_CHECK(cublasCreate(&im->blas));
   CUBLAS_CHECK(cublasSetStream(im->blas, im->stream));

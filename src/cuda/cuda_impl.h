@@ -34,6 +34,7 @@ typedef struct {
   int device;
   int precision; /* DT_PREC_*: the math of GEMMs, convolutions and the fused attention's products */
   int cc;        /* the device's compute capability, major * 10 + minor */
+  int attention_tc; /* the fused attention's products on tensor cores: bf16, 8.0 or later, code built for it */
   cudaStream_t stream;
   cublasHandle_t blas;
   cudnnHandle_t dnn;

@@ -248,23 +248,17 @@ static void check_attention_geom(const dt_attention_geom *g) {
   CHECK_INDEXABLE(g->b * g->t * g->ld_o);
 }
 
-/* bf16 puts the kernels' tile products on tensor cores (WMMA with bfloat16 inputs: compute capability
- * 8.0 and later), as it does the GEMMs'; fp16 keeps them FP32. */
-static int attention_tensor_cores(const cuda_impl *im) {
-  return im->precision == DT_PREC_BF16 && im->cc >= 80;
-}
-
 void cuda_attention_fwd(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.attention_fwd) *q = &op->p.attention_fwd;
   const dt_attention_geom *g = &q->g;
   check_attention_geom(g);
-  CUDA_CHECK(k_attention_fwd(im->stream, g, attention_tensor_cores(im), q->q, q->k, q->v, q->o, q->lse));
+  CUDA_CHECK(k_attention_fwd(im->stream, g, im->attention_tc, q->q, q->k, q->v, q->o, q->lse));
 }
 
 void cuda_attention_bwd(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.attention_bwd) *q = &op->p.attention_bwd;
   const dt_attention_geom *g = &q->g;
   check_attention_geom(g);
-  CUDA_CHECK(k_attention_bwd(im->stream, g, attention_tensor_cores(im), q->q, q->k, q->v, q->o, q->lse, q->dout,
-                             q->delta, q->dq, q->dk, q->dv));
+  CUDA_CHECK(k_attention_bwd(im->stream, g, im->attention_tc, q->q, q->k, q->v, q->o, q->lse, q->dout, q->delta, q->dq,
+                             q->dk, q->dv));
 }

@@ -129,6 +129,17 @@ void init_locked() {
         cfg.cc_minor < 0 || cfg.cc_minor > 9)
       fatal("GPUSIM_CC=%s: expected a compute capability such as 8.0 or 9.0", cc);
   }
+  cfg.ptx_version = cfg.cc_major * 10 + cfg.cc_minor;  // as if built for the device
+  const char *ptx = getenv("GPUSIM_PTX");
+  if (ptx && *ptx) {
+    int major = 0, minor = 0;
+    char rest;
+    if (sscanf(ptx, "%d.%d%c", &major, &minor, &rest) != 2 || major < 1 || minor < 0 || minor > 9 ||
+        major * 10 + minor > cfg.cc_major * 10 + cfg.cc_minor)
+      fatal("GPUSIM_PTX=%s: expected a compute capability such as 7.5, at most the devices' %d.%d", ptx, cfg.cc_major,
+            cfg.cc_minor);
+    cfg.ptx_version = major * 10 + minor;
+  }
   // CUDA_VISIBLE_DEVICES: a comma list of device numbers; parsing stops at the first invalid one
   const char *vis = getenv("CUDA_VISIBLE_DEVICES");
   if (vis) {

@@ -65,6 +65,7 @@ struct Config {
   uint64_t seed;           // GPUSIM_SEED (default 1): block, thread and completion orders
   const char *nccl_fault;  // GPUSIM_NCCL_FAULT: "init@RANK" or "hang@RANK" (tests)
   int cc_major, cc_minor;  // GPUSIM_CC (default "9.0"): the devices' compute capability
+  int ptx_version;         // GPUSIM_PTX (default the devices'): the PTX the kernels' code is compiled from
   int rank;                // OMPI_COMM_WORLD_RANK or -1, for messages
 };
 const Config &config();

@@ -223,11 +223,12 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float> &d,
                      const fragment<matrix_b, 16, 16, 16, __nv_bfloat16, LB> &b,
                      const fragment<accumulator, 16, 16, 16, float> &c) {
   detail::collective<float>(nullptr, 0, "wmma::mma_sync");
-  float out[256];
+  float fa[256], fbt[256], out[256];  // a, and b transposed, widened once
+  for (int i = 0; i < 256; i++) fa[i] = __bfloat162float(a.x[i]), fbt[i % 16 * 16 + i / 16] = __bfloat162float(b.x[i]);
   for (int r = 0; r < 16; r++)
     for (int col = 0; col < 16; col++) {
       float sum = c.x[r * 16 + col];
-      for (int k = 0; k < 16; k++) sum += __bfloat162float(a.x[r * 16 + k]) * __bfloat162float(b.x[k * 16 + col]);
+      for (int k = 0; k < 16; k++) sum += fa[r * 16 + k] * fbt[col * 16 + k];
       out[r * 16 + col] = sum;
     }
   memcpy(d.x, out, sizeof out);

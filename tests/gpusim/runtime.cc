@@ -751,6 +751,19 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t sh, cudaEvent_t h, unsigned flags) 
   return ret(enqueue_wait(s, e->stream, e->seq, e->clock));
 }
 
+// What a kernel was built as: PTX and machine code of GPUSIM_PTX (a build whose newest PTX is older
+// than the GPU, compiled by the driver), its shared memory limits and block size.
+cudaError_t cudaFuncGetAttributes(cudaFuncAttributes *attr, const void *fn) {
+  ApiLock lock;
+  if (!attr || !fn) return ret(cudaErrorInvalidValue);
+  memset(attr, 0, sizeof *attr);
+  attr->sharedSizeBytes = static_shared_bytes();
+  attr->maxThreadsPerBlock = 1024;
+  attr->ptxVersion = attr->binaryVersion = config().ptx_version;
+  attr->maxDynamicSharedSizeBytes = max_dynamic_shared(fn);
+  return cudaSuccess;
+}
+
 cudaError_t cudaFuncSetAttribute(const void *fn, cudaFuncAttribute attr, int value) {
   ApiLock lock;
   if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize) {
