@@ -193,6 +193,30 @@ static __device__ __forceinline__ void attn_softmax_tile(const attn_geom &g, uin
   }
 }
 
+// The forward's rows before any key tile: nothing seen (m = -inf, l = 0, acc = 0).
+template <int COLS>
+static __device__ __forceinline__ void attn_rows_start(float m[kRows], float l[kRows], float acc[kRows][COLS]) {
+  zero_rows<COLS>(acc);
+  UNROLL
+  for (int a = 0; a < kRows; a++) m[a] = -INFINITY, l[a] = 0.0f;
+}
+
+// The forward's rows after the last key tile: lse = m + log l, o = acc / l.
+template <int COLS>
+static __device__ __forceinline__ void attn_rows_finish(const attn_geom &g, int64_t head, int64_t i0,
+                                                        const float m[kRows], const float l[kRows],
+                                                        const float acc[kRows][COLS], float *o, float *lse) {
+  const int tx = thread_x(), ty = thread_y();
+  float inv[kRows];
+  UNROLL
+  for (int a = 0; a < kRows; a++) {
+    inv[a] = l[a] > 0 ? 1.0f / l[a] : 0.0f;
+    int64_t i = i0 + ty + kSide * a;
+    if (tx == 0 && i < g.t) lse[head * g.t + i] = m[a] + logf(l[a]);
+  }
+  store_rows<COLS>(o + head_offset(g, head, g.ld_o), g.ld_o, acc, inv, i0, g.t, g.hd);
+}
+
 // Forward: a block per (head, query tile): shared q, k, v tiles (kTile, hd + 1) and the probabilities
 // (kTile, kScoreLd).
 template <int COLS>
@@ -200,15 +224,13 @@ __global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
     attn_fwd_kernel(const float *q, const float *k, const float *v, float *o, float *lse, const uint64_t *step_seed,
                     attn_geom g) {
   DYNAMIC_SHARED(float, smem);
-  const int ld = g.hd + 1, tx = thread_x(), ty = thread_y();
+  const int ld = g.hd + 1;
   float *sq = smem, *sk = sq + kTile * ld, *sv = sk + kTile * ld, *sp = sv + kTile * ld;
   const int64_t head = blockIdx.x / g.tiles, i0 = (blockIdx.x % g.tiles) * kTile, in = head_offset(g, head, g.ld);
   const uint64_t seed = g.p > 0 ? dt_hash64(g.layer_seed ^ *step_seed) : 0;
   load_tile(sq, q + in, g.ld, i0, g.t, g.hd, ld);
   float m[kRows], l[kRows], acc[kRows][COLS];
-  zero_rows<COLS>(acc);
-  UNROLL
-  for (int a = 0; a < kRows; a++) m[a] = -INFINITY, l[a] = 0.0f;
+  attn_rows_start<COLS>(m, l, acc);
   const int64_t end = g.causal && i0 + kTile < g.t ? i0 + kTile : g.t;
   for (int64_t j0 = 0; j0 < end; j0 += kTile) {
     __syncthreads();  // the last tile's readers are done with sk, sv, sp
@@ -221,14 +243,7 @@ __global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
     __syncthreads();
     tile_py<COLS>(sp, 0, sv, g.hd, ld, acc);
   }
-  float inv[kRows];
-  UNROLL
-  for (int a = 0; a < kRows; a++) {
-    inv[a] = l[a] > 0 ? 1.0f / l[a] : 0.0f;
-    int64_t i = i0 + ty + kSide * a;
-    if (tx == 0 && i < g.t) lse[head * g.t + i] = m[a] + logf(l[a]);
-  }
-  store_rows<COLS>(o + head_offset(g, head, g.ld_o), g.ld_o, acc, inv, i0, g.t, g.hd);
+  attn_rows_finish<COLS>(g, head, i0, m, l, acc, o, lse);
 }
 
 // delta (B*H*T) = each row's dout . o; a thread per row.
@@ -500,9 +515,7 @@ __global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
   const uint64_t seed = g.p > 0 ? dt_hash64(g.layer_seed ^ *step_seed) : 0;
   load_tile16(sq, q + in, g.ld, i0, g.t, g.hd);
   float m[kRows], l[kRows], acc[kRows][COLS];
-  zero_rows<COLS>(acc);
-  UNROLL
-  for (int a = 0; a < kRows; a++) m[a] = -INFINITY, l[a] = 0.0f;
+  attn_rows_start<COLS>(m, l, acc);
   const int64_t end = g.causal && i0 + kTile < g.t ? i0 + kTile : g.t;
   for (int64_t j0 = 0; j0 < end; j0 += kTile) {
     __syncthreads();  // the last tile's readers are done with sk, sv, ss
@@ -529,14 +542,7 @@ __global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
       }
     }
   }
-  float inv[kRows];
-  UNROLL
-  for (int a = 0; a < kRows; a++) {
-    inv[a] = l[a] > 0 ? 1.0f / l[a] : 0.0f;
-    int64_t i = i0 + ty + kSide * a;
-    if (tx == 0 && i < g.t) lse[head * g.t + i] = m[a] + logf(l[a]);
-  }
-  store_rows<COLS>(o + head_offset(g, head, g.ld_o), g.ld_o, acc, inv, i0, g.t, g.hd);
+  attn_rows_finish<COLS>(g, head, i0, m, l, acc, o, lse);
 #else
   __trap();
 #endif

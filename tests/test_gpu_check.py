@@ -76,9 +76,10 @@ class GpuCheck(unittest.TestCase):
         self.assertEqual(len(rows), 8, stages["bench"]["tables"])  # 5 cases, the first step, 2 GPT rows
         self.assertGreater(stages["fmnist"]["val_acc"], 0.2)  # 12 steps from 10 classes' chance of 0.1
         self.assertEqual(stages["fmnist"]["steps"], 12)
-        # the GPT row's kernels, the fused attention's among them (the stand-in's CPU time: plumbing only)
+        # the GPT row's kernels, the fused attention's on tensor cores (bf16) among them (the stand-in's CPU
+        # time: plumbing only)
         kernels = [r.split(" | ")[0].strip("| ") for r in stages["profile"]["kernels"]]
-        self.assertIn("attn_fwd_kernel<2>", kernels)
+        self.assertIn("attn_fwd_tc_kernel<2>", kernels)
         self.assertRegex(stages["profile"]["kernels"][0], r"^\| \S+ \| \d+ \| [\d.]+ \| [\d.]+% \| [\d.]+ \|$")
         md = open(os.path.join(out, "summary.md")).read()
         self.assertIn("| stage | status | seconds | details |", md)
