@@ -24,7 +24,7 @@ static inline size_t dt_attention_shared(int kernel, int64_t hd) {
 /* The same for the tensor-core kernels (train.precision bf16): (tile, hd16 + 8) bfloat16 tiles of q, k,
  * v (and dout) with hd16 = hd rounded up to 16; (tile, tile + 4) FP32 score tiles, which also stage
  * (tile, hd16 + 4) outputs; (tile, tile + 8) bfloat16 probability tiles; lse and delta; and 128 bytes
- * to align the start. At most 121 KiB, and no more than dt_attention_shared's from hd 48 on: wherever
+ * to align the start. At most 89 KiB for heads of up to 64 values and 121 KiB for wider ones: wherever
  * the FP32 kernels fit a GPU of compute capability 8.0 or later (99 KiB a block or more), these fit
  * too (tests/test_gpu.c), so the pick (dt_attention_fits) need not know the precision. */
 static inline size_t dt_attention_shared_tc(int kernel, int64_t hd) {
