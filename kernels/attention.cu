@@ -152,7 +152,8 @@ static __device__ __forceinline__ bool attn_visible(const attn_geom &g, int64_t 
 static __device__ __forceinline__ void put(float *p, float v) {
   *p = v;
 }
-static __device__ __forceinline__ void put(__nv_bfloat16 *p, float v) {
+// (unreferenced in the pre-8.0 pass, where the tensor-core kernels trap)
+[[maybe_unused]] static __device__ __forceinline__ void put(__nv_bfloat16 *p, float v) {
   *p = __float2bfloat16_rn(v);
 }
 
@@ -381,7 +382,7 @@ typedef __nv_bfloat16 bfloat;
 typedef nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> acc_frag;
 enum { kWarps = kBlock / 32, kSld = kTile + 4, kPld = kTile + 8 };  // row strides of score and p tiles
 
-static __device__ __forceinline__ int width16(int hd) {
+[[maybe_unused]] static __device__ __forceinline__ int width16(int hd) {
   return (hd + 15) / 16 * 16;
 }
 
@@ -496,6 +497,21 @@ static __device__ __forceinline__ void read_scores(const float *tile, float s[kR
   }
 }
 
+// attn_scores_bwd on tensor cores: q k^T into ss and dout v^T into sdp (both (kTile, kTile), FP32), then
+// p (when sp is not NULL) and ds as bfloat16 of row stride kPld. Ends without a barrier: the caller
+// syncs before reading sp or sds.
+static __device__ void tc_scores_bwd(const attn_geom &g, uint64_t seed, int64_t head, int64_t i0, int64_t j0,
+                                     const bfloat *sq, const bfloat *sdo, const bfloat *sk, const bfloat *sv,
+                                     const float *sl, const float *sd, float *ss, float *sdp, bfloat *sp, bfloat *sds) {
+  tc_xyt(sq, sk, g.hd, ss);
+  tc_xyt(sdo, sv, g.hd, sdp);
+  __syncthreads();
+  float s[kRows][kRows], dp[kRows][kRows];
+  read_scores(ss, s);
+  read_scores(sdp, dp);
+  attn_ds_tile(g, seed, head, i0, j0, s, dp, sl, sd, sp, sds, kPld);
+}
+
 #endif
 
 template <int COLS>
@@ -576,13 +592,7 @@ __global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
     load_tile16(sdo, dout + out, g.ld_o, i0, g.t, g.hd);
     load_row_stats(sl, sd, lse, delta, head, i0, g.t);
     __syncthreads();
-    tc_xyt(sq, sk, g.hd, ss);
-    tc_xyt(sdo, sv, g.hd, sdp);
-    __syncthreads();
-    float s[kRows][kRows], dp[kRows][kRows];
-    read_scores(ss, s);
-    read_scores(sdp, dp);
-    attn_ds_tile(g, seed, head, i0, j0, s, dp, sl, sd, sp, sds, kPld);
+    tc_scores_bwd(g, seed, head, i0, j0, sq, sdo, sk, sv, sl, sd, ss, sdp, sp, sds);
     __syncthreads();
     tc_py<1, FR>(sp, sdo, g.hd, dv_f);  // dv_j += sum_i p_ij dout_i
     tc_py<1, FR>(sds, sq, g.hd, dk_f);  // dk_j += sum_i ds_ij q_i
@@ -628,13 +638,7 @@ __global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
     load_tile16(sk, k + in, g.ld, j0, g.t, g.hd);
     load_tile16(sv, v + in, g.ld, j0, g.t, g.hd);
     __syncthreads();
-    tc_xyt(sq, sk, g.hd, ss);
-    tc_xyt(sdo, sv, g.hd, sdp);
-    __syncthreads();
-    float s[kRows][kRows], dp[kRows][kRows];
-    read_scores(ss, s);
-    read_scores(sdp, dp);
-    attn_ds_tile(g, seed, head, i0, j0, s, dp, sl, sd, (bfloat *)NULL, sds, kPld);
+    tc_scores_bwd(g, seed, head, i0, j0, sq, sdo, sk, sv, sl, sd, ss, sdp, NULL, sds);
     __syncthreads();
     tc_py<0, FR>(sds, sk, g.hd, dq_f);  // dq_i += sum_j ds_ij k_j
   }
