@@ -25,6 +25,26 @@ __global__ void bias_grad_kernel(const float *dy, float *db, int64_t b, int64_t 
   if (threadIdx.x == 0) db[ch] += (float)acc;
 }
 
+// The dense layers' dy (b, c) (s = 1), where one block per channel would read one float of every
+// 32-byte sector: blocks of kBiasCols consecutive channels by kBiasLanes row lanes, so that a warp reads
+// 4 rows of 8 floats, one sector each. Each lane sums rows lane, lane + kBiasLanes, ..., the lanes'
+// sums then add in a fixed tree: the same bits every run.
+enum { kBiasCols = 8, kBiasLanes = kThreads / kBiasCols };
+__global__ void bias_grad_rows_kernel(const float *dy, float *db, int64_t b, int64_t c) {
+  __shared__ double lane_sums[kThreads];
+  const int col = threadIdx.x % kBiasCols, lane = threadIdx.x / kBiasCols;
+  const int64_t ch = (int64_t)blockIdx.x * kBiasCols + col;
+  double acc = 0;
+  if (ch < c)
+    for (int64_t r = lane; r < b; r += kBiasLanes) acc += dy[r * c + ch];
+  lane_sums[threadIdx.x] = acc;
+  for (int half = kBiasLanes / 2; half > 0; half /= 2) {
+    __syncthreads();
+    if (lane < half) lane_sums[threadIdx.x] += lane_sums[threadIdx.x + half * kBiasCols];
+  }
+  if (lane == 0 && ch < c) db[ch] += (float)lane_sums[threadIdx.x];
+}
+
 __device__ __forceinline__ float gelu(float x) {
   return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
 }
@@ -147,7 +167,10 @@ void k_fill_rows(cudaStream_t s, float *y, const float *bias, int64_t m, int64_t
 }
 
 void k_bias_grad(cudaStream_t s, const float *dy, float *db, int64_t b, int64_t c, int64_t sp) {
-  LAUNCH(bias_grad_kernel, (unsigned)c, kThreads, 0, s)(dy, db, b, c, make_fast_div(sp));
+  if (sp == 1)
+    LAUNCH(bias_grad_rows_kernel, (unsigned)((c + kBiasCols - 1) / kBiasCols), kThreads, 0, s)(dy, db, b, c);
+  else
+    LAUNCH(bias_grad_kernel, (unsigned)c, kThreads, 0, s)(dy, db, b, c, make_fast_div(sp));
 }
 
 void k_act_fwd(cudaStream_t s, int kind, const float *x, float *y, int64_t n) {

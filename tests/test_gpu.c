@@ -535,6 +535,17 @@ static void ops_bias(void) {
       ot_check("db (added into)", db, rows ? C : 0);
     }
   }
+  // a dense layer's (rows, c): several blocks of 8 channels, the last one partial, and every row lane
+  // summing several rows
+  const int64_t rows = 301, wide = 37;
+  dbuf dy = ot_rand(rows * wide, -1, 1), db = ot_rand(wide, -1, 1);
+  ot_case(DT_OP_BIAS_GRAD, "dense (%lld, %lld)", (long long)rows, (long long)wide);
+  BOTH {
+    dt_op op = {.type = DT_OP_BIAS_GRAD};
+    op.p.bias_grad = (typeof(op.p.bias_grad)){.b = rows, .c = wide, .s = 1, .dy = F(dy), .db = F(db)};
+    RUN(op);
+  }
+  ot_check("db (added into)", db, wide);
 }
 
 static dt_conv_geom conv_geom(int64_t b, int64_t c, int64_t h, int64_t w, int64_t o, int64_t k, int64_t stride,
