@@ -535,9 +535,9 @@ static void ops_bias(void) {
       ot_check("db (added into)", db, rows ? C : 0);
     }
   }
-  // a dense layer's (rows, c): several blocks of 8 channels, the last one partial, and every row lane
-  // summing several rows
-  const int64_t rows = 301, wide = 37;
+  // a dense layer's (rows, c): several blocks of 8 channels, the last one partial, and every one of the
+  // 128 row lanes summing rows four at a time and one at a time
+  const int64_t rows = 128 * 9 + 77, wide = 37;
   dbuf dy = ot_rand(rows * wide, -1, 1), db = ot_rand(wide, -1, 1);
   ot_case(DT_OP_BIAS_GRAD, "dense (%lld, %lld)", (long long)rows, (long long)wide);
   BOTH {
