@@ -500,7 +500,7 @@ static __device__ __forceinline__ void read_scores(const float *tile, float s[kR
 // attn_scores_bwd on tensor cores: q k^T into ss and dout v^T into sdp (both (kTile, kTile), FP32), then
 // p (when sp is not NULL) and ds as bfloat16 of row stride kPld. Ends without a barrier: the caller
 // syncs before reading sp or sds.
-static __device__ void tc_scores_bwd(const attn_geom &g, uint64_t seed, int64_t head, int64_t i0, int64_t j0,
+static __device__ __forceinline__ void tc_scores_bwd(const attn_geom &g, uint64_t seed, int64_t head, int64_t i0, int64_t j0,
                                      const bfloat *sq, const bfloat *sdo, const bfloat *sk, const bfloat *sv,
                                      const float *sl, const float *sd, float *ss, float *sdp, bfloat *sp, bfloat *sds) {
   tc_xyt(sq, sk, g.hd, ss);
