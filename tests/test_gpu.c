@@ -1818,6 +1818,52 @@ static void transformer_grads_same_bits(void) {
   }
 }
 
+/* Under bf16 a backward data right after the backward filter of the same dy takes the 16-bit copy of
+ * dy that the first packed; a copy or another op between them, here one that changes dy (a new dy
+ * copied in, dy doubled), makes it pack again. Either way dx has the bits of a backend that packs dy
+ * itself. */
+static void conv16_reuses_dy_only_back_to_back(void) {
+  dt_conv_geom g = conv_geom(2, 8, 6, 6, 16, 3, 1, 1);
+  const int64_t nx = g.b * g.c * g.h * g.w, nw = g.o * g.c * g.k * g.k, ny = g.b * g.o * g.ho * g.wo;
+  dt_backend *fast = backend_cuda_create(0, DT_PREC_BF16), *ref = backend_cuda_create(0, DT_PREC_BF16);
+  float *hx = ot_host_rand(nx, -1, 1), *hw = ot_host_rand(nw, -1, 1),
+        *hdy[3] = {ot_host_rand(ny, -1, 1), ot_host_rand(ny, -1, 1), NULL};
+  hdy[2] = calloc((size_t)ny, 4);
+  for (int64_t i = 0; i < ny; i++) hdy[2][i] = 2 * hdy[0][i];
+  float *x = fast->alloc(fast, (size_t)nx * 4), *w = fast->alloc(fast, (size_t)nw * 4);
+  float *dy = fast->alloc(fast, (size_t)ny * 4), *dw = fast->alloc(fast, (size_t)nw * 4);
+  float *dx = fast->alloc(fast, (size_t)nx * 4), *rw = ref->alloc(ref, (size_t)nw * 4);
+  float *rdy = ref->alloc(ref, (size_t)ny * 4), *rdx = ref->alloc(ref, (size_t)nx * 4);
+  float *got = calloc((size_t)nx, 4), *want = calloc((size_t)nx, 4);
+  fast->to_device(fast, x, hx, (size_t)nx * 4);
+  fast->to_device(fast, w, hw, (size_t)nw * 4);
+  ref->to_device(ref, rw, hw, (size_t)nw * 4);
+  static const char *how[] = {"the same", "a copied", "a doubled"};
+  for (int changed = 0; changed < 3; changed++) {
+    fast->to_device(fast, dy, hdy[0], (size_t)ny * 4);
+    dt_op k = {.type = DT_OP_CONV_BWD_FILTER, .p.conv_bwd_filter = {.g = g, .x = x, .dy = dy, .dw = dw}};
+    backend_run(fast, &k);
+    if (changed == 1) fast->to_device(fast, dy, hdy[1], (size_t)ny * 4);
+    if (changed == 2) backend_run(fast, &(dt_op){.type = DT_OP_SCALE, .p.scale = {.n = ny, .alpha = 2, .x = dy}});
+    int64_t reuses = backend_cuda_dy16_reuses(fast);
+    dt_op d = {.type = DT_OP_CONV_BWD_DATA, .p.conv_bwd_data = {.g = g, .dy = dy, .w = w, .dx = dx}};
+    backend_run(fast, &d);
+    ref->to_device(ref, rdy, hdy[changed], (size_t)ny * 4);
+    dt_op r = {.type = DT_OP_CONV_BWD_DATA, .p.conv_bwd_data = {.g = g, .dy = rdy, .w = rw, .dx = rdx}};
+    backend_run(ref, &r);
+    fast->to_host(fast, got, dx, (size_t)nx * 4);
+    ref->to_host(ref, want, rdx, (size_t)nx * 4);
+    if (backend_cuda_dy16_reuses(fast) - reuses != !changed)
+      fail_msg("%s dy: %lld packs of dy skipped", how[changed], (long long)(backend_cuda_dy16_reuses(fast) - reuses));
+    for (int64_t i = 0; i < nx; i++)
+      if (memcmp(&got[i], &want[i], 4))
+        fail_msg("%s dy: dx[%lld] = %.9g, packed afresh %.9g", how[changed], (long long)i, got[i], want[i]);
+  }
+  free(hx), free(hw), free(hdy[0]), free(hdy[1]), free(hdy[2]), free(got), free(want);
+  fast->destroy(fast);
+  ref->destroy(ref);
+}
+
 GPU_TEST(cuda_op_gemm, (ot_begin(), ops_gemm(), ot_end()))
 GPU_TEST(cuda_op_gemm_batched, (ot_begin(), ops_gemm_batched(), ot_end()))
 GPU_TEST(cuda_op_embed, (ot_begin(), ops_embed(), ot_end()))
@@ -1830,6 +1876,7 @@ GPU_TEST(cuda_op_attention_tensor_cores,
 GPU_TEST(cuda_transformer_grads_same_bits_every_run, (ot_begin(), transformer_grads_same_bits(), ot_end()))
 GPU_TEST(cuda_op_bias, (ot_begin(), ops_bias(), ot_end()))
 GPU_TEST(cuda_op_conv, (ot_begin(), ops_conv(), ot_end()))
+GPU_TEST(cuda_conv16_reuses_dy_only_back_to_back, conv16_reuses_dy_only_back_to_back())
 GPU_TEST(cuda_op_batchnorm, (ot_begin(), ops_batchnorm(), ot_end()))
 GPU_TEST(cuda_op_activation, (ot_begin(), ops_activation(), ot_end()))
 GPU_TEST(cuda_op_pool, (ot_begin(), ops_pool(), ot_end()))
@@ -1914,6 +1961,7 @@ int main(void) {
       cmocka_unit_test(cuda_transformer_grads_same_bits_every_run),
       cmocka_unit_test(cuda_op_bias),
       cmocka_unit_test(cuda_op_conv),
+      cmocka_unit_test(cuda_conv16_reuses_dy_only_back_to_back),
       cmocka_unit_test(cuda_op_batchnorm),
       cmocka_unit_test(cuda_op_activation),
       cmocka_unit_test(cuda_op_pool),

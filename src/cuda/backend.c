@@ -127,6 +127,7 @@ static void stage_copy(cuda_impl *im, void *dst, const void *src, size_t bytes, 
 }
 
 static void cuda_upload(dt_backend *be, void *dst, const void *src, size_t bytes) {
+  cuda_forget_dy16(be->impl);
   if (bytes) stage_copy(be->impl, dst, src, bytes, 0);
 }
 
@@ -135,6 +136,7 @@ static void cuda_upload(dt_backend *be, void *dst, const void *src, size_t bytes
  * stream waits for it before the work queued next. */
 static void cuda_upload_ahead(dt_backend *be, void *dst, const void *src, size_t bytes) {
   cuda_impl *im = be->impl;
+  cuda_forget_dy16(im);
   if (!bytes) return;
   CUDA_CHECK(cudaStreamWaitEvent(im->copy, im->cleared, 0));
   stage_copy(im, dst, src, bytes, 1);
@@ -187,6 +189,8 @@ static const cuda_op_fn cuda_ops[DT_OP_COUNT] = {
 /* Queues the op on the stream; a kernel launch that failed is reported as it returns. */
 static void cuda_run(dt_backend *be, const dt_op *op) {
   DT_ASSERT(op->type >= 0 && op->type < DT_OP_COUNT);
+  /* a backward data may reuse the 16-bit dy that the backward filter before it packed */
+  if (op->type != DT_OP_CONV_BWD_DATA) cuda_forget_dy16(be->impl);
   cuda_ops[op->type](be->impl, op);
   CUDA_CHECK(cudaGetLastError());
 }
@@ -213,6 +217,7 @@ static void cuda_free(dt_backend *be, void *p) {
  * stream, so host buffers may be reused at once. */
 static void cuda_copy_bytes(dt_backend *be, void *dst, const void *src, size_t bytes) {
   cuda_impl *im = be->impl;
+  cuda_forget_dy16(im);
   if (!bytes) return;
   CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, im->stream));
   CUDA_CHECK(cudaStreamSynchronize(im->stream));
@@ -220,6 +225,7 @@ static void cuda_copy_bytes(dt_backend *be, void *dst, const void *src, size_t b
 
 static void cuda_zero(dt_backend *be, void *p, size_t bytes) {
   cuda_impl *im = be->impl;
+  cuda_forget_dy16(im);
   CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, im->stream));
 }
 
@@ -231,6 +237,7 @@ static void cuda_sync(dt_backend *be) {
 static void cuda_capture_begin(dt_backend *be) {
   cuda_impl *im = be->impl;
   DT_ASSERT(!im->capturing);
+  cuda_forget_dy16(im); /* what was packed before the capture is not in the graph */
   CUDA_CHECK(cudaStreamBeginCapture(im->stream, cudaStreamCaptureModeRelaxed));
   im->capturing = 1;
 }
@@ -238,6 +245,7 @@ static void cuda_capture_begin(dt_backend *be) {
 static void *cuda_capture_end(dt_backend *be) {
   cuda_impl *im = be->impl;
   DT_ASSERT(im->capturing);
+  cuda_forget_dy16(im);
   cudaGraph_t graph = NULL;
   im->capturing = 0;
   CUDA_CHECK(cudaStreamEndCapture(im->stream, &graph));
@@ -249,6 +257,7 @@ static void *cuda_capture_end(dt_backend *be) {
 
 static void cuda_replay(dt_backend *be, void *graph) {
   cuda_impl *im = be->impl;
+  cuda_forget_dy16(im); /* the graph's convolutions reuse h16 */
   CUDA_CHECK(cudaGraphLaunch((cudaGraphExec_t)graph, im->stream));
 }
 
@@ -297,6 +306,10 @@ static void cuda_destroy(dt_backend *be) {
   free(im->blocks);
   free(im);
   free(be);
+}
+
+int64_t backend_cuda_dy16_reuses(const dt_backend *be) {
+  return ((const cuda_impl *)be->impl)->dy16_reuses;
 }
 
 dt_backend *backend_cuda_create(int device, int precision) {

@@ -45,6 +45,12 @@ typedef struct {
   size_t workspace_bytes;
   uint16_t *h16; /* device: a convolution's operands in 16 bits (bf16, fp16) */
   size_t h16_bytes;
+  /* The dy whose 16-bit copy a backward filter just left in h16 (at dy16_at, for dy16_geom), for the
+   * backward data right after it; NULL once any other op or copy has run (cuda_forget_dy16). */
+  const float *dy16_of;
+  const uint16_t *dy16_at;
+  dt_conv_geom dy16_geom;
+  int64_t dy16_reuses; /* packs of dy skipped so far */
   double *partials; /* device: per-block or per-sample pairs, summed in a fixed order */
   size_t partials_bytes;
   char *stage;              /* pinned host staging for upload(): two halves of stage_half bytes */
@@ -85,6 +91,8 @@ void cuda_conv_free(cuda_impl *im);
 /* conv.c: plans convolution g now (kept), and raises *workspace and *h16 to the cuDNN workspace and
  * the 16-bit operands (train.precision bf16, fp16) it needs. */
 void cuda_conv_scratch(cuda_impl *im, const dt_conv_geom *g, size_t *workspace, size_t *h16);
+/* conv.c: the held 16-bit dy may be stale from here on (any op but a backward data, any copy). */
+void cuda_forget_dy16(cuda_impl *im);
 /* ops.c: the bytes of partial sums (im->partials) op needs; 0 for an op without them. */
 size_t cuda_partials_bytes(const dt_op *op);
 
