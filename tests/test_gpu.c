@@ -555,7 +555,8 @@ static dt_conv_geom conv_geom(int64_t b, int64_t c, int64_t h, int64_t w, int64_
 
 static void ops_conv(void) {
   /* (c, h, w, o, k, stride, pad) */
-  const int64_t geoms[][7] = {{3, 8, 8, 4, 3, 2, 1}, {2, 7, 6, 3, 3, 1, 1}, {3, 6, 6, 5, 1, 2, 0}};
+  /* the last: channels and positions past a 32 x 32 tile of the 16-bit copies' transposes */
+  const int64_t geoms[][7] = {{3, 8, 8, 4, 3, 2, 1}, {2, 7, 6, 3, 3, 1, 1}, {3, 6, 6, 5, 1, 2, 0}, {40, 7, 6, 36, 1, 1, 0}};
   FOR_ROWS(r) {
     for (size_t gi = 0; gi < sizeof geoms / sizeof *geoms; gi++) {
       const int64_t *q = geoms[gi];
@@ -1876,6 +1877,9 @@ GPU_TEST(cuda_op_attention_tensor_cores,
 GPU_TEST(cuda_transformer_grads_same_bits_every_run, (ot_begin(), transformer_grads_same_bits(), ot_end()))
 GPU_TEST(cuda_op_bias, (ot_begin(), ops_bias(), ot_end()))
 GPU_TEST(cuda_op_conv, (ot_begin(), ops_conv(), ot_end()))
+/* 16 bits: the operands' NHWC copies (kernels/convert.cu) and cuDNN on them, against FP32 on the CPU */
+GPU_TEST(cuda_op_conv_bf16, (ot_begin_precision(DT_PREC_BF16, 1e-2), ops_conv(), ot_end()))
+GPU_TEST(cuda_op_conv_fp16, (ot_begin_precision(DT_PREC_FP16, 2e-3), ops_conv(), ot_end()))
 GPU_TEST(cuda_conv16_reuses_dy_only_back_to_back, conv16_reuses_dy_only_back_to_back())
 GPU_TEST(cuda_op_batchnorm, (ot_begin(), ops_batchnorm(), ot_end()))
 GPU_TEST(cuda_op_activation, (ot_begin(), ops_activation(), ot_end()))
@@ -1961,6 +1965,8 @@ int main(void) {
       cmocka_unit_test(cuda_transformer_grads_same_bits_every_run),
       cmocka_unit_test(cuda_op_bias),
       cmocka_unit_test(cuda_op_conv),
+      cmocka_unit_test(cuda_op_conv_bf16),
+      cmocka_unit_test(cuda_op_conv_fp16),
       cmocka_unit_test(cuda_conv16_reuses_dy_only_back_to_back),
       cmocka_unit_test(cuda_op_batchnorm),
       cmocka_unit_test(cuda_op_activation),
