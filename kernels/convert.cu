@@ -52,7 +52,58 @@ __device__ static inline float from_half(uint16_t h) {
   return bits_float(sign | ((e + 112u) << 23) | (m << 13));
 }
 
-// x (B, C, S) FP32 -> y (B, S, C) 16-bit; i runs over y
+// Where C > 1 and S > 1 each image is a transpose, (C, S) <-> (S, C): a block moves a 32 x 32 tile
+// through shared memory (rows of 33 against bank conflicts), so that both sides are read and written
+// along their contiguous dimension. Thread t is column t % 32 of rows t / 32, t / 32 + 8, ...; grid
+// (S tiles, C tiles, images), images past gridDim.z taken in turn.
+enum { kSide32 = 32, kTileRowsAtOnce = kThreads / kSide32 };
+
+// x (B, C, S) FP32 -> y (B, S, C) 16-bit
+__global__ void pack16_tiled_kernel(const float *x, uint16_t *y, int64_t b, int64_t c, int64_t s, int bf16) {
+  __shared__ float tile[kSide32][kSide32 + 1];
+  const int col = threadIdx.x % kSide32, row0 = threadIdx.x / kSide32;
+  const int64_t c0 = (int64_t)blockIdx.y * kSide32, s0 = (int64_t)blockIdx.x * kSide32;
+  for (int64_t img = blockIdx.z; img < b; img += gridDim.z) {
+    const float *xi = x + img * c * s;
+    uint16_t *yi = y + img * s * c;
+    __syncthreads();  // the last image's tile is read
+    for (int r = row0; r < kSide32; r += kTileRowsAtOnce)
+      if (c0 + r < c && s0 + col < s) tile[r][col] = xi[(c0 + r) * s + s0 + col];  // tile[c][s]
+    __syncthreads();
+    for (int r = row0; r < kSide32; r += kTileRowsAtOnce)
+      if (s0 + r < s && c0 + col < c) {
+        float v = tile[col][r];
+        yi[(s0 + r) * c + c0 + col] = bf16 ? to_bf16(v) : to_half(v);
+      }
+  }
+}
+
+// y (B, S, C) 16-bit -> x (B, C, S) FP32, added when accumulate
+__global__ void unpack16_tiled_kernel(const uint16_t *y, float *x, int64_t b, int64_t c, int64_t s, int bf16,
+                                      int accumulate) {
+  __shared__ float tile[kSide32][kSide32 + 1];
+  const int col = threadIdx.x % kSide32, row0 = threadIdx.x / kSide32;
+  const int64_t c0 = (int64_t)blockIdx.y * kSide32, s0 = (int64_t)blockIdx.x * kSide32;
+  for (int64_t img = blockIdx.z; img < b; img += gridDim.z) {
+    const uint16_t *yi = y + img * s * c;
+    float *xi = x + img * c * s;
+    __syncthreads();
+    for (int r = row0; r < kSide32; r += kTileRowsAtOnce)
+      if (s0 + r < s && c0 + col < c) {  // tile[s][c]
+        uint16_t h = yi[(s0 + r) * c + c0 + col];
+        tile[r][col] = bf16 ? bits_float((uint32_t)h << 16) : from_half(h);
+      }
+    __syncthreads();
+    for (int r = row0; r < kSide32; r += kTileRowsAtOnce)
+      if (c0 + r < c && s0 + col < s) {
+        float *at = xi + (c0 + r) * s + s0 + col;
+        *at = accumulate ? *at + tile[col][r] : tile[col][r];
+      }
+  }
+}
+
+// C = 1 or S = 1 (the first layer's image, a 1 x 1 output): both layouts are the same, read and
+// written in order. x (B, C, S) FP32 -> y (B, S, C) 16-bit; i runs over y
 __global__ void pack16_kernel(const float *x, uint16_t *y, int64_t n, fast_div c_div, fast_div s_div, int bf16) {
   GRID_STRIDE(i, n) {
     uint32_t bs = div_by((uint32_t)i, c_div), c = (uint32_t)i - bs * c_div.d;
@@ -62,7 +113,7 @@ __global__ void pack16_kernel(const float *x, uint16_t *y, int64_t n, fast_div c
   }
 }
 
-// y (B, S, C) 16-bit -> x (B, C, S) FP32, added when accumulate; i runs over x
+// y (B, S, C) 16-bit -> x (B, C, S) FP32, added when accumulate; i runs over x (C = 1 or S = 1)
 __global__ void unpack16_kernel(const uint16_t *y, float *x, int64_t n, fast_div c_div, fast_div s_div, int bf16,
                                 int accumulate) {
   GRID_STRIDE(i, n) {
@@ -76,17 +127,29 @@ __global__ void unpack16_kernel(const uint16_t *y, float *x, int64_t n, fast_div
 
 extern "C" {
 
+// The tiled kernels' grid: S tiles, C tiles, and images up to the grid's z limit.
+static dim3 tile_grid(int64_t b, int64_t c, int64_t sp) {
+  return dim3((unsigned)((sp + kSide32 - 1) / kSide32), (unsigned)((c + kSide32 - 1) / kSide32),
+              (unsigned)(b < 65535 ? b : 65535));
+}
+
 void k_pack16(cudaStream_t s, const float *x, uint16_t *y, int64_t b, int64_t c, int64_t sp, int bf16) {
   int64_t n = b * c * sp;
   if (!n) return;
-  LAUNCH(pack16_kernel, blocks_for(n), kThreads, 0, s)(x, y, n, make_fast_div(c), make_fast_div(sp), bf16);
+  if (c > 1 && sp > 1)
+    LAUNCH(pack16_tiled_kernel, tile_grid(b, c, sp), kThreads, 0, s)(x, y, b, c, sp, bf16);
+  else
+    LAUNCH(pack16_kernel, blocks_for(n), kThreads, 0, s)(x, y, n, make_fast_div(c), make_fast_div(sp), bf16);
 }
 
 void k_unpack16(cudaStream_t s, const uint16_t *y, float *x, int64_t b, int64_t c, int64_t sp, int bf16,
                 int accumulate) {
   int64_t n = b * c * sp;
   if (!n) return;
-  LAUNCH(unpack16_kernel, blocks_for(n), kThreads, 0, s)
+  if (c > 1 && sp > 1)
+    LAUNCH(unpack16_tiled_kernel, tile_grid(b, c, sp), kThreads, 0, s)(y, x, b, c, sp, bf16, accumulate);
+  else
+    LAUNCH(unpack16_kernel, blocks_for(n), kThreads, 0, s)
   (y, x, n, make_fast_div(c), make_fast_div(sp), bf16, accumulate);
 }
 
