@@ -54,52 +54,47 @@ __device__ static inline float from_half(uint16_t h) {
 
 // Where C > 1 and S > 1 each image is a transpose, (C, S) <-> (S, C): a block moves a 32 x 32 tile
 // through shared memory (rows of 33 against bank conflicts), so that both sides are read and written
-// along their contiguous dimension. Thread t is column t % 32 of rows t / 32, t / 32 + 8, ...; grid
-// (S tiles, C tiles, images), images past gridDim.z taken in turn.
+// along their contiguous dimension. Thread t is column t % 32 of tile rows t / 32, t / 32 + 8, ...
 enum { kSide32 = 32, kTileRowsAtOnce = kThreads / kSide32 };
+
+// For each of b images: source (rows, cols) -> destination (cols, rows), load(img, i, j) giving source
+// element (i, j) and store(img, j, i, v) writing destination element (j, i). Grid (col tiles, row
+// tiles, images), images past gridDim.z taken in turn.
+template <class Load, class Store>
+static __device__ void transpose_tiles(int64_t b, int64_t rows, int64_t cols, Load load, Store store) {
+  __shared__ float tile[kSide32][kSide32 + 1];
+  const int col = threadIdx.x % kSide32, row0 = threadIdx.x / kSide32;
+  const int64_t i0 = (int64_t)blockIdx.y * kSide32, j0 = (int64_t)blockIdx.x * kSide32;
+  for (int64_t img = blockIdx.z; img < b; img += gridDim.z) {
+    __syncthreads();  // the last image's tile is read
+    for (int r = row0; r < kSide32; r += kTileRowsAtOnce)
+      if (i0 + r < rows && j0 + col < cols) tile[r][col] = load(img, i0 + r, j0 + col);
+    __syncthreads();
+    for (int r = row0; r < kSide32; r += kTileRowsAtOnce)
+      if (j0 + r < cols && i0 + col < rows) store(img, j0 + r, i0 + col, tile[col][r]);
+  }
+}
 
 // x (B, C, S) FP32 -> y (B, S, C) 16-bit
 __global__ void pack16_tiled_kernel(const float *x, uint16_t *y, int64_t b, int64_t c, int64_t s, int bf16) {
-  __shared__ float tile[kSide32][kSide32 + 1];
-  const int col = threadIdx.x % kSide32, row0 = threadIdx.x / kSide32;
-  const int64_t c0 = (int64_t)blockIdx.y * kSide32, s0 = (int64_t)blockIdx.x * kSide32;
-  for (int64_t img = blockIdx.z; img < b; img += gridDim.z) {
-    const float *xi = x + img * c * s;
-    uint16_t *yi = y + img * s * c;
-    __syncthreads();  // the last image's tile is read
-    for (int r = row0; r < kSide32; r += kTileRowsAtOnce)
-      if (c0 + r < c && s0 + col < s) tile[r][col] = xi[(c0 + r) * s + s0 + col];  // tile[c][s]
-    __syncthreads();
-    for (int r = row0; r < kSide32; r += kTileRowsAtOnce)
-      if (s0 + r < s && c0 + col < c) {
-        float v = tile[col][r];
-        yi[(s0 + r) * c + c0 + col] = bf16 ? to_bf16(v) : to_half(v);
-      }
-  }
+  transpose_tiles(
+      b, c, s, [=](int64_t img, int64_t i, int64_t j) { return x[(img * c + i) * s + j]; },
+      [=](int64_t img, int64_t j, int64_t i, float v) { y[(img * s + j) * c + i] = bf16 ? to_bf16(v) : to_half(v); });
 }
 
 // y (B, S, C) 16-bit -> x (B, C, S) FP32, added when accumulate
 __global__ void unpack16_tiled_kernel(const uint16_t *y, float *x, int64_t b, int64_t c, int64_t s, int bf16,
                                       int accumulate) {
-  __shared__ float tile[kSide32][kSide32 + 1];
-  const int col = threadIdx.x % kSide32, row0 = threadIdx.x / kSide32;
-  const int64_t c0 = (int64_t)blockIdx.y * kSide32, s0 = (int64_t)blockIdx.x * kSide32;
-  for (int64_t img = blockIdx.z; img < b; img += gridDim.z) {
-    const uint16_t *yi = y + img * s * c;
-    float *xi = x + img * c * s;
-    __syncthreads();
-    for (int r = row0; r < kSide32; r += kTileRowsAtOnce)
-      if (s0 + r < s && c0 + col < c) {  // tile[s][c]
-        uint16_t h = yi[(s0 + r) * c + c0 + col];
-        tile[r][col] = bf16 ? bits_float((uint32_t)h << 16) : from_half(h);
-      }
-    __syncthreads();
-    for (int r = row0; r < kSide32; r += kTileRowsAtOnce)
-      if (c0 + r < c && s0 + col < s) {
-        float *at = xi + (c0 + r) * s + s0 + col;
-        *at = accumulate ? *at + tile[col][r] : tile[col][r];
-      }
-  }
+  transpose_tiles(
+      b, s, c,
+      [=](int64_t img, int64_t i, int64_t j) {
+        uint16_t h = y[(img * s + i) * c + j];
+        return bf16 ? bits_float((uint32_t)h << 16) : from_half(h);
+      },
+      [=](int64_t img, int64_t j, int64_t i, float v) {
+        float *at = x + (img * c + j) * s + i;
+        *at = accumulate ? *at + v : v;
+      });
 }
 
 // C = 1 or S = 1 (the first layer's image, a 1 x 1 output): both layouts are the same, read and
@@ -127,9 +122,9 @@ __global__ void unpack16_kernel(const uint16_t *y, float *x, int64_t n, fast_div
 
 extern "C" {
 
-// The tiled kernels' grid: S tiles, C tiles, and images up to the grid's z limit.
-static dim3 tile_grid(int64_t b, int64_t c, int64_t sp) {
-  return dim3((unsigned)((sp + kSide32 - 1) / kSide32), (unsigned)((c + kSide32 - 1) / kSide32),
+// transpose_tiles' grid for b images of (rows, cols): images up to the grid's z limit.
+static dim3 tile_grid(int64_t b, int64_t rows, int64_t cols) {
+  return dim3((unsigned)((cols + kSide32 - 1) / kSide32), (unsigned)((rows + kSide32 - 1) / kSide32),
               (unsigned)(b < 65535 ? b : 65535));
 }
 
@@ -147,7 +142,7 @@ void k_unpack16(cudaStream_t s, const uint16_t *y, float *x, int64_t b, int64_t 
   int64_t n = b * c * sp;
   if (!n) return;
   if (c > 1 && sp > 1)
-    LAUNCH(unpack16_tiled_kernel, tile_grid(b, c, sp), kThreads, 0, s)(y, x, b, c, sp, bf16, accumulate);
+    LAUNCH(unpack16_tiled_kernel, tile_grid(b, sp, c), kThreads, 0, s)(y, x, b, c, sp, bf16, accumulate);
   else
     LAUNCH(unpack16_kernel, blocks_for(n), kThreads, 0, s)
   (y, x, n, make_fast_div(c), make_fast_div(sp), bf16, accumulate);
