@@ -57,36 +57,41 @@ __device__ static inline float from_half(uint16_t h) {
 // along their contiguous dimension. Thread t is column t % 32 of tile rows t / 32, t / 32 + 8, ...
 enum { kSide32 = 32, kTileRowsAtOnce = kThreads / kSide32 };
 
+typedef float tile32[kSide32 + 1];
+
 // For each of b images: source (rows, cols) -> destination (cols, rows), load(img, i, j) giving source
-// element (i, j) and store(img, j, i, v) writing destination element (j, i). Grid (col tiles, row
-// tiles, images), images past gridDim.z taken in turn.
+// element (i, j) and store(img, j, i, v) writing destination element (j, i); tile: the kernel's
+// (32, 33) shared tile (declared there, where the stand-in places and checks shared memory). Grid
+// (col tiles, row tiles, images) up to the grid's y and z limits, the rest taken in turn.
 template <class Load, class Store>
-static __device__ void transpose_tiles(int64_t b, int64_t rows, int64_t cols, Load load, Store store) {
-  __shared__ float tile[kSide32][kSide32 + 1];
+static __device__ void transpose_tiles(tile32 *tile, int64_t b, int64_t rows, int64_t cols, Load load, Store store) {
   const int col = threadIdx.x % kSide32, row0 = threadIdx.x / kSide32;
-  const int64_t i0 = (int64_t)blockIdx.y * kSide32, j0 = (int64_t)blockIdx.x * kSide32;
-  for (int64_t img = blockIdx.z; img < b; img += gridDim.z) {
-    __syncthreads();  // the last image's tile is read
-    for (int r = row0; r < kSide32; r += kTileRowsAtOnce)
-      if (i0 + r < rows && j0 + col < cols) tile[r][col] = load(img, i0 + r, j0 + col);
-    __syncthreads();
-    for (int r = row0; r < kSide32; r += kTileRowsAtOnce)
-      if (j0 + r < cols && i0 + col < rows) store(img, j0 + r, i0 + col, tile[col][r]);
-  }
+  const int64_t j0 = (int64_t)blockIdx.x * kSide32;
+  for (int64_t img = blockIdx.z; img < b; img += gridDim.z)
+    for (int64_t i0 = (int64_t)blockIdx.y * kSide32; i0 < rows; i0 += (int64_t)gridDim.y * kSide32) {
+      __syncthreads();  // the last tile is read
+      for (int r = row0; r < kSide32; r += kTileRowsAtOnce)
+        if (i0 + r < rows && j0 + col < cols) tile[r][col] = load(img, i0 + r, j0 + col);
+      __syncthreads();
+      for (int r = row0; r < kSide32; r += kTileRowsAtOnce)
+        if (j0 + r < cols && i0 + col < rows) store(img, j0 + r, i0 + col, tile[col][r]);
+    }
 }
 
 // x (B, C, S) FP32 -> y (B, S, C) 16-bit
 __global__ void pack16_tiled_kernel(const float *x, uint16_t *y, int64_t b, int64_t c, int64_t s, int bf16) {
+  __shared__ tile32 tile[kSide32];
   transpose_tiles(
-      b, c, s, [=](int64_t img, int64_t i, int64_t j) { return x[(img * c + i) * s + j]; },
+      tile, b, c, s, [=](int64_t img, int64_t i, int64_t j) { return x[(img * c + i) * s + j]; },
       [=](int64_t img, int64_t j, int64_t i, float v) { y[(img * s + j) * c + i] = bf16 ? to_bf16(v) : to_half(v); });
 }
 
 // y (B, S, C) 16-bit -> x (B, C, S) FP32, added when accumulate
 __global__ void unpack16_tiled_kernel(const uint16_t *y, float *x, int64_t b, int64_t c, int64_t s, int bf16,
                                       int accumulate) {
+  __shared__ tile32 tile[kSide32];
   transpose_tiles(
-      b, s, c,
+      tile, b, s, c,
       [=](int64_t img, int64_t i, int64_t j) {
         uint16_t h = y[(img * s + i) * c + j];
         return bf16 ? bits_float((uint32_t)h << 16) : from_half(h);
@@ -122,9 +127,11 @@ __global__ void unpack16_kernel(const uint16_t *y, float *x, int64_t n, fast_div
 
 extern "C" {
 
-// transpose_tiles' grid for b images of (rows, cols): images up to the grid's z limit.
+// transpose_tiles' grid for b images of (rows, cols): row tiles and images up to the grid's y and z
+// limits (cols: C or S of a tensor under 2^31 values, under the x limit as tiles).
 static dim3 tile_grid(int64_t b, int64_t rows, int64_t cols) {
-  return dim3((unsigned)((cols + kSide32 - 1) / kSide32), (unsigned)((rows + kSide32 - 1) / kSide32),
+  int64_t row_tiles = (rows + kSide32 - 1) / kSide32;
+  return dim3((unsigned)((cols + kSide32 - 1) / kSide32), (unsigned)(row_tiles < 65535 ? row_tiles : 65535),
               (unsigned)(b < 65535 ? b : 65535));
 }
 

@@ -1820,9 +1820,9 @@ static void transformer_grads_same_bits(void) {
 }
 
 /* Under bf16 a backward data right after the backward filter of the same dy takes the 16-bit copy of
- * dy that the first packed; a copy or another op between them, here one that changes dy (a new dy
- * copied in, dy doubled), makes it pack again. Either way dx has the bits of a backend that packs dy
- * itself. */
+ * dy that the first packed, once; a copy or another op between them, here one that changes dy (a new
+ * dy copied in, dy doubled), or a backward data of another dy, makes it pack again. Either way dx has
+ * the bits of a backend that packs dy itself. */
 static void conv16_reuses_dy_only_back_to_back(void) {
   dt_conv_geom g = conv_geom(2, 8, 6, 6, 16, 3, 1, 1);
   const int64_t nx = g.b * g.c * g.h * g.w, nw = g.o * g.c * g.k * g.k, ny = g.b * g.o * g.ho * g.wo;
@@ -1834,22 +1834,27 @@ static void conv16_reuses_dy_only_back_to_back(void) {
   float *x = fast->alloc(fast, (size_t)nx * 4), *w = fast->alloc(fast, (size_t)nw * 4);
   float *dy = fast->alloc(fast, (size_t)ny * 4), *dw = fast->alloc(fast, (size_t)nw * 4);
   float *dx = fast->alloc(fast, (size_t)nx * 4), *rw = ref->alloc(ref, (size_t)nw * 4);
+  float *other_dy = fast->alloc(fast, (size_t)ny * 4);
   float *rdy = ref->alloc(ref, (size_t)ny * 4), *rdx = ref->alloc(ref, (size_t)nx * 4);
   float *got = calloc((size_t)nx, 4), *want = calloc((size_t)nx, 4);
   fast->to_device(fast, x, hx, (size_t)nx * 4);
   fast->to_device(fast, w, hw, (size_t)nw * 4);
   ref->to_device(ref, rw, hw, (size_t)nw * 4);
-  static const char *how[] = {"the same", "a copied", "a doubled"};
-  for (int changed = 0; changed < 3; changed++) {
+  fast->to_device(fast, other_dy, hdy[1], (size_t)ny * 4);
+  static const char *how[] = {"the same", "a copied", "a doubled", "after another's backward data, the same"};
+  for (int changed = 0; changed < 4; changed++) {
     fast->to_device(fast, dy, hdy[0], (size_t)ny * 4);
     dt_op k = {.type = DT_OP_CONV_BWD_FILTER, .p.conv_bwd_filter = {.g = g, .x = x, .dy = dy, .dw = dw}};
     backend_run(fast, &k);
     if (changed == 1) fast->to_device(fast, dy, hdy[1], (size_t)ny * 4);
     if (changed == 2) backend_run(fast, &(dt_op){.type = DT_OP_SCALE, .p.scale = {.n = ny, .alpha = 2, .x = dy}});
+    if (changed == 3)
+      backend_run(fast,
+                  &(dt_op){.type = DT_OP_CONV_BWD_DATA, .p.conv_bwd_data = {.g = g, .dy = other_dy, .w = w, .dx = dx}});
     int64_t reuses = backend_cuda_dy16_reuses(fast);
     dt_op d = {.type = DT_OP_CONV_BWD_DATA, .p.conv_bwd_data = {.g = g, .dy = dy, .w = w, .dx = dx}};
     backend_run(fast, &d);
-    ref->to_device(ref, rdy, hdy[changed], (size_t)ny * 4);
+    ref->to_device(ref, rdy, hdy[changed == 3 ? 0 : changed], (size_t)ny * 4);
     dt_op r = {.type = DT_OP_CONV_BWD_DATA, .p.conv_bwd_data = {.g = g, .dy = rdy, .w = rw, .dx = rdx}};
     backend_run(ref, &r);
     fast->to_host(fast, got, dx, (size_t)nx * 4);

@@ -261,6 +261,7 @@ void cuda_conv_bwd_data(cuda_impl *im, const dt_op *op) {
     im->dy16_reuses++;
   else
     k_pack16(im->stream, q->dy, h.y, g->b, g->o, g->ho * g->wo, bf16);
+  cuda_forget_dy16(im); /* one use: another backward data may pack another dy, or lay h16 out otherwise */
   k_pack16(im->stream, q->w, h.w, g->o, g->c, g->k * g->k, bf16);
   CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, h.w, p->y, h.y, p->conv[BWD_DATA],
                                            (cudnnConvolutionBwdDataAlgo_t)p->algo[BWD_DATA], im->workspace,
