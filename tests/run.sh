@@ -55,7 +55,7 @@ if [ -n "${SIM:-}" ]; then
   }
   run_suite gpusim env GPUSIM_DEVICES=2 CMOCKA_MESSAGE_OUTPUT=TAP "$SIM/tests/test_gpusim"
   run_suite gpusim_nccl nccl_checks
-  run_suite test_gpu_on_gpusim env GPUSIM_DEVICES=1 CMOCKA_MESSAGE_OUTPUT=TAP "$SIM/tests/test_gpu"
+  run_suite test_gpu_on_gpusim env GPUSIM_DEVICES=1 GPUSIM_LEAK_CHECK=1 CMOCKA_MESSAGE_OUTPUT=TAP "$SIM/tests/test_gpu"
 fi
 # the libFuzzer harnesses (tests/fuzz), 30 s each from the committed seeds and regressions
 if [ -x build/fuzz/fuzz_config ]; then

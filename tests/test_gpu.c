@@ -1866,6 +1866,9 @@ static void conv16_reuses_dy_only_back_to_back(void) {
         fail_msg("%s dy: dx[%lld] = %.9g, packed afresh %.9g", how[changed], (long long)i, got[i], want[i]);
   }
   free(hx), free(hw), free(hdy[0]), free(hdy[1]), free(hdy[2]), free(got), free(want);
+  float *mine[] = {x, w, dy, dw, dx, other_dy};
+  for (size_t i = 0; i < sizeof mine / sizeof *mine; i++) fast->free(fast, mine[i]);
+  ref->free(ref, rw), ref->free(ref, rdy), ref->free(ref, rdx);
   fast->destroy(fast);
   ref->destroy(ref);
 }

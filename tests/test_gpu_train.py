@@ -546,6 +546,7 @@ class GpuPrecision(GpuCase):
             self.assertLess(got[-5:].mean(), 0.7 * got[0], prec)
             self.assertGreater(np.abs(got - cpu).max(), 0, prec)  # the reduced precision really rounds
 
+    @unittest.skipUnless(SIM, "reads the stand-in's GPUSIM_PROFILE (on a GPU, gpu_check.sh's profile names the kernels)")
     def test_bf16_attention_uses_tensor_cores_only_where_the_build_has_them(self):
         """bf16 runs the fused attention's tensor-core kernels on a GPU of 8.0 or later; where the build's
         code for it comes from older PTX (GPUSIM_PTX=7.5 on a 9.0 GPU), those kernels would trap, and

@@ -90,6 +90,24 @@ void report_memory() {
   if (fclose(f)) fprintf(stderr, "gpusim: GPUSIM_MEMORY_REPORT=%s: %s\n", path, strerror(errno));
 }
 
+// GPUSIM_LEAK_CHECK=1: at exit, each cudaMalloc allocation never freed is reported, and the process
+// exits 1, as compute-sanitizer --leak-check full reports them on a GPU (it found a test's leak there).
+void check_leaks() {
+  Core &c = core();
+  std::lock_guard<std::recursive_mutex> guard(c.lock);
+  size_t n = 0, bytes = 0;
+  for (const auto &[lo, a] : c.by_lo)
+    if (a->live) {
+      fprintf(stderr, "gpusim: leak: allocation #%llu (%zu bytes on device %d) never freed\n",
+              (unsigned long long)a->serial, a->size, a->device);
+      n++, bytes += a->size;
+    }
+  if (!n) return;
+  fprintf(stderr, "gpusim: LEAK SUMMARY: %zu bytes leaked in %zu allocations\n", bytes, n);
+  fflush(nullptr);
+  _exit(1);
+}
+
 void install_handler() {
   Core &c = core();
   // a handler stack, so that a fault on a small thread stack can still be reported
@@ -180,6 +198,8 @@ void init_locked() {
   // several ranks on a machine do not oversubscribe its cores
   openblas_set_num_threads(1);
   if (getenv("GPUSIM_MEMORY_REPORT") && atexit(report_memory)) fatal("atexit failed");
+  const char *leaks = getenv("GPUSIM_LEAK_CHECK");
+  if (leaks && strcmp(leaks, "0") && *leaks && atexit(check_leaks)) fatal("atexit failed");
   c.ready = true;
 }
 
