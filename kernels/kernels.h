@@ -58,8 +58,15 @@ void k_scaler_update(cudaStream_t s, float *scaler, const double *overflow, int6
                      float backoff);
 void k_ema(cudaStream_t s, float *ema, const float *x, int64_t n, float decay);
 
-/* norm.cu: batchnorm over (B, C, S) per channel (sums as backend.h's ops), and layernorm per row */
-void k_bn_stats(cudaStream_t s, const float *x, int64_t b, int64_t c, int64_t sp, double *sums);
+/* norm.cu: batchnorm over (B, C, S) per channel (sums as backend.h's ops), and layernorm per row.
+ * The statistics' sums run over each channel's n = B * S positions in k_bn_chunks(n) chunks, summed into
+ * `partials` (2 * C * k_bn_chunks(n) doubles), then over the chunks in order: no atomics. */
+enum { K_BN_CHUNKS = 64, K_BN_CHUNK_MIN = 4096 };
+static inline int64_t k_bn_chunks(int64_t n) {
+  const int64_t most = K_BN_CHUNKS, chunks = (n + K_BN_CHUNK_MIN - 1) / K_BN_CHUNK_MIN;
+  return chunks < 1 ? 1 : chunks > most ? most : chunks;
+}
+void k_bn_stats(cudaStream_t s, const float *x, int64_t b, int64_t c, int64_t sp, double *sums, double *partials);
 void k_bn_finalize(cudaStream_t s, int64_t c, int training, float momentum, float eps, const double *sums, float *mean,
                    float *invstd, float *running_mean, float *running_var);
 /* relu: the fused relu of backend.h's bn ops (forward applies it; backward masks dy where z <= 0) */
@@ -67,7 +74,7 @@ void k_bn_apply(cudaStream_t s, int relu, const float *x, float *y, int64_t b, i
                 const float *invstd, const float *gamma, const float *beta);
 void k_bn_bwd_stats(cudaStream_t s, int relu, const float *x, const float *dy, int64_t b, int64_t c, int64_t sp,
                     const float *mean, const float *invstd, const float *gamma, const float *beta, double *sums,
-                    float *dgamma, float *dbeta);
+                    float *dgamma, float *dbeta, double *partials);
 void k_bn_bwd_apply(cudaStream_t s, int relu, const float *x, const float *dy, float *dx, int64_t b, int64_t c,
                     int64_t sp, const double *count, const float *mean, const float *invstd, const float *gamma,
                     const float *beta, const double *sums);

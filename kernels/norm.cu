@@ -1,4 +1,4 @@
-// norm.cu: batchnorm over (B, C, S): statistics and their backward in double, one block per channel;
+// norm.cu: batchnorm over (B, C, S): statistics and their backward in double, per chunk of a channel;
 // the statistics turned into mean and 1/std (and the running statistics updated) on the device, so
 // a training step needs no host round trip. Layernorm over the rows of (N, D): one block per row,
 // statistics in double, and dgamma, dbeta summed over chunks of rows in a fixed order (no atomics),
@@ -6,20 +6,40 @@
 #include "common.cuh"
 #include "kernels.h"
 
-// sums (2C + 1): sum(c), sumsq(c), then the count b * sp
-__global__ void bn_stats_kernel(const float *x, int64_t b, int64_t c, fast_div sp, double *sums) {
-  int64_t ch = blockIdx.x;
+// Batchnorm's sums run over the b * sp positions of each channel in chunks (k_bn_split): block (channel,
+// chunk) sums its chunk in double into partials (chunks, 2C); bn_sums_kernel then adds each channel's
+// chunks in order. One block per channel left all but C of an H100's SMs idle (C = 32: 32 blocks, a
+// fifth of the memory bandwidth); no atomics, so every run gives the same bits.
+static __device__ __forceinline__ void bn_chunk(int64_t n, int64_t per, int64_t *r0, int64_t *r1) {
+  *r0 = blockIdx.y * per;
+  *r1 = *r0 + per < n ? *r0 + per : n;
+}
+
+// partials (chunks, 2C): sum(c), sumsq(c) of the chunk
+__global__ void bn_stats_kernel(const float *x, int64_t b, int64_t c, fast_div sp, int64_t per, double *partials) {
+  int64_t ch = blockIdx.x, r0, r1;
+  bn_chunk(b * sp.d, per, &r0, &r1);
   double s1 = 0, s2 = 0;
-  for (int64_t i = threadIdx.x; i < b * sp.d; i += blockDim.x) {
+  for (int64_t i = r0 + threadIdx.x; i < r1; i += blockDim.x) {
     double v = x[channel_offset(i, ch, c, sp)];
     s1 += v;
     s2 += v * v;
   }
   s1 = block_sum(s1);
   s2 = block_sum(s2);
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0) partials[blockIdx.y * 2 * c + ch] = s1, partials[blockIdx.y * 2 * c + c + ch] = s2;
+}
+
+// sums (2C) from partials (chunks, 2C), chunk by chunk; count >= 0 goes to sums[2C] (the forward's);
+// dgamma, dbeta (backward's; NULL in forward) get the sums added
+__global__ void bn_sums_kernel(const double *partials, int64_t chunks, int64_t c, double count, double *sums,
+                               float *dgamma, float *dbeta) {
+  GRID_STRIDE(ch, c) {
+    double s1 = 0, s2 = 0;
+    for (int64_t k = 0; k < chunks; k++) s1 += partials[k * 2 * c + ch], s2 += partials[k * 2 * c + c + ch];
     sums[ch] = s1, sums[c + ch] = s2;
-    if (ch == 0) sums[2 * c] = (double)(b * sp.d);
+    if (dbeta) dbeta[ch] += (float)s1, dgamma[ch] += (float)s2;
+    if (ch == 0 && count >= 0) sums[2 * c] = count;
   }
 }
 
@@ -67,14 +87,16 @@ __device__ __forceinline__ float bn_grad_at_z(int relu, float dy, float x, float
   return !relu || bn_z(x, mean, invstd, gamma, beta) > 0 ? dy : 0.0f;
 }
 
-// sums (2C): sum_dy(c), sum_dy_xhat(c); the local sums are also the parameter gradients' shares
+// partials (chunks, 2C): sum_dy(c), sum_dy_xhat(c) of the chunk; their sums are also the parameter
+// gradients' shares
 __global__ void bn_bwd_stats_kernel(int relu, const float *x, const float *dy, int64_t b, int64_t c, fast_div sp,
-                                    const float *mean, const float *invstd, const float *gamma, const float *beta,
-                                    double *sums, float *dgamma, float *dbeta) {
-  int64_t ch = blockIdx.x;
+                                    int64_t per, const float *mean, const float *invstd, const float *gamma,
+                                    const float *beta, double *partials) {
+  int64_t ch = blockIdx.x, r0, r1;
+  bn_chunk(b * sp.d, per, &r0, &r1);
   double s1 = 0, s2 = 0;
   float m = mean[ch], is = invstd[ch], g = relu ? gamma[ch] : 0.0f, bt = relu ? beta[ch] : 0.0f;
-  for (int64_t i = threadIdx.x; i < b * sp.d; i += blockDim.x) {
+  for (int64_t i = r0 + threadIdx.x; i < r1; i += blockDim.x) {
     int64_t j = channel_offset(i, ch, c, sp);
     float d = bn_grad_at_z(relu, dy[j], x[j], m, is, g, bt);
     s1 += d;
@@ -82,11 +104,7 @@ __global__ void bn_bwd_stats_kernel(int relu, const float *x, const float *dy, i
   }
   s1 = block_sum(s1);
   s2 = block_sum(s2);
-  if (threadIdx.x == 0) {
-    sums[ch] = s1, sums[c + ch] = s2;
-    dbeta[ch] += (float)s1;
-    dgamma[ch] += (float)s2;
-  }
+  if (threadIdx.x == 0) partials[blockIdx.y * 2 * c + ch] = s1, partials[blockIdx.y * 2 * c + c + ch] = s2;
 }
 
 __global__ void bn_bwd_apply_kernel(int relu, const float *x, const float *dy, float *dx, int64_t n, fast_div c,
@@ -179,8 +197,19 @@ __global__ void ln_bwd_params_kernel(const double *partials, int64_t chunks, int
 
 extern "C" {
 
-void k_bn_stats(cudaStream_t s, const float *x, int64_t b, int64_t c, int64_t sp, double *sums) {
-  LAUNCH(bn_stats_kernel, (unsigned)c, kThreads, 0, s)(x, b, c, make_fast_div(sp), sums);
+// chunks of at most k_bn_chunks(n) with none empty: per positions each (n = 0: one empty chunk)
+static dim3 bn_grid(int64_t n, int64_t c, int64_t *per) {
+  int64_t chunks = k_bn_chunks(n);
+  *per = n > 0 ? (n + chunks - 1) / chunks : 1;
+  return dim3((unsigned)c, (unsigned)(n > 0 ? (n + *per - 1) / *per : 1));
+}
+
+void k_bn_stats(cudaStream_t s, const float *x, int64_t b, int64_t c, int64_t sp, double *sums, double *partials) {
+  int64_t per;
+  dim3 grid = bn_grid(b * sp, c, &per);
+  LAUNCH(bn_stats_kernel, grid, kThreads, 0, s)(x, b, c, make_fast_div(sp), per, partials);
+  LAUNCH(bn_sums_kernel, blocks_for(c), kThreads, 0, s)
+  (partials, grid.y, c, (double)(b * sp), sums, (float *)NULL, (float *)NULL);
 }
 
 void k_bn_finalize(cudaStream_t s, int64_t c, int training, float momentum, float eps, const double *sums, float *mean,
@@ -197,9 +226,12 @@ void k_bn_apply(cudaStream_t s, int relu, const float *x, float *y, int64_t b, i
 
 void k_bn_bwd_stats(cudaStream_t s, int relu, const float *x, const float *dy, int64_t b, int64_t c, int64_t sp,
                     const float *mean, const float *invstd, const float *gamma, const float *beta, double *sums,
-                    float *dgamma, float *dbeta) {
-  LAUNCH(bn_bwd_stats_kernel, (unsigned)c, kThreads, 0, s)
-  (relu, x, dy, b, c, make_fast_div(sp), mean, invstd, gamma, beta, sums, dgamma, dbeta);
+                    float *dgamma, float *dbeta, double *partials) {
+  int64_t per;
+  dim3 grid = bn_grid(b * sp, c, &per);
+  LAUNCH(bn_bwd_stats_kernel, grid, kThreads, 0, s)
+  (relu, x, dy, b, c, make_fast_div(sp), per, mean, invstd, gamma, beta, partials);
+  LAUNCH(bn_sums_kernel, blocks_for(c), kThreads, 0, s)(partials, grid.y, c, -1.0, sums, dgamma, dbeta);
 }
 
 void k_bn_bwd_apply(cudaStream_t s, int relu, const float *x, const float *dy, float *dx, int64_t b, int64_t c,

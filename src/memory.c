@@ -25,7 +25,8 @@ static size_t host_batch_bytes(const dt_model *m, int64_t cap) {
 
 /* The ops with scratch of their own that a pass of `batch` rows runs: each convolution's forward,
  * and in training (backward) its filter gradient and, but for the first layer's (no dx), its data
- * gradient, and each layernorm's backward; the loss; the sums of squares. Appends to ops
+ * gradient, each batchnorm's statistics (their backward's are the same size) and each layernorm's
+ * backward; the loss; the sums of squares. Appends to ops
  * (capacity: 3 per layer + 2). */
 static int scratch_ops(const dt_model *m, int64_t batch, int backward, dt_op *ops, int n) {
   for (int i = 0; i < m->n_all; i++) {
@@ -36,6 +37,8 @@ static int scratch_ops(const dt_model *m, int64_t batch, int backward, dt_op *op
       if (backward) ops[n++] = (dt_op){.type = DT_OP_CONV_BWD_FILTER, .p.conv_bwd_filter = {.g = g}};
       if (backward && l != m->top.layers[0])
         ops[n++] = (dt_op){.type = DT_OP_CONV_BWD_DATA, .p.conv_bwd_data = {.g = g}};
+    } else if (backward && l->ops == &dt_layer_batchnorm) {
+      ops[n++] = (dt_op){.type = DT_OP_BN_STATS, .p.bn_stats = {.b = batch, .c = l->in.c, .s = l->in.h * l->in.w}};
     } else if (backward && l->ops == &dt_layer_layernorm) {
       ops[n++] = (dt_op){.type = DT_OP_LN_BWD, .p.ln_bwd = {.n = shape_rows(l->in, batch), .d = l->in.c}};
     }

@@ -595,9 +595,10 @@ static void ops_conv(void) {
 
 static void ops_batchnorm(void) {
   const int64_t C = 3;
-  const int64_t spatial[] = {4, 1};
+  /* 1700: 5 or 6 rows make 8500 or 10200 positions a channel, the sums' 3 chunks, the last shorter */
+  const int64_t spatial[] = {4, 1, 1700};
   FOR_ROWS(r) {
-    for (int si = 0; si < 2; si++) {
+    for (int si = 0; si < 3; si++) {
       int64_t S = spatial[si], n = cap * C * S;
       dbuf x = ot_rand(n, -2, 3), dy = ot_rand(n, -1, 1), y = ot_rand(n, -1, 1), dx = ot_rand(n, -1, 1);
       dbuf mean = ot_rand(C, -0.5f, 0.5f), invstd = ot_rand(C, 0.5f, 2.0f), gamma = ot_rand(C, 0.5f, 1.5f);

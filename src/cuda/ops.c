@@ -58,6 +58,10 @@ size_t cuda_partials_bytes(const dt_op *op) {
     n = (int64_t)K_SUM_BLOCKS * 2;
   } else if (op->type == DT_OP_LN_BWD) {
     n = 2 * K_LN_CHUNKS * op->p.ln_bwd.d > 2 * K_SUM_BLOCKS ? 2 * K_LN_CHUNKS * op->p.ln_bwd.d : 2 * K_SUM_BLOCKS;
+  } else if (op->type == DT_OP_BN_STATS) {
+    n = 2 * op->p.bn_stats.c * k_bn_chunks(op->p.bn_stats.b * op->p.bn_stats.s);
+  } else if (op->type == DT_OP_BN_BWD_STATS) {
+    n = 2 * op->p.bn_bwd_stats.c * k_bn_chunks(op->p.bn_bwd_stats.b * op->p.bn_bwd_stats.s);
   } else if (op->type == DT_OP_LOSS) {
     n = (op->p.loss.b > K_SUM_BLOCKS ? op->p.loss.b : K_SUM_BLOCKS) * 2;
   }
@@ -98,7 +102,9 @@ void cuda_gather(cuda_impl *im, const dt_op *op) {
 void cuda_bn_stats(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.bn_stats) *q = &op->p.bn_stats;
   CHECK_INDEXABLE(q->b * q->c * q->s);
-  k_bn_stats(im->stream, q->x, q->b, q->c, q->s, q->sums);
+  double *partials =
+      cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes, cuda_partials_bytes(op), "batchnorm sums");
+  k_bn_stats(im->stream, q->x, q->b, q->c, q->s, q->sums, partials);
 }
 
 void cuda_bn_finalize(cuda_impl *im, const dt_op *op) {
@@ -116,8 +122,10 @@ void cuda_bn_apply(cuda_impl *im, const dt_op *op) {
 void cuda_bn_bwd_stats(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.bn_bwd_stats) *q = &op->p.bn_bwd_stats;
   CHECK_INDEXABLE(q->b * q->c * q->s);
+  double *partials = cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes, cuda_partials_bytes(op),
+                                      "batchnorm gradient sums");
   k_bn_bwd_stats(im->stream, q->relu, q->x, q->dy, q->b, q->c, q->s, q->mean, q->invstd, q->gamma, q->beta, q->sums,
-                 q->dgamma, q->dbeta);
+                 q->dgamma, q->dbeta, partials);
 }
 
 void cuda_bn_bwd_apply(cuda_impl *im, const dt_op *op) {
