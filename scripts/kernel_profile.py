@@ -48,6 +48,12 @@ def from_gpusim(text):
     return rows
 
 
+def short(name, most=120):
+    """A kernel's name for the table: cuDNN's CUTLASS templates run to thousands of characters (kernels
+    are summed under their whole names before this)."""
+    return name if len(name) <= most else name[:most - 3] + "..."
+
+
 def main():
     kind, path = sys.argv[1], sys.argv[2]
     top = int(sys.argv[3]) if len(sys.argv) > 3 else 15
@@ -60,7 +66,7 @@ def main():
     print(f"| kernel | launches | total ms | share | mean us |")
     print("|---|---|---|---|---|")
     for name, n, s in rows[:top]:
-        print(f"| {name} | {n} | {s * 1e3:.3f} | {100 * s / total:.1f}% | {s / n * 1e6:.1f} |")
+        print(f"| {short(name)} | {n} | {s * 1e3:.3f} | {100 * s / total:.1f}% | {s / n * 1e6:.1f} |")
     rest = rows[top:]
     if rest:
         s = sum(r[2] for r in rest)
