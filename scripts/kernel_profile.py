@@ -11,6 +11,7 @@ import csv
 import io
 import re
 import sys
+import zlib
 from collections import defaultdict
 
 UNITS = {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0}
@@ -49,9 +50,12 @@ def from_gpusim(text):
 
 
 def short(name, most=120):
-    """A kernel's name for the table: cuDNN's CUTLASS templates run to thousands of characters (kernels
-    are summed under their whole names before this)."""
-    return name if len(name) <= most else name[:most - 3] + "..."
+    """A kernel's name for the table: cuDNN's CUTLASS templates run to thousands of characters, so a long
+    one keeps its head and tail and a CRC-32 of the whole, so that two kernels never look alike (they are
+    summed under their whole names before this)."""
+    if len(name) <= most:
+        return name
+    return f"{name[:60]} ... {name[-(most - 80):]} [{zlib.crc32(name.encode()):08x}]"
 
 
 def main():

@@ -197,9 +197,10 @@ void init_locked() {
   // the stand-in is one executor: its library calls (cuBLAS, cuDNN) use one BLAS thread, so that
   // several ranks on a machine do not oversubscribe its cores
   openblas_set_num_threads(1);
-  if (getenv("GPUSIM_MEMORY_REPORT") && atexit(report_memory)) fatal("atexit failed");
+  // registered first, so that it runs last (its _exit skips whatever would run after it)
   const char *leaks = getenv("GPUSIM_LEAK_CHECK");
-  if (leaks && strcmp(leaks, "0") && *leaks && atexit(check_leaks)) fatal("atexit failed");
+  if (leaks && *leaks && strcmp(leaks, "0") && atexit(check_leaks)) fatal("atexit failed");
+  if (getenv("GPUSIM_MEMORY_REPORT") && atexit(report_memory)) fatal("atexit failed");
   c.ready = true;
 }
 

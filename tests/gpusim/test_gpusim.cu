@@ -2005,6 +2005,29 @@ static void compute_capability_is_settable(void **) {
     fail_msg("GPUSIM_CC=9 gave: %s", out.c_str());
 }
 
+// Two allocations, one freed: GPUSIM_LEAK_CHECK=1 names the other at exit and fails the run.
+static int leave_one_allocation() {
+  float *kept = nullptr, *freed = nullptr;
+  CUDA_OK(cudaMalloc(&kept, 1000));
+  CUDA_OK(cudaMalloc(&freed, 24));
+  CUDA_OK(cudaFree(freed));
+  printf("allocated\n");
+  return 0;
+}
+
+static void a_leak_is_reported_where_asked(void **) {
+  int status = 0;
+  std::string out = run_self_with("GPUSIM_LEAK_CHECK=1", "--leave-one-allocation", &status);
+  assert_true(status != 0);
+  if (out.find("allocated") == std::string::npos ||
+      out.find("(1000 bytes on device 0) never freed") == std::string::npos ||
+      out.find("LEAK SUMMARY: 1000 bytes leaked in 1 allocations") == std::string::npos)
+    fail_msg("GPUSIM_LEAK_CHECK=1 gave: %s", out.c_str());
+  out = run_self_with("GPUSIM_LEAK_CHECK=", "--leave-one-allocation", &status);  // not asked: no check
+  assert_int_equal(status, 0);
+  if (out.find("never freed") != std::string::npos) fail_msg("unasked, it said: %s", out.c_str());
+}
+
 // ---- the kernels' helpers -----------------------------------------------------------------------
 
 static void fast_division_matches_division(void **) {
@@ -2030,6 +2053,7 @@ int main(int argc, char **argv) {
   if (argc > 1 && !strcmp(argv[1], "--neighbour-sync")) return print_neighbour_checksum(1);
   if (argc > 1 && !strcmp(argv[1], "--neighbour-race")) return print_neighbour_checksum(0);
   if (argc > 1 && !strcmp(argv[1], "--compute-capability")) return print_compute_capability();
+  if (argc > 1 && !strcmp(argv[1], "--leave-one-allocation")) return leave_one_allocation();
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(builtins_follow_the_launch),
       cmocka_unit_test(syncthreads_is_a_barrier_and_a_missing_one_shows),
@@ -2064,6 +2088,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(cudnn_half_and_bfloat16_configurations_and_heuristics),
       cmocka_unit_test(devices_are_h100_like_and_one_per_process),
       cmocka_unit_test(compute_capability_is_settable),
+      cmocka_unit_test(a_leak_is_reported_where_asked),
       cmocka_unit_test(fast_division_matches_division),
   };
   return cmocka_run_group_tests_name("gpusim", tests, NULL, NULL);
