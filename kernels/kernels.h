@@ -61,7 +61,7 @@ void k_ema(cudaStream_t s, float *ema, const float *x, int64_t n, float decay);
 /* norm.cu: batchnorm over (B, C, S) per channel (sums as backend.h's ops), and layernorm per row.
  * The statistics' sums run over each channel's n = B * S positions in k_bn_chunks(n) chunks, summed into
  * `partials` (2 * C * k_bn_chunks(n) doubles), then over the chunks in order: no atomics. */
-enum { K_BN_CHUNKS = 64, K_BN_CHUNK_MIN = 4096 };
+enum { K_BN_CHUNKS = 64, K_BN_CHUNK_MIN = 16384 };
 static inline int64_t k_bn_chunks(int64_t n) {
   const int64_t most = K_BN_CHUNKS, chunks = (n + K_BN_CHUNK_MIN - 1) / K_BN_CHUNK_MIN;
   return chunks < 1 ? 1 : chunks > most ? most : chunks;

@@ -46,8 +46,12 @@ check 1-prepare "${GPU_WINDOW_PREPARE_S:-120}" build,data
 parallel=${GPU_WINDOW_PARALLEL_S:-250}
 check 2-ops-training "$parallel" ops,train ${training[@]+"${training[@]}"} &
 check 3-precision-newer-faults "$parallel" train,faults ${newer[@]+"${newer[@]}"} &
+# each run's share: on the stand-in test_gpu takes about 25 s alone and two to four times that beside
+# the other parts on 2 cores
+share=60
+[ ${#mode[@]} -gt 0 ] && share=120
 check 4-sanitizer "$parallel" sanitizer "GPU_CHECK_SANITIZER_TOOLS=memcheck synccheck initcheck" \
-  GPU_CHECK_SANITIZER_RUN_S=60 &
+  GPU_CHECK_SANITIZER_RUN_S=$share &
 check 5-racecheck "$parallel" sanitizer GPU_CHECK_SANITIZER_TOOLS=racecheck \
   GPU_CHECK_SANITIZER_RUN_S=$((parallel - 25)) GPU_CHECK_SANITIZER_BATCH="${GPU_CHECK_SANITIZER_BATCH:-8}" &
 wait

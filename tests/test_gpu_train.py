@@ -76,7 +76,7 @@ class GpuTraining(GpuCase):
         step here, CPU against the stand-in): the first 10 losses agree to 1e-4, all 50 to 5e-2."""
         common = ["configs/model.yaml", "--set", "data.shuffle=false", "--set", "log.every_steps=1", "--set",
                   "data.val.x=", "--set", "checkpoint.dir="]
-        stop = {"DDP_TRAIN_FAULT": "signal@0:50"}
+        stop = {"DDP_TRAIN_FAULT": "signal@0:25"}
         rc, out, err = run(common + ["--device", "cpu", "--set", f"log.dir={self.w.file('cpu')}"], np_=2, timeout=600,
                            env=stop)
         self.assertEqual(rc, 75, out + err)
@@ -476,28 +476,31 @@ class GpuPrecision(GpuCase):
     overflow skips the step and halves the scale; resume restores the scale), and the refusals."""
 
     def test_each_precision_trains_the_default_cnn_near_fp32_on_the_cpu(self):
-        """50 steps of configs/model.yaml (a global batch of 64, one rank) in each precision against
+        """25 steps of configs/model.yaml (a global batch of 64, one rank) in each precision against
         fp32 on the CPU. Tolerances (README): the first 5 losses within 2e-3 relative and the mean of
-        the last 10 within 2% (measured: at most 5.7e-4 and 0.15%), each run learns, and each differs
+        the last 10 within 2% (measured: at most 4.7e-4 and 0.17%; over 50 steps 5.7e-4 and 0.15%),
+        each run learns (the last 10 at 0.48 of the first), and each differs
         from fp32 in its first 10 losses (fp32 on the stand-in equals the CPU there: the reduced
         precision really rounds)."""
         common = ["configs/model.yaml", "--set", "data.shuffle=false", "--set", "log.every_steps=1", "--set",
                   "data.val.x=", "--set", "checkpoint.dir=", "--set", "train.global_batch_size=64"]
-        stop = {"DDP_TRAIN_FAULT": "signal@0:50"}
+        stop = {"DDP_TRAIN_FAULT": "signal@0:25"}
         rc, out, err = run(common + ["--device", "cpu", "--set", f"log.dir={self.w.file('cpu')}"], np_=1,
                            timeout=600, env=stop)
         self.assertEqual(rc, 75, out + err)
         cpu = np.array(self.losses("cpu"))
-        self.assertEqual(len(cpu), 50)
+        self.assertEqual(len(cpu), 25)
         for prec in ("tf32", "bf16", "fp16"):
             rc, out, err = gpu_run(common + ["--device", "cuda", "--set", f"train.precision={prec}", "--set",
                                              f"log.dir={self.w.file(prec)}"], 1, dict(ENV1, **stop), timeout=600)
             self.assertEqual(rc, 75, out + err)
             got = np.array(self.losses(prec))
-            self.assertEqual(len(got), 50, prec)
+            self.assertEqual(len(got), 25, prec)
             np.testing.assert_allclose(got[:5], cpu[:5], rtol=2e-3, err_msg=prec)
             self.assertLess(abs(got[-10:].mean() - cpu[-10:].mean()) / cpu[-10:].mean(), 0.02, (prec, got, cpu))
             self.assertGreater(np.abs(got[:10] - cpu[:10]).max(), 0, prec)
+            print(f"# {prec}: first 5 within {np.max(np.abs(got[:5] / cpu[:5] - 1)):.2e}, last 10 within "
+                  f"{abs(got[-10:].mean() / cpu[-10:].mean() - 1):.2e}, last 10 / first {got[-10:].mean() / got[0]:.2f}")
             self.assertLess(got[-10:].mean(), 0.6 * got[0], prec)  # and it learns
             self.assertNotIn("overflowed", out, prec)  # fp16's scale needs no backoff on this model
 
