@@ -168,7 +168,7 @@ $(PLUGIN): $(GPU_OBJS) $(PLUGIN_KERNELS) $(SAN_DEPS)
 	$(CC) $(CFLAGS) -shared -o $@ $(GPU_OBJS) $(PLUGIN_KERNELS) $(PLUGIN_LIBS)
 endif
 
-$(BUILD)/pic/%.o: src/%.c src/*.h src/*/*.h
+$(BUILD)/pic/%.o: src/%.c src/*.h src/*/*.h kernels/kernels.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -fPIC -c -o $@ $<
 
@@ -179,7 +179,7 @@ $(BUILD)/tests/test_gpu: tests/test_gpu.c $(DIRECT_OBJS) $(PLUGIN_KERNELS) tests
 endif
 
 # an empty answer from pkg-config would surface as a missing mpi.h: say which packages it lacks instead
-$(BUILD)/%.o: src/%.c src/*.h src/*/*.h | $(BUILD)/tests
+$(BUILD)/%.o: src/%.c src/*.h src/*/*.h kernels/kernels.h | $(BUILD)/tests
 	@mkdir -p $(dir $@)
 	@$(if $(strip $(PKG_CFLAGS)),true,pkg-config --print-errors --exists ompi-c hdf5 yaml-0.1; echo \
 	  "Makefile: pkg-config has no answer for ompi-c hdf5 yaml-0.1 (above): run make deps as root, or set PKG_CONFIG_PATH" \
@@ -204,7 +204,7 @@ $(BUILD)/kernels/%.o: kernels/%.cu kernels/*.h kernels/*.cuh src/hash.h src/atte
 $(BUILD)/tests:
 	mkdir -p $@
 
-$(FUZZ)/%.o: src/%.c src/*.h src/*/*.h
+$(FUZZ)/%.o: src/%.c src/*.h src/*/*.h kernels/kernels.h
 	@mkdir -p $(dir $@)
 	clang $(FUZZ_FLAGS) -fsanitize=fuzzer-no-link -std=gnu11 -Wall -Wextra -Werror $(PKG_CFLAGS) -Isrc -c -o $@ $<
 
