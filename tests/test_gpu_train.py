@@ -76,7 +76,7 @@ class GpuTraining(GpuCase):
         step here, CPU against the stand-in): the first 10 losses agree to 1e-4, all 50 to 5e-2."""
         common = ["configs/model.yaml", "--set", "data.shuffle=false", "--set", "log.every_steps=1", "--set",
                   "data.val.x=", "--set", "checkpoint.dir="]
-        stop = {"DDP_TRAIN_FAULT": "signal@0:25"}
+        stop = {"DDP_TRAIN_FAULT": "signal@0:50"}
         rc, out, err = run(common + ["--device", "cpu", "--set", f"log.dir={self.w.file('cpu')}"], np_=2, timeout=600,
                            env=stop)
         self.assertEqual(rc, 75, out + err)
