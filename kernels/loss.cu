@@ -1,5 +1,6 @@
 // loss.cu: softmax cross-entropy (label smoothing) and mean squared error, one block per sample,
-// fused with their gradient, and with distillation's term where a teacher's logits are given;
+// fused with their gradient (cross-entropy in two passes over the logits: an online log-sum-exp,
+// then the gradient), and with distillation's term where a teacher's logits are given;
 // per-sample losses and hits go to pairs, summed into out[0], out[1] (doubles) in a fixed order,
 // so that the loss is the same on every run.
 #include <math.h>
@@ -46,6 +47,62 @@ static __device__ double distill_element(int kind, const double *r, double z, do
   return temp * temp * pt * (lt - ls);
 }
 
+// A cross-entropy row's running state: the max m, its first index a (k while none), the sum s
+// of exp(z - m) (in double, rescaled when m grows) and the sum z of the logits.
+struct ce_row {
+  float m;
+  double s;
+  int a;
+  double z;
+};
+
+// Logit v at index j into st (indices arrive in increasing order). NaN never becomes the max but
+// makes s NaN, as on the CPU; -inf adds nothing.
+static __device__ __forceinline__ void ce_add(ce_row *st, float v, int j) {
+  st->z += (double)v;
+  if (v > st->m) {
+    st->s = (st->s == 0.0 ? 0.0 : st->s * exp((double)st->m - (double)v)) + 1.0;
+    st->m = v, st->a = j;
+  } else if (v != -INFINITY) {
+    st->s += (double)expf(v - st->m);
+  }
+}
+
+// Two rows' states as one: the larger max (the smaller index on a tie), the sums rescaled to it.
+static __device__ __forceinline__ ce_row ce_merge(ce_row x, ce_row y) {
+  if (y.m > x.m || (y.m == x.m && y.a < x.a)) {
+    ce_row t = x;
+    x = y, y = t;
+  }
+  x.s += y.s == 0.0 ? 0.0 : y.s * exp((double)y.m - (double)x.m);
+  x.z += y.z;
+  return x;
+}
+
+// ce_merge over the block in a fixed order (any blockDim.x, 1-D); the result is valid in thread 0.
+static __device__ ce_row block_ce(ce_row v) {
+  __shared__ ce_row warp_rows[32];
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int warps = (blockDim.x + 31) >> 5, in_warp = (int)blockDim.x - warp * 32;
+  for (int pass = 0; pass < 2; pass++) {
+    int lanes = pass == 0 ? (in_warp < 32 ? in_warp : 32) : warps;
+    if (pass == 1) {
+      __syncthreads();
+      if (warp != 0) return v;
+      v = lane < warps ? warp_rows[lane] : v;
+    }
+    unsigned mask = lanes >= 32 ? 0xffffffffu : (1u << lanes) - 1u;
+    if (lane < lanes)
+      for (int o = 16; o > 0; o >>= 1) {
+        ce_row other = {__shfl_down_sync(mask, v.m, o), __shfl_down_sync(mask, v.s, o), __shfl_down_sync(mask, v.a, o),
+                        __shfl_down_sync(mask, v.z, o)};
+        if (lane + o < lanes) v = ce_merge(v, other);
+      }
+    if (pass == 0 && lane == 0) warp_rows[warp] = v;
+  }
+  return v;
+}
+
 __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels, const float *targets, float *dz,
                             int64_t k, float ls, int32_t ignore, double weight, const double *weight_dev,
                             const float *grad_scale, int distill, double alpha, double temp, const float *teacher,
@@ -57,8 +114,6 @@ __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels
   const float *z = logits + b * k;
   const float *tz = distill ? teacher + b * k : NULL;
   float *d = dz + b * k;
-  __shared__ float s_max;
-  __shared__ int s_arg;
   if (kind == LOSS_CE && labels[b] == ignore) {  // padding: no loss, hit or gradient
     for (int64_t j = threadIdx.x; j < k; j += blockDim.x) d[j] = 0.0f;
     if (threadIdx.x == 0) pairs[2 * b] = 0.0, pairs[2 * b + 1] = 0.0;
@@ -68,30 +123,21 @@ __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels
   if (distill == DISTILL_KL) distill_row(z, tz, k, temp, r);
   double own = 0, dist = 0, hit = 0;
   if (kind == LOSS_CE) {
-    // the max over the block, then its first index (the CPU's argmax): k may be a vocabulary
-    float mx = -INFINITY;
-    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) mx = fmaxf(mx, z[j]);
-    mx = block_max(mx);
-    if (threadIdx.x == 0) s_max = mx, s_arg = (int)k;
-    __syncthreads();
-    for (int64_t j = threadIdx.x; j < k; j += blockDim.x)
-      if (z[j] == s_max) {
-        atomicMin(&s_arg, (int)j);  // the smallest such index, whatever the order
-        break;
-      }
-    __syncthreads();
-    double se = 0;
-    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) se += exp((double)(z[j] - s_max));
-    se = block_sum(se);
+    // one read for the max, its first index, the sum of exp(z - max) and the sum of z; one more
+    // to write the gradient: the loss is -(off (sum z - k lse) + (1 - ls)(z[y] - lse))
+    ce_row st = {-INFINITY, 0.0, (int)k, 0.0};
+    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) ce_add(&st, z[j], (int)j);
+    st = block_ce(st);
     __shared__ double s_lse;
-    if (threadIdx.x == 0) s_lse = s_max + log(se);
+    __shared__ int s_arg;
+    if (threadIdx.x == 0) s_lse = (double)st.m + log(st.s), s_arg = st.a == (int)k ? 0 : st.a;
     __syncthreads();
+    const double lse = s_lse;
     int32_t y = labels[b];
     double off = (double)ls / (double)k;
     for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
-      double t = off + (j == y ? 1.0 - ls : 0.0), lp = (double)z[j] - s_lse;
-      own -= t * lp;
-      double g = exp(lp) - t;
+      float p = expf((float)((double)z[j] - lse));
+      double g = (double)p - (off + (j == y ? 1.0 - ls : 0.0));
       if (distill) {
         double dg;
         dist += distill_element(distill, r, z[j], tz[j], k, temp, &dg);
@@ -99,6 +145,7 @@ __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels
       }
       d[j] = (float)(g * weight);
     }
+    if (threadIdx.x == 0) own = -(off * (st.z - (double)k * lse) + (1.0 - ls) * ((double)z[y] - lse));
     hit = s_arg == y ? 1.0 : 0.0;
   } else {
     const float *t = targets + b * k;
@@ -114,7 +161,7 @@ __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels
       d[j] = (float)(g * weight);
     }
   }
-  own = block_sum(own);
+  if (kind == LOSS_MSE) own = block_sum(own);  // cross-entropy's is thread 0's already
   if (distill) dist = block_sum(dist);
   if (threadIdx.x == 0) {
     if (kind == LOSS_MSE) own /= (double)k;

@@ -913,121 +913,129 @@ static void ops_sumsq(void) {
   }
 }
 
+/* The loss over 5 classes, and over 1031 (more than one per thread of a row's block) with each row's
+ * maximum at two indices (250 and 260: a later warp's thread and an earlier one's), where the first
+ * counts as the prediction. */
 static void ops_loss(void) {
-  const int64_t K = 5;
-  FOR_ROWS(r) {
-    for (int kind = DT_LOSS_CROSS_ENTROPY; kind <= DT_LOSS_MSE; kind++) {
-      float *hz = ot_host_rand(cap * K, -2, 2);
-      int32_t *labels = calloc((size_t)cap + 1, sizeof(int32_t));
-      for (int64_t b = 0; b < cap; b++) { /* even rows predicted right, odd rows at random */
-        int32_t arg = 0;
-        for (int32_t j = 1; j < K; j++)
-          if (hz[b * K + j] > hz[b * K + arg]) arg = j;
-        labels[b] = b % 2 ? (int32_t)(dt_hash64((uint64_t)b + 77) % (uint64_t)K) : arg;
-      }
-      dbuf z = ot_buf(OT_F32, hz, cap * K), dz = ot_rand(cap * K, -1, 1), targets = ot_rand(cap * K, 0, 1);
-      dbuf lab = ot_buf(OT_I32, labels, cap);
-      const double before[2] = {0.25, 3}; /* the op adds into sums */
-      dbuf sums = ot_buf(OT_F64, before, 2);
-      free(hz);
-      free(labels);
-      const float scale = 1024.0f; /* fp16 loss scaling: dlogits carry it */
-      dbuf grad_scale = ot_buf(OT_F32, &scale, 1), dz_scaled = ot_rand(cap * K, -1, 1);
-      dbuf sums_scaled = ot_buf(OT_F64, before, 2);
-      ot_case(DT_OP_LOSS, "%s, %s, and dlogits scaled by 1024",
-              kind == DT_LOSS_MSE ? "mse" : "cross entropy, label smoothing 0.1", ROWS_NAME(r));
-      if (rows == 0) continue; /* loss_run queues nothing for no rows */
-      BOTH {
-        dt_op op = {.type = DT_OP_LOSS,
-                    .p.loss = {.kind = kind,
-                               .b = rows,
-                               .k = K,
-                               .label_smoothing = kind == DT_LOSS_MSE ? 0.0f : 0.1f,
-                               .weight = 1.0 / (double)(2 * cap),
-                               .logits = F(z),
-                               .labels = kind == DT_LOSS_MSE ? NULL : I(lab),
-                               .targets = kind == DT_LOSS_MSE ? F(targets) : NULL,
-                               .dlogits = F(dz),
-                               .sums = D(sums)}};
-        RUN(op);
-        op.p.loss.grad_scale = F(grad_scale);
-        op.p.loss.dlogits = F(dz_scaled);
-        op.p.loss.sums = D(sums_scaled);
-        RUN(op);
-      }
-      ot_check("dlogits scaled", dz_scaled, rows * K);
-      for (int64_t i = 0; i < rows * K; i++) /* a power of two: exactly 1024 times the unscaled ones */
-        if (ot_get(dz_scaled, 0, i) != 1024.0 * ot_get(dz, 0, i))
-          fail_msg("op loss [%s]: scaled dlogits[%lld] = %g, not 1024 x %g", ot.kase, (long long)i,
-                   ot_get(dz_scaled, 0, i), ot_get(dz, 0, i));
-      ot_check("loss sum and hits (added into)", sums, 2);
-      double hits = ot_get(sums, 1, 1) - 3;
-      if (kind == DT_LOSS_CROSS_ENTROPY && hits < (double)((rows + 1) / 2))
-        fail_msg("op loss [%s]: %g correct, at least %lld expected", ot.kase, hits, (long long)((rows + 1) / 2));
-      ot_check("dlogits", dz, rows * K);
-      /* distillation: a teacher's logits mixed in by KL at T = 2.5 or by MSE, alpha 0.6; cross_entropy's
-       * with the rows labelled as row 0 ignored */
-      dbuf teacher = ot_rand(cap * K, -3, 3);
-      for (int distill = DT_DISTILL_KL; distill <= DT_DISTILL_MSE; distill++) {
-        ot_case(DT_OP_LOSS, "%s distilled by %s, %s", kind == DT_LOSS_MSE ? "mse" : "cross entropy, rows ignored",
-                distill == DT_DISTILL_KL ? "kl" : "mse", ROWS_NAME(r));
-        dbuf dz_d = ot_rand(cap * K, -1, 1), sums_d = ot_buf(OT_F64, before, 2);
+  for (int wide = 0; wide < 2; wide++) {
+    const int64_t K = wide ? 1031 : 5;
+    FOR_ROWS(r) {
+      for (int kind = DT_LOSS_CROSS_ENTROPY; kind <= DT_LOSS_MSE; kind++) {
+        float *hz = ot_host_rand(cap * K, -2, 2);
+        for (int64_t b = 0; wide && b < cap; b++) hz[b * K + 250] = hz[b * K + 260] = 3.0f;
+        int32_t *labels = calloc((size_t)cap + 1, sizeof(int32_t));
+        for (int64_t b = 0; b < cap; b++) { /* even rows predicted right, odd rows at random */
+          int32_t arg = 0;
+          for (int32_t j = 1; j < K; j++)
+            if (hz[b * K + j] > hz[b * K + arg]) arg = j;
+          labels[b] = b % 2 ? (int32_t)(dt_hash64((uint64_t)b + 77) % (uint64_t)K) : arg;
+        }
+        dbuf z = ot_buf(OT_F32, hz, cap * K), dz = ot_rand(cap * K, -1, 1), targets = ot_rand(cap * K, 0, 1);
+        dbuf lab = ot_buf(OT_I32, labels, cap);
+        const double before[2] = {0.25, 3}; /* the op adds into sums */
+        dbuf sums = ot_buf(OT_F64, before, 2);
+        free(hz);
+        free(labels);
+        const float scale = 1024.0f; /* fp16 loss scaling: dlogits carry it */
+        dbuf grad_scale = ot_buf(OT_F32, &scale, 1), dz_scaled = ot_rand(cap * K, -1, 1);
+        dbuf sums_scaled = ot_buf(OT_F64, before, 2);
+        ot_case(DT_OP_LOSS, "%s, %lld classes, %s, and dlogits scaled by 1024",
+                kind == DT_LOSS_MSE ? "mse" : "cross entropy, label smoothing 0.1", (long long)K, ROWS_NAME(r));
+        if (rows == 0) continue; /* loss_run queues nothing for no rows */
         BOTH {
           dt_op op = {.type = DT_OP_LOSS,
                       .p.loss = {.kind = kind,
                                  .b = rows,
                                  .k = K,
-                                 .ignore = kind == DT_LOSS_CROSS_ENTROPY,
-                                 .ignore_index = (int32_t)ot_get(lab, 0, 0),
+                                 .label_smoothing = kind == DT_LOSS_MSE ? 0.0f : 0.1f,
                                  .weight = 1.0 / (double)(2 * cap),
                                  .logits = F(z),
                                  .labels = kind == DT_LOSS_MSE ? NULL : I(lab),
                                  .targets = kind == DT_LOSS_MSE ? F(targets) : NULL,
-                                 .dlogits = F(dz_d),
-                                 .sums = D(sums_d),
-                                 .distill = distill,
-                                 .alpha = 0.6f,
-                                 .temperature = 2.5f,
-                                 .teacher = F(teacher)}};
+                                 .dlogits = F(dz),
+                                 .sums = D(sums)}};
+          RUN(op);
+          op.p.loss.grad_scale = F(grad_scale);
+          op.p.loss.dlogits = F(dz_scaled);
+          op.p.loss.sums = D(sums_scaled);
           RUN(op);
         }
-        ot_check("distilled dlogits", dz_d, rows * K);
-        ot_check("distilled loss sum and hits", sums_d, 2);
-        if (rows > 1 && ot_get(sums_d, 0, 0) == ot_get(sums, 0, 0))
-          fail_msg("op loss [%s]: the teacher changed nothing", ot.kase);
+        ot_check("dlogits scaled", dz_scaled, rows * K);
+        for (int64_t i = 0; i < rows * K; i++) /* a power of two: exactly 1024 times the unscaled ones */
+          if (ot_get(dz_scaled, 0, i) != 1024.0 * ot_get(dz, 0, i))
+            fail_msg("op loss [%s]: scaled dlogits[%lld] = %g, not 1024 x %g", ot.kase, (long long)i,
+                     ot_get(dz_scaled, 0, i), ot_get(dz, 0, i));
+        ot_check("loss sum and hits (added into)", sums, 2);
+        double hits = ot_get(sums, 1, 1) - 3;
+        if (kind == DT_LOSS_CROSS_ENTROPY && hits < (double)((rows + 1) / 2))
+          fail_msg("op loss [%s]: %g correct, at least %lld expected", ot.kase, hits, (long long)((rows + 1) / 2));
+        ot_check("dlogits", dz, rows * K);
+        /* distillation: a teacher's logits mixed in by KL at T = 2.5 or by MSE, alpha 0.6; cross_entropy's
+         * with the rows labelled as row 0 ignored */
+        dbuf teacher = ot_rand(cap * K, -3, 3);
+        for (int distill = DT_DISTILL_KL; distill <= DT_DISTILL_MSE; distill++) {
+          ot_case(DT_OP_LOSS, "%s distilled by %s, %lld classes, %s",
+                  kind == DT_LOSS_MSE ? "mse" : "cross entropy, rows ignored", distill == DT_DISTILL_KL ? "kl" : "mse",
+                  (long long)K, ROWS_NAME(r));
+          dbuf dz_d = ot_rand(cap * K, -1, 1), sums_d = ot_buf(OT_F64, before, 2);
+          BOTH {
+            dt_op op = {.type = DT_OP_LOSS,
+                        .p.loss = {.kind = kind,
+                                   .b = rows,
+                                   .k = K,
+                                   .ignore = kind == DT_LOSS_CROSS_ENTROPY,
+                                   .ignore_index = (int32_t)ot_get(lab, 0, 0),
+                                   .weight = 1.0 / (double)(2 * cap),
+                                   .logits = F(z),
+                                   .labels = kind == DT_LOSS_MSE ? NULL : I(lab),
+                                   .targets = kind == DT_LOSS_MSE ? F(targets) : NULL,
+                                   .dlogits = F(dz_d),
+                                   .sums = D(sums_d),
+                                   .distill = distill,
+                                   .alpha = 0.6f,
+                                   .temperature = 2.5f,
+                                   .teacher = F(teacher)}};
+            RUN(op);
+          }
+          ot_check("distilled dlogits", dz_d, rows * K);
+          ot_check("distilled loss sum and hits", sums_d, 2);
+          if (rows > 1 && ot_get(sums_d, 0, 0) == ot_get(sums, 0, 0))
+            fail_msg("op loss [%s]: the teacher changed nothing", ot.kase);
+        }
+        if (kind != DT_LOSS_CROSS_ENTROPY) continue;
+        const int32_t ignored_label = (int32_t)ot_get(lab, 0, 0); /* row 0's, so at least one row is ignored */
+        ot_case(DT_OP_LOSS, "cross entropy, rows labelled %d ignored, %lld classes, %s", ignored_label, (long long)K,
+                ROWS_NAME(r));
+        dbuf dz_ignored = ot_rand(cap * K, -1, 1), sums_ignored = ot_buf(OT_F64, before, 2);
+        BOTH {
+          dt_op op = {.type = DT_OP_LOSS,
+                      .p.loss = {.kind = kind,
+                                 .b = rows,
+                                 .k = K,
+                                 .ignore = 1,
+                                 .ignore_index = ignored_label,
+                                 .weight = 1.0 / (double)(2 * cap),
+                                 .logits = F(z),
+                                 .labels = I(lab),
+                                 .dlogits = F(dz_ignored),
+                                 .sums = D(sums_ignored)}};
+          RUN(op);
+        }
+        ot_check("dlogits with ignored rows", dz_ignored, rows * K);
+        ot_check("loss sum and hits with ignored rows", sums_ignored, 2);
+        int64_t ignored = 0;
+        for (int64_t b = 0; b < rows; b++) {
+          if (ot_get(lab, 0, b) != ignored_label) continue;
+          ignored++;
+          for (int64_t j = 0; j < K; j++)
+            if (ot_get(dz_ignored, 0, b * K + j) != 0.0)
+              fail_msg("op loss [%s]: ignored row %lld has dlogits[%lld] = %g", ot.kase, (long long)b, (long long)j,
+                       ot_get(dz_ignored, 0, b * K + j));
+        }
+        if (rows > 0 && ignored == 0) fail_msg("op loss [%s]: no row is ignored; the case tests nothing", ot.kase);
+        if (rows > 0 && !(ot_get(sums_ignored, 0, 0) < ot_get(sums, 0, 0)))
+          fail_msg("op loss [%s]: ignoring rows did not lower the loss sum", ot.kase);
       }
-      if (kind != DT_LOSS_CROSS_ENTROPY) continue;
-      const int32_t ignored_label = (int32_t)ot_get(lab, 0, 0); /* row 0's, so at least one row is ignored */
-      ot_case(DT_OP_LOSS, "cross entropy, rows labelled %d ignored, %s", ignored_label, ROWS_NAME(r));
-      dbuf dz_ignored = ot_rand(cap * K, -1, 1), sums_ignored = ot_buf(OT_F64, before, 2);
-      BOTH {
-        dt_op op = {.type = DT_OP_LOSS,
-                    .p.loss = {.kind = kind,
-                               .b = rows,
-                               .k = K,
-                               .ignore = 1,
-                               .ignore_index = ignored_label,
-                               .weight = 1.0 / (double)(2 * cap),
-                               .logits = F(z),
-                               .labels = I(lab),
-                               .dlogits = F(dz_ignored),
-                               .sums = D(sums_ignored)}};
-        RUN(op);
-      }
-      ot_check("dlogits with ignored rows", dz_ignored, rows * K);
-      ot_check("loss sum and hits with ignored rows", sums_ignored, 2);
-      int64_t ignored = 0;
-      for (int64_t b = 0; b < rows; b++) {
-        if (ot_get(lab, 0, b) != ignored_label) continue;
-        ignored++;
-        for (int64_t j = 0; j < K; j++)
-          if (ot_get(dz_ignored, 0, b * K + j) != 0.0)
-            fail_msg("op loss [%s]: ignored row %lld has dlogits[%lld] = %g", ot.kase, (long long)b, (long long)j,
-                     ot_get(dz_ignored, 0, b * K + j));
-      }
-      if (rows > 0 && ignored == 0) fail_msg("op loss [%s]: no row is ignored; the case tests nothing", ot.kase);
-      if (rows > 0 && !(ot_get(sums_ignored, 0, 0) < ot_get(sums, 0, 0)))
-        fail_msg("op loss [%s]: ignoring rows did not lower the loss sum", ot.kase);
     }
   }
 }
