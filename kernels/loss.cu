@@ -48,7 +48,7 @@ static __device__ double distill_element(int kind, const double *r, double z, do
 }
 
 // A cross-entropy row's running state: the max m, its first index a (k while none), the sum s
-// of exp(z - m) (in double, rescaled when m grows) and the sum z of the logits.
+// of exp(z - m) (float terms added in double, rescaled when m grows) and the sum z of the logits.
 struct ce_row {
   float m;
   double s;
@@ -136,8 +136,9 @@ __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels
     int32_t y = labels[b];
     double off = (double)ls / (double)k;
     for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
-      float p = expf((float)((double)z[j] - lse));
-      double g = (double)p - (off + (j == y ? 1.0 - ls : 0.0));
+      // the label's in double: p near 1 - ls would cancel a float's digits (the others need no more)
+      double lp = (double)z[j] - lse, p = j == y ? exp(lp) : (double)expf((float)lp);
+      double g = p - (off + (j == y ? 1.0 - ls : 0.0));
       if (distill) {
         double dg;
         dist += distill_element(distill, r, z[j], tz[j], k, temp, &dg);

@@ -1035,6 +1035,27 @@ static void ops_loss(void) {
         if (rows > 0 && ignored == 0) fail_msg("op loss [%s]: no row is ignored; the case tests nothing", ot.kase);
         if (rows > 0 && !(ot_get(sums_ignored, 0, 0) < ot_get(sums, 0, 0)))
           fail_msg("op loss [%s]: ignoring rows did not lower the loss sum", ot.kase);
+        /* confident rows, no smoothing: each label's logit 20 above the rest, so its gradient p - 1 is
+         * about -(K - 1) e^-20, the largest in its row, and lost where p is rounded to a float (1.0f) */
+        ot_case(DT_OP_LOSS, "cross entropy, confident rows, %lld classes, %s", (long long)K, ROWS_NAME(r));
+        float *hc = ot_host_rand(cap * K, -0.5f, 0.5f);
+        for (int64_t b = 0; b < cap; b++) hc[b * K + (int64_t)ot_get(lab, 0, b)] += 20.0f;
+        dbuf zc = ot_buf(OT_F32, hc, cap * K), dz_c = ot_rand(cap * K, -1, 1), sums_c = ot_buf(OT_F64, before, 2);
+        free(hc);
+        BOTH {
+          dt_op op = {.type = DT_OP_LOSS,
+                      .p.loss = {.kind = kind,
+                                 .b = rows,
+                                 .k = K,
+                                 .weight = 1.0,
+                                 .logits = F(zc),
+                                 .labels = I(lab),
+                                 .dlogits = F(dz_c),
+                                 .sums = D(sums_c)}};
+          RUN(op);
+        }
+        ot_check("confident dlogits", dz_c, rows * K);
+        ot_check("confident loss sum and hits", sums_c, 2);
       }
     }
   }
