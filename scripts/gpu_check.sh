@@ -67,7 +67,7 @@ export NPROC
 if [ "$STANDIN" = 1 ]; then
   export PY=${GPU_CHECK_PYTHON:-/usr/bin/python3} BIN=$ROOT/build/sim/ddp_train TEST_GPU=$ROOT/build/sim/tests/test_gpu
   export SIM=build/sim BUILD=build/cuda DDP_TRAIN_GPU_BINARY=$ROOT/build/sim/ddp_train GPUSIM_DEVICES=${GPUSIM_DEVICES:-1}
-  export EPOCHS=${GPU_CHECK_EPOCHS:-1} FMNIST_STEPS=12 LAUNCHES=1 SANITIZER_BATCH=16
+  export EPOCHS=${GPU_CHECK_EPOCHS:-1} FMNIST_STEPS=12 LAUNCHES=1 SANITIZER_BATCH=4
   BUDGET=${GPU_CHECK_BUDGET_S:-900}
 else
   export PY=${GPU_CHECK_PYTHON:-python3} BIN=$ROOT/ddp_train TEST_GPU=$ROOT/build/cuda/tests/test_gpu

@@ -51,7 +51,11 @@ class GpuCheck(unittest.TestCase):
             f.write(FAKE_SANITIZER)
         os.chmod(tool, 0o755)
         # the tools over training only: the window plan's test below runs them over the op tests too
-        p, out, summary = check([], {"GPU_CHECK_SANITIZER": tool, "GPU_CHECK_SANITIZER_TARGETS": "train"})
+        # the bench stage's summary of both tables from the MLP and GPT rows (tests/test_bench.py checks every row)
+        p, out, summary = check([], {"GPU_CHECK_SANITIZER": tool, "GPU_CHECK_SANITIZER_TARGETS": "train",
+                                     "BENCH_ONLY": "MLP|GPT"})
+        self.addCleanup(shutil.rmtree, out, True)
+        self.addCleanup(shutil.rmtree, tools, True)
         self.assertEqual(p.returncode, 0, p.stdout[-3000:] + p.stderr[-3000:])
         stages = {s["stage"]: s for s in summary["stages"]}
         self.assertEqual(list(stages), ["build", "data", "ops", "train", "faults", "sanitizer", "startup", "bench",
@@ -74,7 +78,8 @@ class GpuCheck(unittest.TestCase):
         self.assertIn("train.cuda_graph=on", calls[0])
         self.assertGreater(stages["startup"]["first_step_s"], 0)
         rows = [r for r in stages["bench"]["tables"] if not r.startswith("|---") and not r.startswith("| case")]
-        self.assertEqual(len(rows), 8, stages["bench"]["tables"])  # 5 cases, the first step, 2 GPT rows
+        self.assertEqual(len(rows), 3, stages["bench"]["tables"])  # the MLP, 2 GPT rows
+        self.assertTrue(rows[0].startswith("| MLP") and rows[2].startswith("| GPT"), rows)
         self.assertGreater(stages["fmnist"]["val_acc"], 0.2)  # 12 steps from 10 classes' chance of 0.1
         self.assertEqual(stages["fmnist"]["steps"], 12)
         # the GPT row's kernels, the fused attention's on tensor cores (bf16) among them (the stand-in's CPU
@@ -126,18 +131,20 @@ class GpuCheck(unittest.TestCase):
         self.assertNotIn("not asked for", md)
 
     def test_a_stage_that_fails_or_runs_out_of_time_does_not_stop_the_others(self):
-        p, out, summary = check(["--stages", "ops,train,startup,fmnist"],
+        p, out, summary = check(["--stages", "data,train,startup,fmnist"],
                                 {"GPU_CHECK_TRAIN_TESTS": "test_gpu_train.GpuTraining.test_no_such_test",
                                  "GPU_CHECK_LIMIT_STARTUP": "1"})
+        self.addCleanup(shutil.rmtree, out, True)
         self.assertEqual(p.returncode, 0, p.stdout[-3000:] + p.stderr[-3000:])
         got = {s["stage"]: (s["status"], s["why"]) for s in summary["stages"]}
-        self.assertEqual(got["ops"], ("passed", ""))
+        self.assertEqual(got["data"], ("passed", ""))
         self.assertEqual(got["train"], ("failed", "exit 1"))
         self.assertEqual(got["startup"], ("timed out", "past its limit of 1 s"))
         self.assertEqual(got["fmnist"][0], "passed")
-        self.assertEqual(got["build"], ("skipped", "not asked for (--stages ops,train,startup,fmnist)"))
+        self.assertEqual(got["build"], ("skipped", "not asked for (--stages data,train,startup,fmnist)"))
         # a budget too small for any stage: each is skipped, saying why
         p, out, summary = check(["--stages", "ops,faults"], {"GPU_CHECK_BUDGET_S": "10"})
+        self.addCleanup(shutil.rmtree, out, True)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         got = {s["stage"]: (s["status"], s["why"]) for s in summary["stages"]}
         self.assertEqual(got["ops"], ("skipped", "no time left in the budget of 10 s"))
