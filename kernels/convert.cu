@@ -125,6 +125,14 @@ __global__ void unpack16_kernel(const uint16_t *y, float *x, int64_t n, fast_div
   }
 }
 
+// x (rows, cols) FP32 -> y (rows, ld) bfloat16, the columns past cols left as they are; i runs over x
+__global__ void pack_bf16_rows_kernel(const float *x, uint16_t *y, int64_t n, fast_div cols_div, int64_t ld) {
+  GRID_STRIDE(i, n) {
+    uint32_t r = div_by((uint32_t)i, cols_div), c = (uint32_t)i - r * cols_div.d;
+    y[(int64_t)r * ld + c] = to_bf16(x[i]);
+  }
+}
+
 extern "C" {
 
 // transpose_tiles' grid for b images of (rows, cols): row tiles and images up to the grid's y and z
@@ -142,6 +150,12 @@ void k_pack16(cudaStream_t s, const float *x, uint16_t *y, int64_t b, int64_t c,
     LAUNCH(pack16_tiled_kernel, tile_grid(b, c, sp), kThreads, 0, s)(x, y, b, c, sp, bf16);
   else
     LAUNCH(pack16_kernel, blocks_for(n), kThreads, 0, s)(x, y, n, make_fast_div(c), make_fast_div(sp), bf16);
+}
+
+void k_pack_bf16_rows(cudaStream_t s, const float *x, uint16_t *y, int64_t rows, int64_t cols, int64_t ld) {
+  const int64_t n = rows * cols;
+  if (!n) return;
+  LAUNCH(pack_bf16_rows_kernel, blocks_for(n), kThreads, 0, s)(x, y, n, make_fast_div(cols), ld);
 }
 
 void k_unpack16(cudaStream_t s, const uint16_t *y, float *x, int64_t b, int64_t c, int64_t sp, int bf16,

@@ -107,6 +107,18 @@ void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const
   }
 }
 
+int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][3]) {
+  const int64_t rows = shape_rows(l->in, batch), c = l->in.c;
+  if (l->ops == &dt_layer_linear) {
+    products[0][0] = rows, products[0][1] = c, products[0][2] = l->args.out;
+    return 1;
+  }
+  if (l->ops != &dt_layer_attention) return 0;
+  products[0][0] = rows, products[0][1] = c, products[0][2] = 3 * c;
+  products[1][0] = rows, products[1][1] = c, products[1][2] = c;
+  return 2;
+}
+
 static void linear_forward(dt_layer *l, dt_pass *pass, const float *x) {
   dense_forward(pass->be, shape_rows(l->in, pass->batch), l->in.c, l->args.out, x, pass->params + weight_off(l),
                 l->args.bias ? pass->params + bias_off(l) : NULL, l->y);

@@ -23,20 +23,32 @@ static size_t host_batch_bytes(const dt_model *m, int64_t cap) {
          (size_t)(cap + 1) * sizeof(int64_t) + (size_t)(cap * targets) * sizeof(float);
 }
 
+/* The most ops scratch_ops lists for one layer: an attention layer's two dense products, each a
+ * forward, a weight gradient and an input gradient. */
+enum { SCRATCH_OPS_PER_LAYER = 6 };
+
 /* The ops with scratch of their own that a pass of `batch` rows runs: each convolution's forward,
  * and in training (backward) its filter gradient and, but for the first layer's (no dx), its data
- * gradient, each batchnorm's statistics (their backward's are the same size) and each layernorm's
- * backward; the loss; the sums of squares. Appends to ops
- * (capacity: 3 per layer + 2). */
+ * gradient; each dense product's GEMMs, as dense_forward and dense_backward run them; each
+ * batchnorm's statistics (their backward's are the same size) and each layernorm's backward; the
+ * loss; the sums of squares. Appends to ops (capacity: SCRATCH_OPS_PER_LAYER per layer + 2). */
 static int scratch_ops(const dt_model *m, int64_t batch, int backward, dt_op *ops, int n) {
   for (int i = 0; i < m->n_all; i++) {
     const dt_layer *l = m->all[i];
+    const int first = l == m->top.layers[0];
     dt_conv_geom g;
+    int64_t dense[2][3];
+    const int n_dense = layer_dense_products(l, batch, dense);
+    for (int d = 0; d < n_dense; d++) {
+      const int64_t rows = dense[d][0], in = dense[d][1], out = dense[d][2];
+      ops[n++] = (dt_op){.type = DT_OP_GEMM, .p.gemm = {.trans_b = 1, .m = rows, .n = out, .k = in}};
+      if (backward) ops[n++] = (dt_op){.type = DT_OP_GEMM, .p.gemm = {.trans_a = 1, .m = out, .n = in, .k = rows}};
+      if (backward && !first) ops[n++] = (dt_op){.type = DT_OP_GEMM, .p.gemm = {.m = rows, .n = in, .k = out}};
+    }
     if (layer_conv_geom(l, batch, &g)) {
       ops[n++] = (dt_op){.type = DT_OP_CONV_FWD, .p.conv_fwd = {.g = g}};
       if (backward) ops[n++] = (dt_op){.type = DT_OP_CONV_BWD_FILTER, .p.conv_bwd_filter = {.g = g}};
-      if (backward && l != m->top.layers[0])
-        ops[n++] = (dt_op){.type = DT_OP_CONV_BWD_DATA, .p.conv_bwd_data = {.g = g}};
+      if (backward && !first) ops[n++] = (dt_op){.type = DT_OP_CONV_BWD_DATA, .p.conv_bwd_data = {.g = g}};
     } else if (backward && l->ops == &dt_layer_batchnorm) {
       ops[n++] = (dt_op){.type = DT_OP_BN_STATS, .p.bn_stats = {.b = batch, .c = l->in.c, .s = l->in.h * l->in.w}};
     } else if (backward && l->ops == &dt_layer_layernorm) {
@@ -69,8 +81,9 @@ void memory_run_parts(const dt_config_values *v, const dt_model *m, const dt_dat
     out->checkpoint = copy + (copy + ((size_t)1 << 20)) + (size_t)largest * sizeof(float);
   }
   if (be->scratch) {
-    const int teacher_ops = m->teacher ? 3 * m->teacher->n_all + 2 : 0;
-    dt_op *ops = dt_malloc((size_t)(2 * (3 * m->n_all + 2) + teacher_ops) * sizeof *ops);
+    const int per_model = SCRATCH_OPS_PER_LAYER * m->n_all + 2;
+    const int teacher_ops = m->teacher ? SCRATCH_OPS_PER_LAYER * m->teacher->n_all + 2 : 0;
+    dt_op *ops = dt_malloc((size_t)(2 * per_model + teacher_ops) * sizeof *ops);
     int n = scratch_ops(m, rows, 1, ops, 0);
     if (val) n = scratch_ops(m, held, 0, ops, n);                 /* evaluation's chunks: forward only */
     if (m->teacher) n = scratch_ops(m->teacher, rows, 0, ops, n); /* distillation's teacher: forward only */

@@ -1633,6 +1633,53 @@ static float round_bf16(float f) {
   return f;
 }
 
+/* GEMM under bf16: A and B of every dimension at least 16 are copied to bfloat16 (rounded to nearest
+ * even, rows padded to 8 values) and multiplied with FP32 sums, so CUDA on the FP32 operands matches
+ * the CPU on operands rounded to bfloat16 to float rounding (1e-5); a GEMM on FP32 operands under
+ * _FAST_16BF misses that by about 1e-3. Every transpose (n and k odd: padded rows), a linear layer's
+ * forward with its bias, and alpha and beta. */
+static void ops_gemm_bf16(void) {
+  static const struct {
+    int ta, tb, bias;
+    int64_t m, n, k;
+    float alpha, beta;
+  } cases[] = {{0, 1, 1, 40, 21, 27, 1.0f, 0.0f},
+               {1, 0, 0, 21, 27, 40, 1.0f, 1.0f},
+               {0, 0, 0, 40, 27, 21, 1.0f, 0.0f},
+               {1, 1, 0, 17, 19, 33, 0.5f, 0.25f}};
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+    const int64_t m = cases[i].m, n = cases[i].n, k = cases[i].k;
+    float *ha = ot_host_rand(m * k, -1, 1), *hb = ot_host_rand(k * n, -1, 1);
+    dbuf a = ot_buf(OT_F32, ha, m * k), b = ot_buf(OT_F32, hb, k * n);
+    for (int64_t j = 0; j < m * k; j++) ha[j] = round_bf16(ha[j]);
+    for (int64_t j = 0; j < k * n; j++) hb[j] = round_bf16(hb[j]);
+    dbuf a16 = ot_buf(OT_F32, ha, m * k), b16 = ot_buf(OT_F32, hb, k * n);
+    dbuf c = ot_rand(m * n, -1, 1), bias = ot_rand(n, -1, 1);
+    free(ha);
+    free(hb);
+    ot_case(DT_OP_GEMM, "bf16 operands, trans_a %d trans_b %d, (%lld, %lld, %lld)%s", cases[i].ta, cases[i].tb,
+            (long long)m, (long long)n, (long long)k, cases[i].bias ? ", bias" : "");
+    BOTH {
+      dt_op op = {.type = DT_OP_GEMM};
+      op.p.gemm = (typeof(op.p.gemm)){.trans_a = cases[i].ta,
+                                      .trans_b = cases[i].tb,
+                                      .m = m,
+                                      .n = n,
+                                      .k = k,
+                                      .alpha = cases[i].alpha,
+                                      .beta = cases[i].beta,
+                                      .a = s_ ? F(a) : F(a16), /* the CPU: operands rounded beforehand */
+                                      .b = s_ ? F(b) : F(b16),
+                                      .c = F(c),
+                                      .bias = cases[i].bias ? F(bias) : NULL};
+      RUN(op);
+    }
+    ot_check("C", c, c.n);
+    ot_check("A", a, 0);
+    ot_check("B", b, 0);
+  }
+}
+
 /* Fused attention over H heads of `rows` samples (buffers for `cap`), in the attention layer's layout:
  * q, k, v in one (cap, T, 3, H, hd) buffer, o in (cap, T, H, hd); the scores scaled by 1/sqrt(hd), q of
  * every third head (h = 1, 4, ...) times 8 (scores of hundreds: exp overflows unless the running maximum
@@ -1906,6 +1953,7 @@ static void conv16_reuses_dy_only_back_to_back(void) {
 
 GPU_TEST(cuda_op_gemm, (ot_begin(), ops_gemm(), ot_end()))
 GPU_TEST(cuda_op_gemm_batched, (ot_begin(), ops_gemm_batched(), ot_end()))
+GPU_TEST(cuda_op_gemm_bf16, (ot_begin_precision(DT_PREC_BF16, 1e-5), ops_gemm_bf16(), ot_end()))
 GPU_TEST(cuda_op_embed, (ot_begin(), ops_embed(), ot_end()))
 GPU_TEST(cuda_op_layernorm, (ot_begin(), ops_layernorm(), ot_end()))
 GPU_TEST(cuda_op_softmax, (ot_begin(), ops_softmax(), ot_end()))
@@ -1995,6 +2043,7 @@ int main(void) {
       cmocka_unit_test(cuda_residual_global_pool_mse),
       cmocka_unit_test(cuda_op_gemm),
       cmocka_unit_test(cuda_op_gemm_batched),
+      cmocka_unit_test(cuda_op_gemm_bf16),
       cmocka_unit_test(cuda_op_embed),
       cmocka_unit_test(cuda_op_layernorm),
       cmocka_unit_test(cuda_op_softmax),

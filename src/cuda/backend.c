@@ -4,9 +4,9 @@
  * (cuBLAS), conv.c (cuDNN: the algorithm chosen once per shape from its heuristics) and ops.c
  * (everything else, through kernels/).
  * train.precision sets the math of GEMMs and convolutions: fp32 (FMA, no TF32: results follow the
- * CPU reference to float rounding), tf32, or bf16/fp16 (GEMM inputs rounded on tensor cores;
- * convolution operands copied to 16-bit NHWC; under bf16 from compute capability 8.0 the fused
- * attention's tile products too); accumulation, storage and every other op stay FP32.
+ * CPU reference to float rounding), tf32, or bf16/fp16 (GEMM inputs rounded on tensor cores, under
+ * bf16 a large GEMM's operands copied to bfloat16 first; convolution operands copied to 16-bit NHWC; under bf16 from
+ * compute capability 8.0 the fused attention's tile products too); accumulation, storage and every other op stay FP32.
  * All work is queued on one stream and no op waits on the host, so a training step can be
  * captured as a CUDA graph (capture_begin/capture_end/replay; a buffer outgrown mid-capture is
  * retired until the stream drains, and the generation bump makes the owner capture again).
@@ -284,6 +284,7 @@ static size_t cuda_scratch(dt_backend *be, const dt_op *ops, int n) {
     if (op->type == DT_OP_CONV_FWD) cuda_conv_scratch(im, &op->p.conv_fwd.g, &workspace, &h16);
     if (op->type == DT_OP_CONV_BWD_DATA) cuda_conv_scratch(im, &op->p.conv_bwd_data.g, &workspace, &h16);
     if (op->type == DT_OP_CONV_BWD_FILTER) cuda_conv_scratch(im, &op->p.conv_bwd_filter.g, &workspace, &h16);
+    if (op->type == DT_OP_GEMM && cuda_gemm16_bytes(im, op) > h16) h16 = cuda_gemm16_bytes(im, op);
   }
   return workspace + h16 + partials;
 }

@@ -43,7 +43,7 @@ typedef struct {
   char *notes; /* the plans made since take_notes last took them, a line each (dt_malloc'd), or NULL */
   void *workspace;
   size_t workspace_bytes;
-  uint16_t *h16; /* device: a convolution's operands in 16 bits (bf16, fp16) */
+  uint16_t *h16; /* device: a convolution's operands in 16 bits (bf16, fp16), or a GEMM's (bf16) */
   size_t h16_bytes;
   /* The dy whose 16-bit copy a backward filter just left in h16 (at dy16_at, for dy16_geom), for the
    * backward data right after it; NULL once any other op or copy has run (cuda_forget_dy16). */
@@ -98,6 +98,8 @@ size_t cuda_partials_bytes(const dt_op *op);
 
 /* gemm.c (cuBLAS) */
 void cuda_gemm(cuda_impl *im, const dt_op *op);
+/* gemm.c: the bytes of bfloat16 operands (in im->h16) GEMM op needs; 0 for one on FP32 operands. */
+size_t cuda_gemm16_bytes(const cuda_impl *im, const dt_op *op);
 
 /* conv.c (cuDNN) */
 void cuda_conv_fwd(cuda_impl *im, const dt_op *op);

@@ -9,6 +9,39 @@ static const cublasComputeType_t gemm_compute[] = {[DT_PREC_FP32] = CUBLAS_COMPU
                                                    [DT_PREC_BF16] = CUBLAS_COMPUTE_32F_FAST_16BF,
                                                    [DT_PREC_FP16] = CUBLAS_COMPUTE_32F_FAST_16F};
 
+/* A row-major operand as stored: rows x cols, and the row length of its bfloat16 copy. */
+typedef struct {
+  int64_t rows, cols, ld16;
+} operand16;
+
+/* Below this in any dimension a GEMM has no tensor-core tile to fill, and copying its operands
+ * would cost more than it saves. */
+enum { GEMM16_MIN_DIM = 16 };
+
+static operand16 stored(int64_t rows, int64_t cols) {
+  return (operand16){rows, cols, (cols + 7) / 8 * 8}; /* rows of 16 bytes: cuBLAS's aligned kernels */
+}
+
+/* Under bf16, an unbatched GEMM with every dimension at least GEMM16_MIN_DIM runs on bfloat16
+ * copies of A and B in im->h16 (as PyTorch's autocast casts a linear layer's operands): twice the
+ * tensor-core rate of FP32 operands, which cuBLAS runs as TF32 even under _FAST_16BF. Their bytes
+ * (A's copy, then B's, each 256-byte aligned), or 0 for a GEMM on FP32 operands. */
+static size_t gemm16_plan(const cuda_impl *im, const dt_op *op, operand16 *a, operand16 *b) {
+  const typeof(op->p.gemm) *q = &op->p.gemm;
+  if (im->precision != DT_PREC_BF16 || q->batch > 1 || q->m < GEMM16_MIN_DIM || q->n < GEMM16_MIN_DIM ||
+      q->k < GEMM16_MIN_DIM)
+    return 0;
+  *a = q->trans_a ? stored(q->k, q->m) : stored(q->m, q->k);
+  *b = q->trans_b ? stored(q->n, q->k) : stored(q->k, q->n);
+  if (a->rows * a->cols > UINT32_MAX || b->rows * b->cols > UINT32_MAX) return 0; /* k_pack_bf16_rows' limit */
+  return align256((size_t)(a->rows * a->ld16) * 2) + align256((size_t)(b->rows * b->ld16) * 2);
+}
+
+size_t cuda_gemm16_bytes(const cuda_impl *im, const dt_op *op) {
+  operand16 a, b;
+  return gemm16_plan(im, op, &a, &b);
+}
+
 /* Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: the operands swap, and so do
  * their leading dimensions (at least 1, even when k is 0) and batch strides. */
 void cuda_gemm(cuda_impl *im, const dt_op *op) {
@@ -30,6 +63,18 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
     DT_ASSERT(q->beta == 0.0f);
     k_fill_rows(im->stream, q->c, q->bias, q->m, q->n);
     beta = &one;
+  }
+  operand16 a, b;
+  const size_t bytes16 = gemm16_plan(im, op, &a, &b);
+  if (bytes16) {
+    uint16_t *a16 = cuda_grow_device(im, (void **)&im->h16, &im->h16_bytes, bytes16, "16-bit GEMM operands");
+    uint16_t *b16 = a16 + align256((size_t)(a.rows * a.ld16) * 2) / 2;
+    k_pack_bf16_rows(im->stream, q->a, a16, a.rows, a.cols, a.ld16);
+    k_pack_bf16_rows(im->stream, q->b, b16, b.rows, b.cols, b.ld16);
+    CUBLAS_CHECK(cublasGemmEx(im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, b16, CUDA_R_16BF,
+                              (int)b.ld16, a16, CUDA_R_16BF, (int)a.ld16, beta, q->c, CUDA_R_32F, (int)q->n,
+                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    return;
   }
   CUBLAS_CHECK(cublasGemmEx(im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, q->b, CUDA_R_32F,
                             (int)(ldb > 1 ? ldb : 1), q->a, CUDA_R_32F, (int)(lda > 1 ? lda : 1), beta, q->c,
