@@ -73,53 +73,51 @@ static __device__ __forceinline__ uint32_t div_by(uint32_t n, fast_div f) {
   return f.d == 1 ? n : __umulhi(n, f.mul) >> f.shift;
 }
 
-// Sum of v over the lanes [0, lanes) of a warp; the result is valid in lane 0. Lanes that do not
-// exist (a partial last warp) are neither named in the mask nor read.
-static __device__ __forceinline__ double warp_sum(double v, int lanes) {
-  unsigned mask = lanes >= 32 ? 0xffffffffu : (1u << lanes) - 1u;
-  int lane = threadIdx.x & 31;
-  for (int o = 16; o > 0; o >>= 1) {
-    double other = __shfl_down_sync(mask, v, o);
-    if (lane + o < lanes) v += other;
-  }
+// The lane shuffles warp_reduce needs, one per type it reduces (a struct's, field by field, beside
+// the struct).
+static __device__ __forceinline__ double shfl_down(unsigned mask, double v, int o) {
+  return __shfl_down_sync(mask, v, o);
+}
+static __device__ __forceinline__ float shfl_down(unsigned mask, float v, int o) {
+  return __shfl_down_sync(mask, v, o);
+}
+
+// op over the lanes [0, lanes) of a warp, lane l taking in lane l + o for o = 16, 8, ..., 1; the
+// result is valid in lane 0. Lanes that do not exist (a partial last warp) or lie past `lanes` are
+// neither named in the mask nor read.
+template <typename T, typename Op>
+static __device__ __forceinline__ T warp_reduce(T v, int lanes, Op op) {
+  const unsigned mask = lanes >= 32 ? 0xffffffffu : (1u << lanes) - 1u;
+  const int lane = threadIdx.x & 31;
+  if (lane < lanes)
+    for (int o = 16; o > 0; o >>= 1) {
+      T other = shfl_down(mask, v, o);
+      if (lane + o < lanes) v = op(v, other);
+    }
   return v;
 }
 
-// Block-wide sum of a double for any blockDim.x (1-D blocks); the result is valid in thread 0.
+// op over the block for any blockDim.x (1-D blocks): within each warp, then warp 0 over the warps'
+// results, the same order on every run; the result is valid in thread 0. Every thread must call it.
+template <typename T, typename Op>
+static __device__ __forceinline__ T block_reduce(T v, Op op) {
+  __shared__ T warp_results[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warps = (blockDim.x + 31) >> 5, in_warp = (int)blockDim.x - warp * 32;
+  v = warp_reduce(v, in_warp < 32 ? in_warp : 32, op);
+  if (lane == 0) warp_results[warp] = v;
+  __syncthreads();
+  if (warp == 0 && lane < warps) v = warp_reduce(warp_results[lane], warps, op);
+  __syncthreads();  // the next call writes warp_results again
+  return v;
+}
+
 static __device__ __forceinline__ double block_sum(double v) {
-  __shared__ double warp_sums[32];
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int warps = (blockDim.x + 31) >> 5, in_warp = (int)blockDim.x - warp * 32;
-  v = warp_sum(v, in_warp < 32 ? in_warp : 32);
-  if (lane == 0) warp_sums[warp] = v;
-  __syncthreads();
-  if (warp == 0) v = warp_sum(lane < warps ? warp_sums[lane] : 0.0, (int)blockDim.x < 32 ? (int)blockDim.x : 32);
-  __syncthreads();
-  return v;
+  return block_reduce(v, [](double a, double b) { return a + b; });
 }
 
-// Max of v over the lanes [0, lanes) of a warp; the result is valid in lane 0 (as warp_sum).
-static __device__ __forceinline__ float warp_max(float v, int lanes) {
-  unsigned mask = lanes >= 32 ? 0xffffffffu : (1u << lanes) - 1u;
-  int lane = threadIdx.x & 31;
-  for (int o = 16; o > 0; o >>= 1) {
-    float other = __shfl_down_sync(mask, v, o);
-    if (lane + o < lanes) v = fmaxf(v, other);
-  }
-  return v;
-}
-
-// Block-wide max for any blockDim.x (1-D blocks); the result is valid in thread 0.
 static __device__ __forceinline__ float block_max(float v) {
-  __shared__ float warp_maxes[32];
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int warps = (blockDim.x + 31) >> 5, in_warp = (int)blockDim.x - warp * 32;
-  v = warp_max(v, in_warp < 32 ? in_warp : 32);
-  if (lane == 0) warp_maxes[warp] = v;
-  __syncthreads();
-  if (warp == 0) v = warp_max(lane < warps ? warp_maxes[lane] : -INFINITY, (int)blockDim.x < 32 ? (int)blockDim.x : 32);
-  __syncthreads();
-  return v;
+  return block_reduce(v, [](float a, float b) { return fmaxf(a, b); });
 }
 
 // Channel of element i of a (B, C, S) tensor.

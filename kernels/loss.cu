@@ -79,28 +79,10 @@ static __device__ __forceinline__ ce_row ce_merge(ce_row x, ce_row y) {
   return x;
 }
 
-// ce_merge over the block in a fixed order (any blockDim.x, 1-D); the result is valid in thread 0.
-static __device__ ce_row block_ce(ce_row v) {
-  __shared__ ce_row warp_rows[32];
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int warps = (blockDim.x + 31) >> 5, in_warp = (int)blockDim.x - warp * 32;
-  for (int pass = 0; pass < 2; pass++) {
-    int lanes = pass == 0 ? (in_warp < 32 ? in_warp : 32) : warps;
-    if (pass == 1) {
-      __syncthreads();
-      if (warp != 0) return v;
-      v = lane < warps ? warp_rows[lane] : v;
-    }
-    unsigned mask = lanes >= 32 ? 0xffffffffu : (1u << lanes) - 1u;
-    if (lane < lanes)
-      for (int o = 16; o > 0; o >>= 1) {
-        ce_row other = {__shfl_down_sync(mask, v.m, o), __shfl_down_sync(mask, v.s, o), __shfl_down_sync(mask, v.a, o),
-                        __shfl_down_sync(mask, v.z, o)};
-        if (lane + o < lanes) v = ce_merge(v, other);
-      }
-    if (pass == 0 && lane == 0) warp_rows[warp] = v;
-  }
-  return v;
+// warp_reduce's shuffle of a ce_row
+static __device__ __forceinline__ ce_row shfl_down(unsigned mask, ce_row v, int o) {
+  return {__shfl_down_sync(mask, v.m, o), __shfl_down_sync(mask, v.s, o), __shfl_down_sync(mask, v.a, o),
+          __shfl_down_sync(mask, v.z, o)};
 }
 
 __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels, const float *targets, float *dz,
@@ -127,7 +109,7 @@ __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels
     // to write the gradient: the loss is -(off (sum z - k lse) + (1 - ls)(z[y] - lse))
     ce_row st = {-INFINITY, 0.0, (int)k, 0.0};
     for (int64_t j = threadIdx.x; j < k; j += blockDim.x) ce_add(&st, z[j], (int)j);
-    st = block_ce(st);
+    st = block_reduce(st, [](ce_row x, ce_row y) { return ce_merge(x, y); });
     __shared__ double s_lse;
     __shared__ int s_arg;
     if (threadIdx.x == 0) s_lse = (double)st.m + log(st.s), s_arg = st.a == (int)k ? 0 : st.a;
