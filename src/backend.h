@@ -411,7 +411,7 @@ struct dt_backend {
   /* The bytes of scratch the backend will hold to run ops[0..n) (described, not run: their pointers
    * are not read): each of its scratch buffers at the most any of them needs (the CPU's oneDNN
    * blocked copies and scratchpads or im2col columns; the CUDA backend's cuDNN workspace, 16-bit
-   * convolution operands and partial sums). Plans made to answer (primitives, algorithms) are kept
+   * convolution and GEMM operands and partial sums). Plans made to answer (primitives, algorithms) are kept
    * for the run; nothing is allocated. */
   size_t (*scratch)(dt_backend *be, const dt_op *ops, int n);
   int threads;

@@ -1647,6 +1647,7 @@ static void ops_gemm_bf16(void) {
                {1, 0, 0, 21, 27, 40, 1.0f, 1.0f},
                {0, 0, 0, 40, 27, 21, 1.0f, 0.0f},
                {1, 1, 0, 17, 19, 33, 0.5f, 0.25f}};
+  size_t held16 = 0; /* the CUDA backend's h16, as the estimate says */
   for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
     const int64_t m = cases[i].m, n = cases[i].n, k = cases[i].k;
     float *ha = ot_host_rand(m * k, -1, 1), *hb = ot_host_rand(k * n, -1, 1);
@@ -1659,6 +1660,8 @@ static void ops_gemm_bf16(void) {
     free(hb);
     ot_case(DT_OP_GEMM, "bf16 operands, trans_a %d trans_b %d, (%lld, %lld, %lld)%s", cases[i].ta, cases[i].tb,
             (long long)m, (long long)n, (long long)k, cases[i].bias ? ", bias" : "");
+    const size_t used = ot.be[1]->mem_used;
+    size_t scratch = 0;
     BOTH {
       dt_op op = {.type = DT_OP_GEMM};
       op.p.gemm = (typeof(op.p.gemm)){.trans_a = cases[i].ta,
@@ -1672,8 +1675,15 @@ static void ops_gemm_bf16(void) {
                                       .b = s_ ? F(b) : F(b16),
                                       .c = F(c),
                                       .bias = cases[i].bias ? F(bias) : NULL};
+      if (s_) scratch = ot.be[1]->scratch(ot.be[1], &op, 1);
       RUN(op);
     }
+    /* the memory estimate's size for the copies is what they took: h16 grew from the last case's */
+    const size_t grew = ot.be[1]->mem_used - used, want = scratch > held16 ? scratch - held16 : 0;
+    if (grew != want)
+      fail_msg("op gemm [%s]: the 16-bit operands took %zu more bytes, the estimate says %zu (of %zu)", ot.kase, grew,
+               want, scratch);
+    held16 = scratch > held16 ? scratch : held16;
     ot_check("C", c, c.n);
     ot_check("A", a, 0);
     ot_check("B", b, 0);

@@ -3,6 +3,7 @@
 #include "dt_test.h"
 
 #include "config.h"
+#include "memory.h"
 #include "model.h"
 
 static int build(const char *model_yaml, dt_config *cfg, dt_model *m, dt_status *st) {
@@ -259,6 +260,60 @@ static void attention_picks_by_device_and_shared_memory(void **state) {
   config_free(&cfg);
 }
 
+/* The ops memory_run_parts asks a backend's scratch about, recorded in its impl. */
+typedef struct {
+  dt_op ops[64];
+  int n;
+} scratch_asked;
+
+static size_t record_scratch(dt_backend *be, const dt_op *ops, int n) {
+  scratch_asked *asked = be->impl;
+  for (int i = 0; i < n && asked->n < 64; i++) asked->ops[asked->n++] = ops[i];
+  return 0;
+}
+
+/* The estimate asks the backend about every GEMM dense_forward and dense_backward run (CUDA's bf16
+ * copies of their operands are scratch): for an attention layer's two projections and a linear
+ * layer, the forward (rows, out, in), the weight gradient (out, in, rows, A transposed) and the input
+ * gradient (rows, in, out), by hand for 3 sequences of 8 tokens of 128 values; then evaluation's
+ * forwards of 5 sequences. */
+static void memory_estimate_asks_about_each_gemm(void **state) {
+  (void)state;
+  dt_config cfg;
+  dt_model m;
+  dt_status st;
+  assert_int_equal(build("  input: [8]\n  layers: [{embedding: {vocab: 10, dim: 128}}, {attention: {heads: 2}},"
+                         " {linear: {out: 10}}]\n",
+                         &cfg, &m, &st),
+                   0);
+  scratch_asked asked = {.n = 0};
+  dt_backend be = {.scratch = record_scratch, .impl = &asked};
+  dt_run_memory parts;
+  assert_true(cfg.v.val_x[0]); /* validation data by default: evaluation's forward, of the buffers' 5 rows */
+  memory_run_parts(&cfg.v, &m, NULL, &be, 1, 3, 5, &parts);
+  const int64_t want[][5] = {/* trans_a, trans_b, m, n, k */
+                             {0, 1, 24, 384, 128}, {1, 0, 384, 128, 24}, {0, 0, 24, 128, 384}, {0, 1, 24, 128, 128},
+                             {1, 0, 128, 128, 24}, {0, 0, 24, 128, 128}, {0, 1, 24, 10, 128},  {1, 0, 10, 128, 24},
+                             {0, 0, 24, 128, 10},  {0, 1, 40, 384, 128}, {0, 1, 40, 128, 128}, {0, 1, 40, 10, 128}};
+  const int n_want = sizeof want / sizeof *want;
+  int n = 0;
+  for (int i = 0; i < asked.n; i++) {
+    if (asked.ops[i].type != DT_OP_GEMM) continue;
+    const typeof(asked.ops[i].p.gemm) *q = &asked.ops[i].p.gemm;
+    if (n >= n_want) fail_msg("GEMM %d asked about, past the %d expected", n, n_want);
+    const int64_t got[5] = {q->trans_a, q->trans_b, q->m, q->n, q->k};
+    for (int j = 0; j < 5; j++)
+      if (got[j] != want[n][j])
+        fail_msg("GEMM %d: (%lld %lld %lld %lld %lld), expected (%lld %lld %lld %lld %lld)", n, (long long)got[0],
+                 (long long)got[1], (long long)got[2], (long long)got[3], (long long)got[4], (long long)want[n][0],
+                 (long long)want[n][1], (long long)want[n][2], (long long)want[n][3], (long long)want[n][4]);
+    n++;
+  }
+  assert_int_equal(n, n_want);
+  model_free(&m);
+  config_free(&cfg);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(default_cnn_has_870826_parameters),
@@ -268,6 +323,7 @@ int main(void) {
       cmocka_unit_test(losses_parse),
       cmocka_unit_test(memory_estimate_by_hand),
       cmocka_unit_test(attention_picks_by_device_and_shared_memory),
+      cmocka_unit_test(memory_estimate_asks_about_each_gemm),
   };
   return cmocka_run_group_tests_name("model", tests, NULL, NULL);
 }
