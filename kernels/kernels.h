@@ -45,7 +45,7 @@ void k_pack16(cudaStream_t s, const float *x, uint16_t *y, int64_t b, int64_t c,
 void k_unpack16(cudaStream_t s, const uint16_t *y, float *x, int64_t b, int64_t c, int64_t sp, int bf16,
                 int accumulate);
 /* x (rows, cols) FP32, row-major, to y (rows, ld) in bfloat16 rounded to nearest even (ld >= cols, the
- * padding left as it is; rows * cols < 2^32) */
+ * padding left as it is; rows * cols < 2^31) */
 void k_pack_bf16_rows(cudaStream_t s, const float *x, uint16_t *y, int64_t rows, int64_t cols, int64_t ld);
 
 /* optim.cu: one pass over the flat parameter buffer */

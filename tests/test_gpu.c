@@ -263,7 +263,7 @@ static dbuf ot_buf(int type, const void *host, int64_t n) {
   return b;
 }
 
-/* n random floats in [lo, hi), a fresh stream per call; the host array lives until ot_end. */
+/* n random floats in [lo, hi), a fresh stream per call; the caller frees the array. */
 static float *ot_host_rand(int64_t n, float lo, float hi) {
   float *h = calloc((size_t)n + 1, sizeof(float));
   uint64_t seed = ot.seed++;
@@ -1683,11 +1683,17 @@ static void ops_gemm_bf16(void) {
     if (grew != want)
       fail_msg("op gemm [%s]: the 16-bit operands took %zu more bytes, the estimate says %zu (of %zu)", ot.kase, grew,
                want, scratch);
+    if (!scratch) fail_msg("op gemm [%s]: no bfloat16 copies under bf16", ot.kase);
     held16 = scratch > held16 ? scratch : held16;
     ot_check("C", c, c.n);
     ot_check("A", a, 0);
     ot_check("B", b, 0);
   }
+  /* no copies for a dimension under 16, nor for attention's batched products (even one of them) */
+  dt_op small = {.type = DT_OP_GEMM, .p.gemm = {.trans_b = 1, .m = 40, .n = 15, .k = 27}};
+  dt_op batched = {.type = DT_OP_GEMM, .p.gemm = {.m = 40, .n = 21, .k = 27, .batch = 1}};
+  assert_int_equal(ot.be[1]->scratch(ot.be[1], &small, 1), 0);
+  assert_int_equal(ot.be[1]->scratch(ot.be[1], &batched, 1), 0);
 }
 
 /* Fused attention over H heads of `rows` samples (buffers for `cap`), in the attention layer's layout:

@@ -22,18 +22,19 @@ static operand16 stored(int64_t rows, int64_t cols) {
   return (operand16){rows, cols, (cols + 7) / 8 * 8}; /* rows of 16 bytes: cuBLAS's aligned kernels */
 }
 
-/* Under bf16, an unbatched GEMM with every dimension at least GEMM16_MIN_DIM runs on bfloat16
+/* Under bf16, an unbatched GEMM (batch 0) with every dimension at least GEMM16_MIN_DIM runs on bfloat16
  * copies of A and B in im->h16 (as PyTorch's autocast casts a linear layer's operands): twice the
  * tensor-core rate of FP32 operands, which cuBLAS runs as TF32 even under _FAST_16BF. Their bytes
  * (A's copy, then B's, each 256-byte aligned), or 0 for a GEMM on FP32 operands. */
 static size_t gemm16_plan(const cuda_impl *im, const dt_op *op, operand16 *a, operand16 *b) {
   const typeof(op->p.gemm) *q = &op->p.gemm;
-  if (im->precision != DT_PREC_BF16 || q->batch > 1 || q->m < GEMM16_MIN_DIM || q->n < GEMM16_MIN_DIM ||
-      q->k < GEMM16_MIN_DIM)
+  if (im->precision != DT_PREC_BF16 || q->batch || q->m < GEMM16_MIN_DIM || q->n < GEMM16_MIN_DIM ||
+      q->k < GEMM16_MIN_DIM) /* batch 1 is attention's (B, H) product of one: not a dense layer's */
     return 0;
   *a = q->trans_a ? stored(q->k, q->m) : stored(q->m, q->k);
   *b = q->trans_b ? stored(q->n, q->k) : stored(q->k, q->n);
-  if (a->rows * a->cols > UINT32_MAX || b->rows * b->cols > UINT32_MAX) return 0; /* k_pack_bf16_rows' limit */
+  const int64_t limit = (int64_t)1 << 31; /* k_pack_bf16_rows' (fast_div is exact below 2^31) */
+  if (a->rows * a->cols >= limit || b->rows * b->cols >= limit) return 0;
   return align256((size_t)(a->rows * a->ld16) * 2) + align256((size_t)(b->rows * b->ld16) * 2);
 }
 
