@@ -64,45 +64,37 @@ static int64_t bias_off(const dt_layer *l) {
   return l->tied ? l->param_off : l->param_off + l->args.out * l->in.c;
 }
 
+dt_op dense_gemm(int kind, int64_t rows, int64_t in, int64_t out) {
+  dt_op op = {.type = DT_OP_GEMM};
+  if (kind == DENSE_FWD) /* y(rows, out) = x(rows, in) W^T(in, out) */
+    op.p.gemm = (typeof(op.p.gemm)){.trans_b = 1, .m = rows, .n = out, .k = in, .alpha = 1.0f, .beta = 0.0f};
+  else if (kind == DENSE_DW) /* dW(out, in) += dy^T(out, rows) x(rows, in) */
+    op.p.gemm = (typeof(op.p.gemm)){.trans_a = 1, .m = out, .n = in, .k = rows, .alpha = 1.0f, .beta = 1.0f};
+  else /* dx(rows, in) = dy(rows, out) W(out, in) */
+    op.p.gemm = (typeof(op.p.gemm)){.m = rows, .n = in, .k = out, .alpha = 1.0f, .beta = 0.0f};
+  return op;
+}
+
 void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
                    const float *bias, float *y) {
-  dt_op op = {.type = DT_OP_GEMM}; /* y(rows, out) = x(rows, in) W^T(in, out) + bias */
-  op.p.gemm = (typeof(op.p.gemm)){.trans_a = 0,
-                                  .trans_b = 1,
-                                  .m = rows,
-                                  .n = out,
-                                  .k = in,
-                                  .alpha = 1.0f,
-                                  .beta = 0.0f,
-                                  .a = x,
-                                  .b = w,
-                                  .c = y,
-                                  .bias = bias};
+  dt_op op = dense_gemm(DENSE_FWD, rows, in, out);
+  op.p.gemm.a = x, op.p.gemm.b = w, op.p.gemm.c = y, op.p.gemm.bias = bias;
   backend_run(be, &op);
 }
 
 void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
                     const float *dy, float *dw, float *dbias, float *dx) {
-  dt_op op = {.type = DT_OP_GEMM}; /* dW(out, in) += dy^T(out, rows) x(rows, in) */
-  op.p.gemm = (typeof(op.p.gemm)){
-      .trans_a = 1, .trans_b = 0, .m = out, .n = in, .k = rows, .alpha = 1.0f, .beta = 1.0f, .a = dy, .b = x, .c = dw};
+  dt_op op = dense_gemm(DENSE_DW, rows, in, out);
+  op.p.gemm.a = dy, op.p.gemm.b = x, op.p.gemm.c = dw;
   backend_run(be, &op);
   if (dbias) {
     dt_op b = {.type = DT_OP_BIAS_GRAD};
     b.p.bias_grad = (typeof(b.p.bias_grad)){.b = rows, .c = out, .s = 1, .dy = dy, .db = dbias};
     backend_run(be, &b);
   }
-  if (dx) { /* dx(rows, in) = dy(rows, out) W(out, in) */
-    op.p.gemm = (typeof(op.p.gemm)){.trans_a = 0,
-                                    .trans_b = 0,
-                                    .m = rows,
-                                    .n = in,
-                                    .k = out,
-                                    .alpha = 1.0f,
-                                    .beta = 0.0f,
-                                    .a = dy,
-                                    .b = w,
-                                    .c = dx};
+  if (dx) {
+    op = dense_gemm(DENSE_DX, rows, in, out);
+    op.p.gemm.a = dy, op.p.gemm.b = w, op.p.gemm.c = dx;
     backend_run(be, &op);
   }
 }

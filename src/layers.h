@@ -23,6 +23,10 @@ extern const dt_layer_ops dt_layer_attention; /* layer_attention.c */
 
 /* PyTorch's nn.Linear initialisation of every tensor of l: uniform(+-1/sqrt(in)). layer_dense.c. */
 void dense_init(dt_layer *l, float *params, float *bufs, uint64_t seed);
+/* The GEMM op of a dense product (rows, in, out), its pointers unset: the forward y = x W^T, the
+ * weight gradient dW += dy^T x, or the input gradient dx = dy W. layer_dense.c. */
+enum { DENSE_FWD, DENSE_DW, DENSE_DX };
+dt_op dense_gemm(int kind, int64_t rows, int64_t in, int64_t out);
 /* Queues y(rows, out) = x(rows, in) W^T + bias (bias NULL: none); W (out, in). layer_dense.c. */
 void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
                    const float *bias, float *y);

@@ -41,9 +41,9 @@ static int scratch_ops(const dt_model *m, int64_t batch, int backward, dt_op *op
     const int n_dense = layer_dense_products(l, batch, dense);
     for (int d = 0; d < n_dense; d++) {
       const int64_t rows = dense[d][0], in = dense[d][1], out = dense[d][2];
-      ops[n++] = (dt_op){.type = DT_OP_GEMM, .p.gemm = {.trans_b = 1, .m = rows, .n = out, .k = in}};
-      if (backward) ops[n++] = (dt_op){.type = DT_OP_GEMM, .p.gemm = {.trans_a = 1, .m = out, .n = in, .k = rows}};
-      if (backward && !first) ops[n++] = (dt_op){.type = DT_OP_GEMM, .p.gemm = {.m = rows, .n = in, .k = out}};
+      ops[n++] = dense_gemm(DENSE_FWD, rows, in, out);
+      if (backward) ops[n++] = dense_gemm(DENSE_DW, rows, in, out);
+      if (backward && !first) ops[n++] = dense_gemm(DENSE_DX, rows, in, out);
     }
     if (layer_conv_geom(l, batch, &g)) {
       ops[n++] = (dt_op){.type = DT_OP_CONV_FWD, .p.conv_fwd = {.g = g}};

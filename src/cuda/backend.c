@@ -4,9 +4,10 @@
  * (cuBLAS), conv.c (cuDNN: the algorithm chosen once per shape from its heuristics) and ops.c
  * (everything else, through kernels/).
  * train.precision sets the math of GEMMs and convolutions: fp32 (FMA, no TF32: results follow the
- * CPU reference to float rounding), tf32, or bf16/fp16 (GEMM inputs rounded on tensor cores, under
- * bf16 a large GEMM's operands copied to bfloat16 first; convolution operands copied to 16-bit NHWC; under bf16 from
- * compute capability 8.0 the fused attention's tile products too); accumulation, storage and every other op stay FP32.
+ * CPU reference to float rounding), tf32, or bf16/fp16 (GEMM inputs rounded on tensor cores,
+ * under bf16 a large GEMM's operands copied to bfloat16 first; convolution operands copied to
+ * 16-bit NHWC; under bf16 from compute capability 8.0 the fused attention's tile products too);
+ * accumulation, storage and every other op stay FP32.
  * All work is queued on one stream and no op waits on the host, so a training step can be
  * captured as a CUDA graph (capture_begin/capture_end/replay; a buffer outgrown mid-capture is
  * retired until the stream drains, and the generation bump makes the owner capture again).
