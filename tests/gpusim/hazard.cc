@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <deque>
 #include <map>
 #include <set>
 #include <string>
@@ -68,9 +69,11 @@ struct Seg {
   }
 };
 
-// A traced kernel's spans of one allocation.
+// A traced kernel's spans of one allocation: the lowest and highest byte it read and wrote, not
+// clipped to the allocation until the kernel ends.
 struct Span {
   const Allocation *a;
+  uintptr_t base, size;  // the allocation's
   uintptr_t rlo, rhi, wlo, whi;
 };
 
@@ -112,15 +115,31 @@ Tracker &tr() {
 // run inside the op, which holds the API lock).
 bool tracing = false;
 bool instrumented = false;  // some object was compiled with the instrumentation (__tsan_init ran)
-std::vector<Span> spans;
-size_t last_span = 0;
+std::deque<Span> spans;     // a deque: the page cache points into it, and adding moves none
 // Which span a device page belongs to (allocations own whole pages): a direct-mapped cache, so that
-// a kernel reading several buffers in turn finds each with one comparison. Cleared per kernel.
+// a kernel reading several buffers in turn finds each with one comparison. 16384 pages (64 MB): a
+// batchnorm kernel walks three activations a channel's stride apart, and 256 pages missed on most
+// of its accesses. An entry's key is its page and the kernel's generation, so that a new kernel
+// empties the cache by counting up.
 struct PageSpan {
-  uintptr_t page;
-  size_t span;
+  uint64_t key;
+  Span *span;
 };
-PageSpan page_cache[256];
+constexpr size_t PAGE_CACHE = 16384;
+constexpr int PAGE_GEN_SHIFT = 48;  // keys: the page below, the generation above (device pages < 2^48)
+PageSpan page_cache[PAGE_CACHE];
+uint64_t page_gen = 1;  // 0 is the empty entries'
+
+void empty_page_cache() {
+  if (++page_gen >> (64 - PAGE_GEN_SHIFT)) {  // wrapped: entries of generation 1 could match again
+    memset(page_cache, 0, sizeof page_cache);
+    page_gen = 1;
+  }
+}
+
+inline uint64_t page_key(uintptr_t x) {
+  return (uint64_t)(x >> 12) | page_gen << PAGE_GEN_SHIFT;
+}
 uintptr_t region_lo = 1, region_hi = 0;  // the device address range: anything else is not recorded
 
 uint32_t intern(const std::string &s) {
@@ -231,31 +250,29 @@ void apply(std::map<uintptr_t, Seg> &segs, const Access &x, const Rec &cur, cons
 __attribute__((noinline)) Span *span_of(uintptr_t x) {
   Span *s = nullptr;
   for (size_t i = 0; i < spans.size() && !s; i++)
-    if (x >= spans[i].a->base && x < spans[i].a->base + spans[i].a->size) s = &spans[i];
+    if (x - spans[i].base < spans[i].size) s = &spans[i];
   if (!s) {
     const Allocation *a = find_allocation((const void *)x);
     if (!a || !a->live || x >= a->base + a->size) return nullptr;  // a bad access: the fault handler reports it
-    spans.push_back(Span{a, UINTPTR_MAX, 0, UINTPTR_MAX, 0});
+    spans.push_back(Span{a, a->base, a->size, UINTPTR_MAX, 0, UINTPTR_MAX, 0});
     s = &spans.back();
   }
-  last_span = (size_t)(s - spans.data());
-  page_cache[(x >> 12) & 255] = PageSpan{x >> 12, last_span};
+  page_cache[(x >> 12) % PAGE_CACHE] = PageSpan{page_key(x), s};
   return s;
 }
 
 inline void record(const void *p, size_t n, bool write) {
   uintptr_t x = (uintptr_t)p;
   if (x - region_lo >= region_hi - region_lo) return;  // stack, shared memory, host variables
-  const PageSpan &c = page_cache[(x >> 12) & 255];
-  Span *s = c.page == x >> 12 ? &spans[c.span] : span_of(x);
+  const PageSpan &c = page_cache[(x >> 12) % PAGE_CACHE];
+  Span *s = c.key == page_key(x) ? c.span : span_of(x);
   if (!s) return;
-  uintptr_t end = std::min(x + n, s->a->base + s->a->size);
   if (write) {
     s->wlo = std::min(s->wlo, x);
-    s->whi = std::max(s->whi, end);
+    s->whi = std::max(s->whi, x + n);
   } else {
     s->rlo = std::min(s->rlo, x);
-    s->rhi = std::max(s->rhi, end);
+    s->rhi = std::max(s->rhi, x + n);
   }
 }
 
@@ -329,8 +346,7 @@ void hazard_check(const Op *op, const std::vector<Access> &accesses, const Launc
 
 void hazard_kernel_begin() {
   spans.clear();
-  last_span = 0;
-  memset(page_cache, 0, sizeof page_cache);  // page 0 is never device memory
+  empty_page_cache();
   device_region(&region_lo, &region_hi);
   tracing = instrumented && tr().mode != HAZARD_OFF;
 }
