@@ -11,13 +11,13 @@ __global__ void sgd_kernel(float *p, const float *g, float *mom, int64_t n, cons
   float lr = hyper[0];
   int first = hyper[1] != 0.0f;
   GRID_STRIDE(i, n) {
-    float d = g[i] + wd * p[i];
+    float pi = p[i], d = g[i] + wd * pi;  // p read once: the store to mom would make the compiler read it again
     if (momentum > 0) {
       float buf = first ? d : momentum * mom[i] + d;
       mom[i] = buf;
       d = nesterov ? d + momentum * buf : buf;
     }
-    p[i] -= lr * d;
+    p[i] = pi - lr * d;
   }
 }
 
@@ -25,12 +25,13 @@ __global__ void adamw_kernel(float *p, const float *g, float *m, float *v, int64
                              const double *skip, float b1, float b2, float eps, float wd) {
   if (skip && *skip > 0) return;
   float lr = hyper[0], step_size = hyper[1], bc2_sqrt = hyper[2];
-  GRID_STRIDE(i, n) {
-    float gi = g[i];
-    p[i] *= 1.0f - lr * wd;
-    m[i] = b1 * m[i] + (1.0f - b1) * gi;
-    v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
-    p[i] -= step_size * m[i] / (sqrtf(v[i]) / bc2_sqrt + eps);
+  GRID_STRIDE(i, n) {  // each value read and written once: the compiler cannot know that p, m, v do not alias
+    float gi = g[i], pi = p[i] * (1.0f - lr * wd);
+    float mi = b1 * m[i] + (1.0f - b1) * gi;
+    float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = pi - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
   }
 }
 
