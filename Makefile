@@ -155,10 +155,12 @@ TEST_BINS += $(FUZZ_BINS)
 PREFIX ?= /usr/local
 all: ddp_train
 
-# copied then renamed: a running ./ddp_train keeps its old files (no "Text file busy", no torn library)
+# copied then renamed: a running ./ddp_train keeps its old files (no "Text file busy", no torn library);
+# the copies are named by the shell's PID, so that two makes at once (test_gpu_check's parallel tests) never
+# rename each other's half-written copy
 ddp_train: $(BUILD)/ddp_train
-	cp $< $@.tmp && mv -f $@.tmp $@
-	$(if $(PLUGIN),cp $(PLUGIN) libddp_train_cuda.so.tmp && mv -f libddp_train_cuda.so.tmp libddp_train_cuda.so)
+	cp $< $@.tmp.$$$$ && mv -f $@.tmp.$$$$ $@
+	$(if $(PLUGIN),cp $(PLUGIN) libddp_train_cuda.so.tmp.$$$$ && mv -f libddp_train_cuda.so.tmp.$$$$ libddp_train_cuda.so)
 
 $(BUILD)/ddp_train: $(OBJS) $(BUILD)/main.o $(SAN_DEPS) $(PLUGIN)
 	$(CC) $(CFLAGS) -o $@ $(filter %.o,$^) $(LDLIBS)
