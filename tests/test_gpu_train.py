@@ -100,7 +100,7 @@ class GpuTraining(GpuCase):
                            env=stop)
         self.assertEqual(rc, 75, out + err)
         rc, out, err = gpu_run(common + ["--device", "cuda", "--set", f"log.dir={self.w.file('gpu')}"], 2,
-                               dict(ENV2, **stop))
+                               dict(ENV2, **stop), timeout=600)  # 220 s here beside another test (pyrun -j 2)
         self.assertEqual(rc, 75, out + err)
         self.assertIn("cuda backend", out)
         cpu, gpu = self.losses("cpu"), self.losses("gpu")
