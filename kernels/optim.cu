@@ -26,7 +26,7 @@ __global__ void adamw_kernel(float *p, const float *g, float *m, float *v, int64
   if (skip && *skip > 0) return;
   float lr = hyper[0], step_size = hyper[1], bc2_sqrt = hyper[2];
   GRID_STRIDE(i, n) {  // each value read and written once: the compiler cannot know that p, m, v do not alias
-    float gi = g[i], pi = p[i] * (1.0f - lr * wd);
+    float gi = g[i], pi = __fmul_rn(p[i], 1.0f - lr * wd);  // rounded, as when it was stored: no FMA with the update
     float mi = b1 * m[i] + (1.0f - b1) * gi;
     float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
     m[i] = mi;

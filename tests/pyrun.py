@@ -4,7 +4,7 @@ the seconds each test took say where make test's time goes.
 
   pyrun.py [-j N] NAME...   -j N: N worker processes take the tests from one queue in the order they are
                             listed, for suites whose tests check memory or results, never time, and
-                            mostly keep one core busy (tests/run.sh: test_memory, test_gpu_check)"""
+                            mostly keep one core busy (tests/run.sh: test_gpu_train, test_memory, test_gpu_check)"""
 import multiprocessing
 import os
 import sys
@@ -64,12 +64,12 @@ def flatten(suite):
 def worker(tests, queue, lock, failed):
     """Runs tests[i] for each i taken from queue until None, each in a suite of its own (class fixtures
     included); a TAP line is printed whole, under lock."""
-    result = TapResult()
-    result.lock = lock
     for i in iter(queue.get, None):
+        result = TapResult()  # a fresh one: unittest keeps the last test's class on it, for its fixtures
+        result.lock = lock
         unittest.TestSuite([tests[i]]).run(result)
-    if not result.wasSuccessful():
-        failed.value = 1
+        if not result.wasSuccessful():
+            failed.value = 1
 
 
 def main():

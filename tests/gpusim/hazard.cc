@@ -246,7 +246,7 @@ void apply(std::map<uintptr_t, Seg> &segs, const Access &x, const Rec &cur, cons
   }
 }
 
-// A device access outside the last span's allocation: finds or adds the span of its allocation.
+// A device access whose page the cache does not hold: finds or adds the span of its allocation.
 __attribute__((noinline)) Span *span_of(uintptr_t x) {
   Span *s = nullptr;
   for (size_t i = 0; i < spans.size() && !s; i++)
