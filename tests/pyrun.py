@@ -5,6 +5,7 @@ the seconds each test took say where make test's time goes.
   pyrun.py [-j N] NAME...   -j N: N worker processes take the tests from one queue in the order they are
                             listed, for suites whose tests check memory or results, never time, and
                             mostly keep one core busy (tests/run.sh: test_gpu_train, test_memory, test_gpu_check)"""
+import contextlib
 import multiprocessing
 import os
 import sys
@@ -18,11 +19,9 @@ class TapResult(unittest.TestResult):
     lock = None  # with workers: each line (a failure's traceback included) is printed whole under it
 
     def emit(self, text):
-        if self.lock is None:
+        with self.lock or contextlib.nullcontext():
             print(text, flush=True)
-        else:
-            with self.lock:
-                print(text, flush=True)
+
     def startTest(self, test):
         super().startTest(test)
         self.started = time.monotonic()
