@@ -97,7 +97,7 @@ def export_gpt2(args):
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(gpt2_config(args.checkpoint, n_layer, state, args.heads), f, indent=2)
         out = os.path.join(out, "pytorch_model.bin")
-    tmp = out + ".tmp"
+    tmp = f"{out}.tmp.{os.getpid()}"  # one per process: two runs may write the same file
     torch.save(state, tmp)
     os.replace(tmp, out)
     print(f"wrote {out}: GPT2LMHeadModel state_dict, {n_layer} layers, {len(state)} tensors")
@@ -130,13 +130,13 @@ def main():
     for name in state:
         if name.endswith("num_batches_tracked"):
             state[name].fill_(step)
-    tmp = args.out + ".tmp"
+    tmp = f"{args.out}.tmp.{os.getpid()}"
     torch.save(state, tmp)
     os.replace(tmp, args.out)
     print(f"wrote {args.out}: {len(state)} tensors")
     if args.npz:
         arrays = {k: v.numpy() for k, v in state.items()}
-        tmp = args.npz + ".tmp.npz"
+        tmp = f"{args.npz}.tmp.{os.getpid()}.npz"
         np.savez(tmp, **arrays)
         os.replace(tmp, args.npz)
         print(f"wrote {args.npz}")

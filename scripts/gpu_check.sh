@@ -110,13 +110,15 @@ stage_data() {
   else
     echo "no Fashion-MNIST .gz files (GPU_CHECK_FMNIST=$fm): a synthetic data/fashion_mnist.h5 of its shape"
     "$PY" - <<'PY' && touch data/fashion_mnist.synthetic
-import h5py, numpy as np
+import os, h5py, numpy as np
 rng = np.random.default_rng(0)
-with h5py.File("data/fashion_mnist.h5", "w") as f:  # the layout of scripts/make_fashion_mnist.py
+tmp = f"data/fashion_mnist.h5.tmp.{os.getpid()}"  # renamed when whole: another check may be writing it too
+with h5py.File(tmp, "w") as f:  # the layout of scripts/make_fashion_mnist.py
     for split, n in (("train", 60000), ("test", 10000)):
         y = rng.integers(0, 10, n).astype(np.uint8)
         x = (rng.integers(0, 64, (n, 1, 28, 28)) + 19 * y[:, None, None, None]).astype(np.uint8)
         f[f"{split}/images"], f[f"{split}/labels"], f[f"{split}/images_flat"] = x, y, x.reshape(n, 784)
+os.replace(tmp, "data/fashion_mnist.h5")
 PY
   fi
 }

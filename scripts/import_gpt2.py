@@ -205,7 +205,7 @@ def write_h5(tensors, path, attrs=None):
     them; written under a temporary name, then renamed."""
     import h5py
 
-    tmp = path + ".tmp"
+    tmp = f"{path}.tmp.{os.getpid()}"  # one per process: two runs may write the same file
     with h5py.File(tmp, "w", libver="latest") as f:
         g = f.create_group("model")
         for name, a in tensors.items():

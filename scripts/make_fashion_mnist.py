@@ -29,7 +29,7 @@ def main():
     if len(sys.argv) != 3:
         sys.exit(__doc__)
     src, out = sys.argv[1], sys.argv[2]
-    tmp = out + ".tmp"
+    tmp = f"{out}.tmp.{os.getpid()}"  # one per process: two runs may write the same file
     with h5py.File(tmp, "w") as f:
         for split, prefix in (("train", "train"), ("test", "t10k")):
             images = read_idx(os.path.join(src, f"{prefix}-images-idx3-ubyte.gz"))

@@ -25,7 +25,7 @@ def main():
     n_train = int(sys.argv[2]) if len(sys.argv) > 2 else 2048
     n_test = int(sys.argv[3]) if len(sys.argv) > 3 else 512
     rng = np.random.default_rng(2026)
-    tmp = out + ".tmp"
+    tmp = f"{out}.tmp.{os.getpid()}"  # one per process: two runs may write the same file
     with h5py.File(tmp, "w") as f:
         for split, n in (("train", n_train), ("test", n_test)):
             x, y = make(n, rng)

@@ -77,7 +77,7 @@ def main():
                 is_val = i % VAL_EVERY == VAL_EVERY - 1
                 (val if is_val else train).append(text + b"\n%\n")
                 counts[is_val] += 1
-    tmp = out + ".tmp"
+    tmp = f"{out}.tmp.{os.getpid()}"  # one per process: two runs may write the same file
     with h5py.File(tmp, "w", track_order=False) as f:
         f.attrs["vocab"] = 256
         f.attrs["seq_len"] = T

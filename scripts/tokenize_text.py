@@ -148,7 +148,7 @@ def main():
     dtype = np.uint16 if len(tok.table) <= 65536 else np.int32
     offsets = np.zeros(len(tok.table) + 1, np.int64)
     offsets[1:] = np.cumsum([len(b) for b in tok.table])
-    tmp = out + ".tmp"
+    tmp = f"{out}.tmp.{os.getpid()}"  # one per process: two runs may write the same file
     with h5py.File(tmp, "w") as f:
         f["train/tokens"] = np.array(train, dtype)
         f["val/tokens"] = np.array(val, dtype)

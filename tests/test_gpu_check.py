@@ -11,6 +11,8 @@ import sys
 import tempfile
 import unittest
 
+import h5py
+
 from helpers import ENV, ROOT, gpu_setup
 
 ENV1, VISIBLE1, SIM = gpu_setup(1)
@@ -162,6 +164,22 @@ class GpuCheck(unittest.TestCase):
         got = {s["stage"]: (s["status"], s["why"]) for s in summary["stages"]}
         self.assertEqual(got["ops"], ("skipped", "no time left in the budget of 10 s"))
         self.assertEqual(got["faults"], ("skipped", "no time left in the budget of 10 s"))
+
+    def test_two_checks_can_make_the_same_data_file_at_once(self):
+        """The data stage writes data/ in the checkout, and make test runs two whole-plan checks at once on
+        a fresh clone: each writer must use a name of its own until its rename (one shared NAME.tmp failed
+        here with h5py's "unable to lock file")."""
+        d = tempfile.mkdtemp(prefix="data_")
+        self.addCleanup(shutil.rmtree, d, True)
+        out = os.path.join(d, "synthetic.h5")
+        runs = [subprocess.Popen(["/usr/bin/python3", "scripts/make_synthetic.py", out, "512", "64"], cwd=ROOT,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(3)]
+        for p in runs:
+            self.assertEqual(p.wait(timeout=120), 0, p.stdout.read())
+        with h5py.File(out, "r") as f:
+            self.assertEqual(f["train/images"].shape, (512, 3, 32, 32))
+            self.assertEqual(f["test/labels"].shape, (64,))
+        self.assertEqual(os.listdir(d), ["synthetic.h5"])
 
     def test_bad_usage_is_exit_2(self):
         for args, why in ((["--stages", "nope", "/tmp/x"], "unknown stage nope"),
