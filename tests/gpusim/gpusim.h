@@ -284,6 +284,10 @@ bool run_checked(Op *op, const LaunchCtx *g);
 // A kernel about to run (its accesses are recorded from here) and done (returns them).
 void hazard_kernel_begin();
 std::vector<Access> hazard_kernel_end();
+// The running kernel's dynamic shared memory: [dyn, dyn + bytes) of the executor's area, [area,
+// area + area_bytes). A traced access elsewhere in the area stops the program (the area holds every
+// launch's, up to the 227 KiB limit, so an access past a launch's bytes lands there).
+void hazard_dynamic_shared(const char *area, size_t area_bytes, const char *dyn, size_t bytes);
 // An allocation freed: its history goes.
 void hazard_forget(const Allocation *a);
 // Declares [p, p + bytes) of a live allocation as read or written by op (library calls).

@@ -141,6 +141,8 @@ inline uint64_t page_key(uintptr_t x) {
   return (uint64_t)(x >> 12) | page_gen << PAGE_GEN_SHIFT;
 }
 uintptr_t region_lo = 1, region_hi = 0;  // the device address range: anything else is not recorded
+// the executor's dynamic shared memory area, and the running launch's part of it
+uintptr_t dyn_area_lo = 0, dyn_area_hi = 0, dyn_lo = 0, dyn_hi = 0;
 
 uint32_t intern(const std::string &s) {
   Tracker &t = tr();
@@ -261,9 +263,22 @@ __attribute__((noinline)) Span *span_of(uintptr_t x) {
   return s;
 }
 
+// An access to dynamic shared memory outside the bytes the launch gave (compute-sanitizer's memcheck
+// reports it as an invalid __shared__ access; unchecked, a GPU may read another block's data or fault).
+[[noreturn]] __attribute__((noinline)) void dynamic_shared_out_of_bounds(uintptr_t x, size_t n, bool write) {
+  char here[512] = "";
+  describe_running_kernel(here, sizeof here);
+  fatal("%s: %s of %zu bytes at byte %lld of dynamic shared memory, outside the %llu bytes its launch gave", here,
+        write ? "a write" : "a read", n, (long long)(x - dyn_lo), (unsigned long long)(dyn_hi - dyn_lo));
+}
+
 inline void record(const void *p, size_t n, bool write) {
   uintptr_t x = (uintptr_t)p;
-  if (x - region_lo >= region_hi - region_lo) return;  // stack, shared memory, host variables
+  if (x - region_lo >= region_hi - region_lo) {  // stack, shared memory, host variables
+    if (x - dyn_area_lo < dyn_area_hi - dyn_area_lo && (x < dyn_lo || x + n > dyn_hi))
+      dynamic_shared_out_of_bounds(x, n, write);
+    return;
+  }
   const PageSpan &c = page_cache[(x >> 12) % PAGE_CACHE];
   Span *s = c.key == page_key(x) ? c.span : span_of(x);
   if (!s) return;
@@ -349,6 +364,11 @@ void hazard_kernel_begin() {
   empty_page_cache();
   device_region(&region_lo, &region_hi);
   tracing = instrumented && tr().mode != HAZARD_OFF;
+}
+
+void hazard_dynamic_shared(const char *area, size_t area_bytes, const char *dyn, size_t bytes) {
+  dyn_area_lo = (uintptr_t)area, dyn_area_hi = (uintptr_t)area + area_bytes;
+  dyn_lo = (uintptr_t)dyn, dyn_hi = (uintptr_t)dyn + bytes;
 }
 
 std::vector<Access> hazard_kernel_end() {

@@ -231,6 +231,29 @@ __global__ void reverse_kernel(float *out) {
   out[threadIdx.x] = buf[blockDim.x - 1 - threadIdx.x];
 }
 
+// One float past the launch's dynamic shared memory (of blockDim.x floats), or one before it.
+__global__ void past_dynamic_shared_kernel(float *out, int before) {
+  DYNAMIC_SHARED(float, buf);
+  buf[threadIdx.x] = 1.0f;
+  __syncthreads();
+  out[threadIdx.x] = before ? buf[(int)threadIdx.x - 1] : buf[threadIdx.x + 1];
+}
+
+static void launch_past_dynamic_shared(size_t smem, int before) {
+  float *d = device_array<float>(64);
+  LAUNCH(past_dynamic_shared_kernel, 1, 64, smem, 0)(d, before);
+  CUDA_OK(cudaDeviceSynchronize());
+}
+static void launch_one_past_dynamic_shared() {
+  launch_past_dynamic_shared(64 * sizeof(float), 0);
+}
+static void launch_one_before_dynamic_shared() {
+  launch_past_dynamic_shared(64 * sizeof(float), 1);
+}
+static void launch_without_dynamic_shared() {  // a launch that forgot to ask for it
+  launch_past_dynamic_shared(0, 0);
+}
+
 static void dynamic_shared_memory_and_its_limits(void **) {
   float *d = device_array<float>(256);
   LAUNCH(reverse_kernel, 1, 256, 256 * sizeof(float), 0)(d);
@@ -249,6 +272,17 @@ static void dynamic_shared_memory_and_its_limits(void **) {
   cudaGetLastError();
   CUDA_OK(cudaDeviceSynchronize());
   CUDA_OK(cudaFree(d));
+  // an access outside the launch's bytes, seen where kernels are traced (not in the sanitizer builds)
+  if (!gpusim_kernels_traced()) {
+    printf("# kernels are not traced in this build (a sanitizer build): shared memory bounds are left out\n");
+    return;
+  }
+  expect_death(launch_one_past_dynamic_shared,
+               "a read of 4 bytes at byte 256 of dynamic shared memory, outside the "
+               "256 bytes its launch gave");
+  expect_death(launch_one_past_dynamic_shared, "past_dynamic_shared_kernel");
+  expect_death(launch_one_before_dynamic_shared, "a read of 4 bytes at byte -4 of dynamic shared memory");
+  expect_death(launch_without_dynamic_shared, "of dynamic shared memory, outside the 0 bytes its launch gave");
 }
 
 // ---- warps --------------------------------------------------------------------------------------
