@@ -560,11 +560,11 @@ void run_kernel(const gpusim_launch_desc *d, void *task) {
   b->task = task;
   b->n = (int)(d->block.x * d->block.y * d->block.z);
   b->rng = Rng(next_seed());
-  // 16 bytes past a 64-byte boundary: the alignment of the element type, no more, is what a kernel may
-  // count on (one that wants more rounds its pointer up)
   // the area has room for the most any launch may have (227 KiB), so that a traced access past this
   // launch's bytes lands in it and is reported (hazard_dynamic_shared)
   if (e.dyn.empty()) e.dyn.resize((227u << 10) + 80);
+  // 16 bytes past a 64-byte boundary: the alignment of the element type, no more, is what a kernel may
+  // count on (one that wants more rounds its pointer up)
   b->dyn = reinterpret_cast<char *>(((uintptr_t)e.dyn.data() + 63) / 64 * 64 + 16);
   hazard_dynamic_shared(e.dyn.data(), e.dyn.size(), b->dyn, d->smem);
   gpusim_now.block_dim = d->block;
