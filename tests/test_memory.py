@@ -21,8 +21,9 @@ on the GPU (21% and 30%: its 54M parameters, their gradients and AdamW's state a
 activations are mostly the 50257-wide logits and their gradient; on the GPU the fused attention keeps no
 (B, H, T, T) scores, which 4 sequences left at 19%). The stand-in runs kernels thread by thread, so its batches
 are what takes it a few seconds. More in CASES, one line each: the 16-bit convolution operands, the
-bf16 gradient bucket, the EMA and the device cache on the GPU; checkpoints and two ranks' MPI sums on
-the CPU. The whole module takes about 100 s on the 2-core development machine (102 s in CI).
+bf16 gradient bucket, the EMA and the device cache on the GPU; checkpoints, two ranks' MPI sums and 4
+threads (oneDNN's Winograd filter gradient touches a share of its per-thread copies) on the CPU. The
+whole module takes about 100 s on the 2-core development machine (102 s in CI).
 
 CASES is a list of Case: a new setting is a new line (train.recompute blocks has two), and each line
 a test on the CPU and one on the GPU where it gives a batch for them."""
@@ -91,6 +92,8 @@ CASES = [
                                                      "train.ema.decay=0.999", "data.cache=device"],
          ("images", (1, 28, 28)), None, 64),
     Case("resnet18", "resnet18_cifar.yaml", IMAGES, ("images", (3, 32, 32)), 8, 8),
+    # oneDNN's Winograd filter gradient books a copy per thread and touches a share of each (src/cpu/dnnl.c)
+    Case("resnet18_4_threads", "resnet18_cifar.yaml", IMAGES + ["dist.threads=4"], ("images", (3, 32, 32)), 8, None),
     Case("gpt_tiny", "gpt_tiny.yaml", [], ("tokens", (128, 256)), 8, 4),
     Case("gpt2_shaped", GPT2_SHAPED, [], ("tokens", (64, 50257)), 4, 8),
     # train.recompute blocks: the insides of the blocks in one region all blocks share

@@ -153,6 +153,7 @@ void cpu_conv_bwd_filter(cpu_impl *im, const dt_op *op) {
 
 size_t cpu_conv_scratch(cpu_impl *im, const dt_op *ops, int n) {
   size_t need[CPU_DNNL_BUFFERS] = {0}, col = 0, dw = 0;
+  cpu_dnnl_plan_start(im->dnnl);
   for (int i = 0; i < n; i++) {
     const dt_op *op = &ops[i];
     const dt_conv_geom *g = op->type == DT_OP_CONV_FWD          ? &op->p.conv_fwd.g

@@ -17,8 +17,12 @@
 
 #include <oneapi/dnnl/dnnl.h>
 #include <oneapi/dnnl/dnnl_debug.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common.h"
 
@@ -54,9 +58,16 @@ typedef struct {
   int arg[3];        /* DNNL_ARG_* of each */
   dnnl_memory_t pad; /* the primitive's scratchpad, in SLOT_PAD; NULL: it needs none */
   size_t pad_bytes;
+  size_t pad_copy; /* 0: the run touches all pad_bytes; else the bytes of one of the (pad_threads + 1) copies
+                      of a Winograd filter gradient it touches a share of each (wino_filter_copy) */
+  int pad_threads;
 } conv_entry;
 
 enum { MAX_ENTRIES = 256 };
+
+/* The scratchpad buffer is 2 MiB aligned, so that oneDNN's 2 MiB aligned parts of it start where it
+ * books them. */
+enum { PAD_ALIGN = 2 << 20 };
 
 struct cpu_dnnl {
   dnnl_engine_t engine;
@@ -71,11 +82,30 @@ struct cpu_dnnl {
   float *dw;              /* the filter gradient in OIHW before it is added into the caller's */
   size_t dw_bytes;
   int64_t runs, winograd_runs; /* convolutions done here, and those by Winograd */
+  /* the scratchpad's pages (granule bytes each: 2 MiB where transparent huge pages are always on) that
+   * the convolutions planned since cpu_dnnl_plan_start touch: a flag per page, and their count */
+  size_t granule, n_granules, n_touched;
+  uint8_t *touched;
 };
+
+/* The bytes the kernel makes resident at a time in a large buffer: a huge page where transparent huge
+ * pages are "always" on (not "madvise", Debian's default), else a page. */
+static size_t resident_granule(void) {
+  char mode[128] = "";
+  FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+  if (f) {
+    if (!fgets(mode, sizeof mode, f)) mode[0] = 0;
+    fclose(f);
+  }
+  if (strstr(mode, "[always]")) return (size_t)2 << 20;
+  long page = sysconf(_SC_PAGESIZE);
+  return page > 0 ? (size_t)page : 4096;
+}
 
 cpu_dnnl *cpu_dnnl_create(int winograd) {
   cpu_dnnl *d = dt_calloc(1, sizeof *d);
   d->winograd = winograd;
+  d->granule = resident_granule();
   if (dnnl_engine_create(&d->engine, dnnl_cpu, 0) != dnnl_success) {
     free(d);
     return NULL;
@@ -101,6 +131,7 @@ void cpu_dnnl_destroy(cpu_dnnl *d) {
   }
   for (int k = 0; k < SLOTS; k++) free(d->scratch[k]);
   free(d->dw);
+  free(d->touched);
   dnnl_stream_destroy(d->stream);
   dnnl_engine_destroy(d->engine);
   free(d);
@@ -152,6 +183,23 @@ static dnnl_primitive_desc_t entry_pd(cpu_dnnl *d, conv_entry *e, dnnl_alg_kind_
   if (s == dnnl_success) s = dnnl_primitive_desc_create(&pd, &desc, attr, d->engine, fwd_pd);
   DNNL_CHECK(dnnl_primitive_desc_destroy(fwd_pd));
   return s == dnnl_success ? pd : NULL;
+}
+
+/* Bytes of one copy of the filter gradient when the entry is oneDNN 2.6's Winograd backward-filter
+ * schedule that keeps one per thread (S_D_Giot_W), else 0. Its scratchpad is (threads + 1) copies U
+ * of the transformed filter gradient (36 ic oc floats), the transformed x V (36 ic tiles) and dy M (36
+ * oc tiles), the bias partials (threads oc), each booked with 2 MiB to align it. Copy 0 is the sum
+ * and wholly written; thread t writes its share of the filter gradient's blocks in copy t + 1 only,
+ * so that (threads - 1) copies' worth is never touched. The layout is known only by its size: a
+ * scratchpad of any other size (another schedule or oneDNN) counts whole. */
+static size_t wino_filter_copy(const conv_entry *e) {
+  const dt_conv_geom *g = &e->g;
+  if (!e->winograd || e->kind != CPU_DNNL_BWD_FILTER || e->pad_threads < 2) return 0;
+  const size_t threads = (size_t)e->pad_threads, ic = (size_t)g->c, oc = (size_t)g->o;
+  const size_t tiles = (size_t)g->b * (size_t)((g->ho + 3) / 4) * (size_t)((g->wo + 3) / 4); /* 4x4 outputs */
+  const size_t u = 36 * ic * oc * sizeof(float);
+  const size_t booked = (threads + 1) * u + 36 * (ic + oc) * tiles * sizeof(float) + threads * oc * sizeof(float);
+  return booked + 4 * ((size_t)2 << 20) == e->pad_bytes ? u : 0;
 }
 
 /* Builds the entry's primitive; supported = 0 when oneDNN has none for it. */
@@ -206,6 +254,8 @@ static void entry_build(cpu_dnnl *d, conv_entry *e) {
   const dnnl_memory_desc_t *pad_md = dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
   e->pad_bytes = pad_md ? dnnl_memory_desc_get_size(pad_md) : 0;
   if (e->pad_bytes) DNNL_CHECK(dnnl_memory_create(&e->pad, pad_md, d->engine, DNNL_MEMORY_NONE));
+  e->pad_threads = omp_get_max_threads(); /* oneDNN's threads, as it sized the scratchpad */
+  e->pad_copy = wino_filter_copy(e);
   /* refused for a batch beyond its kernels' indexing (the memory estimate plans any batch it is
    * given, before saying it does not fit): im2col would run it */
   if (dnnl_primitive_create(&e->conv, pd) != dnnl_success) e->conv = NULL;
@@ -252,7 +302,7 @@ static void *scratch(cpu_dnnl *d, int slot, size_t bytes) {
   if (d->scratch_bytes[slot] < bytes) {
     d->held[slot].valid = 0;
     free(d->scratch[slot]);
-    if (posix_memalign(&d->scratch[slot], 64, bytes))
+    if (posix_memalign(&d->scratch[slot], slot == SLOT_PAD ? PAD_ALIGN : 64, bytes))
       dt_die("out of host memory allocating %zu bytes for a convolution's blocked copy", bytes);
     d->scratch_bytes[slot] = bytes;
   }
@@ -319,6 +369,45 @@ int cpu_dnnl_conv(cpu_dnnl *d, int kind, const dt_conv_geom *g, const float *a, 
   return 1;
 }
 
+void cpu_dnnl_plan_start(cpu_dnnl *d) {
+  if (!d) return;
+  memset(d->touched, 0, d->n_granules);
+  d->n_touched = 0;
+}
+
+/* Marks the pages of bytes [from, to) of the scratchpad as touched. */
+static void touch(cpu_dnnl *d, size_t from, size_t to) {
+  const size_t end = (to + d->granule - 1) / d->granule;
+  if (end > d->n_granules) {
+    d->touched = realloc(d->touched, end);
+    if (!d->touched) dt_die("out of host memory planning the convolutions' scratchpad");
+    memset(d->touched + d->n_granules, 0, end - d->n_granules);
+    d->n_granules = end;
+  }
+  for (size_t i = from / d->granule; i < end; i++) {
+    d->n_touched += !d->touched[i];
+    d->touched[i] = 1;
+  }
+}
+
+/* The bytes of the scratchpad (at the start of the buffer) that a run of the entry touches. Thread t of
+ * a per-thread-copy schedule (wino_filter_copy) writes the blocks of its work items in copy t + 1:
+ * oneDNN splits the items as balance211 does, starting a thread at most threads / 4 items after an even
+ * share, and an item is at most one block, 1/36 of a copy (36 = the 6x6 transformed positions). */
+static void pad_touch(cpu_dnnl *d, const conv_entry *e) {
+  if (!e->pad_copy) {
+    if (e->pad_bytes) touch(d, 0, e->pad_bytes);
+    return;
+  }
+  const size_t u = e->pad_copy, threads = (size_t)e->pad_threads, block = u / 36 + 1;
+  touch(d, 0, u); /* copy 0: the sum */
+  for (size_t t = 0; t < threads; t++) {
+    const size_t copy = (t + 1) * u, lo = t * u / threads, hi = (t + 1) * u / threads + ((threads + 3) / 4 + 1) * block;
+    touch(d, copy + (lo > block ? lo - block : 0), copy + (hi < u ? hi : u));
+  }
+  touch(d, (threads + 1) * u, e->pad_bytes); /* V, M, the bias partials and their alignment */
+}
+
 int cpu_dnnl_plan(cpu_dnnl *d, int kind, const dt_conv_geom *g, size_t need[CPU_DNNL_BUFFERS]) {
   conv_entry *e = entry_find(d, kind, g);
   if (!e || !e->supported) return 0;
@@ -327,7 +416,8 @@ int cpu_dnnl_plan(cpu_dnnl *d, int kind, const dt_conv_geom *g, size_t need[CPU_
       size_t b = dnnl_memory_desc_get_size(&e->op[k].inner_md);
       if (b > need[e->op[k].slot]) need[e->op[k].slot] = b;
     }
-  if (e->pad_bytes > need[SLOT_PAD]) need[SLOT_PAD] = e->pad_bytes;
+  pad_touch(d, e);
+  if (d->n_touched * d->granule > need[SLOT_PAD]) need[SLOT_PAD] = d->n_touched * d->granule;
   size_t dw = (size_t)(g->o * g->c * g->k * g->k) * sizeof(float);
   if (kind == CPU_DNNL_BWD_FILTER && dw > need[SLOTS]) need[SLOTS] = dw; /* d->dw, the last buffer */
   return 1;

@@ -25,8 +25,11 @@ int cpu_dnnl_conv(cpu_dnnl *d, int kind, const dt_conv_geom *g, const float *a, 
  * scratchpad, the filter gradient in OIHW; each grows to the most any convolution needs. */
 enum { CPU_DNNL_BUFFERS = 5 };
 /* Makes the primitive of convolution (kind, g) now (kept for the run), and raises need[i] to the
- * bytes each scratch buffer must hold for it. Returns 0 where oneDNN has none (the caller's own
- * convolution runs it). */
+ * bytes each scratch buffer must hold for it: for the primitives' scratchpad, the bytes that the runs of
+ * every convolution planned since cpu_dnnl_plan_start touch (a Winograd filter gradient books a copy per
+ * thread and touches a share of each). Returns 0 where oneDNN has none (the caller's own convolution
+ * runs it). */
+void cpu_dnnl_plan_start(cpu_dnnl *d);
 int cpu_dnnl_plan(cpu_dnnl *d, int kind, const dt_conv_geom *g, size_t need[CPU_DNNL_BUFFERS]);
 
 /* The backend calls this before any op but a convolution, and any copy into its memory: the
