@@ -19,6 +19,7 @@ itself, so the state_dict (and an HDF5 file) holds the tensor once, as `0.tok.we
     loss = loss_fn(model(x), y)                             # mean over every target token
 """
 import math
+import os
 import sys
 
 import torch
@@ -318,15 +319,18 @@ def load_h5(model, path, group="model"):
 
 
 def save_h5(model, path):
-    """Writes the module's tensors in ddp_train's layout (usable as model.init_from)."""
+    """Writes the module's tensors in ddp_train's layout (usable as model.init_from), under a temporary
+    name and then renamed: an interrupted write never leaves a partial file at path."""
     import h5py
 
-    with h5py.File(path, "w") as f:
+    tmp = f"{path}.tmp.{os.getpid()}"  # one per process: two runs may write the same file
+    with h5py.File(tmp, "w") as f:
         g = f.create_group("model")
         for name, t in model.state_dict().items():
             if name.endswith("num_batches_tracked"):
                 continue
             g.create_dataset(name, data=t.detach().float().numpy())
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -94,8 +94,10 @@ def export_gpt2(args):
     out = args.out
     if out.endswith("/") or os.path.isdir(out):
         os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "config.json"), "w") as f:
+        cfg, tmp = os.path.join(out, "config.json"), os.path.join(out, f"config.json.tmp.{os.getpid()}")
+        with open(tmp, "w") as f:
             json.dump(gpt2_config(args.checkpoint, n_layer, state, args.heads), f, indent=2)
+        os.replace(tmp, cfg)
         out = os.path.join(out, "pytorch_model.bin")
     tmp = f"{out}.tmp.{os.getpid()}"  # one per process: two runs may write the same file
     torch.save(state, tmp)
