@@ -272,17 +272,20 @@ static void dynamic_shared_memory_and_its_limits(void **) {
   cudaGetLastError();
   CUDA_OK(cudaDeviceSynchronize());
   CUDA_OK(cudaFree(d));
-  // an access outside the launch's bytes, seen where kernels are traced (not in the sanitizer builds)
+  // an access outside the launch's bytes, seen where kernels are traced (not in the sanitizer builds),
+  // which GPUSIM_HAZARDS=off would turn off: the check runs in the default mode whatever the environment
   if (!gpusim_kernels_traced()) {
     printf("# kernels are not traced in this build (a sanitizer build): shared memory bounds are left out\n");
     return;
   }
+  const int hazards = gpusim_set_hazards(2);
   expect_death(launch_one_past_dynamic_shared,
                "a read of 4 bytes at byte 256 of dynamic shared memory, outside the "
                "256 bytes its launch gave");
   expect_death(launch_one_past_dynamic_shared, "past_dynamic_shared_kernel");
   expect_death(launch_one_before_dynamic_shared, "a read of 4 bytes at byte -4 of dynamic shared memory");
   expect_death(launch_without_dynamic_shared, "of dynamic shared memory, outside the 0 bytes its launch gave");
+  gpusim_set_hazards(hazards);
 }
 
 // ---- warps --------------------------------------------------------------------------------------
@@ -840,12 +843,14 @@ static void graph_branches_unordered() {
 }
 
 static void hazards_between_streams_are_reported(void **) {
+  const int hazards = gpusim_set_hazards(2);  // reported as errors whatever GPUSIM_HAZARDS says
   // library calls and copies declare what they touch: checked in every build
   expect_death(memset_then_copy_elsewhere, "hazard (write after write)");
   expect_death(memset_then_copy_elsewhere, "cudaMemsetAsync (op 1 of stream");
   // kernels record it as they run, where they are built with the instrumentation (ASan excludes it)
   if (!gpusim_kernels_traced()) {
     printf("# kernels are not traced in this build (a sanitizer build): the kernel hazards are left out\n");
+    gpusim_set_hazards(hazards);
     return;
   }
   // the two planted races: reported whichever order the stand-in runs the streams in
@@ -875,6 +880,7 @@ static void hazards_between_streams_are_reported(void **) {
   assert_true(host_copy(d, 1)[0] == 1.0f);
   CUDA_OK(cudaFree(d));
   CUDA_OK(cudaFree(sum));
+  gpusim_set_hazards(hazards);
 }
 
 // Reads x on `compute` while `other` overwrites it, unordered (hazards off): prints what was read.
