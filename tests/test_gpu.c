@@ -729,8 +729,9 @@ static void ops_activation(void) {
 }
 
 static void ops_pool(void) {
-  /* (c, h, w, k, stride): disjoint windows, overlapping windows with a cut-off edge, stride 1 */
-  const int64_t geoms[][5] = {{2, 8, 8, 2, 2}, {3, 7, 6, 3, 2}, {1, 5, 5, 2, 1}};
+  /* (c, h, w, k, stride): disjoint windows (the kernel's own path), also with rows and columns past the
+   * last whole window; overlapping windows with a cut-off edge, stride 1 */
+  const int64_t geoms[][5] = {{2, 8, 8, 2, 2}, {2, 7, 9, 2, 2}, {1, 11, 7, 3, 3}, {3, 7, 6, 3, 2}, {1, 5, 5, 2, 1}};
   FOR_ROWS(r) {
     for (size_t gi = 0; gi < sizeof geoms / sizeof *geoms; gi++)
       for (int kind = DT_POOL_MAX; kind <= DT_POOL_AVG; kind++) {
