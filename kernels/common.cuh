@@ -29,6 +29,16 @@
 #define LAUNCH_BOUNDS(threads, blocks)
 #endif
 
+// Four floats in one 16-byte load. p must be 16-byte aligned, or a GPU stops the kernel with a misaligned
+// address error. The stand-in's compiler splits the load into four of 4 bytes, which need no more than
+// 4, so the stand-in checks the address here (GPUSIM_CHECK_ALIGNED, tests/gpusim/gpusim_device.h).
+static __device__ __forceinline__ float4 load_float4(const float *p) {
+#ifdef GPUSIM_CHECK_ALIGNED
+  GPUSIM_CHECK_ALIGNED(p, 16);
+#endif
+  return *(const float4 *)p;
+}
+
 static const int kThreads = 256;
 // Grid-stride kernels get at most this many blocks: two waves of 256-thread blocks on an H100
 // (132 SMs x 8 resident blocks), so each thread handles several elements once tensors are large.

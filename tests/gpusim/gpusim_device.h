@@ -38,6 +38,9 @@
 static const int warpSize = 32;
 
 #define DYNAMIC_SHARED(T, name) T *name = static_cast<T *>(gpusim_dynamic_shared())
+// A vector load's alignment (kernels/common.cuh's load_float4): the host compiler may split the load into
+// narrower ones that need less.
+#define GPUSIM_CHECK_ALIGNED(p, n) gpusim_check_aligned((p), (n))
 
 // Registers this program's static shared section once (weak: a program may have none).
 extern "C" __attribute__((weak)) char __start_gpusim_shared[], __stop_gpusim_shared[];

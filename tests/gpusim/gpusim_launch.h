@@ -64,6 +64,8 @@ void gpusim_install_fault_handler(void);
 int gpusim_set_hazards(int mode);
 /* Whether kernels record the memory they touch for the hazard checker (not in sanitizer builds). */
 int gpusim_kernels_traced(void);
+/* Stops the program, naming the running kernel, unless p is n-byte aligned (a kernel's vector load). */
+void gpusim_check_aligned(const void *p, size_t n);
 /* Registers the program's static __shared__ section (done once per kernel file). */
 void gpusim_register_static_shared(char *lo, char *hi);
 

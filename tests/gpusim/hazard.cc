@@ -272,6 +272,15 @@ __attribute__((noinline)) Span *span_of(uintptr_t x) {
         write ? "a write" : "a read", n, (long long)(x - dyn_lo), (unsigned long long)(dyn_hi - dyn_lo));
 }
 
+// An access the compiler emitted as aligned (the type's alignment, float4's 16 bytes) at an address that
+// is not: a GPU stops the kernel with a misaligned address error; the host would go on.
+[[noreturn]] __attribute__((noinline)) void misaligned(const void *p, size_t n, bool write) {
+  char here[512] = "";
+  describe_running_kernel(here, sizeof here);
+  fatal("%s: %s of %zu bytes at %p, which is not %zu-byte aligned: a GPU stops with a misaligned address error", here,
+        write ? "a write" : "a read", n, p, n);
+}
+
 inline void record(const void *p, size_t n, bool write) {
   uintptr_t x = (uintptr_t)p;
   if (x - region_lo >= region_hi - region_lo) {  // stack, shared memory, host variables
@@ -408,24 +417,30 @@ extern "C" {
 void __tsan_init(void) {
   gpusim::instrumented = true;
 }
-#define GPUSIM_TSAN_HOOKS(n)                  \
-  void __tsan_read##n(void *p) {              \
-    if (tracing) gpusim::record(p, n, false); \
-  }                                           \
-  void __tsan_write##n(void *p) {             \
-    if (tracing) gpusim::record(p, n, true);  \
-  }                                           \
-  void __tsan_unaligned_read##n(void *p) {    \
-    if (tracing) gpusim::record(p, n, false); \
-  }                                           \
-  void __tsan_unaligned_write##n(void *p) {   \
-    if (tracing) gpusim::record(p, n, true);  \
-  }                                           \
-  void __tsan_volatile_read##n(void *p) {     \
-    if (tracing) gpusim::record(p, n, false); \
-  }                                           \
-  void __tsan_volatile_write##n(void *p) {    \
-    if (tracing) gpusim::record(p, n, true);  \
+// The aligned hooks are the accesses the compiler took to be aligned to their size (the unaligned ones
+// it could not): in a kernel, the address must be.
+#define GPUSIM_TSAN_HOOKS(n)                               \
+  void __tsan_read##n(void *p) {                           \
+    if (!tracing) return;                                  \
+    if ((uintptr_t)p % n) gpusim::misaligned(p, n, false); \
+    gpusim::record(p, n, false);                           \
+  }                                                        \
+  void __tsan_write##n(void *p) {                          \
+    if (!tracing) return;                                  \
+    if ((uintptr_t)p % n) gpusim::misaligned(p, n, true);  \
+    gpusim::record(p, n, true);                            \
+  }                                                        \
+  void __tsan_unaligned_read##n(void *p) {                 \
+    if (tracing) gpusim::record(p, n, false);              \
+  }                                                        \
+  void __tsan_unaligned_write##n(void *p) {                \
+    if (tracing) gpusim::record(p, n, true);               \
+  }                                                        \
+  void __tsan_volatile_read##n(void *p) {                  \
+    if (tracing) gpusim::record(p, n, false);              \
+  }                                                        \
+  void __tsan_volatile_write##n(void *p) {                 \
+    if (tracing) gpusim::record(p, n, true);               \
   }
 GPUSIM_TSAN_HOOKS(1)
 GPUSIM_TSAN_HOOKS(2)
@@ -449,6 +464,10 @@ void __tsan_vptr_read(void **) {}
 // instrumentation: not in the sanitizer builds, where ASan excludes it).
 extern "C" int gpusim_kernels_traced(void) {
   return gpusim::instrumented;
+}
+
+extern "C" void gpusim_check_aligned(const void *p, size_t n) {
+  if ((uintptr_t)p % n) gpusim::misaligned(p, n, false);
 }
 
 // For the stand-in's own tests: sets the hazard mode (0 off, 1 warn, 2 error); returns the last.

@@ -288,6 +288,29 @@ static void dynamic_shared_memory_and_its_limits(void **) {
   gpusim_set_hazards(hazards);
 }
 
+// A float4 read (common.cuh's load_float4) at `offset` floats into a device array: at 1, 4-byte aligned only.
+__global__ void float4_read_kernel(const float *in, float *out, int offset) {
+  float4 v = load_float4(in + offset);
+  out[threadIdx.x] = v.x + v.y + v.z + v.w;
+}
+
+static void read_float4_at(int offset) {
+  float *in = device_array<float>(16), *out = device_array<float>(32);
+  CUDA_OK(cudaMemset(in, 0, 16 * sizeof(float)));
+  LAUNCH(float4_read_kernel, 1, 32, 0, 0)(in, out, offset);
+  CUDA_OK(cudaDeviceSynchronize());
+}
+static void read_misaligned_float4() {
+  read_float4_at(1);
+}
+
+static void a_misaligned_vector_access_stops_the_program(void **) {
+  read_float4_at(4);  // 16-byte aligned: fine
+  expect_death(read_misaligned_float4, "a read of 16 bytes at 0x");
+  expect_death(read_misaligned_float4, "which is not 16-byte aligned: a GPU stops with a misaligned address error");
+  expect_death(read_misaligned_float4, "float4_read_kernel");
+}
+
 // ---- warps --------------------------------------------------------------------------------------
 
 __global__ void shuffle_kernel(int *out) {
@@ -2098,6 +2121,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(builtins_follow_the_launch),
       cmocka_unit_test(syncthreads_is_a_barrier_and_a_missing_one_shows),
       cmocka_unit_test(a_barrier_some_threads_skip_is_reported),
+      cmocka_unit_test(a_misaligned_vector_access_stops_the_program),
       cmocka_unit_test(static_shared_memory_is_per_block_and_starts_as_garbage),
       cmocka_unit_test(dynamic_shared_memory_and_its_limits),
       cmocka_unit_test(warp_shuffles_and_votes),
