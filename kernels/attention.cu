@@ -31,16 +31,6 @@ static __device__ __forceinline__ int thread_y() {
   return (int)threadIdx.x / kSide;
 }
 
-// Rows [row0, row0 + kTile) of a head (T rows of hd values, `stride` apart) into a (kTile, ld) tile;
-// rows past T as zeros.
-static __device__ void load_tile(float *tile, const float *head, int64_t stride, int64_t row0, int64_t t, int hd,
-                                 int ld) {
-  for (int e = threadIdx.x; e < kTile * hd; e += kBlock) {
-    int r = e / hd, c = e - r * hd;
-    tile[r * ld + c] = row0 + r < t ? head[(row0 + r) * stride + c] : 0.0f;
-  }
-}
-
 // s[a][b] = sum_d x[ty + kSide a][d] y[tx + kSide b][d]: the thread's part of x y^T, x and y (kTile, ld).
 static __device__ void tile_xyt(const float *x, const float *y, int hd, int ld, float s[kRows][kRows]) {
   const int tx = thread_x(), ty = thread_y();
@@ -157,6 +147,60 @@ static __device__ __forceinline__ void put(float *p, float v) {
   *p = __float2bfloat16_rn(v);
 }
 
+// Rows [row0, row0 + kTile) of a head (T rows of hd values, `stride` apart) into a (kTile, ld) tile of T
+// (float, or bfloat16 rounded to nearest even) as columns [0, w): the hd values, then zeros; rows past
+// T as zeros. Two tiles at once (tb NULL: one). Every load of both is issued before the first store,
+// as float4 where the heads' rows are 16-byte aligned: a thread's loads are in flight together rather
+// than each behind the last one's store, which left the kernels waiting on memory at every tile.
+// w <= 16 COLS.
+template <int COLS, class T>
+static __device__ void load_tiles(T *ta, const float *ha, int64_t sa, T *tb, const float *hb, int64_t sb, int64_t row0,
+                                  int64_t t, int hd, int w, int ld) {
+  const bool vec = hd % 4 == 0 && w % 4 == 0 && sa % 4 == 0 && (uintptr_t)ha % 16 == 0 &&
+                   (!tb || (sb % 4 == 0 && (uintptr_t)hb % 16 == 0));
+  if (vec) {
+    constexpr int N = kTile * 4 * COLS / kBlock;  // a thread's float4 of a tile, at most
+    const int quads = w / 4;
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float4 va[N], vb[N];
+    UNROLL
+    for (int n = 0; n < N; n++) {
+      const int e = (int)threadIdx.x + n * kBlock, r = e / quads, c = (e - r * quads) * 4;
+      const bool in = e < kTile * quads && row0 + r < t && c < hd;
+      va[n] = in ? load_float4(ha + (row0 + r) * sa + c) : zero;
+      vb[n] = in && tb ? load_float4(hb + (row0 + r) * sb + c) : zero;
+    }
+    UNROLL
+    for (int n = 0; n < N; n++) {
+      const int e = (int)threadIdx.x + n * kBlock, r = e / quads, c = (e - r * quads) * 4;
+      if (e >= kTile * quads) continue;
+      T *pa = ta + r * ld + c;
+      put(pa, va[n].x), put(pa + 1, va[n].y), put(pa + 2, va[n].z), put(pa + 3, va[n].w);
+      if (!tb) continue;
+      T *pb = tb + r * ld + c;
+      put(pb, vb[n].x), put(pb + 1, vb[n].y), put(pb + 2, vb[n].z), put(pb + 3, vb[n].w);
+    }
+    return;
+  }
+  for (int e = threadIdx.x; e < kTile * w; e += kBlock) {
+    const int r = e / w, c = e - r * w;
+    const bool in = row0 + r < t && c < hd;
+    put(ta + r * ld + c, in ? ha[(row0 + r) * sa + c] : 0.0f);
+    if (tb) put(tb + r * ld + c, in ? hb[(row0 + r) * sb + c] : 0.0f);
+  }
+}
+
+// FP32 tiles (kTile, hd + 1): one, or two at once.
+template <int COLS>
+static __device__ void load_tile(float *tile, const float *head, int64_t stride, int64_t row0, int64_t t, int hd) {
+  load_tiles<COLS, float>(tile, head, stride, NULL, NULL, 0, row0, t, hd, hd, hd + 1);
+}
+template <int COLS>
+static __device__ void load_tile_pair(float *ta, const float *ha, int64_t sa, float *tb, const float *hb, int64_t sb,
+                                      int64_t row0, int64_t t, int hd) {
+  load_tiles<COLS, float>(ta, ha, sa, tb, hb, sb, row0, t, hd, hd, hd + 1);
+}
+
 // One key tile j0 of the forward's online softmax, for the thread's rows of query tile i0: s (its
 // unscaled scores) -> the probabilities times their dropout factors into sp (row stride ld); each
 // row's running maximum m and sum l updated, and its part of the output acc rescaled to the new
@@ -229,14 +273,13 @@ __global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
   float *sq = smem, *sk = sq + kTile * ld, *sv = sk + kTile * ld, *sp = sv + kTile * ld;
   const int64_t head = blockIdx.x / g.tiles, i0 = (blockIdx.x % g.tiles) * kTile, in = head_offset(g, head, g.ld);
   const uint64_t seed = g.p > 0 ? dt_hash64(g.layer_seed ^ *step_seed) : 0;
-  load_tile(sq, q + in, g.ld, i0, g.t, g.hd, ld);
+  load_tile<COLS>(sq, q + in, g.ld, i0, g.t, g.hd);
   float m[kRows], l[kRows], acc[kRows][COLS];
   attn_rows_start<COLS>(m, l, acc);
   const int64_t end = g.causal && i0 + kTile < g.t ? i0 + kTile : g.t;
   for (int64_t j0 = 0; j0 < end; j0 += kTile) {
     __syncthreads();  // the last tile's readers are done with sk, sv, sp
-    load_tile(sk, k + in, g.ld, j0, g.t, g.hd, ld);
-    load_tile(sv, v + in, g.ld, j0, g.t, g.hd, ld);
+    load_tile_pair<COLS>(sk, k + in, g.ld, sv, v + in, g.ld, j0, g.t, g.hd);
     __syncthreads();
     float s[kRows][kRows];
     tile_xyt(sq, sk, g.hd, ld, s);
@@ -314,15 +357,14 @@ __global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
   const int64_t head = blockIdx.x / g.tiles, j0 = (blockIdx.x % g.tiles) * kTile;
   const int64_t in = head_offset(g, head, g.ld), out = head_offset(g, head, g.ld_o);
   const uint64_t seed = g.p > 0 ? dt_hash64(g.layer_seed ^ *step_seed) : 0;
-  load_tile(sk, k + in, g.ld, j0, g.t, g.hd, ld);
-  load_tile(sv, v + in, g.ld, j0, g.t, g.hd, ld);
+  load_tile_pair<COLS>(sk, k + in, g.ld, sv, v + in, g.ld, j0, g.t, g.hd);
   float dk_acc[kRows][COLS], dv_acc[kRows][COLS];
   zero_rows<COLS>(dk_acc);
   zero_rows<COLS>(dv_acc);
   for (int64_t i0 = g.causal ? j0 : 0; i0 < g.t; i0 += kTile) {
     __syncthreads();  // the last tile's readers are done with sq, sdo, sp, sds
-    load_tile(sq, q + in, g.ld, i0, g.t, g.hd, ld);
-    load_tile(sdo, dout + out, g.ld_o, i0, g.t, g.hd, ld);
+    load_tile<COLS>(sq, q + in, g.ld, i0, g.t, g.hd);  // one at a time: a pair's registers would spill
+    load_tile<COLS>(sdo, dout + out, g.ld_o, i0, g.t, g.hd);
     load_row_stats(sl, sd, lse, delta, head, i0, g.t);
     __syncthreads();
     attn_scores_bwd(g, seed, head, i0, j0, sq, sdo, sk, sv, sl, sd, sp, sds);
@@ -346,16 +388,15 @@ __global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
   const int64_t head = blockIdx.x / g.tiles, i0 = (blockIdx.x % g.tiles) * kTile;
   const int64_t in = head_offset(g, head, g.ld), out = head_offset(g, head, g.ld_o);
   const uint64_t seed = g.p > 0 ? dt_hash64(g.layer_seed ^ *step_seed) : 0;
-  load_tile(sq, q + in, g.ld, i0, g.t, g.hd, ld);
-  load_tile(sdo, dout + out, g.ld_o, i0, g.t, g.hd, ld);
+  load_tile_pair<COLS>(sq, q + in, g.ld, sdo, dout + out, g.ld_o, i0, g.t, g.hd);
   load_row_stats(sl, sd, lse, delta, head, i0, g.t);
   float dq_acc[kRows][COLS];
   zero_rows<COLS>(dq_acc);
   const int64_t end = g.causal && i0 + kTile < g.t ? i0 + kTile : g.t;
   for (int64_t j0 = 0; j0 < end; j0 += kTile) {
     __syncthreads();  // the last tile's readers are done with sk, sv, sds
-    load_tile(sk, k + in, g.ld, j0, g.t, g.hd, ld);
-    load_tile(sv, v + in, g.ld, j0, g.t, g.hd, ld);
+    load_tile<COLS>(sk, k + in, g.ld, j0, g.t, g.hd);  // one at a time: a pair's registers would spill
+    load_tile<COLS>(sv, v + in, g.ld, j0, g.t, g.hd);
     __syncthreads();
     attn_scores_bwd(g, seed, head, i0, j0, sq, sdo, sk, sv, sl, sd, NULL, sds);
     __syncthreads();
@@ -402,13 +443,15 @@ struct shared_regions {
 
 #if ATTN_TENSOR_CORES  // bfloat16 fragments do not exist below sm_80
 // Rows [row0, row0 + kTile) of a head into a (kTile, width16(hd) + 8) bfloat16 tile; columns hd to
-// width16(hd) and rows past T as zeros.
+// width16(hd) and rows past T as zeros (load_tiles): one, or two at once.
+template <int COLS>
 static __device__ void load_tile16(bfloat *tile, const float *head, int64_t stride, int64_t row0, int64_t t, int hd) {
-  const int w = width16(hd), ld = w + 8;
-  for (int e = threadIdx.x; e < kTile * w; e += kBlock) {
-    int r = e / w, c = e - r * w;
-    tile[r * ld + c] = __float2bfloat16_rn(row0 + r < t && c < hd ? head[(row0 + r) * stride + c] : 0.0f);
-  }
+  load_tiles<COLS, bfloat>(tile, head, stride, NULL, NULL, 0, row0, t, hd, width16(hd), width16(hd) + 8);
+}
+template <int COLS>
+static __device__ void load_tile16_pair(bfloat *ta, const float *ha, int64_t sa, bfloat *tb, const float *hb,
+                                        int64_t sb, int64_t row0, int64_t t, int hd) {
+  load_tiles<COLS, bfloat>(ta, ha, sa, tb, hb, sb, row0, t, hd, width16(hd), width16(hd) + 8);
 }
 
 // out (kTile, kTile), row stride kSld, = x y^T for (kTile, width16(hd)) tiles x, y.
@@ -529,14 +572,13 @@ __global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
   bfloat *sp = sh.take<bfloat>(kTile * kPld);
   const int64_t head = blockIdx.x / g.tiles, i0 = (blockIdx.x % g.tiles) * kTile, in = head_offset(g, head, g.ld);
   const uint64_t seed = g.p > 0 ? dt_hash64(g.layer_seed ^ *step_seed) : 0;
-  load_tile16(sq, q + in, g.ld, i0, g.t, g.hd);
+  load_tile16<COLS>(sq, q + in, g.ld, i0, g.t, g.hd);
   float m[kRows], l[kRows], acc[kRows][COLS];
   attn_rows_start<COLS>(m, l, acc);
   const int64_t end = g.causal && i0 + kTile < g.t ? i0 + kTile : g.t;
   for (int64_t j0 = 0; j0 < end; j0 += kTile) {
     __syncthreads();  // the last tile's readers are done with sk, sv, ss
-    load_tile16(sk, k + in, g.ld, j0, g.t, g.hd);
-    load_tile16(sv, v + in, g.ld, j0, g.t, g.hd);
+    load_tile16_pair<COLS>(sk, k + in, g.ld, sv, v + in, g.ld, j0, g.t, g.hd);
     __syncthreads();
     tc_xyt(sq, sk, g.hd, ss);
     __syncthreads();
@@ -581,15 +623,13 @@ __global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
   const int64_t head = blockIdx.x / g.tiles, j0 = (blockIdx.x % g.tiles) * kTile;
   const int64_t in = head_offset(g, head, g.ld), out = head_offset(g, head, g.ld_o);
   const uint64_t seed = g.p > 0 ? dt_hash64(g.layer_seed ^ *step_seed) : 0;
-  load_tile16(sk, k + in, g.ld, j0, g.t, g.hd);
-  load_tile16(sv, v + in, g.ld, j0, g.t, g.hd);
+  load_tile16_pair<COLS>(sk, k + in, g.ld, sv, v + in, g.ld, j0, g.t, g.hd);
   acc_frag dk_f[FR], dv_f[FR];
   tc_zero<FR>(dk_f);
   tc_zero<FR>(dv_f);
   for (int64_t i0 = g.causal ? j0 : 0; i0 < g.t; i0 += kTile) {
     __syncthreads();  // the last tile's readers are done with sq, sdo, sp, sds
-    load_tile16(sq, q + in, g.ld, i0, g.t, g.hd);
-    load_tile16(sdo, dout + out, g.ld_o, i0, g.t, g.hd);
+    load_tile16_pair<COLS>(sq, q + in, g.ld, sdo, dout + out, g.ld_o, i0, g.t, g.hd);
     load_row_stats(sl, sd, lse, delta, head, i0, g.t);
     __syncthreads();
     tc_scores_bwd(g, seed, head, i0, j0, sq, sdo, sk, sv, sl, sd, ss, sdp, sp, sds);
@@ -627,16 +667,14 @@ __global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
   const int64_t head = blockIdx.x / g.tiles, i0 = (blockIdx.x % g.tiles) * kTile;
   const int64_t in = head_offset(g, head, g.ld), out = head_offset(g, head, g.ld_o);
   const uint64_t seed = g.p > 0 ? dt_hash64(g.layer_seed ^ *step_seed) : 0;
-  load_tile16(sq, q + in, g.ld, i0, g.t, g.hd);
-  load_tile16(sdo, dout + out, g.ld_o, i0, g.t, g.hd);
+  load_tile16_pair<COLS>(sq, q + in, g.ld, sdo, dout + out, g.ld_o, i0, g.t, g.hd);
   load_row_stats(sl, sd, lse, delta, head, i0, g.t);
   acc_frag dq_f[FR];
   tc_zero<FR>(dq_f);
   const int64_t end = g.causal && i0 + kTile < g.t ? i0 + kTile : g.t;
   for (int64_t j0 = 0; j0 < end; j0 += kTile) {
     __syncthreads();  // the last tile's readers are done with sk, sv, sds
-    load_tile16(sk, k + in, g.ld, j0, g.t, g.hd);
-    load_tile16(sv, v + in, g.ld, j0, g.t, g.hd);
+    load_tile16_pair<COLS>(sk, k + in, g.ld, sv, v + in, g.ld, j0, g.t, g.hd);
     __syncthreads();
     tc_scores_bwd(g, seed, head, i0, j0, sq, sdo, sk, sv, sl, sd, ss, sdp, NULL, sds);
     __syncthreads();

@@ -1701,8 +1701,8 @@ static void ops_gemm_bf16(void) {
  * q, k, v in one (cap, T, 3, H, hd) buffer, o in (cap, T, H, hd); the scores scaled by 1/sqrt(hd), q of
  * every third head (h = 1, 4, ...) times 8 (scores of hundreds: exp overflows unless the running maximum
  * is taken out). T = 5 and 70 (a partial tile, two tiles) with hd 8 and 24 (a partial column group),
- * T = 130 (three tiles) with hd 64, T = 33 with hd 128 (the widest); causal and not, dropout 0 and 0.25
- * (the dropout op's masks). */
+ * T = 130 (three tiles) with hd 64, T = 33 with hd 128 (the widest), hd 6 (not whole float4s: the tiles'
+ * scalar loads); causal and not, dropout 0 and 0.25 (the dropout op's masks). */
 static void attention_case(int64_t T, int64_t hd, int64_t H, int64_t cap, int64_t rows, const char *rows_name) {
   const int64_t c = H * hd, n = cap * T * 3 * c, no = cap * T * c, written = rows * T * 3 * c;
   const int tc = ot.precision == DT_PREC_BF16;
@@ -1799,6 +1799,7 @@ static void ops_attention(void) {
   }
   attention_case(130, 64, 3, 1, 1, "1 row, 3 heads");
   attention_case(33, 128, 1, 1, 1, "1 row, 1 head");
+  attention_case(70, 6, 3, 1, 1, "1 row, 3 heads of 6 (rows of 6 floats: loaded a float at a time)");
   attention_same_bits();
 }
 
@@ -1825,6 +1826,7 @@ static void ops_attention_tensor_cores(void) {
   attention_case(70, 48, 2, 1, 1, "1 row, 2 heads");
   attention_case(130, 64, 3, 1, 1, "1 row, 3 heads");
   attention_case(33, 128, 1, 1, 1, "1 row, 1 head");
+  attention_case(70, 6, 3, 1, 1, "1 row, 3 heads of 6 (rows of 6 floats: loaded a float at a time)");
   attention_same_bits();
 }
 
