@@ -84,14 +84,15 @@ void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const 
 
 void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
                     const float *dy, float *dw, float *dbias, float *dx) {
-  dt_op op = dense_gemm(DENSE_DW, rows, in, out);
-  op.p.gemm.a = dy, op.p.gemm.b = x, op.p.gemm.c = dw;
-  backend_run(be, &op);
   if (dbias) {
     dt_op b = {.type = DT_OP_BIAS_GRAD};
     b.p.bias_grad = (typeof(b.p.bias_grad)){.b = rows, .c = out, .s = 1, .dy = dy, .db = dbias};
     backend_run(be, &b);
   }
+  /* the two GEMMs back to back: under bf16 the CUDA backend copies dy to bfloat16 once for both */
+  dt_op op = dense_gemm(DENSE_DW, rows, in, out);
+  op.p.gemm.a = dy, op.p.gemm.b = x, op.p.gemm.c = dw;
+  backend_run(be, &op);
   if (dx) {
     op = dense_gemm(DENSE_DX, rows, in, out);
     op.p.gemm.a = dy, op.p.gemm.b = w, op.p.gemm.c = dx;

@@ -1918,8 +1918,8 @@ static void transformer_grads_same_bits(void) {
 
 /* Under bf16 a backward data right after the backward filter of the same dy takes the 16-bit copy of
  * dy that the first packed, once; a copy or another op between them, here one that changes dy (a new
- * dy copied in, dy doubled), or a backward data of another dy, makes it pack again. Either way dx has
- * the bits of a backend that packs dy itself. */
+ * dy copied in, dy doubled by a scale or by a GEMM on FP32 operands), or a backward data of another dy,
+ * makes it pack again. Either way dx has the bits of a backend that packs dy itself. */
 static void conv16_reuses_dy_only_back_to_back(void) {
   dt_conv_geom g = conv_geom(2, 8, 6, 6, 16, 3, 1, 1);
   const int64_t nx = g.b * g.c * g.h * g.w, nw = g.o * g.c * g.k * g.k, ny = g.b * g.o * g.ho * g.wo;
@@ -1938,8 +1938,9 @@ static void conv16_reuses_dy_only_back_to_back(void) {
   fast->to_device(fast, w, hw, (size_t)nw * 4);
   ref->to_device(ref, rw, hw, (size_t)nw * 4);
   fast->to_device(fast, other_dy, hdy[1], (size_t)ny * 4);
-  static const char *how[] = {"the same", "a copied", "a doubled", "after another's backward data, the same"};
-  for (int changed = 0; changed < 4; changed++) {
+  static const char *how[] = {"the same", "a copied", "a doubled", "after another's backward data, the same",
+                              "a GEMM-doubled"};
+  for (int changed = 0; changed < 5; changed++) {
     fast->to_device(fast, dy, hdy[0], (size_t)ny * 4);
     dt_op k = {.type = DT_OP_CONV_BWD_FILTER, .p.conv_bwd_filter = {.g = g, .x = x, .dy = dy, .dw = dw}};
     backend_run(fast, &k);
@@ -1948,10 +1949,14 @@ static void conv16_reuses_dy_only_back_to_back(void) {
     if (changed == 3)
       backend_run(fast,
                   &(dt_op){.type = DT_OP_CONV_BWD_DATA, .p.conv_bwd_data = {.g = g, .dy = other_dy, .w = w, .dx = dx}});
+    if (changed == 4) /* dy = 0 x w + 2 dy as (2, ny / 2): too small for bfloat16 operands */
+      backend_run(fast,
+                  &(dt_op){.type = DT_OP_GEMM,
+                           .p.gemm = {.m = 2, .n = ny / 2, .k = 1, .alpha = 0, .beta = 2, .a = x, .b = w, .c = dy}});
     int64_t reuses = backend_cuda_dy16_reuses(fast);
     dt_op d = {.type = DT_OP_CONV_BWD_DATA, .p.conv_bwd_data = {.g = g, .dy = dy, .w = w, .dx = dx}};
     backend_run(fast, &d);
-    ref->to_device(ref, rdy, hdy[changed == 3 ? 0 : changed], (size_t)ny * 4);
+    ref->to_device(ref, rdy, hdy[changed == 3 ? 0 : changed == 4 ? 2 : changed], (size_t)ny * 4);
     dt_op r = {.type = DT_OP_CONV_BWD_DATA, .p.conv_bwd_data = {.g = g, .dy = rdy, .w = rw, .dx = rdx}};
     backend_run(ref, &r);
     fast->to_host(fast, got, dx, (size_t)nx * 4);
@@ -1967,6 +1972,78 @@ static void conv16_reuses_dy_only_back_to_back(void) {
   for (size_t i = 0; i < sizeof mine / sizeof *mine; i++) fast->free(fast, mine[i]);
   ref->free(ref, rw), ref->free(ref, rdy), ref->free(ref, rdx);
   fast->destroy(fast);
+  ref->destroy(ref);
+}
+
+/* Under bf16 a dense layer's input gradient right after its weight gradient takes the bfloat16 copy of
+ * dy that the first GEMM made; a copy or another op between them (a new dy copied in, dy doubled, the
+ * input gradient of another dy) makes it copy again, and so does a backend whose 16-bit buffer had to
+ * grow for the second GEMM (on a GPU the new buffer may start where the old one did; the stand-in never
+ * hands out an address twice). Either way dx has the bits of a backend that copies dy itself. in and
+ * out are not multiples of 8: padded rows. */
+static void gemm16_reuses_dy_only_back_to_back(void) {
+  dt_backend *ref = backend_cuda_create(0, DT_PREC_BF16);
+  static const char *how[] = {"the same", "a copied", "a doubled", "after another's input gradient, the same",
+                              "on a backend whose buffer grew, the same"};
+  for (int changed = 0; changed < 5; changed++) {
+    /* case 4: the input gradient's W (out, in) needs more than the weight gradient's x (rows, in) */
+    const int64_t rows = 40, in = 21, out = changed == 4 ? 300 : 35;
+    dt_backend *fast = backend_cuda_create(0, DT_PREC_BF16);
+    float *hx = ot_host_rand(rows * in, -1, 1), *hw = ot_host_rand(out * in, -1, 1),
+          *hdy = ot_host_rand(rows * out, -1, 1), *hdy2 = ot_host_rand(rows * out, -1, 1);
+    float *x = fast->alloc(fast, (size_t)(rows * in) * 4), *w = fast->alloc(fast, (size_t)(out * in) * 4);
+    float *dy = fast->alloc(fast, (size_t)(rows * out) * 4), *dw = fast->alloc(fast, (size_t)(out * in) * 4);
+    float *dx = fast->alloc(fast, (size_t)(rows * in) * 4), *other_dy = fast->alloc(fast, (size_t)(rows * out) * 4);
+    float *rw = ref->alloc(ref, (size_t)(out * in) * 4), *rdy = ref->alloc(ref, (size_t)(rows * out) * 4);
+    float *rdx = ref->alloc(ref, (size_t)(rows * in) * 4);
+    float *got = calloc((size_t)(rows * in), 4), *want = calloc((size_t)(rows * in), 4);
+    fast->to_device(fast, x, hx, (size_t)(rows * in) * 4);
+    fast->to_device(fast, w, hw, (size_t)(out * in) * 4);
+    fast->to_device(fast, dy, hdy, (size_t)(rows * out) * 4);
+    fast->to_device(fast, other_dy, hdy2, (size_t)(rows * out) * 4);
+    ref->to_device(ref, rw, hw, (size_t)(out * in) * 4);
+    if (changed != 4) { /* h16 at its largest first, as the training loop's first step leaves it */
+      dt_op warm = dense_gemm(DENSE_DX, rows, in, out);
+      warm.p.gemm.a = other_dy, warm.p.gemm.b = w, warm.p.gemm.c = dx;
+      backend_run(fast, &warm);
+    }
+    dt_op k = dense_gemm(DENSE_DW, rows, in, out);
+    k.p.gemm.a = dy, k.p.gemm.b = x, k.p.gemm.c = dw;
+    backend_run(fast, &k);
+    if (changed == 1) {
+      memcpy(hdy, hdy2, (size_t)(rows * out) * 4);
+      fast->to_device(fast, dy, hdy, (size_t)(rows * out) * 4);
+    }
+    if (changed == 2) {
+      backend_run(fast, &(dt_op){.type = DT_OP_SCALE, .p.scale = {.n = rows * out, .alpha = 2, .x = dy}});
+      for (int64_t i = 0; i < rows * out; i++) hdy[i] *= 2;
+    }
+    if (changed == 3) {
+      dt_op other = dense_gemm(DENSE_DX, rows, in, out);
+      other.p.gemm.a = other_dy, other.p.gemm.b = w, other.p.gemm.c = dx;
+      backend_run(fast, &other);
+    }
+    int64_t reuses = backend_cuda_dy16_reuses(fast);
+    dt_op d = dense_gemm(DENSE_DX, rows, in, out);
+    d.p.gemm.a = dy, d.p.gemm.b = w, d.p.gemm.c = dx;
+    backend_run(fast, &d);
+    ref->to_device(ref, rdy, hdy, (size_t)(rows * out) * 4);
+    dt_op r = dense_gemm(DENSE_DX, rows, in, out);
+    r.p.gemm.a = rdy, r.p.gemm.b = rw, r.p.gemm.c = rdx;
+    backend_run(ref, &r);
+    fast->to_host(fast, got, dx, (size_t)(rows * in) * 4);
+    ref->to_host(ref, want, rdx, (size_t)(rows * in) * 4);
+    if (backend_cuda_dy16_reuses(fast) - reuses != !changed)
+      fail_msg("%s dy: %lld copies of dy skipped", how[changed], (long long)(backend_cuda_dy16_reuses(fast) - reuses));
+    for (int64_t i = 0; i < rows * in; i++)
+      if (memcmp(&got[i], &want[i], 4))
+        fail_msg("%s dy: dx[%lld] = %.9g, copied afresh %.9g", how[changed], (long long)i, got[i], want[i]);
+    free(hx), free(hw), free(hdy), free(hdy2), free(got), free(want);
+    float *mine[] = {x, w, dy, dw, dx, other_dy};
+    for (size_t i = 0; i < sizeof mine / sizeof *mine; i++) fast->free(fast, mine[i]);
+    ref->free(ref, rw), ref->free(ref, rdy), ref->free(ref, rdx);
+    fast->destroy(fast);
+  }
   ref->destroy(ref);
 }
 
@@ -1987,6 +2064,7 @@ GPU_TEST(cuda_op_conv, (ot_begin(), ops_conv(), ot_end()))
 GPU_TEST(cuda_op_conv_bf16, (ot_begin_precision(DT_PREC_BF16, 1e-2), ops_conv(), ot_end()))
 GPU_TEST(cuda_op_conv_fp16, (ot_begin_precision(DT_PREC_FP16, 2e-3), ops_conv(), ot_end()))
 GPU_TEST(cuda_conv16_reuses_dy_only_back_to_back, conv16_reuses_dy_only_back_to_back())
+GPU_TEST(cuda_gemm16_reuses_dy_only_back_to_back, gemm16_reuses_dy_only_back_to_back())
 GPU_TEST(cuda_op_batchnorm, (ot_begin(), ops_batchnorm(), ot_end()))
 GPU_TEST(cuda_op_activation, (ot_begin(), ops_activation(), ot_end()))
 GPU_TEST(cuda_op_pool, (ot_begin(), ops_pool(), ot_end()))
@@ -2075,6 +2153,7 @@ int main(void) {
       cmocka_unit_test(cuda_op_conv_bf16),
       cmocka_unit_test(cuda_op_conv_fp16),
       cmocka_unit_test(cuda_conv16_reuses_dy_only_back_to_back),
+      cmocka_unit_test(cuda_gemm16_reuses_dy_only_back_to_back),
       cmocka_unit_test(cuda_op_batchnorm),
       cmocka_unit_test(cuda_op_activation),
       cmocka_unit_test(cuda_op_pool),

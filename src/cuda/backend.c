@@ -70,9 +70,23 @@ static void drain(cuda_impl *im) {
 /* Grows a device buffer to `need` bytes. Work queued earlier may still use the old buffer, so the
  * stream is drained before it is freed (cudaFree does not promise to wait for it); during a
  * capture (which cannot wait) the old buffer is retired instead, kept until the graph has run. */
+void cuda_forget_dy16(cuda_impl *im) {
+  im->dy16_of = NULL;
+}
+
+int cuda_dy16_held(const cuda_impl *im, const float *dy, const uint16_t *at, const int64_t layout[4]) {
+  return im->dy16_of == dy && im->dy16_at == at && !memcmp(im->dy16_layout, layout, sizeof im->dy16_layout);
+}
+
+void cuda_hold_dy16(cuda_impl *im, const float *dy, const uint16_t *at, const int64_t layout[4]) {
+  im->dy16_of = dy, im->dy16_at = at;
+  memcpy(im->dy16_layout, layout, sizeof im->dy16_layout);
+}
+
 void *cuda_grow_device(cuda_impl *im, void **buf, size_t *have, size_t need, const char *what) {
   if (need <= *have) return *buf;
   im->be->generation++; /* work captured with the old buffer must be captured again */
+  if (*buf == im->h16) cuda_forget_dy16(im); /* a new h16 may start where the old one did */
   if (*buf) {
     if (im->capturing) {
       DT_ASSERT(im->n_retired < (int)(sizeof im->retired / sizeof im->retired[0]));
@@ -190,8 +204,8 @@ static const cuda_op_fn cuda_ops[DT_OP_COUNT] = {
 /* Queues the op on the stream; a kernel launch that failed is reported as it returns. */
 static void cuda_run(dt_backend *be, const dt_op *op) {
   DT_ASSERT(op->type >= 0 && op->type < DT_OP_COUNT);
-  /* a backward data may reuse the 16-bit dy that the backward filter before it packed */
-  if (op->type != DT_OP_CONV_BWD_DATA) cuda_forget_dy16(be->impl);
+  /* a backward data or a GEMM may reuse the 16-bit dy that the op before it packed */
+  if (op->type != DT_OP_CONV_BWD_DATA && op->type != DT_OP_GEMM) cuda_forget_dy16(be->impl);
   cuda_ops[op->type](be->impl, op);
   CUDA_CHECK(cudaGetLastError());
 }

@@ -208,16 +208,6 @@ static conv16 conv16_scratch(cuda_impl *im, const dt_conv_geom *g) {
   return (conv16){.x = (uint16_t *)base, .w = (uint16_t *)(base + nx), .y = (uint16_t *)(base + nx + nw)};
 }
 
-void cuda_forget_dy16(cuda_impl *im) {
-  im->dy16_of = NULL;
-}
-
-/* Whether h.y still holds the 16-bit dy, of geometry g, that the backward filter run just before
- * packed (layer_conv.c runs the two back to back). */
-static int dy16_held(const cuda_impl *im, const float *dy, const dt_conv_geom *g, const conv16 *h) {
-  return im->dy16_of == dy && im->dy16_at == h->y && !memcmp(&im->dy16_geom, g, sizeof *g);
-}
-
 /* The three convolution ops. FP32: cuDNN on the tensors as they are (NCHW). bf16 and fp16: the
  * operands are rounded into 16-bit NHWC copies, cuDNN computes with FP32 accumulation on tensor
  * cores, and the result comes back to FP32 NCHW (the filter gradient added into dw, as FP32). */
@@ -257,7 +247,8 @@ void cuda_conv_bwd_data(cuda_impl *im, const dt_op *op) {
   }
   const int bf16 = im->precision == DT_PREC_BF16;
   conv16 h = conv16_scratch(im, g);
-  if (dy16_held(im, q->dy, g, &h))
+  const int64_t layout[4] = {DY16_NHWC, g->b, g->o, g->ho * g->wo};
+  if (cuda_dy16_held(im, q->dy, h.y, layout))
     im->dy16_reuses++;
   else
     k_pack16(im->stream, q->dy, h.y, g->b, g->o, g->ho * g->wo, bf16);
@@ -290,7 +281,8 @@ void cuda_conv_bwd_filter(cuda_impl *im, const dt_op *op) {
                                              (cudnnConvolutionBwdFilterAlgo_t)p->algo[BWD_FILTER], im->workspace,
                                              im->workspace_bytes, &zero, p->w, h.w));
   k_unpack16(im->stream, h.w, q->dw, g->o, g->c, g->k * g->k, bf16, 1);
-  im->dy16_of = q->dy, im->dy16_at = h.y, im->dy16_geom = *g; /* cuDNN left h.y as it was */
+  const int64_t layout[4] = {DY16_NHWC, g->b, g->o, g->ho * g->wo};
+  cuda_hold_dy16(im, q->dy, h.y, layout); /* cuDNN left h.y as it was */
 }
 
 /* At shut-down, once the stream has drained. */

@@ -45,11 +45,13 @@ typedef struct {
   size_t workspace_bytes;
   uint16_t *h16; /* device: a convolution's operands in 16 bits (bf16, fp16), or a GEMM's (bf16) */
   size_t h16_bytes;
-  /* The dy whose 16-bit copy a backward filter just left in h16 (at dy16_at, for dy16_geom), for the
-   * backward data right after it; NULL once any other op or copy has run (cuda_forget_dy16). */
+  /* The dy whose 16-bit copy the op just run left in h16 (at dy16_at, laid out as dy16_layout says),
+   * for the op right after it: a convolution's backward data after its backward filter, a dense
+   * layer's input gradient after its weight gradient (layer_conv.c and layer_dense.c run each pair
+   * back to back). NULL once any other op or copy has run or h16 has moved (cuda_forget_dy16). */
   const float *dy16_of;
   const uint16_t *dy16_at;
-  dt_conv_geom dy16_geom;
+  int64_t dy16_layout[4]; /* DY16_NHWC (b, c, positions) or DY16_ROWS (rows, cols, row length) */
   int64_t dy16_reuses; /* packs of dy skipped so far */
   double *partials; /* device: per-block or per-sample pairs, summed in a fixed order */
   size_t partials_bytes;
@@ -91,8 +93,15 @@ void cuda_conv_free(cuda_impl *im);
 /* conv.c: plans convolution g now (kept), and raises *workspace and *h16 to the cuDNN workspace and
  * the 16-bit operands (train.precision bf16, fp16) it needs. */
 void cuda_conv_scratch(cuda_impl *im, const dt_conv_geom *g, size_t *workspace, size_t *h16);
-/* conv.c: the held 16-bit dy may be stale from here on (any op but a backward data, any copy). */
+/* The layouts of a held 16-bit dy (im->dy16_layout[0]): conv.c's NHWC copies, gemm.c's padded rows. */
+enum { DY16_NHWC = 1, DY16_ROWS = 2 };
+/* backend.c: the held 16-bit dy may be stale from here on (any op but a backward data or a GEMM, any
+ * copy, h16 grown). */
 void cuda_forget_dy16(cuda_impl *im);
+/* Whether h16 at `at` holds dy's 16-bit copy in layout, left there by the op run just before. */
+int cuda_dy16_held(const cuda_impl *im, const float *dy, const uint16_t *at, const int64_t layout[4]);
+/* Notes that h16 at `at` holds dy's 16-bit copy in layout, for the op run next. */
+void cuda_hold_dy16(cuda_impl *im, const float *dy, const uint16_t *at, const int64_t layout[4]);
 /* ops.c: the bytes of partial sums (im->partials) op needs; 0 for an op without them. */
 size_t cuda_partials_bytes(const dt_op *op);
 

@@ -47,7 +47,10 @@ size_t cuda_gemm16_bytes(const cuda_impl *im, const dt_op *op) {
  * their leading dimensions (at least 1, even when k is 0) and batch strides. */
 void cuda_gemm(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.gemm) *q = &op->p.gemm;
-  if (!q->m || !q->n) return; /* a rank with no rows this batch */
+  operand16 a, b;
+  const size_t bytes16 = q->m && q->n ? gemm16_plan(im, op, &a, &b) : 0;
+  if (!bytes16) cuda_forget_dy16(im); /* only the bfloat16 path below reuses or holds one */
+  if (!q->m || !q->n) return;         /* a rank with no rows this batch */
   int64_t lda = q->trans_a ? q->m : q->k, ldb = q->trans_b ? q->k : q->n;
   const cublasOperation_t ta = q->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = q->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   if (q->batch > 1) {
@@ -65,16 +68,22 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
     k_fill_rows(im->stream, q->c, q->bias, q->m, q->n);
     beta = &one;
   }
-  operand16 a, b;
-  const size_t bytes16 = gemm16_plan(im, op, &a, &b);
   if (bytes16) {
+    /* A dense layer's dy is A of both its weight gradient and, next, its input gradient (layer_dense.c):
+     * the second takes the copy the first left at the start of h16. */
     uint16_t *a16 = cuda_grow_device(im, (void **)&im->h16, &im->h16_bytes, bytes16, "16-bit GEMM operands");
     uint16_t *b16 = a16 + align256((size_t)(a.rows * a.ld16) * 2) / 2;
-    k_pack_bf16_rows(im->stream, q->a, a16, a.rows, a.cols, a.ld16);
+    const int64_t layout[4] = {DY16_ROWS, a.rows, a.cols, a.ld16};
+    if (cuda_dy16_held(im, q->a, a16, layout))
+      im->dy16_reuses++;
+    else
+      k_pack_bf16_rows(im->stream, q->a, a16, a.rows, a.cols, a.ld16);
+    cuda_forget_dy16(im);
     k_pack_bf16_rows(im->stream, q->b, b16, b.rows, b.cols, b.ld16);
     CUBLAS_CHECK(cublasGemmEx(im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, b16, CUDA_R_16BF,
                               (int)b.ld16, a16, CUDA_R_16BF, (int)a.ld16, beta, q->c, CUDA_R_32F, (int)q->n,
                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    cuda_hold_dy16(im, q->a, a16, layout); /* A as it was: C never aliases it (cuBLAS's contract) */
     return;
   }
   CUBLAS_CHECK(cublasGemmEx(im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, q->b, CUDA_R_32F,
