@@ -55,6 +55,9 @@ void step_prepare(dt_trainer *tr);
 /* One optimizer step's work: every micro-batch uploaded and queued, then the update; the results
  * read once; this rank's loss and hits added to *mine; st set on failure. */
 void step_run(dt_trainer *tr, dt_step_report *mine, double *data_s, dt_status *st);
+/* Whether the host, having waited waited_s on a step's results, polls without sleeping: within 10%
+ * plus 100 us (at most 2 ms) of the last step's wait, last_wait_s; never without one (0). */
+int step_wait_spins(double waited_s, double last_wait_s);
 /* Every rank agrees on the outcome and on whether to stop, and the state advances: returns the
  * agreed code. */
 int step_agree(dt_trainer *tr, dt_step_report *mine, dt_status *st);

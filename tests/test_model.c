@@ -1,10 +1,12 @@
 /* test_model: shape inference, parameter counts and names (PyTorch's), FLOPs, and the model
- * errors: unknown layers and parameters, shape mismatches naming the layer and both shapes. */
+ * errors: unknown layers and parameters, shape mismatches naming the layer and both shapes; the memory
+ * estimate; when the host's wait on a step stops sleeping between polls. */
 #include "dt_test.h"
 
 #include "config.h"
 #include "memory.h"
 #include "model.h"
+#include "train_step.h"
 
 static int build(const char *model_yaml, dt_config *cfg, dt_model *m, dt_status *st) {
   char text[4096];
@@ -314,6 +316,26 @@ static void memory_estimate_asks_about_each_gemm(void **state) {
   config_free(&cfg);
 }
 
+/* Hand-worked: the window before the last wait's end is 10% of it plus 100 us, at most 2 ms; a first
+ * step (no last wait) sleeps between polls throughout. */
+static void step_waits_spin_only_near_the_last_ones_end(void **state) {
+  (void)state;
+  static const struct {
+    double waited, last;
+    int spins;
+  } cases[] = {
+      {0, 0, 0},           {10, 0, 0},                               /* no last wait */
+      {0, 250e-6, 0},      {124e-6, 250e-6, 0}, {126e-6, 250e-6, 1}, /* window 125 us */
+      {300e-6, 250e-6, 1},                                           /* past it */
+      {8.85e-3, 10e-3, 0}, {8.95e-3, 10e-3, 1},                      /* window 1.1 ms */
+      {77.9e-3, 80e-3, 0}, {78.1e-3, 80e-3, 1},                      /* window 2 ms, not 8.1 */
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
+    if (step_wait_spins(cases[i].waited, cases[i].last) != cases[i].spins)
+      fail_msg("waited %g s of a last %g s: spins %d, expected %d", cases[i].waited, cases[i].last,
+               step_wait_spins(cases[i].waited, cases[i].last), cases[i].spins);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(default_cnn_has_870826_parameters),
@@ -324,6 +346,7 @@ int main(void) {
       cmocka_unit_test(memory_estimate_by_hand),
       cmocka_unit_test(attention_picks_by_device_and_shared_memory),
       cmocka_unit_test(memory_estimate_asks_about_each_gemm),
+      cmocka_unit_test(step_waits_spin_only_near_the_last_ones_end),
   };
   return cmocka_run_group_tests_name("model", tests, NULL, NULL);
 }
