@@ -383,14 +383,14 @@ static dt_dev_batch *upload_next(dt_trainer *tr, int ahead, int64_t *rows, doubl
 
 int step_wait_spins(double waited_s, double last_wait_s) {
   const double window = fmin(0.1 * last_wait_s + 100e-6, 2e-3);
-  return last_wait_s > 0 && waited_s >= last_wait_s - window;
+  return last_wait_s > 0 && fabs(waited_s - last_wait_s) <= window;
 }
 
 /* The step's one host wait: its results downloaded, polling (a failed NCCL peer, the deadline)
  * while the device works. Before it, with one micro-batch per step and a step to follow, the next
  * batch is taken and copied ahead, overlapping this step: its buffer was last read by the step
  * before, which the host has waited for. The device idles from the step's end until the host sees
- * it and queues the next one, so the polls stop sleeping near the end (step_wait_spins): a sleep
+ * it and queues the next one, so the polls stop sleeping around the end (step_wait_spins): a sleep
  * of 50 us oversleeps to about 100 (the kernel's timer slack), which was 20-40% of a small model's
  * step. The failure checks still run every 50 us. */
 static void wait_step(dt_trainer *tr, double *data_s) {

@@ -56,7 +56,8 @@ void step_prepare(dt_trainer *tr);
  * read once; this rank's loss and hits added to *mine; st set on failure. */
 void step_run(dt_trainer *tr, dt_step_report *mine, double *data_s, dt_status *st);
 /* Whether the host, having waited waited_s on a step's results, polls without sleeping: within 10%
- * plus 100 us (at most 2 ms) of the last step's wait, last_wait_s; never without one (0). */
+ * plus 100 us (at most 2 ms) either side of the last step's wait, last_wait_s; never without one (0),
+ * and not past that (a slow peer, a hang: a core would spin until dist.timeout_s). */
 int step_wait_spins(double waited_s, double last_wait_s);
 /* Every rank agrees on the outcome and on whether to stop, and the state advances: returns the
  * agreed code. */

@@ -316,8 +316,8 @@ static void memory_estimate_asks_about_each_gemm(void **state) {
   config_free(&cfg);
 }
 
-/* Hand-worked: the window before the last wait's end is 10% of it plus 100 us, at most 2 ms; a first
- * step (no last wait) sleeps between polls throughout. */
+/* Hand-worked: the window either side of the last wait's end is 10% of it plus 100 us, at most 2 ms; a
+ * first step (no last wait) sleeps between polls throughout, and so does a step past the window. */
 static void step_waits_spin_only_near_the_last_ones_end(void **state) {
   (void)state;
   static const struct {
@@ -326,9 +326,10 @@ static void step_waits_spin_only_near_the_last_ones_end(void **state) {
   } cases[] = {
       {0, 0, 0},           {10, 0, 0},                               /* no last wait */
       {0, 250e-6, 0},      {124e-6, 250e-6, 0}, {126e-6, 250e-6, 1}, /* window 125 us */
-      {300e-6, 250e-6, 1},                                           /* past it */
+      {370e-6, 250e-6, 1}, {380e-6, 250e-6, 0}, {1, 250e-6, 0},      /* late, later */
       {8.85e-3, 10e-3, 0}, {8.95e-3, 10e-3, 1},                      /* window 1.1 ms */
       {77.9e-3, 80e-3, 0}, {78.1e-3, 80e-3, 1},                      /* window 2 ms, not 8.1 */
+      {81.9e-3, 80e-3, 1}, {82.1e-3, 80e-3, 0},
   };
   for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
     if (step_wait_spins(cases[i].waited, cases[i].last) != cases[i].spins)

@@ -213,6 +213,7 @@ static void cuda_run(dt_backend *be, const dt_op *op) {
 static float *cuda_alloc(dt_backend *be, size_t bytes) {
   cuda_impl *im = be->impl;
   void *p = NULL;
+  cuda_forget_dy16(im); /* the new buffer may start where a freed one, a held dy, did */
   cudaError_t err = cuda_device_malloc(im, &p, bytes ? bytes : 256);
   if (err != cudaSuccess) alloc_failed(im, err, bytes, "model buffers");
   CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, im->stream));
