@@ -371,7 +371,7 @@ int cpu_dnnl_conv(cpu_dnnl *d, int kind, const dt_conv_geom *g, const float *a, 
 
 void cpu_dnnl_plan_start(cpu_dnnl *d) {
   if (!d) return;
-  memset(d->touched, 0, d->n_granules);
+  if (d->touched) memset(d->touched, 0, d->n_granules); /* NULL until the first plan touches a page */
   d->n_touched = 0;
 }
 
