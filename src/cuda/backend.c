@@ -67,9 +67,6 @@ static void drain(cuda_impl *im) {
   for (; im->n_retired > 0; im->n_retired--) cuda_device_free(im, im->retired[im->n_retired - 1]);
 }
 
-/* Grows a device buffer to `need` bytes. Work queued earlier may still use the old buffer, so the
- * stream is drained before it is freed (cudaFree does not promise to wait for it); during a
- * capture (which cannot wait) the old buffer is retired instead, kept until the graph has run. */
 void cuda_forget_dy16(cuda_impl *im) {
   im->dy16_of = NULL;
 }
@@ -83,6 +80,9 @@ void cuda_hold_dy16(cuda_impl *im, const float *dy, const uint16_t *at, const in
   memcpy(im->dy16_layout, layout, sizeof im->dy16_layout);
 }
 
+/* Grows a device buffer to `need` bytes. Work queued earlier may still use the old buffer, so the
+ * stream is drained before it is freed (cudaFree does not promise to wait for it); during a
+ * capture (which cannot wait) the old buffer is retired instead, kept until the graph has run. */
 void *cuda_grow_device(cuda_impl *im, void **buf, size_t *have, size_t need, const char *what) {
   if (need <= *have) return *buf;
   im->be->generation++; /* work captured with the old buffer must be captured again */

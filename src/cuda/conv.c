@@ -208,6 +208,11 @@ static conv16 conv16_scratch(cuda_impl *im, const dt_conv_geom *g) {
   return (conv16){.x = (uint16_t *)base, .w = (uint16_t *)(base + nx), .y = (uint16_t *)(base + nx + nw)};
 }
 
+/* The layout key of a held 16-bit dy (cuda_dy16_held): g's dy as NHWC. */
+static void dy16_nhwc(const dt_conv_geom *g, int64_t layout[4]) {
+  layout[0] = DY16_NHWC, layout[1] = g->b, layout[2] = g->o, layout[3] = g->ho * g->wo;
+}
+
 /* The three convolution ops. FP32: cuDNN on the tensors as they are (NCHW). bf16 and fp16: the
  * operands are rounded into 16-bit NHWC copies, cuDNN computes with FP32 accumulation on tensor
  * cores, and the result comes back to FP32 NCHW (the filter gradient added into dw, as FP32). */
@@ -247,7 +252,8 @@ void cuda_conv_bwd_data(cuda_impl *im, const dt_op *op) {
   }
   const int bf16 = im->precision == DT_PREC_BF16;
   conv16 h = conv16_scratch(im, g);
-  const int64_t layout[4] = {DY16_NHWC, g->b, g->o, g->ho * g->wo};
+  int64_t layout[4];
+  dy16_nhwc(g, layout);
   if (cuda_dy16_held(im, q->dy, h.y, layout))
     im->dy16_reuses++;
   else
@@ -281,7 +287,8 @@ void cuda_conv_bwd_filter(cuda_impl *im, const dt_op *op) {
                                              (cudnnConvolutionBwdFilterAlgo_t)p->algo[BWD_FILTER], im->workspace,
                                              im->workspace_bytes, &zero, p->w, h.w));
   k_unpack16(im->stream, h.w, q->dw, g->o, g->c, g->k * g->k, bf16, 1);
-  const int64_t layout[4] = {DY16_NHWC, g->b, g->o, g->ho * g->wo};
+  int64_t layout[4];
+  dy16_nhwc(g, layout);
   cuda_hold_dy16(im, q->dy, h.y, layout); /* cuDNN left h.y as it was */
 }
 

@@ -78,7 +78,6 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
       im->dy16_reuses++;
     else
       k_pack_bf16_rows(im->stream, q->a, a16, a.rows, a.cols, a.ld16);
-    cuda_forget_dy16(im);
     k_pack_bf16_rows(im->stream, q->b, b16, b.rows, b.cols, b.ld16);
     CUBLAS_CHECK(cublasGemmEx(im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, b16, CUDA_R_16BF,
                               (int)b.ld16, a16, CUDA_R_16BF, (int)a.ld16, beta, q->c, CUDA_R_32F, (int)q->n,

@@ -300,6 +300,12 @@ inline void record(const void *p, size_t n, bool write) {
   }
 }
 
+// An access the compiler emitted as aligned to its size n, recorded once its address is.
+inline void record_aligned(const void *p, size_t n, bool write) {
+  if ((uintptr_t)p % n) misaligned(p, n, write);
+  record(p, n, write);
+}
+
 }  // namespace
 
 HazardMode hazard_mode() {
@@ -419,28 +425,24 @@ void __tsan_init(void) {
 }
 // The aligned hooks are the accesses the compiler took to be aligned to their size (the unaligned ones
 // it could not): in a kernel, the address must be.
-#define GPUSIM_TSAN_HOOKS(n)                               \
-  void __tsan_read##n(void *p) {                           \
-    if (!tracing) return;                                  \
-    if ((uintptr_t)p % n) gpusim::misaligned(p, n, false); \
-    gpusim::record(p, n, false);                           \
-  }                                                        \
-  void __tsan_write##n(void *p) {                          \
-    if (!tracing) return;                                  \
-    if ((uintptr_t)p % n) gpusim::misaligned(p, n, true);  \
-    gpusim::record(p, n, true);                            \
-  }                                                        \
-  void __tsan_unaligned_read##n(void *p) {                 \
-    if (tracing) gpusim::record(p, n, false);              \
-  }                                                        \
-  void __tsan_unaligned_write##n(void *p) {                \
-    if (tracing) gpusim::record(p, n, true);               \
-  }                                                        \
-  void __tsan_volatile_read##n(void *p) {                  \
-    if (tracing) gpusim::record(p, n, false);              \
-  }                                                        \
-  void __tsan_volatile_write##n(void *p) {                 \
-    if (tracing) gpusim::record(p, n, true);               \
+#define GPUSIM_TSAN_HOOKS(n)                          \
+  void __tsan_read##n(void *p) {                      \
+    if (tracing) gpusim::record_aligned(p, n, false); \
+  }                                                   \
+  void __tsan_write##n(void *p) {                     \
+    if (tracing) gpusim::record_aligned(p, n, true);  \
+  }                                                   \
+  void __tsan_unaligned_read##n(void *p) {            \
+    if (tracing) gpusim::record(p, n, false);         \
+  }                                                   \
+  void __tsan_unaligned_write##n(void *p) {           \
+    if (tracing) gpusim::record(p, n, true);          \
+  }                                                   \
+  void __tsan_volatile_read##n(void *p) {             \
+    if (tracing) gpusim::record(p, n, false);         \
+  }                                                   \
+  void __tsan_volatile_write##n(void *p) {            \
+    if (tracing) gpusim::record(p, n, true);          \
   }
 GPUSIM_TSAN_HOOKS(1)
 GPUSIM_TSAN_HOOKS(2)
