@@ -15,7 +15,6 @@
 
 #ifdef __CUDACC__  // the stand-in's gpusim_device.h brings both
 #include <cuda_bf16.h>
-#include <mma.h>
 #endif
 
 // Two blocks an SM for heads of up to 64 values (LAUNCH_BOUNDS: registers capped at 128, which ptxas
@@ -406,13 +405,14 @@ __global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
 }
 
 // ---- Tensor cores (train.precision bf16, compute capability 8.0 and later) --------------------------
-// The same blocks, tiles, loops and thread ownership as above, with the tile products on tensor cores
-// through WMMA (16x16x16 pieces, bfloat16 inputs, FP32 sums): q, k, v, dout, the probabilities and ds
-// are rounded to bfloat16 in shared memory, as cuBLAS rounds GEMM inputs under bf16, and the softmax,
-// lse, delta, dropout and the outputs' sums stay FP32. The block's 8 warps share each product's
-// pieces. Scores come back through an FP32 tile that threads read as above; the forward's p v is
-// staged there too (its rows need rescaling), while the backward keeps dq, dk and dv in fragments
-// across the loop and stages them once at the end.
+// FlashAttention-2's division of the work: a block of kMmaWarps warps takes the same kTile rows as above
+// (queries in the forward and dq, keys in dk and dv), 16 rows a warp, and its warps walk the other side's
+// tiles together through shared memory. Each warp's products run on tensor cores (mma_16816_bf16:
+// bfloat16 inputs, FP32 sums) and its scores never leave registers: the accumulators of a (16, 16) block
+// of scores are, element for element, the A operand of the next product, so the probabilities and ds
+// feed p v, p^T dout, ds^T q and ds k as they are. q, k, v, dout, the probabilities and ds are rounded to
+// bfloat16, as cuBLAS rounds GEMM inputs under bf16; the softmax, lse, delta, dropout and the outputs'
+// sums stay FP32.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 #define ATTN_TENSOR_CORES 1
 #else
@@ -420,15 +420,18 @@ __global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
 #endif
 
 typedef __nv_bfloat16 bfloat;
-typedef nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> acc_frag;
-enum { kWarps = kBlock / 32, kSld = kTile + 4, kPld = kTile + 8 };  // row strides of score and p tiles
+// Warps and threads of a block; key (or query) columns of a tile in n-pieces of 8 and k-pieces of 16; the
+// row stride of a transposed tile (attn_tiles_tc).
+enum { kMmaWarps = kTile / 16, kMmaBlock = 32 * kMmaWarps, kPieces8 = kTile / 8, kPieces16 = kTile / 16 };
+enum { kTld = kTile + 8 };
 
+// hd rounded up to whole 16-column pieces: the width of a tile of a head.
 [[maybe_unused]] static __device__ __forceinline__ int width16(int hd) {
   return (hd + 15) / 16 * 16;
 }
 
 // Takes consecutive regions of the block's dynamic shared memory, from a 128-byte aligned start
-// (WMMA needs 256-bit aligned tiles; every region's size is a multiple of 32 bytes).
+// (every region's size is a multiple of 16 bytes).
 struct shared_regions {
   char *at;
   // offset from base, not a pointer made from an integer: the compiler keeps knowing it is shared memory
@@ -441,248 +444,405 @@ struct shared_regions {
   }
 };
 
-#if ATTN_TENSOR_CORES  // bfloat16 fragments do not exist below sm_80
-// Rows [row0, row0 + kTile) of a head into a (kTile, width16(hd) + 8) bfloat16 tile; columns hd to
-// width16(hd) and rows past T as zeros (load_tiles): one, or two at once.
-template <int COLS>
-static __device__ void load_tile16(bfloat *tile, const float *head, int64_t stride, int64_t row0, int64_t t, int hd) {
-  load_tiles<COLS, bfloat>(tile, head, stride, NULL, NULL, 0, row0, t, hd, width16(hd), width16(hd) + 8);
-}
-template <int COLS>
-static __device__ void load_tile16_pair(bfloat *ta, const float *ha, int64_t sa, bfloat *tb, const float *hb,
-                                        int64_t sb, int64_t row0, int64_t t, int hd) {
-  load_tiles<COLS, bfloat>(ta, ha, sa, tb, hb, sb, row0, t, hd, width16(hd), width16(hd) + 8);
+#if ATTN_TENSOR_CORES  // bfloat16 arithmetic does not exist below sm_80
+// d (16, 8) += a (16, 16) b (16, 8) on tensor cores, warp-wide: PTX's mma.sync m16n8k16 with bfloat16
+// inputs and FP32 sums. With g = lane / 4 and c = lane % 4 a lane holds (each 32-bit register two
+// bfloat16, the lower column, or row of b, in its low half):
+//   a[0] = A[g][2c..2c+1], a[1] = A[g+8][2c..2c+1], a[2] = A[g][2c+8..2c+9], a[3] = A[g+8][2c+8..2c+9]
+//   b[0] = B[2c..2c+1][g], b[1] = B[2c+8..2c+9][g];  d[0..1] = D[g][2c..2c+1], d[2..3] = D[g+8][2c..2c+1]
+// The stand-in exchanges the lanes' registers in the same layout (tests/gpusim/gpusim_device.h).
+static __device__ __forceinline__ void mma_16816_bf16(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+#ifdef GPUSIM_MMA_16816
+  GPUSIM_MMA_16816(d, a, b);
+#else
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
 }
 
-// out (kTile, kTile), row stride kSld, = x y^T for (kTile, width16(hd)) tiles x, y.
-static __device__ void tc_xyt(const bfloat *x, const bfloat *y, int hd, float *out) {
-  using namespace nvcuda;
-  const int w = width16(hd), ld = w + 8;
-  for (int f = (int)threadIdx.x / 32; f < 16; f += kWarps) {
-    const int fr = f / 4, fc = f % 4;
-    acc_frag acc;
-    wmma::fill_fragment(acc, 0.0f);
-    for (int kk = 0; kk < w; kk += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, bfloat, wmma::row_major> a;
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, bfloat, wmma::col_major> b;  // y^T: y's rows are its columns
-      wmma::load_matrix_sync(a, x + fr * 16 * ld + kk, ld);
-      wmma::load_matrix_sync(b, y + fc * 16 * ld + kk, ld);
-      wmma::mma_sync(acc, a, b, acc);
+// Two bfloat16 (lo in the low half), rounded to nearest even.
+static __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  uint32_t u;
+  memcpy(&u, &h, sizeof u);
+  return u;
+}
+
+// Two neighbouring bfloat16 of a shared tile in one 32-bit load (p 4-byte aligned), and four in one
+// 64-bit store (p 8-byte aligned). nvcc gets the casts: through memcpy it would move bytes one at a time.
+static __device__ __forceinline__ uint32_t load_pair(const bfloat *p) {
+#ifdef __CUDACC__
+  return *reinterpret_cast<const uint32_t *>(p);
+#else
+  GPUSIM_CHECK_ALIGNED(p, 4);
+  uint32_t u;
+  memcpy(&u, p, sizeof u);
+  return u;
+#endif
+}
+static __device__ __forceinline__ void store_quad(bfloat *p, uint32_t lo, uint32_t hi) {
+#ifdef __CUDACC__
+  *reinterpret_cast<uint2 *>(p) = make_uint2(lo, hi);
+#else
+  GPUSIM_CHECK_ALIGNED(p, 8);
+  const uint32_t quad[2] = {lo, hi};
+  memcpy(p, quad, sizeof quad);
+#endif
+}
+
+// The A operand of rows [r0, r0 + 16) and columns [k0, k0 + 16) of a tile (row stride ld).
+static __device__ __forceinline__ void frag_a(uint32_t a[4], const bfloat *tile, int ld, int r0, int k0) {
+  const int lane = (int)threadIdx.x % 32;
+  const bfloat *p = tile + (r0 + lane / 4) * ld + k0 + lane % 4 * 2;
+  a[0] = load_pair(p), a[1] = load_pair(p + 8 * ld), a[2] = load_pair(p + 8), a[3] = load_pair(p + 8 * ld + 8);
+}
+
+// The B operand (16, 8) whose column n is row n0 + n of a tile (row stride ld), k from column k0: B = the
+// tile's (8, 16) block transposed.
+static __device__ __forceinline__ void frag_b(uint32_t b[2], const bfloat *tile, int ld, int n0, int k0) {
+  const int lane = (int)threadIdx.x % 32;
+  const bfloat *p = tile + (n0 + lane / 4) * ld + k0 + lane % 4 * 2;
+  b[0] = load_pair(p), b[1] = load_pair(p + 8);
+}
+
+// The A operand of a (16, 16) block of a warp's scores from its accumulators s[2 kp], s[2 kp + 1] (the
+// n-pieces of columns 16 kp to 16 kp + 15), rounded to bfloat16.
+static __device__ __forceinline__ void scores_to_a(uint32_t a[4], const float s[kPieces8][4], int kp) {
+  a[0] = pack_bf16x2(s[2 * kp][0], s[2 * kp][1]), a[1] = pack_bf16x2(s[2 * kp][2], s[2 * kp][3]);
+  a[2] = pack_bf16x2(s[2 * kp + 1][0], s[2 * kp + 1][1]), a[3] = pack_bf16x2(s[2 * kp + 1][2], s[2 * kp + 1][3]);
+}
+
+// s[n] (n < kPieces8) += rows [16 warp, 16 warp + 16) of x times y^T, x and y (kTile, 16 nk) tiles of row
+// stride ld (nk <= COLS): the warp's (16, kTile) block of x y^T.
+template <int COLS>
+static __device__ __forceinline__ void warp_xyt(const bfloat *x, const bfloat *y, int ld, int nk,
+                                                float s[kPieces8][4]) {
+  const int warp = (int)threadIdx.x / 32;
+  UNROLL
+  for (int kp = 0; kp < COLS; kp++) {
+    if (kp >= nk) break;  // the same for every lane
+    uint32_t a[4];
+    frag_a(a, x, ld, 16 * warp, 16 * kp);
+    UNROLL
+    for (int n = 0; n < kPieces8; n++) {
+      uint32_t b[2];
+      frag_b(b, y, ld, 8 * n, 16 * kp);
+      mma_16816_bf16(s[n], a, b);
     }
-    wmma::store_matrix_sync(out + fr * 16 * kSld + fc * 16, acc, kSld, wmma::mem_row_major);
   }
 }
 
-// The warp's pieces of a (kTile, width16(hd)) result: piece f = warp + kWarps r (r < FR), at row f / (w / 16)
-// and column f % (w / 16) of pieces; pieces past the result's 4 w / 16 are none of the warp's.
-template <int FR>
-static __device__ void tc_zero(acc_frag acc[FR]) {
+// acc[n] (n < 2 nk) += p y for the warp's (16, kTile) block p (accumulators, rounded to bfloat16 here)
+// and y given transposed: yt (16 nk, kTile) of row stride kTld.
+template <int COLS>
+static __device__ __forceinline__ void warp_py(const float p[kPieces8][4], const bfloat *yt, int nk,
+                                               float acc[2 * COLS][4]) {
   UNROLL
-  for (int r = 0; r < FR; r++) nvcuda::wmma::fill_fragment(acc[r], 0.0f);
+  for (int kp = 0; kp < kPieces16; kp++) {
+    uint32_t a[4];
+    scores_to_a(a, p, kp);
+    UNROLL
+    for (int n = 0; n < 2 * COLS; n++) {
+      if (n >= 2 * nk) break;
+      uint32_t b[2];
+      frag_b(b, yt, kTld, 8 * n, 16 * kp);
+      mma_16816_bf16(acc[n], a, b);
+    }
+  }
 }
 
-// acc += p y (TRANS: p^T y) on the warp's pieces, p (kTile, kTile) bfloat16 of row stride kPld, y a
-// (kTile, width16(hd)) tile.
-template <int TRANS, int FR>
-static __device__ void tc_py(const bfloat *p, const bfloat *y, int hd, acc_frag acc[FR]) {
-  using namespace nvcuda;
-  const int w = width16(hd), ld = w + 8, nc = w / 16;
+// Whether query i sees key j for every (i, j) of query tile i0 and key tile j0 (both within T, and the
+// key tile wholly at or below the diagonal): the per-element test is then skipped, as it is for most
+// tiles of a long sequence.
+static __device__ __forceinline__ bool tile_all_visible(const attn_geom &g, int64_t i0, int64_t j0) {
+  return i0 + kTile <= g.t && j0 + kTile <= g.t && (!g.causal || j0 + kTile - 1 <= i0);
+}
+
+template <int N>
+static __device__ __forceinline__ void zero_pieces(float x[N][4]) {
   UNROLL
-  for (int r = 0; r < FR; r++) {
-    const int f = (int)threadIdx.x / 32 + kWarps * r;
-    if (f >= 4 * nc) continue;  // the same for every lane of the warp
-    const int fr = f / nc, fc = f % nc;
-    for (int kk = 0; kk < kTile; kk += 16) {
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, bfloat, wmma::row_major> b;
-      wmma::load_matrix_sync(b, y + kk * ld + fc * 16, ld);
-      if (TRANS) {  // p^T's piece (fr, kk) is p's (kk, fr) read column-major
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, bfloat, wmma::col_major> a;
-        wmma::load_matrix_sync(a, p + kk * kPld + fr * 16, kPld);
-        wmma::mma_sync(acc[r], a, b, acc[r]);
-      } else {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, bfloat, wmma::row_major> a;
-        wmma::load_matrix_sync(a, p + fr * 16 * kPld + kk, kPld);
-        wmma::mma_sync(acc[r], a, b, acc[r]);
+  for (int n = 0; n < N; n++) x[n][0] = x[n][1] = x[n][2] = x[n][3] = 0.0f;
+}
+
+// Rows [row0, row0 + kTile) of up to two heads (T rows of hd values, `stride` apart) as bfloat16 (rounded
+// to nearest even; zeros past T and from column hd to w = width16(hd) <= 16 COLS): into rows (kTile, w + 8)
+// tiles and transposed into cols (w, kTile + 8) tiles, each when not NULL. Every load of both heads is issued
+// before the first store, as float4 where the heads' rows are 16-byte aligned: a warp reads 8 rows of 4
+// float4 at a time (64 contiguous bytes a row), so that its transposed stores meet in pairs of banks at most.
+template <int COLS>
+static __device__ void attn_tiles_tc(const float *ha, int64_t sa, bfloat *rows_a, bfloat *cols_a, const float *hb,
+                                     int64_t sb, bfloat *rows_b, bfloat *cols_b, int64_t row0, int64_t t, int hd) {
+  const int w = width16(hd), ld = w + 8, nk = w / 16;
+  const bool vec =
+      hd % 4 == 0 && sa % 4 == 0 && (uintptr_t)ha % 16 == 0 && (!hb || (sb % 4 == 0 && (uintptr_t)hb % 16 == 0));
+  const int lane = (int)threadIdx.x % 32, warp = (int)threadIdx.x / 32;
+  if (vec) {
+    constexpr int N = kTile * 16 * COLS / 4 / kMmaBlock;  // a thread's (8 rows, 4 float4) pieces, at most
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float4 va[N], vb[N];
+    UNROLL
+    for (int n = 0; n < N; n++) {
+      const int piece = warp + kMmaWarps * n, r = piece / nk * 8 + lane / 4, c = (piece % nk * 4 + lane % 4) * 4;
+      const bool in = piece < 8 * nk && row0 + r < t && c < hd;
+      va[n] = in ? load_float4(ha + (row0 + r) * sa + c) : zero;
+      vb[n] = in && hb ? load_float4(hb + (row0 + r) * sb + c) : zero;
+    }
+    UNROLL
+    for (int n = 0; n < N; n++) {
+      const int piece = warp + kMmaWarps * n, r = piece / nk * 8 + lane / 4, c = (piece % nk * 4 + lane % 4) * 4;
+      if (piece >= 8 * nk) break;
+      const float4 x[2] = {va[n], vb[n]};
+      bfloat *rows[2] = {rows_a, rows_b}, *cols[2] = {cols_a, cols_b};
+      UNROLL
+      for (int h = 0; h < 2; h++) {
+        if (rows[h])  // 8-byte aligned: ld and c are multiples of 4
+          store_quad(rows[h] + r * ld + c, pack_bf16x2(x[h].x, x[h].y), pack_bf16x2(x[h].z, x[h].w));
+        if (cols[h]) {
+          bfloat *p = cols[h] + c * kTld + r;
+          p[0] = __float2bfloat16_rn(x[h].x), p[kTld] = __float2bfloat16_rn(x[h].y);
+          p[2 * kTld] = __float2bfloat16_rn(x[h].z), p[3 * kTld] = __float2bfloat16_rn(x[h].w);
+        }
       }
     }
+    return;
+  }
+  for (int e = threadIdx.x; e < kTile * w; e += kMmaBlock) {
+    const int r = e / w, c = e - r * w;
+    const bool in = row0 + r < t && c < hd;
+    const bfloat xa = __float2bfloat16_rn(in ? ha[(row0 + r) * sa + c] : 0.0f);
+    const bfloat xb = __float2bfloat16_rn(in && hb ? hb[(row0 + r) * sb + c] : 0.0f);
+    if (rows_a) rows_a[r * ld + c] = xa;
+    if (cols_a) cols_a[c * kTld + r] = xa;
+    if (rows_b) rows_b[r * ld + c] = xb;
+    if (cols_b) cols_b[c * kTld + r] = xb;
   }
 }
 
-// The warp's pieces into out (kTile, width16(hd)) FP32 of row stride width16(hd) + 4.
-template <int FR>
-static __device__ void tc_stage(const acc_frag acc[FR], int hd, float *out) {
-  const int w = width16(hd), nc = w / 16;
+// Stores a warp's (16, 16 COLS) block of results (rows row0 + 16 warp + ..., those below T; columns below
+// hd) into a head (rows `stride` apart), row h (0: the lane's first, 1: its second) times scale[h].
+template <int COLS>
+static __device__ void store_pieces(float *head, int64_t stride, const float acc[2 * COLS][4], const float scale[2],
+                                    int64_t row0, int64_t t, int hd) {
+  const int lane = (int)threadIdx.x % 32, warp = (int)threadIdx.x / 32;
   UNROLL
-  for (int r = 0; r < FR; r++) {
-    const int f = (int)threadIdx.x / 32 + kWarps * r;
-    if (f < 4 * nc)
-      nvcuda::wmma::store_matrix_sync(out + f / nc * 16 * (w + 4) + f % nc * 16, acc[r], w + 4,
-                                      nvcuda::wmma::mem_row_major);
-  }
-}
-
-// A staged (kTile, width16(hd) + 4) tile's rows below T into a head (rows `stride` apart).
-static __device__ void store_staged(float *head, int64_t stride, const float *staged, int64_t row0, int64_t t, int hd) {
-  const int ld = width16(hd) + 4;
-  for (int e = threadIdx.x; e < kTile * hd; e += kBlock) {
-    int r = e / hd, c = e - r * hd;
-    if (row0 + r < t) head[(row0 + r) * stride + c] = staged[r * ld + c];
-  }
-}
-
-// The thread's elements of a (kTile, kTile) FP32 tile of row stride kSld.
-static __device__ __forceinline__ void read_scores(const float *tile, float s[kRows][kRows]) {
-  const int tx = thread_x(), ty = thread_y();
-  UNROLL
-  for (int a = 0; a < kRows; a++) {
+  for (int h = 0; h < 2; h++) {
+    const int64_t r = row0 + 16 * warp + lane / 4 + 8 * h;
+    if (r >= t) continue;
     UNROLL
-    for (int b = 0; b < kRows; b++) s[a][b] = tile[(ty + kSide * a) * kSld + tx + kSide * b];
+    for (int n = 0; n < 2 * COLS; n++) {
+      const int c = 8 * n + lane % 4 * 2;
+      if (c < hd) head[r * stride + c] = acc[n][2 * h] * scale[h];
+      if (c + 1 < hd) head[r * stride + c + 1] = acc[n][2 * h + 1] * scale[h];
+    }
   }
 }
-
-// attn_scores_bwd on tensor cores: q k^T into ss and dout v^T into sdp (both (kTile, kTile), FP32), then
-// p (when sp is not NULL) and ds as bfloat16 of row stride kPld. Ends without a barrier: the caller
-// syncs before reading sp or sds.
-static __device__ __forceinline__ void tc_scores_bwd(const attn_geom &g, uint64_t seed, int64_t head, int64_t i0, int64_t j0,
-                                     const bfloat *sq, const bfloat *sdo, const bfloat *sk, const bfloat *sv,
-                                     const float *sl, const float *sd, float *ss, float *sdp, bfloat *sp, bfloat *sds) {
-  tc_xyt(sq, sk, g.hd, ss);
-  tc_xyt(sdo, sv, g.hd, sdp);
-  __syncthreads();
-  float s[kRows][kRows], dp[kRows][kRows];
-  read_scores(ss, s);
-  read_scores(sdp, dp);
-  attn_ds_tile(g, seed, head, i0, j0, s, dp, sl, sd, sp, sds, kPld);
-}
-
 #endif
 
+// Forward: a block per (head, query tile). Shared: the query tile (kTile, w + 8) for w = width16(hd), read
+// once into the warps' A operands, the key tile (the same shape) and the value tile transposed (w, kTile +
+// 8).
 template <int COLS>
-__global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
+__global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 3 : 2)
     attn_fwd_tc_kernel(const float *q, const float *k, const float *v, float *o, float *lse, const uint64_t *step_seed,
                        attn_geom g) {
 #if ATTN_TENSOR_CORES
-  constexpr int FR = (COLS + 1) / 2;  // pieces of a (kTile, 16 COLS) result per warp
+  const int w = width16(g.hd), ld = w + 8, nk = w / 16;
   DYNAMIC_SHARED(float, smem);
   shared_regions sh(smem);
-  const int w = width16(g.hd), tx = thread_x(), ty = thread_y();
-  bfloat *sq = sh.take<bfloat>(kTile * (w + 8)), *sk = sh.take<bfloat>(kTile * (w + 8)),
-         *sv = sh.take<bfloat>(kTile * (w + 8));
-  float *ss = sh.take<float>(kTile * (kSld > w + 4 ? kSld : w + 4));  // the scores, then p v staged
-  bfloat *sp = sh.take<bfloat>(kTile * kPld);
+  bfloat *sq = sh.take<bfloat>(kTile * ld), *sk = sh.take<bfloat>(kTile * ld), *svt = sh.take<bfloat>(w * kTld);
+  const int lane = (int)threadIdx.x % 32, warp = (int)threadIdx.x / 32;
   const int64_t head = blockIdx.x / g.tiles, i0 = (blockIdx.x % g.tiles) * kTile, in = head_offset(g, head, g.ld);
+  const int64_t row[2] = {i0 + 16 * warp + lane / 4, i0 + 16 * warp + lane / 4 + 8};
   const uint64_t seed = g.p > 0 ? dt_hash64(g.layer_seed ^ *step_seed) : 0;
-  load_tile16<COLS>(sq, q + in, g.ld, i0, g.t, g.hd);
-  float m[kRows], l[kRows], acc[kRows][COLS];
-  attn_rows_start<COLS>(m, l, acc);
+  attn_tiles_tc<COLS>(q + in, g.ld, sq, NULL, NULL, 0, NULL, NULL, i0, g.t, g.hd);
+  __syncthreads();
+  uint32_t qa[COLS][4];
+  UNROLL
+  for (int kp = 0; kp < COLS; kp++)
+    if (kp < nk) frag_a(qa[kp], sq, ld, 16 * warp, 16 * kp);
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, acc[2 * COLS][4];
+  zero_pieces<2 * COLS>(acc);
   const int64_t end = g.causal && i0 + kTile < g.t ? i0 + kTile : g.t;
   for (int64_t j0 = 0; j0 < end; j0 += kTile) {
-    __syncthreads();  // the last tile's readers are done with sk, sv, ss
-    load_tile16_pair<COLS>(sk, k + in, g.ld, sv, v + in, g.ld, j0, g.t, g.hd);
+    __syncthreads();  // the last tile's readers are done with sk, svt
+    attn_tiles_tc<COLS>(k + in, g.ld, sk, NULL, NULL, 0, NULL, NULL, j0, g.t, g.hd);
+    attn_tiles_tc<COLS>(v + in, g.ld, NULL, svt, NULL, 0, NULL, NULL, j0, g.t, g.hd);
     __syncthreads();
-    tc_xyt(sq, sk, g.hd, ss);
-    __syncthreads();
-    float s[kRows][kRows];
-    read_scores(ss, s);
-    attn_softmax_tile<COLS>(g, seed, head, i0, j0, s, m, l, acc, sp, kPld);
-    __syncthreads();  // sp written, ss read
-    acc_frag pv[FR];
-    tc_zero<FR>(pv);
-    tc_py<0, FR>(sp, sv, g.hd, pv);
-    tc_stage<FR>(pv, g.hd, ss);
-    __syncthreads();
+    float s[kPieces8][4];
+    zero_pieces<kPieces8>(s);
     UNROLL
-    for (int a = 0; a < kRows; a++) {
+    for (int kp = 0; kp < COLS; kp++) {
+      if (kp >= nk) break;  // the same for every lane
       UNROLL
-      for (int b = 0; b < COLS; b++) {
-        int c = tx + kSide * b;
-        if (c < g.hd) acc[a][b] += ss[(ty + kSide * a) * (w + 4) + c];
+      for (int n = 0; n < kPieces8; n++) {
+        uint32_t b[2];
+        frag_b(b, sk, ld, 8 * n, 16 * kp);
+        mma_16816_bf16(s[n], qa[kp], b);
       }
     }
+    // online softmax of the lane's two rows; a row's values are spread over the 4 lanes of a quad
+    const bool all_visible = tile_all_visible(g, i0, j0);
+    UNROLL
+    for (int h = 0; h < 2; h++) {
+      float mx = -INFINITY;
+      UNROLL
+      for (int n = 0; n < kPieces8; n++) {
+        UNROLL
+        for (int e = 0; e < 2; e++) {
+          const int64_t j = j0 + 8 * n + lane % 4 * 2 + e;
+          float &x = s[n][2 * h + e];
+          x = all_visible || attn_visible(g, row[h], j) ? g.scale * x : -INFINITY;
+          mx = fmaxf(mx, x);
+        }
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[h], mx);
+      // a row with nothing visible yet (only rows past T) keeps m = -inf: its exponentials are 0
+      const float corr = m_new == -INFINITY ? 1.0f : expf(m[h] - m_new);
+      float sum = 0.0f;
+      UNROLL
+      for (int n = 0; n < kPieces8; n++) {
+        UNROLL
+        for (int e = 0; e < 2; e++) {
+          const int64_t j = j0 + 8 * n + lane % 4 * 2 + e;
+          float &x = s[n][2 * h + e];
+          const float ex = x == -INFINITY ? 0.0f : expf(x - m_new);
+          sum += ex;
+          x = ex * attn_mask(g, seed, head, row[h], j);
+        }
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      l[h] = l[h] * corr + sum;
+      m[h] = m_new;
+      UNROLL
+      for (int n = 0; n < 2 * COLS; n++) acc[n][2 * h] *= corr, acc[n][2 * h + 1] *= corr;
+    }
+    warp_py<COLS>(s, svt, nk, acc);
   }
-  attn_rows_finish<COLS>(g, head, i0, m, l, acc, o, lse);
+  float inv[2];
+  UNROLL
+  for (int h = 0; h < 2; h++) {
+    inv[h] = l[h] > 0 ? 1.0f / l[h] : 0.0f;
+    if (lane % 4 == 0 && row[h] < g.t) lse[head * g.t + row[h]] = m[h] + logf(l[h]);
+  }
+  store_pieces<COLS>(o + head_offset(g, head, g.ld_o), g.ld_o, acc, inv, i0, g.t, g.hd);
 #else
   __trap();
 #endif
 }
 
+// The backward's scores of a warp's (16, kTile) block in place: from s = q k^T (unscaled) and dp = dout
+// v^T, p = exp(scale s - lse) times its dropout factor into s, and ds = scale p (mask dp - delta) into dp.
+// The block's rows start at row0 and its columns at col0: queries and keys, or keys and queries
+// (KEYS_ARE_ROWS, the transposed scores of dk and dv). sl, sd: the query tile's lse and delta.
+template <int KEYS_ARE_ROWS>
+static __device__ __forceinline__ void attn_ds_pieces(const attn_geom &g, uint64_t seed, int64_t head, int64_t row0,
+                                                      int64_t col0, const float *sl, const float *sd,
+                                                      float s[kPieces8][4], float dp[kPieces8][4]) {
+  const int lane = (int)threadIdx.x % 32, warp = (int)threadIdx.x / 32;
+  const bool all_visible = KEYS_ARE_ROWS ? tile_all_visible(g, col0, row0) : tile_all_visible(g, row0, col0);
+  UNROLL
+  for (int h = 0; h < 2; h++) {
+    UNROLL
+    for (int n = 0; n < kPieces8; n++) {
+      UNROLL
+      for (int e = 0; e < 2; e++) {
+        const int r = 16 * warp + lane / 4 + 8 * h, c = 8 * n + lane % 4 * 2 + e, x = 2 * h + e;
+        const int iq = KEYS_ARE_ROWS ? c : r;  // the query's place in its tile
+        const int64_t i = KEYS_ARE_ROWS ? col0 + c : row0 + r, j = KEYS_ARE_ROWS ? row0 + r : col0 + c;
+        float p = 0.0f, mask = 0.0f;
+        if (all_visible || attn_visible(g, i, j))
+          p = expf(g.scale * s[n][x] - sl[iq]), mask = attn_mask(g, seed, head, i, j);
+        s[n][x] = p * mask;
+        dp[n][x] = g.scale * p * (dp[n][x] * mask - sd[iq]);
+      }
+    }
+  }
+}
+
+// dk, dv: a block per (head, key tile), walking the query tiles that see it. Shared: the key and value
+// tiles (the warps' A operands of s^T = k q^T and dp^T = v dout^T), the query and dout tiles as rows (B
+// operands of those) and transposed (of dk += ds^T q and dv += p^T dout), the query tile's lse and delta.
 template <int COLS>
-__global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
+__global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 2 : 1)
     attn_bwd_kv_tc_kernel(const float *q, const float *k, const float *v, const float *dout, const float *lse,
                           const float *delta, float *dk, float *dv, const uint64_t *step_seed, attn_geom g) {
 #if ATTN_TENSOR_CORES
-  constexpr int FR = (COLS + 1) / 2;
+  const int w = width16(g.hd), ld = w + 8, nk = w / 16;
   DYNAMIC_SHARED(float, smem);
   shared_regions sh(smem);
-  const int w = width16(g.hd);
-  bfloat *sk = sh.take<bfloat>(kTile * (w + 8)), *sv = sh.take<bfloat>(kTile * (w + 8)),
-         *sq = sh.take<bfloat>(kTile * (w + 8)), *sdo = sh.take<bfloat>(kTile * (w + 8));
-  float *ss = sh.take<float>(kTile * kSld), *sdp = sh.take<float>(kTile * kSld);  // ss..sdp stage dk, dv
-  bfloat *sp = sh.take<bfloat>(kTile * kPld), *sds = sh.take<bfloat>(kTile * kPld);
+  bfloat *sk = sh.take<bfloat>(kTile * ld), *sv = sh.take<bfloat>(kTile * ld), *sq = sh.take<bfloat>(kTile * ld),
+         *sdo = sh.take<bfloat>(kTile * ld), *sqt = sh.take<bfloat>(w * kTld), *sdot = sh.take<bfloat>(w * kTld);
   float *sl = sh.take<float>(kTile), *sd = sh.take<float>(kTile);
   const int64_t head = blockIdx.x / g.tiles, j0 = (blockIdx.x % g.tiles) * kTile;
   const int64_t in = head_offset(g, head, g.ld), out = head_offset(g, head, g.ld_o);
   const uint64_t seed = g.p > 0 ? dt_hash64(g.layer_seed ^ *step_seed) : 0;
-  load_tile16_pair<COLS>(sk, k + in, g.ld, sv, v + in, g.ld, j0, g.t, g.hd);
-  acc_frag dk_f[FR], dv_f[FR];
-  tc_zero<FR>(dk_f);
-  tc_zero<FR>(dv_f);
+  attn_tiles_tc<COLS>(k + in, g.ld, sk, NULL, v + in, g.ld, sv, NULL, j0, g.t, g.hd);
+  float dk_acc[2 * COLS][4], dv_acc[2 * COLS][4];
+  zero_pieces<2 * COLS>(dk_acc);
+  zero_pieces<2 * COLS>(dv_acc);
   for (int64_t i0 = g.causal ? j0 : 0; i0 < g.t; i0 += kTile) {
-    __syncthreads();  // the last tile's readers are done with sq, sdo, sp, sds
-    load_tile16_pair<COLS>(sq, q + in, g.ld, sdo, dout + out, g.ld_o, i0, g.t, g.hd);
+    __syncthreads();  // the last tile's readers are done with sq, sdo, sqt, sdot, sl, sd
+    attn_tiles_tc<COLS>(q + in, g.ld, sq, sqt, dout + out, g.ld_o, sdo, sdot, i0, g.t, g.hd);
     load_row_stats(sl, sd, lse, delta, head, i0, g.t);
     __syncthreads();
-    tc_scores_bwd(g, seed, head, i0, j0, sq, sdo, sk, sv, sl, sd, ss, sdp, sp, sds);
-    __syncthreads();
-    tc_py<1, FR>(sp, sdo, g.hd, dv_f);  // dv_j += sum_i p_ij dout_i
-    tc_py<1, FR>(sds, sq, g.hd, dk_f);  // dk_j += sum_i ds_ij q_i
+    float st[kPieces8][4], dpt[kPieces8][4];
+    zero_pieces<kPieces8>(st);
+    zero_pieces<kPieces8>(dpt);
+    warp_xyt<COLS>(sk, sq, ld, nk, st);
+    warp_xyt<COLS>(sv, sdo, ld, nk, dpt);
+    attn_ds_pieces<1>(g, seed, head, j0, i0, sl, sd, st, dpt);
+    warp_py<COLS>(st, sdot, nk, dv_acc);  // dv_j += sum_i p_ij dout_i
+    warp_py<COLS>(dpt, sqt, nk, dk_acc);  // dk_j += sum_i ds_ij q_i
   }
-  // ss and sdp were last read before the loop's last barrier
-  tc_stage<FR>(dk_f, g.hd, ss);
-  __syncthreads();
-  store_staged(dk + in, g.ld, ss, j0, g.t, g.hd);
-  __syncthreads();
-  tc_stage<FR>(dv_f, g.hd, ss);
-  __syncthreads();
-  store_staged(dv + in, g.ld, ss, j0, g.t, g.hd);
+  const float one[2] = {1.0f, 1.0f};
+  store_pieces<COLS>(dk + in, g.ld, dk_acc, one, j0, g.t, g.hd);
+  store_pieces<COLS>(dv + in, g.ld, dv_acc, one, j0, g.t, g.hd);
 #else
   __trap();
 #endif
 }
 
+// dq: a block per (head, query tile), walking the key tiles it sees. Shared: the query and dout tiles
+// (read as they are used: A operands of s = q k^T and dp = dout v^T), the key and value tiles as rows (B
+// operands of those) and the key tile transposed (of dq += ds k), the query tile's lse and delta.
 template <int COLS>
-__global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
+__global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 3 : 1)
     attn_bwd_q_tc_kernel(const float *q, const float *k, const float *v, const float *dout, const float *lse,
                          const float *delta, float *dq, const uint64_t *step_seed, attn_geom g) {
 #if ATTN_TENSOR_CORES
-  constexpr int FR = (COLS + 1) / 2;
+  const int w = width16(g.hd), ld = w + 8, nk = w / 16;
   DYNAMIC_SHARED(float, smem);
   shared_regions sh(smem);
-  const int w = width16(g.hd);
-  bfloat *sq = sh.take<bfloat>(kTile * (w + 8)), *sdo = sh.take<bfloat>(kTile * (w + 8)),
-         *sk = sh.take<bfloat>(kTile * (w + 8)), *sv = sh.take<bfloat>(kTile * (w + 8));
-  float *ss = sh.take<float>(kTile * kSld), *sdp = sh.take<float>(kTile * kSld);  // ss..sdp stage dq
-  bfloat *sds = sh.take<bfloat>(kTile * kPld);
+  bfloat *sq = sh.take<bfloat>(kTile * ld), *sdo = sh.take<bfloat>(kTile * ld), *sk = sh.take<bfloat>(kTile * ld),
+         *sv = sh.take<bfloat>(kTile * ld), *skt = sh.take<bfloat>(w * kTld);
   float *sl = sh.take<float>(kTile), *sd = sh.take<float>(kTile);
   const int64_t head = blockIdx.x / g.tiles, i0 = (blockIdx.x % g.tiles) * kTile;
   const int64_t in = head_offset(g, head, g.ld), out = head_offset(g, head, g.ld_o);
   const uint64_t seed = g.p > 0 ? dt_hash64(g.layer_seed ^ *step_seed) : 0;
-  load_tile16_pair<COLS>(sq, q + in, g.ld, sdo, dout + out, g.ld_o, i0, g.t, g.hd);
+  attn_tiles_tc<COLS>(q + in, g.ld, sq, NULL, dout + out, g.ld_o, sdo, NULL, i0, g.t, g.hd);
   load_row_stats(sl, sd, lse, delta, head, i0, g.t);
-  acc_frag dq_f[FR];
-  tc_zero<FR>(dq_f);
+  float dq_acc[2 * COLS][4];
+  zero_pieces<2 * COLS>(dq_acc);
   const int64_t end = g.causal && i0 + kTile < g.t ? i0 + kTile : g.t;
   for (int64_t j0 = 0; j0 < end; j0 += kTile) {
-    __syncthreads();  // the last tile's readers are done with sk, sv, sds
-    load_tile16_pair<COLS>(sk, k + in, g.ld, sv, v + in, g.ld, j0, g.t, g.hd);
+    __syncthreads();  // the last tile's readers are done with sk, sv, skt
+    attn_tiles_tc<COLS>(k + in, g.ld, sk, skt, v + in, g.ld, sv, NULL, j0, g.t, g.hd);
     __syncthreads();
-    tc_scores_bwd(g, seed, head, i0, j0, sq, sdo, sk, sv, sl, sd, ss, sdp, NULL, sds);
-    __syncthreads();
-    tc_py<0, FR>(sds, sk, g.hd, dq_f);  // dq_i += sum_j ds_ij k_j
+    float s[kPieces8][4], dp[kPieces8][4];
+    zero_pieces<kPieces8>(s);
+    zero_pieces<kPieces8>(dp);
+    warp_xyt<COLS>(sq, sk, ld, nk, s);
+    warp_xyt<COLS>(sdo, sv, ld, nk, dp);
+    attn_ds_pieces<0>(g, seed, head, i0, j0, sl, sd, s, dp);
+    warp_py<COLS>(dp, skt, nk, dq_acc);  // dq_i += sum_j ds_ij k_j
   }
-  tc_stage<FR>(dq_f, g.hd, ss);  // ss and sdp were last read before the loop's last barrier
-  __syncthreads();
-  store_staged(dq + in, g.ld, ss, i0, g.t, g.hd);
+  const float one[2] = {1.0f, 1.0f};
+  store_pieces<COLS>(dq + in, g.ld, dq_acc, one, i0, g.t, g.hd);
 #else
   __trap();
 #endif
@@ -699,7 +859,7 @@ static attn_geom make_geom(const dt_attention_geom *a) {
 // Launches kernel<COLS> with COLS the column groups hd needs (1, 2, 4 or 8), opting in to the shared
 // memory it takes (attention_geom.h's dt_attention_shared); on the opt-in's error, returns it from the
 // function it is used in.
-#define ATTN_LAUNCH(kernel, hd, smem, grid, stream, ...)                                                     \
+#define ATTN_LAUNCH(kernel, hd, smem, grid, threads, stream, ...)                                            \
   do {                                                                                                       \
     int cols_ = (int)(((hd) + kSide - 1) / kSide);                                                           \
     cudaError_t err_;                                                                                        \
@@ -707,22 +867,22 @@ static attn_geom make_geom(const dt_attention_geom *a) {
       if ((err_ = cudaFuncSetAttribute((const void *)kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
                                        (int)(smem))) != cudaSuccess)                                         \
         return err_;                                                                                         \
-      LAUNCH(kernel<1>, grid, kBlock, smem, stream)(__VA_ARGS__);                                            \
+      LAUNCH(kernel<1>, grid, threads, smem, stream)(__VA_ARGS__);                                           \
     } else if (cols_ <= 2) {                                                                                 \
       if ((err_ = cudaFuncSetAttribute((const void *)kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
                                        (int)(smem))) != cudaSuccess)                                         \
         return err_;                                                                                         \
-      LAUNCH(kernel<2>, grid, kBlock, smem, stream)(__VA_ARGS__);                                            \
+      LAUNCH(kernel<2>, grid, threads, smem, stream)(__VA_ARGS__);                                           \
     } else if (cols_ <= 4) {                                                                                 \
       if ((err_ = cudaFuncSetAttribute((const void *)kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
                                        (int)(smem))) != cudaSuccess)                                         \
         return err_;                                                                                         \
-      LAUNCH(kernel<4>, grid, kBlock, smem, stream)(__VA_ARGS__);                                            \
+      LAUNCH(kernel<4>, grid, threads, smem, stream)(__VA_ARGS__);                                           \
     } else {                                                                                                 \
       if ((err_ = cudaFuncSetAttribute((const void *)kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
                                        (int)(smem))) != cudaSuccess)                                         \
         return err_;                                                                                         \
-      LAUNCH(kernel<8>, grid, kBlock, smem, stream)(__VA_ARGS__);                                            \
+      LAUNCH(kernel<8>, grid, threads, smem, stream)(__VA_ARGS__);                                           \
     }                                                                                                        \
   } while (0)
 
@@ -742,11 +902,11 @@ cudaError_t k_attention_fwd(cudaStream_t s, const dt_attention_geom *a, int tens
   attn_geom g = make_geom(a);
   unsigned grid = (unsigned)(heads * g.tiles);
   if (tensor_cores)
-    ATTN_LAUNCH(attn_fwd_tc_kernel, a->hd, dt_attention_shared_tc(DT_ATTENTION_FWD_KERNEL, a->hd), grid, s, q, k, v, o,
-                lse, a->step_seed, g);
+    ATTN_LAUNCH(attn_fwd_tc_kernel, a->hd, dt_attention_shared_tc(DT_ATTENTION_FWD_KERNEL, a->hd), grid, kMmaBlock, s,
+                q, k, v, o, lse, a->step_seed, g);
   else
-    ATTN_LAUNCH(attn_fwd_kernel, a->hd, dt_attention_shared(DT_ATTENTION_FWD_KERNEL, a->hd), grid, s, q, k, v, o, lse,
-                a->step_seed, g);
+    ATTN_LAUNCH(attn_fwd_kernel, a->hd, dt_attention_shared(DT_ATTENTION_FWD_KERNEL, a->hd), grid, kBlock, s, q, k, v,
+                o, lse, a->step_seed, g);
   return cudaSuccess;
 }
 
@@ -759,16 +919,16 @@ cudaError_t k_attention_bwd(cudaStream_t s, const dt_attention_geom *a, int tens
   unsigned grid = (unsigned)(heads * g.tiles);
   LAUNCH(attn_delta_kernel, blocks_for(heads * a->t), kThreads, 0, s)(dout, o, delta, heads * a->t, g);
   if (tensor_cores) {
-    ATTN_LAUNCH(attn_bwd_kv_tc_kernel, a->hd, dt_attention_shared_tc(DT_ATTENTION_BWD_KV_KERNEL, a->hd), grid, s, q, k,
-                v, dout, lse, delta, dk, dv, a->step_seed, g);
-    ATTN_LAUNCH(attn_bwd_q_tc_kernel, a->hd, dt_attention_shared_tc(DT_ATTENTION_BWD_Q_KERNEL, a->hd), grid, s, q, k, v,
-                dout, lse, delta, dq, a->step_seed, g);
+    ATTN_LAUNCH(attn_bwd_kv_tc_kernel, a->hd, dt_attention_shared_tc(DT_ATTENTION_BWD_KV_KERNEL, a->hd), grid,
+                kMmaBlock, s, q, k, v, dout, lse, delta, dk, dv, a->step_seed, g);
+    ATTN_LAUNCH(attn_bwd_q_tc_kernel, a->hd, dt_attention_shared_tc(DT_ATTENTION_BWD_Q_KERNEL, a->hd), grid, kMmaBlock,
+                s, q, k, v, dout, lse, delta, dq, a->step_seed, g);
     return cudaSuccess;
   }
-  ATTN_LAUNCH(attn_bwd_kv_kernel, a->hd, dt_attention_shared(DT_ATTENTION_BWD_KV_KERNEL, a->hd), grid, s, q, k, v, dout,
-              lse, delta, dk, dv, a->step_seed, g);
-  ATTN_LAUNCH(attn_bwd_q_kernel, a->hd, dt_attention_shared(DT_ATTENTION_BWD_Q_KERNEL, a->hd), grid, s, q, k, v, dout,
-              lse, delta, dq, a->step_seed, g);
+  ATTN_LAUNCH(attn_bwd_kv_kernel, a->hd, dt_attention_shared(DT_ATTENTION_BWD_KV_KERNEL, a->hd), grid, kBlock, s, q, k,
+              v, dout, lse, delta, dk, dv, a->step_seed, g);
+  ATTN_LAUNCH(attn_bwd_q_kernel, a->hd, dt_attention_shared(DT_ATTENTION_BWD_Q_KERNEL, a->hd), grid, kBlock, s, q, k, v,
+              dout, lse, delta, dq, a->step_seed, g);
   return cudaSuccess;
 }
 

@@ -21,18 +21,19 @@ static inline size_t dt_attention_shared(int kernel, int64_t hd) {
   return floats * sizeof(float);
 }
 
-/* The same for the tensor-core kernels (train.precision bf16): (tile, hd16 + 8) bfloat16 tiles of q, k,
- * v (and dout) with hd16 = hd rounded up to 16; (tile, tile + 4) FP32 score tiles, which also stage
- * (tile, hd16 + 4) outputs; (tile, tile + 8) bfloat16 probability tiles; lse and delta; and 128 bytes
- * to align the start. At most 89 KiB for heads of up to 64 values and 121 KiB for wider ones: wherever
- * the FP32 kernels fit a GPU of compute capability 8.0 or later (99 KiB a block or more), these fit
- * too (tests/test_gpu.c), so the pick (dt_attention_fits) need not know the precision. */
+/* The same for the tensor-core kernels (train.precision bf16), whose tiles are bfloat16 of hd16 = hd
+ * rounded up to 16 columns: (tile, hd16 + 8) tiles of rows and (hd16, tile + 8) transposed ones, the
+ * backward's lse and delta, and 128 bytes to align the start. The forward takes the query and key tiles
+ * and the value tile transposed; dk, dv the key, value, query and dout tiles and the last two
+ * transposed; dq the query, dout, key and value tiles and the key tile transposed. At most 105 KiB (dk,
+ * dv for heads of 128): wherever the FP32 kernels fit, these fit too (tests/test_gpu.c), so the pick
+ * (dt_attention_fits) need not know the precision. */
 static inline size_t dt_attention_shared_tc(int kernel, int64_t hd) {
-  const size_t t = DT_ATTENTION_TILE, hd16 = ((size_t)hd + 15) / 16 * 16, tile = t * (hd16 + 8) * 2;
-  const size_t scores = t * (t + 4) * 4, staged = t * (hd16 + 4) * 4, probs = t * (t + 8) * 2;
-  return 128 + (kernel == DT_ATTENTION_FWD_KERNEL      ? 3 * tile + (scores > staged ? scores : staged) + probs
-                : kernel == DT_ATTENTION_BWD_KV_KERNEL ? 4 * tile + 2 * scores + 2 * probs + 2 * t * 4
-                                                       : 4 * tile + 2 * scores + probs + 2 * t * 4);
+  const size_t t = DT_ATTENTION_TILE, hd16 = ((size_t)hd + 15) / 16 * 16;
+  const size_t rows = t * (hd16 + 8) * 2, cols = hd16 * (t + 8) * 2, stats = 2 * t * sizeof(float);
+  return 128 + (kernel == DT_ATTENTION_FWD_KERNEL      ? 2 * rows + cols
+                : kernel == DT_ATTENTION_BWD_KV_KERNEL ? 4 * rows + 2 * cols + stats
+                                                       : 4 * rows + cols + stats);
 }
 
 /* Whether a GPU whose blocks may opt in to `shared` bytes runs the kernels for heads of hd values. */

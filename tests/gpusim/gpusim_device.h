@@ -267,6 +267,56 @@ GPUSIM_NO_TRACE inline void mma_sync(fragment<accumulator, 16, 16, 16, float> &d
 }  // namespace wmma
 }  // namespace nvcuda
 
+// Tensor cores' m16n8k16 product as PTX's mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 runs it
+// (kernels/attention.cu's mma_16816_bf16): d (16, 8) += a (16, 16) b (16, 8), each lane holding only its
+// pieces, laid out as the PTX ISA says. With g = lane / 4 and c = lane % 4, each 32-bit register two
+// bfloat16 (the lower column, or row of b, in the low half):
+//   a[0] = A[g][2c..2c+1], a[1] = A[g+8][2c..2c+1], a[2] = A[g][2c+8..2c+9], a[3] = A[g+8][2c+8..2c+9]
+//   b[0] = B[2c..2c+1][g], b[1] = B[2c+8..2c+9][g];  d[0..1] = D[g][2c..2c+1], d[2..3] = D[g+8][2c..2c+1]
+// Every lane publishes its registers and reads the rows of A and the columns of B its d needs from the
+// lanes that hold them, so a kernel that puts an element in the wrong register gets a wrong product here
+// as on a GPU. Products exact, summed in FP32 in k order onto d. Warp-wide, like the WMMA operations.
+#define GPUSIM_MMA_16816(d, a, b) gpusim_mma_16816((d), (a), (b))
+GPUSIM_NO_TRACE inline void gpusim_mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+  nvcuda::wmma::detail::collective<float>(nullptr, 0, "mma.sync.m16n8k16");
+  struct regs {
+    uint32_t a[4], b[2];
+  };
+  static thread_local regs published[32][32];  // [warp slot][lane]: blocks run one at a time
+  const int64_t tid = threadIdx.x + (int64_t)blockDim.x * (threadIdx.y + (int64_t)blockDim.y * threadIdx.z);
+  const int lane = (int)(tid % 32), g = lane / 4, c = lane % 4;
+  regs *warp = published[tid / 32 % 32];
+  memcpy(warp[lane].a, a, sizeof warp[lane].a);
+  memcpy(warp[lane].b, b, sizeof warp[lane].b);
+  __syncwarp();
+  auto widen = [](uint32_t bits) {
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+  };
+  auto lo = [&](uint32_t v) { return widen(v << 16); };
+  auto hi = [&](uint32_t v) { return widen(v & 0xffff0000u); };
+  float arow[2][16], bcol[2][16];    // A's rows g and g + 8, B's columns 2c and 2c + 1
+  for (int src = 0; src < 4; src++)  // lane 4g + src holds columns 2 src + {0, 1, 8, 9} of rows g, g + 8
+    for (int r = 0; r < 4; r++) {
+      const uint32_t v = warp[4 * g + src].a[r];
+      const int row = r & 1, col = 2 * src + (r >> 1) * 8;
+      arow[row][col] = lo(v), arow[row][col + 1] = hi(v);
+    }
+  for (int n = 0; n < 2; n++)  // lane 4 (2c + n) + src holds rows 2 src + {0, 1, 8, 9} of column 2c + n
+    for (int src = 0; src < 4; src++)
+      for (int r = 0; r < 2; r++) {
+        const uint32_t v = warp[4 * (2 * c + n) + src].b[r];
+        bcol[n][2 * src + 8 * r] = lo(v), bcol[n][2 * src + 8 * r + 1] = hi(v);
+      }
+  __syncwarp();  // every lane has read before any publishes its next product's registers
+  for (int i = 0; i < 4; i++) {
+    float sum = d[i];
+    for (int k = 0; k < 16; k++) sum += arow[i >> 1][k] * bcol[i & 1][k];
+    d[i] = sum;
+  }
+}
+
 // Atomics: the threads of the stand-in never run at the same moment, so each is a checked
 // read-modify-write of device or shared memory.
 #define GPUSIM_ATOMIC(name, T, expr)          \

@@ -537,6 +537,69 @@ static void warp_matrix_products_follow_their_layouts(void **) {
   expect_death(launch_wmma_partial_warp, "partial warp");
 }
 
+// Warp w computes D = A B + C for its own A (16, 16), B (16, 8) and C (16, 8), all row-major in global
+// memory, through the m16n8k16 product: each lane places the elements the PTX ISA's fragment layout
+// gives it (g = lane / 4, c = lane % 4) and stores its four results back where that layout says.
+__global__ void mma_16816_kernel(const __nv_bfloat16 *a, const __nv_bfloat16 *b, const float *c, float *d) {
+  const int w = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const __nv_bfloat16 *aw = a + w * 256, *bw = b + w * 128;
+  auto pair = [](__nv_bfloat16 lo, __nv_bfloat16 hi) {
+    uint16_t l, h;
+    memcpy(&l, &lo, 2);
+    memcpy(&h, &hi, 2);
+    return (uint32_t)l | (uint32_t)h << 16;
+  };
+  uint32_t ra[4], rb[2];
+  for (int r = 0; r < 4; r++) {  // rows g, g + 8, g, g + 8; columns 2q, 2q, 2q + 8, 2q + 8 (and the next)
+    const int row = g + 8 * (r & 1), col = 2 * q + 8 * (r >> 1);
+    ra[r] = pair(aw[row * 16 + col], aw[row * 16 + col + 1]);
+  }
+  for (int r = 0; r < 2; r++)  // rows 2q and 2q + 8 (and the next) of column g
+    rb[r] = pair(bw[(2 * q + 8 * r) * 8 + g], bw[(2 * q + 8 * r + 1) * 8 + g]);
+  float acc[4];
+  for (int i = 0; i < 4; i++) acc[i] = c[w * 128 + (g + 8 * (i >> 1)) * 8 + 2 * q + (i & 1)];
+  GPUSIM_MMA_16816(acc, ra, rb);
+  for (int i = 0; i < 4; i++) d[w * 128 + (g + 8 * (i >> 1)) * 8 + 2 * q + (i & 1)] = acc[i];
+}
+
+__global__ void mma_partial_warp_kernel(float *d) {
+  float acc[4] = {0, 0, 0, 0};
+  const uint32_t ra[4] = {0, 0, 0, 0}, rb[2] = {0, 0};
+  GPUSIM_MMA_16816(acc, ra, rb);
+  d[threadIdx.x] = acc[0];
+}
+
+static void launch_mma_partial_warp() {
+  float *d = device_array<float>(64);
+  LAUNCH(mma_partial_warp_kernel, 1, 40, 0, 0)(d);  // the second warp has 8 lanes
+  cudaDeviceSynchronize();
+}
+
+static void tensor_core_fragments_follow_the_ptx_layout(void **) {
+  const int warps = 3;
+  std::vector<float> fa(warps * 256), fb(warps * 128), c(warps * 128);
+  std::vector<__nv_bfloat16> a(fa.size()), b(fb.size());
+  for (size_t i = 0; i < fa.size(); i++)  // exact in bfloat16, every element different: the products are exact
+    fa[i] = (float)((int)(i * 7 % 29) - 14) / 8.0f, a[i] = __float2bfloat16_rn(fa[i]);
+  for (size_t i = 0; i < fb.size(); i++)
+    fb[i] = (float)((int)(i * 5 % 31) - 15) / 4.0f, b[i] = __float2bfloat16_rn(fb[i]);
+  for (size_t i = 0; i < c.size(); i++) c[i] = (float)(i % 11) - 5.0f;
+  __nv_bfloat16 *da = device_copy(a), *db = device_copy(b);
+  float *dc = device_copy(c), *dd = device_array<float>(c.size());
+  LAUNCH(mma_16816_kernel, 1, 32 * warps, 0, 0)(da, db, dc, dd);
+  std::vector<float> d = host_copy(dd, c.size());
+  for (int w = 0; w < warps; w++)
+    for (int r = 0; r < 16; r++)
+      for (int col = 0; col < 8; col++) {
+        double want = c[(size_t)(w * 128 + r * 8 + col)];
+        for (int k = 0; k < 16; k++)
+          want += (double)fa[(size_t)(w * 256 + r * 16 + k)] * fb[(size_t)(w * 128 + k * 8 + col)];
+        assert_true(d[(size_t)(w * 128 + r * 8 + col)] == (float)want);
+      }
+  for (void *p : {(void *)da, (void *)db, (void *)dc, (void *)dd}) CUDA_OK(cudaFree(p));
+  expect_death(launch_mma_partial_warp, "partial warp");
+}
+
 // ---- atomics ------------------------------------------------------------------------------------
 
 __global__ void count_kernel(float *total) {
@@ -2129,6 +2192,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(block_sum_works_for_any_block_size),
       cmocka_unit_test(bfloat16_rounds_to_nearest_even),
       cmocka_unit_test(warp_matrix_products_follow_their_layouts),
+      cmocka_unit_test(tensor_core_fragments_follow_the_ptx_layout),
       cmocka_unit_test(atomics_add_up_and_must_target_device_memory),
       cmocka_unit_test(launch_limits_are_checked),
       cmocka_unit_test(host_cannot_touch_device_memory),
