@@ -137,135 +137,17 @@ static inline unsigned __ballot_sync(unsigned mask, int p) {
 // bfloat16: the toolkit's own cuda_bf16.h (its host code: __float2bfloat16_rn rounds to nearest
 // even), included above.
 
-// Warp matrix operations (mma.h's nvcuda::wmma), 16x16x16 with bfloat16 inputs and FP32
-// accumulators, as tensor cores run them from compute capability 8.0. CUDA leaves the mapping of a
-// fragment's elements to lanes unspecified; here every lane holds the whole tile (x[r * cols + c]),
-// so a kernel that applies one operation to every element, as CUDA allows, gets the same result,
-// and the products are exact and summed in FP32 in k order. Each operation is warp-wide: every
-// lane of a full warp must call it with the same pointer and leading dimension, the pointer
-// 256-bit aligned and the leading dimension a multiple of 16 bytes, or the program stops.
-// The hazard checker's hooks (hazard.cc): the operations below record the rows they touch with these
-// instead of each element (GPUSIM_NO_TRACE), 16 times fewer calls.
-extern "C" void __tsan_read_range(void *p, unsigned long n);
-extern "C" void __tsan_write_range(void *p, unsigned long n);
-#define GPUSIM_NO_TRACE __attribute__((no_sanitize("thread")))
-
-namespace nvcuda {
-namespace wmma {
-struct matrix_a;
-struct matrix_b;
-struct accumulator;
-struct row_major;
-struct col_major;
-enum layout_t { mem_row_major, mem_col_major };
-
-template <class Use, int M, int N, int K, class T, class Layout = void>
-struct fragment {
-  static_assert(M == 16 && N == 16 && K == 16, "the stand-in models the 16x16x16 shape only");
-  static_assert(std::is_same<Use, accumulator>::value
-                    ? std::is_same<T, float>::value && std::is_void<Layout>::value
-                    : std::is_same<T, __nv_bfloat16>::value && !std::is_void<Layout>::value,
-                "the stand-in models bfloat16 matrix_a/matrix_b fragments with a layout and float accumulators");
-  enum { num_elements = 256 };
-  T x[num_elements];
-};
-
-namespace detail {
-// The warp-wide checks of every operation (what names it).
-template <class T>
-inline void collective(const T *p, unsigned ldm, const char *what) {
+// The check every warp-wide operation makes: all 32 lanes of a full warp call it (and meet here).
+inline void gpusim_warp_wide(const char *what) {
   const int64_t threads = (int64_t)blockDim.x * blockDim.y * blockDim.z;
   const int64_t tid = threadIdx.x + (int64_t)blockDim.x * (threadIdx.y + (int64_t)blockDim.y * threadIdx.z);
-  char msg[256];
   if (threads - tid / 32 * 32 < 32) {
-    snprintf(msg, sizeof msg, "%s in a partial warp: warp matrix operations need all 32 lanes", what);
+    char msg[160];
+    snprintf(msg, sizeof msg, "%s in a partial warp: it needs all 32 lanes", what);
     gpusim_kernel_error(msg);
   }
-  if (!p) {
-    __syncwarp();  // every lane arrives
-    return;
-  }
-  if ((uintptr_t)p % 32 || (ldm * sizeof(T)) % 16) {
-    snprintf(msg, sizeof msg,
-             "%s with pointer %p and leading dimension %u: the pointer must be 256-bit aligned and the leading "
-             "dimension a multiple of 16 bytes",
-             what, (const void *)p, ldm);
-    gpusim_kernel_error(msg);
-  }
-  // every lane arrives, with lane 0's pointer and leading dimension (pointers fit 48 bits)
-  unsigned long long mine = (unsigned long long)(uintptr_t)p ^ (unsigned long long)ldm << 48;
-  if (__shfl_sync(0xffffffffu, mine, 0) != mine) {
-    snprintf(msg, sizeof msg, "%s: the lanes of a warp passed different pointers or leading dimensions", what);
-    gpusim_kernel_error(msg);
-  }
+  __syncwarp();
 }
-}  // namespace detail
-
-template <class Use, class Layout>
-GPUSIM_NO_TRACE inline void load_matrix_sync(fragment<Use, 16, 16, 16, __nv_bfloat16, Layout> &f,
-                                             const __nv_bfloat16 *p, unsigned ldm) {
-  detail::collective(p, ldm, "wmma::load_matrix_sync");
-  const bool row = std::is_same<Layout, row_major>::value;
-  for (int r = 0; r < 16; r++) __tsan_read_range((void *)(p + (size_t)r * ldm), 16 * sizeof *p);
-  for (int r = 0; r < 16; r++)
-    for (int c = 0; c < 16; c++) f.x[r * 16 + c] = row ? p[(size_t)r * ldm + c] : p[(size_t)c * ldm + r];
-}
-GPUSIM_NO_TRACE inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float> &f, const float *p, unsigned ldm,
-                                             layout_t layout) {
-  detail::collective(p, ldm, "wmma::load_matrix_sync");
-  for (int r = 0; r < 16; r++) __tsan_read_range((void *)(p + (size_t)r * ldm), 16 * sizeof *p);
-  for (int r = 0; r < 16; r++)
-    for (int c = 0; c < 16; c++)
-      f.x[r * 16 + c] = layout == mem_row_major ? p[(size_t)r * ldm + c] : p[(size_t)c * ldm + r];
-}
-GPUSIM_NO_TRACE inline void store_matrix_sync(float *p, const fragment<accumulator, 16, 16, 16, float> &f, unsigned ldm,
-                                              layout_t layout) {
-  detail::collective(p, ldm, "wmma::store_matrix_sync");
-  for (int r = 0; r < 16; r++) __tsan_write_range((void *)(p + (size_t)r * ldm), 16 * sizeof *p);
-  for (int r = 0; r < 16; r++)
-    for (int c = 0; c < 16; c++)
-      (layout == mem_row_major ? p[(size_t)r * ldm + c] : p[(size_t)c * ldm + r]) = f.x[r * 16 + c];
-}
-template <class Use, class T, class Layout>
-GPUSIM_NO_TRACE inline void fill_fragment(fragment<Use, 16, 16, 16, T, Layout> &f, T v) {
-  detail::collective<T>(nullptr, 0, "wmma::fill_fragment");
-  for (int i = 0; i < 256; i++) f.x[i] = v;
-}
-// d = a b + c (d may be c).
-template <class LA, class LB>
-GPUSIM_NO_TRACE inline void mma_sync(fragment<accumulator, 16, 16, 16, float> &d,
-                                     const fragment<matrix_a, 16, 16, 16, __nv_bfloat16, LA> &a,
-                                     const fragment<matrix_b, 16, 16, 16, __nv_bfloat16, LB> &b,
-                                     const fragment<accumulator, 16, 16, 16, float> &c) {
-  detail::collective<float>(nullptr, 0, "wmma::mma_sync");
-  // The lanes of a warp hold the same tiles: the product of the inputs this warp slot's last lane
-  // gave is reused where this lane's are the same bytes, so that a warp computes it once.
-  struct memo {
-    __nv_bfloat16 a[256], b[256];
-    float c[256], d[256];
-    bool valid;
-  };
-  static thread_local memo last[32];
-  memo &m = last[threadIdx.x / 32 % 32];
-  if (!m.valid || memcmp(m.a, a.x, sizeof m.a) || memcmp(m.b, b.x, sizeof m.b) || memcmp(m.c, c.x, sizeof m.c)) {
-    float fa[256], fbt[256];  // a, and b transposed, widened once
-    for (int i = 0; i < 256; i++)
-      fa[i] = __bfloat162float(a.x[i]), fbt[i % 16 * 16 + i / 16] = __bfloat162float(b.x[i]);
-    for (int r = 0; r < 16; r++)
-      for (int col = 0; col < 16; col++) {
-        float sum = c.x[r * 16 + col];
-        for (int k = 0; k < 16; k++) sum += fa[r * 16 + k] * fbt[col * 16 + k];
-        m.d[r * 16 + col] = sum;
-      }
-    memcpy(m.a, a.x, sizeof m.a);
-    memcpy(m.b, b.x, sizeof m.b);
-    memcpy(m.c, c.x, sizeof m.c);
-    m.valid = true;
-  }
-  memcpy(d.x, m.d, sizeof m.d);
-}
-}  // namespace wmma
-}  // namespace nvcuda
 
 // Tensor cores' m16n8k16 product as PTX's mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 runs it
 // (kernels/attention.cu's mma_16816_bf16): d (16, 8) += a (16, 16) b (16, 8), each lane holding only its
@@ -275,10 +157,12 @@ GPUSIM_NO_TRACE inline void mma_sync(fragment<accumulator, 16, 16, 16, float> &d
 //   b[0] = B[2c..2c+1][g], b[1] = B[2c+8..2c+9][g];  d[0..1] = D[g][2c..2c+1], d[2..3] = D[g+8][2c..2c+1]
 // Every lane publishes its registers and reads the rows of A and the columns of B its d needs from the
 // lanes that hold them, so a kernel that puts an element in the wrong register gets a wrong product here
-// as on a GPU. Products exact, summed in FP32 in k order onto d. Warp-wide, like the WMMA operations.
+// as on a GPU. Products exact, summed in FP32 in k order onto d. Warp-wide (gpusim_warp_wide).
 #define GPUSIM_MMA_16816(d, a, b) gpusim_mma_16816((d), (a), (b))
+// Untraced (GPUSIM_NO_TRACE): the registers it exchanges are the stand-in's, not the kernel's memory.
+#define GPUSIM_NO_TRACE __attribute__((no_sanitize("thread")))
 GPUSIM_NO_TRACE inline void gpusim_mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
-  nvcuda::wmma::detail::collective<float>(nullptr, 0, "mma.sync.m16n8k16");
+  gpusim_warp_wide("mma.sync.m16n8k16");
   struct regs {
     uint32_t a[4], b[2];
   };

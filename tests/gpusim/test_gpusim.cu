@@ -427,116 +427,6 @@ static void bfloat16_rounds_to_nearest_even(void **) {
   CUDA_OK(cudaFree(dy));
 }
 
-// Warp w of the block computes d = a b + c for its own 16x16 tiles, a and b read with the layouts
-// (row- or column-major) its bits say, c read and d stored with leading dimension 20.
-__global__ void wmma_kernel(const __nv_bfloat16 *a, const __nv_bfloat16 *b, const float *c, float *d) {
-  using namespace nvcuda;
-  const int w = (int)threadIdx.x / 32, a_col = w & 1, b_col = w >> 1 & 1;
-  const __nv_bfloat16 *aw = a + w * 256, *bw = b + w * 256;
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-  wmma::load_matrix_sync(acc, c + w * 320, 20, wmma::mem_row_major);
-  wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> ar;
-  wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::col_major> ac;
-  wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> br;
-  wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> bc;
-  if (a_col) {
-    wmma::load_matrix_sync(ac, aw, 16);
-    if (b_col) {
-      wmma::load_matrix_sync(bc, bw, 16);
-      wmma::mma_sync(acc, ac, bc, acc);
-    } else {
-      wmma::load_matrix_sync(br, bw, 16);
-      wmma::mma_sync(acc, ac, br, acc);
-    }
-  } else {
-    wmma::load_matrix_sync(ar, aw, 16);
-    if (b_col) {
-      wmma::load_matrix_sync(bc, bw, 16);
-      wmma::mma_sync(acc, ar, bc, acc);
-    } else {
-      wmma::load_matrix_sync(br, bw, 16);
-      wmma::mma_sync(acc, ar, br, acc);
-    }
-  }
-  for (int i = 0; i < acc.num_elements; i++) acc.x[i] *= 2.0f;  // the same operation on every element
-  wmma::store_matrix_sync(d + w * 320, acc, 20, wmma::mem_row_major);
-}
-
-__global__ void wmma_misaligned_kernel(const __nv_bfloat16 *a) {
-  nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __nv_bfloat16, nvcuda::wmma::row_major> f;
-  nvcuda::wmma::load_matrix_sync(f, a + 8, 16);  // 16 bytes past a 256-byte aligned allocation
-}
-
-__global__ void wmma_odd_ld_kernel(const __nv_bfloat16 *a) {
-  nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __nv_bfloat16, nvcuda::wmma::row_major> f;
-  nvcuda::wmma::load_matrix_sync(f, a, 17);
-}
-
-__global__ void wmma_lane_pointers_kernel(const __nv_bfloat16 *a) {
-  nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __nv_bfloat16, nvcuda::wmma::row_major> f;
-  nvcuda::wmma::load_matrix_sync(f, a + (threadIdx.x & 1) * 256, 16);
-}
-
-__global__ void wmma_fill_kernel(float *d) {
-  nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> f;
-  nvcuda::wmma::fill_fragment(f, 1.0f);
-  nvcuda::wmma::store_matrix_sync(d, f, 16, nvcuda::wmma::mem_row_major);
-}
-
-static void launch_wmma_misaligned() {
-  __nv_bfloat16 *a = device_array<__nv_bfloat16>(4096);
-  LAUNCH(wmma_misaligned_kernel, 1, 32, 0, 0)(a);
-  cudaDeviceSynchronize();
-}
-static void launch_wmma_odd_ld() {
-  __nv_bfloat16 *a = device_array<__nv_bfloat16>(4096);
-  LAUNCH(wmma_odd_ld_kernel, 1, 32, 0, 0)(a);
-  cudaDeviceSynchronize();
-}
-static void launch_wmma_lane_pointers() {
-  __nv_bfloat16 *a = device_array<__nv_bfloat16>(4096);
-  LAUNCH(wmma_lane_pointers_kernel, 1, 32, 0, 0)(a);
-  cudaDeviceSynchronize();
-}
-static void launch_wmma_partial_warp() {
-  float *d = device_array<float>(512);
-  LAUNCH(wmma_fill_kernel, 1, 48, 0, 0)(d);  // the second warp has 16 lanes
-  cudaDeviceSynchronize();
-}
-
-static void warp_matrix_products_follow_their_layouts(void **) {
-  std::vector<float> fa(4 * 256), fb(4 * 256), c(4 * 320);
-  std::vector<__nv_bfloat16> a(fa.size()), b(fb.size());
-  for (size_t i = 0; i < fa.size(); i++) {  // values exact in bfloat16: the products are exact
-    fa[i] = (float)((int)(i * 7 % 23) - 11) / 8.0f, fb[i] = (float)((int)(i * 5 % 19) - 9) / 4.0f;
-    a[i] = __float2bfloat16_rn(fa[i]), b[i] = __float2bfloat16_rn(fb[i]);
-  }
-  for (size_t i = 0; i < c.size(); i++) c[i] = (float)(i % 13) - 6.0f;
-  __nv_bfloat16 *da = device_copy(a), *db = device_copy(b);
-  float *dc = device_copy(c), *dd = device_array<float>(c.size());
-  CUDA_OK(cudaMemset(dd, 0, c.size() * sizeof(float)));
-  LAUNCH(wmma_kernel, 1, 128, 0, 0)(da, db, dc, dd);
-  std::vector<float> d = host_copy(dd, c.size());
-  for (int w = 0; w < 4; w++) {
-    const int a_col = w & 1, b_col = w >> 1 & 1;
-    for (int r = 0; r < 16; r++)
-      for (int col = 0; col < 16; col++) {
-        double want = c[(size_t)(w * 320 + r * 20 + col)];
-        for (int k = 0; k < 16; k++)
-          want += (double)fa[(size_t)(w * 256 + (a_col ? k * 16 + r : r * 16 + k))] *
-                  fb[(size_t)(w * 256 + (b_col ? col * 16 + k : k * 16 + col))];
-        assert_true(d[(size_t)(w * 320 + r * 20 + col)] == (float)(2.0 * want));
-      }
-    for (int r = 0; r < 16; r++)  // columns 16..19 of each row are not written
-      for (int col = 16; col < 20; col++) assert_true(d[(size_t)(w * 320 + r * 20 + col)] == 0.0f);
-  }
-  for (void *p : {(void *)da, (void *)db, (void *)dc, (void *)dd}) CUDA_OK(cudaFree(p));
-  expect_death(launch_wmma_misaligned, "256-bit aligned");
-  expect_death(launch_wmma_odd_ld, "multiple of 16 bytes");
-  expect_death(launch_wmma_lane_pointers, "different pointers");
-  expect_death(launch_wmma_partial_warp, "partial warp");
-}
-
 // Warp w computes D = A B + C for its own A (16, 16), B (16, 8) and C (16, 8), all row-major in global
 // memory, through the m16n8k16 product: each lane places the elements the PTX ISA's fragment layout
 // gives it (g = lane / 4, c = lane % 4) and stores its four results back where that layout says.
@@ -2191,7 +2081,6 @@ int main(int argc, char **argv) {
       cmocka_unit_test(undefined_warp_reads_show_and_bad_masks_are_reported),
       cmocka_unit_test(block_sum_works_for_any_block_size),
       cmocka_unit_test(bfloat16_rounds_to_nearest_even),
-      cmocka_unit_test(warp_matrix_products_follow_their_layouts),
       cmocka_unit_test(tensor_core_fragments_follow_the_ptx_layout),
       cmocka_unit_test(atomics_add_up_and_must_target_device_memory),
       cmocka_unit_test(launch_limits_are_checked),
