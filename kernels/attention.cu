@@ -764,6 +764,22 @@ static __device__ __forceinline__ void attn_ds_pieces(const attn_geom &g, uint64
   }
 }
 
+#if ATTN_TENSOR_CORES
+// The warp's (16, kTile) block of the backward's scores: s = x y^T and dp = xd yd^T (q, dout against k, v;
+// or k, v against q, dout when KEYS_ARE_ROWS), then p and ds from them (attn_ds_pieces).
+template <int COLS, int KEYS_ARE_ROWS>
+static __device__ __forceinline__ void warp_scores_bwd(const attn_geom &g, uint64_t seed, int64_t head, int64_t row0,
+                                                       int64_t col0, const bfloat *x, const bfloat *y, const bfloat *xd,
+                                                       const bfloat *yd, int ld, int nk, const float *sl,
+                                                       const float *sd, float p[kPieces8][4], float ds[kPieces8][4]) {
+  zero_pieces<kPieces8>(p);
+  zero_pieces<kPieces8>(ds);
+  warp_xyt<COLS>(x, y, ld, nk, p);
+  warp_xyt<COLS>(xd, yd, ld, nk, ds);
+  attn_ds_pieces<KEYS_ARE_ROWS>(g, seed, head, row0, col0, sl, sd, p, ds);
+}
+#endif
+
 // dk, dv: a block per (head, key tile), walking the query tiles that see it. Shared: the key and value
 // tiles (the warps' A operands of s^T = k q^T and dp^T = v dout^T), the query and dout tiles as rows (B
 // operands of those) and transposed (of dk += ds^T q and dv += p^T dout), the query tile's lse and delta.
@@ -790,14 +806,10 @@ __global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 2 : 1)
     attn_tiles_tc<COLS>(q + in, g.ld, sq, sqt, dout + out, g.ld_o, sdo, sdot, i0, g.t, g.hd);
     load_row_stats(sl, sd, lse, delta, head, i0, g.t);
     __syncthreads();
-    float st[kPieces8][4], dpt[kPieces8][4];
-    zero_pieces<kPieces8>(st);
-    zero_pieces<kPieces8>(dpt);
-    warp_xyt<COLS>(sk, sq, ld, nk, st);
-    warp_xyt<COLS>(sv, sdo, ld, nk, dpt);
-    attn_ds_pieces<1>(g, seed, head, j0, i0, sl, sd, st, dpt);
-    warp_py<COLS>(st, sdot, nk, dv_acc);  // dv_j += sum_i p_ij dout_i
-    warp_py<COLS>(dpt, sqt, nk, dk_acc);  // dk_j += sum_i ds_ij q_i
+    float pt[kPieces8][4], dst[kPieces8][4];  // p^T, ds^T
+    warp_scores_bwd<COLS, 1>(g, seed, head, j0, i0, sk, sq, sv, sdo, ld, nk, sl, sd, pt, dst);
+    warp_py<COLS>(pt, sdot, nk, dv_acc);  // dv_j += sum_i p_ij dout_i
+    warp_py<COLS>(dst, sqt, nk, dk_acc);  // dk_j += sum_i ds_ij q_i
   }
   const float one[2] = {1.0f, 1.0f};
   store_pieces<COLS>(dk + in, g.ld, dk_acc, one, j0, g.t, g.hd);
@@ -833,13 +845,9 @@ __global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 3 : 1)
     __syncthreads();  // the last tile's readers are done with sk, sv, skt
     attn_tiles_tc<COLS>(k + in, g.ld, sk, skt, v + in, g.ld, sv, NULL, j0, g.t, g.hd);
     __syncthreads();
-    float s[kPieces8][4], dp[kPieces8][4];
-    zero_pieces<kPieces8>(s);
-    zero_pieces<kPieces8>(dp);
-    warp_xyt<COLS>(sq, sk, ld, nk, s);
-    warp_xyt<COLS>(sdo, sv, ld, nk, dp);
-    attn_ds_pieces<0>(g, seed, head, i0, j0, sl, sd, s, dp);
-    warp_py<COLS>(dp, skt, nk, dq_acc);  // dq_i += sum_j ds_ij k_j
+    float p[kPieces8][4], ds[kPieces8][4];
+    warp_scores_bwd<COLS, 0>(g, seed, head, i0, j0, sq, sk, sdo, sv, ld, nk, sl, sd, p, ds);
+    warp_py<COLS>(ds, skt, nk, dq_acc);  // dq_i += sum_j ds_ij k_j
   }
   const float one[2] = {1.0f, 1.0f};
   store_pieces<COLS>(dq + in, g.ld, dq_acc, one, i0, g.t, g.hd);
