@@ -424,6 +424,7 @@ typedef __nv_bfloat16 bfloat;
 // row stride of a transposed tile (attn_tiles_tc).
 enum { kMmaWarps = kTile / 16, kMmaBlock = 32 * kMmaWarps, kPieces8 = kTile / 8, kPieces16 = kTile / 16 };
 enum { kTld = kTile + 8 };
+static constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
 // hd rounded up to whole 16-column pieces: the width of a tile of a head.
 [[maybe_unused]] static __device__ __forceinline__ int width16(int hd) {
@@ -662,7 +663,8 @@ __global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 3 : 2)
   UNROLL
   for (int kp = 0; kp < COLS; kp++)
     if (kp < nk) frag_a(qa[kp], sq, ld, 16 * warp, 16 * kp);
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, acc[2 * COLS][4];
+  const float scale2 = g.scale * kLog2e;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, acc[2 * COLS][4];  // m in base 2: scale2 q k^T
   zero_pieces<2 * COLS>(acc);
   const int64_t end = g.causal && i0 + kTile < g.t ? i0 + kTile : g.t;
   for (int64_t j0 = 0; j0 < end; j0 += kTile) {
@@ -682,7 +684,8 @@ __global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 3 : 2)
         mma_16816_bf16(s[n], qa[kp], b);
       }
     }
-    // online softmax of the lane's two rows; a row's values are spread over the 4 lanes of a quad
+    // online softmax of the lane's two rows, in base 2 (one multiply-add and exp2 an element); a row's
+    // values are spread over the 4 lanes of a quad
     const bool all_visible = tile_all_visible(g, i0, j0);
     UNROLL
     for (int h = 0; h < 2; h++) {
@@ -693,7 +696,7 @@ __global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 3 : 2)
         for (int e = 0; e < 2; e++) {
           const int64_t j = j0 + 8 * n + lane % 4 * 2 + e;
           float &x = s[n][2 * h + e];
-          x = all_visible || attn_visible(g, row[h], j) ? g.scale * x : -INFINITY;
+          x = all_visible || attn_visible(g, row[h], j) ? scale2 * x : -INFINITY;
           mx = fmaxf(mx, x);
         }
       }
@@ -701,7 +704,7 @@ __global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 3 : 2)
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_new = fmaxf(m[h], mx);
       // a row with nothing visible yet (only rows past T) keeps m = -inf: its exponentials are 0
-      const float corr = m_new == -INFINITY ? 1.0f : expf(m[h] - m_new);
+      const float corr = m_new == -INFINITY ? 1.0f : exp2f(m[h] - m_new);
       float sum = 0.0f;
       UNROLL
       for (int n = 0; n < kPieces8; n++) {
@@ -709,7 +712,7 @@ __global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 3 : 2)
         for (int e = 0; e < 2; e++) {
           const int64_t j = j0 + 8 * n + lane % 4 * 2 + e;
           float &x = s[n][2 * h + e];
-          const float ex = x == -INFINITY ? 0.0f : expf(x - m_new);
+          const float ex = x == -INFINITY ? 0.0f : exp2f(x - m_new);
           sum += ex;
           x = ex * attn_mask(g, seed, head, row[h], j);
         }
@@ -727,7 +730,7 @@ __global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 3 : 2)
   UNROLL
   for (int h = 0; h < 2; h++) {
     inv[h] = l[h] > 0 ? 1.0f / l[h] : 0.0f;
-    if (lane % 4 == 0 && row[h] < g.t) lse[head * g.t + row[h]] = m[h] + logf(l[h]);
+    if (lane % 4 == 0 && row[h] < g.t) lse[head * g.t + row[h]] = m[h] * kLn2 + logf(l[h]);
   }
   store_pieces<COLS>(o + head_offset(g, head, g.ld_o), g.ld_o, acc, inv, i0, g.t, g.hd);
 #else
@@ -745,6 +748,7 @@ static __device__ __forceinline__ void attn_ds_pieces(const attn_geom &g, uint64
                                                       float s[kPieces8][4], float dp[kPieces8][4]) {
   const int lane = (int)threadIdx.x % 32, warp = (int)threadIdx.x / 32;
   const bool all_visible = KEYS_ARE_ROWS ? tile_all_visible(g, col0, row0) : tile_all_visible(g, row0, col0);
+  const float scale2 = g.scale * kLog2e;  // p = exp(scale s - lse) = exp2(scale2 s - lse log2 e)
   UNROLL
   for (int h = 0; h < 2; h++) {
     UNROLL
@@ -756,7 +760,7 @@ static __device__ __forceinline__ void attn_ds_pieces(const attn_geom &g, uint64
         const int64_t i = KEYS_ARE_ROWS ? col0 + c : row0 + r, j = KEYS_ARE_ROWS ? row0 + r : col0 + c;
         float p = 0.0f, mask = 0.0f;
         if (all_visible || attn_visible(g, i, j))
-          p = expf(g.scale * s[n][x] - sl[iq]), mask = attn_mask(g, seed, head, i, j);
+          p = exp2f(scale2 * s[n][x] - sl[iq] * kLog2e), mask = attn_mask(g, seed, head, i, j);
         s[n][x] = p * mask;
         dp[n][x] = g.scale * p * (dp[n][x] * mask - sd[iq]);
       }
