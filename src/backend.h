@@ -131,6 +131,8 @@ typedef struct {
       dt_conv_geom g;
       const float *x, *w;
       float *y;
+      void *x16; /* NULL, or where a backend that convolves 16-bit copies (CUDA under bf16, fp16) leaves
+                    x's, (B, C, H, W) as NHWC, for conv_bwd_filter of the same x */
     } conv_fwd;
     struct {
       dt_conv_geom g;
@@ -141,6 +143,7 @@ typedef struct {
       dt_conv_geom g;
       const float *x, *dy;
       float *dw;
+      const void *x16; /* NULL, or conv_fwd's x16 of this x, read instead of copying x again */
     } conv_bwd_filter;
     struct {
       int64_t b, c, s;

@@ -3,6 +3,7 @@
 #include <math.h>
 #include <stddef.h>
 
+#include "common.h"
 #include "layers.h"
 
 #define A(field) offsetof(dt_layer_args, field)
@@ -37,6 +38,34 @@ static int conv_setup(dt_model *m, dt_layer *l, dt_status *st) {
   return 0;
 }
 
+/* Backend memory kept from forward to backward: x's 16-bit copy (l->keeps_x16), else NULL. */
+typedef struct {
+  void *x16; /* (B, C, H, W) as 16-bit NHWC: the backend's own layout (backend.h's conv_fwd) */
+} conv_state;
+
+/* CUDA under bf16 or fp16 runs convolutions on 16-bit copies of their operands: a layer that trains
+ * keeps its forward's copy of x, so that its backward filter need not round x again. */
+static void conv_pick(dt_layer *l, const dt_model *m, int cuda, size_t shared_per_block) {
+  (void)shared_per_block;
+  l->keeps_x16 = cuda && !m->frozen && (m->precision == DT_PREC_BF16 || m->precision == DT_PREC_FP16);
+}
+
+static size_t x16_bytes(const dt_layer *l, int64_t batch) {
+  return l->keeps_x16 ? (size_t)(batch * shape_size(l->in)) * 2 : 0;
+}
+
+static void conv_alloc(dt_layer *l, dt_backend *be, dt_acts *acts, int64_t max_batch) {
+  (void)be;
+  conv_state *s = dt_calloc(1, sizeof *s);
+  l->priv = s;
+  if (l->keeps_x16) acts_take(acts, &s->x16, x16_bytes(l, max_batch));
+}
+
+static void conv_memory(const dt_layer *l, int64_t batch, int threads, dt_memory *mem) {
+  (void)threads;
+  mem->activations += x16_bytes(l, batch);
+}
+
 static void conv_init(dt_layer *l, float *params, float *bufs, uint64_t seed) {
   (void)bufs;
   float bound = 1.0f / sqrtf((float)(l->in.c * l->args.kernel * l->args.kernel));
@@ -51,6 +80,7 @@ static void conv_forward(dt_layer *l, dt_pass *pass, const float *x) {
   op.p.conv_fwd.x = x;
   op.p.conv_fwd.w = w;
   op.p.conv_fwd.y = l->y;
+  op.p.conv_fwd.x16 = ((conv_state *)l->priv)->x16;
   backend_run(pass->be, &op);
   if (l->args.bias) {
     dt_op b = {.type = DT_OP_BIAS_ADD};
@@ -76,6 +106,7 @@ static void conv_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx)
   op.p.conv_bwd_filter.x = x;
   op.p.conv_bwd_filter.dy = l->dy;
   op.p.conv_bwd_filter.dw = dw;
+  op.p.conv_bwd_filter.x16 = ((conv_state *)l->priv)->x16;
   backend_run(pass->be, &op);
   if (dx) {
     dt_op d = {.type = DT_OP_CONV_BWD_DATA};
@@ -103,6 +134,9 @@ const dt_layer_ops dt_layer_conv2d = {.kind = "conv2d",
                                       .n_keys = 5,
                                       .setup = conv_setup,
                                       .init = conv_init,
+                                      .alloc = conv_alloc,
                                       .forward = conv_forward,
                                       .backward = conv_backward,
-                                      .flops = conv_flops};
+                                      .flops = conv_flops,
+                                      .memory = conv_memory,
+                                      .pick = conv_pick};

@@ -224,6 +224,7 @@ int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
   if (!shape_fits(m->input))
     return dt_fail(st, DT_EXIT_INPUT, "%s: model.input: more than 2^40 elements per sample", cfg->path);
   m->attention = cfg->v.attention;
+  m->precision = cfg->v.precision;
   if (seq_build(m, &m->top, cfg->v.layers, m->input, "", "model.layers", st)) return st->code;
   if (cfg->v.fuse) fuse_seq(&m->top);
   m->recompute = m->top.recompute = cfg->v.recompute == DT_RECOMPUTE_BLOCKS;

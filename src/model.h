@@ -146,6 +146,8 @@ struct dt_layer {
   int too_large;         /* layer_add_tensor got a tensor of more than DT_MAX_ELEMENTS */
   int fused_attention;   /* attention: its heads in the fused ops (model.attention, heads of at most
                             DT_ATTENTION_MAX_HD values) */
+  int keeps_x16;         /* conv2d: its forward leaves x's 16-bit copy for its backward filter (CUDA,
+                            train.precision bf16 or fp16, a model that trains) */
   void *priv;            /* per-kind state */
 };
 
@@ -189,6 +191,7 @@ struct dt_model {
   int64_t n_params, n_bufs;
   int recompute;      /* train.recompute blocks */
   int attention;      /* model.attention (DT_ATTENTION_*): read by the attention layers' setup and pick */
+  int precision;      /* train.precision (DT_PREC_*): read by the conv layers' pick */
   int frozen;         /* forward only (distillation's teacher): no gradients, no dy; set before model_alloc */
   dt_model *teacher;  /* distill.teacher: its logits join the training loss (distill.h; borrowed), or NULL */
   dt_tensor *tensors; /* every tensor, in PyTorch state_dict order */

@@ -1975,6 +1975,51 @@ static void conv16_reuses_dy_only_back_to_back(void) {
   ref->destroy(ref);
 }
 
+/* Under bf16 and fp16 a convolution's forward leaves its 16-bit copy of x where the op says (x16: the
+ * layer keeps it) and its backward filter reads that copy rather than x: here x changes in between,
+ * and dw still has the bits of a backend that packs the first x itself (and not those of the second);
+ * the forward's y has the bits of one without x16. */
+static void conv16_backward_filter_reads_the_forwards_x16(void) {
+  dt_conv_geom g = conv_geom(2, 8, 6, 6, 16, 3, 1, 1);
+  const int64_t nx = g.b * g.c * g.h * g.w, nw = g.o * g.c * g.k * g.k, ny = g.b * g.o * g.ho * g.wo;
+  for (int precision = DT_PREC_BF16; precision <= DT_PREC_FP16; precision++) {
+    dt_backend *be = backend_cuda_create(0, precision);
+    float *hx[2] = {ot_host_rand(nx, -1, 1), ot_host_rand(nx, -1, 1)}, *hw = ot_host_rand(nw, -1, 1),
+          *hdy = ot_host_rand(ny, -1, 1);
+    float *x = be->alloc(be, (size_t)nx * 4), *w = be->alloc(be, (size_t)nw * 4), *dy = be->alloc(be, (size_t)ny * 4);
+    float *y[2] = {be->alloc(be, (size_t)ny * 4), be->alloc(be, (size_t)ny * 4)};
+    float *dw[3] = {be->alloc(be, (size_t)nw * 4), be->alloc(be, (size_t)nw * 4), be->alloc(be, (size_t)nw * 4)};
+    void *x16 = be->alloc(be, (size_t)nx * 2);
+    be->to_device(be, w, hw, (size_t)nw * 4);
+    be->to_device(be, dy, hdy, (size_t)ny * 4);
+    /* y[0], dw[0]: x16 kept across x's change; y[1]: no x16; dw[1], dw[2]: x packed afresh, first and second x */
+    be->to_device(be, x, hx[0], (size_t)nx * 4);
+    backend_run(be, &(dt_op){.type = DT_OP_CONV_FWD, .p.conv_fwd = {.g = g, .x = x, .w = w, .y = y[0], .x16 = x16}});
+    backend_run(be, &(dt_op){.type = DT_OP_CONV_FWD, .p.conv_fwd = {.g = g, .x = x, .w = w, .y = y[1]}});
+    backend_run(be,
+                &(dt_op){.type = DT_OP_CONV_BWD_FILTER, .p.conv_bwd_filter = {.g = g, .x = x, .dy = dy, .dw = dw[1]}});
+    be->to_device(be, x, hx[1], (size_t)nx * 4);
+    backend_run(be, &(dt_op){.type = DT_OP_CONV_BWD_FILTER,
+                             .p.conv_bwd_filter = {.g = g, .x = x, .dy = dy, .dw = dw[0], .x16 = x16}});
+    backend_run(be,
+                &(dt_op){.type = DT_OP_CONV_BWD_FILTER, .p.conv_bwd_filter = {.g = g, .x = x, .dy = dy, .dw = dw[2]}});
+    float *h[5];
+    for (int i = 0; i < 5; i++) {
+      const int64_t n = i < 2 ? ny : nw;
+      h[i] = malloc((size_t)n * 4);
+      be->to_host(be, h[i], i < 2 ? y[i] : dw[i - 2], (size_t)n * 4);
+    }
+    if (memcmp(h[0], h[1], (size_t)ny * 4)) fail_msg("precision %d: y differs with x16", precision);
+    if (memcmp(h[2], h[3], (size_t)nw * 4)) fail_msg("precision %d: dw is not that of the forward's x", precision);
+    if (!memcmp(h[2], h[4], (size_t)nw * 4)) fail_msg("precision %d: the two x give the same dw", precision);
+    for (int i = 0; i < 5; i++) free(h[i]);
+    free(hx[0]), free(hx[1]), free(hw), free(hdy);
+    float *mine[] = {x, w, dy, y[0], y[1], dw[0], dw[1], dw[2], x16};
+    for (size_t i = 0; i < sizeof mine / sizeof *mine; i++) be->free(be, mine[i]);
+    be->destroy(be);
+  }
+}
+
 /* Under bf16 a dense layer's input gradient right after its weight gradient takes the bfloat16 copy of
  * dy that the first GEMM made; a copy or another op between them (a new dy copied in, dy doubled, the
  * input gradient of another dy) makes it copy again, and so does a backend whose 16-bit buffer had to
@@ -2064,6 +2109,7 @@ GPU_TEST(cuda_op_conv, (ot_begin(), ops_conv(), ot_end()))
 GPU_TEST(cuda_op_conv_bf16, (ot_begin_precision(DT_PREC_BF16, 1e-2), ops_conv(), ot_end()))
 GPU_TEST(cuda_op_conv_fp16, (ot_begin_precision(DT_PREC_FP16, 2e-3), ops_conv(), ot_end()))
 GPU_TEST(cuda_conv16_reuses_dy_only_back_to_back, conv16_reuses_dy_only_back_to_back())
+GPU_TEST(cuda_conv16_backward_filter_reads_the_forwards_x16, conv16_backward_filter_reads_the_forwards_x16())
 GPU_TEST(cuda_gemm16_reuses_dy_only_back_to_back, gemm16_reuses_dy_only_back_to_back())
 GPU_TEST(cuda_op_batchnorm, (ot_begin(), ops_batchnorm(), ot_end()))
 GPU_TEST(cuda_op_activation, (ot_begin(), ops_activation(), ot_end()))
@@ -2153,6 +2199,7 @@ int main(void) {
       cmocka_unit_test(cuda_op_conv_bf16),
       cmocka_unit_test(cuda_op_conv_fp16),
       cmocka_unit_test(cuda_conv16_reuses_dy_only_back_to_back),
+      cmocka_unit_test(cuda_conv16_backward_filter_reads_the_forwards_x16),
       cmocka_unit_test(cuda_gemm16_reuses_dy_only_back_to_back),
       cmocka_unit_test(cuda_op_batchnorm),
       cmocka_unit_test(cuda_op_activation),

@@ -215,7 +215,8 @@ static void dy16_nhwc(const dt_conv_geom *g, int64_t layout[4]) {
 
 /* The three convolution ops. FP32: cuDNN on the tensors as they are (NCHW). bf16 and fp16: the
  * operands are rounded into 16-bit NHWC copies, cuDNN computes with FP32 accumulation on tensor
- * cores, and the result comes back to FP32 NCHW (the filter gradient added into dw, as FP32). */
+ * cores, and the result comes back to FP32 NCHW (the filter gradient added into dw, as FP32). The
+ * forward's copy of x goes where the op says (x16: the layer keeps it for its backward filter). */
 void cuda_conv_fwd(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.conv_fwd) *q = &op->p.conv_fwd;
   const dt_conv_geom *g = &q->g;
@@ -230,9 +231,10 @@ void cuda_conv_fwd(cuda_impl *im, const dt_op *op) {
   }
   const int bf16 = im->precision == DT_PREC_BF16;
   conv16 h = conv16_scratch(im, g);
-  k_pack16(im->stream, q->x, h.x, g->b, g->c, g->h * g->w, bf16);
+  uint16_t *x16 = q->x16 ? (uint16_t *)q->x16 : h.x;
+  k_pack16(im->stream, q->x, x16, g->b, g->c, g->h * g->w, bf16);
   k_pack16(im->stream, q->w, h.w, g->o, g->c, g->k * g->k, bf16);
-  CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, h.x, p->w, h.w, p->conv[FWD],
+  CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, x16, p->w, h.w, p->conv[FWD],
                                       (cudnnConvolutionFwdAlgo_t)p->algo[FWD], im->workspace, im->workspace_bytes,
                                       &zero, p->y, h.y));
   k_unpack16(im->stream, h.y, q->y, g->b, g->o, g->ho * g->wo, bf16, 0);
@@ -281,9 +283,10 @@ void cuda_conv_bwd_filter(cuda_impl *im, const dt_op *op) {
   }
   const int bf16 = im->precision == DT_PREC_BF16;
   conv16 h = conv16_scratch(im, g);
-  k_pack16(im->stream, q->x, h.x, g->b, g->c, g->h * g->w, bf16);
+  const uint16_t *x16 = q->x16;
+  if (!x16) k_pack16(im->stream, q->x, h.x, g->b, g->c, g->h * g->w, bf16), x16 = h.x;
   k_pack16(im->stream, q->dy, h.y, g->b, g->o, g->ho * g->wo, bf16);
-  CUDNN_CHECK(cudnnConvolutionBackwardFilter(im->dnn, &one, p->x, h.x, p->y, h.y, p->conv[BWD_FILTER],
+  CUDNN_CHECK(cudnnConvolutionBackwardFilter(im->dnn, &one, p->x, x16, p->y, h.y, p->conv[BWD_FILTER],
                                              (cudnnConvolutionBwdFilterAlgo_t)p->algo[BWD_FILTER], im->workspace,
                                              im->workspace_bytes, &zero, p->w, h.w));
   k_unpack16(im->stream, h.w, q->dw, g->o, g->c, g->k * g->k, bf16, 1);
