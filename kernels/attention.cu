@@ -137,6 +137,13 @@ static __device__ __forceinline__ bool attn_visible(const attn_geom &g, int64_t 
   return i < g.t && j < g.t && !(g.causal && j > i);
 }
 
+// Whether query i sees key j for every (i, j) of query tile i0 and key tile j0 (both within T, and the
+// key tile wholly at or below the diagonal): the per-element test is then skipped, as it is for most
+// tiles of a long sequence.
+static __device__ __forceinline__ bool tile_all_visible(const attn_geom &g, int64_t i0, int64_t j0) {
+  return i0 + kTile <= g.t && j0 + kTile <= g.t && (!g.causal || j0 + kTile - 1 <= i0);
+}
+
 // Stores v into a tile of float or bfloat16 (rounded to nearest even).
 static __device__ __forceinline__ void put(float *p, float v) {
   *p = v;
@@ -209,6 +216,7 @@ static __device__ __forceinline__ void attn_softmax_tile(const attn_geom &g, uin
                                                          int64_t j0, float s[kRows][kRows], float m[kRows],
                                                          float l[kRows], float acc[kRows][COLS], T *sp, int ld) {
   const int tx = thread_x(), ty = thread_y();
+  const bool all_visible = tile_all_visible(g, i0, j0);
   UNROLL
   for (int a = 0; a < kRows; a++) {
     const int64_t i = i0 + ty + kSide * a;
@@ -216,7 +224,7 @@ static __device__ __forceinline__ void attn_softmax_tile(const attn_geom &g, uin
     UNROLL
     for (int b = 0; b < kRows; b++) {
       int64_t j = j0 + tx + kSide * b;
-      s[a][b] = attn_visible(g, i, j) ? g.scale * s[a][b] : -INFINITY;
+      s[a][b] = all_visible || attn_visible(g, i, j) ? g.scale * s[a][b] : -INFINITY;
       mx = fmaxf(mx, s[a][b]);
     }
     const float m_new = fmaxf(m[a], row_max(mx));
@@ -310,6 +318,7 @@ static __device__ __forceinline__ void attn_ds_tile(const attn_geom &g, uint64_t
                                                     const float dp[kRows][kRows], const float *sl, const float *sd,
                                                     T *sp, T *sds, int ld) {
   const int tx = thread_x(), ty = thread_y();
+  const bool all_visible = tile_all_visible(g, i0, j0);
   UNROLL
   for (int a = 0; a < kRows; a++) {
     UNROLL
@@ -317,7 +326,8 @@ static __device__ __forceinline__ void attn_ds_tile(const attn_geom &g, uint64_t
       const int r = ty + kSide * a, c = tx + kSide * b;
       const int64_t i = i0 + r, j = j0 + c;
       float p = 0.0f, mask = 0.0f;
-      if (attn_visible(g, i, j)) p = expf(g.scale * s[a][b] - sl[r]), mask = attn_mask(g, seed, head, i, j);
+      if (all_visible || attn_visible(g, i, j))
+        p = expf(g.scale * s[a][b] - sl[r]), mask = attn_mask(g, seed, head, i, j);
       if (sp) put(sp + r * ld + c, p * mask);
       put(sds + r * ld + c, g.scale * p * (dp[a][b] * mask - sd[r]));
     }
@@ -337,7 +347,7 @@ static __device__ void attn_scores_bwd(const attn_geom &g, uint64_t seed, int64_
 // Rows [row0, row0 + kTile) of lse and delta into sl, sd (0 past T).
 static __device__ void load_row_stats(float *sl, float *sd, const float *lse, const float *delta, int64_t head,
                                       int64_t row0, int64_t t) {
-  for (int e = threadIdx.x; e < kTile; e += kBlock) {
+  for (int e = threadIdx.x; e < kTile; e += blockDim.x) {  // 256 threads (FP32) or 128 (tensor cores)
     bool in = row0 + e < t;
     sl[e] = in ? lse[head * t + row0 + e] : 0.0f;
     sd[e] = in ? delta[head * t + row0 + e] : 0.0f;
@@ -552,13 +562,6 @@ static __device__ __forceinline__ void warp_py(const float p[kPieces8][4], const
       mma_16816_bf16(acc[n], a, b);
     }
   }
-}
-
-// Whether query i sees key j for every (i, j) of query tile i0 and key tile j0 (both within T, and the
-// key tile wholly at or below the diagonal): the per-element test is then skipped, as it is for most
-// tiles of a long sequence.
-static __device__ __forceinline__ bool tile_all_visible(const attn_geom &g, int64_t i0, int64_t j0) {
-  return i0 + kTile <= g.t && j0 + kTile <= g.t && (!g.causal || j0 + kTile - 1 <= i0);
 }
 
 template <int N>
