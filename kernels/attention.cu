@@ -711,34 +711,30 @@ __global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 3 : 2)
     const bool all_visible = tile_all_visible(g, i0, j0);
     UNROLL
     for (int h = 0; h < 2; h++) {
-      float mx = -INFINITY;
-      UNROLL
-      for (int n = 0; n < kPieces8; n++) {
+      // f(key j, score x) for each of the lane's 16 scores of row h
+      auto each = [&](auto &&f) {
         UNROLL
-        for (int e = 0; e < 2; e++) {
-          const int64_t j = j0 + 8 * n + lane % 4 * 2 + e;
-          float &x = s[n][2 * h + e];
-          x = all_visible || attn_visible(g, row[h], j) ? scale2 * x : -INFINITY;
-          mx = fmaxf(mx, x);
+        for (int n = 0; n < kPieces8; n++) {
+          UNROLL
+          for (int e = 0; e < 2; e++) f(j0 + 8 * n + lane % 4 * 2 + e, s[n][2 * h + e]);
         }
-      }
+      };
+      float mx = -INFINITY;
+      each([&](int64_t j, float &x) {
+        x = all_visible || attn_visible(g, row[h], j) ? scale2 * x : -INFINITY;
+        mx = fmaxf(mx, x);
+      });
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_new = fmaxf(m[h], mx);
       // a row with nothing visible yet (only rows past T) keeps m = -inf: its exponentials are 0
       const float corr = m_new == -INFINITY ? 1.0f : exp2f(m[h] - m_new);
       float sum = 0.0f;
-      UNROLL
-      for (int n = 0; n < kPieces8; n++) {
-        UNROLL
-        for (int e = 0; e < 2; e++) {
-          const int64_t j = j0 + 8 * n + lane % 4 * 2 + e;
-          float &x = s[n][2 * h + e];
-          const float ex = x == -INFINITY ? 0.0f : exp2f(x - m_new);
-          sum += ex;
-          x = ex * attn_mask(g, seed, head, row[h], j);
-        }
-      }
+      each([&](int64_t j, float &x) {
+        const float ex = x == -INFINITY ? 0.0f : exp2f(x - m_new);
+        sum += ex;
+        x = ex * attn_mask(g, seed, head, row[h], j);
+      });
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       l[h] = l[h] * corr + sum;
