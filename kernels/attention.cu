@@ -144,35 +144,26 @@ static __device__ __forceinline__ bool tile_all_visible(const attn_geom &g, int6
   return i0 + kTile <= g.t && j0 + kTile <= g.t && (!g.causal || j0 + kTile - 1 <= i0);
 }
 
-// Stores v into a tile of float or bfloat16 (rounded to nearest even).
-static __device__ __forceinline__ void put(float *p, float v) {
-  *p = v;
-}
-// (unreferenced in the pre-8.0 pass, where the tensor-core kernels trap)
-[[maybe_unused]] static __device__ __forceinline__ void put(__nv_bfloat16 *p, float v) {
-  *p = __float2bfloat16_rn(v);
-}
-
-// Rows [row0, row0 + kTile) of a head (T rows of hd values, `stride` apart) into a (kTile, ld) tile of T
-// (float, or bfloat16 rounded to nearest even) as columns [0, w): the hd values, then zeros; rows past
-// T as zeros. Two tiles at once (tb NULL: one). Every load of both is issued before the first store,
-// as float4 where the heads' rows are 16-byte aligned: a thread's loads are in flight together rather
-// than each behind the last one's store, which left the kernels waiting on memory at every tile.
-// w <= 16 COLS.
-template <int COLS, class T>
-static __device__ void load_tiles(T *ta, const float *ha, int64_t sa, T *tb, const float *hb, int64_t sb, int64_t row0,
-                                  int64_t t, int hd, int w, int ld) {
-  const bool vec = hd % 4 == 0 && w % 4 == 0 && sa % 4 == 0 && (uintptr_t)ha % 16 == 0 &&
-                   (!tb || (sb % 4 == 0 && (uintptr_t)hb % 16 == 0));
+// Rows [row0, row0 + kTile) of a head (T rows of hd values, `stride` apart) into a (kTile, hd + 1) FP32
+// tile; rows past T as zeros. Two tiles at once (tb NULL: one). Every load of both is issued before the
+// first store, as float4 where the heads' rows are 16-byte aligned: a thread's loads are in flight
+// together rather than each behind the last one's store, which left the kernels waiting on memory at
+// every tile. hd <= 16 COLS.
+template <int COLS>
+static __device__ void load_tiles(float *ta, const float *ha, int64_t sa, float *tb, const float *hb, int64_t sb,
+                                  int64_t row0, int64_t t, int hd) {
+  const int ld = hd + 1;
+  const bool vec =
+      hd % 4 == 0 && sa % 4 == 0 && (uintptr_t)ha % 16 == 0 && (!tb || (sb % 4 == 0 && (uintptr_t)hb % 16 == 0));
   if (vec) {
     constexpr int N = kTile * 4 * COLS / kBlock;  // a thread's float4 of a tile, at most
-    const int quads = w / 4;
+    const int quads = hd / 4;
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     float4 va[N], vb[N];
     UNROLL
     for (int n = 0; n < N; n++) {
       const int e = (int)threadIdx.x + n * kBlock, r = e / quads, c = (e - r * quads) * 4;
-      const bool in = e < kTile * quads && row0 + r < t && c < hd;
+      const bool in = e < kTile * quads && row0 + r < t;
       va[n] = in ? load_float4(ha + (row0 + r) * sa + c) : zero;
       vb[n] = in && tb ? load_float4(hb + (row0 + r) * sb + c) : zero;
     }
@@ -180,41 +171,41 @@ static __device__ void load_tiles(T *ta, const float *ha, int64_t sa, T *tb, con
     for (int n = 0; n < N; n++) {
       const int e = (int)threadIdx.x + n * kBlock, r = e / quads, c = (e - r * quads) * 4;
       if (e >= kTile * quads) continue;
-      T *pa = ta + r * ld + c;
-      put(pa, va[n].x), put(pa + 1, va[n].y), put(pa + 2, va[n].z), put(pa + 3, va[n].w);
+      float *pa = ta + r * ld + c;
+      pa[0] = va[n].x, pa[1] = va[n].y, pa[2] = va[n].z, pa[3] = va[n].w;
       if (!tb) continue;
-      T *pb = tb + r * ld + c;
-      put(pb, vb[n].x), put(pb + 1, vb[n].y), put(pb + 2, vb[n].z), put(pb + 3, vb[n].w);
+      float *pb = tb + r * ld + c;
+      pb[0] = vb[n].x, pb[1] = vb[n].y, pb[2] = vb[n].z, pb[3] = vb[n].w;
     }
     return;
   }
-  for (int e = threadIdx.x; e < kTile * w; e += kBlock) {
-    const int r = e / w, c = e - r * w;
-    const bool in = row0 + r < t && c < hd;
-    put(ta + r * ld + c, in ? ha[(row0 + r) * sa + c] : 0.0f);
-    if (tb) put(tb + r * ld + c, in ? hb[(row0 + r) * sb + c] : 0.0f);
+  for (int e = threadIdx.x; e < kTile * hd; e += kBlock) {
+    const int r = e / hd, c = e - r * hd;
+    const bool in = row0 + r < t;
+    ta[r * ld + c] = in ? ha[(row0 + r) * sa + c] : 0.0f;
+    if (tb) tb[r * ld + c] = in ? hb[(row0 + r) * sb + c] : 0.0f;
   }
 }
 
 // FP32 tiles (kTile, hd + 1): one, or two at once.
 template <int COLS>
 static __device__ void load_tile(float *tile, const float *head, int64_t stride, int64_t row0, int64_t t, int hd) {
-  load_tiles<COLS, float>(tile, head, stride, NULL, NULL, 0, row0, t, hd, hd, hd + 1);
+  load_tiles<COLS>(tile, head, stride, NULL, NULL, 0, row0, t, hd);
 }
 template <int COLS>
 static __device__ void load_tile_pair(float *ta, const float *ha, int64_t sa, float *tb, const float *hb, int64_t sb,
                                       int64_t row0, int64_t t, int hd) {
-  load_tiles<COLS, float>(ta, ha, sa, tb, hb, sb, row0, t, hd, hd, hd + 1);
+  load_tiles<COLS>(ta, ha, sa, tb, hb, sb, row0, t, hd);
 }
 
 // One key tile j0 of the forward's online softmax, for the thread's rows of query tile i0: s (its
 // unscaled scores) -> the probabilities times their dropout factors into sp (row stride ld); each
 // row's running maximum m and sum l updated, and its part of the output acc rescaled to the new
 // maximum.
-template <int COLS, class T>
+template <int COLS>
 static __device__ __forceinline__ void attn_softmax_tile(const attn_geom &g, uint64_t seed, int64_t head, int64_t i0,
                                                          int64_t j0, float s[kRows][kRows], float m[kRows],
-                                                         float l[kRows], float acc[kRows][COLS], T *sp, int ld) {
+                                                         float l[kRows], float acc[kRows][COLS], float *sp, int ld) {
   const int tx = thread_x(), ty = thread_y();
   const bool all_visible = tile_all_visible(g, i0, j0);
   UNROLL
@@ -236,7 +227,7 @@ static __device__ __forceinline__ void attn_softmax_tile(const attn_geom &g, uin
       int64_t j = j0 + tx + kSide * b;
       float e = s[a][b] == -INFINITY ? 0.0f : expf(s[a][b] - m_new);
       sum += e;
-      put(sp + (ty + kSide * a) * ld + tx + kSide * b, e * attn_mask(g, seed, head, i, j));
+      sp[(ty + kSide * a) * ld + tx + kSide * b] = e * attn_mask(g, seed, head, i, j);
     }
     l[a] = l[a] * corr + row_sum(sum);
     m[a] = m_new;
@@ -331,11 +322,10 @@ __global__ void attn_delta_kernel(const float *dout, const float *o, float *delt
 // not NULL), ds = scale p (mask dout v^T - delta) into sds. sl, sd: the query tile's lse and delta.
 // From the thread's elements of the unscaled scores s = q k^T and of dp = dout v^T: p (times the dropout
 // factor) into sp (when not NULL) and ds = scale p (mask dp - delta) into sds, both of row stride ld.
-template <class T>
 static __device__ __forceinline__ void attn_ds_tile(const attn_geom &g, uint64_t seed, int64_t head, int64_t i0,
                                                     int64_t j0, const float s[kRows][kRows],
                                                     const float dp[kRows][kRows], const float *sl, const float *sd,
-                                                    T *sp, T *sds, int ld) {
+                                                    float *sp, float *sds, int ld) {
   const int tx = thread_x(), ty = thread_y();
   const bool all_visible = tile_all_visible(g, i0, j0);
   UNROLL
@@ -347,8 +337,8 @@ static __device__ __forceinline__ void attn_ds_tile(const attn_geom &g, uint64_t
       float p = 0.0f, mask = 0.0f;
       if (all_visible || attn_visible(g, i, j))
         p = expf(g.scale * s[a][b] - sl[r]), mask = attn_mask(g, seed, head, i, j);
-      if (sp) put(sp + r * ld + c, p * mask);
-      put(sds + r * ld + c, g.scale * p * (dp[a][b] * mask - sd[r]));
+      if (sp) sp[r * ld + c] = p * mask;
+      sds[r * ld + c] = g.scale * p * (dp[a][b] * mask - sd[r]);
     }
   }
 }
