@@ -3,8 +3,10 @@
 // GemmEx types (float, half, bfloat16, double). The math mode decides the numerics: FP32 stays
 // FP32 unless CUBLAS_TF32_TENSOR_OP_MATH or a FAST compute type allows reduced inputs, which are
 // then rounded as tensor cores would read them. Matrices must be device memory inside one live
-// allocation; the work is queued on the handle's stream like any other.
+// allocation; the work is queued on the handle's stream like any other. cuBLASLt's matmul (the
+// bias epilogue, the heuristic's algorithms and what they were chosen for) shares the GEMM.
 #include <cblas.h>
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <string.h>
 
@@ -72,6 +74,7 @@ struct Gemm {
   Reduce reduce;
   double alpha, beta;
   const void *alpha_dev, *beta_dev;  // device pointer mode: read when the work runs
+  const void *bias = nullptr;        // cuBLASLt's BIAS epilogue: one value per row of C, of C's type
 };
 
 // The extent in elements of a column-major (rows x cols) matrix with leading dimension ld.
@@ -117,6 +120,9 @@ void run_gemm(const Gemm &g) {
       else if (beta != 1)
         for (int j = 0; j < g.n; j++)
           for (int i = 0; i < g.m; i++) ((float *)c)[(size_t)j * g.ldc + i] *= (float)beta;
+      if (g.bias)  // the epilogue: added to the FP32 result, one rounding
+        for (int j = 0; j < g.n; j++)
+          for (int i = 0; i < g.m; i++) ((float *)c)[(size_t)j * g.ldc + i] += ((const float *)g.bias)[i];
       continue;
     }
     // other types: gather the operands densely, reduced as the compute type allows
@@ -155,6 +161,7 @@ void run_gemm(const Gemm &g) {
         } else {
           float vf = (float)alpha * (float)Cd[(size_t)j * g.m + i];
           if (beta != 0) vf += (float)beta * (float)load(c, g.ct, at);
+          if (g.bias) vf += (float)load(g.bias, g.ct, (size_t)i);
           v = vf;
         }
         store(c, g.ct, at, v);
@@ -226,7 +233,7 @@ cublasStatus_t submit(cublasContext *ctx, const char *api, Gemm g, const void *a
 // cuBLAS to round the inputs to half or bfloat16 and do not oblige it: it may pick a TF32 or FP32
 // kernel for a shape. The stand-in picks one of the three per shape, from GPUSIM_SEED, the same
 // each call (a kernel choice is per shape), so that results must hold whichever is picked.
-Reduce reduction(const cublasContext *ctx, cublasComputeType_t ct, int m, int n, int k) {
+Reduce reduction(cublasMath_t math, cublasComputeType_t ct, int m, int n, int k) {
   bool has_tf32 = config().cc_major >= 8;
   auto pick = [&](Reduce r16) {
     uint64_t key = config().seed * 0x9e3779b97f4a7c15ULL ^ ((uint64_t)m << 42) ^ ((uint64_t)n << 21) ^ (uint64_t)k;
@@ -240,9 +247,88 @@ Reduce reduction(const cublasContext *ctx, cublasComputeType_t ct, int m, int n,
     case CUBLAS_COMPUTE_32F_FAST_TF32: return has_tf32 ? TF32 : EXACT;
     case CUBLAS_COMPUTE_32F_FAST_16F: return pick(HALF);
     case CUBLAS_COMPUTE_32F_FAST_16BF: return pick(BF16);
-    case CUBLAS_COMPUTE_32F: return has_tf32 && (ctx->math & 0xf) == CUBLAS_TF32_TENSOR_OP_MATH ? TF32 : EXACT;
+    case CUBLAS_COMPUTE_32F: return has_tf32 && (math & 0xf) == CUBLAS_TF32_TENSOR_OP_MATH ? TF32 : EXACT;
     default: return EXACT;
   }
+}
+
+// ---- cuBLASLt: descriptors, the heuristic's algorithms, and checks of the pointers against them ----
+
+struct LtDesc {
+  cublasComputeType_t compute;
+  cudaDataType scale;
+  cublasOperation_t ta = CUBLAS_OP_N, tb = CUBLAS_OP_N;
+  uint32_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+  const void *bias = nullptr;
+  int32_t bias_type = -1;  // -1: D's type
+};
+
+struct LtLayout {
+  cudaDataType type;
+  uint64_t rows, cols;
+  int64_t ld;
+};
+
+struct LtPref {
+  uint64_t max_workspace = 0;
+  uint32_t align[4] = {256, 256, 256, 256};  // A, B, C, D: the alignment the pointers are promised to have
+};
+
+Handles<LtDesc> lt_descs;
+Handles<LtLayout> lt_layouts;
+Handles<LtPref> lt_prefs;
+
+// An algorithm as the stand-in's heuristic hands it out: what it was chosen for (a hash of the
+// descriptors), the alignments it relies on (A, B, C, D from the preference, the bias pointer's
+// as the descriptor held it) and the workspace it needs.
+enum : uint64_t { LT_ALGO_MAGIC = 0x67707573696d4c74ULL };  // "gpusimLt"
+struct LtAlgo {
+  uint64_t magic, fingerprint;
+  uint32_t align[5];
+  uint32_t pad;
+  uint64_t workspace;
+};
+static_assert(sizeof(LtAlgo) <= sizeof(cublasLtMatmulAlgo_t), "LtAlgo fits cuBLASLt's algorithm");
+
+uint64_t lt_fingerprint(const LtDesc *d, const LtLayout *l[4]) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  auto mix = [&](uint64_t v) { h = (h ^ v) * 0x100000001b3ULL; };
+  mix((uint64_t)d->compute), mix((uint64_t)d->scale), mix((uint64_t)d->ta), mix((uint64_t)d->tb);
+  mix(d->epilogue), mix((uint64_t)(int64_t)d->bias_type);
+  for (int i = 0; i < 4; i++) mix((uint64_t)l[i]->type), mix(l[i]->rows), mix(l[i]->cols), mix((uint64_t)l[i]->ld);
+  return h;
+}
+
+// The largest power of two (at most 256) that divides the address and the leading dimension's bytes.
+uint32_t alignment_of(const void *p, uint64_t ld_bytes) {
+  uint64_t v = (uint64_t)(uintptr_t)p | ld_bytes | 256;
+  return (uint32_t)(v & (~v + 1));
+}
+
+// The problem the descriptors describe, checked as cublasLtMatmul checks it: NOT_SUPPORTED for what
+// the stand-in (and the project) does not use.
+cublasStatus_t lt_problem(const LtDesc *d, const LtLayout *l[4]) {
+  const LtLayout *a = l[0], *b = l[1], *c = l[2], *dd = l[3];
+  if (d->scale != CUDA_R_32F) return CUBLAS_STATUS_NOT_SUPPORTED;
+  if (d->compute != CUBLAS_COMPUTE_32F && d->compute != CUBLAS_COMPUTE_32F_PEDANTIC &&
+      d->compute != CUBLAS_COMPUTE_32F_FAST_TF32 && d->compute != CUBLAS_COMPUTE_32F_FAST_16F &&
+      d->compute != CUBLAS_COMPUTE_32F_FAST_16BF)
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  if (a->type != b->type || a->type == CUDA_R_64F || (a->type == CUDA_R_32F && dd->type != CUDA_R_32F) ||
+      (dd->type != CUDA_R_32F && dd->type != a->type) || c->type != dd->type || c->rows != dd->rows ||
+      c->cols != dd->cols)
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  uint64_t m = d->ta == CUBLAS_OP_N ? a->rows : a->cols, k = d->ta == CUBLAS_OP_N ? a->cols : a->rows;
+  uint64_t kb = d->tb == CUBLAS_OP_N ? b->rows : b->cols, n = d->tb == CUBLAS_OP_N ? b->cols : b->rows;
+  if (k != kb || m != dd->rows || n != dd->cols) return CUBLAS_STATUS_INVALID_VALUE;
+  if (m > INT32_MAX || n > INT32_MAX || k > INT32_MAX) return CUBLAS_STATUS_NOT_SUPPORTED;
+  for (int i = 0; i < 4; i++)
+    if (l[i]->ld < (int64_t)(l[i]->rows > 1 ? l[i]->rows : 1)) return CUBLAS_STATUS_INVALID_VALUE;
+  if (d->epilogue != CUBLASLT_EPILOGUE_DEFAULT && d->epilogue != CUBLASLT_EPILOGUE_BIAS)
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  if (d->epilogue == CUBLASLT_EPILOGUE_BIAS && d->bias_type != -1 && d->bias_type != (int32_t)dd->type)
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  return CUBLAS_STATUS_SUCCESS;
 }
 
 }  // namespace
@@ -377,10 +463,11 @@ cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
   ApiLock lock;
   cublasContext *c = ctx_of(h);
   if (!c) return CUBLAS_STATUS_NOT_INITIALIZED;
-  Gemm g = {
-      ta, tb, m,       n,      k, lda,        ldb,        ldc,        batch, sa,
-      sb, sc, A,       B,      C, CUDA_R_32F, CUDA_R_32F, CUDA_R_32F, false, reduction(c, CUBLAS_COMPUTE_32F, m, n, k),
-      0,  0,  nullptr, nullptr};
+  Gemm g = {ta,         tb,         m,          n,      k,
+            lda,        ldb,        ldc,        batch,  sa,
+            sb,         sc,         A,          B,      C,
+            CUDA_R_32F, CUDA_R_32F, CUDA_R_32F, false,  reduction(c->math, CUBLAS_COMPUTE_32F, m, n, k),
+            0,          0,          nullptr,    nullptr};
   if ((c->math & 0xf) == CUBLAS_PEDANTIC_MATH) g.reduce = EXACT;
   return submit(c, batch == 1 && !sa ? "cublasSgemm" : "cublasSgemmStridedBatched", g, alpha, beta);
 }
@@ -403,9 +490,10 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta
   if (f64 && (at != CUDA_R_64F || bt != CUDA_R_64F || ct != CUDA_R_64F)) return CUBLAS_STATUS_NOT_SUPPORTED;
   if (f32 && (at != bt || at == CUDA_R_64F || (at == CUDA_R_32F && ct != CUDA_R_32F) || (ct != CUDA_R_32F && ct != at)))
     return CUBLAS_STATUS_NOT_SUPPORTED;
-  Gemm g = {ta, tb, m,       n,      k, lda, ldb, ldc, batch, sa,
-            sb, sc, A,       B,      C, at,  bt,  ct,  f64,   at == CUDA_R_32F ? reduction(c, compute, m, n, k) : EXACT,
-            0,  0,  nullptr, nullptr};
+  Gemm g = {
+      ta, tb, m,       n,      k, lda, ldb, ldc, batch, sa,
+      sb, sc, A,       B,      C, at,  bt,  ct,  f64,   at == CUDA_R_32F ? reduction(c->math, compute, m, n, k) : EXACT,
+      0,  0,  nullptr, nullptr};
   if ((c->math & 0xf) == CUBLAS_PEDANTIC_MATH || compute == CUBLAS_COMPUTE_32F_PEDANTIC) g.reduce = EXACT;
   return submit(c, batch == 1 && !sa ? "cublasGemmEx" : "cublasGemmStridedBatchedEx", g, alpha, beta);
 }
@@ -416,6 +504,279 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
                             cublasGemmAlgo_t algo) {
   return cublasGemmStridedBatchedEx(h, ta, tb, m, n, k, alpha, A, at, lda, 0, B, bt, ldb, 0, beta, C, ct, ldc, 0, 1,
                                     compute, algo);
+}
+
+// cuBLASLt: matrix layouts and the matmul descriptor's and preference's attributes the project
+// sets; the heuristic returns one algorithm, or none under GPUSIM_CUBLASLT=none (as cuBLASLt does
+// for a problem no kernel of it supports).
+struct cublasLtContext {
+  int device = 0;
+};
+
+static Handles<cublasLtContext> lt_handles;
+
+cublasStatus_t cublasLtCreate(cublasLtHandle_t *h) {
+  ApiLock lock;
+  Device *d = current_device();
+  if (!d) return CUBLAS_STATUS_NOT_INITIALIZED;
+  if (!h) return CUBLAS_STATUS_INVALID_VALUE;
+  cublasLtContext *c = lt_handles.add(new cublasLtContext);
+  c->device = d->index;
+  *h = c;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtDestroy(cublasLtHandle_t h) {
+  ApiLock lock;
+  if (!lt_handles.remove(h)) return CUBLAS_STATUS_NOT_INITIALIZED;
+  delete h;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+size_t cublasLtGetVersion(void) {
+  return CUBLAS_VERSION;
+}
+
+cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t *desc, cublasComputeType_t compute, cudaDataType_t scale) {
+  ApiLock lock;
+  if (!desc) return CUBLAS_STATUS_INVALID_VALUE;
+  LtDesc *d = lt_descs.add(new LtDesc);
+  d->compute = compute, d->scale = scale;
+  *desc = reinterpret_cast<cublasLtMatmulDesc_t>(d);
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t desc) {
+  ApiLock lock;
+  LtDesc *d = reinterpret_cast<LtDesc *>(desc);
+  if (!lt_descs.remove(d)) return CUBLAS_STATUS_INVALID_VALUE;
+  delete d;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr,
+                                              const void *buf, size_t bytes) {
+  ApiLock lock;
+  LtDesc *d = reinterpret_cast<LtDesc *>(desc);
+  if (!lt_descs.has(d) || !buf) return CUBLAS_STATUS_INVALID_VALUE;
+  auto take = [&](void *field, size_t size) {
+    if (bytes != size) return CUBLAS_STATUS_INVALID_VALUE;
+    memcpy(field, buf, size);
+    return CUBLAS_STATUS_SUCCESS;
+  };
+  switch (attr) {
+    case CUBLASLT_MATMUL_DESC_TRANSA: return take(&d->ta, sizeof d->ta);
+    case CUBLASLT_MATMUL_DESC_TRANSB: return take(&d->tb, sizeof d->tb);
+    case CUBLASLT_MATMUL_DESC_EPILOGUE: return take(&d->epilogue, sizeof d->epilogue);
+    case CUBLASLT_MATMUL_DESC_BIAS_POINTER: return take(&d->bias, sizeof d->bias);
+    case CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE: return take(&d->bias_type, sizeof d->bias_type);
+    default: return CUBLAS_STATUS_NOT_SUPPORTED;  // not modelled: the project sets no other
+  }
+}
+
+cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t *layout, cudaDataType type, uint64_t rows,
+                                          uint64_t cols, int64_t ld) {
+  ApiLock lock;
+  if (!layout || !type_size(type)) return CUBLAS_STATUS_INVALID_VALUE;
+  LtLayout *l = lt_layouts.add(new LtLayout{type, rows, cols, ld});
+  *layout = reinterpret_cast<cublasLtMatrixLayout_t>(l);
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t layout) {
+  ApiLock lock;
+  LtLayout *l = reinterpret_cast<LtLayout *>(layout);
+  if (!lt_layouts.remove(l)) return CUBLAS_STATUS_INVALID_VALUE;
+  delete l;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t *pref) {
+  ApiLock lock;
+  if (!pref) return CUBLAS_STATUS_INVALID_VALUE;
+  *pref = reinterpret_cast<cublasLtMatmulPreference_t>(lt_prefs.add(new LtPref));
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t pref) {
+  ApiLock lock;
+  LtPref *p = reinterpret_cast<LtPref *>(pref);
+  if (!lt_prefs.remove(p)) return CUBLAS_STATUS_INVALID_VALUE;
+  delete p;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t pref,
+                                                    cublasLtMatmulPreferenceAttributes_t attr, const void *buf,
+                                                    size_t bytes) {
+  ApiLock lock;
+  LtPref *p = reinterpret_cast<LtPref *>(pref);
+  if (!lt_prefs.has(p) || !buf) return CUBLAS_STATUS_INVALID_VALUE;
+  if (attr == CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES) {
+    if (bytes != sizeof p->max_workspace) return CUBLAS_STATUS_INVALID_VALUE;
+    memcpy(&p->max_workspace, buf, bytes);
+    return CUBLAS_STATUS_SUCCESS;
+  }
+  int which = attr == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES   ? 0
+              : attr == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES ? 1
+              : attr == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES ? 2
+              : attr == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES ? 3
+                                                                   : -1;
+  if (which < 0) return CUBLAS_STATUS_NOT_SUPPORTED;  // not modelled: the project sets no other
+  if (bytes != sizeof(uint32_t)) return CUBLAS_STATUS_INVALID_VALUE;
+  memcpy(&p->align[which], buf, bytes);
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t A,
+                                              cublasLtMatrixLayout_t B, cublasLtMatrixLayout_t C,
+                                              cublasLtMatrixLayout_t D, cublasLtMatmulPreference_t pref, int requested,
+                                              cublasLtMatmulHeuristicResult_t results[], int *returned) {
+  ApiLock lock;
+  const LtDesc *d = reinterpret_cast<const LtDesc *>(desc);
+  const LtLayout *l[4] = {reinterpret_cast<LtLayout *>(A), reinterpret_cast<LtLayout *>(B),
+                          reinterpret_cast<LtLayout *>(C), reinterpret_cast<LtLayout *>(D)};
+  const LtPref *p = reinterpret_cast<const LtPref *>(pref);
+  if (!lt_handles.has(h)) return CUBLAS_STATUS_NOT_INITIALIZED;
+  if (!lt_descs.has(d) || !lt_prefs.has(p) || requested <= 0 || !results || !returned)
+    return CUBLAS_STATUS_INVALID_VALUE;
+  for (const LtLayout *x : l)
+    if (!lt_layouts.has(x)) return CUBLAS_STATUS_INVALID_VALUE;
+  *returned = 0;
+  cublasStatus_t st = lt_problem(d, l);
+  if (st != CUBLAS_STATUS_SUCCESS) return st;
+  for (int i = 0; i < 4; i++) {
+    size_t elem = type_size(l[i]->type);
+    if (p->align[i] < elem || (p->align[i] & (p->align[i] - 1))) return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  if (d->epilogue == CUBLASLT_EPILOGUE_BIAS && !d->bias) return CUBLAS_STATUS_INVALID_VALUE;
+  const char *lt = getenv("GPUSIM_CUBLASLT");
+  if (lt && !strcmp(lt, "none")) return CUBLAS_STATUS_NOT_SUPPORTED;
+  LtAlgo algo = {LT_ALGO_MAGIC, lt_fingerprint(d, l), {}, 0, 0};
+  for (int i = 0; i < 4; i++) algo.align[i] = p->align[i];
+  algo.align[4] = d->bias ? alignment_of(d->bias, 16) : 0;  // the bias is read 16 bytes at a time where it can be
+  // a long k is split, its partial sums kept in the workspace when the preference allows one
+  uint64_t k = d->ta == CUBLAS_OP_N ? l[0]->cols : l[0]->rows;
+  algo.workspace = k >= 32 && p->max_workspace >= 65536 ? 65536 : 0;
+  memset(&results[0], 0, sizeof results[0]);
+  memcpy(&results[0].algo, &algo, sizeof algo);
+  results[0].workspaceSize = algo.workspace;
+  results[0].state = CUBLAS_STATUS_SUCCESS;
+  results[0].wavesCount = 1.0f;
+  *returned = 1;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, const void *alpha, const void *A,
+                              cublasLtMatrixLayout_t Adesc, const void *B, cublasLtMatrixLayout_t Bdesc,
+                              const void *beta, const void *C, cublasLtMatrixLayout_t Cdesc, void *D,
+                              cublasLtMatrixLayout_t Ddesc, const cublasLtMatmulAlgo_t *algo_in, void *workspace,
+                              size_t workspace_bytes, cudaStream_t stream) {
+  ApiLock lock;
+  const char *api = "cublasLtMatmul";
+  const LtDesc *d = reinterpret_cast<const LtDesc *>(desc);
+  const LtLayout *l[4] = {reinterpret_cast<LtLayout *>(Adesc), reinterpret_cast<LtLayout *>(Bdesc),
+                          reinterpret_cast<LtLayout *>(Cdesc), reinterpret_cast<LtLayout *>(Ddesc)};
+  if (!lt_handles.has(h)) return CUBLAS_STATUS_NOT_INITIALIZED;
+  if (!lt_descs.has(d) || !alpha || !beta) return CUBLAS_STATUS_INVALID_VALUE;
+  for (const LtLayout *x : l)
+    if (!lt_layouts.has(x)) return CUBLAS_STATUS_INVALID_VALUE;
+  cublasStatus_t st = lt_problem(d, l);
+  if (st != CUBLAS_STATUS_SUCCESS) return st;
+  if (!algo_in) fatal("%s: no algorithm (the project always passes the heuristic's)", api);
+  LtAlgo algo;
+  memcpy(&algo, algo_in, sizeof algo);
+  if (algo.magic != LT_ALGO_MAGIC) fatal("%s: the algorithm did not come from cublasLtMatmulAlgoGetHeuristic", api);
+  if (algo.fingerprint != lt_fingerprint(d, l)) {
+    warn("%s: the algorithm was chosen for other descriptors (types, shapes, transposes or epilogue)", api);
+    return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  const void *ptr[4] = {A, B, C, D};
+  static const char *const names[4] = {"A", "B", "C", "D"};
+  for (int i = 0; i < 4; i++) {
+    uint32_t have = alignment_of(ptr[i], (uint64_t)l[i]->ld * type_size(l[i]->type));
+    if (have < algo.align[i]) {
+      warn(
+          "%s: matrix %s at %p (ld %lld) is %u-byte aligned, but its algorithm was chosen for %u bytes "
+          "(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_%s_BYTES)",
+          api, names[i], ptr[i], (long long)l[i]->ld, have, algo.align[i], names[i]);
+      return CUBLAS_STATUS_INVALID_VALUE;
+    }
+  }
+  const bool bias = d->epilogue == CUBLASLT_EPILOGUE_BIAS;
+  if (bias && (!d->bias || alignment_of(d->bias, 16) < algo.align[4])) {
+    warn("%s: the bias (%p) is less aligned than when the algorithm was chosen (%u bytes)", api, d->bias,
+         algo.align[4]);
+    return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  if (algo.workspace && (workspace_bytes < algo.workspace || !workspace)) {
+    warn("%s: the algorithm needs %llu bytes of workspace, given %zu", api, (unsigned long long)algo.workspace,
+         workspace_bytes);
+    return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  cublasLtContext *c = h;
+  Stream *s = stream_of(stream);
+  if (!s) return CUBLAS_STATUS_EXECUTION_FAILED;
+  for (int i = 0; i < 2; i++) {
+    const void *p = i ? beta : alpha;
+    if (in_device_region(p))
+      fatal("%s: %s (%p) is device memory but the descriptor's pointer mode is host", api, i ? "beta" : "alpha", p);
+  }
+  Gemm g = {};
+  g.ta = d->ta, g.tb = d->tb;
+  g.m = (int)l[3]->rows, g.n = (int)l[3]->cols, g.k = (int)(d->ta == CUBLAS_OP_N ? l[0]->cols : l[0]->rows);
+  g.lda = (int)l[0]->ld, g.ldb = (int)l[1]->ld, g.ldc = (int)l[3]->ld, g.batch = 1;
+  g.a = A, g.b = B, g.c = D, g.at = l[0]->type, g.bt = l[1]->type, g.ct = l[3]->type;
+  // no handle math mode in cuBLASLt: the compute type alone decides
+  g.reduce = g.at == CUDA_R_32F && d->compute != CUBLAS_COMPUTE_32F_PEDANTIC
+                 ? reduction(CUBLAS_DEFAULT_MATH, d->compute, g.m, g.n, g.k)
+                 : EXACT;
+  g.alpha = *(const float *)alpha, g.beta = *(const float *)beta;
+  g.bias = bias ? d->bias : nullptr;
+  if (g.m == 0 || g.n == 0) return CUBLAS_STATUS_SUCCESS;
+  int ar = g.ta == CUBLAS_OP_N ? g.m : g.k, ac = g.ta == CUBLAS_OP_N ? g.k : g.m;
+  int br = g.tb == CUBLAS_OP_N ? g.k : g.n, bc = g.tb == CUBLAS_OP_N ? g.n : g.k;
+  std::unique_ptr<FnOp> op(new FnOp);
+  const Allocation *used[4] = {
+      check_matrix(api, "A", A, g.at, ar, ac, g.lda, 0, 1, c->device),
+      check_matrix(api, "B", B, g.bt, br, bc, g.ldb, 0, 1, c->device),
+      g.beta != 0 ? check_matrix(api, "C", C, g.ct, g.m, g.n, (int)l[2]->ld, 0, 1, c->device) : nullptr,
+      check_matrix(api, "D", D, g.ct, g.m, g.n, g.ldc, 0, 1, c->device)};
+  for (const Allocation *a : used)
+    if (a) op->uses.push_back(a);
+  size_t elem = type_size(g.ct);
+  if (bias) {
+    const Allocation *a = device_range(g.bias, (size_t)g.m * elem, c->device);
+    if (!a)
+      fatal("%s: the bias (%d values at %p, %s) does not lie inside one live allocation of device %d", api, g.m, g.bias,
+            describe_address(g.bias).c_str(), c->device);
+    op->uses.push_back(a);
+    declare_access(op.get(), g.bias, (size_t)g.m * elem, false);
+  }
+  if (algo.workspace) {
+    const Allocation *a = device_range(workspace, algo.workspace, c->device);
+    if (!a)
+      fatal("%s: the workspace (%llu bytes at %p, %s) does not lie inside one live allocation of device %d", api,
+            (unsigned long long)algo.workspace, workspace, describe_address(workspace).c_str(), c->device);
+    op->uses.push_back(a);
+    declare_access(op.get(), workspace, algo.workspace, true);
+  }
+  declare_access(op.get(), A, extent(ar, ac, g.lda) * type_size(g.at), false);
+  declare_access(op.get(), B, extent(br, bc, g.ldb) * type_size(g.bt), false);
+  const int ldc_in = (int)l[2]->ld;
+  if (g.beta != 0) declare_access(op.get(), C, extent(g.m, g.n, ldc_in) * elem, false);
+  declare_access(op.get(), D, extent(g.m, g.n, g.ldc) * elem, true);
+  char what[160];
+  snprintf(what, sizeof what, "%s (m %d, n %d, k %d%s)", api, g.m, g.n, g.k, bias ? ", bias epilogue" : "");
+  op->what = what;
+  op->fn = [g, C, ldc_in]() {
+    if (g.beta != 0 && C != g.c)  // D starts as C, then takes the product as C would
+      for (int j = 0; j < g.n; j++)
+        for (int i = 0; i < g.m; i++) store(g.c, g.ct, (size_t)j * g.ldc + i, load(C, g.ct, (size_t)j * ldc_in + i));
+    run_gemm(g);
+  };
+  if (enqueue(s, std::move(op)) != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;  // a capture refused it
+  return CUBLAS_STATUS_SUCCESS;
 }
 
 }  // extern "C"

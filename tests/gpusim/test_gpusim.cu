@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cudnn.h>
 
@@ -1396,6 +1397,97 @@ static void device_alpha_in_host_mode() {
   cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 1, d, d, 4, d, 1, d, d, 4);
 }
 
+// cuBLASLt: the bias epilogue by hand (D = A B + bias per row, C read only with beta), and what
+// cublasLtMatmul refuses: an algorithm chosen for other descriptors, a pointer less aligned than
+// the heuristic was told, a missing workspace; GPUSIM_CUBLASLT=none leaves the heuristic empty.
+static void cublaslt_bias_epilogue_and_its_checks(void **) {
+  cublasLtHandle_t lt;
+  BLAS_OK(cublasLtCreate(&lt));
+  // A (2 x 3) and B (3 x 2), column-major: A = [1 2 3; 4 5 6], B = [1 0; 0 1; 1 1]
+  float *dA = device_copy(std::vector<float>{1, 4, 2, 5, 3, 6}),
+        *dB = device_copy(std::vector<float>{1, 0, 1, 0, 1, 1});
+  float *dC = device_copy(std::vector<float>{10, 20, 30, 40}), *dD = device_copy(std::vector<float>(4, -1.0f));
+  float *dbias = device_copy(std::vector<float>{0.5f, -0.5f, 0, 0, 7, 7, 7, 7});
+  cublasLtMatmulDesc_t desc;
+  BLAS_OK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasLtEpilogue_t bias = CUBLASLT_EPILOGUE_BIAS;
+  BLAS_OK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &bias, sizeof bias));
+  BLAS_OK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &dbias, sizeof dbias));
+  cublasLtMatrixLayout_t la, lb, lc, other;
+  BLAS_OK(cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, 2, 3, 2));
+  BLAS_OK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_32F, 3, 2, 3));
+  BLAS_OK(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, 2, 2, 2));
+  BLAS_OK(cublasLtMatrixLayoutCreate(&other, CUDA_R_32F, 2, 2, 4));
+  cublasLtMatmulPreference_t pref;
+  BLAS_OK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t ws_bytes = 1 << 20;
+  BLAS_OK(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes));
+  // A and B: 4-byte aligned (their leading dimensions are 2 and 3 floats); C and D: 8 bytes
+  const uint32_t align[4] = {4, 4, 8, 8};
+  const cublasLtMatmulPreferenceAttributes_t align_attr[4] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  for (int i = 0; i < 4; i++)
+    BLAS_OK(cublasLtMatmulPreferenceSetAttribute(pref, align_attr[i], &align[i], sizeof align[i]));
+  cublasLtMatmulHeuristicResult_t r;
+  int found = 0;
+  BLAS_OK(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &r, &found));
+  assert_int_equal(found, 1);
+  float one = 1, zero = 0, half = 0.5f;
+  cudaStream_t s = 0;
+  // A B = [4 5; 10 11]; plus the bias per row: [4.5 5.5; 9.5 10.5]; column-major D
+  BLAS_OK(cublasLtMatmul(lt, desc, &one, dA, la, dB, lb, &zero, dC, lc, dD, lc, &r.algo, nullptr, 0, s));
+  std::vector<float> got = host_copy(dD, 4);
+  assert_true(got == (std::vector<float>{4.5f, 9.5f, 5.5f, 10.5f}));
+  // beta: D = A B + 0.5 C + bias, C left as it was
+  BLAS_OK(cublasLtMatmul(lt, desc, &one, dA, la, dB, lb, &half, dC, lc, dD, lc, &r.algo, nullptr, 0, s));
+  got = host_copy(dD, 4);
+  assert_true(got == (std::vector<float>{9.5f, 19.5f, 20.5f, 30.5f}));
+  assert_true(host_copy(dC, 4) == (std::vector<float>{10, 20, 30, 40}));
+  // B one float past its allocation's start is as aligned as the heuristic was told; D there is not
+  float *dB4 = device_copy(std::vector<float>{9, 1, 0, 1, 0, 1, 1}), *dD4 = device_copy(std::vector<float>(5, 0.0f));
+  BLAS_OK(cublasLtMatmul(lt, desc, &one, dA, la, dB4 + 1, lb, &zero, dC, lc, dD, lc, &r.algo, nullptr, 0, s));
+  assert_int_equal(cublasLtMatmul(lt, desc, &one, dA, la, dB, lb, &zero, dC, lc, dD4 + 1, lc, &r.algo, nullptr, 0, s),
+                   CUBLAS_STATUS_INVALID_VALUE);
+  // the bias moved to a 4-byte boundary after the heuristic saw it 256-byte aligned
+  float *moved = dbias + 1;
+  BLAS_OK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &moved, sizeof moved));
+  assert_int_equal(cublasLtMatmul(lt, desc, &one, dA, la, dB, lb, &zero, dC, lc, dD, lc, &r.algo, nullptr, 0, s),
+                   CUBLAS_STATUS_INVALID_VALUE);
+  BLAS_OK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &dbias, sizeof dbias));
+  // an algorithm is for the descriptors it was chosen for
+  assert_int_equal(cublasLtMatmul(lt, desc, &one, dA, la, dB, lb, &zero, dC, other, dD, other, &r.algo, nullptr, 0, s),
+                   CUBLAS_STATUS_INVALID_VALUE);
+  // k = 40 takes an algorithm with a workspace, which must be given
+  float *dA40 = device_copy(std::vector<float>(80, 1.0f)), *dB40 = device_copy(std::vector<float>(80, 1.0f));
+  cublasLtMatrixLayout_t la40, lb40;
+  BLAS_OK(cublasLtMatrixLayoutCreate(&la40, CUDA_R_32F, 2, 40, 2));
+  BLAS_OK(cublasLtMatrixLayoutCreate(&lb40, CUDA_R_32F, 40, 2, 40));
+  BLAS_OK(cublasLtMatmulAlgoGetHeuristic(lt, desc, la40, lb40, lc, lc, pref, 1, &r, &found));
+  assert_true(found == 1 && r.workspaceSize > 0);
+  assert_int_equal(
+      cublasLtMatmul(lt, desc, &one, dA40, la40, dB40, lb40, &zero, dC, lc, dD, lc, &r.algo, nullptr, 0, s),
+      CUBLAS_STATUS_INVALID_VALUE);
+  void *ws = nullptr;
+  assert_int_equal(cudaMalloc(&ws, r.workspaceSize), cudaSuccess);
+  BLAS_OK(
+      cublasLtMatmul(lt, desc, &one, dA40, la40, dB40, lb40, &zero, dC, lc, dD, lc, &r.algo, ws, r.workspaceSize, s));
+  assert_true(host_copy(dD, 4) == (std::vector<float>{40.5f, 39.5f, 40.5f, 39.5f}));
+  setenv("GPUSIM_CUBLASLT", "none", 1);
+  assert_int_equal(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &r, &found),
+                   CUBLAS_STATUS_NOT_SUPPORTED);
+  assert_int_equal(found, 0);
+  unsetenv("GPUSIM_CUBLASLT");
+  for (cublasLtMatrixLayout_t l : {la, lb, lc, other, la40, lb40}) BLAS_OK(cublasLtMatrixLayoutDestroy(l));
+  BLAS_OK(cublasLtMatmulPreferenceDestroy(pref));
+  BLAS_OK(cublasLtMatmulDescDestroy(desc));
+  BLAS_OK(cublasLtDestroy(lt));
+  for (void *p : {(void *)dA, (void *)dB, (void *)dC, (void *)dD, (void *)dbias, (void *)dB4, (void *)dD4, (void *)dA40,
+                  (void *)dB40, ws})
+    cudaFree(p);
+}
+
 static void cublas_math_modes_types_and_pointer_modes(void **) {
   cublasHandle_t h;
   BLAS_OK(cublasCreate(&h));
@@ -2098,6 +2190,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(graphs_check_the_memory_they_use_when_launched),
       cmocka_unit_test(cublas_gemm_follows_column_major_rules),
       cmocka_unit_test(cublas_math_modes_types_and_pointer_modes),
+      cmocka_unit_test(cublaslt_bias_epilogue_and_its_checks),
       cmocka_unit_test(cublas_gemm_in_a_graph),
       cmocka_unit_test(cudnn_convolutions_match_direct_loops),
       cmocka_unit_test(cudnn_algorithms_workspaces_math_and_determinism),
