@@ -89,7 +89,7 @@ ifeq ($(CUDA),1)
   GPU_SRCS := gpu_cuda.c $(addprefix cuda/,backend.c gemm.c conv.c ops.c) comm_nccl.c
   override CFLAGS += -I$(CUDA_HOME)/include -Ikernels -DDT_WITH_CUDA=1 '-DDT_CUDA_SASS="$(CUDA_SASS)"' '-DDT_CUDA_PTX="$(CUDA_PTX)"'
   LDLIBS += -ldl -rdynamic
-  CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudnn -lcublas -lcudart -lnccl -lstdc++ -ldl
+  CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudnn -lcublasLt -lcublas -lcudart -lnccl -lstdc++ -ldl
   KERNEL_OBJS := $(patsubst kernels/%.cu,$(BUILD)/kernels/%.o,$(wildcard kernels/*.cu))
   GPU_OBJS := $(GPU_SRCS:%.c=$(BUILD)/pic/%.o)
   PLUGIN := $(BUILD)/libddp_train_cuda.so

@@ -100,15 +100,15 @@ void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const
   }
 }
 
-int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][3]) {
+int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][4]) {
   const int64_t rows = shape_rows(l->in, batch), c = l->in.c;
   if (l->ops == &dt_layer_linear) {
-    products[0][0] = rows, products[0][1] = c, products[0][2] = l->args.out;
+    products[0][0] = rows, products[0][1] = c, products[0][2] = l->args.out, products[0][3] = l->args.bias;
     return 1;
   }
   if (l->ops != &dt_layer_attention) return 0;
-  products[0][0] = rows, products[0][1] = c, products[0][2] = 3 * c;
-  products[1][0] = rows, products[1][1] = c, products[1][2] = c;
+  products[0][0] = rows, products[0][1] = c, products[0][2] = 3 * c, products[0][3] = 1;
+  products[1][0] = rows, products[1][1] = c, products[1][2] = c, products[1][3] = 1;
   return 2;
 }
 

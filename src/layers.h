@@ -34,11 +34,11 @@ void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const 
 void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
                     const float *dy, float *dw, float *dbias, float *dx);
 
-/* The dense products (rows, in, out) of a linear layer (one) or an attention layer (its two
- * projections, (rows, C, 3C) and (rows, C, C)) over `batch` rows, in products; 0 for any other
- * layer. dense_forward and dense_backward run each as up to three GEMMs (the memory estimate asks the
- * backend for their scratch). layer_dense.c. */
-int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][3]);
+/* The dense products (rows, in, out, has a bias) of a linear layer (one) or an attention layer (its
+ * two projections, (rows, C, 3C, 1) and (rows, C, C, 1)) over `batch` rows, in products; 0 for any
+ * other layer. dense_forward and dense_backward run each as up to three GEMMs (the memory estimate
+ * asks the backend for their scratch). layer_dense.c. */
+int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][4]);
 
 /* A conv2d layer's convolution of `batch` rows into *g (its scratch is the backend's: the memory
  * estimate asks the backend, backend.h's scratch); 0 for any other layer. layer_conv.c. */

@@ -37,11 +37,14 @@ static int scratch_ops(const dt_model *m, int64_t batch, int backward, dt_op *op
     const dt_layer *l = m->all[i];
     const int first = l == m->top.layers[0];
     dt_conv_geom g;
-    int64_t dense[2][3];
+    int64_t dense[2][4];
     const int n_dense = layer_dense_products(l, batch, dense);
     for (int d = 0; d < n_dense; d++) {
       const int64_t rows = dense[d][0], in = dense[d][1], out = dense[d][2];
-      ops[n++] = dense_gemm(DENSE_FWD, rows, in, out);
+      static const float bias_marker; /* these ops are shapes only: never read */
+      ops[n] = dense_gemm(DENSE_FWD, rows, in, out);
+      if (dense[d][3]) ops[n].p.gemm.bias = &bias_marker; /* a bias: the CUDA backend's cuBLASLt workspace */
+      n++;
       if (backward) ops[n++] = dense_gemm(DENSE_DW, rows, in, out);
       if (backward && !first) ops[n++] = dense_gemm(DENSE_DX, rows, in, out);
     }

@@ -1648,7 +1648,7 @@ static void ops_gemm_bf16(void) {
                {1, 0, 0, 21, 27, 40, 1.0f, 1.0f},
                {0, 0, 0, 40, 27, 21, 1.0f, 0.0f},
                {1, 1, 0, 17, 19, 33, 0.5f, 0.25f}};
-  size_t held16 = 0; /* the CUDA backend's h16, as the estimate says */
+  size_t held16 = 0, held_ws = 0; /* the CUDA backend's h16 and workspace (cuBLASLt's), as the estimate says */
   for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
     const int64_t m = cases[i].m, n = cases[i].n, k = cases[i].k;
     float *ha = ot_host_rand(m * k, -1, 1), *hb = ot_host_rand(k * n, -1, 1);
@@ -1662,7 +1662,7 @@ static void ops_gemm_bf16(void) {
     ot_case(DT_OP_GEMM, "bf16 operands, trans_a %d trans_b %d, (%lld, %lld, %lld)%s", cases[i].ta, cases[i].tb,
             (long long)m, (long long)n, (long long)k, cases[i].bias ? ", bias" : "");
     const size_t used = ot.be[1]->mem_used;
-    size_t scratch = 0;
+    size_t scratch = 0, ws = 0;
     BOTH {
       dt_op op = {.type = DT_OP_GEMM};
       op.p.gemm = (typeof(op.p.gemm)){.trans_a = cases[i].ta,
@@ -1676,16 +1676,25 @@ static void ops_gemm_bf16(void) {
                                       .b = s_ ? F(b) : F(b16),
                                       .c = F(c),
                                       .bias = cases[i].bias ? F(bias) : NULL};
-      if (s_) scratch = ot.be[1]->scratch(ot.be[1], &op, 1);
+      if (s_) {
+        dt_op unbiased = op;
+        unbiased.p.gemm.bias = NULL;
+        scratch = ot.be[1]->scratch(ot.be[1], &unbiased, 1);
+        ws = ot.be[1]->scratch(ot.be[1], &op, 1) - scratch;
+      }
       RUN(op);
     }
-    /* the memory estimate's size for the copies is what they took: h16 grew from the last case's */
-    const size_t grew = ot.be[1]->mem_used - used, want = scratch > held16 ? scratch - held16 : 0;
+    /* the memory estimate's size for the copies (and a bias's cuBLASLt workspace) is what they took:
+     * each buffer grew from the last case's */
+    const size_t grew = ot.be[1]->mem_used - used,
+                 want = (scratch > held16 ? scratch - held16 : 0) + (ws > held_ws ? ws - held_ws : 0);
     if (grew != want)
-      fail_msg("op gemm [%s]: the 16-bit operands took %zu more bytes, the estimate says %zu (of %zu)", ot.kase, grew,
-               want, scratch);
+      fail_msg("op gemm [%s]: the 16-bit operands and workspace took %zu more bytes, the estimate says %zu (of %zu)",
+               ot.kase, grew, want, scratch + ws);
     if (!scratch) fail_msg("op gemm [%s]: no bfloat16 copies under bf16", ot.kase);
+    if (cases[i].bias && !ws) fail_msg("op gemm [%s]: no cuBLASLt workspace for the bias's epilogue", ot.kase);
     held16 = scratch > held16 ? scratch : held16;
+    held_ws = ws > held_ws ? ws : held_ws;
     ot_check("C", c, c.n);
     ot_check("A", a, 0);
     ot_check("B", b, 0);
@@ -2092,7 +2101,74 @@ static void gemm16_reuses_dy_only_back_to_back(void) {
   ref->destroy(ref);
 }
 
+/* A GEMM with a bias (a linear layer's forward) runs as one cuBLASLt matmul whose epilogue adds the
+ * bias, with no kernel filling C first, whatever the alignment of x, W and y (the heuristic is told
+ * each pointer's); a bias that is not 16-byte aligned, or a problem cuBLASLt has no algorithm for
+ * (the stand-in's GPUSIM_CUBLASLT=none), fills C and adds the product to it instead. k = 40 takes the
+ * stand-in's algorithm with a workspace. Each result against a double-precision product on the host
+ * (of bfloat16-rounded operands under bf16). */
+static void gemm_bias_in_cublaslt_epilogue(void) {
+  static const struct {
+    const char *what;
+    int precision;
+    int64_t off_x, off_w, off_y, off_bias; /* floats past each buffer's 256-byte aligned start */
+    int no_algorithm;
+    double tol;
+  } cases[] = {
+      {"fp32, aligned", DT_PREC_FP32, 0, 0, 0, 0, 0, 1e-5},
+      {"fp32, x, W and y 4-byte aligned", DT_PREC_FP32, 1, 3, 1, 0, 0, 1e-5},
+      {"fp32, the bias 4-byte aligned", DT_PREC_FP32, 0, 0, 0, 1, 0, 1e-5},
+      {"fp32, the bias 16-byte aligned", DT_PREC_FP32, 0, 0, 0, 4, 0, 1e-5},
+      {"tf32, aligned", DT_PREC_TF32, 0, 0, 0, 0, 0, 2e-3},
+      {"bf16, x and y 4-byte aligned", DT_PREC_BF16, 1, 0, 1, 0, 0, 1e-5},
+      {"bf16, the bias 8-byte aligned", DT_PREC_BF16, 0, 0, 0, 2, 0, 1e-5},
+      {"fp32, no cuBLASLt algorithm", DT_PREC_FP32, 0, 0, 0, 0, 1, 1e-5},
+  };
+  const int64_t rows = 37, in = 40, out = 24;
+  char device[512];
+  size_t free_bytes = 0;
+  gpu_describe(0, device, sizeof device, &free_bytes);
+  const int standin = strstr(device, "stand-in") != NULL; /* where GPUSIM_CUBLASLT applies */
+  for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+    if (cases[c].no_algorithm) setenv("GPUSIM_CUBLASLT", "none", 1);
+    dt_backend *be = backend_cuda_create(0, cases[c].precision);
+    float *hx = ot_host_rand(rows * in, -1, 1), *hw = ot_host_rand(out * in, -1, 1), *hb = ot_host_rand(out, -1, 1);
+    float *got = calloc((size_t)(rows * out), 4);
+    float *x = be->alloc(be, (size_t)(rows * in + 8) * 4), *w = be->alloc(be, (size_t)(out * in + 8) * 4);
+    float *y = be->alloc(be, (size_t)(rows * out + 8) * 4), *bias = be->alloc(be, (size_t)(out + 8) * 4);
+    be->to_device(be, x + cases[c].off_x, hx, (size_t)(rows * in) * 4);
+    be->to_device(be, w + cases[c].off_w, hw, (size_t)(out * in) * 4);
+    be->to_device(be, bias + cases[c].off_bias, hb, (size_t)out * 4);
+    const int64_t fused = backend_cuda_gemm_epilogues(be);
+    dense_forward(be, rows, in, out, x + cases[c].off_x, w + cases[c].off_w, bias + cases[c].off_bias,
+                  y + cases[c].off_y);
+    be->to_host(be, got, y + cases[c].off_y, (size_t)(rows * out) * 4);
+    const int want_fused = cases[c].off_bias % 4 == 0 && !(cases[c].no_algorithm && standin);
+    if (backend_cuda_gemm_epilogues(be) - fused != want_fused)
+      fail_msg("%s: %lld GEMMs added the bias in cuBLASLt's epilogue, expected %d", cases[c].what,
+               (long long)(backend_cuda_gemm_epilogues(be) - fused), want_fused);
+    const int round = cases[c].precision == DT_PREC_BF16;
+    for (int64_t i = 0; i < rows; i++)
+      for (int64_t o = 0; o < out; o++) {
+        double want = hb[o], mag = fabs(hb[o]);
+        for (int64_t k = 0; k < in; k++) {
+          const double p = (double)(round ? round_bf16(hx[i * in + k]) : hx[i * in + k]) *
+                           (round ? round_bf16(hw[o * in + k]) : hw[o * in + k]);
+          want += p, mag += fabs(p);
+        }
+        if (fabs(got[i * out + o] - want) > cases[c].tol * mag)
+          fail_msg("%s: y[%lld, %lld] = %.9g, want %.9g", cases[c].what, (long long)i, (long long)o, got[i * out + o],
+                   want);
+      }
+    be->free(be, x), be->free(be, w), be->free(be, y), be->free(be, bias);
+    be->destroy(be);
+    free(hx), free(hw), free(hb), free(got);
+    unsetenv("GPUSIM_CUBLASLT");
+  }
+}
+
 GPU_TEST(cuda_op_gemm, (ot_begin(), ops_gemm(), ot_end()))
+GPU_TEST(cuda_gemm_bias_in_cublaslt_epilogue, gemm_bias_in_cublaslt_epilogue())
 GPU_TEST(cuda_op_gemm_batched, (ot_begin(), ops_gemm_batched(), ot_end()))
 GPU_TEST(cuda_op_gemm_bf16, (ot_begin_precision(DT_PREC_BF16, 1e-5), ops_gemm_bf16(), ot_end()))
 GPU_TEST(cuda_op_embed, (ot_begin(), ops_embed(), ot_end()))
@@ -2185,6 +2261,7 @@ int main(void) {
       cmocka_unit_test(cuda_activations_dropout_avgpool),
       cmocka_unit_test(cuda_residual_global_pool_mse),
       cmocka_unit_test(cuda_op_gemm),
+      cmocka_unit_test(cuda_gemm_bias_in_cublaslt_epilogue),
       cmocka_unit_test(cuda_op_gemm_batched),
       cmocka_unit_test(cuda_op_gemm_bf16),
       cmocka_unit_test(cuda_op_embed),

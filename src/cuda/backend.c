@@ -301,6 +301,7 @@ static size_t cuda_scratch(dt_backend *be, const dt_op *ops, int n) {
     if (op->type == DT_OP_CONV_BWD_DATA) cuda_conv_scratch(im, &op->p.conv_bwd_data.g, &workspace, &h16);
     if (op->type == DT_OP_CONV_BWD_FILTER) cuda_conv_scratch(im, &op->p.conv_bwd_filter.g, &workspace, &h16);
     if (op->type == DT_OP_GEMM && cuda_gemm16_bytes(im, op) > h16) h16 = cuda_gemm16_bytes(im, op);
+    if (op->type == DT_OP_GEMM && cuda_gemm_workspace(op) > workspace) workspace = cuda_gemm_workspace(op);
   }
   return workspace + h16 + partials;
 }
@@ -310,6 +311,7 @@ static void cuda_destroy(dt_backend *be) {
   drain(im);
   free(im->notes);
   cuda_conv_free(im);
+  cuda_gemm_free(im);
   if (im->stage) CUDA_CHECK(cudaFreeHost(im->stage));
   for (int h = 0; h < 2; h++)
     for (int q = 0; q < 2; q++) CUDA_CHECK(cudaEventDestroy(im->staged[h][q]));
@@ -318,6 +320,7 @@ static void cuda_destroy(dt_backend *be) {
   CUDA_CHECK(cudaStreamDestroy(im->copy));
   cuda_device_free(im, im->partials);
   CUDNN_CHECK(cudnnDestroy(im->dnn));
+  CUBLAS_CHECK(cublasLtDestroy(im->lt));
   CUBLAS_CHECK(cublasDestroy(im->blas));
   CUDA_CHECK(cudaStreamDestroy(im->stream));
   free(im->blocks);
@@ -327,6 +330,10 @@ static void cuda_destroy(dt_backend *be) {
 
 int64_t backend_cuda_dy16_reuses(const dt_backend *be) {
   return ((const cuda_impl *)be->impl)->dy16_reuses;
+}
+
+int64_t backend_cuda_gemm_epilogues(const dt_backend *be) {
+  return ((const cuda_impl *)be->impl)->gemm_epilogues;
 }
 
 dt_backend *backend_cuda_create(int device, int precision) {
@@ -345,6 +352,7 @@ dt_backend *backend_cuda_create(int device, int precision) {
   CUBLAS_CHECK(cublasSetStream(im->blas, im->stream));
   /* fp32: the FP32 reference, no TF32; otherwise the GEMM's compute type decides */
   CUBLAS_CHECK(cublasSetMathMode(im->blas, precision == DT_PREC_FP32 ? CUBLAS_PEDANTIC_MATH : CUBLAS_DEFAULT_MATH));
+  CUBLAS_CHECK(cublasLtCreate(&im->lt));
   CUDNN_CHECK(cudnnCreate(&im->dnn));
   CUDNN_CHECK(cudnnSetStream(im->dnn, im->stream));
   CUDA_CHECK(cudaStreamCreateWithFlags(&im->copy, cudaStreamNonBlocking));

@@ -9,6 +9,7 @@
 #ifndef DT_CUDA_IMPL_H
 #define DT_CUDA_IMPL_H
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <cudnn.h>
@@ -23,6 +24,7 @@
 #pragma GCC visibility push(hidden)
 
 typedef struct conv_plan conv_plan; /* conv.c */
+typedef struct gemm_plan gemm_plan; /* gemm.c */
 
 typedef struct {
   void *p;
@@ -37,6 +39,10 @@ typedef struct {
   int attention_tc; /* the fused attention's products on tensor cores: bf16, 8.0 or later, code built for it */
   cudaStream_t stream;
   cublasHandle_t blas;
+  cublasLtHandle_t lt;   /* a GEMM with a bias: its epilogue adds it */
+  gemm_plan *gemm_plans; /* gemm.c's: one per cuBLASLt problem seen: grows */
+  int n_gemm_plans;
+  int64_t gemm_epilogues; /* GEMMs whose bias cuBLASLt's epilogue added so far */
   cudnnHandle_t dnn;
   conv_plan *plans; /* conv.c's: one per convolution shape and batch size seen: grows */
   int n_plans;
@@ -105,8 +111,12 @@ void cuda_hold_dy16(cuda_impl *im, const float *dy, const uint16_t *at, const in
 /* ops.c: the bytes of partial sums (im->partials) op needs; 0 for an op without them. */
 size_t cuda_partials_bytes(const dt_op *op);
 
-/* gemm.c (cuBLAS) */
+/* gemm.c (cuBLAS, cuBLASLt) */
 void cuda_gemm(cuda_impl *im, const dt_op *op);
+/* gemm.c: destroys the cuBLASLt plans (shut-down). */
+void cuda_gemm_free(cuda_impl *im);
+/* gemm.c: the workspace (im->workspace) GEMM op may need: cuBLASLt's, for a GEMM with a bias. */
+size_t cuda_gemm_workspace(const dt_op *op);
 /* gemm.c: the bytes of bfloat16 operands (in im->h16) GEMM op needs; 0 for one on FP32 operands. */
 size_t cuda_gemm16_bytes(const cuda_impl *im, const dt_op *op);
 

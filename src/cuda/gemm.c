@@ -1,6 +1,11 @@
 /* gemm.c: the GEMM op through cuBLAS, as src/cpu/gemm.c's through OpenBLAS; train.precision
- * picks the compute type (the math mode is set on the handle in backend.c). A GEMM with a bias starts
- * from it (kernels/elementwise.cu's k_fill_rows). */
+ * picks the compute type (the math mode is set on the handle in backend.c). A GEMM with a bias runs
+ * as one cublasLtMatmul whose epilogue adds the bias to the FP32 sums; where cuBLASLt has no
+ * algorithm for it, or the bias is not 16-byte aligned, C starts as the bias rows
+ * (kernels/elementwise.cu's k_fill_rows) and cublasGemmEx adds the product to it. */
+#include <stdlib.h>
+#include <string.h>
+
 #include "cuda_impl.h"
 
 /* FP32 operands; the inputs rounded on tensor cores as train.precision says, FP32 accumulation. */
@@ -43,6 +48,126 @@ size_t cuda_gemm16_bytes(const cuda_impl *im, const dt_op *op) {
   return gemm16_plan(im, op, &a, &b);
 }
 
+/* cuBLASLt's workspace (im->workspace, shared with cuDNN's): what cuBLAS's own defaults to. */
+enum { GEMM_LT_WORKSPACE = 4 << 20 };
+
+/* The column-major problem cuBLAS sees (C^T = op(B)^T op(A)^T): the types of A and B, the
+ * transposes, the shape, the leading dimensions and the alignment in bytes of each pointer (A's,
+ * B's, C's and the bias's). */
+enum { PLAN_KEY = 12 };
+
+struct gemm_plan {
+  int64_t key[PLAN_KEY];
+  cublasLtMatmulDesc_t desc;
+  cublasLtMatrixLayout_t a, b, c; /* column-major: op(B)^T's storage, op(A)^T's, C^T's */
+  cublasLtMatmulAlgo_t algo;
+  int usable; /* 0: cuBLASLt offered no algorithm: cublasGemmEx runs it, C filled with the bias first */
+};
+
+/* The largest power of two, at most 256, dividing both the address and a leading dimension's bytes. */
+static int64_t alignment(const void *p, int64_t ld_bytes) {
+  uint64_t v = (uint64_t)(uintptr_t)p | (uint64_t)ld_bytes | 256;
+  return (int64_t)(v & (~v + 1));
+}
+
+size_t cuda_gemm_workspace(const dt_op *op) {
+  const typeof(op->p.gemm) *q = &op->p.gemm;
+  return q->bias && q->batch <= 1 ? GEMM_LT_WORKSPACE : 0;
+}
+
+void cuda_gemm_free(cuda_impl *im) {
+  for (int i = 0; i < im->n_gemm_plans; i++) {
+    gemm_plan *p = &im->gemm_plans[i];
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->a));
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->b));
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->c));
+    CUBLAS_CHECK(cublasLtMatmulDescDestroy(p->desc));
+  }
+  free(im->gemm_plans);
+  im->gemm_plans = NULL;
+  im->n_gemm_plans = 0;
+}
+
+/* The plan for key (made now if new): the descriptors and the heuristic's first algorithm for
+ * these alignments, with the bias epilogue and a workspace of at most GEMM_LT_WORKSPACE. */
+static gemm_plan *plan_for(cuda_impl *im, const int64_t key[PLAN_KEY], const void *bias) {
+  for (int i = 0; i < im->n_gemm_plans; i++)
+    if (!memcmp(im->gemm_plans[i].key, key, sizeof im->gemm_plans[i].key)) return &im->gemm_plans[i];
+  im->gemm_plans = dt_realloc(im->gemm_plans, (size_t)(im->n_gemm_plans + 1) * sizeof *im->gemm_plans);
+  gemm_plan *p = &im->gemm_plans[im->n_gemm_plans++];
+  memset(p, 0, sizeof *p);
+  memcpy(p->key, key, sizeof p->key);
+  const int bf16 = (int)key[0];
+  const cudaDataType ab = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  const cublasOperation_t tb = (cublasOperation_t)key[1], ta = (cublasOperation_t)key[2];
+  const int64_t n = key[3], m = key[4], k = key[5], ldb = key[6], lda = key[7];
+  /* FP32 operands: the precision's rounding (cuBLASLt has no math mode: COMPUTE_32F is FP32 FMA) */
+  const cublasComputeType_t compute = bf16                            ? CUBLAS_COMPUTE_32F
+                                      : im->precision == DT_PREC_FP32 ? CUBLAS_COMPUTE_32F
+                                                                      : gemm_compute[im->precision];
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, compute, CUDA_R_32F));
+  const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &tb, sizeof tb));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &ta, sizeof ta));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue));
+  /* the heuristic reads the bias pointer's alignment (in the key) */
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+  /* stored (rows, cols) in column-major terms: op(X) = X^T stores X as (cols of op, rows of op) */
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->a, ab, tb == CUBLAS_OP_N ? n : k, tb == CUBLAS_OP_N ? k : n, ldb));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->b, ab, ta == CUBLAS_OP_N ? k : m, ta == CUBLAS_OP_N ? m : k, lda));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->c, CUDA_R_32F, n, m, n));
+  cublasLtMatmulPreference_t pref;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t ws = GEMM_LT_WORKSPACE;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+  const uint32_t align[4] = {(uint32_t)key[8], (uint32_t)key[9], (uint32_t)key[10], (uint32_t)key[10]};
+  const cublasLtMatmulPreferenceAttributes_t align_attr[4] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  for (int i = 0; i < 4; i++)
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, align_attr[i], &align[i], sizeof align[i]));
+  cublasLtMatmulHeuristicResult_t result;
+  int found = 0;
+  /* NOT_SUPPORTED with no result: no kernel of this cuBLASLt takes the problem */
+  cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(im->lt, p->desc, p->a, p->b, p->c, p->c, pref, 1, &result, &found);
+  if (st != CUBLAS_STATUS_NOT_SUPPORTED) CUBLAS_CHECK(st);
+  CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+  p->usable = st == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS &&
+              result.workspaceSize <= GEMM_LT_WORKSPACE;
+  if (p->usable) p->algo = result.algo;
+  return p;
+}
+
+/* C(rows, n) = op(A) op(B) + bias through cuBLASLt, as cublasGemmEx's arguments say (A and B:
+ * bfloat16 copies when bf16, else FP32); 0 when cuBLASLt cannot (the caller fills C with the bias
+ * and runs cublasGemmEx). */
+static int gemm_lt(cuda_impl *im, const typeof(((dt_op *)0)->p.gemm) *q, int bf16, const void *a, int64_t lda,
+                   const void *b, int64_t ldb) {
+  const int64_t elem = bf16 ? 2 : 4;
+  if ((uintptr_t)q->bias % 16 || !q->k) return 0; /* cuBLASLt reads the bias in 16-byte pieces */
+  const int64_t key[PLAN_KEY] = {bf16,
+                                 q->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                 q->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                 q->n,
+                                 q->m,
+                                 q->k,
+                                 ldb,
+                                 lda,
+                                 alignment(b, ldb * elem),
+                                 alignment(a, lda * elem),
+                                 alignment(q->c, q->n * 4),
+                                 alignment(q->bias, 0)};
+  gemm_plan *p = plan_for(im, key, q->bias);
+  if (!p->usable) return 0;
+  void *ws = cuda_grow_device(im, &im->workspace, &im->workspace_bytes, GEMM_LT_WORKSPACE, "cuBLASLt workspace");
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &q->bias, sizeof q->bias));
+  const float zero = 0.0f;
+  CUBLAS_CHECK(cublasLtMatmul(im->lt, p->desc, &q->alpha, b, p->a, a, p->b, &zero, q->c, p->c, q->c, p->c, &p->algo, ws,
+                              GEMM_LT_WORKSPACE, im->stream));
+  im->gemm_epilogues++;
+  return 1;
+}
+
 /* Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: the operands swap, and so do
  * their leading dimensions (at least 1, even when k is 0) and batch strides. */
 void cuda_gemm(cuda_impl *im, const dt_op *op) {
@@ -61,13 +186,10 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
         q->stride_c, (int)q->batch, gemm_compute[im->precision], CUBLAS_GEMM_DEFAULT));
     return;
   }
-  /* with a bias, C starts as the bias rows and the GEMM adds to it (beta 1), one rounding as on the CPU */
+  /* with a bias: cuBLASLt's epilogue adds it, or C starts as the bias rows and the GEMM adds to it
+   * (beta 1); one rounding either way, as on the CPU */
   const float one = 1.0f, *beta = &q->beta;
-  if (q->bias) {
-    DT_ASSERT(q->beta == 0.0f);
-    k_fill_rows(im->stream, q->c, q->bias, q->m, q->n);
-    beta = &one;
-  }
+  if (q->bias) DT_ASSERT(q->beta == 0.0f);
   if (bytes16) {
     /* A dense layer's dy is A of both its weight gradient and, next, its input gradient (layer_dense.c):
      * the second takes the copy the first left at the start of h16. */
@@ -79,12 +201,17 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
     else
       k_pack_bf16_rows(im->stream, q->a, a16, a.rows, a.cols, a.ld16);
     k_pack_bf16_rows(im->stream, q->b, b16, b.rows, b.cols, b.ld16);
-    CUBLAS_CHECK(cublasGemmEx(im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, b16, CUDA_R_16BF,
-                              (int)b.ld16, a16, CUDA_R_16BF, (int)a.ld16, beta, q->c, CUDA_R_32F, (int)q->n,
-                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    if (!q->bias || !gemm_lt(im, q, 1, a16, a.ld16, b16, b.ld16)) {
+      if (q->bias) k_fill_rows(im->stream, q->c, q->bias, q->m, q->n), beta = &one;
+      CUBLAS_CHECK(cublasGemmEx(im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, b16, CUDA_R_16BF,
+                                (int)b.ld16, a16, CUDA_R_16BF, (int)a.ld16, beta, q->c, CUDA_R_32F, (int)q->n,
+                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    }
     cuda_hold_dy16(im, q->a, a16, layout); /* A as it was: C never aliases it (cuBLAS's contract) */
     return;
   }
+  if (q->bias && gemm_lt(im, q, 0, q->a, lda > 1 ? lda : 1, q->b, ldb > 1 ? ldb : 1)) return;
+  if (q->bias) k_fill_rows(im->stream, q->c, q->bias, q->m, q->n), beta = &one;
   CUBLAS_CHECK(cublasGemmEx(im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, q->b, CUDA_R_32F,
                             (int)(ldb > 1 ? ldb : 1), q->a, CUDA_R_32F, (int)(lda > 1 ? lda : 1), beta, q->c,
                             CUDA_R_32F, (int)q->n, gemm_compute[im->precision], CUBLAS_GEMM_DEFAULT));
