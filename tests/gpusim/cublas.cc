@@ -75,7 +75,31 @@ struct Gemm {
   double alpha, beta;
   const void *alpha_dev, *beta_dev;  // device pointer mode: read when the work runs
   const void *bias = nullptr;        // cuBLASLt's BIAS epilogue: one value per row of C, of C's type
+  // cuBLASLt's GELU epilogues: GELU_AUX writes the gelu's input to aux (C's type, leading dimension
+  // aux_ld) and gelu(it) to C; DGELU multiplies the product by the gelu's derivative at aux
+  int gelu = 0;  // 0, GELU_AUX or DGELU below
+  void *aux = nullptr;
+  int aux_ld = 0;
 };
+enum { GELU_AUX = 1, DGELU = 2 };
+
+// The tanh form of the gelu (what cuBLASLt's GELU epilogues compute) and its derivative.
+float gelu_tanh(float x) {
+  return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+float gelu_tanh_grad(float x) {
+  float t = tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x));
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * 0.7978845608028654f * (1.0f + 3.0f * 0.044715f * x * x);
+}
+
+// The epilogue's gelu on the value v of C(i, j).
+float gelu_epilogue(const Gemm &g, int i, int j, float v) {
+  if (g.gelu == GELU_AUX) {
+    store(g.aux, g.ct, (size_t)j * g.aux_ld + i, v);
+    return gelu_tanh(v);
+  }
+  return v * gelu_tanh_grad((float)load(g.aux, g.ct, (size_t)j * g.aux_ld + i));
+}
 
 // The extent in elements of a column-major (rows x cols) matrix with leading dimension ld.
 size_t extent(int rows, int cols, int ld) {
@@ -123,6 +147,12 @@ void run_gemm(const Gemm &g) {
       if (g.bias)  // the epilogue: added to the FP32 result, one rounding
         for (int j = 0; j < g.n; j++)
           for (int i = 0; i < g.m; i++) ((float *)c)[(size_t)j * g.ldc + i] += ((const float *)g.bias)[i];
+      if (g.gelu)
+        for (int j = 0; j < g.n; j++)
+          for (int i = 0; i < g.m; i++) {
+            float *v = (float *)c + (size_t)j * g.ldc + i;
+            *v = gelu_epilogue(g, i, j, *v);
+          }
       continue;
     }
     // other types: gather the operands densely, reduced as the compute type allows
@@ -162,6 +192,7 @@ void run_gemm(const Gemm &g) {
           float vf = (float)alpha * (float)Cd[(size_t)j * g.m + i];
           if (beta != 0) vf += (float)beta * (float)load(c, g.ct, at);
           if (g.bias) vf += (float)load(g.bias, g.ct, (size_t)i);
+          if (g.gelu) vf = gelu_epilogue(g, i, j, vf);
           v = vf;
         }
         store(c, g.ct, at, v);
@@ -261,6 +292,9 @@ struct LtDesc {
   uint32_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
   const void *bias = nullptr;
   int32_t bias_type = -1;  // -1: D's type
+  void *aux = nullptr;     // the GELU epilogues' input matrix
+  int64_t aux_ld = 0;
+  int32_t aux_type = -1;  // -1: D's type
 };
 
 struct LtLayout {
@@ -284,8 +318,7 @@ Handles<LtPref> lt_prefs;
 enum : uint64_t { LT_ALGO_MAGIC = 0x67707573696d4c74ULL };  // "gpusimLt"
 struct LtAlgo {
   uint64_t magic, fingerprint;
-  uint32_t align[5];
-  uint32_t pad;
+  uint32_t align[6];  // A, B, C, D, the bias, the gelu's input
   uint64_t workspace;
 };
 static_assert(sizeof(LtAlgo) <= sizeof(cublasLtMatmulAlgo_t), "LtAlgo fits cuBLASLt's algorithm");
@@ -294,7 +327,7 @@ uint64_t lt_fingerprint(const LtDesc *d, const LtLayout *l[4]) {
   uint64_t h = 0xcbf29ce484222325ULL;
   auto mix = [&](uint64_t v) { h = (h ^ v) * 0x100000001b3ULL; };
   mix((uint64_t)d->compute), mix((uint64_t)d->scale), mix((uint64_t)d->ta), mix((uint64_t)d->tb);
-  mix(d->epilogue), mix((uint64_t)(int64_t)d->bias_type);
+  mix(d->epilogue), mix((uint64_t)(int64_t)d->bias_type), mix((uint64_t)d->aux_ld), mix((uint64_t)(int64_t)d->aux_type);
   for (int i = 0; i < 4; i++) mix((uint64_t)l[i]->type), mix(l[i]->rows), mix(l[i]->cols), mix((uint64_t)l[i]->ld);
   return h;
 }
@@ -303,6 +336,12 @@ uint64_t lt_fingerprint(const LtDesc *d, const LtLayout *l[4]) {
 uint32_t alignment_of(const void *p, uint64_t ld_bytes) {
   uint64_t v = (uint64_t)(uintptr_t)p | ld_bytes | 256;
   return (uint32_t)(v & (~v + 1));
+}
+
+// GELU_AUX for the forward epilogues, DGELU for the backward one, else 0.
+int lt_gelu(const LtDesc *d) {
+  if (d->epilogue == CUBLASLT_EPILOGUE_GELU_AUX || d->epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS) return GELU_AUX;
+  return d->epilogue == CUBLASLT_EPILOGUE_DGELU ? DGELU : 0;
 }
 
 // The problem the descriptors describe, checked as cublasLtMatmul checks it: NOT_SUPPORTED for what
@@ -324,10 +363,16 @@ cublasStatus_t lt_problem(const LtDesc *d, const LtLayout *l[4]) {
   if (m > INT32_MAX || n > INT32_MAX || k > INT32_MAX) return CUBLAS_STATUS_NOT_SUPPORTED;
   for (int i = 0; i < 4; i++)
     if (l[i]->ld < (int64_t)(l[i]->rows > 1 ? l[i]->rows : 1)) return CUBLAS_STATUS_INVALID_VALUE;
-  if (d->epilogue != CUBLASLT_EPILOGUE_DEFAULT && d->epilogue != CUBLASLT_EPILOGUE_BIAS)
+  if (d->epilogue != CUBLASLT_EPILOGUE_DEFAULT && d->epilogue != CUBLASLT_EPILOGUE_BIAS &&
+      d->epilogue != CUBLASLT_EPILOGUE_GELU_AUX && d->epilogue != CUBLASLT_EPILOGUE_GELU_AUX_BIAS &&
+      d->epilogue != CUBLASLT_EPILOGUE_DGELU)
     return CUBLAS_STATUS_NOT_SUPPORTED;
-  if (d->epilogue == CUBLASLT_EPILOGUE_BIAS && d->bias_type != -1 && d->bias_type != (int32_t)dd->type)
+  if ((d->epilogue & CUBLASLT_EPILOGUE_BIAS) && d->bias_type != -1 && d->bias_type != (int32_t)dd->type)
     return CUBLAS_STATUS_NOT_SUPPORTED;
+  if (lt_gelu(d)) {  // the gelu's input: laid out as D, rows a multiple of 8, of D's type
+    if (d->aux_ld % 8 || d->aux_ld < (int64_t)dd->rows) return CUBLAS_STATUS_INVALID_VALUE;
+    if (d->aux_type != -1 && d->aux_type != (int32_t)dd->type) return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
   return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -570,6 +615,9 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t desc, cublasL
     case CUBLASLT_MATMUL_DESC_EPILOGUE: return take(&d->epilogue, sizeof d->epilogue);
     case CUBLASLT_MATMUL_DESC_BIAS_POINTER: return take(&d->bias, sizeof d->bias);
     case CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE: return take(&d->bias_type, sizeof d->bias_type);
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER: return take(&d->aux, sizeof d->aux);
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD: return take(&d->aux_ld, sizeof d->aux_ld);
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE: return take(&d->aux_type, sizeof d->aux_type);
     default: return CUBLAS_STATUS_NOT_SUPPORTED;  // not modelled: the project sets no other
   }
 }
@@ -649,12 +697,15 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmul
     size_t elem = type_size(l[i]->type);
     if (p->align[i] < elem || (p->align[i] & (p->align[i] - 1))) return CUBLAS_STATUS_INVALID_VALUE;
   }
-  if (d->epilogue == CUBLASLT_EPILOGUE_BIAS && !d->bias) return CUBLAS_STATUS_INVALID_VALUE;
+  if (((d->epilogue & CUBLASLT_EPILOGUE_BIAS) && !d->bias) || (lt_gelu(d) && !d->aux))
+    return CUBLAS_STATUS_INVALID_VALUE;
   const char *lt = getenv("GPUSIM_CUBLASLT");
   if (lt && !strcmp(lt, "none")) return CUBLAS_STATUS_NOT_SUPPORTED;
-  LtAlgo algo = {LT_ALGO_MAGIC, lt_fingerprint(d, l), {}, 0, 0};
+  LtAlgo algo = {LT_ALGO_MAGIC, lt_fingerprint(d, l), {}, 0};
   for (int i = 0; i < 4; i++) algo.align[i] = p->align[i];
-  algo.align[4] = d->bias ? alignment_of(d->bias, 16) : 0;  // the bias is read 16 bytes at a time where it can be
+  // the bias and the gelu's input are read 16 bytes at a time where they can be
+  algo.align[4] = d->bias ? alignment_of(d->bias, 16) : 0;
+  algo.align[5] = lt_gelu(d) ? alignment_of(d->aux, 16) : 0;
   // a long k is split, its partial sums kept in the workspace when the preference allows one
   uint64_t k = d->ta == CUBLAS_OP_N ? l[0]->cols : l[0]->rows;
   algo.workspace = k >= 32 && p->max_workspace >= 65536 ? 65536 : 0;
@@ -703,10 +754,16 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
       return CUBLAS_STATUS_INVALID_VALUE;
     }
   }
-  const bool bias = d->epilogue == CUBLASLT_EPILOGUE_BIAS;
+  const bool bias = d->epilogue & CUBLASLT_EPILOGUE_BIAS;
   if (bias && (!d->bias || alignment_of(d->bias, 16) < algo.align[4])) {
     warn("%s: the bias (%p) is less aligned than when the algorithm was chosen (%u bytes)", api, d->bias,
          algo.align[4]);
+    return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  const int gelu = lt_gelu(d);
+  if (gelu && (!d->aux || alignment_of(d->aux, 16) < algo.align[5])) {
+    warn("%s: the gelu's input (%p) is less aligned than when the algorithm was chosen (%u bytes)", api, d->aux,
+         algo.align[5]);
     return CUBLAS_STATUS_INVALID_VALUE;
   }
   if (algo.workspace && (workspace_bytes < algo.workspace || !workspace)) {
@@ -733,6 +790,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
                  : EXACT;
   g.alpha = *(const float *)alpha, g.beta = *(const float *)beta;
   g.bias = bias ? d->bias : nullptr;
+  g.gelu = gelu, g.aux = d->aux, g.aux_ld = (int)d->aux_ld;
   if (g.m == 0 || g.n == 0) return CUBLAS_STATUS_SUCCESS;
   int ar = g.ta == CUBLAS_OP_N ? g.m : g.k, ac = g.ta == CUBLAS_OP_N ? g.k : g.m;
   int br = g.tb == CUBLAS_OP_N ? g.k : g.n, bc = g.tb == CUBLAS_OP_N ? g.n : g.k;
@@ -753,6 +811,15 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
     op->uses.push_back(a);
     declare_access(op.get(), g.bias, (size_t)g.m * elem, false);
   }
+  if (gelu) {
+    const size_t bytes = extent(g.m, g.n, g.aux_ld) * elem;
+    const Allocation *a = device_range(g.aux, bytes, c->device);
+    if (!a)
+      fatal("%s: the gelu's input (%d x %d, ld %d, at %p, %s) does not lie inside one live allocation of device %d",
+            api, g.m, g.n, g.aux_ld, g.aux, describe_address(g.aux).c_str(), c->device);
+    op->uses.push_back(a);
+    declare_access(op.get(), g.aux, bytes, gelu == GELU_AUX);
+  }
   if (algo.workspace) {
     const Allocation *a = device_range(workspace, algo.workspace, c->device);
     if (!a)
@@ -767,7 +834,10 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
   if (g.beta != 0) declare_access(op.get(), C, extent(g.m, g.n, ldc_in) * elem, false);
   declare_access(op.get(), D, extent(g.m, g.n, g.ldc) * elem, true);
   char what[160];
-  snprintf(what, sizeof what, "%s (m %d, n %d, k %d%s)", api, g.m, g.n, g.k, bias ? ", bias epilogue" : "");
+  snprintf(what, sizeof what, "%s (m %d, n %d, k %d%s%s)", api, g.m, g.n, g.k, bias ? ", bias" : "",
+           gelu == GELU_AUX ? ", gelu"
+           : gelu == DGELU  ? ", gelu's derivative"
+                            : "");
   op->what = what;
   op->fn = [g, C, ldc_in]() {
     if (g.beta != 0 && C != g.c)  // D starts as C, then takes the product as C would

@@ -1488,6 +1488,72 @@ static void cublaslt_bias_epilogue_and_its_checks(void **) {
     cudaFree(p);
 }
 
+// cuBLASLt's GELU epilogues on the same 2 x 3 by 3 x 2 product, A B = [4 5; 10 11]: GELU_AUX_BIAS writes
+// the gelu's input (A B + bias, here [-0.5 0.5; 0 1]) to aux and its tanh-form gelu to D; DGELU writes
+// A B times the gelu's derivative at aux. aux's leading dimension must be a multiple of 8.
+static void cublaslt_gelu_epilogues(void **) {
+  auto gelu = [](double x) { return 0.5 * x * (1 + tanh(sqrt(2 / M_PI) * (x + 0.044715 * x * x * x))); };
+  auto dgelu = [](double x) {
+    double t = tanh(sqrt(2 / M_PI) * (x + 0.044715 * x * x * x));
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * sqrt(2 / M_PI) * (1 + 3 * 0.044715 * x * x);
+  };
+  cublasLtHandle_t lt;
+  BLAS_OK(cublasLtCreate(&lt));
+  float *dA = device_copy(std::vector<float>{1, 4, 2, 5, 3, 6}),
+        *dB = device_copy(std::vector<float>{1, 0, 1, 0, 1, 1});
+  float *dbias = device_copy(std::vector<float>{-4.5f, -10.0f}), *dD = device_copy(std::vector<float>(4, 0.0f));
+  float *daux = device_copy(std::vector<float>(16, 7.0f));  // (2 x 2) at leading dimension 8
+  cublasLtMatmulDesc_t desc;
+  BLAS_OK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+  const int64_t ld8 = 8, ld2 = 2;
+  BLAS_OK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
+  BLAS_OK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &dbias, sizeof dbias));
+  BLAS_OK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &daux, sizeof daux));
+  BLAS_OK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld2, sizeof ld2));
+  cublasLtMatrixLayout_t la, lb, lc;
+  BLAS_OK(cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, 2, 3, 2));
+  BLAS_OK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_32F, 3, 2, 3));
+  BLAS_OK(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, 2, 2, 2));
+  cublasLtMatmulPreference_t pref;
+  BLAS_OK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint32_t four = 4;
+  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+    BLAS_OK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &four, sizeof four));
+  cublasLtMatmulHeuristicResult_t r;
+  int found = 0;
+  assert_int_equal(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &r, &found),
+                   CUBLAS_STATUS_INVALID_VALUE);  // aux's leading dimension 2: not a multiple of 8
+  BLAS_OK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld8, sizeof ld8));
+  BLAS_OK(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &r, &found));
+  float one = 1, zero = 0;
+  BLAS_OK(cublasLtMatmul(lt, desc, &one, dA, la, dB, lb, &zero, dD, lc, dD, lc, &r.algo, nullptr, 0, 0));
+  const double pre[4] = {-0.5, 0, 0.5, 1};  // column-major
+  std::vector<float> got = host_copy(dD, 4), aux = host_copy(daux, 16);
+  for (int i = 0; i < 4; i++) {
+    const int at = (i / 2) * 8 + i % 2;
+    if (aux[at] != (float)pre[i] || fabs(got[i] - gelu(pre[i])) > 1e-6)
+      fail_msg("element %d: aux %g (want %g), D %.7g (want %.7g)", i, aux[at], pre[i], got[i], gelu(pre[i]));
+  }
+  assert_true(aux[2] == 7.0f && aux[10] == 7.0f);  // past each column's 2 rows: untouched
+  // DGELU: D = A B * gelu'(aux), no bias
+  epi = CUBLASLT_EPILOGUE_DGELU;
+  BLAS_OK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
+  BLAS_OK(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &r, &found));
+  BLAS_OK(cublasLtMatmul(lt, desc, &one, dA, la, dB, lb, &zero, dD, lc, dD, lc, &r.algo, nullptr, 0, 0));
+  got = host_copy(dD, 4);
+  const double product[4] = {4, 10, 5, 11};
+  for (int i = 0; i < 4; i++)
+    if (fabs(got[i] - product[i] * dgelu(pre[i])) > 1e-5)
+      fail_msg("element %d: D %.7g, want %.7g", i, got[i], product[i] * dgelu(pre[i]));
+  for (cublasLtMatrixLayout_t l : {la, lb, lc}) BLAS_OK(cublasLtMatrixLayoutDestroy(l));
+  BLAS_OK(cublasLtMatmulPreferenceDestroy(pref));
+  BLAS_OK(cublasLtMatmulDescDestroy(desc));
+  BLAS_OK(cublasLtDestroy(lt));
+  for (float *p : {dA, dB, dbias, dD, daux}) cudaFree(p);
+}
+
 static void cublas_math_modes_types_and_pointer_modes(void **) {
   cublasHandle_t h;
   BLAS_OK(cublasCreate(&h));
@@ -2191,6 +2257,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(cublas_gemm_follows_column_major_rules),
       cmocka_unit_test(cublas_math_modes_types_and_pointer_modes),
       cmocka_unit_test(cublaslt_bias_epilogue_and_its_checks),
+      cmocka_unit_test(cublaslt_gelu_epilogues),
       cmocka_unit_test(cublas_gemm_in_a_graph),
       cmocka_unit_test(cudnn_convolutions_match_direct_loops),
       cmocka_unit_test(cudnn_algorithms_workspaces_math_and_determinism),
