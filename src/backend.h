@@ -84,6 +84,9 @@ enum {
   DT_ACT_SIGMOID,
   DT_ACT_GELU_TANH
 }; /* GELU_TANH: PyTorch's approximate='tanh' */
+/* A GEMM's epilogue (one product, beta 0): GELU_TANH: aux = op(A) op(B) + bias, C = gelu_tanh(aux);
+ * DGELU_TANH (no bias): C = op(A) op(B) * gelu_tanh'(aux), a gelu's input gradient. */
+enum { DT_GEMM_PLAIN, DT_GEMM_GELU_TANH, DT_GEMM_DGELU_TANH };
 enum { DT_POOL_MAX, DT_POOL_AVG };
 enum { DT_LOSS_CROSS_ENTROPY, DT_LOSS_MSE };
 enum { DT_DISTILL_NONE, DT_DISTILL_KL, DT_DISTILL_MSE }; /* distill.loss: how a teacher's logits join the loss */
@@ -116,6 +119,8 @@ typedef struct {
       int64_t stride_a, stride_b, stride_c; /* elements between consecutive products (batch > 1) */
       const float *bias;                    /* NULL, or (n): then C = alpha op(A) op(B) + bias on each row
                                                (one product, beta 0): the CPU starts C at the bias */
+      int epilogue;                         /* DT_GEMM_*: a gelu applied to C as it is written, or its derivative */
+      float *aux;                           /* (m, n), the gelu's input: written by GELU_TANH, read by DGELU_TANH */
     } gemm;
     struct {
       int64_t b, c, s;

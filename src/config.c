@@ -25,7 +25,8 @@ static const dt_key config_keys[] = {
      "PyTorch's strict load_state_dict"},
     {"model.fuse", DT_KEY_BOOL, F(fuse), "true", NOB, NULL,
      "a relu right after a batchnorm runs inside it (one pass fewer over the activations each way, the same "
-     "results bit for bit); false runs them apart"},
+     "results bit for bit), and a tanh gelu between two linears inside their GEMMs (CUDA: cuBLASLt's "
+     "epilogues; one gradient buffer fewer; on the CPU the same bits); false runs them apart"},
     {"model.attention", DT_KEY_ENUM, F(attention), "auto", NOB, "auto|fused|materialized",
      "fused: each attention layer's heads in one op that never stores the (B, H, T, T) scores (online softmax; "
      "backward computes them again); on CUDA for heads of up to 128 values whose tiles fit the GPU's shared "

@@ -19,16 +19,19 @@ static int act_kind(const dt_layer *l) {
   return DT_ACT_SIGMOID;
 }
 
-/* A relu fused into the batchnorm before it (l->fused_into) has nothing of its own to do. */
+/* A relu fused into the batchnorm before it (l->fused_into), or a gelu the linear before it
+ * applies (l->gelu_prev), has nothing of its own to do. */
 static void act_forward(dt_layer *l, dt_pass *pass, const float *x) {
-  if (l->fused_into) return;
+  if (l->fused_into || l->gelu_prev) return;
   dt_op op = {.type = DT_OP_ACT_FWD};
   op.p.act_fwd = (typeof(op.p.act_fwd)){.kind = act_kind(l), .n = pass->batch * shape_size(l->in), .x = x, .y = l->y};
   backend_run(pass->be, &op);
 }
 
+/* Nor a gelu whose derivative the linear after it applied, into the dy it shares with the linear
+ * before it (dy_of). */
 static void act_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
-  if (!dx || l->fused_into) return;
+  if (!dx || l->fused_into || (l->gelu_prev && l->dy_of == l->gelu_prev)) return;
   dt_op op = {.type = DT_OP_ACT_BWD};
   op.p.act_bwd = (typeof(op.p.act_bwd)){
       .kind = act_kind(l), .n = pass->batch * shape_size(l->in), .x = x, .y = l->y, .dy = l->dy, .dx = dx};
@@ -58,7 +61,8 @@ const dt_layer_ops dt_layer_gelu = {.kind = "gelu",
                                     .setup = same_setup,
                                     .forward = act_forward,
                                     .backward = act_backward,
-                                    .flops = act_flops};
+                                    .flops = act_flops,
+                                    .traits = DT_LAYER_GELU};
 ACTIVATION(dt_layer_tanh, "tanh");
 ACTIVATION(dt_layer_sigmoid, "sigmoid");
 

@@ -269,7 +269,7 @@ static void attention_backward(dt_layer *l, dt_pass *pass, const float *x, float
   float *g = pass->grads;
   const int64_t b = pass->batch, t = l->in.h, c = l->in.c, h = l->args.heads, hd = c / h;
   dense_backward(be, b * t, c, c, s->merged, w + l->tensors[2].offset, l->dy, g + l->tensors[2].offset,
-                 g + l->tensors[3].offset, s->d_merged);
+                 g + l->tensors[3].offset, s->d_merged, NULL);
   if (l->fused_attention) {
     dt_op op = {.type = DT_OP_ATTENTION_BWD,
                 .p.attention_bwd = {.g = fused_geom(l, pass),
@@ -293,7 +293,7 @@ static void attention_backward(dt_layer *l, dt_pass *pass, const float *x, float
     permute(be, 5, head_dims, from_heads, s->d_heads, s->d_qkv);
   }
   dense_backward(be, b * t, c, 3 * c, x, w + l->tensors[0].offset, s->d_qkv, g + l->tensors[0].offset,
-                 g + l->tensors[1].offset, dx);
+                 g + l->tensors[1].offset, dx, NULL);
 }
 
 /* Forward FLOPs per sample: the projections and the two products over heads. */

@@ -83,7 +83,7 @@ void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const 
 }
 
 void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
-                    const float *dy, float *dw, float *dbias, float *dx) {
+                    const float *dy, float *dw, float *dbias, float *dx, float *dgelu_x) {
   if (dbias) {
     dt_op b = {.type = DT_OP_BIAS_GRAD};
     b.p.bias_grad = (typeof(b.p.bias_grad)){.b = rows, .c = out, .s = 1, .dy = dy, .db = dbias};
@@ -96,6 +96,7 @@ void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const
   if (dx) {
     op = dense_gemm(DENSE_DX, rows, in, out);
     op.p.gemm.a = dy, op.p.gemm.b = w, op.p.gemm.c = dx;
+    if (dgelu_x) op.p.gemm.epilogue = DT_GEMM_DGELU_TANH, op.p.gemm.aux = dgelu_x;
     backend_run(be, &op);
   }
 }
@@ -103,7 +104,8 @@ void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const
 int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][4]) {
   const int64_t rows = shape_rows(l->in, batch), c = l->in.c;
   if (l->ops == &dt_layer_linear) {
-    products[0][0] = rows, products[0][1] = c, products[0][2] = l->args.out, products[0][3] = l->args.bias;
+    products[0][0] = rows, products[0][1] = c, products[0][2] = l->args.out;
+    products[0][3] = l->args.bias || l->gelu_next || l->dgelu_aux;
     return 1;
   }
   if (l->ops != &dt_layer_attention) return 0;
@@ -112,14 +114,20 @@ int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][4
   return 2;
 }
 
+/* With a gelu after it (gelu_next), y is the gelu's input and the GEMM writes the gelu's output. */
 static void linear_forward(dt_layer *l, dt_pass *pass, const float *x) {
-  dense_forward(pass->be, shape_rows(l->in, pass->batch), l->in.c, l->args.out, x, pass->params + weight_off(l),
-                l->args.bias ? pass->params + bias_off(l) : NULL, l->y);
+  dt_op op = dense_gemm(DENSE_FWD, shape_rows(l->in, pass->batch), l->in.c, l->args.out);
+  op.p.gemm.a = x, op.p.gemm.b = pass->params + weight_off(l), op.p.gemm.c = l->y;
+  op.p.gemm.bias = l->args.bias ? pass->params + bias_off(l) : NULL;
+  if (l->gelu_next) op.p.gemm.epilogue = DT_GEMM_GELU_TANH, op.p.gemm.aux = l->y, op.p.gemm.c = l->gelu_next->y;
+  backend_run(pass->be, &op);
 }
 
+/* After such a gelu (dgelu_aux), dx goes through the gelu's derivative at its input. */
 static void linear_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
   dense_backward(pass->be, shape_rows(l->in, pass->batch), l->in.c, l->args.out, x, pass->params + weight_off(l), l->dy,
-                 pass->grads + weight_off(l), l->args.bias ? pass->grads + bias_off(l) : NULL, dx);
+                 pass->grads + weight_off(l), l->args.bias ? pass->grads + bias_off(l) : NULL, dx,
+                 l->dgelu_aux ? l->dgelu_aux->y : NULL);
 }
 
 static int64_t linear_flops(const dt_layer *l) {
@@ -133,4 +141,5 @@ const dt_layer_ops dt_layer_linear = {.kind = "linear",
                                       .init = dense_init,
                                       .forward = linear_forward,
                                       .backward = linear_backward,
-                                      .flops = linear_flops};
+                                      .flops = linear_flops,
+                                      .traits = DT_LAYER_LINEAR};

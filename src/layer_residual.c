@@ -59,17 +59,15 @@ static void residual_forward(dt_layer *l, dt_pass *pass, const float *x) {
   backend_run(pass->be, &op);
 }
 
-/* Shortcut first: its parameters sit after the body's, and gradients complete from the end. */
+/* Shortcut first: its parameters sit after the body's, and gradients complete from the end. Each
+ * branch's last layer reads its gradient from l->dy itself (model.c's dy_of). */
 static void residual_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
   residual_state *s = l->priv;
-  int64_t out_n = pass->batch * shape_size(l->out);
-  dt_layer *body_last = l->body.layers[l->body.n - 1];
+  DT_ASSERT(l->body.layers[l->body.n - 1]->dy == l->dy);
   if (l->shortcut.n) {
-    dt_layer *short_last = l->shortcut.layers[l->shortcut.n - 1];
-    backend_copy(pass->be, short_last->dy, l->dy, out_n);
+    DT_ASSERT(l->shortcut.layers[l->shortcut.n - 1]->dy == l->dy);
     seq_backward(&l->shortcut, pass, x, dx ? s->dx_short : NULL);
   }
-  backend_copy(pass->be, body_last->dy, l->dy, out_n);
   seq_backward(&l->body, pass, x, dx);
   if (!dx) return;
   dt_op op = {.type = DT_OP_ADD};

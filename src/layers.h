@@ -30,9 +30,10 @@ dt_op dense_gemm(int kind, int64_t rows, int64_t in, int64_t out);
 /* Queues y(rows, out) = x(rows, in) W^T + bias (bias NULL: none); W (out, in). layer_dense.c. */
 void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
                    const float *bias, float *y);
-/* Queues dW += dy^T x, dbias += column sums of dy (NULL: none), dx = dy W (NULL: none). */
+/* Queues dW += dy^T x, dbias += column sums of dy (NULL: none), dx = dy W (NULL: none), times
+ * gelu_tanh'(dgelu_x) (rows, in) when dgelu_x is not NULL: the input gradient of the gelu before. */
 void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
-                    const float *dy, float *dw, float *dbias, float *dx);
+                    const float *dy, float *dw, float *dbias, float *dx, float *dgelu_x);
 
 /* The dense products (rows, in, out, has a bias) of a linear layer (one) or an attention layer (its
  * two projections, (rows, C, 3C, 1) and (rows, C, C, 1)) over `batch` rows, in products; 0 for any

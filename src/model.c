@@ -173,8 +173,26 @@ static void layout(dt_model *m) {
   }
 }
 
+/* The block of train.recompute that layer i of s is in, or NULL. */
+static const dt_block *block_of(const dt_seq *s, int i) {
+  for (int b = 0; b < s->n_blocks; b++)
+    if (s->blocks[b].first <= i && i <= s->blocks[b].last) return &s->blocks[b];
+  return NULL;
+}
+
+/* Whether layer i of s is a linear, or a gelu in its tanh form (what cuBLASLt's epilogues compute). */
+static int is_linear(const dt_seq *s, int i) {
+  return i < s->n && (s->layers[i]->ops->traits & DT_LAYER_LINEAR);
+}
+static int is_gelu_tanh(const dt_seq *s, int i) {
+  return i < s->n && (s->layers[i]->ops->traits & DT_LAYER_GELU) && s->layers[i]->args.approximate;
+}
+
 /* model.fuse: each relu right after a batchnorm is applied by the batchnorm's ops, and its output
- * buffers are the batchnorm's (nothing else reads the batchnorm's output before the relu). */
+ * buffers are the batchnorm's (nothing else reads the batchnorm's output before the relu). A tanh gelu
+ * right after a linear is applied by the linear's GEMM (its epilogue), and, when a linear follows
+ * it, its derivative by that linear's input-gradient GEMM, into the dy it then shares with the first
+ * linear; all three in one train.recompute block, so that each reads what its own block keeps. */
 static void fuse_seq(dt_seq *s) {
   for (int i = 0; i < s->n; i++) {
     dt_layer *l = s->layers[i];
@@ -183,6 +201,26 @@ static void fuse_seq(dt_seq *s) {
     if (i + 1 < s->n && (l->ops->traits & DT_LAYER_FUSES_RELU) && (s->layers[i + 1]->ops->traits & DT_LAYER_RELU)) {
       l->fused_relu = 1;
       s->layers[i + 1]->fused_into = l;
+    }
+    if (is_linear(s, i) && is_gelu_tanh(s, i + 1) && block_of(s, i) == block_of(s, i + 1)) {
+      dt_layer *gelu = s->layers[i + 1];
+      l->gelu_next = gelu, gelu->gelu_prev = l;
+      if (is_linear(s, i + 2) && block_of(s, i) == block_of(s, i + 2)) s->layers[i + 2]->dgelu_aux = l, gelu->dy_of = l;
+    }
+  }
+}
+
+/* Each residual's branches end in a layer whose dy is the residual's (l->dy_of). */
+static void share_branch_grads(dt_seq *s) {
+  for (int i = 0; i < s->n; i++) {
+    dt_layer *l = s->layers[i];
+    share_branch_grads(&l->body);
+    share_branch_grads(&l->shortcut);
+    const dt_seq *branches[2] = {&l->body, &l->shortcut};
+    for (int b = 0; b < 2; b++) {
+      if (!branches[b]->n) continue;
+      dt_layer *last = branches[b]->layers[branches[b]->n - 1];
+      (last->fused_into ? last->fused_into : last)->dy_of = l;
     }
   }
 }
@@ -227,6 +265,7 @@ int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
   m->precision = cfg->v.precision;
   if (seq_build(m, &m->top, cfg->v.layers, m->input, "", "model.layers", st)) return st->code;
   if (cfg->v.fuse) fuse_seq(&m->top);
+  share_branch_grads(&m->top);
   m->recompute = m->top.recompute = cfg->v.recompute == DT_RECOMPUTE_BLOCKS;
   if (loss_parse(&m->loss, cfg->v.loss, st)) return st->code;
   const dt_layer *last = m->top.layers[m->top.n - 1];
@@ -322,13 +361,6 @@ static void acts_free(dt_acts *a) {
   free(a);
 }
 
-/* The block of train.recompute that layer i of s is in, or NULL. */
-static const dt_block *block_of(const dt_seq *s, int i) {
-  for (int b = 0; b < s->n_blocks; b++)
-    if (s->blocks[b].first <= i && i <= s->blocks[b].last) return &s->blocks[b];
-  return NULL;
-}
-
 /* Whether layer i of block b holds the block's output in its y and dy: the last layer, or the
  * batchnorm whose buffers a fused relu ending the block shares. */
 static int block_output(const dt_seq *s, const dt_block *b, int i) {
@@ -347,7 +379,7 @@ static void alloc_seq(dt_seq *s, dt_backend *be, dt_acts *acts, int64_t max_batc
       size_t bytes = (size_t)(max_batch * shape_size(l->out)) * sizeof(float);
       acts->shared = inside || (b && !block_output(s, b, i));
       acts_take(acts, &l->y, bytes);
-      if (!frozen) acts_take(acts, &l->dy, bytes); /* a frozen model has no backward */
+      if (!frozen && !l->dy_of) acts_take(acts, &l->dy, bytes); /* a frozen model has no backward */
       acts->shared = shared;
       if (l->ops->alloc) l->ops->alloc(l, be, acts, max_batch);
       alloc_seq(&l->body, be, acts, max_batch, 0, shared, frozen);
@@ -374,7 +406,7 @@ static void count_seq(const dt_seq *s, int64_t batch, int recompute, int inside,
     const dt_block *b = recompute && !inside ? block_of(s, i) : NULL;
     const int shared = inside || b;
     if (!l->fused_into) {
-      size_t out = (frozen ? 1 : 2) * (size_t)(batch * shape_size(l->out)) * sizeof(float); /* y, dy */
+      size_t out = (frozen || l->dy_of ? 1 : 2) * (size_t)(batch * shape_size(l->out)) * sizeof(float); /* y, dy */
       *(inside || (b && !block_output(s, b, i)) ? used : kept) += out;
       *(shared ? used : kept) += layer_own_bytes(l, batch);
       count_seq(&l->body, batch, 0, shared, frozen, kept, used, peak);
@@ -419,8 +451,9 @@ void model_alloc(dt_model *m, dt_backend *be, int64_t max_batch, uint64_t seed) 
   m->acts->be = be;
   alloc_seq(&m->top, be, m->acts, max_batch, m->recompute, 0, m->frozen);
   acts_place(m->acts);
-  for (int i = 0; i < m->n_all; i++) {
+  for (int i = 0; i < m->n_all; i++) { /* pre-order: a residual before its branches, a batchnorm before its relu */
     dt_layer *l = m->all[i];
+    if (l->dy_of) l->dy = l->dy_of->dy;
     if (l->fused_into) l->y = l->fused_into->y, l->dy = l->fused_into->dy;
   }
   /* the estimate (--dry-run, the memory check) is the layers' memory callbacks: they must mirror alloc */
@@ -577,7 +610,8 @@ static void summary_seq(const dt_seq *s, FILE *out, int depth) {
     const dt_layer *l = s->layers[i];
     char shape[64], label[96];
     shape_text(l->out, shape, sizeof shape);
-    snprintf(label, sizeof label, "%*s%s%s", depth * 2, "", l->ops->kind, l->fused_into ? " (fused)" : "");
+    snprintf(label, sizeof label, "%*s%s%s", depth * 2, "", l->ops->kind,
+             l->fused_into || l->gelu_prev ? " (fused)" : "");
     int64_t own = 0;
     for (int t = 0; t < l->n_tensors; t++)
       if (!l->tensors[t].is_buffer) own += l->tensors[t].count;

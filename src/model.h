@@ -100,7 +100,10 @@ enum {
   DT_LAYER_RELU = 2,       /* a relu: the layer before may apply it */
   DT_LAYER_NORM = 4,       /* a normalisation: its weights are optim.no_decay's "norm" group */
   DT_LAYER_EMBEDDING = 8,  /* a token embedding: optim.no_decay's "embedding", what linear{tie} may name */
-  DT_LAYER_BLOCK = 16      /* a block for train.recompute (residual) where it is not inside a repeat's copy */
+  DT_LAYER_BLOCK = 16,     /* a block for train.recompute (residual) where it is not inside a repeat's copy */
+  DT_LAYER_LINEAR = 32,    /* a linear: its GEMM may apply the tanh gelu after it, or that gelu's derivative
+                              before it (model.fuse) */
+  DT_LAYER_GELU = 64       /* a gelu: in its tanh form, the linears around it may apply it */
 };
 
 /* The layer kinds (layers.c): the one of that name in the config, or NULL; their names (n_kinds). */
@@ -143,6 +146,16 @@ struct dt_layer {
   dt_layer *tied;        /* linear{tie}: the embedding whose token matrix it uses (borrowed) */
   int fused_relu;        /* batchnorm: applies the relu that follows it (model.fuse) */
   dt_layer *fused_into;  /* relu: the batchnorm that applies it; y and dy are that layer's (borrowed) */
+  dt_layer *dy_of;       /* the layer whose dy this one's is (borrowed): for the last layer (or, for a fused
+                            relu, its batchnorm) of a residual's body or shortcut, that residual (a term of a
+                            sum has the sum's gradient, and no backward writes its own dy); for a gelu whose
+                            backward the next linear applies, the linear before it */
+  dt_layer *gelu_next;   /* linear: the tanh gelu right after it, which its GEMM's epilogue applies (model.fuse),
+                            writing that layer's y; this layer's y is the gelu's input */
+  dt_layer *gelu_prev;   /* gelu: the linear whose epilogue computes it (its forward has nothing to do) */
+  dt_layer *dgelu_aux;   /* linear right after such a gelu: the linear before the gelu, whose y is the gelu's
+                            input; this layer's input gradient passes through the gelu's derivative in its
+                            GEMM's epilogue, into the gelu's dy, which is that linear's (dy_of) */
   int too_large;         /* layer_add_tensor got a tensor of more than DT_MAX_ELEMENTS */
   int fused_attention;   /* attention: its heads in the fused ops (model.attention, heads of at most
                             DT_ATTENTION_MAX_HD values) */

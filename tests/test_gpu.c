@@ -2101,6 +2101,52 @@ static void gemm16_reuses_dy_only_back_to_back(void) {
   ref->destroy(ref);
 }
 
+/* A linear layer's GEMM applying the tanh gelu after it (aux: the gelu's input; with and without a
+ * bias), and the next linear's input gradient through the gelu's derivative at aux (in place of the
+ * gelu's own backward): cuBLASLt's epilogues where the gelu's rows are a multiple of 8 values (16 and
+ * 24), the GEMM and the gelu's kernel otherwise (12 and 20), against the CPU's GEMM and gelu ops. */
+static void ops_gemm_gelu(void) {
+  const int64_t outs[] = {16, 12}, ins[] = {24, 20};
+  for (int o = 0; o < 2; o++) {
+    const int64_t out = outs[o], in = ins[o];
+    FOR_ROWS(r) {
+      dbuf x = ot_rand(cap * in, -1, 1), w = ot_rand(out * in, -1, 1), bias = ot_rand(out, -1, 1);
+      dbuf pre = ot_rand(cap * out, -1, 1), y = ot_rand(cap * out, -1, 1);
+      for (int with_bias = 1; with_bias >= 0; with_bias--) {
+        ot_case(DT_OP_GEMM, "linear forward, gelu epilogue, out %lld%s, %s", (long long)out, with_bias ? ", bias" : "",
+                ROWS_NAME(r));
+        const int64_t fused = backend_cuda_gemm_epilogues(ot.be[1]);
+        BOTH {
+          dt_op op = dense_gemm(DENSE_FWD, rows, in, out);
+          op.p.gemm.a = F(x), op.p.gemm.b = F(w), op.p.gemm.c = F(y), op.p.gemm.bias = with_bias ? F(bias) : NULL;
+          op.p.gemm.epilogue = DT_GEMM_GELU_TANH, op.p.gemm.aux = F(pre);
+          RUN(op);
+        }
+        ot_check("y", y, rows * out);
+        ot_check("aux (the gelu's input)", pre, rows * out);
+        if (backend_cuda_gemm_epilogues(ot.be[1]) - fused != (rows && out % 8 == 0))
+          fail_msg("op gemm [%s]: %lld cuBLASLt epilogues", ot.kase,
+                   (long long)(backend_cuda_gemm_epilogues(ot.be[1]) - fused));
+      }
+      /* the next linear (in -> out) after a gelu of `in` values: dx = (dy W) gelu'(pre) */
+      dbuf dy = ot_rand(cap * out, -1, 1), gin = ot_rand(cap * in, -2, 2), dx = ot_rand(cap * in, -1, 1);
+      ot_case(DT_OP_GEMM, "input gradient through the gelu's derivative, in %lld, %s", (long long)in, ROWS_NAME(r));
+      const int64_t fused = backend_cuda_gemm_epilogues(ot.be[1]);
+      BOTH {
+        dt_op op = dense_gemm(DENSE_DX, rows, in, out);
+        op.p.gemm.a = F(dy), op.p.gemm.b = F(w), op.p.gemm.c = F(dx);
+        op.p.gemm.epilogue = DT_GEMM_DGELU_TANH, op.p.gemm.aux = F(gin);
+        RUN(op);
+      }
+      ot_check("dx", dx, rows * in);
+      ot_check("aux (read)", gin, 0);
+      if (backend_cuda_gemm_epilogues(ot.be[1]) - fused != (rows && in % 8 == 0))
+        fail_msg("op gemm [%s]: %lld cuBLASLt epilogues", ot.kase,
+                 (long long)(backend_cuda_gemm_epilogues(ot.be[1]) - fused));
+    }
+  }
+}
+
 /* A GEMM with a bias (a linear layer's forward) runs as one cuBLASLt matmul whose epilogue adds the
  * bias, with no kernel filling C first, whatever the alignment of x, W and y (the heuristic is told
  * each pointer's); a bias that is not 16-byte aligned, or a problem cuBLASLt has no algorithm for
@@ -2168,6 +2214,7 @@ static void gemm_bias_in_cublaslt_epilogue(void) {
 }
 
 GPU_TEST(cuda_op_gemm, (ot_begin(), ops_gemm(), ot_end()))
+GPU_TEST(cuda_op_gemm_gelu, (ot_begin(), ops_gemm_gelu(), ot_end()))
 GPU_TEST(cuda_gemm_bias_in_cublaslt_epilogue, gemm_bias_in_cublaslt_epilogue())
 GPU_TEST(cuda_op_gemm_batched, (ot_begin(), ops_gemm_batched(), ot_end()))
 GPU_TEST(cuda_op_gemm_bf16, (ot_begin_precision(DT_PREC_BF16, 1e-5), ops_gemm_bf16(), ot_end()))
@@ -2261,6 +2308,7 @@ int main(void) {
       cmocka_unit_test(cuda_activations_dropout_avgpool),
       cmocka_unit_test(cuda_residual_global_pool_mse),
       cmocka_unit_test(cuda_op_gemm),
+      cmocka_unit_test(cuda_op_gemm_gelu),
       cmocka_unit_test(cuda_gemm_bias_in_cublaslt_epilogue),
       cmocka_unit_test(cuda_op_gemm_batched),
       cmocka_unit_test(cuda_op_gemm_bf16),

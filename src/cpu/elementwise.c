@@ -114,6 +114,13 @@ VECTOR_CLONES static void act_bwd(int kind, int64_t n, const float *x, const flo
       for (int64_t i = 0; i < n; i++) dx[i] = (1.0f - y[i] * y[i]) * dy[i];
       break;
     case DT_ACT_GELU_TANH:
+      if (dx == dy) { /* in place (a linear's gelu epilogue): no overlap check to send it down a scalar loop */
+        float *restrict g = dx;
+        const float *restrict at = x;
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < n; i++) g[i] = gelu_tanh_grad(at[i]) * g[i];
+        break;
+      }
 #pragma omp parallel for schedule(static)
       for (int64_t i = 0; i < n; i++) dx[i] = gelu_tanh_grad(x[i]) * dy[i];
       break;

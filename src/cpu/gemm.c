@@ -19,7 +19,22 @@ static void gemm_one(const typeof(((dt_op *)0)->p.gemm) *q, int64_t i) {
 void cpu_gemm(cpu_impl *im, const dt_op *op) {
   const typeof(op->p.gemm) *q = &op->p.gemm;
   if (!q->m || !q->n) return; /* a rank with no rows this batch */
-  if (q->bias) {              /* C starts as the bias rows and the GEMM adds to it: one pass fewer over C */
+  if (q->epilogue) {          /* the product, then the gelu's op as a layer of its own would run it */
+    DT_ASSERT(q->beta == 0.0f && q->batch <= 1 && q->aux && (q->epilogue == DT_GEMM_GELU_TANH || !q->bias));
+    dt_op product = *op;
+    product.p.gemm.epilogue = DT_GEMM_PLAIN;
+    if (q->epilogue == DT_GEMM_GELU_TANH) product.p.gemm.c = q->aux;
+    cpu_gemm(im, &product);
+    dt_op act = {.type = q->epilogue == DT_GEMM_GELU_TANH ? DT_OP_ACT_FWD : DT_OP_ACT_BWD};
+    if (act.type == DT_OP_ACT_FWD)
+      act.p.act_fwd = (typeof(act.p.act_fwd)){.kind = DT_ACT_GELU_TANH, .n = q->m * q->n, .x = q->aux, .y = q->c};
+    else /* in place: dx[i] = gelu_tanh'(x[i]) dy[i] */
+      act.p.act_bwd =
+          (typeof(act.p.act_bwd)){.kind = DT_ACT_GELU_TANH, .n = q->m * q->n, .x = q->aux, .dy = q->c, .dx = q->c};
+    (act.type == DT_OP_ACT_FWD ? cpu_act_fwd : cpu_act_bwd)(im, &act);
+    return;
+  }
+  if (q->bias) { /* C starts as the bias rows and the GEMM adds to it: one pass fewer over C */
     DT_ASSERT(q->beta == 0.0f && q->batch <= 1);
     typeof(((dt_op *)0)->p.gemm) with = *q;
     with.beta = 1.0f;

@@ -52,9 +52,10 @@ size_t cuda_gemm16_bytes(const cuda_impl *im, const dt_op *op) {
 enum { GEMM_LT_WORKSPACE = 4 << 20 };
 
 /* The column-major problem cuBLAS sees (C^T = op(B)^T op(A)^T): the types of A and B, the
- * transposes, the shape, the leading dimensions and the alignment in bytes of each pointer (A's,
- * B's, C's and the bias's). */
-enum { PLAN_KEY = 12 };
+ * transposes, the shape, the leading dimensions, the alignment in bytes of each pointer (A's, B's,
+ * C's, the bias's and the gelu input's: the heuristic reads them), whether there is a bias, and the
+ * epilogue (DT_GEMM_*). */
+enum { PLAN_KEY = 15 };
 
 struct gemm_plan {
   int64_t key[PLAN_KEY];
@@ -72,7 +73,7 @@ static int64_t alignment(const void *p, int64_t ld_bytes) {
 
 size_t cuda_gemm_workspace(const dt_op *op) {
   const typeof(op->p.gemm) *q = &op->p.gemm;
-  return q->bias && q->batch <= 1 ? GEMM_LT_WORKSPACE : 0;
+  return (q->bias || q->epilogue) && q->batch <= 1 ? GEMM_LT_WORKSPACE : 0;
 }
 
 void cuda_gemm_free(cuda_impl *im) {
@@ -89,8 +90,8 @@ void cuda_gemm_free(cuda_impl *im) {
 }
 
 /* The plan for key (made now if new): the descriptors and the heuristic's first algorithm for
- * these alignments, with the bias epilogue and a workspace of at most GEMM_LT_WORKSPACE. */
-static gemm_plan *plan_for(cuda_impl *im, const int64_t key[PLAN_KEY], const void *bias) {
+ * these alignments, with the epilogue the op asks for and a workspace of at most GEMM_LT_WORKSPACE. */
+static gemm_plan *plan_for(cuda_impl *im, const int64_t key[PLAN_KEY], const void *bias, const void *aux) {
   for (int i = 0; i < im->n_gemm_plans; i++)
     if (!memcmp(im->gemm_plans[i].key, key, sizeof im->gemm_plans[i].key)) return &im->gemm_plans[i];
   im->gemm_plans = dt_realloc(im->gemm_plans, (size_t)(im->n_gemm_plans + 1) * sizeof *im->gemm_plans);
@@ -106,12 +107,22 @@ static gemm_plan *plan_for(cuda_impl *im, const int64_t key[PLAN_KEY], const voi
                                       : im->precision == DT_PREC_FP32 ? CUBLAS_COMPUTE_32F
                                                                       : gemm_compute[im->precision];
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, compute, CUDA_R_32F));
-  const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+  const int has_bias = (int)key[13], kind = (int)key[14];
+  const cublasLtEpilogue_t epilogue = kind == DT_GEMM_DGELU_TANH ? CUBLASLT_EPILOGUE_DGELU
+                                      : kind == DT_GEMM_GELU_TANH
+                                          ? (has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX)
+                                          : CUBLASLT_EPILOGUE_BIAS;
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &tb, sizeof tb));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &ta, sizeof ta));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue));
-  /* the heuristic reads the bias pointer's alignment (in the key) */
-  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+  /* the heuristic reads the bias's and the gelu input's pointers for their alignment (in the key) */
+  if (has_bias)
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+  if (kind) {
+    const int64_t aux_ld = n; /* the gelu's input is laid out as C */
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof aux_ld));
+  }
   /* stored (rows, cols) in column-major terms: op(X) = X^T stores X as (cols of op, rows of op) */
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->a, ab, tb == CUBLAS_OP_N ? n : k, tb == CUBLAS_OP_N ? k : n, ldb));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->b, ab, ta == CUBLAS_OP_N ? k : m, ta == CUBLAS_OP_N ? m : k, lda));
@@ -138,13 +149,15 @@ static gemm_plan *plan_for(cuda_impl *im, const int64_t key[PLAN_KEY], const voi
   return p;
 }
 
-/* C(rows, n) = op(A) op(B) + bias through cuBLASLt, as cublasGemmEx's arguments say (A and B:
- * bfloat16 copies when bf16, else FP32); 0 when cuBLASLt cannot (the caller fills C with the bias
- * and runs cublasGemmEx). */
+/* C(rows, n) = op(A) op(B) + bias, or its gelu epilogue, through cuBLASLt, as cublasGemmEx's
+ * arguments say (A and B: bfloat16 copies when bf16, else FP32); 0 when cuBLASLt cannot (the caller
+ * fills C with the bias, runs cublasGemmEx and the gelu's kernel). */
 static int gemm_lt(cuda_impl *im, const typeof(((dt_op *)0)->p.gemm) *q, int bf16, const void *a, int64_t lda,
                    const void *b, int64_t ldb) {
   const int64_t elem = bf16 ? 2 : 4;
-  if ((uintptr_t)q->bias % 16 || !q->k) return 0; /* cuBLASLt reads the bias in 16-byte pieces */
+  /* cuBLASLt reads the bias and the gelu's input in 16-byte pieces; the gelu input's rows are whole
+   * multiples of 8 values */
+  if ((uintptr_t)q->bias % 16 || (q->epilogue && ((uintptr_t)q->aux % 16 || q->n % 8)) || !q->k) return 0;
   const int64_t key[PLAN_KEY] = {bf16,
                                  q->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
                                  q->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
@@ -156,11 +169,18 @@ static int gemm_lt(cuda_impl *im, const typeof(((dt_op *)0)->p.gemm) *q, int bf1
                                  alignment(b, ldb * elem),
                                  alignment(a, lda * elem),
                                  alignment(q->c, q->n * 4),
-                                 alignment(q->bias, 0)};
-  gemm_plan *p = plan_for(im, key, q->bias);
+                                 q->bias ? alignment(q->bias, 0) : 0,
+                                 q->epilogue ? alignment(q->aux, q->n * 4) : 0,
+                                 q->bias != NULL,
+                                 q->epilogue};
+  gemm_plan *p = plan_for(im, key, q->bias, q->aux);
   if (!p->usable) return 0;
   void *ws = cuda_grow_device(im, &im->workspace, &im->workspace_bytes, GEMM_LT_WORKSPACE, "cuBLASLt workspace");
-  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &q->bias, sizeof q->bias));
+  if (q->bias)
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &q->bias, sizeof q->bias));
+  if (q->epilogue)
+    CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &q->aux, sizeof q->aux));
   const float zero = 0.0f;
   CUBLAS_CHECK(cublasLtMatmul(im->lt, p->desc, &q->alpha, b, p->a, a, p->b, &zero, q->c, p->c, q->c, p->c, &p->algo, ws,
                               GEMM_LT_WORKSPACE, im->stream));
@@ -186,33 +206,39 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
         q->stride_c, (int)q->batch, gemm_compute[im->precision], CUBLAS_GEMM_DEFAULT));
     return;
   }
-  /* with a bias: cuBLASLt's epilogue adds it, or C starts as the bias rows and the GEMM adds to it
-   * (beta 1); one rounding either way, as on the CPU */
-  const float one = 1.0f, *beta = &q->beta;
-  if (q->bias) DT_ASSERT(q->beta == 0.0f);
+  /* A bias, a gelu or its derivative: cuBLASLt's epilogue applies it as C is written. Else (no
+   * algorithm, an unaligned bias or gelu input) C starts as the bias rows, the GEMM adds to it
+   * (beta 1; one rounding either way, as on the CPU), and the gelu's kernel runs after. */
+  DT_ASSERT((!q->bias && !q->epilogue) || q->beta == 0.0f);
+  const void *a_op = q->a, *b_op = q->b;
+  int64_t lda_op = lda > 1 ? lda : 1, ldb_op = ldb > 1 ? ldb : 1;
+  cudaDataType type = CUDA_R_32F;
+  cublasComputeType_t compute = gemm_compute[im->precision];
+  uint16_t *a16 = NULL;
+  int64_t layout[4] = {0};
   if (bytes16) {
     /* A dense layer's dy is A of both its weight gradient and, next, its input gradient (layer_dense.c):
      * the second takes the copy the first left at the start of h16. */
-    uint16_t *a16 = cuda_grow_device(im, (void **)&im->h16, &im->h16_bytes, bytes16, "16-bit GEMM operands");
+    a16 = cuda_grow_device(im, (void **)&im->h16, &im->h16_bytes, bytes16, "16-bit GEMM operands");
     uint16_t *b16 = a16 + align256((size_t)(a.rows * a.ld16) * 2) / 2;
-    const int64_t layout[4] = {DY16_ROWS, a.rows, a.cols, a.ld16};
+    layout[0] = DY16_ROWS, layout[1] = a.rows, layout[2] = a.cols, layout[3] = a.ld16;
     if (cuda_dy16_held(im, q->a, a16, layout))
       im->dy16_reuses++;
     else
       k_pack_bf16_rows(im->stream, q->a, a16, a.rows, a.cols, a.ld16);
     k_pack_bf16_rows(im->stream, q->b, b16, b.rows, b.cols, b.ld16);
-    if (!q->bias || !gemm_lt(im, q, 1, a16, a.ld16, b16, b.ld16)) {
-      if (q->bias) k_fill_rows(im->stream, q->c, q->bias, q->m, q->n), beta = &one;
-      CUBLAS_CHECK(cublasGemmEx(im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, b16, CUDA_R_16BF,
-                                (int)b.ld16, a16, CUDA_R_16BF, (int)a.ld16, beta, q->c, CUDA_R_32F, (int)q->n,
-                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    }
-    cuda_hold_dy16(im, q->a, a16, layout); /* A as it was: C never aliases it (cuBLAS's contract) */
-    return;
+    a_op = a16, b_op = b16, lda_op = a.ld16, ldb_op = b.ld16, type = CUDA_R_16BF, compute = CUBLAS_COMPUTE_32F;
   }
-  if (q->bias && gemm_lt(im, q, 0, q->a, lda > 1 ? lda : 1, q->b, ldb > 1 ? ldb : 1)) return;
-  if (q->bias) k_fill_rows(im->stream, q->c, q->bias, q->m, q->n), beta = &one;
-  CUBLAS_CHECK(cublasGemmEx(im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, q->b, CUDA_R_32F,
-                            (int)(ldb > 1 ? ldb : 1), q->a, CUDA_R_32F, (int)(lda > 1 ? lda : 1), beta, q->c,
-                            CUDA_R_32F, (int)q->n, gemm_compute[im->precision], CUBLAS_GEMM_DEFAULT));
+  if (!(q->bias || q->epilogue) || !gemm_lt(im, q, bytes16 != 0, a_op, lda_op, b_op, ldb_op)) {
+    const float one = 1.0f, *beta = &q->beta;
+    float *dest = q->epilogue == DT_GEMM_GELU_TANH ? q->aux : q->c; /* a gelu's input first */
+    if (q->bias) k_fill_rows(im->stream, dest, q->bias, q->m, q->n), beta = &one;
+    CUBLAS_CHECK(cublasGemmEx(im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, b_op, type, (int)ldb_op,
+                              a_op, type, (int)lda_op, beta, dest, CUDA_R_32F, (int)q->n, compute,
+                              CUBLAS_GEMM_DEFAULT));
+    if (q->epilogue == DT_GEMM_GELU_TANH) k_act_fwd(im->stream, DT_ACT_GELU_TANH, q->aux, q->c, q->m * q->n);
+    if (q->epilogue == DT_GEMM_DGELU_TANH) /* in place: c = gelu_tanh'(aux) c */
+      k_act_bwd(im->stream, DT_ACT_GELU_TANH, q->aux, NULL, q->c, q->c, q->m * q->n);
+  }
+  if (bytes16) cuda_hold_dy16(im, q->a, a16, layout); /* A as it was: C never aliases it (cuBLAS's contract) */
 }
