@@ -381,23 +381,39 @@ cublasStatus_t lt_problem(const LtDesc *d, const LtLayout *l[4]) {
 
 using namespace gpusim;
 
-extern "C" {
+struct cublasLtContext {
+  int device = 0;
+};
 
-cublasStatus_t cublasCreate_v2(cublasHandle_t *h) {
+// A cuBLAS or cuBLASLt handle made on the current device, and its end.
+template <class T>
+static cublasStatus_t create_handle(Handles<T> &live, T **h) {
   ApiLock lock;
   Device *d = current_device();
   if (!d) return CUBLAS_STATUS_NOT_INITIALIZED;
-  cublasContext *c = handles.add(new cublasContext);
+  if (!h) return CUBLAS_STATUS_INVALID_VALUE;
+  T *c = live.add(new T);
   c->device = d->index;
   *h = c;
   return CUBLAS_STATUS_SUCCESS;
 }
 
-cublasStatus_t cublasDestroy_v2(cublasHandle_t h) {
+template <class T>
+static cublasStatus_t destroy_handle(Handles<T> &live, T *h) {
   ApiLock lock;
-  if (!handles.remove(h)) return CUBLAS_STATUS_NOT_INITIALIZED;
+  if (!live.remove(h)) return CUBLAS_STATUS_NOT_INITIALIZED;
   delete h;
   return CUBLAS_STATUS_SUCCESS;
+}
+
+extern "C" {
+
+cublasStatus_t cublasCreate_v2(cublasHandle_t *h) {
+  return create_handle(handles, h);
+}
+
+cublasStatus_t cublasDestroy_v2(cublasHandle_t h) {
+  return destroy_handle(handles, h);
 }
 
 cublasStatus_t cublasSetStream_v2(cublasHandle_t h, cudaStream_t s) {
@@ -554,28 +570,14 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
 // cuBLASLt: matrix layouts and the matmul descriptor's and preference's attributes the project
 // sets; the heuristic returns one algorithm, or none under GPUSIM_CUBLASLT=none (as cuBLASLt does
 // for a problem no kernel of it supports).
-struct cublasLtContext {
-  int device = 0;
-};
-
 static Handles<cublasLtContext> lt_handles;
 
 cublasStatus_t cublasLtCreate(cublasLtHandle_t *h) {
-  ApiLock lock;
-  Device *d = current_device();
-  if (!d) return CUBLAS_STATUS_NOT_INITIALIZED;
-  if (!h) return CUBLAS_STATUS_INVALID_VALUE;
-  cublasLtContext *c = lt_handles.add(new cublasLtContext);
-  c->device = d->index;
-  *h = c;
-  return CUBLAS_STATUS_SUCCESS;
+  return create_handle(lt_handles, h);
 }
 
 cublasStatus_t cublasLtDestroy(cublasLtHandle_t h) {
-  ApiLock lock;
-  if (!lt_handles.remove(h)) return CUBLAS_STATUS_NOT_INITIALIZED;
-  delete h;
-  return CUBLAS_STATUS_SUCCESS;
+  return destroy_handle(lt_handles, h);
 }
 
 size_t cublasLtGetVersion(void) {
