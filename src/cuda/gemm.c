@@ -48,7 +48,8 @@ size_t cuda_gemm16_bytes(const cuda_impl *im, const dt_op *op) {
   return gemm16_plan(im, op, &a, &b);
 }
 
-/* cuBLASLt's workspace (im->workspace, shared with cuDNN's): what cuBLAS's own defaults to. */
+/* cuBLASLt's workspace (im->workspace, shared with cuDNN's). cuBLAS advises 32 MiB on Hopper for
+ * split-K's partial sums, which plan_for rules out; 4 MiB, its advice elsewhere, is left for the rest. */
 enum { GEMM_LT_WORKSPACE = 4 << 20 };
 
 /* The column-major problem cuBLAS sees (C^T = op(B)^T op(A)^T): the types of A and B, the
@@ -137,11 +138,16 @@ static gemm_plan *plan_for(cuda_impl *im, const int64_t key[PLAN_KEY], const voi
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
   for (int i = 0; i < 4; i++)
     CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, align_attr[i], &align[i], sizeof align[i]));
+  /* no split-K reductions: one algorithm's sums in one order, whatever the split a shape would get */
+  const uint32_t reductions = CUBLASLT_REDUCTION_SCHEME_NONE;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions,
+                                                    sizeof reductions));
   cublasLtMatmulHeuristicResult_t result;
   int found = 0;
-  /* NOT_SUPPORTED with no result: no kernel of this cuBLASLt takes the problem */
-  cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(im->lt, p->desc, p->a, p->b, p->c, p->c, pref, 1, &result, &found);
-  if (st != CUBLAS_STATUS_NOT_SUPPORTED) CUBLAS_CHECK(st);
+  /* any failure (NOT_SUPPORTED: no kernel takes the problem; INVALID_VALUE, as PyTorch saw for a
+   * dimension of 1; no memory to load a kernel) leaves the problem to cublasGemmEx */
+  const cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(im->lt, p->desc, p->a, p->b, p->c, p->c, pref, 1, &result, &found);
   CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
   p->usable = st == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS &&
               result.workspaceSize <= GEMM_LT_WORKSPACE;
@@ -157,7 +163,8 @@ static int gemm_lt(cuda_impl *im, const typeof(((dt_op *)0)->p.gemm) *q, int bf1
   const int64_t elem = bf16 ? 2 : 4;
   /* cuBLASLt reads the bias and the gelu's input in 16-byte pieces; the gelu input's rows are whole
    * multiples of 8 values */
-  if ((uintptr_t)q->bias % 16 || (q->epilogue && ((uintptr_t)q->aux % 16 || q->n % 8)) || !q->k) return 0;
+  if ((uintptr_t)q->bias % 16 || (q->epilogue && ((uintptr_t)q->aux % 16 || q->n % 8))) return 0;
+  if (q->m < 2 || q->n < 2 || q->k < 2) return 0; /* PyTorch keeps a dimension of 1 from cuBLASLt too */
   const int64_t key[PLAN_KEY] = {bf16,
                                  q->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
                                  q->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,

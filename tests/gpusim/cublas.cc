@@ -305,6 +305,7 @@ struct LtLayout {
 
 struct LtPref {
   uint64_t max_workspace = 0;
+  uint32_t reductions = CUBLASLT_REDUCTION_SCHEME_MASK;  // the split-K reduction schemes allowed
   uint32_t align[4] = {256, 256, 256, 256};  // A, B, C, D: the alignment the pointers are promised to have
 };
 
@@ -667,6 +668,11 @@ cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p
     memcpy(&p->max_workspace, buf, bytes);
     return CUBLAS_STATUS_SUCCESS;
   }
+  if (attr == CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK) {
+    if (bytes != sizeof p->reductions) return CUBLAS_STATUS_INVALID_VALUE;
+    memcpy(&p->reductions, buf, bytes);
+    return CUBLAS_STATUS_SUCCESS;
+  }
   int which = attr == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES   ? 0
               : attr == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES ? 1
               : attr == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES ? 2
@@ -708,9 +714,10 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmul
   // the bias and the gelu's input are read 16 bytes at a time where they can be
   algo.align[4] = d->bias ? alignment_of(d->bias, 16) : 0;
   algo.align[5] = lt_gelu(d) ? alignment_of(d->aux, 16) : 0;
-  // a long k is split, its partial sums kept in the workspace when the preference allows one
+  // a long k is split, its partial sums kept in the workspace, when the preference allows a
+  // workspace and a reduction scheme
   uint64_t k = d->ta == CUBLAS_OP_N ? l[0]->cols : l[0]->rows;
-  algo.workspace = k >= 32 && p->max_workspace >= 65536 ? 65536 : 0;
+  algo.workspace = k >= 32 && p->max_workspace >= 65536 && (p->reductions & CUBLASLT_REDUCTION_SCHEME_MASK) ? 65536 : 0;
   memset(&results[0], 0, sizeof results[0]);
   memcpy(&results[0].algo, &algo, sizeof algo);
   results[0].workspaceSize = algo.workspace;

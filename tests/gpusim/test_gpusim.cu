@@ -1459,11 +1459,24 @@ static void cublaslt_bias_epilogue_and_its_checks(void **) {
   // an algorithm is for the descriptors it was chosen for
   assert_int_equal(cublasLtMatmul(lt, desc, &one, dA, la, dB, lb, &zero, dC, other, dD, other, &r.algo, nullptr, 0, s),
                    CUBLAS_STATUS_INVALID_VALUE);
-  // k = 40 takes an algorithm with a workspace, which must be given
+  // k = 40 takes an algorithm with a workspace (split-K's partial sums), which must be given, unless
+  // the preference rules out every reduction scheme
+  const uint32_t no_split = CUBLASLT_REDUCTION_SCHEME_NONE;
   float *dA40 = device_copy(std::vector<float>(80, 1.0f)), *dB40 = device_copy(std::vector<float>(80, 1.0f));
   cublasLtMatrixLayout_t la40, lb40;
   BLAS_OK(cublasLtMatrixLayoutCreate(&la40, CUDA_R_32F, 2, 40, 2));
   BLAS_OK(cublasLtMatrixLayoutCreate(&lb40, CUDA_R_32F, 40, 2, 40));
+  cublasLtMatmulPreference_t pref_no_split;
+  BLAS_OK(cublasLtMatmulPreferenceCreate(&pref_no_split));
+  BLAS_OK(cublasLtMatmulPreferenceSetAttribute(pref_no_split, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
+                                               sizeof ws_bytes));
+  BLAS_OK(cublasLtMatmulPreferenceSetAttribute(pref_no_split, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &no_split,
+                                               sizeof no_split));
+  for (int i = 0; i < 4; i++)
+    BLAS_OK(cublasLtMatmulPreferenceSetAttribute(pref_no_split, align_attr[i], &align[i], sizeof align[i]));
+  BLAS_OK(cublasLtMatmulAlgoGetHeuristic(lt, desc, la40, lb40, lc, lc, pref_no_split, 1, &r, &found));
+  assert_true(found == 1 && r.workspaceSize == 0);
+  BLAS_OK(cublasLtMatmulPreferenceDestroy(pref_no_split));
   BLAS_OK(cublasLtMatmulAlgoGetHeuristic(lt, desc, la40, lb40, lc, lc, pref, 1, &r, &found));
   assert_true(found == 1 && r.workspaceSize > 0);
   assert_int_equal(
