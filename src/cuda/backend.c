@@ -283,6 +283,12 @@ static void cuda_graph_free(dt_backend *be, void *graph) {
   CUDA_CHECK(cudaGraphExecDestroy((cudaGraphExec_t)graph));
 }
 
+void cuda_note(cuda_impl *im, const char *line) {
+  size_t have = im->notes ? strlen(im->notes) : 0, add = strlen(line);
+  im->notes = dt_realloc(im->notes, have + add + 1);
+  memcpy(im->notes + have, line, add + 1);
+}
+
 static char *cuda_take_notes(dt_backend *be) {
   cuda_impl *im = be->impl;
   char *notes = im->notes;

@@ -142,9 +142,7 @@ static void note_plan(cuda_impl *im, const conv_plan *p) {
       (long long)g->k, (long long)g->k, (long long)g->stride, (long long)g->pad, precision_names[im->precision],
       p->algo[FWD], math_name(p->math[FWD]), p->algo[BWD_DATA], math_name(p->math[BWD_DATA]), p->algo[BWD_FILTER],
       math_name(p->math[BWD_FILTER]), (double)p->ws_bytes / 1048576.0);
-  size_t have = im->notes ? strlen(im->notes) : 0, add = strlen(line);
-  im->notes = dt_realloc(im->notes, have + add + 1);
-  memcpy(im->notes + have, line, add + 1);
+  cuda_note(im, line);
 }
 
 static conv_plan *plan_for(cuda_impl *im, const dt_conv_geom *g) {

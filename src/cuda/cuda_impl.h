@@ -101,6 +101,8 @@ void cuda_conv_free(cuda_impl *im);
 void cuda_conv_scratch(cuda_impl *im, const dt_conv_geom *g, size_t *workspace, size_t *h16);
 /* The layouts of a held 16-bit dy (im->dy16_layout[0]): conv.c's NHWC copies, gemm.c's padded rows. */
 enum { DY16_NHWC = 1, DY16_ROWS = 2 };
+/* backend.c: appends a line (ending in a newline) to im->notes, for the log. */
+void cuda_note(cuda_impl *im, const char *line);
 /* backend.c: the held 16-bit dy may be stale from here on (any op but a backward data or a GEMM, any
  * copy, h16 grown). */
 void cuda_forget_dy16(cuda_impl *im);

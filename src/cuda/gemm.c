@@ -3,6 +3,7 @@
  * as one cublasLtMatmul whose epilogue adds the bias to the FP32 sums; where cuBLASLt has no
  * algorithm for it, or the bias is not 16-byte aligned, C starts as the bias rows
  * (kernels/elementwise.cu's k_fill_rows) and cublasGemmEx adds the product to it. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -151,7 +152,16 @@ static gemm_plan *plan_for(cuda_impl *im, const int64_t key[PLAN_KEY], const voi
   CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
   p->usable = st == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS &&
               result.workspaceSize <= GEMM_LT_WORKSPACE;
-  if (p->usable) p->algo = result.algo;
+  if (p->usable) {
+    p->algo = result.algo;
+  } else { /* for the log: a GPU where this is common would be slower than it need be */
+    static const char *const epilogue_names[] = {"bias", "gelu", "gelu's derivative"};
+    char line[256];
+    snprintf(line, sizeof line, "cublaslt: GEMM (%lld, %lld, %lld) %s with its %s: %s, so cublasGemmEx and kernels\n",
+             (long long)m, (long long)n, (long long)k, bf16 ? "bf16" : "fp32", epilogue_names[kind],
+             st != CUBLAS_STATUS_SUCCESS ? cublasGetStatusName(st) : "no algorithm");
+    cuda_note(im, line);
+  }
   return p;
 }
 
@@ -182,15 +192,14 @@ static int gemm_lt(cuda_impl *im, const typeof(((dt_op *)0)->p.gemm) *q, int bf1
                                  q->epilogue};
   gemm_plan *p = plan_for(im, key, q->bias, q->aux);
   if (!p->usable) return 0;
-  void *ws = cuda_grow_device(im, &im->workspace, &im->workspace_bytes, GEMM_LT_WORKSPACE, "cuBLASLt workspace");
   if (q->bias)
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &q->bias, sizeof q->bias));
   if (q->epilogue)
     CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &q->aux, sizeof q->aux));
   const float zero = 0.0f;
-  CUBLAS_CHECK(cublasLtMatmul(im->lt, p->desc, &q->alpha, b, p->a, a, p->b, &zero, q->c, p->c, q->c, p->c, &p->algo, ws,
-                              GEMM_LT_WORKSPACE, im->stream));
+  CUBLAS_CHECK(cublasLtMatmul(im->lt, p->desc, &q->alpha, b, p->a, a, p->b, &zero, q->c, p->c, q->c, p->c, &p->algo,
+                              im->workspace, GEMM_LT_WORKSPACE, im->stream));
   im->gemm_epilogues++;
   return 1;
 }
@@ -236,6 +245,9 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
     k_pack_bf16_rows(im->stream, q->b, b16, b.rows, b.cols, b.ld16);
     a_op = a16, b_op = b16, lda_op = a.ld16, ldb_op = b.ld16, type = CUDA_R_16BF, compute = CUBLAS_COMPUTE_32F;
   }
+  /* the workspace whether or not cuBLASLt takes the GEMM, as the memory estimate counts it */
+  if (cuda_gemm_workspace(op))
+    cuda_grow_device(im, &im->workspace, &im->workspace_bytes, GEMM_LT_WORKSPACE, "cuBLASLt workspace");
   if (!(q->bias || q->epilogue) || !gemm_lt(im, q, bytes16 != 0, a_op, lda_op, b_op, ldb_op)) {
     const float one = 1.0f, *beta = &q->beta;
     float *dest = q->epilogue == DT_GEMM_GELU_TANH ? q->aux : q->c; /* a gelu's input first */
