@@ -407,6 +407,16 @@ static cublasStatus_t destroy_handle(Handles<T> &live, T *h) {
   return CUBLAS_STATUS_SUCCESS;
 }
 
+// A cuBLASLt descriptor (the stand-in's T behind the library's opaque pointer) ended.
+template <class T>
+static cublasStatus_t destroy_descriptor(Handles<T> &live, void *opaque) {
+  ApiLock lock;
+  T *d = reinterpret_cast<T *>(opaque);
+  if (!live.remove(d)) return CUBLAS_STATUS_INVALID_VALUE;
+  delete d;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
 extern "C" {
 
 cublasStatus_t cublasCreate_v2(cublasHandle_t *h) {
@@ -595,11 +605,7 @@ cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t *desc, cublasComput
 }
 
 cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t desc) {
-  ApiLock lock;
-  LtDesc *d = reinterpret_cast<LtDesc *>(desc);
-  if (!lt_descs.remove(d)) return CUBLAS_STATUS_INVALID_VALUE;
-  delete d;
-  return CUBLAS_STATUS_SUCCESS;
+  return destroy_descriptor(lt_descs, desc);
 }
 
 cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr,
@@ -635,11 +641,7 @@ cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t *layout, cudaDa
 }
 
 cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t layout) {
-  ApiLock lock;
-  LtLayout *l = reinterpret_cast<LtLayout *>(layout);
-  if (!lt_layouts.remove(l)) return CUBLAS_STATUS_INVALID_VALUE;
-  delete l;
-  return CUBLAS_STATUS_SUCCESS;
+  return destroy_descriptor(lt_layouts, layout);
 }
 
 cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t *pref) {
@@ -650,11 +652,7 @@ cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t *pref) 
 }
 
 cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t pref) {
-  ApiLock lock;
-  LtPref *p = reinterpret_cast<LtPref *>(pref);
-  if (!lt_prefs.remove(p)) return CUBLAS_STATUS_INVALID_VALUE;
-  delete p;
-  return CUBLAS_STATUS_SUCCESS;
+  return destroy_descriptor(lt_prefs, pref);
 }
 
 cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t pref,
