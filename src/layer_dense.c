@@ -76,9 +76,10 @@ dt_op dense_gemm(int kind, int64_t rows, int64_t in, int64_t out) {
 }
 
 void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
-                   const float *bias, float *y) {
+                   const float *bias, float *y, float *gelu_y) {
   dt_op op = dense_gemm(DENSE_FWD, rows, in, out);
   op.p.gemm.a = x, op.p.gemm.b = w, op.p.gemm.c = y, op.p.gemm.bias = bias;
+  if (gelu_y) op.p.gemm.epilogue = DT_GEMM_GELU_TANH, op.p.gemm.aux = y, op.p.gemm.c = gelu_y;
   backend_run(be, &op);
 }
 
@@ -114,13 +115,10 @@ int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][4
   return 2;
 }
 
-/* With a gelu after it (gelu_next), y is the gelu's input and the GEMM writes the gelu's output. */
+/* With a gelu after it (gelu_next), y is the gelu's input and the GEMM writes the gelu's output too. */
 static void linear_forward(dt_layer *l, dt_pass *pass, const float *x) {
-  dt_op op = dense_gemm(DENSE_FWD, shape_rows(l->in, pass->batch), l->in.c, l->args.out);
-  op.p.gemm.a = x, op.p.gemm.b = pass->params + weight_off(l), op.p.gemm.c = l->y;
-  op.p.gemm.bias = l->args.bias ? pass->params + bias_off(l) : NULL;
-  if (l->gelu_next) op.p.gemm.epilogue = DT_GEMM_GELU_TANH, op.p.gemm.aux = l->y, op.p.gemm.c = l->gelu_next->y;
-  backend_run(pass->be, &op);
+  dense_forward(pass->be, shape_rows(l->in, pass->batch), l->in.c, l->args.out, x, pass->params + weight_off(l),
+                l->args.bias ? pass->params + bias_off(l) : NULL, l->y, l->gelu_next ? l->gelu_next->y : NULL);
 }
 
 /* After such a gelu (dgelu_aux), dx goes through the gelu's derivative at its input. */

@@ -43,7 +43,7 @@ static int scratch_ops(const dt_model *m, int64_t batch, int backward, dt_op *op
       const int64_t rows = dense[d][0], in = dense[d][1], out = dense[d][2];
       static const float bias_marker; /* these ops are shapes only: never read */
       ops[n] = dense_gemm(DENSE_FWD, rows, in, out);
-      if (dense[d][3]) ops[n].p.gemm.bias = &bias_marker; /* a bias: the CUDA backend's cuBLASLt workspace */
+      if (dense[d][3]) ops[n].p.gemm.bias = &bias_marker; /* an epilogue: the CUDA backend's cuBLASLt workspace */
       n++;
       if (backward) ops[n++] = dense_gemm(DENSE_DW, rows, in, out);
       if (backward && !first) ops[n++] = dense_gemm(DENSE_DX, rows, in, out);

@@ -2190,7 +2190,7 @@ static void gemm_bias_in_cublaslt_epilogue(void) {
     be->to_device(be, bias + cases[c].off_bias, hb, (size_t)out * 4);
     const int64_t fused = backend_cuda_gemm_epilogues(be);
     dense_forward(be, rows, in, out, x + cases[c].off_x, w + cases[c].off_w, bias + cases[c].off_bias,
-                  y + cases[c].off_y);
+                  y + cases[c].off_y, NULL);
     be->to_host(be, got, y + cases[c].off_y, (size_t)(rows * out) * 4);
     const int want_fused = cases[c].off_bias % 4 == 0 && !(cases[c].no_algorithm && standin) && rows > 1;
     if (backend_cuda_gemm_epilogues(be) - fused != want_fused)

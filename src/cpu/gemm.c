@@ -26,12 +26,14 @@ void cpu_gemm(cpu_impl *im, const dt_op *op) {
     if (q->epilogue == DT_GEMM_GELU_TANH) product.p.gemm.c = q->aux;
     cpu_gemm(im, &product);
     dt_op act = {.type = q->epilogue == DT_GEMM_GELU_TANH ? DT_OP_ACT_FWD : DT_OP_ACT_BWD};
-    if (act.type == DT_OP_ACT_FWD)
+    if (act.type == DT_OP_ACT_FWD) {
       act.p.act_fwd = (typeof(act.p.act_fwd)){.kind = DT_ACT_GELU_TANH, .n = q->m * q->n, .x = q->aux, .y = q->c};
-    else /* in place: dx[i] = gelu_tanh'(x[i]) dy[i] */
+      cpu_act_fwd(im, &act);
+    } else { /* in place: dx[i] = gelu_tanh'(x[i]) dy[i] */
       act.p.act_bwd =
           (typeof(act.p.act_bwd)){.kind = DT_ACT_GELU_TANH, .n = q->m * q->n, .x = q->aux, .dy = q->c, .dx = q->c};
-    (act.type == DT_OP_ACT_FWD ? cpu_act_fwd : cpu_act_bwd)(im, &act);
+      cpu_act_bwd(im, &act);
+    }
     return;
   }
   if (q->bias) { /* C starts as the bias rows and the GEMM adds to it: one pass fewer over C */

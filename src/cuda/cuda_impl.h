@@ -39,10 +39,10 @@ typedef struct {
   int attention_tc; /* the fused attention's products on tensor cores: bf16, 8.0 or later, code built for it */
   cudaStream_t stream;
   cublasHandle_t blas;
-  cublasLtHandle_t lt;   /* a GEMM with a bias: its epilogue adds it */
+  cublasLtHandle_t lt;   /* a GEMM with a bias or a gelu: its epilogue applies them */
   gemm_plan *gemm_plans; /* gemm.c's: one per cuBLASLt problem seen: grows */
   int n_gemm_plans;
-  int64_t gemm_epilogues; /* GEMMs whose bias cuBLASLt's epilogue added so far */
+  int64_t gemm_epilogues; /* GEMMs whose bias or gelu cuBLASLt's epilogue applied so far */
   cudnnHandle_t dnn;
   conv_plan *plans; /* conv.c's: one per convolution shape and batch size seen: grows */
   int n_plans;
@@ -117,7 +117,7 @@ size_t cuda_partials_bytes(const dt_op *op);
 void cuda_gemm(cuda_impl *im, const dt_op *op);
 /* gemm.c: destroys the cuBLASLt plans (shut-down). */
 void cuda_gemm_free(cuda_impl *im);
-/* gemm.c: the workspace (im->workspace) GEMM op may need: cuBLASLt's, for a GEMM with a bias. */
+/* gemm.c: the workspace (im->workspace) GEMM op takes: cuBLASLt's, for a bias or a gelu epilogue. */
 size_t cuda_gemm_workspace(const dt_op *op);
 /* gemm.c: the bytes of bfloat16 operands (in im->h16) GEMM op needs; 0 for one on FP32 operands. */
 size_t cuda_gemm16_bytes(const cuda_impl *im, const dt_op *op);

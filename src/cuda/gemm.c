@@ -1,8 +1,8 @@
 /* gemm.c: the GEMM op through cuBLAS, as src/cpu/gemm.c's through OpenBLAS; train.precision
- * picks the compute type (the math mode is set on the handle in backend.c). A GEMM with a bias runs
- * as one cublasLtMatmul whose epilogue adds the bias to the FP32 sums; where cuBLASLt has no
- * algorithm for it, or the bias is not 16-byte aligned, C starts as the bias rows
- * (kernels/elementwise.cu's k_fill_rows) and cublasGemmEx adds the product to it. */
+ * picks the compute type (the math mode is set on the handle in backend.c). A GEMM with a bias or a
+ * gelu epilogue runs as one cublasLtMatmul whose epilogue applies them to the FP32 sums; where
+ * cuBLASLt cannot, C starts as the bias rows (kernels/elementwise.cu's k_fill_rows), cublasGemmEx
+ * adds the product to it, and the gelu's kernel runs after. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -55,9 +55,9 @@ enum { GEMM_LT_WORKSPACE = 4 << 20 };
 
 /* The column-major problem cuBLAS sees (C^T = op(B)^T op(A)^T): the types of A and B, the
  * transposes, the shape, the leading dimensions, the alignment in bytes of each pointer (A's, B's,
- * C's, the bias's and the gelu input's: the heuristic reads them), whether there is a bias, and the
- * epilogue (DT_GEMM_*). */
-enum { PLAN_KEY = 15 };
+ * C's, the bias's and the gelu input's, 0 for none: the heuristic reads them), and the epilogue
+ * (DT_GEMM_*). */
+enum { PLAN_KEY = 14 };
 
 struct gemm_plan {
   int64_t key[PLAN_KEY];
@@ -73,6 +73,7 @@ static int64_t alignment(const void *p, int64_t ld_bytes) {
   return (int64_t)(v & (~v + 1));
 }
 
+/* A bias or a gelu epilogue on one product: cuBLASLt's work, when it can. */
 size_t cuda_gemm_workspace(const dt_op *op) {
   const typeof(op->p.gemm) *q = &op->p.gemm;
   return (q->bias || q->epilogue) && q->batch <= 1 ? GEMM_LT_WORKSPACE : 0;
@@ -109,7 +110,7 @@ static gemm_plan *plan_for(cuda_impl *im, const int64_t key[PLAN_KEY], const voi
                                       : im->precision == DT_PREC_FP32 ? CUBLAS_COMPUTE_32F
                                                                       : gemm_compute[im->precision];
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, compute, CUDA_R_32F));
-  const int has_bias = (int)key[13], kind = (int)key[14];
+  const int has_bias = key[11] != 0, kind = (int)key[13];
   const cublasLtEpilogue_t epilogue = kind == DT_GEMM_DGELU_TANH ? CUBLASLT_EPILOGUE_DGELU
                                       : kind == DT_GEMM_GELU_TANH
                                           ? (has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX)
@@ -188,7 +189,6 @@ static int gemm_lt(cuda_impl *im, const typeof(((dt_op *)0)->p.gemm) *q, int bf1
                                  alignment(q->c, q->n * 4),
                                  q->bias ? alignment(q->bias, 0) : 0,
                                  q->epilogue ? alignment(q->aux, q->n * 4) : 0,
-                                 q->bias != NULL,
                                  q->epilogue};
   gemm_plan *p = plan_for(im, key, q->bias, q->aux);
   if (!p->usable) return 0;
@@ -248,7 +248,7 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
   /* the workspace whether or not cuBLASLt takes the GEMM, as the memory estimate counts it */
   if (cuda_gemm_workspace(op))
     cuda_grow_device(im, &im->workspace, &im->workspace_bytes, GEMM_LT_WORKSPACE, "cuBLASLt workspace");
-  if (!(q->bias || q->epilogue) || !gemm_lt(im, q, bytes16 != 0, a_op, lda_op, b_op, ldb_op)) {
+  if (!cuda_gemm_workspace(op) || !gemm_lt(im, q, bytes16 != 0, a_op, lda_op, b_op, ldb_op)) {
     const float one = 1.0f, *beta = &q->beta;
     float *dest = q->epilogue == DT_GEMM_GELU_TANH ? q->aux : q->c; /* a gelu's input first */
     if (q->bias) k_fill_rows(im->stream, dest, q->bias, q->m, q->n), beta = &one;
