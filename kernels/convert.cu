@@ -1,56 +1,8 @@
 // convert.cu: FP32 NCHW tensors to and from 16-bit (bfloat16 or IEEE half) NHWC, for cuDNN's
-// convolutions under train.precision bf16 and fp16. Rounding is to nearest even, as
-// __float2bfloat16_rn and __float2half_rn; written on the bit patterns so that the stand-in
-// compiles it unchanged.
-#include <string.h>
-
+// convolutions under train.precision bf16 and fp16. Rounding is to nearest even (src/half.h).
 #include "common.cuh"
+#include "half.h"
 #include "kernels.h"
-
-__device__ static inline uint32_t float_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-__device__ static inline float bits_float(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-__device__ static inline uint16_t to_bf16(float f) {
-  uint32_t u = float_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-
-__device__ static inline uint16_t to_half(float f) {
-  uint32_t u = float_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);  /* NaN */
-  if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds past 65504: infinity */
-  if (a < 0x38800000u) {                                   /* below 2^-14: subnormal or zero */
-    if (a <= 0x33000000u) return (uint16_t)sign;           /* at most 2^-25: ties to even zero */
-    uint32_t e = a >> 23, m = (a & 0x7fffffu) | 0x800000u, shift = 126u - e;
-    uint32_t r = m >> shift, rest = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
-    if (rest > half || (rest == half && (r & 1u))) r++;
-    return (uint16_t)(sign | r);
-  }
-  uint32_t r = a - 0x38000000u; /* exponent rebiased from 127 to 15 */
-  r += 0xfffu + ((r >> 13) & 1u);
-  return (uint16_t)(sign | (r >> 13));
-}
-
-__device__ static inline float from_half(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-  if (e == 0) {
-    float v = (float)m * 5.9604644775390625e-8f; /* m * 2^-24 */
-    return sign ? -v : v;
-  }
-  if (e == 31) return bits_float(sign | 0x7f800000u | (m << 13));
-  return bits_float(sign | ((e + 112u) << 23) | (m << 13));
-}
 
 // Where C > 1 and S > 1 each image is a transpose, (C, S) <-> (S, C): a block moves a 32 x 32 tile
 // through shared memory (rows of 33 against bank conflicts), so that both sides are read and written
@@ -83,7 +35,9 @@ __global__ void pack16_tiled_kernel(const float *x, uint16_t *y, int64_t b, int6
   __shared__ tile32 tile[kSide32];
   transpose_tiles(
       tile, b, c, s, [=](int64_t img, int64_t i, int64_t j) { return x[(img * c + i) * s + j]; },
-      [=](int64_t img, int64_t j, int64_t i, float v) { y[(img * s + j) * c + i] = bf16 ? to_bf16(v) : to_half(v); });
+      [=](int64_t img, int64_t j, int64_t i, float v) {
+        y[(img * s + j) * c + i] = bf16 ? dt_to_bf16(v) : dt_to_half(v);
+      });
 }
 
 // y (B, S, C) 16-bit -> x (B, C, S) FP32, added when accumulate
@@ -94,7 +48,7 @@ __global__ void unpack16_tiled_kernel(const uint16_t *y, float *x, int64_t b, in
       tile, b, s, c,
       [=](int64_t img, int64_t i, int64_t j) {
         uint16_t h = y[(img * s + i) * c + j];
-        return bf16 ? bits_float((uint32_t)h << 16) : from_half(h);
+        return bf16 ? dt_from_bf16(h) : dt_from_half(h);
       },
       [=](int64_t img, int64_t j, int64_t i, float v) {
         float *at = x + (img * c + j) * s + i;
@@ -109,7 +63,7 @@ __global__ void pack16_kernel(const float *x, uint16_t *y, int64_t n, fast_div c
     uint32_t bs = div_by((uint32_t)i, c_div), c = (uint32_t)i - bs * c_div.d;
     uint32_t b = div_by(bs, s_div), sp = bs - b * s_div.d;
     float v = x[((int64_t)b * c_div.d + c) * s_div.d + sp];
-    y[i] = bf16 ? to_bf16(v) : to_half(v);
+    y[i] = bf16 ? dt_to_bf16(v) : dt_to_half(v);
   }
 }
 
@@ -120,7 +74,7 @@ __global__ void unpack16_kernel(const uint16_t *y, float *x, int64_t n, fast_div
     uint32_t bc = div_by((uint32_t)i, s_div), sp = (uint32_t)i - bc * s_div.d;
     uint32_t b = div_by(bc, c_div), c = bc - b * c_div.d;
     uint16_t h = y[((int64_t)b * s_div.d + sp) * c_div.d + c];
-    float v = bf16 ? bits_float((uint32_t)h << 16) : from_half(h);
+    float v = bf16 ? dt_from_bf16(h) : dt_from_half(h);
     x[i] = accumulate ? x[i] + v : v;
   }
 }
@@ -129,7 +83,7 @@ __global__ void unpack16_kernel(const uint16_t *y, float *x, int64_t n, fast_div
 __global__ void pack_bf16_rows_kernel(const float *x, uint16_t *y, int64_t n, fast_div cols_div, int64_t ld) {
   GRID_STRIDE(i, n) {
     uint32_t r = div_by((uint32_t)i, cols_div), c = (uint32_t)i - r * cols_div.d;
-    y[(int64_t)r * ld + c] = to_bf16(x[i]);
+    y[(int64_t)r * ld + c] = dt_to_bf16(x[i]);
   }
 }
 
