@@ -81,6 +81,26 @@ void k_bn_bwd_stats(cudaStream_t s, int relu, const float *x, const float *dy, i
 void k_bn_bwd_apply(cudaStream_t s, int relu, const float *x, const float *dy, float *dx, int64_t b, int64_t c,
                     int64_t sp, const double *count, const float *mean, const float *invstd, const float *gamma,
                     const float *beta, const double *sums);
+/* The same on a convolution's output as cuDNN wrote it (backend.h's x16): x and dx 16-bit (B, S, C) in
+ * `format` (half.h's DT_F16_BF16 or DT_F16_HALF), y and dy FP32 (B, C, S); the same roundings. A block
+ * sums 32 channels, so the positions go in more chunks, k_bn16_chunks(n, c), at least K_BN16_CHUNK_MIN
+ * positions each and about K_BN16_BLOCKS blocks in all (each channel's chunks then summed by a block). */
+enum { K_BN16_BLOCKS = 512, K_BN16_CHUNK_MIN = 512 };
+static inline int64_t k_bn16_chunks(int64_t n, int64_t c) {
+  const int64_t groups = (c + 31) / 32, most = K_BN16_BLOCKS / groups,
+                chunks = (n + K_BN16_CHUNK_MIN - 1) / K_BN16_CHUNK_MIN;
+  return chunks < 1 || most < 1 ? 1 : chunks > most ? most : chunks;
+}
+void k_bn16_stats(cudaStream_t s, const uint16_t *x, int format, int64_t b, int64_t c, int64_t sp, double *sums,
+                  double *partials);
+void k_bn16_apply(cudaStream_t s, int relu, const uint16_t *x, int format, float *y, int64_t b, int64_t c, int64_t sp,
+                  const float *mean, const float *invstd, const float *gamma, const float *beta);
+void k_bn16_bwd_stats(cudaStream_t s, int relu, const uint16_t *x, int format, const float *dy, int64_t b, int64_t c,
+                      int64_t sp, const float *mean, const float *invstd, const float *gamma, const float *beta,
+                      double *sums, float *dgamma, float *dbeta, double *partials);
+void k_bn16_bwd_apply(cudaStream_t s, int relu, const uint16_t *x, int format, const float *dy, uint16_t *dx, int64_t b,
+                      int64_t c, int64_t sp, const double *count, const float *mean, const float *invstd,
+                      const float *gamma, const float *beta, const double *sums);
 /* layernorm (backend.h's DT_OP_LN_*): dgamma and dbeta are summed per chunk of rows into `partials`
  * (2 * K_LN_CHUNKS * d doubles), then over chunks in order. No atomics: the same bits every run. */
 enum { K_LN_CHUNKS = 64 };

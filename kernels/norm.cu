@@ -4,6 +4,7 @@
 // statistics in double, and dgamma, dbeta summed over chunks of rows in a fixed order (no atomics),
 // as src/cpu/norm.c.
 #include "common.cuh"
+#include "half.h"
 #include "kernels.h"
 
 // Batchnorm's sums run over the b * sp positions of each channel in chunks (k_bn_chunks, bn_grid): block
@@ -117,6 +118,148 @@ __global__ void bn_bwd_apply_kernel(int relu, const float *x, const float *dy, f
     float mdy = (float)(sums[ch] / cnt), mdyx = (float)(sums[c.d + ch] / cnt);
     float d = bn_grad_at_z(relu, dy[i], x[i], mean[ch], is, gamma[ch], relu ? beta[ch] : 0.0f);
     dx[i] = gamma[ch] * is * (d - mdy - xhat * mdyx);
+  }
+}
+
+// Batchnorm on a convolution's output as cuDNN wrote it under bf16 and fp16 (backend.h's x16): x and dx
+// 16-bit (B, S, C), NHWC, the n = B * S positions in rows of C; y and dy FP32 (B, C, S). A block is 32
+// channels by kRows16 rows of positions (thread: lane = channel, row = position), and moves 32 x 32 tiles
+// through shared memory where the two layouts meet, so that every read and write runs along the
+// contiguous dimension. The sums go in chunks of whole tiles of positions (k_bn16_chunks).
+static const int kLanes16 = 32, kRows16 = kThreads / kLanes16;
+
+// The FP32 (B, C, S) offset of position p, channel ch.
+static __device__ __forceinline__ int64_t nchw_at(int64_t p, int64_t ch, int64_t c, fast_div sp) {
+  uint32_t img = div_by((uint32_t)p, sp);
+  return ((int64_t)img * c + ch) * sp.d + (p - (int64_t)img * sp.d);
+}
+
+// Thread (lane, row)'s double sums over the block's rows, in row order, into partials (chunks, 2C) at
+// chunk blockIdx.y; red: the kernel's shared (2, kRows16, kLanes16).
+static __device__ __forceinline__ void bn16_partials(double (*red)[kRows16][kLanes16], double s1, double s2, int64_t ch,
+                                                     int64_t c, double *partials) {
+  const int lane = threadIdx.x % kLanes16, row = threadIdx.x / kLanes16;
+  red[0][row][lane] = s1, red[1][row][lane] = s2;
+  __syncthreads();
+  if (row == 0 && ch < c) {
+    for (int r = 1; r < kRows16; r++) s1 += red[0][r][lane], s2 += red[1][r][lane];
+    partials[blockIdx.y * 2 * c + ch] = s1, partials[blockIdx.y * 2 * c + c + ch] = s2;
+  }
+}
+
+// As bn_sums_kernel, for the 16-bit kernels' hundreds of chunks: a block per channel, thread t adding chunks
+// t, t + blockDim.x, ..., then the block's sum (block_sum: one order for a given shape)
+__global__ void bn_chunk_sums_kernel(const double *partials, int64_t chunks, int64_t c, double count, double *sums,
+                                     float *dgamma, float *dbeta) {
+  const int64_t ch = blockIdx.x;
+  double s1 = 0, s2 = 0;
+  for (int64_t k = threadIdx.x; k < chunks; k += blockDim.x)
+    s1 += partials[k * 2 * c + ch], s2 += partials[k * 2 * c + c + ch];
+  s1 = block_sum(s1);
+  s2 = block_sum(s2);
+  if (threadIdx.x == 0) {
+    sums[ch] = s1, sums[c + ch] = s2;
+    if (dbeta) dbeta[ch] += (float)s1, dgamma[ch] += (float)s2;
+    if (ch == 0 && count >= 0) sums[2 * c] = count;
+  }
+}
+
+// partials (chunks, 2C): sum(c), sumsq(c) of the chunk, read along the channels
+__global__ void bn16_stats_kernel(const uint16_t *x, int format, int64_t n, int64_t c, int64_t per, double *partials) {
+  __shared__ double red[2][kRows16][kLanes16];
+  const int lane = threadIdx.x % kLanes16, row = threadIdx.x / kLanes16;
+  const int64_t ch = (int64_t)blockIdx.x * kLanes16 + lane;
+  int64_t r0, r1;
+  bn_chunk(n, per, &r0, &r1);
+  double s1 = 0, s2 = 0;
+  if (ch < c)
+    for (int64_t p = r0 + row; p < r1; p += kRows16) {
+      double v = dt_from_16(x[p * c + ch], format);
+      s1 += v;
+      s2 += v * v;
+    }
+  bn16_partials(red, s1, s2, ch, c, partials);
+}
+
+// y (B, C, S) = z, or relu(z), of x (B, S, C): z computed as a tile is read (the lane's channel), written
+// along the positions
+__global__ void bn16_apply_kernel(int relu, const uint16_t *x, int format, float *y, int64_t n, int64_t c, fast_div sp,
+                                  const float *mean, const float *invstd, const float *gamma, const float *beta) {
+  __shared__ float tile[kLanes16][kLanes16 + 1];
+  const int lane = threadIdx.x % kLanes16, row = threadIdx.x / kLanes16;
+  const int64_t ch0 = (int64_t)blockIdx.x * kLanes16, ch = ch0 + lane;
+  const float m = ch < c ? mean[ch] : 0.0f, is = ch < c ? invstd[ch] : 0.0f, g = ch < c ? gamma[ch] : 0.0f,
+              bt = ch < c ? beta[ch] : 0.0f;
+  for (int64_t q0 = (int64_t)blockIdx.y * kLanes16; q0 < n; q0 += (int64_t)gridDim.y * kLanes16) {
+    __syncthreads();  // the last tile is written out
+    for (int r = row; r < kLanes16; r += kRows16)
+      if (q0 + r < n && ch < c) {
+        float z = bn_z(dt_from_16(x[(q0 + r) * c + ch], format), m, is, g, bt);
+        tile[r][lane] = relu && z < 0 ? 0.0f : z;  // as the relu kernel: NaN passes
+      }
+    __syncthreads();
+    for (int r = row; r < kLanes16; r += kRows16)
+      if (ch0 + r < c && q0 + lane < n) y[nchw_at(q0 + lane, ch0 + r, c, sp)] = tile[lane][r];
+  }
+}
+
+// dy's tile (32 channels from ch0, 32 positions from q0, FP32 (B, C, S)) into tile[channel][position],
+// read along the positions; 0 past the channels and past `end`
+static __device__ __forceinline__ void bn16_dy_tile(float (*tile)[kLanes16 + 1], const float *dy, int64_t q0,
+                                                    int64_t end, int64_t ch0, int64_t c, fast_div sp) {
+  const int lane = threadIdx.x % kLanes16, row = threadIdx.x / kLanes16;
+  for (int r = row; r < kLanes16; r += kRows16)
+    tile[r][lane] = ch0 + r < c && q0 + lane < end ? dy[nchw_at(q0 + lane, ch0 + r, c, sp)] : 0.0f;
+}
+
+// partials (chunks, 2C): sum_dy(c), sum_dy_xhat(c) of the chunk (whole tiles of positions)
+__global__ void bn16_bwd_stats_kernel(int relu, const uint16_t *x, int format, const float *dy, int64_t n, int64_t c,
+                                      fast_div sp, int64_t per, const float *mean, const float *invstd,
+                                      const float *gamma, const float *beta, double *partials) {
+  __shared__ float tile[kLanes16][kLanes16 + 1];
+  __shared__ double red[2][kRows16][kLanes16];
+  const int lane = threadIdx.x % kLanes16, row = threadIdx.x / kLanes16;
+  const int64_t ch0 = (int64_t)blockIdx.x * kLanes16, ch = ch0 + lane;
+  const float m = ch < c ? mean[ch] : 0.0f, is = ch < c ? invstd[ch] : 0.0f;
+  const float g = relu && ch < c ? gamma[ch] : 0.0f, bt = relu && ch < c ? beta[ch] : 0.0f;
+  int64_t r0, r1;
+  bn_chunk(n, per, &r0, &r1);
+  double s1 = 0, s2 = 0;
+  for (int64_t q0 = r0; q0 < r1; q0 += kLanes16) {
+    __syncthreads();  // the last tile is read
+    bn16_dy_tile(tile, dy, q0, r1, ch0, c, sp);
+    __syncthreads();
+    for (int r = row; r < kLanes16; r += kRows16)
+      if (q0 + r < r1 && ch < c) {
+        float xv = dt_from_16(x[(q0 + r) * c + ch], format), d = bn_grad_at_z(relu, tile[lane][r], xv, m, is, g, bt);
+        s1 += d;
+        s2 += (double)d * ((xv - m) * is);
+      }
+  }
+  bn16_partials(red, s1, s2, ch, c, partials);
+}
+
+// dx (B, S, C) 16-bit from x (B, S, C) and dy (B, C, S), written along the channels
+__global__ void bn16_bwd_apply_kernel(int relu, const uint16_t *x, int format, const float *dy, uint16_t *dx, int64_t n,
+                                      int64_t c, fast_div sp, const double *count, const float *mean,
+                                      const float *invstd, const float *gamma, const float *beta, const double *sums) {
+  __shared__ float tile[kLanes16][kLanes16 + 1];
+  const int lane = threadIdx.x % kLanes16, row = threadIdx.x / kLanes16;
+  const int64_t ch0 = (int64_t)blockIdx.x * kLanes16, ch = ch0 + lane;
+  const double cnt = *count;
+  const float m = ch < c ? mean[ch] : 0.0f, is = ch < c ? invstd[ch] : 0.0f, g = ch < c ? gamma[ch] : 0.0f;
+  const float bt = relu && ch < c ? beta[ch] : 0.0f;
+  const float mdy = ch < c ? (float)(sums[ch] / cnt) : 0.0f, mdyx = ch < c ? (float)(sums[c + ch] / cnt) : 0.0f;
+  for (int64_t q0 = (int64_t)blockIdx.y * kLanes16; q0 < n; q0 += (int64_t)gridDim.y * kLanes16) {
+    __syncthreads();  // the last tile is read
+    bn16_dy_tile(tile, dy, q0, n, ch0, c, sp);
+    __syncthreads();
+    for (int r = row; r < kLanes16; r += kRows16)
+      if (q0 + r < n && ch < c) {
+        float xv = dt_from_16(x[(q0 + r) * c + ch], format), xhat = (xv - m) * is;
+        float d = bn_grad_at_z(relu, tile[lane][r], xv, m, is, g, bt);
+        dx[(q0 + r) * c + ch] = dt_to_16(g * is * (d - mdy - xhat * mdyx), format);
+      }
   }
 }
 
@@ -239,6 +382,52 @@ void k_bn_bwd_apply(cudaStream_t s, int relu, const float *x, const float *dy, f
                     const float *beta, const double *sums) {
   LAUNCH(bn_bwd_apply_kernel, blocks_for(b * c * sp), kThreads, 0, s)
   (relu, x, dy, dx, b * c * sp, make_fast_div(c), make_fast_div(sp), count, mean, invstd, gamma, beta, sums);
+}
+
+// The 16-bit kernels' grid: channel groups of 32 by chunks of whole 32-position tiles (stats, at most
+// k_bn16_chunks(n, c)), or by tiles up to the grid's y limit (apply)
+static dim3 bn16_grid(int64_t n, int64_t c, int64_t *per) {
+  const int64_t groups = (c + kLanes16 - 1) / kLanes16, chunks = k_bn16_chunks(n, c);
+  *per = n > 0 ? ((n + chunks - 1) / chunks + kLanes16 - 1) / kLanes16 * kLanes16 : kLanes16;
+  return dim3((unsigned)groups, (unsigned)(n > 0 ? (n + *per - 1) / *per : 1));
+}
+static dim3 bn16_tiles(int64_t n, int64_t c) {
+  const int64_t tiles = (n + kLanes16 - 1) / kLanes16;
+  return dim3((unsigned)((c + kLanes16 - 1) / kLanes16), (unsigned)(tiles < 1 ? 1 : tiles < 65535 ? tiles : 65535));
+}
+
+void k_bn16_stats(cudaStream_t s, const uint16_t *x, int format, int64_t b, int64_t c, int64_t sp, double *sums,
+                  double *partials) {
+  int64_t per;
+  dim3 grid = bn16_grid(b * sp, c, &per);
+  LAUNCH(bn16_stats_kernel, grid, kThreads, 0, s)(x, format, b * sp, c, per, partials);
+  LAUNCH(bn_chunk_sums_kernel, (unsigned)c, row_threads(grid.y), 0, s)
+  (partials, grid.y, c, (double)(b * sp), sums, (float *)NULL, (float *)NULL);
+}
+
+void k_bn16_apply(cudaStream_t s, int relu, const uint16_t *x, int format, float *y, int64_t b, int64_t c, int64_t sp,
+                  const float *mean, const float *invstd, const float *gamma, const float *beta) {
+  if (b * sp == 0) return;
+  LAUNCH(bn16_apply_kernel, bn16_tiles(b * sp, c), kThreads, 0, s)
+  (relu, x, format, y, b * sp, c, make_fast_div(sp), mean, invstd, gamma, beta);
+}
+
+void k_bn16_bwd_stats(cudaStream_t s, int relu, const uint16_t *x, int format, const float *dy, int64_t b, int64_t c,
+                      int64_t sp, const float *mean, const float *invstd, const float *gamma, const float *beta,
+                      double *sums, float *dgamma, float *dbeta, double *partials) {
+  int64_t per;
+  dim3 grid = bn16_grid(b * sp, c, &per);
+  LAUNCH(bn16_bwd_stats_kernel, grid, kThreads, 0, s)
+  (relu, x, format, dy, b * sp, c, make_fast_div(sp), per, mean, invstd, gamma, beta, partials);
+  LAUNCH(bn_chunk_sums_kernel, (unsigned)c, row_threads(grid.y), 0, s)(partials, grid.y, c, -1.0, sums, dgamma, dbeta);
+}
+
+void k_bn16_bwd_apply(cudaStream_t s, int relu, const uint16_t *x, int format, const float *dy, uint16_t *dx, int64_t b,
+                      int64_t c, int64_t sp, const double *count, const float *mean, const float *invstd,
+                      const float *gamma, const float *beta, const double *sums) {
+  if (b * sp == 0) return;
+  LAUNCH(bn16_bwd_apply_kernel, bn16_tiles(b * sp, c), kThreads, 0, s)
+  (relu, x, format, dy, dx, b * sp, c, make_fast_div(sp), count, mean, invstd, gamma, beta, sums);
 }
 
 void k_ln_fwd(cudaStream_t s, const float *x, const float *gamma, const float *beta, float *y, float *mean, float *rstd,

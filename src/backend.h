@@ -14,6 +14,7 @@
 
 #include "common.h"
 #include "attention_geom.h"
+#include "half.h"
 #include "hash.h"
 
 /* Every op once, in the order of dt_op_type: X(NAME, name) for DT_OP_NAME, whose parameters are
@@ -138,22 +139,28 @@ typedef struct {
       float *y;
       void *x16; /* NULL, or where a backend that convolves 16-bit copies (CUDA under bf16, fp16) leaves
                     x's, (B, C, H, W) as NHWC, for conv_bwd_filter of the same x */
+      int y16;   /* 0 (y FP32), or half.h's DT_F16_*: y is written in that format as (B, Ho, Wo, O), NHWC, as
+                    cuDNN computes it (CUDA: the precision's format), for a batchnorm's x16 */
     } conv_fwd;
     struct {
       dt_conv_geom g;
       const float *dy, *w;
       float *dx;
+      int dy16; /* 0 (dy FP32), or dy's 16-bit format as (B, Ho, Wo, O): conv_fwd's y16, a batchnorm's dx */
     } conv_bwd_data;
     struct {
       dt_conv_geom g;
       const float *x, *dy;
       float *dw;
       const void *x16; /* NULL, or conv_fwd's x16 of this x, read instead of copying x again */
+      int dy16;        /* as conv_bwd_data's */
     } conv_bwd_filter;
     struct {
       int64_t b, c, s;
       const float *x;
       double *sums; /* (2C + 1): sum(c), sumsq(c), then the count b * s */
+      int x16;      /* 0: x (B, C, S) FP32; half.h's DT_F16_*: x in that format as (B, S, C), NHWC (a conv_fwd's
+                       y16), and so is bn_bwd_apply's dx; y and dy stay FP32 (B, C, S) */
     } bn_stats;
     struct {
       int64_t c;
@@ -168,6 +175,7 @@ typedef struct {
       int relu; /* y = relu(z): the relu that follows, fused (model.fuse) */
       const float *x, *mean, *invstd, *gamma, *beta;
       float *y; /* z = (x - mean) * (invstd * gamma) + beta, in that order of roundings */
+      int x16;  /* as bn_stats' */
     } bn_apply;
     struct {
       int64_t b, c, s;
@@ -176,6 +184,7 @@ typedef struct {
       const float *gamma, *beta; /* (C): read when relu */
       double *sums;              /* (2C): sum_dy(c), sum_dy_xhat(c), written */
       float *dgamma, *dbeta;     /* (C): the local sums added (the gradient allreduce sums them) */
+      int x16;                   /* as bn_stats' */
     } bn_bwd_stats;
     struct {
       int64_t b, c, s;
@@ -184,7 +193,8 @@ typedef struct {
       const float *x, *dy, *mean, *invstd, *gamma;
       const float *beta;  /* (C): read when relu */
       const double *sums; /* (2C) of bn_bwd_stats, reduced over ranks when sync */
-      float *dx;
+      float *dx;          /* (B, C, S) FP32, or as x when x16: rounded to nearest even */
+      int x16;            /* as bn_stats' */
     } bn_bwd_apply;
     struct {
       int kind;

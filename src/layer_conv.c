@@ -81,6 +81,7 @@ static void conv_forward(dt_layer *l, dt_pass *pass, const float *x) {
   op.p.conv_fwd.w = w;
   op.p.conv_fwd.y = l->y;
   op.p.conv_fwd.x16 = ((conv_state *)l->priv)->x16;
+  op.p.conv_fwd.y16 = l->y16; /* then no bias (fuse_seq) */
   backend_run(pass->be, &op);
   if (l->args.bias) {
     dt_op b = {.type = DT_OP_BIAS_ADD};
@@ -107,6 +108,7 @@ static void conv_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx)
   op.p.conv_bwd_filter.dy = l->dy;
   op.p.conv_bwd_filter.dw = dw;
   op.p.conv_bwd_filter.x16 = ((conv_state *)l->priv)->x16;
+  op.p.conv_bwd_filter.dy16 = l->y16;
   backend_run(pass->be, &op);
   if (dx) {
     dt_op d = {.type = DT_OP_CONV_BWD_DATA};
@@ -114,6 +116,7 @@ static void conv_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx)
     d.p.conv_bwd_data.dy = l->dy;
     d.p.conv_bwd_data.w = w;
     d.p.conv_bwd_data.dx = dx;
+    d.p.conv_bwd_data.dy16 = l->y16;
     backend_run(pass->be, &d);
   }
 }
@@ -139,4 +142,5 @@ const dt_layer_ops dt_layer_conv2d = {.kind = "conv2d",
                                       .backward = conv_backward,
                                       .flops = conv_flops,
                                       .memory = conv_memory,
-                                      .pick = conv_pick};
+                                      .pick = conv_pick,
+                                      .traits = DT_LAYER_CONV};

@@ -88,6 +88,7 @@ static void bn_apply(dt_layer *l, dt_pass *pass, const float *x) {
                              .c = l->in.c,
                              .s = spatial(l),
                              .x = x,
+                             .x16 = l->x16,
                              .mean = s->mean,
                              .invstd = s->invstd,
                              .gamma = pass->params + l->tensors[0].offset,
@@ -108,7 +109,7 @@ static void bn_forward(dt_layer *l, dt_pass *pass, const float *x) {
   }
   if (pass->training) {
     dt_op op = {.type = DT_OP_BN_STATS,
-                .p.bn_stats = {.b = pass->batch, .c = c, .s = spatial(l), .x = x, .sums = s->stats}};
+                .p.bn_stats = {.b = pass->batch, .c = c, .s = spatial(l), .x = x, .x16 = l->x16, .sums = s->stats}};
     backend_run(be, &op);
     if (l->args.sync && pass->allreduce_sum) pass->allreduce_sum(pass->ctx, s->stats, (int)(2 * c + 1));
   }
@@ -138,6 +139,7 @@ static void bn_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
                                  .s = spatial(l),
                                  .relu = l->fused_relu,
                                  .x = x,
+                                 .x16 = l->x16,
                                  .dy = l->dy,
                                  .mean = s->mean,
                                  .invstd = s->invstd,
@@ -156,6 +158,7 @@ static void bn_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
                                  .relu = l->fused_relu,
                                  .count = s->stats + 2 * c,
                                  .x = x,
+                                 .x16 = l->x16,
                                  .dy = l->dy,
                                  .mean = s->mean,
                                  .invstd = s->invstd,
@@ -171,7 +174,7 @@ static int64_t bn_flops(const dt_layer *l) {
 }
 
 const dt_layer_ops dt_layer_batchnorm = {.kind = "batchnorm",
-                                         .traits = DT_LAYER_NORM | DT_LAYER_FUSES_RELU,
+                                         .traits = DT_LAYER_NORM | DT_LAYER_FUSES_RELU | DT_LAYER_BATCHNORM,
                                          .keys = bn_keys,
                                          .n_keys = 3,
                                          .setup = bn_setup,

@@ -192,7 +192,9 @@ static int is_gelu_tanh(const dt_seq *s, int i) {
  * buffers are the batchnorm's (nothing else reads the batchnorm's output before the relu). A tanh gelu
  * right after a linear is applied by the linear's GEMM (its epilogue), and, when a linear follows
  * it, its derivative by that linear's input-gradient GEMM, into the dy it then shares with the first
- * linear; all three in one train.recompute block, so that each reads what its own block keeps. */
+ * linear; all three in one train.recompute block, so that each reads what its own block keeps. A
+ * batchnorm right after a convolution without a bias may take that layer's output, and give its
+ * gradient, as the convolution has them (model_pick_ops decides, for the backend). */
 static void fuse_seq(dt_seq *s) {
   for (int i = 0; i < s->n; i++) {
     dt_layer *l = s->layers[i];
@@ -207,6 +209,9 @@ static void fuse_seq(dt_seq *s) {
       l->gelu_next = gelu, gelu->gelu_prev = l;
       if (is_linear(s, i + 2) && block_of(s, i) == block_of(s, i + 2)) s->layers[i + 2]->dgelu_aux = l, gelu->dy_of = l;
     }
+    if ((l->ops->traits & DT_LAYER_CONV) && !l->args.bias && i + 1 < s->n &&
+        (s->layers[i + 1]->ops->traits & DT_LAYER_BATCHNORM))
+      l->bn_next = s->layers[i + 1];
   }
 }
 
@@ -225,10 +230,26 @@ static void share_branch_grads(dt_seq *s) {
   }
 }
 
+/* Each convolution with a bn_next hands it y and dy in `format` (half.h; DT_F16_NONE: FP32 NCHW). */
+static void pick_y16(dt_model *m, int format) {
+  for (int i = 0; i < m->n_all; i++)
+    if (m->all[i]->bn_next) m->all[i]->y16 = m->all[i]->bn_next->x16 = format;
+}
+
+/* Under bf16 and fp16 CUDA convolves 16-bit NHWC copies: a convolution's output and gradient between it and
+ * its batchnorm stay as cuDNN has them. The teacher runs in the model's precision (the backend's). */
 void model_pick_ops(dt_model *m, int cuda, size_t shared_per_block) {
   for (int i = 0; i < m->n_all; i++)
     if (m->all[i]->ops->pick) m->all[i]->ops->pick(m->all[i], m, cuda, shared_per_block);
-  if (m->teacher) model_pick_ops(m->teacher, cuda, shared_per_block);
+  const int format = !cuda                          ? DT_F16_NONE
+                     : m->precision == DT_PREC_BF16 ? DT_F16_BF16
+                     : m->precision == DT_PREC_FP16 ? DT_F16_HALF
+                                                    : DT_F16_NONE;
+  pick_y16(m, format);
+  if (m->teacher) {
+    model_pick_ops(m->teacher, cuda, shared_per_block);
+    pick_y16(m->teacher, format);
+  }
 }
 
 int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
@@ -367,6 +388,11 @@ static int block_output(const dt_seq *s, const dt_block *b, int i) {
   return i == b->last || s->layers[b->last]->fused_into == s->layers[i];
 }
 
+/* The bytes of l's y (and of its dy) for `batch` rows: 2 a value when 16-bit (y16). */
+static size_t act_bytes(const dt_layer *l, int64_t batch) {
+  return (size_t)(batch * shape_size(l->out)) * (l->y16 ? 2 : sizeof(float));
+}
+
 /* Lays out the activations of s's layers: everything in the shared region when `inside` a block;
  * else, when `recompute`, each block's layers there but for the block's output. */
 static void alloc_seq(dt_seq *s, dt_backend *be, dt_acts *acts, int64_t max_batch, int recompute, int inside,
@@ -376,7 +402,7 @@ static void alloc_seq(dt_seq *s, dt_backend *be, dt_acts *acts, int64_t max_batc
     const dt_block *b = recompute && !inside ? block_of(s, i) : NULL;
     const int shared = inside || b;
     if (!l->fused_into) { /* a fused relu's output is its batchnorm's (model_alloc, once placed) */
-      size_t bytes = (size_t)(max_batch * shape_size(l->out)) * sizeof(float);
+      size_t bytes = act_bytes(l, max_batch);
       acts->shared = inside || (b && !block_output(s, b, i));
       acts_take(acts, &l->y, bytes);
       if (!frozen && !l->dy_of) acts_take(acts, &l->dy, bytes); /* a frozen model has no backward */
@@ -406,7 +432,7 @@ static void count_seq(const dt_seq *s, int64_t batch, int recompute, int inside,
     const dt_block *b = recompute && !inside ? block_of(s, i) : NULL;
     const int shared = inside || b;
     if (!l->fused_into) {
-      size_t out = (frozen || l->dy_of ? 1 : 2) * (size_t)(batch * shape_size(l->out)) * sizeof(float); /* y, dy */
+      size_t out = (frozen || l->dy_of ? 1 : 2) * act_bytes(l, batch); /* y, dy */
       *(inside || (b && !block_output(s, b, i)) ? used : kept) += out;
       *(shared ? used : kept) += layer_own_bytes(l, batch);
       count_seq(&l->body, batch, 0, shared, frozen, kept, used, peak);

@@ -103,7 +103,10 @@ enum {
   DT_LAYER_BLOCK = 16,     /* a block for train.recompute (residual) where it is not inside a repeat's copy */
   DT_LAYER_LINEAR = 32,    /* a linear: its GEMM may apply the tanh gelu after it, or that gelu's derivative
                               before it (model.fuse) */
-  DT_LAYER_GELU = 64       /* a gelu: in its tanh form, the linears around it may apply it */
+  DT_LAYER_GELU = 64,      /* a gelu: in its tanh form, the linears around it may apply it */
+  DT_LAYER_CONV = 128,     /* a convolution: without a bias, a batchnorm right after it may take its output and
+                              give its gradient as the 16-bit convolution has them (y16, model.fuse) */
+  DT_LAYER_BATCHNORM = 256 /* a batchnorm: what such a convolution may hand its output to */
 };
 
 /* The layer kinds (layers.c): the one of that name in the config, or NULL; their names (n_kinds). */
@@ -161,6 +164,12 @@ struct dt_layer {
                             DT_ATTENTION_MAX_HD values) */
   int keeps_x16;         /* conv2d: its forward leaves x's 16-bit copy for its backward filter (CUDA,
                             train.precision bf16 or fp16, a model that trains) */
+  dt_layer *bn_next;     /* conv2d without a bias: the batchnorm right after it (model.fuse), which may read
+                            its y and write its dy as its 16-bit convolution has them */
+  int y16;               /* conv2d with a bn_next, picked for CUDA under bf16 or fp16: y and dy hold 16-bit
+                            values (half.h's DT_F16_*) as (B, Ho, Wo, O), NHWC, as cuDNN writes and reads them
+                            (no copies to and from FP32 NCHW), 2 bytes a value; 0: FP32 */
+  int x16;               /* batchnorm after such a conv2d: its x and dx are that layer's y and dy, in this format */
   void *priv;            /* per-kind state */
 };
 

@@ -553,39 +553,92 @@ static dt_conv_geom conv_geom(int64_t b, int64_t c, int64_t h, int64_t w, int64_
   return (dt_conv_geom){b, c, h, w, o, k, stride, pad, (h + 2 * pad - k) / stride + 1, (w + 2 * pad - k) / stride + 1};
 }
 
-static void ops_conv(void) {
+/* The 16-bit NHWC operands (backend.h's x16, y16, dy16) in the CUDA backend's format: bf16 or fp16. */
+static int ot_format16(void) {
+  return ot.precision == DT_PREC_BF16 ? DT_F16_BF16 : DT_F16_HALF;
+}
+
+/* n 16-bit values on both backends (as int32 pairs), random in [lo, hi) and rounded; (B, S, C) to the ops. */
+static dbuf ot_rand16(int64_t n, float lo, float hi) {
+  float *h = ot_host_rand(n, lo, hi);
+  uint16_t *v = calloc((size_t)n + 2, sizeof *v);
+  for (int64_t i = 0; i < n; i++) v[i] = dt_to_16(h[i], ot_format16());
+  dbuf b = ot_buf(OT_I32, v, (n + 1) / 2);
+  free(h);
+  free(v);
+  return b;
+}
+
+/* Compares 16-bit buffer b (n values) of both backends as widened values: a relative error of at most one
+ * unit in the last place of the format (both round a FP32 result whose sums may differ in their order),
+ * and the values [written, n) unchanged on both. */
+static void ot_check16(const char *what, dbuf b, int64_t n, int64_t written) {
+  uint16_t *h[2];
+  for (int s = 0; s < 2; s++) {
+    h[s] = malloc((size_t)b.n * 4 + 8);
+    ot.be[s]->to_host(ot.be[s], h[s], b.p[s], (size_t)b.n * 4);
+  }
+  double d = 0, na = 0;
+  for (int64_t i = 0; i < n; i++) {
+    double c = dt_from_16(h[0][i], ot_format16()), g = dt_from_16(h[1][i], ot_format16());
+    d += (c - g) * (c - g), na += c * c;
+  }
+  const double err = sqrt(d) / (sqrt(na) > 1e-6 ? sqrt(na) : 1e-6),
+               ulp = ot_format16() == DT_F16_BF16 ? 0x1p-7 : 0x1p-10;
+  int changed = -1;
+  for (int s = 0; s < 2 && changed < 0; s++)
+    for (int64_t i = written; i < n && changed < 0; i++)
+      if (h[s][i] != ((const uint16_t *)b.init)[i]) changed = s;
+  free(h[0]);
+  free(h[1]);
+  if (!(err <= ulp))
+    fail_msg("op %s [%s]: 16-bit %s differs between CUDA and CPU: relative error %.3g", dt_op_names[ot.op], ot.kase,
+             what, err);
+  if (changed >= 0)
+    fail_msg("op %s [%s]: 16-bit %s changed on %s past the %lld values the op was given", dt_op_names[ot.op], ot.kase,
+             what, changed ? "CUDA" : "CPU", (long long)written);
+}
+
+/* y written and dy read in FP32 (B, O, Ho, Wo) (f16 0), or (f16: half.h's format, the CUDA backend's) as
+ * 16-bit NHWC (y16, dy16), as a batchnorm after the convolution takes them (the CPU rounds its FP32 y). */
+static void ops_conv_in(int f16) {
   /* (c, h, w, o, k, stride, pad) */
   /* the last: channels and positions past a 32 x 32 tile of the 16-bit copies' transposes */
-  const int64_t geoms[][7] = {{3, 8, 8, 4, 3, 2, 1}, {2, 7, 6, 3, 3, 1, 1}, {3, 6, 6, 5, 1, 2, 0}, {40, 7, 6, 36, 1, 1, 0}};
+  const int64_t geoms[][7] = {
+      {3, 8, 8, 4, 3, 2, 1}, {2, 7, 6, 3, 3, 1, 1}, {3, 6, 6, 5, 1, 2, 0}, {40, 7, 6, 36, 1, 1, 0}};
   FOR_ROWS(r) {
     for (size_t gi = 0; gi < sizeof geoms / sizeof *geoms; gi++) {
       const int64_t *q = geoms[gi];
       dt_conv_geom g = conv_geom(rows, q[0], q[1], q[2], q[3], q[4], q[5], q[6]);
       int64_t xs = g.c * g.h * g.w, ys = g.o * g.ho * g.wo, ws = g.o * g.c * g.k * g.k;
-      dbuf x = ot_rand(cap * xs, -1, 1), w = ot_rand(ws, -1, 1), y = ot_rand(cap * ys, -1, 1);
-      dbuf dy = ot_rand(cap * ys, -1, 1), dx = ot_rand(cap * xs, -1, 1), dw = ot_rand(ws, -1, 1);
+      dbuf x = ot_rand(cap * xs, -1, 1), w = ot_rand(ws, -1, 1), dx = ot_rand(cap * xs, -1, 1), dw = ot_rand(ws, -1, 1);
+      dbuf y = f16 ? ot_rand16(cap * ys, -1, 1) : ot_rand(cap * ys, -1, 1);
+      dbuf dy = f16 ? ot_rand16(cap * ys, -1, 1) : ot_rand(cap * ys, -1, 1);
       char geo[96];
       snprintf(geo, sizeof geo, "(%lld,%lld,%lld) by %lldx%lld to %lld, stride %lld, pad %lld", (long long)g.c,
                (long long)g.h, (long long)g.w, (long long)g.k, (long long)g.k, (long long)g.o, (long long)g.stride,
                (long long)g.pad);
-      ot_case(DT_OP_CONV_FWD, "%s, %s", geo, ROWS_NAME(r));
+      ot_case(DT_OP_CONV_FWD, "%s%s, %s", f16 ? "16-bit NHWC y, " : "", geo, ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_CONV_FWD};
-        op.p.conv_fwd = (typeof(op.p.conv_fwd)){.g = g, .x = F(x), .w = F(w), .y = F(y)};
+        op.p.conv_fwd = (typeof(op.p.conv_fwd)){.g = g, .x = F(x), .w = F(w), .y = F(y), .y16 = f16};
         RUN(op);
       }
-      ot_check("y", y, rows * ys);
-      ot_case(DT_OP_CONV_BWD_DATA, "%s, %s", geo, ROWS_NAME(r));
+      if (f16)
+        ot_check16("y", y, cap * ys, rows * ys);
+      else
+        ot_check("y", y, rows * ys);
+      ot_case(DT_OP_CONV_BWD_DATA, "%s%s, %s", f16 ? "16-bit NHWC dy, " : "", geo, ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_CONV_BWD_DATA};
-        op.p.conv_bwd_data = (typeof(op.p.conv_bwd_data)){.g = g, .dy = F(dy), .w = F(w), .dx = F(dx)};
+        op.p.conv_bwd_data = (typeof(op.p.conv_bwd_data)){.g = g, .dy = F(dy), .w = F(w), .dx = F(dx), .dy16 = f16};
         RUN(op);
       }
       ot_check("dx", dx, rows * xs);
-      ot_case(DT_OP_CONV_BWD_FILTER, "%s, %s", geo, ROWS_NAME(r));
+      ot_case(DT_OP_CONV_BWD_FILTER, "%s%s, %s", f16 ? "16-bit NHWC dy, " : "", geo, ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_CONV_BWD_FILTER};
-        op.p.conv_bwd_filter = (typeof(op.p.conv_bwd_filter)){.g = g, .x = F(x), .dy = F(dy), .dw = F(dw)};
+        op.p.conv_bwd_filter = (typeof(op.p.conv_bwd_filter)){.g = g, .x = F(x), .dy = F(dy), .dw = F(dw), .dy16 = f16};
         RUN(op);
       }
       ot_check("dw (added into)", dw, rows ? ws : 0);
@@ -593,30 +646,35 @@ static void ops_conv(void) {
   }
 }
 
-static void ops_batchnorm(void) {
-  const int64_t C = 3;
-  /* 6001: 6 or 5 rows make 36006 or 30005 positions a channel, the sums' 3 or 2 chunks of at least
-   * K_BN_CHUNK_MIN (of 5 rows: the last shorter) */
-  const int64_t spatial[] = {4, 1, 6001};
+/* Batchnorm on x (B, C, S) in FP32 (f16 0), or (f16: half.h's format, the CUDA backend's) on a convolution's
+ * 16-bit NHWC output (x16: x and bwd_apply's dx (B, S, C) 16-bit; the CPU widens x and rounds dx). */
+static void ops_batchnorm_in(int f16) {
+  /* (C, S). 6001: 6 or 5 rows make 36006 or 30005 positions a channel, the sums' 3 or 2 chunks of at least
+   * K_BN_CHUNK_MIN (of 5 rows: the last shorter); 16-bit x: 71 or 59 chunks of whole 32-position tiles.
+   * 40 channels past a 32-channel tile, 49 positions crossing tiles and images. */
+  const int64_t shapes[][2] = {{3, 4}, {3, 1}, {3, 6001}, {40, 49}};
+  const char *in = f16 ? "16-bit NHWC x, " : "";
   FOR_ROWS(r) {
-    for (int si = 0; si < 3; si++) {
-      int64_t S = spatial[si], n = cap * C * S;
-      dbuf x = ot_rand(n, -2, 3), dy = ot_rand(n, -1, 1), y = ot_rand(n, -1, 1), dx = ot_rand(n, -1, 1);
+    for (int si = 0; si < 4; si++) {
+      const int64_t C = shapes[si][0], S = shapes[si][1], n = cap * C * S;
+      dbuf x = f16 ? ot_rand16(n, -2, 3) : ot_rand(n, -2, 3), dy = ot_rand(n, -1, 1), y = ot_rand(n, -1, 1);
+      dbuf dx = f16 ? ot_rand16(n, -1, 1) : ot_rand(n, -1, 1);
       dbuf mean = ot_rand(C, -0.5f, 0.5f), invstd = ot_rand(C, 0.5f, 2.0f), gamma = ot_rand(C, 0.5f, 1.5f);
       dbuf beta = ot_rand(C, -0.5f, 0.5f);
       dbuf stats = ot_rand_d(2 * C + 1, -9, 9), gsum = ot_rand_d(2 * C, -9, 9);
       dbuf dgamma = ot_rand(C, -1, 1), dbeta = ot_rand(C, -1, 1);
       dbuf rmean = ot_rand(C, -0.5f, 0.5f), rvar = ot_rand(C, 0.5f, 2.0f), fmean = ot_rand(C, -1, 1),
            finv = ot_rand(C, -1, 1);
-      ot_case(DT_OP_BN_STATS, "spatial %lld, %s", (long long)S, ROWS_NAME(r));
+      ot_case(DT_OP_BN_STATS, "%s(C, S) (%lld, %lld), %s", in, (long long)C, (long long)S, ROWS_NAME(r));
       BOTH {
-        dt_op op = {.type = DT_OP_BN_STATS, .p.bn_stats = {.b = rows, .c = C, .s = S, .x = F(x), .sums = D(stats)}};
+        dt_op op = {.type = DT_OP_BN_STATS,
+                    .p.bn_stats = {.b = rows, .c = C, .s = S, .x = F(x), .x16 = f16, .sums = D(stats)}};
         RUN(op);
       }
       ot_check("sums and count", stats, 2 * C + 1);
       for (int training = 1; training >= 0; training--) {
-        ot_case(DT_OP_BN_FINALIZE, "%s, spatial %lld, %s", training ? "training" : "evaluation", (long long)S,
-                ROWS_NAME(r));
+        ot_case(DT_OP_BN_FINALIZE, "%s, %s(C, S) (%lld, %lld), %s", training ? "training" : "evaluation", in,
+                (long long)C, (long long)S, ROWS_NAME(r));
         BOTH {
           dt_op op = {.type = DT_OP_BN_FINALIZE,
                       .p.bn_finalize = {.c = C,
@@ -638,7 +696,7 @@ static void ops_batchnorm(void) {
       /* relu: the fused relu (model.fuse), which backward masks by recomputing z from x */
       for (int relu = 0; relu < 2; relu++) {
         const char *fused = relu ? ", fused relu" : "";
-        ot_case(DT_OP_BN_APPLY, "spatial %lld, %s%s", (long long)S, ROWS_NAME(r), fused);
+        ot_case(DT_OP_BN_APPLY, "%s(C, S) (%lld, %lld), %s%s", in, (long long)C, (long long)S, ROWS_NAME(r), fused);
         BOTH {
           dt_op op = {.type = DT_OP_BN_APPLY,
                       .p.bn_apply = {.b = rows,
@@ -646,6 +704,7 @@ static void ops_batchnorm(void) {
                                      .s = S,
                                      .relu = relu,
                                      .x = F(x),
+                                     .x16 = f16,
                                      .mean = F(mean),
                                      .invstd = F(invstd),
                                      .gamma = F(gamma),
@@ -654,7 +713,7 @@ static void ops_batchnorm(void) {
           RUN(op);
         }
         ot_check("y", y, rows * C * S);
-        ot_case(DT_OP_BN_BWD_STATS, "spatial %lld, %s%s", (long long)S, ROWS_NAME(r), fused);
+        ot_case(DT_OP_BN_BWD_STATS, "%s(C, S) (%lld, %lld), %s%s", in, (long long)C, (long long)S, ROWS_NAME(r), fused);
         BOTH {
           dt_op op = {.type = DT_OP_BN_BWD_STATS,
                       .p.bn_bwd_stats = {.b = rows,
@@ -662,6 +721,7 @@ static void ops_batchnorm(void) {
                                          .s = S,
                                          .relu = relu,
                                          .x = F(x),
+                                         .x16 = f16,
                                          .dy = F(dy),
                                          .mean = F(mean),
                                          .invstd = F(invstd),
@@ -678,7 +738,7 @@ static void ops_batchnorm(void) {
         /* the apply with a count (a forward's sums[2C]) of 2 * cap * S: global sums */
         double count_h = (double)(2 * cap * S);
         dbuf count = ot_buf(OT_F64, &count_h, 1), sums = ot_rand_d(2 * C, -3, 3);
-        ot_case(DT_OP_BN_BWD_APPLY, "spatial %lld, %s%s", (long long)S, ROWS_NAME(r), fused);
+        ot_case(DT_OP_BN_BWD_APPLY, "%s(C, S) (%lld, %lld), %s%s", in, (long long)C, (long long)S, ROWS_NAME(r), fused);
         BOTH {
           dt_op op = {.type = DT_OP_BN_BWD_APPLY,
                       .p.bn_bwd_apply = {.b = rows,
@@ -687,6 +747,7 @@ static void ops_batchnorm(void) {
                                          .relu = relu,
                                          .count = D(count),
                                          .x = F(x),
+                                         .x16 = f16,
                                          .dy = F(dy),
                                          .mean = F(mean),
                                          .invstd = F(invstd),
@@ -696,7 +757,10 @@ static void ops_batchnorm(void) {
                                          .dx = F(dx)}};
           RUN(op);
         }
-        ot_check("dx", dx, rows * C * S);
+        if (f16)
+          ot_check16("dx", dx, n, rows * C * S);
+        else
+          ot_check("dx", dx, rows * C * S);
       }
     }
   }
@@ -2230,14 +2294,19 @@ GPU_TEST(cuda_op_attention_tensor_cores,
          (ot_begin_precision(DT_PREC_BF16, 1e-2), ops_attention_tensor_cores(), ot_end()))
 GPU_TEST(cuda_transformer_grads_same_bits_every_run, (ot_begin(), transformer_grads_same_bits(), ot_end()))
 GPU_TEST(cuda_op_bias, (ot_begin(), ops_bias(), ot_end()))
-GPU_TEST(cuda_op_conv, (ot_begin(), ops_conv(), ot_end()))
+GPU_TEST(cuda_op_conv, (ot_begin(), ops_conv_in(0), ot_end()))
 /* 16 bits: the operands' NHWC copies (kernels/convert.cu) and cuDNN on them, against FP32 on the CPU */
-GPU_TEST(cuda_op_conv_bf16, (ot_begin_precision(DT_PREC_BF16, 1e-2), ops_conv(), ot_end()))
-GPU_TEST(cuda_op_conv_fp16, (ot_begin_precision(DT_PREC_FP16, 2e-3), ops_conv(), ot_end()))
+GPU_TEST(cuda_op_conv_bf16, (ot_begin_precision(DT_PREC_BF16, 1e-2), ops_conv_in(0), ot_end()))
+GPU_TEST(cuda_op_conv_fp16, (ot_begin_precision(DT_PREC_FP16, 2e-3), ops_conv_in(0), ot_end()))
 GPU_TEST(cuda_conv16_reuses_dy_only_back_to_back, conv16_reuses_dy_only_back_to_back())
 GPU_TEST(cuda_conv16_backward_filter_reads_the_forwards_x16, conv16_backward_filter_reads_the_forwards_x16())
 GPU_TEST(cuda_gemm16_reuses_dy_only_back_to_back, gemm16_reuses_dy_only_back_to_back())
-GPU_TEST(cuda_op_batchnorm, (ot_begin(), ops_batchnorm(), ot_end()))
+GPU_TEST(cuda_op_batchnorm, (ot_begin(), ops_batchnorm_in(0), ot_end()))
+GPU_TEST(cuda_op_batchnorm_16bit_nhwc,
+         (ot_begin_precision(DT_PREC_BF16, 1e-5), ops_batchnorm_in(DT_F16_BF16), ot_end(),
+          ot_begin_precision(DT_PREC_FP16, 1e-5), ops_batchnorm_in(DT_F16_HALF), ot_end()))
+GPU_TEST(cuda_op_conv_16bit_nhwc, (ot_begin_precision(DT_PREC_BF16, 1e-2), ops_conv_in(DT_F16_BF16), ot_end(),
+                                   ot_begin_precision(DT_PREC_FP16, 2e-3), ops_conv_in(DT_F16_HALF), ot_end()))
 GPU_TEST(cuda_op_activation, (ot_begin(), ops_activation(), ot_end()))
 GPU_TEST(cuda_op_pool, (ot_begin(), ops_pool(), ot_end()))
 GPU_TEST(cuda_op_dropout, (ot_begin(), ops_dropout(), ot_end()))
@@ -2330,6 +2399,8 @@ int main(void) {
       cmocka_unit_test(cuda_conv16_backward_filter_reads_the_forwards_x16),
       cmocka_unit_test(cuda_gemm16_reuses_dy_only_back_to_back),
       cmocka_unit_test(cuda_op_batchnorm),
+      cmocka_unit_test(cuda_op_batchnorm_16bit_nhwc),
+      cmocka_unit_test(cuda_op_conv_16bit_nhwc),
       cmocka_unit_test(cuda_op_activation),
       cmocka_unit_test(cuda_op_pool),
       cmocka_unit_test(cuda_op_dropout),

@@ -567,6 +567,57 @@ class GpuPrecision(GpuCase):
             self.assertLess(got[-5:].mean(), 0.7 * got[0], prec)
             self.assertGreater(np.abs(got - cpu).max(), 0, prec)  # the reduced precision really rounds
 
+    def test_16bit_convolutions_hand_their_batchnorm_nhwc_values(self):
+        """Under bf16 and fp16 a convolution without a bias that a batchnorm follows (model.fuse) leaves its
+        output, and takes its gradient, in the 16-bit NHWC cuDNN computes in; the batchnorm reads and writes
+        them there, with no copies to and from FP32 NCHW. The same values cross where the copies were, so 4
+        steps of a residual CNN (stem, a block with a projection, 5 such pairs) end with the parameters of
+        model.fuse false, which keeps the copies; on the stand-in bit for bit, and its profile shows the
+        batchnorm's 16-bit kernels and 2 copies fewer per pair and step (y's to FP32, dy's to 16 bits)."""
+        self.w.dataset(n=48, shape=(2, 8, 8))
+        cfg = self.w.file("res.yaml")
+        with open(cfg, "w") as f:
+            f.write(f"""model:
+  input: [2, 8, 8]
+  layers:
+    - conv2d: {{out: 8, kernel: 3, pad: 1, bias: false}}
+    - batchnorm: {{}}
+    - relu
+    - residual:
+        body: [{{conv2d: {{out: 40, kernel: 3, stride: 2, pad: 1, bias: false}}}}, {{batchnorm: {{}}}}, relu,
+               {{conv2d: {{out: 40, kernel: 3, pad: 1, bias: false}}}}, {{batchnorm: {{}}}}]
+        shortcut: [{{conv2d: {{out: 40, kernel: 1, stride: 2, bias: false}}}}, {{batchnorm: {{}}}}]
+    - relu
+    - {{conv2d: {{out: 6, kernel: 3, pad: 1, bias: false}}}}
+    - {{batchnorm: {{}}}}
+    - flatten
+    - linear: {{out: 3}}
+data: {{path: {self.w.file("data.h5")}, scale: 0.00392156862745098, val: {{x: ""}}}}
+train: {{max_steps: 4, global_batch_size: 12, seed: 5, cuda_graph: off}}
+optim: {{name: sgd, lr: 0.1, momentum: 0.9}}
+""")
+        pairs, steps = 5, 4
+        for prec in ("bf16", "fp16"):
+            got = {}
+            for fuse in ("true", "false"):
+                sub = f"{prec}_{fuse}"
+                rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", f"train.precision={prec}", "--set",
+                                        f"model.fuse={fuse}", "--set", f"checkpoint.dir={self.w.file(sub)}", "--set",
+                                        f"log.dir={self.w.file(sub)}"], 1, dict(ENV1, GPUSIM_PROFILE="1"))
+                self.assertEqual(rc, 0, out + err)
+                launches = {k: int(n) for k, n in re.findall(r"^\s*(\w+_kernel)\s+(\d+)\s", err, re.M)}
+                got[fuse] = (params(self.w.latest(sub)), launches)
+            assert_params_close(self, got["true"][0], got["false"][0], 1e-5, prec)
+            if SIM:
+                for k in got["true"][0]:
+                    self.assertTrue(np.array_equal(got["true"][0][k], got["false"][0][k]), (prec, k))
+                on, off = got["true"][1], got["false"][1]
+                for kind in ("stats", "apply", "bwd_stats", "bwd_apply"):
+                    self.assertEqual(on.get(f"bn16_{kind}_kernel"), pairs * steps, (prec, kind, on))
+                    self.assertNotIn(f"bn16_{kind}_kernel", off, prec)
+                for copy in ("pack16_tiled_kernel", "unpack16_tiled_kernel"):
+                    self.assertEqual(off[copy] - on[copy], pairs * steps, (prec, copy, on, off))
+
     @unittest.skipUnless(SIM, "reads the stand-in's GPUSIM_PROFILE (on a GPU, gpu_check.sh's profile names the kernels)")
     def test_bf16_attention_uses_tensor_cores_only_where_the_build_has_them(self):
         """bf16 runs the fused attention's tensor-core kernels on a GPU of 8.0 or later; where the build's

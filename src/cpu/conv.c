@@ -138,17 +138,34 @@ static void conv_bwd_filter(cpu_impl *im, const dt_conv_geom *g, const float *x,
   }
 }
 
+/* A 16-bit y or dy (y16, dy16) goes through an FP32 copy (cpu_widen16, cpu_narrow16). */
 void cpu_conv_fwd(cpu_impl *im, const dt_op *op) {
-  conv_fwd(im, &op->p.conv_fwd.g, op->p.conv_fwd.x, op->p.conv_fwd.w, op->p.conv_fwd.y);
+  const typeof(op->p.conv_fwd) *q = &op->p.conv_fwd;
+  const dt_conv_geom *g = &q->g;
+  if (!q->y16) {
+    conv_fwd(im, g, q->x, q->w, q->y);
+    return;
+  }
+  float *y = dt_malloc((size_t)(g->b * g->o * g->ho * g->wo + 1) * sizeof(float));
+  conv_fwd(im, g, q->x, q->w, y);
+  cpu_narrow16(y, q->y, q->y16, g->b, g->o, g->ho * g->wo);
+  free(y);
 }
 
 void cpu_conv_bwd_data(cpu_impl *im, const dt_op *op) {
-  conv_bwd_data(im, &op->p.conv_bwd_data.g, op->p.conv_bwd_data.dy, op->p.conv_bwd_data.w, op->p.conv_bwd_data.dx);
+  const typeof(op->p.conv_bwd_data) *q = &op->p.conv_bwd_data;
+  const dt_conv_geom *g = &q->g;
+  float *dy = q->dy16 ? cpu_widen16(q->dy, q->dy16, g->b, g->o, g->ho * g->wo) : NULL;
+  conv_bwd_data(im, g, dy ? dy : q->dy, q->w, q->dx);
+  free(dy);
 }
 
 void cpu_conv_bwd_filter(cpu_impl *im, const dt_op *op) {
-  conv_bwd_filter(im, &op->p.conv_bwd_filter.g, op->p.conv_bwd_filter.x, op->p.conv_bwd_filter.dy,
-                  op->p.conv_bwd_filter.dw);
+  const typeof(op->p.conv_bwd_filter) *q = &op->p.conv_bwd_filter;
+  const dt_conv_geom *g = &q->g;
+  float *dy = q->dy16 ? cpu_widen16(q->dy, q->dy16, g->b, g->o, g->ho * g->wo) : NULL;
+  conv_bwd_filter(im, g, q->x, dy ? dy : q->dy, q->dw);
+  free(dy);
 }
 
 size_t cpu_conv_scratch(cpu_impl *im, const dt_op *ops, int n) {

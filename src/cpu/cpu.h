@@ -55,6 +55,11 @@ void cpu_ln_fwd(cpu_impl *im, const dt_op *op);
 void cpu_ln_bwd(cpu_impl *im, const dt_op *op);
 
 /* elementwise.c */
+/* 16-bit operands (backend.h's x16, y16, dy16), which training gives only the CUDA backend (model.c picks
+ * them there) and the op tests give both: x16 (B, S, C) in half.h's `format` widened to a new FP32 (B, C, S)
+ * copy that the caller frees, and x (B, C, S) rounded to nearest even into x16 (B, S, C). */
+float *cpu_widen16(const void *x16, int format, int64_t b, int64_t c, int64_t s);
+void cpu_narrow16(const float *x, void *x16, int format, int64_t b, int64_t c, int64_t s);
 void cpu_bias_add(cpu_impl *im, const dt_op *op);
 void cpu_bias_grad(cpu_impl *im, const dt_op *op);
 void cpu_act_fwd(cpu_impl *im, const dt_op *op);

@@ -255,3 +255,21 @@ void cpu_gather(cpu_impl *im, const dt_op *op) {
     }
   }
 }
+
+float *cpu_widen16(const void *x16, int format, int64_t b, int64_t c, int64_t s) {
+  const uint16_t *h = x16;
+  float *x = dt_malloc((size_t)(b * c * s + 1) * sizeof(float));
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t i = 0; i < b; i++)
+    for (int64_t ch = 0; ch < c; ch++)
+      for (int64_t p = 0; p < s; p++) x[(i * c + ch) * s + p] = dt_from_16(h[(i * s + p) * c + ch], format);
+  return x;
+}
+
+void cpu_narrow16(const float *x, void *x16, int format, int64_t b, int64_t c, int64_t s) {
+  uint16_t *h = x16;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t i = 0; i < b; i++)
+    for (int64_t p = 0; p < s; p++)
+      for (int64_t ch = 0; ch < c; ch++) h[(i * s + p) * c + ch] = dt_to_16(x[(i * c + ch) * s + p], format);
+}

@@ -1,12 +1,25 @@
 /* norm.c: batchnorm (statistics, finalize, apply and their backward, with the fused relu) and
  * layernorm, as kernels/norm.cu: statistics in double, reductions in an order fixed by the shapes. */
 #include <math.h>
+#include <stdlib.h>
 
 #include "cpu.h"
+
+/* A 16-bit x (x16) goes through an FP32 copy (cpu_widen16): each op below runs again on it. */
+#define BN_WIDEN_X(field)                                   \
+  if (q->x16) {                                             \
+    dt_op wide = *op;                                       \
+    float *x = cpu_widen16(q->x, q->x16, q->b, q->c, q->s); \
+    wide.p.field.x = x, wide.p.field.x16 = 0;               \
+    cpu_##field(im, &wide);                                 \
+    free(x);                                                \
+    return;                                                 \
+  }
 
 VECTOR_CLONES void cpu_bn_stats(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.bn_stats) *q = &op->p.bn_stats;
+  BN_WIDEN_X(bn_stats)
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < q->c; c++) {
     double s1 = 0, s2 = 0;
@@ -61,6 +74,7 @@ static inline float bn_z(float x, float mean, float scale, float beta) {
 VECTOR_CLONES void cpu_bn_apply(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.bn_apply) *q = &op->p.bn_apply;
+  BN_WIDEN_X(bn_apply)
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < q->b; b++)
     for (int64_t c = 0; c < q->c; c++) {
@@ -86,6 +100,7 @@ static inline float bn_relu_grad(float dy, float x, float mean, float scale, flo
 VECTOR_CLONES void cpu_bn_bwd_stats(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.bn_bwd_stats) *q = &op->p.bn_bwd_stats;
+  BN_WIDEN_X(bn_bwd_stats)
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < q->c; c++) {
     double s1 = 0, s2 = 0;
@@ -118,6 +133,17 @@ VECTOR_CLONES void cpu_bn_bwd_stats(cpu_impl *im, const dt_op *op) {
 VECTOR_CLONES void cpu_bn_bwd_apply(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.bn_bwd_apply) *q = &op->p.bn_bwd_apply;
+  if (q->x16) { /* dx too: FP32, then rounded into the 16-bit dx */
+    dt_op wide = *op;
+    float *x = cpu_widen16(q->x, q->x16, q->b, q->c, q->s);
+    float *dx = dt_malloc((size_t)(q->b * q->c * q->s + 1) * sizeof(float));
+    wide.p.bn_bwd_apply.x = x, wide.p.bn_bwd_apply.dx = dx, wide.p.bn_bwd_apply.x16 = 0;
+    cpu_bn_bwd_apply(im, &wide);
+    cpu_narrow16(dx, q->dx, q->x16, q->b, q->c, q->s);
+    free(x);
+    free(dx);
+    return;
+  }
   double count = *q->count;
   /* dx = gamma*invstd * (dy - mean(dy) - xhat * mean(dy*xhat)), means over the (global) count */
 #pragma omp parallel for collapse(2) schedule(static)

@@ -214,13 +214,15 @@ static void dy16_nhwc(const dt_conv_geom *g, int64_t layout[4]) {
 /* The three convolution ops. FP32: cuDNN on the tensors as they are (NCHW). bf16 and fp16: the
  * operands are rounded into 16-bit NHWC copies, cuDNN computes with FP32 accumulation on tensor
  * cores, and the result comes back to FP32 NCHW (the filter gradient added into dw, as FP32). The
- * forward's copy of x goes where the op says (x16: the layer keeps it for its backward filter). */
+ * forward's copy of x goes where the op says (x16: the layer keeps it for its backward filter); a y16
+ * forward leaves y as cuDNN wrote it, and a dy16 backward reads dy so, without copies. */
 void cuda_conv_fwd(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.conv_fwd) *q = &op->p.conv_fwd;
   const dt_conv_geom *g = &q->g;
   const float one = 1.0f, zero = 0.0f;
   if (!g->b) return; /* cuDNN refuses zero-sized tensors */
   conv_plan *p = plan_to_run(im, g);
+  DT_ASSERT(!q->y16 || q->y16 == cuda_format16(im));
   if (!is16(im)) {
     CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, q->x, p->w, q->w, p->conv[FWD],
                                         (cudnnConvolutionFwdAlgo_t)p->algo[FWD], im->workspace, im->workspace_bytes,
@@ -229,13 +231,13 @@ void cuda_conv_fwd(cuda_impl *im, const dt_op *op) {
   }
   const int bf16 = im->precision == DT_PREC_BF16;
   conv16 h = conv16_scratch(im, g);
-  uint16_t *x16 = q->x16 ? (uint16_t *)q->x16 : h.x;
+  uint16_t *x16 = q->x16 ? (uint16_t *)q->x16 : h.x, *y16 = q->y16 ? (uint16_t *)q->y : h.y;
   k_pack16(im->stream, q->x, x16, g->b, g->c, g->h * g->w, bf16);
   k_pack16(im->stream, q->w, h.w, g->o, g->c, g->k * g->k, bf16);
   CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, x16, p->w, h.w, p->conv[FWD],
                                       (cudnnConvolutionFwdAlgo_t)p->algo[FWD], im->workspace, im->workspace_bytes,
-                                      &zero, p->y, h.y));
-  k_unpack16(im->stream, h.y, q->y, g->b, g->o, g->ho * g->wo, bf16, 0);
+                                      &zero, p->y, y16));
+  if (!q->y16) k_unpack16(im->stream, h.y, q->y, g->b, g->o, g->ho * g->wo, bf16, 0);
 }
 
 void cuda_conv_bwd_data(cuda_impl *im, const dt_op *op) {
@@ -244,6 +246,7 @@ void cuda_conv_bwd_data(cuda_impl *im, const dt_op *op) {
   const float one = 1.0f, zero = 0.0f;
   if (!g->b) return;
   conv_plan *p = plan_to_run(im, g);
+  DT_ASSERT(!q->dy16 || q->dy16 == cuda_format16(im));
   if (!is16(im)) {
     CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, q->w, p->y, q->dy, p->conv[BWD_DATA],
                                              (cudnnConvolutionBwdDataAlgo_t)p->algo[BWD_DATA], im->workspace,
@@ -254,13 +257,16 @@ void cuda_conv_bwd_data(cuda_impl *im, const dt_op *op) {
   conv16 h = conv16_scratch(im, g);
   int64_t layout[4];
   dy16_nhwc(g, layout);
-  if (cuda_dy16_held(im, q->dy, h.y, layout))
-    im->dy16_reuses++;
-  else
-    k_pack16(im->stream, q->dy, h.y, g->b, g->o, g->ho * g->wo, bf16);
+  const uint16_t *dy16 = q->dy16 ? (const uint16_t *)q->dy : h.y;
+  if (!q->dy16) { /* else as the batchnorm after wrote it */
+    if (cuda_dy16_held(im, q->dy, h.y, layout))
+      im->dy16_reuses++;
+    else
+      k_pack16(im->stream, q->dy, h.y, g->b, g->o, g->ho * g->wo, bf16);
+  }
   cuda_forget_dy16(im); /* one use: another backward data may pack another dy, or lay h16 out otherwise */
   k_pack16(im->stream, q->w, h.w, g->o, g->c, g->k * g->k, bf16);
-  CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, h.w, p->y, h.y, p->conv[BWD_DATA],
+  CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, h.w, p->y, dy16, p->conv[BWD_DATA],
                                            (cudnnConvolutionBwdDataAlgo_t)p->algo[BWD_DATA], im->workspace,
                                            im->workspace_bytes, &zero, p->x, h.x));
   k_unpack16(im->stream, h.x, q->dx, g->b, g->c, g->h * g->w, bf16, 0);
@@ -273,6 +279,7 @@ void cuda_conv_bwd_filter(cuda_impl *im, const dt_op *op) {
   const float one = 1.0f, zero = 0.0f;
   if (!g->b) return;
   conv_plan *p = plan_to_run(im, g);
+  DT_ASSERT(!q->dy16 || q->dy16 == cuda_format16(im));
   if (!is16(im)) {
     CUDNN_CHECK(cudnnConvolutionBackwardFilter(im->dnn, &one, p->x, q->x, p->y, q->dy, p->conv[BWD_FILTER],
                                                (cudnnConvolutionBwdFilterAlgo_t)p->algo[BWD_FILTER], im->workspace,
@@ -283,14 +290,17 @@ void cuda_conv_bwd_filter(cuda_impl *im, const dt_op *op) {
   conv16 h = conv16_scratch(im, g);
   const uint16_t *x16 = q->x16;
   if (!x16) k_pack16(im->stream, q->x, h.x, g->b, g->c, g->h * g->w, bf16), x16 = h.x;
-  k_pack16(im->stream, q->dy, h.y, g->b, g->o, g->ho * g->wo, bf16);
-  CUDNN_CHECK(cudnnConvolutionBackwardFilter(im->dnn, &one, p->x, x16, p->y, h.y, p->conv[BWD_FILTER],
+  const uint16_t *dy16 = q->dy16 ? (const uint16_t *)q->dy : h.y;
+  if (!q->dy16) k_pack16(im->stream, q->dy, h.y, g->b, g->o, g->ho * g->wo, bf16);
+  CUDNN_CHECK(cudnnConvolutionBackwardFilter(im->dnn, &one, p->x, x16, p->y, dy16, p->conv[BWD_FILTER],
                                              (cudnnConvolutionBwdFilterAlgo_t)p->algo[BWD_FILTER], im->workspace,
                                              im->workspace_bytes, &zero, p->w, h.w));
   k_unpack16(im->stream, h.w, q->dw, g->o, g->c, g->k * g->k, bf16, 1);
-  int64_t layout[4];
-  dy16_nhwc(g, layout);
-  cuda_hold_dy16(im, q->dy, h.y, layout); /* cuDNN left h.y as it was */
+  if (!q->dy16) { /* cuDNN left h.y as it was */
+    int64_t layout[4];
+    dy16_nhwc(g, layout);
+    cuda_hold_dy16(im, q->dy, h.y, layout);
+  }
 }
 
 /* At shut-down, once the stream has drained. */

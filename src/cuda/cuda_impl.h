@@ -94,6 +94,11 @@ static inline size_t align256(size_t n) {
   return (n + 255) & ~(size_t)255;
 }
 
+/* The 16-bit format (half.h's DT_F16_*) this run's convolutions compute in: bf16 and fp16 only, else 0. */
+static inline int cuda_format16(const cuda_impl *im) {
+  return im->precision == DT_PREC_BF16 ? DT_F16_BF16 : im->precision == DT_PREC_FP16 ? DT_F16_HALF : DT_F16_NONE;
+}
+
 /* conv.c: destroys the convolution plans and frees their workspace and 16-bit operands (shut-down). */
 void cuda_conv_free(cuda_impl *im);
 /* conv.c: plans convolution g now (kept), and raises *workspace and *h16 to the cuDNN workspace and

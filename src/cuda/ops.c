@@ -59,9 +59,11 @@ size_t cuda_partials_bytes(const dt_op *op) {
   } else if (op->type == DT_OP_LN_BWD) {
     n = 2 * K_LN_CHUNKS * op->p.ln_bwd.d > 2 * K_SUM_BLOCKS ? 2 * K_LN_CHUNKS * op->p.ln_bwd.d : 2 * K_SUM_BLOCKS;
   } else if (op->type == DT_OP_BN_STATS) {
-    n = 2 * op->p.bn_stats.c * k_bn_chunks(op->p.bn_stats.b * op->p.bn_stats.s);
+    const typeof(op->p.bn_stats) *q = &op->p.bn_stats;
+    n = 2 * q->c * (q->x16 ? k_bn16_chunks(q->b * q->s, q->c) : k_bn_chunks(q->b * q->s));
   } else if (op->type == DT_OP_BN_BWD_STATS) {
-    n = 2 * op->p.bn_bwd_stats.c * k_bn_chunks(op->p.bn_bwd_stats.b * op->p.bn_bwd_stats.s);
+    const typeof(op->p.bn_bwd_stats) *q = &op->p.bn_bwd_stats;
+    n = 2 * q->c * (q->x16 ? k_bn16_chunks(q->b * q->s, q->c) : k_bn_chunks(q->b * q->s));
   } else if (op->type == DT_OP_LOSS) {
     n = (op->p.loss.b > K_SUM_BLOCKS ? op->p.loss.b : K_SUM_BLOCKS) * 2;
   }
@@ -99,12 +101,21 @@ void cuda_gather(cuda_impl *im, const dt_op *op) {
 
 /* kernels/norm.cu: batchnorm, layernorm */
 
+/* A batchnorm's x16 input (backend.h): the 16-bit format this run's convolutions write. */
+static const uint16_t *x16_of(const cuda_impl *im, const float *x, int format) {
+  DT_ASSERT(format == cuda_format16(im));
+  return (const uint16_t *)x;
+}
+
 void cuda_bn_stats(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.bn_stats) *q = &op->p.bn_stats;
   CHECK_INDEXABLE(q->b * q->c * q->s);
   double *partials =
       cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes, cuda_partials_bytes(op), "batchnorm sums");
-  k_bn_stats(im->stream, q->x, q->b, q->c, q->s, q->sums, partials);
+  if (q->x16)
+    k_bn16_stats(im->stream, x16_of(im, q->x, q->x16), q->x16, q->b, q->c, q->s, q->sums, partials);
+  else
+    k_bn_stats(im->stream, q->x, q->b, q->c, q->s, q->sums, partials);
 }
 
 void cuda_bn_finalize(cuda_impl *im, const dt_op *op) {
@@ -116,7 +127,11 @@ void cuda_bn_finalize(cuda_impl *im, const dt_op *op) {
 void cuda_bn_apply(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.bn_apply) *q = &op->p.bn_apply;
   CHECK_INDEXABLE(q->b * q->c * q->s);
-  k_bn_apply(im->stream, q->relu, q->x, q->y, q->b, q->c, q->s, q->mean, q->invstd, q->gamma, q->beta);
+  if (q->x16)
+    k_bn16_apply(im->stream, q->relu, x16_of(im, q->x, q->x16), q->x16, q->y, q->b, q->c, q->s, q->mean, q->invstd,
+                 q->gamma, q->beta);
+  else
+    k_bn_apply(im->stream, q->relu, q->x, q->y, q->b, q->c, q->s, q->mean, q->invstd, q->gamma, q->beta);
 }
 
 void cuda_bn_bwd_stats(cuda_impl *im, const dt_op *op) {
@@ -124,15 +139,23 @@ void cuda_bn_bwd_stats(cuda_impl *im, const dt_op *op) {
   CHECK_INDEXABLE(q->b * q->c * q->s);
   double *partials = cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes, cuda_partials_bytes(op),
                                       "batchnorm gradient sums");
-  k_bn_bwd_stats(im->stream, q->relu, q->x, q->dy, q->b, q->c, q->s, q->mean, q->invstd, q->gamma, q->beta, q->sums,
-                 q->dgamma, q->dbeta, partials);
+  if (q->x16)
+    k_bn16_bwd_stats(im->stream, q->relu, x16_of(im, q->x, q->x16), q->x16, q->dy, q->b, q->c, q->s, q->mean, q->invstd,
+                     q->gamma, q->beta, q->sums, q->dgamma, q->dbeta, partials);
+  else
+    k_bn_bwd_stats(im->stream, q->relu, q->x, q->dy, q->b, q->c, q->s, q->mean, q->invstd, q->gamma, q->beta, q->sums,
+                   q->dgamma, q->dbeta, partials);
 }
 
 void cuda_bn_bwd_apply(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.bn_bwd_apply) *q = &op->p.bn_bwd_apply;
   CHECK_INDEXABLE(q->b * q->c * q->s);
-  k_bn_bwd_apply(im->stream, q->relu, q->x, q->dy, q->dx, q->b, q->c, q->s, q->count, q->mean, q->invstd, q->gamma,
-                 q->beta, q->sums);
+  if (q->x16)
+    k_bn16_bwd_apply(im->stream, q->relu, x16_of(im, q->x, q->x16), q->x16, q->dy, (uint16_t *)q->dx, q->b, q->c, q->s,
+                     q->count, q->mean, q->invstd, q->gamma, q->beta, q->sums);
+  else
+    k_bn_bwd_apply(im->stream, q->relu, q->x, q->dy, q->dx, q->b, q->c, q->s, q->count, q->mean, q->invstd, q->gamma,
+                   q->beta, q->sums);
 }
 
 void cuda_ln_fwd(cuda_impl *im, const dt_op *op) {
