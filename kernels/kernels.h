@@ -93,13 +93,14 @@ static inline int64_t k_bn16_chunks(int64_t n, int64_t c) {
 }
 void k_bn16_stats(cudaStream_t s, const uint16_t *x, int format, int64_t b, int64_t c, int64_t sp, double *sums,
                   double *partials);
-void k_bn16_apply(cudaStream_t s, int relu, const uint16_t *x, int format, float *y, int64_t b, int64_t c, int64_t sp,
-                  const float *mean, const float *invstd, const float *gamma, const float *beta);
-void k_bn16_bwd_stats(cudaStream_t s, int relu, const uint16_t *x, int format, const float *dy, int64_t b, int64_t c,
-                      int64_t sp, const float *mean, const float *invstd, const float *gamma, const float *beta,
-                      double *sums, float *dgamma, float *dbeta, double *partials);
-void k_bn16_bwd_apply(cudaStream_t s, int relu, const uint16_t *x, int format, const float *dy, uint16_t *dx, int64_t b,
-                      int64_t c, int64_t sp, const double *count, const float *mean, const float *invstd,
+/* y16 and dy16 (a convolution reads y next): y and dy 16-bit (B, S, C) in the same format, else FP32 (B, C, S) */
+void k_bn16_apply(cudaStream_t s, int relu, const uint16_t *x, int format, void *y, int y16, int64_t b, int64_t c,
+                  int64_t sp, const float *mean, const float *invstd, const float *gamma, const float *beta);
+void k_bn16_bwd_stats(cudaStream_t s, int relu, const uint16_t *x, int format, const void *dy, int dy16, int64_t b,
+                      int64_t c, int64_t sp, const float *mean, const float *invstd, const float *gamma,
+                      const float *beta, double *sums, float *dgamma, float *dbeta, double *partials);
+void k_bn16_bwd_apply(cudaStream_t s, int relu, const uint16_t *x, int format, const void *dy, int dy16, uint16_t *dx,
+                      int64_t b, int64_t c, int64_t sp, const double *count, const float *mean, const float *invstd,
                       const float *gamma, const float *beta, const double *sums);
 /* layernorm (backend.h's DT_OP_LN_*): dgamma and dbeta are summed per chunk of rows into `partials`
  * (2 * K_LN_CHUNKS * d doubles), then over chunks in order. No atomics: the same bits every run. */

@@ -164,20 +164,32 @@ __global__ void bn_chunk_sums_kernel(const double *partials, int64_t chunks, int
   }
 }
 
-// partials (chunks, 2C): sum(c), sumsq(c) of the chunk, read along the channels
-__global__ void bn16_stats_kernel(const uint16_t *x, int format, int64_t n, int64_t c, int64_t per, double *partials) {
+// partials (chunks, 2C) of a chunk, read along the channels: sum(c) and sumsq(c) of x (dy NULL: forward), or
+// sum_dy(c) and sum_dy_xhat(c) with dy 16-bit NHWC too (bn_apply's y16: a convolution read y)
+__global__ void bn16_sums_kernel(int relu, const uint16_t *x, int format, const uint16_t *dy, int64_t n, int64_t c,
+                                 int64_t per, const float *mean, const float *invstd, const float *gamma,
+                                 const float *beta, double *partials) {
   __shared__ double red[2][kRows16][kLanes16];
   const int lane = threadIdx.x % kLanes16, row = threadIdx.x / kLanes16;
   const int64_t ch = (int64_t)blockIdx.x * kLanes16 + lane;
   int64_t r0, r1;
   bn_chunk(n, per, &r0, &r1);
   double s1 = 0, s2 = 0;
-  if (ch < c)
+  if (ch < c && !dy) {
     for (int64_t p = r0 + row; p < r1; p += kRows16) {
       double v = dt_from_16(x[p * c + ch], format);
       s1 += v;
       s2 += v * v;
     }
+  } else if (ch < c) {
+    const float m = mean[ch], is = invstd[ch], g = relu ? gamma[ch] : 0.0f, bt = relu ? beta[ch] : 0.0f;
+    for (int64_t p = r0 + row; p < r1; p += kRows16) {
+      float xv = dt_from_16(x[p * c + ch], format);
+      float d = bn_grad_at_z(relu, dt_from_16(dy[p * c + ch], format), xv, m, is, g, bt);
+      s1 += d;
+      s2 += (double)d * ((xv - m) * is);
+    }
+  }
   bn16_partials(red, s1, s2, ch, c, partials);
 }
 
@@ -260,6 +272,31 @@ __global__ void bn16_bwd_apply_kernel(int relu, const uint16_t *x, int format, c
         float d = bn_grad_at_z(relu, tile[lane][r], xv, m, is, g, bt);
         dx[(q0 + r) * c + ch] = dt_to_16(g * is * (d - mdy - xhat * mdyx), format);
       }
+  }
+}
+
+// The same where y and dy are 16-bit NHWC too (a convolution reads y next, bn_apply's y16): every operand
+// along the channels, no tiles. Element i of the (n, C) rows is channel i mod C.
+__global__ void bn16_apply16_kernel(int relu, const uint16_t *x, int format, uint16_t *y, int64_t total, fast_div c,
+                                    const float *mean, const float *invstd, const float *gamma, const float *beta) {
+  GRID_STRIDE(i, total) {
+    uint32_t ch = (uint32_t)i - div_by((uint32_t)i, c) * c.d;
+    float z = bn_z(dt_from_16(x[i], format), mean[ch], invstd[ch], gamma[ch], beta[ch]);
+    y[i] = dt_to_16(relu && z < 0 ? 0.0f : z, format);
+  }
+}
+
+__global__ void bn16_bwd_apply16_kernel(int relu, const uint16_t *x, int format, const uint16_t *dy, uint16_t *dx,
+                                        int64_t total, fast_div c, const double *count, const float *mean,
+                                        const float *invstd, const float *gamma, const float *beta,
+                                        const double *sums) {
+  const double cnt = *count;
+  GRID_STRIDE(i, total) {
+    uint32_t ch = (uint32_t)i - div_by((uint32_t)i, c) * c.d;
+    float xv = dt_from_16(x[i], format), m = mean[ch], is = invstd[ch], xhat = (xv - m) * is;
+    float mdy = (float)(sums[ch] / cnt), mdyx = (float)(sums[c.d + ch] / cnt);
+    float d = bn_grad_at_z(relu, dt_from_16(dy[i], format), xv, m, is, gamma[ch], relu ? beta[ch] : 0.0f);
+    dx[i] = dt_to_16(gamma[ch] * is * (d - mdy - xhat * mdyx), format);
   }
 }
 
@@ -400,34 +437,51 @@ void k_bn16_stats(cudaStream_t s, const uint16_t *x, int format, int64_t b, int6
                   double *partials) {
   int64_t per;
   dim3 grid = bn16_grid(b * sp, c, &per);
-  LAUNCH(bn16_stats_kernel, grid, kThreads, 0, s)(x, format, b * sp, c, per, partials);
+  LAUNCH(bn16_sums_kernel, grid, kThreads, 0, s)
+  (0, x, format, (const uint16_t *)NULL, b * sp, c, per, (const float *)NULL, (const float *)NULL, (const float *)NULL,
+   (const float *)NULL, partials);
   LAUNCH(bn_chunk_sums_kernel, (unsigned)c, row_threads(grid.y), 0, s)
   (partials, grid.y, c, (double)(b * sp), sums, (float *)NULL, (float *)NULL);
 }
 
-void k_bn16_apply(cudaStream_t s, int relu, const uint16_t *x, int format, float *y, int64_t b, int64_t c, int64_t sp,
-                  const float *mean, const float *invstd, const float *gamma, const float *beta) {
+void k_bn16_apply(cudaStream_t s, int relu, const uint16_t *x, int format, void *y, int y16, int64_t b, int64_t c,
+                  int64_t sp, const float *mean, const float *invstd, const float *gamma, const float *beta) {
   if (b * sp == 0) return;
-  LAUNCH(bn16_apply_kernel, bn16_tiles(b * sp, c), kThreads, 0, s)
-  (relu, x, format, y, b * sp, c, make_fast_div(sp), mean, invstd, gamma, beta);
+  if (y16) {
+    LAUNCH(bn16_apply16_kernel, blocks_for(b * sp * c), kThreads, 0, s)
+    (relu, x, format, (uint16_t *)y, b * sp * c, make_fast_div(c), mean, invstd, gamma, beta);
+  } else {
+    LAUNCH(bn16_apply_kernel, bn16_tiles(b * sp, c), kThreads, 0, s)
+    (relu, x, format, (float *)y, b * sp, c, make_fast_div(sp), mean, invstd, gamma, beta);
+  }
 }
 
-void k_bn16_bwd_stats(cudaStream_t s, int relu, const uint16_t *x, int format, const float *dy, int64_t b, int64_t c,
-                      int64_t sp, const float *mean, const float *invstd, const float *gamma, const float *beta,
-                      double *sums, float *dgamma, float *dbeta, double *partials) {
+void k_bn16_bwd_stats(cudaStream_t s, int relu, const uint16_t *x, int format, const void *dy, int dy16, int64_t b,
+                      int64_t c, int64_t sp, const float *mean, const float *invstd, const float *gamma,
+                      const float *beta, double *sums, float *dgamma, float *dbeta, double *partials) {
   int64_t per;
   dim3 grid = bn16_grid(b * sp, c, &per);
-  LAUNCH(bn16_bwd_stats_kernel, grid, kThreads, 0, s)
-  (relu, x, format, dy, b * sp, c, make_fast_div(sp), per, mean, invstd, gamma, beta, partials);
+  if (dy16) {
+    LAUNCH(bn16_sums_kernel, grid, kThreads, 0, s)
+    (relu, x, format, (const uint16_t *)dy, b * sp, c, per, mean, invstd, gamma, beta, partials);
+  } else {
+    LAUNCH(bn16_bwd_stats_kernel, grid, kThreads, 0, s)
+    (relu, x, format, (const float *)dy, b * sp, c, make_fast_div(sp), per, mean, invstd, gamma, beta, partials);
+  }
   LAUNCH(bn_chunk_sums_kernel, (unsigned)c, row_threads(grid.y), 0, s)(partials, grid.y, c, -1.0, sums, dgamma, dbeta);
 }
 
-void k_bn16_bwd_apply(cudaStream_t s, int relu, const uint16_t *x, int format, const float *dy, uint16_t *dx, int64_t b,
-                      int64_t c, int64_t sp, const double *count, const float *mean, const float *invstd,
+void k_bn16_bwd_apply(cudaStream_t s, int relu, const uint16_t *x, int format, const void *dy, int dy16, uint16_t *dx,
+                      int64_t b, int64_t c, int64_t sp, const double *count, const float *mean, const float *invstd,
                       const float *gamma, const float *beta, const double *sums) {
   if (b * sp == 0) return;
-  LAUNCH(bn16_bwd_apply_kernel, bn16_tiles(b * sp, c), kThreads, 0, s)
-  (relu, x, format, dy, dx, b * sp, c, make_fast_div(sp), count, mean, invstd, gamma, beta, sums);
+  if (dy16) {
+    LAUNCH(bn16_bwd_apply16_kernel, blocks_for(b * sp * c), kThreads, 0, s)
+    (relu, x, format, (const uint16_t *)dy, dx, b * sp * c, make_fast_div(c), count, mean, invstd, gamma, beta, sums);
+  } else {
+    LAUNCH(bn16_bwd_apply_kernel, bn16_tiles(b * sp, c), kThreads, 0, s)
+    (relu, x, format, (const float *)dy, dx, b * sp, c, make_fast_div(sp), count, mean, invstd, gamma, beta, sums);
+  }
 }
 
 void k_ln_fwd(cudaStream_t s, const float *x, const float *gamma, const float *beta, float *y, float *mean, float *rstd,

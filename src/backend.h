@@ -141,12 +141,15 @@ typedef struct {
                     x's, (B, C, H, W) as NHWC, for conv_bwd_filter of the same x */
       int y16;   /* 0 (y FP32), or half.h's DT_F16_*: y is written in that format as (B, Ho, Wo, O), NHWC, as
                     cuDNN computes it (CUDA: the precision's format), for a batchnorm's x16 */
+      int in16;  /* 0, or x is in that format as (B, H, W, C) already (a batchnorm's y16): read as it is, no
+                    x16 copy; so for conv_bwd_filter's x and conv_bwd_data's dx */
     } conv_fwd;
     struct {
       dt_conv_geom g;
       const float *dy, *w;
       float *dx;
       int dy16; /* 0 (dy FP32), or dy's 16-bit format as (B, Ho, Wo, O): conv_fwd's y16, a batchnorm's dx */
+      int in16; /* as conv_fwd's: dx written so */
     } conv_bwd_data;
     struct {
       dt_conv_geom g;
@@ -154,6 +157,7 @@ typedef struct {
       float *dw;
       const void *x16; /* NULL, or conv_fwd's x16 of this x, read instead of copying x again */
       int dy16;        /* as conv_bwd_data's */
+      int in16;        /* as conv_fwd's: x read so */
     } conv_bwd_filter;
     struct {
       int64_t b, c, s;
@@ -176,6 +180,7 @@ typedef struct {
       const float *x, *mean, *invstd, *gamma, *beta;
       float *y; /* z = (x - mean) * (invstd * gamma) + beta, in that order of roundings */
       int x16;  /* as bn_stats' */
+      int y16;  /* 0, or (with x16, the same format) y written as x is, 16-bit NHWC, for a conv_fwd's in16 */
     } bn_apply;
     struct {
       int64_t b, c, s;
@@ -185,6 +190,7 @@ typedef struct {
       double *sums;              /* (2C): sum_dy(c), sum_dy_xhat(c), written */
       float *dgamma, *dbeta;     /* (C): the local sums added (the gradient allreduce sums them) */
       int x16;                   /* as bn_stats' */
+      int dy16;                  /* 0, or (with x16) dy is as x is: bn_apply's y16 */
     } bn_bwd_stats;
     struct {
       int64_t b, c, s;
@@ -195,6 +201,7 @@ typedef struct {
       const double *sums; /* (2C) of bn_bwd_stats, reduced over ranks when sync */
       float *dx;          /* (B, C, S) FP32, or as x when x16: rounded to nearest even */
       int x16;            /* as bn_stats' */
+      int dy16;           /* as bn_bwd_stats' */
     } bn_bwd_apply;
     struct {
       int kind;

@@ -27,8 +27,9 @@ static const dt_key config_keys[] = {
      "a relu right after a batchnorm runs inside it (one pass fewer over the activations each way, the same "
      "results bit for bit), and a tanh gelu between two linears inside their GEMMs (CUDA: cuBLASLt's "
      "epilogues; one gradient buffer fewer; on the CPU the same bits), and under bf16 and fp16 on CUDA a conv2d "
-     "without a bias hands the batchnorm after it its output, and takes its gradient, in cuDNN's 16-bit NHWC (no "
-     "copies to and from FP32 between them; the same results); false runs them apart"},
+     "without a bias hands the batchnorm after it its output, and takes its gradient, in cuDNN's 16-bit NHWC, as "
+     "such a batchnorm does to a conv2d after it (no copies to and from FP32 between them; the same results); "
+     "false runs them apart"},
     {"model.attention", DT_KEY_ENUM, F(attention), "auto", NOB, "auto|fused|materialized",
      "fused: each attention layer's heads in one op that never stores the (B, H, T, T) scores (online softmax; "
      "backward computes them again); on CUDA for heads of up to 128 values whose tiles fit the GPU's shared "

@@ -82,6 +82,7 @@ static void conv_forward(dt_layer *l, dt_pass *pass, const float *x) {
   op.p.conv_fwd.y = l->y;
   op.p.conv_fwd.x16 = ((conv_state *)l->priv)->x16;
   op.p.conv_fwd.y16 = l->y16; /* then no bias (fuse_seq) */
+  op.p.conv_fwd.in16 = l->in16;
   backend_run(pass->be, &op);
   if (l->args.bias) {
     dt_op b = {.type = DT_OP_BIAS_ADD};
@@ -109,6 +110,7 @@ static void conv_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx)
   op.p.conv_bwd_filter.dw = dw;
   op.p.conv_bwd_filter.x16 = ((conv_state *)l->priv)->x16;
   op.p.conv_bwd_filter.dy16 = l->y16;
+  op.p.conv_bwd_filter.in16 = l->in16;
   backend_run(pass->be, &op);
   if (dx) {
     dt_op d = {.type = DT_OP_CONV_BWD_DATA};
@@ -117,6 +119,7 @@ static void conv_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx)
     d.p.conv_bwd_data.w = w;
     d.p.conv_bwd_data.dx = dx;
     d.p.conv_bwd_data.dy16 = l->y16;
+    d.p.conv_bwd_data.in16 = l->in16;
     backend_run(pass->be, &d);
   }
 }

@@ -194,7 +194,8 @@ static int is_gelu_tanh(const dt_seq *s, int i) {
  * it, its derivative by that linear's input-gradient GEMM, into the dy it then shares with the first
  * linear; all three in one train.recompute block, so that each reads what its own block keeps. A
  * batchnorm right after a convolution without a bias may take that layer's output, and give its
- * gradient, as the convolution has them (model_pick_ops decides, for the backend). */
+ * gradient, as the convolution has them, and hand its own to a convolution right after it (or after
+ * its fused relu) so too (model_pick_ops decides, for the backend). */
 static void fuse_seq(dt_seq *s) {
   for (int i = 0; i < s->n; i++) {
     dt_layer *l = s->layers[i];
@@ -212,6 +213,9 @@ static void fuse_seq(dt_seq *s) {
     if ((l->ops->traits & DT_LAYER_CONV) && !l->args.bias && i + 1 < s->n &&
         (s->layers[i + 1]->ops->traits & DT_LAYER_BATCHNORM))
       l->bn_next = s->layers[i + 1];
+    const int after = i + 1 + l->fused_relu; /* the layer reading this one's output */
+    if (i > 0 && s->layers[i - 1]->bn_next == l && after < s->n && (s->layers[after]->ops->traits & DT_LAYER_CONV))
+      l->conv_next = s->layers[after];
   }
 }
 
@@ -230,10 +234,17 @@ static void share_branch_grads(dt_seq *s) {
   }
 }
 
-/* Each convolution with a bn_next hands it y and dy in `format` (half.h; DT_F16_NONE: FP32 NCHW). */
+/* Each convolution with a bn_next hands it y and dy in `format` (half.h; DT_F16_NONE: FP32 NCHW), and each
+ * such batchnorm with a conv_next its own to that convolution, which then keeps no copy of x. */
 static void pick_y16(dt_model *m, int format) {
-  for (int i = 0; i < m->n_all; i++)
-    if (m->all[i]->bn_next) m->all[i]->y16 = m->all[i]->bn_next->x16 = format;
+  for (int i = 0; i < m->n_all; i++) {
+    dt_layer *l = m->all[i];
+    if (l->bn_next) l->y16 = l->bn_next->x16 = format;
+    if (l->conv_next) {
+      l->y16 = l->conv_next->in16 = format;
+      if (format) l->conv_next->keeps_x16 = 0;
+    }
+  }
 }
 
 /* Under bf16 and fp16 CUDA convolves 16-bit NHWC copies: a convolution's output and gradient between it and

@@ -166,10 +166,14 @@ struct dt_layer {
                             train.precision bf16 or fp16, a model that trains) */
   dt_layer *bn_next;     /* conv2d without a bias: the batchnorm right after it (model.fuse), which may read
                             its y and write its dy as its 16-bit convolution has them */
-  int y16;               /* conv2d with a bn_next, picked for CUDA under bf16 or fp16: y and dy hold 16-bit
-                            values (half.h's DT_F16_*) as (B, Ho, Wo, O), NHWC, as cuDNN writes and reads them
-                            (no copies to and from FP32 NCHW), 2 bytes a value; 0: FP32 */
+  dt_layer *conv_next;   /* batchnorm after such a conv2d: the conv2d right after it (or after its fused relu),
+                            which may read its y and write its dy as 16-bit NHWC too */
+  int y16;               /* conv2d with a bn_next, or batchnorm with a conv_next, picked for CUDA under bf16 or
+                            fp16: y and dy hold 16-bit values (half.h's DT_F16_*) as (B, H, W, C), NHWC, as cuDNN
+                            writes and reads them (no copies to and from FP32 NCHW), 2 bytes a value; 0: FP32 */
   int x16;               /* batchnorm after such a conv2d: its x and dx are that layer's y and dy, in this format */
+  int in16;              /* conv2d after such a batchnorm: its x and dx are that layer's y and dy, in this format
+                            (read as they are: no x16 copy kept) */
   void *priv;            /* per-kind state */
 };
 

@@ -599,9 +599,18 @@ static void ot_check16(const char *what, dbuf b, int64_t n, int64_t written) {
              what, changed ? "CUDA" : "CPU", (long long)written);
 }
 
+/* ot_check16 of n values where `is16` (a format), else ot_check. */
+static void ot_check_in(int is16, const char *what, dbuf b, int64_t n, int64_t written) {
+  if (is16)
+    ot_check16(what, b, n, written);
+  else
+    ot_check(what, b, written);
+}
+
 /* y written and dy read in FP32 (B, O, Ho, Wo) (f16 0), or (f16: half.h's format, the CUDA backend's) as
- * 16-bit NHWC (y16, dy16), as a batchnorm after the convolution takes them (the CPU rounds its FP32 y). */
-static void ops_conv_in(int f16) {
+ * 16-bit NHWC (y16, dy16), as a batchnorm after the convolution takes them (the CPU rounds its FP32 y);
+ * and x read and dx written so too where in16 (a batchnorm before it). */
+static void ops_conv_in(int f16, int in16) {
   /* (c, h, w, o, k, stride, pad) */
   /* the last: channels and positions past a 32 x 32 tile of the 16-bit copies' transposes */
   const int64_t geoms[][7] = {
@@ -611,34 +620,35 @@ static void ops_conv_in(int f16) {
       const int64_t *q = geoms[gi];
       dt_conv_geom g = conv_geom(rows, q[0], q[1], q[2], q[3], q[4], q[5], q[6]);
       int64_t xs = g.c * g.h * g.w, ys = g.o * g.ho * g.wo, ws = g.o * g.c * g.k * g.k;
-      dbuf x = ot_rand(cap * xs, -1, 1), w = ot_rand(ws, -1, 1), dx = ot_rand(cap * xs, -1, 1), dw = ot_rand(ws, -1, 1);
+      dbuf x = in16 ? ot_rand16(cap * xs, -1, 1) : ot_rand(cap * xs, -1, 1), w = ot_rand(ws, -1, 1);
+      dbuf dx = in16 ? ot_rand16(cap * xs, -1, 1) : ot_rand(cap * xs, -1, 1), dw = ot_rand(ws, -1, 1);
       dbuf y = f16 ? ot_rand16(cap * ys, -1, 1) : ot_rand(cap * ys, -1, 1);
       dbuf dy = f16 ? ot_rand16(cap * ys, -1, 1) : ot_rand(cap * ys, -1, 1);
       char geo[96];
-      snprintf(geo, sizeof geo, "(%lld,%lld,%lld) by %lldx%lld to %lld, stride %lld, pad %lld", (long long)g.c,
+      snprintf(geo, sizeof geo, "%s%s(%lld,%lld,%lld) by %lldx%lld to %lld, stride %lld, pad %lld",
+               in16 ? "16-bit NHWC x and dx, " : "", f16 ? "16-bit NHWC y and dy, " : "", (long long)g.c,
                (long long)g.h, (long long)g.w, (long long)g.k, (long long)g.k, (long long)g.o, (long long)g.stride,
                (long long)g.pad);
-      ot_case(DT_OP_CONV_FWD, "%s%s, %s", f16 ? "16-bit NHWC y, " : "", geo, ROWS_NAME(r));
+      ot_case(DT_OP_CONV_FWD, "%s, %s", geo, ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_CONV_FWD};
-        op.p.conv_fwd = (typeof(op.p.conv_fwd)){.g = g, .x = F(x), .w = F(w), .y = F(y), .y16 = f16};
+        op.p.conv_fwd = (typeof(op.p.conv_fwd)){.g = g, .x = F(x), .w = F(w), .y = F(y), .y16 = f16, .in16 = in16};
         RUN(op);
       }
-      if (f16)
-        ot_check16("y", y, cap * ys, rows * ys);
-      else
-        ot_check("y", y, rows * ys);
-      ot_case(DT_OP_CONV_BWD_DATA, "%s%s, %s", f16 ? "16-bit NHWC dy, " : "", geo, ROWS_NAME(r));
+      ot_check_in(f16, "y", y, cap * ys, rows * ys);
+      ot_case(DT_OP_CONV_BWD_DATA, "%s, %s", geo, ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_CONV_BWD_DATA};
-        op.p.conv_bwd_data = (typeof(op.p.conv_bwd_data)){.g = g, .dy = F(dy), .w = F(w), .dx = F(dx), .dy16 = f16};
+        op.p.conv_bwd_data =
+            (typeof(op.p.conv_bwd_data)){.g = g, .dy = F(dy), .w = F(w), .dx = F(dx), .dy16 = f16, .in16 = in16};
         RUN(op);
       }
-      ot_check("dx", dx, rows * xs);
-      ot_case(DT_OP_CONV_BWD_FILTER, "%s%s, %s", f16 ? "16-bit NHWC dy, " : "", geo, ROWS_NAME(r));
+      ot_check_in(in16, "dx", dx, cap * xs, rows * xs);
+      ot_case(DT_OP_CONV_BWD_FILTER, "%s, %s", geo, ROWS_NAME(r));
       BOTH {
         dt_op op = {.type = DT_OP_CONV_BWD_FILTER};
-        op.p.conv_bwd_filter = (typeof(op.p.conv_bwd_filter)){.g = g, .x = F(x), .dy = F(dy), .dw = F(dw), .dy16 = f16};
+        op.p.conv_bwd_filter =
+            (typeof(op.p.conv_bwd_filter)){.g = g, .x = F(x), .dy = F(dy), .dw = F(dw), .dy16 = f16, .in16 = in16};
         RUN(op);
       }
       ot_check("dw (added into)", dw, rows ? ws : 0);
@@ -647,17 +657,19 @@ static void ops_conv_in(int f16) {
 }
 
 /* Batchnorm on x (B, C, S) in FP32 (f16 0), or (f16: half.h's format, the CUDA backend's) on a convolution's
- * 16-bit NHWC output (x16: x and bwd_apply's dx (B, S, C) 16-bit; the CPU widens x and rounds dx). */
-static void ops_batchnorm_in(int f16) {
+ * 16-bit NHWC output (x16: x and bwd_apply's dx (B, S, C) 16-bit; the CPU widens x and rounds dx); y16 (with
+ * f16): y and dy 16-bit NHWC too, for a convolution after it. */
+static void ops_batchnorm_in(int f16, int y16) {
   /* (C, S). 6001: 6 or 5 rows make 36006 or 30005 positions a channel, the sums' 3 or 2 chunks of at least
    * K_BN_CHUNK_MIN (of 5 rows: the last shorter); 16-bit x: 71 or 59 chunks of whole 32-position tiles.
    * 40 channels past a 32-channel tile, 49 positions crossing tiles and images. */
   const int64_t shapes[][2] = {{3, 4}, {3, 1}, {3, 6001}, {40, 49}};
-  const char *in = f16 ? "16-bit NHWC x, " : "";
+  const char *in = y16 ? "16-bit NHWC x and y, " : f16 ? "16-bit NHWC x, " : "";
   FOR_ROWS(r) {
     for (int si = 0; si < 4; si++) {
       const int64_t C = shapes[si][0], S = shapes[si][1], n = cap * C * S;
-      dbuf x = f16 ? ot_rand16(n, -2, 3) : ot_rand(n, -2, 3), dy = ot_rand(n, -1, 1), y = ot_rand(n, -1, 1);
+      dbuf x = f16 ? ot_rand16(n, -2, 3) : ot_rand(n, -2, 3), dy = y16 ? ot_rand16(n, -1, 1) : ot_rand(n, -1, 1);
+      dbuf y = y16 ? ot_rand16(n, -1, 1) : ot_rand(n, -1, 1);
       dbuf dx = f16 ? ot_rand16(n, -1, 1) : ot_rand(n, -1, 1);
       dbuf mean = ot_rand(C, -0.5f, 0.5f), invstd = ot_rand(C, 0.5f, 2.0f), gamma = ot_rand(C, 0.5f, 1.5f);
       dbuf beta = ot_rand(C, -0.5f, 0.5f);
@@ -705,6 +717,7 @@ static void ops_batchnorm_in(int f16) {
                                      .relu = relu,
                                      .x = F(x),
                                      .x16 = f16,
+                                     .y16 = y16,
                                      .mean = F(mean),
                                      .invstd = F(invstd),
                                      .gamma = F(gamma),
@@ -712,7 +725,7 @@ static void ops_batchnorm_in(int f16) {
                                      .y = F(y)}};
           RUN(op);
         }
-        ot_check("y", y, rows * C * S);
+        ot_check_in(y16, "y", y, n, rows * C * S);
         ot_case(DT_OP_BN_BWD_STATS, "%s(C, S) (%lld, %lld), %s%s", in, (long long)C, (long long)S, ROWS_NAME(r), fused);
         BOTH {
           dt_op op = {.type = DT_OP_BN_BWD_STATS,
@@ -722,6 +735,7 @@ static void ops_batchnorm_in(int f16) {
                                          .relu = relu,
                                          .x = F(x),
                                          .x16 = f16,
+                                         .dy16 = y16,
                                          .dy = F(dy),
                                          .mean = F(mean),
                                          .invstd = F(invstd),
@@ -748,6 +762,7 @@ static void ops_batchnorm_in(int f16) {
                                          .count = D(count),
                                          .x = F(x),
                                          .x16 = f16,
+                                         .dy16 = y16,
                                          .dy = F(dy),
                                          .mean = F(mean),
                                          .invstd = F(invstd),
@@ -757,10 +772,7 @@ static void ops_batchnorm_in(int f16) {
                                          .dx = F(dx)}};
           RUN(op);
         }
-        if (f16)
-          ot_check16("dx", dx, n, rows * C * S);
-        else
-          ot_check("dx", dx, rows * C * S);
+        ot_check_in(f16, "dx", dx, n, rows * C * S);
       }
     }
   }
@@ -2294,19 +2306,24 @@ GPU_TEST(cuda_op_attention_tensor_cores,
          (ot_begin_precision(DT_PREC_BF16, 1e-2), ops_attention_tensor_cores(), ot_end()))
 GPU_TEST(cuda_transformer_grads_same_bits_every_run, (ot_begin(), transformer_grads_same_bits(), ot_end()))
 GPU_TEST(cuda_op_bias, (ot_begin(), ops_bias(), ot_end()))
-GPU_TEST(cuda_op_conv, (ot_begin(), ops_conv_in(0), ot_end()))
+GPU_TEST(cuda_op_conv, (ot_begin(), ops_conv_in(0, 0), ot_end()))
 /* 16 bits: the operands' NHWC copies (kernels/convert.cu) and cuDNN on them, against FP32 on the CPU */
-GPU_TEST(cuda_op_conv_bf16, (ot_begin_precision(DT_PREC_BF16, 1e-2), ops_conv_in(0), ot_end()))
-GPU_TEST(cuda_op_conv_fp16, (ot_begin_precision(DT_PREC_FP16, 2e-3), ops_conv_in(0), ot_end()))
+GPU_TEST(cuda_op_conv_bf16, (ot_begin_precision(DT_PREC_BF16, 1e-2), ops_conv_in(0, 0), ot_end()))
+GPU_TEST(cuda_op_conv_fp16, (ot_begin_precision(DT_PREC_FP16, 2e-3), ops_conv_in(0, 0), ot_end()))
 GPU_TEST(cuda_conv16_reuses_dy_only_back_to_back, conv16_reuses_dy_only_back_to_back())
 GPU_TEST(cuda_conv16_backward_filter_reads_the_forwards_x16, conv16_backward_filter_reads_the_forwards_x16())
 GPU_TEST(cuda_gemm16_reuses_dy_only_back_to_back, gemm16_reuses_dy_only_back_to_back())
-GPU_TEST(cuda_op_batchnorm, (ot_begin(), ops_batchnorm_in(0), ot_end()))
+GPU_TEST(cuda_op_batchnorm, (ot_begin(), ops_batchnorm_in(0, 0), ot_end()))
+/* each in a session of its own (OT_MAX_BUFS) */
 GPU_TEST(cuda_op_batchnorm_16bit_nhwc,
-         (ot_begin_precision(DT_PREC_BF16, 1e-5), ops_batchnorm_in(DT_F16_BF16), ot_end(),
-          ot_begin_precision(DT_PREC_FP16, 1e-5), ops_batchnorm_in(DT_F16_HALF), ot_end()))
-GPU_TEST(cuda_op_conv_16bit_nhwc, (ot_begin_precision(DT_PREC_BF16, 1e-2), ops_conv_in(DT_F16_BF16), ot_end(),
-                                   ot_begin_precision(DT_PREC_FP16, 2e-3), ops_conv_in(DT_F16_HALF), ot_end()))
+         (ot_begin_precision(DT_PREC_BF16, 1e-5), ops_batchnorm_in(DT_F16_BF16, 0), ot_end(),
+          ot_begin_precision(DT_PREC_BF16, 1e-5), ops_batchnorm_in(DT_F16_BF16, DT_F16_BF16), ot_end(),
+          ot_begin_precision(DT_PREC_FP16, 1e-5), ops_batchnorm_in(DT_F16_HALF, 0), ot_end(),
+          ot_begin_precision(DT_PREC_FP16, 1e-5), ops_batchnorm_in(DT_F16_HALF, DT_F16_HALF), ot_end()))
+GPU_TEST(cuda_op_conv_16bit_nhwc,
+         (ot_begin_precision(DT_PREC_BF16, 1e-2), ops_conv_in(DT_F16_BF16, 0), ops_conv_in(DT_F16_BF16, DT_F16_BF16),
+          ot_end(), ot_begin_precision(DT_PREC_FP16, 2e-3), ops_conv_in(DT_F16_HALF, 0),
+          ops_conv_in(DT_F16_HALF, DT_F16_HALF), ot_end()))
 GPU_TEST(cuda_op_activation, (ot_begin(), ops_activation(), ot_end()))
 GPU_TEST(cuda_op_pool, (ot_begin(), ops_pool(), ot_end()))
 GPU_TEST(cuda_op_dropout, (ot_begin(), ops_dropout(), ot_end()))

@@ -570,10 +570,12 @@ class GpuPrecision(GpuCase):
     def test_16bit_convolutions_hand_their_batchnorm_nhwc_values(self):
         """Under bf16 and fp16 a convolution without a bias that a batchnorm follows (model.fuse) leaves its
         output, and takes its gradient, in the 16-bit NHWC cuDNN computes in; the batchnorm reads and writes
-        them there, with no copies to and from FP32 NCHW. The same values cross where the copies were, so 4
-        steps of a residual CNN (stem, a block with a projection, 5 such pairs) end with the parameters of
-        model.fuse false, which keeps the copies; on the stand-in bit for bit, and its profile shows the
-        batchnorm's 16-bit kernels and 2 copies fewer per pair and step (y's to FP32, dy's to 16 bits)."""
+        them there, with no copies to and from FP32 NCHW, and hands its own output (after its fused relu) to
+        a convolution right after it so too. The same values cross where the copies were, so 4 steps of a
+        residual CNN (stem, a block with a projection: 5 convolution-batchnorm pairs, 1 batchnorm-convolution
+        pair) end with the parameters of model.fuse false, which keeps the copies; on the stand-in bit for bit,
+        and its profile shows the batchnorm's 16-bit kernels and, per pair and step, a copy of y to FP32 and
+        one of dy to 16 bits fewer (of x to 16 bits and dx to FP32 for the second kind)."""
         self.w.dataset(n=48, shape=(2, 8, 8))
         cfg = self.w.file("res.yaml")
         with open(cfg, "w") as f:
@@ -596,7 +598,7 @@ data: {{path: {self.w.file("data.h5")}, scale: 0.00392156862745098, val: {{x: ""
 train: {{max_steps: 4, global_batch_size: 12, seed: 5, cuda_graph: off}}
 optim: {{name: sgd, lr: 0.1, momentum: 0.9}}
 """)
-        pairs, steps = 5, 4
+        pairs, bn_conv, steps = 5, 1, 4
         for prec in ("bf16", "fp16"):
             got = {}
             for fuse in ("true", "false"):
@@ -612,11 +614,14 @@ optim: {{name: sgd, lr: 0.1, momentum: 0.9}}
                 for k in got["true"][0]:
                     self.assertTrue(np.array_equal(got["true"][0][k], got["false"][0][k]), (prec, k))
                 on, off = got["true"][1], got["false"][1]
-                for kind in ("stats", "apply", "bwd_stats", "bwd_apply"):
-                    self.assertEqual(on.get(f"bn16_{kind}_kernel"), pairs * steps, (prec, kind, on))
-                    self.assertNotIn(f"bn16_{kind}_kernel", off, prec)
+                # bn16_sums_kernel: the forward's sums, and the backward's where dy is 16-bit too ("16" kernels)
+                split = {"": (pairs - bn_conv) * steps, "16": bn_conv * steps}
+                want = {"bn16_sums_kernel": (pairs + bn_conv) * steps, "bn16_bwd_stats_kernel": split[""]}
+                want.update({f"bn16_{k}{y}_kernel": n for k in ("apply", "bwd_apply") for y, n in split.items()})
+                self.assertEqual({k: on.get(k, 0) for k in want}, want, prec)
+                self.assertFalse([k for k in off if k.startswith("bn16_")], prec)
                 for copy in ("pack16_tiled_kernel", "unpack16_tiled_kernel"):
-                    self.assertEqual(off[copy] - on[copy], pairs * steps, (prec, copy, on, off))
+                    self.assertEqual(off[copy] - on[copy], (pairs + bn_conv) * steps, (prec, copy, on, off))
 
     @unittest.skipUnless(SIM, "reads the stand-in's GPUSIM_PROFILE (on a GPU, gpu_check.sh's profile names the kernels)")
     def test_bf16_attention_uses_tensor_cores_only_where_the_build_has_them(self):

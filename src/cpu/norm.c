@@ -5,21 +5,38 @@
 
 #include "cpu.h"
 
-/* A 16-bit x (x16) goes through an FP32 copy (cpu_widen16): each op below runs again on it. */
-#define BN_WIDEN_X(field)                                   \
-  if (q->x16) {                                             \
-    dt_op wide = *op;                                       \
-    float *x = cpu_widen16(q->x, q->x16, q->b, q->c, q->s); \
-    wide.p.field.x = x, wide.p.field.x16 = 0;               \
-    cpu_##field(im, &wide);                                 \
-    free(x);                                                \
-    return;                                                 \
-  }
+/* A batchnorm op's 16-bit operands (x16; the apply's y16, the backward's dy16 and dx) as FP32 copies
+ * (cpu_widen16), each op below running again on them: x and dy widened (dy NULL where FP32), out a new
+ * buffer for y or dx where that is 16-bit, rounded back into it by bn_narrow. */
+typedef struct {
+  float *x, *dy, *out;
+} bn_wide;
+
+static bn_wide bn_widen(const float *x, int x16, const float *dy, int dy16, int out16, int64_t b, int64_t c,
+                        int64_t s) {
+  return (bn_wide){.x = cpu_widen16(x, x16, b, c, s),
+                   .dy = dy16 ? cpu_widen16(dy, dy16, b, c, s) : NULL,
+                   .out = out16 ? dt_malloc((size_t)(b * c * s + 1) * sizeof(float)) : NULL};
+}
+
+static void bn_narrow(bn_wide *w, float *out, int out16, int64_t b, int64_t c, int64_t s) {
+  if (w->out) cpu_narrow16(w->out, out, out16, b, c, s);
+  free(w->x);
+  free(w->dy);
+  free(w->out);
+}
 
 VECTOR_CLONES void cpu_bn_stats(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.bn_stats) *q = &op->p.bn_stats;
-  BN_WIDEN_X(bn_stats)
+  if (q->x16) {
+    dt_op wide = *op;
+    bn_wide w = bn_widen(q->x, q->x16, NULL, 0, 0, q->b, q->c, q->s);
+    wide.p.bn_stats.x = w.x, wide.p.bn_stats.x16 = 0;
+    cpu_bn_stats(im, &wide);
+    bn_narrow(&w, NULL, 0, q->b, q->c, q->s);
+    return;
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < q->c; c++) {
     double s1 = 0, s2 = 0;
@@ -74,7 +91,15 @@ static inline float bn_z(float x, float mean, float scale, float beta) {
 VECTOR_CLONES void cpu_bn_apply(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.bn_apply) *q = &op->p.bn_apply;
-  BN_WIDEN_X(bn_apply)
+  if (q->x16) {
+    dt_op wide = *op;
+    bn_wide w = bn_widen(q->x, q->x16, NULL, 0, q->y16, q->b, q->c, q->s);
+    wide.p.bn_apply.x = w.x, wide.p.bn_apply.x16 = 0;
+    if (w.out) wide.p.bn_apply.y = w.out, wide.p.bn_apply.y16 = 0;
+    cpu_bn_apply(im, &wide);
+    bn_narrow(&w, q->y, q->y16, q->b, q->c, q->s);
+    return;
+  }
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < q->b; b++)
     for (int64_t c = 0; c < q->c; c++) {
@@ -100,7 +125,15 @@ static inline float bn_relu_grad(float dy, float x, float mean, float scale, flo
 VECTOR_CLONES void cpu_bn_bwd_stats(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.bn_bwd_stats) *q = &op->p.bn_bwd_stats;
-  BN_WIDEN_X(bn_bwd_stats)
+  if (q->x16) {
+    dt_op wide = *op;
+    bn_wide w = bn_widen(q->x, q->x16, q->dy, q->dy16, 0, q->b, q->c, q->s);
+    wide.p.bn_bwd_stats.x = w.x, wide.p.bn_bwd_stats.x16 = 0;
+    if (w.dy) wide.p.bn_bwd_stats.dy = w.dy, wide.p.bn_bwd_stats.dy16 = 0;
+    cpu_bn_bwd_stats(im, &wide);
+    bn_narrow(&w, NULL, 0, q->b, q->c, q->s);
+    return;
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < q->c; c++) {
     double s1 = 0, s2 = 0;
@@ -135,13 +168,11 @@ VECTOR_CLONES void cpu_bn_bwd_apply(cpu_impl *im, const dt_op *op) {
   const typeof(op->p.bn_bwd_apply) *q = &op->p.bn_bwd_apply;
   if (q->x16) { /* dx too: FP32, then rounded into the 16-bit dx */
     dt_op wide = *op;
-    float *x = cpu_widen16(q->x, q->x16, q->b, q->c, q->s);
-    float *dx = dt_malloc((size_t)(q->b * q->c * q->s + 1) * sizeof(float));
-    wide.p.bn_bwd_apply.x = x, wide.p.bn_bwd_apply.dx = dx, wide.p.bn_bwd_apply.x16 = 0;
+    bn_wide w = bn_widen(q->x, q->x16, q->dy, q->dy16, q->x16, q->b, q->c, q->s);
+    wide.p.bn_bwd_apply.x = w.x, wide.p.bn_bwd_apply.dx = w.out, wide.p.bn_bwd_apply.x16 = 0;
+    if (w.dy) wide.p.bn_bwd_apply.dy = w.dy, wide.p.bn_bwd_apply.dy16 = 0;
     cpu_bn_bwd_apply(im, &wide);
-    cpu_narrow16(dx, q->dx, q->x16, q->b, q->c, q->s);
-    free(x);
-    free(dx);
+    bn_narrow(&w, q->dx, q->x16, q->b, q->c, q->s);
     return;
   }
   double count = *q->count;

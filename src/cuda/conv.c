@@ -222,7 +222,7 @@ void cuda_conv_fwd(cuda_impl *im, const dt_op *op) {
   const float one = 1.0f, zero = 0.0f;
   if (!g->b) return; /* cuDNN refuses zero-sized tensors */
   conv_plan *p = plan_to_run(im, g);
-  DT_ASSERT(!q->y16 || q->y16 == cuda_format16(im));
+  DT_ASSERT((!q->y16 || q->y16 == cuda_format16(im)) && (!q->in16 || (q->in16 == cuda_format16(im) && !q->x16)));
   if (!is16(im)) {
     CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, q->x, p->w, q->w, p->conv[FWD],
                                         (cudnnConvolutionFwdAlgo_t)p->algo[FWD], im->workspace, im->workspace_bytes,
@@ -231,8 +231,9 @@ void cuda_conv_fwd(cuda_impl *im, const dt_op *op) {
   }
   const int bf16 = im->precision == DT_PREC_BF16;
   conv16 h = conv16_scratch(im, g);
-  uint16_t *x16 = q->x16 ? (uint16_t *)q->x16 : h.x, *y16 = q->y16 ? (uint16_t *)q->y : h.y;
-  k_pack16(im->stream, q->x, x16, g->b, g->c, g->h * g->w, bf16);
+  const uint16_t *x16 = q->in16 ? (const uint16_t *)q->x : q->x16 ? (uint16_t *)q->x16 : h.x;
+  uint16_t *y16 = q->y16 ? (uint16_t *)q->y : h.y;
+  if (!q->in16) k_pack16(im->stream, q->x, (uint16_t *)x16, g->b, g->c, g->h * g->w, bf16);
   k_pack16(im->stream, q->w, h.w, g->o, g->c, g->k * g->k, bf16);
   CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, x16, p->w, h.w, p->conv[FWD],
                                       (cudnnConvolutionFwdAlgo_t)p->algo[FWD], im->workspace, im->workspace_bytes,
@@ -246,7 +247,7 @@ void cuda_conv_bwd_data(cuda_impl *im, const dt_op *op) {
   const float one = 1.0f, zero = 0.0f;
   if (!g->b) return;
   conv_plan *p = plan_to_run(im, g);
-  DT_ASSERT(!q->dy16 || q->dy16 == cuda_format16(im));
+  DT_ASSERT((!q->dy16 || q->dy16 == cuda_format16(im)) && (!q->in16 || q->in16 == cuda_format16(im)));
   if (!is16(im)) {
     CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, q->w, p->y, q->dy, p->conv[BWD_DATA],
                                              (cudnnConvolutionBwdDataAlgo_t)p->algo[BWD_DATA], im->workspace,
@@ -268,8 +269,8 @@ void cuda_conv_bwd_data(cuda_impl *im, const dt_op *op) {
   k_pack16(im->stream, q->w, h.w, g->o, g->c, g->k * g->k, bf16);
   CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, h.w, p->y, dy16, p->conv[BWD_DATA],
                                            (cudnnConvolutionBwdDataAlgo_t)p->algo[BWD_DATA], im->workspace,
-                                           im->workspace_bytes, &zero, p->x, h.x));
-  k_unpack16(im->stream, h.x, q->dx, g->b, g->c, g->h * g->w, bf16, 0);
+                                           im->workspace_bytes, &zero, p->x, q->in16 ? (void *)q->dx : h.x));
+  if (!q->in16) k_unpack16(im->stream, h.x, q->dx, g->b, g->c, g->h * g->w, bf16, 0);
 }
 
 /* Adds into dw: beta = 1 in FP32; in 16 bits the result is added as it is widened. */
@@ -279,7 +280,7 @@ void cuda_conv_bwd_filter(cuda_impl *im, const dt_op *op) {
   const float one = 1.0f, zero = 0.0f;
   if (!g->b) return;
   conv_plan *p = plan_to_run(im, g);
-  DT_ASSERT(!q->dy16 || q->dy16 == cuda_format16(im));
+  DT_ASSERT((!q->dy16 || q->dy16 == cuda_format16(im)) && (!q->in16 || (q->in16 == cuda_format16(im) && !q->x16)));
   if (!is16(im)) {
     CUDNN_CHECK(cudnnConvolutionBackwardFilter(im->dnn, &one, p->x, q->x, p->y, q->dy, p->conv[BWD_FILTER],
                                                (cudnnConvolutionBwdFilterAlgo_t)p->algo[BWD_FILTER], im->workspace,
@@ -288,7 +289,7 @@ void cuda_conv_bwd_filter(cuda_impl *im, const dt_op *op) {
   }
   const int bf16 = im->precision == DT_PREC_BF16;
   conv16 h = conv16_scratch(im, g);
-  const uint16_t *x16 = q->x16;
+  const uint16_t *x16 = q->in16 ? (const uint16_t *)q->x : q->x16;
   if (!x16) k_pack16(im->stream, q->x, h.x, g->b, g->c, g->h * g->w, bf16), x16 = h.x;
   const uint16_t *dy16 = q->dy16 ? (const uint16_t *)q->dy : h.y;
   if (!q->dy16) k_pack16(im->stream, q->dy, h.y, g->b, g->o, g->ho * g->wo, bf16);

@@ -127,9 +127,10 @@ void cuda_bn_finalize(cuda_impl *im, const dt_op *op) {
 void cuda_bn_apply(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.bn_apply) *q = &op->p.bn_apply;
   CHECK_INDEXABLE(q->b * q->c * q->s);
+  DT_ASSERT(!q->y16 || q->y16 == q->x16);
   if (q->x16)
-    k_bn16_apply(im->stream, q->relu, x16_of(im, q->x, q->x16), q->x16, q->y, q->b, q->c, q->s, q->mean, q->invstd,
-                 q->gamma, q->beta);
+    k_bn16_apply(im->stream, q->relu, x16_of(im, q->x, q->x16), q->x16, q->y, q->y16, q->b, q->c, q->s, q->mean,
+                 q->invstd, q->gamma, q->beta);
   else
     k_bn_apply(im->stream, q->relu, q->x, q->y, q->b, q->c, q->s, q->mean, q->invstd, q->gamma, q->beta);
 }
@@ -139,9 +140,10 @@ void cuda_bn_bwd_stats(cuda_impl *im, const dt_op *op) {
   CHECK_INDEXABLE(q->b * q->c * q->s);
   double *partials = cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes, cuda_partials_bytes(op),
                                       "batchnorm gradient sums");
+  DT_ASSERT(!q->dy16 || q->dy16 == q->x16);
   if (q->x16)
-    k_bn16_bwd_stats(im->stream, q->relu, x16_of(im, q->x, q->x16), q->x16, q->dy, q->b, q->c, q->s, q->mean, q->invstd,
-                     q->gamma, q->beta, q->sums, q->dgamma, q->dbeta, partials);
+    k_bn16_bwd_stats(im->stream, q->relu, x16_of(im, q->x, q->x16), q->x16, q->dy, q->dy16, q->b, q->c, q->s, q->mean,
+                     q->invstd, q->gamma, q->beta, q->sums, q->dgamma, q->dbeta, partials);
   else
     k_bn_bwd_stats(im->stream, q->relu, q->x, q->dy, q->b, q->c, q->s, q->mean, q->invstd, q->gamma, q->beta, q->sums,
                    q->dgamma, q->dbeta, partials);
@@ -150,9 +152,10 @@ void cuda_bn_bwd_stats(cuda_impl *im, const dt_op *op) {
 void cuda_bn_bwd_apply(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.bn_bwd_apply) *q = &op->p.bn_bwd_apply;
   CHECK_INDEXABLE(q->b * q->c * q->s);
+  DT_ASSERT(!q->dy16 || q->dy16 == q->x16);
   if (q->x16)
-    k_bn16_bwd_apply(im->stream, q->relu, x16_of(im, q->x, q->x16), q->x16, q->dy, (uint16_t *)q->dx, q->b, q->c, q->s,
-                     q->count, q->mean, q->invstd, q->gamma, q->beta, q->sums);
+    k_bn16_bwd_apply(im->stream, q->relu, x16_of(im, q->x, q->x16), q->x16, q->dy, q->dy16, (uint16_t *)q->dx, q->b,
+                     q->c, q->s, q->count, q->mean, q->invstd, q->gamma, q->beta, q->sums);
   else
     k_bn_bwd_apply(im->stream, q->relu, q->x, q->dy, q->dx, q->b, q->c, q->s, q->count, q->mean, q->invstd, q->gamma,
                    q->beta, q->sums);
