@@ -4,7 +4,7 @@ median of N launches (gpu_bench.sh's first-step row, gpu_check.sh's startup stag
 
   launch_time.py N READY DONE command...
 
-Prints each launch on stderr (with ddp_train's "start-up:" line, where its start-up time went) and
+Prints each launch on stderr (with ddp_train's "start-up:" and "cuda: GPU" lines, where its start-up time went) and
 `DONE_MEDIAN READY_MEDIAN` on stdout; exits 1 naming the command when it fails or a line is missing."""
 import re
 import statistics
@@ -20,8 +20,8 @@ def main():
         seen, breakdown, t0 = {}, "", time.perf_counter()
         p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
         for line in p.stdout:
-            if line.startswith("start-up:"):
-                breakdown = ", " + line.strip()
+            if line.startswith(("start-up:", "cuda: GPU")):  # where start-up went, and the device phase's part
+                breakdown += ", " + line.strip()
             for key, pattern in (("ready", ready), ("done", done)):
                 if key not in seen and re.match(pattern, line):
                     seen[key] = time.perf_counter() - t0

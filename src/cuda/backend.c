@@ -347,6 +347,7 @@ dt_backend *backend_cuda_create(int device, int precision) {
   cuda_impl *im = dt_calloc(1, sizeof *im);
   im->device = device;
   im->precision = precision;
+  const double t0 = dt_now(); /* start-up's "device" phase, for the log: where it goes */
   CUDA_CHECK(cudaSetDevice(device));
   int major = 0, minor = 0;
   CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
@@ -354,18 +355,25 @@ dt_backend *backend_cuda_create(int device, int precision) {
   im->cc = major * 10 + minor;
   if (precision == DT_PREC_BF16 && im->cc >= 80) CUDA_CHECK(k_attention_tensor_cores_built(&im->attention_tc));
   CUDA_CHECK(cudaStreamCreateWithFlags(&im->stream, cudaStreamNonBlocking));
+  const double t_context = dt_now();
   CUBLAS_CHECK(cublasCreate(&im->blas));
   CUBLAS_CHECK(cublasSetStream(im->blas, im->stream));
   /* fp32: the FP32 reference, no TF32; otherwise the GEMM's compute type decides */
   CUBLAS_CHECK(cublasSetMathMode(im->blas, precision == DT_PREC_FP32 ? CUBLAS_PEDANTIC_MATH : CUBLAS_DEFAULT_MATH));
   CUBLAS_CHECK(cublasLtCreate(&im->lt));
+  const double t_blas = dt_now();
   CUDNN_CHECK(cudnnCreate(&im->dnn));
   CUDNN_CHECK(cudnnSetStream(im->dnn, im->stream));
+  const double t_dnn = dt_now();
   CUDA_CHECK(cudaStreamCreateWithFlags(&im->copy, cudaStreamNonBlocking));
   for (int h = 0; h < 2; h++)
     for (int q = 0; q < 2; q++) CUDA_CHECK(cudaEventCreateWithFlags(&im->staged[h][q], cudaEventDisableTiming));
   CUDA_CHECK(cudaEventCreateWithFlags(&im->copied, cudaEventDisableTiming));
   CUDA_CHECK(cudaEventCreateWithFlags(&im->cleared, cudaEventDisableTiming));
+  char line[160];
+  snprintf(line, sizeof line, "cuda: GPU %d set up in %.3f s (context %.3f, cuBLAS and cuBLASLt %.3f, cuDNN %.3f)\n",
+           device, dt_now() - t0, t_context - t0, t_blas - t_context, t_dnn - t_blas);
+  cuda_note(im, line);
   im->be = be;
   *be = (dt_backend){.name = "cuda",
                      .run = cuda_run,

@@ -129,19 +129,20 @@ static void choose_algorithm(cuda_impl *im, conv_plan *p, int dir) {
   no_algorithm(im, &p->g, dir);
 }
 
-/* A line about a new plan for the log (take_notes): the shape and each direction's choice. */
-static void note_plan(cuda_impl *im, const conv_plan *p) {
+/* A line about a new plan for the log (take_notes): the shape, each direction's choice, and the seconds
+ * the heuristics took (start-up's, for the first batch's shapes). */
+static void note_plan(cuda_impl *im, const conv_plan *p, double seconds) {
   static const char *const precision_names[] = {"fp32", "tf32", "bf16 NHWC", "fp16 NHWC"};
   const dt_conv_geom *g = &p->g;
   char line[512];
   snprintf(
       line, sizeof line,
       "cudnn: conv (%lld, %lld, %lld, %lld) by (%lld, %lld, %lld, %lld) stride %lld pad %lld, %s: forward algorithm "
-      "%d (%s), backward data %d (%s), backward filter %d (%s), workspace %.1f MiB\n",
+      "%d (%s), backward data %d (%s), backward filter %d (%s), workspace %.1f MiB, planned in %.1f ms\n",
       (long long)g->b, (long long)g->c, (long long)g->h, (long long)g->w, (long long)g->o, (long long)g->c,
       (long long)g->k, (long long)g->k, (long long)g->stride, (long long)g->pad, precision_names[im->precision],
       p->algo[FWD], math_name(p->math[FWD]), p->algo[BWD_DATA], math_name(p->math[BWD_DATA]), p->algo[BWD_FILTER],
-      math_name(p->math[BWD_FILTER]), (double)p->ws_bytes / 1048576.0);
+      math_name(p->math[BWD_FILTER]), (double)p->ws_bytes / 1048576.0, seconds * 1e3);
   cuda_note(im, line);
 }
 
@@ -152,6 +153,7 @@ static conv_plan *plan_for(cuda_impl *im, const dt_conv_geom *g) {
   conv_plan *p = &im->plans[im->n_plans++];
   memset(p, 0, sizeof *p);
   p->g = *g;
+  const double t0 = dt_now();
   const cudnnDataType_t type = im->precision == DT_PREC_BF16   ? CUDNN_DATA_BFLOAT16
                                : im->precision == DT_PREC_FP16 ? CUDNN_DATA_HALF
                                                                : CUDNN_DATA_FLOAT;
@@ -169,7 +171,7 @@ static conv_plan *plan_for(cuda_impl *im, const dt_conv_geom *g) {
     CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv[d], conv_math(im))); /* what the heuristics may offer */
     choose_algorithm(im, p, d);
   }
-  note_plan(im, p);
+  note_plan(im, p, dt_now() - t0);
   return p;
 }
 
