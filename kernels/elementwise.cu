@@ -107,8 +107,12 @@ __global__ void clip_kernel(float *x, int64_t n, float max_norm, const double *s
   GRID_STRIDE(i, n) x[i] *= alpha;
 }
 
-__global__ void add_kernel(const float *a, const float *b, float *y, int64_t n) {
-  GRID_STRIDE(i, n) y[i] = a[i] + b[i];
+// y = a + b, or relu(a + b) (the relu kernel's: NaN passes)
+__global__ void add_kernel(const float *a, const float *b, float *y, int64_t n, int relu) {
+  GRID_STRIDE(i, n) {
+    float v = a[i] + b[i];
+    y[i] = relu && v < 0 ? 0.0f : v;
+  }
 }
 
 // out(n, row) = src rows idx[i]; i runs over out
@@ -198,8 +202,8 @@ void k_clip(cudaStream_t s, float *x, int64_t n, float max_norm, const double *s
   LAUNCH(clip_kernel, blocks_for(n), kThreads, 0, s)(x, n, max_norm, sumsq);
 }
 
-void k_add(cudaStream_t s, const float *a, const float *b, float *y, int64_t n) {
-  LAUNCH(add_kernel, blocks_for(n), kThreads, 0, s)(a, b, y, n);
+void k_add(cudaStream_t s, const float *a, const float *b, float *y, int64_t n, int relu) {
+  LAUNCH(add_kernel, blocks_for(n), kThreads, 0, s)(a, b, y, n, relu);
 }
 
 void k_gather(cudaStream_t s, int type, const void *src, const int32_t *idx, void *out, int64_t n, int64_t row) {

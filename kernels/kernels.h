@@ -23,7 +23,7 @@ void k_act_fwd(cudaStream_t s, int kind, const float *x, float *y, int64_t n);
 void k_act_bwd(cudaStream_t s, int kind, const float *x, const float *y, const float *dy, float *dx, int64_t n);
 void k_dropout(cudaStream_t s, const float *x, float *y, int64_t n, float p, uint64_t seed, const uint64_t *step_seed);
 void k_clip(cudaStream_t s, float *x, int64_t n, float max_norm, const double *sumsq);
-void k_add(cudaStream_t s, const float *a, const float *b, float *y, int64_t n);
+void k_add(cudaStream_t s, const float *a, const float *b, float *y, int64_t n, int relu);
 void k_scale(cudaStream_t s, float *x, float alpha, int64_t n);
 /* out(n, row) = rows idx[0..n) of src; type: backend.h's DT_GATHER_* (0 uint8, 1 float, 2 double: out is
  * float; 3 int32: out is int32) */

@@ -237,6 +237,7 @@ typedef struct {
       int64_t n;
       const float *a, *b;
       float *y;
+      int relu; /* y = relu(a + b): the relu after a residual, fused (model.fuse); NaN passes, as act_fwd's */
     } add;
     struct {
       int kind;

@@ -1,5 +1,6 @@
 /* layer_residual.c: residual{body, shortcut}: y = body(x) + shortcut(x), the shortcut being the
- * identity when omitted. Tensors are named "<i>.body.<j>.*" and "<i>.shortcut.<j>.*". */
+ * identity when omitted; with model.fuse a relu right after it is applied in the same pass (as a
+ * batchnorm's is). Tensors are named "<i>.body.<j>.*" and "<i>.shortcut.<j>.*". */
 #include <stddef.h>
 #include <stdio.h>
 
@@ -54,16 +55,27 @@ static void residual_forward(dt_layer *l, dt_pass *pass, const float *x) {
     shortcut = l->shortcut.layers[l->shortcut.n - 1]->y;
   }
   dt_op op = {.type = DT_OP_ADD};
-  op.p.add = (typeof(op.p.add)){
-      .n = pass->batch * shape_size(l->out), .a = l->body.layers[l->body.n - 1]->y, .b = shortcut, .y = l->y};
+  op.p.add = (typeof(op.p.add)){.n = pass->batch * shape_size(l->out),
+                                .a = l->body.layers[l->body.n - 1]->y,
+                                .b = shortcut,
+                                .y = l->y,
+                                .relu = l->fused_relu};
   backend_run(pass->be, &op);
 }
 
 /* Shortcut first: its parameters sit after the body's, and gradients complete from the end. Each
- * branch's last layer reads its gradient from l->dy itself (model.c's dy_of). */
+ * branch's last layer reads its gradient from l->dy itself (model.c's dy_of): with a fused relu, the
+ * relu's gradient (the buffers are shared), masked first in place where y, relu's output, is not
+ * positive (where the sum is not: the relu layer's own backward, bit for bit). */
 static void residual_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
   residual_state *s = l->priv;
   DT_ASSERT(l->body.layers[l->body.n - 1]->dy == l->dy);
+  if (l->fused_relu) {
+    dt_op op = {.type = DT_OP_ACT_BWD};
+    op.p.act_bwd = (typeof(op.p.act_bwd)){
+        .kind = DT_ACT_RELU, .n = pass->batch * shape_size(l->out), .x = l->y, .y = l->y, .dy = l->dy, .dx = l->dy};
+    backend_run(pass->be, &op);
+  }
   if (l->shortcut.n) {
     DT_ASSERT(l->shortcut.layers[l->shortcut.n - 1]->dy == l->dy);
     seq_backward(&l->shortcut, pass, x, dx ? s->dx_short : NULL);
@@ -86,7 +98,7 @@ static void residual_memory(const dt_layer *l, int64_t batch, int threads, dt_me
 }
 
 const dt_layer_ops dt_layer_residual = {.kind = "residual",
-                                        .traits = DT_LAYER_BLOCK,
+                                        .traits = DT_LAYER_BLOCK | DT_LAYER_FUSES_RELU,
                                         .keys = residual_keys,
                                         .n_keys = 2,
                                         .setup = residual_setup,

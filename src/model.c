@@ -188,8 +188,9 @@ static int is_gelu_tanh(const dt_seq *s, int i) {
   return i < s->n && (s->layers[i]->ops->traits & DT_LAYER_GELU) && s->layers[i]->args.approximate;
 }
 
-/* model.fuse: each relu right after a batchnorm is applied by the batchnorm's ops, and its output
- * buffers are the batchnorm's (nothing else reads the batchnorm's output before the relu). A tanh gelu
+/* model.fuse: each relu right after a batchnorm or a residual is applied by that layer's ops (the
+ * residual's sum), and its output buffers are that layer's (nothing else reads its output before the
+ * relu). A tanh gelu
  * right after a linear is applied by the linear's GEMM (its epilogue), and, when a linear follows
  * it, its derivative by that linear's input-gradient GEMM, into the dy it then shares with the first
  * linear; all three in one train.recompute block, so that each reads what its own block keeps. A
@@ -201,7 +202,10 @@ static void fuse_seq(dt_seq *s) {
     dt_layer *l = s->layers[i];
     fuse_seq(&l->body);
     fuse_seq(&l->shortcut);
-    if (i + 1 < s->n && (l->ops->traits & DT_LAYER_FUSES_RELU) && (s->layers[i + 1]->ops->traits & DT_LAYER_RELU)) {
+    /* a residual masks its relu's gradient in place: not in a dy that the sequence's end shares (dy_of) */
+    const int masks_own_dy = !l->body.n || i + 2 < s->n;
+    if (i + 1 < s->n && (l->ops->traits & DT_LAYER_FUSES_RELU) && (s->layers[i + 1]->ops->traits & DT_LAYER_RELU) &&
+        masks_own_dy) {
       l->fused_relu = 1;
       s->layers[i + 1]->fused_into = l;
     }

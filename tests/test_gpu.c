@@ -176,7 +176,7 @@ GPU_TEST(
     cuda_residual_global_pool_mse,
     check_model("  input: [4, 6, 6]\n  layers:\n    - residual:\n        body: [{conv2d: {out: 8, kernel: 3, stride: 2,"
                 " pad: 1}}, {batchnorm: {}}, relu]\n        shortcut: [{conv2d: {out: 8, kernel: 1, stride: 2}}]\n"
-                "    - global_avgpool\n    - {batchnorm: {}}\n    - {linear: {out: 2}}\n  loss: mse\n",
+                "    - relu\n    - global_avgpool\n    - {batchnorm: {}}\n    - {linear: {out: 2}}\n  loss: mse\n",
                 7))
 
 /* ---- op by op ------------------------------------------------------------------------------
@@ -925,13 +925,15 @@ static void ops_elementwise(void) {
     int64_t n = rows * feat;
     dbuf a = ot_rand(cap * feat, -1, 1), b = ot_rand(cap * feat, -1, 1), y = ot_rand(cap * feat, -1, 1);
     dbuf x = ot_rand(cap * feat, -1, 1);
-    ot_case(DT_OP_ADD, "%s", ROWS_NAME(r));
-    BOTH {
-      dt_op op = {.type = DT_OP_ADD};
-      op.p.add = (typeof(op.p.add)){.n = n, .a = F(a), .b = F(b), .y = F(y)};
-      RUN(op);
+    for (int relu = 0; relu < 2; relu++) { /* relu: a residual's fused relu (model.fuse) */
+      ot_case(DT_OP_ADD, "%s%s", ROWS_NAME(r), relu ? ", relu" : "");
+      BOTH {
+        dt_op op = {.type = DT_OP_ADD};
+        op.p.add = (typeof(op.p.add)){.n = n, .a = F(a), .b = F(b), .y = F(y), .relu = relu};
+        RUN(op);
+      }
+      ot_check("y", y, n);
     }
-    ot_check("y", y, n);
     ot_case(DT_OP_SCALE, "alpha -0.37, %s", ROWS_NAME(r));
     BOTH {
       dt_op op = {.type = DT_OP_SCALE};

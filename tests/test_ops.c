@@ -159,28 +159,37 @@ static void batchnorm_grads(void **s) {
   grad_check("  fuse: false\n  input: [3, 4, 4]\n  layers: [{batchnorm: {}}, relu, flatten]\n  loss: mse\n", 4);
 }
 
-/* model.fuse: a batchnorm applies the relu after it (and the relu borrows its buffers), with the same
- * logits, parameter gradients, input gradient and running statistics, bit for bit, as the two layers
- * apart; a relu after anything else, or a batchnorm followed by another layer, is left alone. */
-static void batchnorm_relu_fused_equals_apart(void **s) {
+/* model.fuse: a batchnorm or a residual applies the relu after it (and the relu borrows its buffers), with
+ * the same logits, parameter gradients, input gradient and running statistics, bit for bit, as the two
+ * layers apart; a relu after anything else, a batchnorm followed by another layer, or a residual's relu
+ * that ends a residual's branch (the residual masks the relu's gradient in place, and a branch's end
+ * shares its dy with the residual around it) is left alone. */
+static void relu_fused_equals_apart(void **s) {
   (void)s;
-  const char *model = "  input: [3, 5, 5]\n  layers: [{conv2d: {out: 4, kernel: 3, pad: 1}}, {batchnorm: {}}, relu,"
-                      " {conv2d: {out: 4, kernel: 3}}, relu, {batchnorm: {}}, flatten, {linear: {out: 6}},"
-                      " {batchnorm: {}}, relu, {linear: {out: 3}}]\n  loss: cross_entropy\n";
+  const char *model =
+      "  input: [3, 5, 5]\n  layers: [{conv2d: {out: 4, kernel: 3, pad: 1}}, {batchnorm: {}}, relu,"
+      " {residual: {body: [{conv2d: {out: 4, kernel: 3, pad: 1}}, {batchnorm: {}}]}}, relu,"
+      " {residual: {body: [{residual: {body: [{conv2d: {out: 4, kernel: 1}}]}}, relu]}},"
+      " {conv2d: {out: 4, kernel: 3}}, relu, {batchnorm: {}}, flatten, {linear: {out: 6}},"
+      " {batchnorm: {}}, relu, {linear: {out: 3}}]\n  loss: cross_entropy\n";
   char apart_yaml[1024];
   snprintf(apart_yaml, sizeof apart_yaml, "  fuse: false\n%s", model);
   fixture f[2];
   setup(&f[0], model, 6);
   setup(&f[1], apart_yaml, 6);
-  static const int fused_bn[] = {0, 1, 0, 0, 0, 0, 0, 0, 1, 0, 0};
+  static const int fused_bn[] = {0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0};
   for (int i = 0; i < f[0].m.top.n; i++) {
     const dt_layer *l = f[0].m.top.layers[i], *a = f[1].m.top.layers[i];
     if (l->fused_relu != fused_bn[i] || (i > 0 && (l->fused_into != NULL) != fused_bn[i - 1]))
       fail_msg("layer %d (%s): fused_relu %d, fused into %p", i, l->ops->kind, l->fused_relu, (void *)l->fused_into);
     if (a->fused_relu || a->fused_into) fail_msg("layer %d fused with model.fuse false", i);
   }
-  if (f[0].m.top.layers[2]->y != f[0].m.top.layers[1]->y || f[0].m.top.layers[2]->dy != f[0].m.top.layers[1]->dy)
-    fail_msg("the fused relu does not borrow the batchnorm's buffers");
+  for (int i = 2; i <= 4; i += 2)
+    if (f[0].m.top.layers[i]->y != f[0].m.top.layers[i - 1]->y ||
+        f[0].m.top.layers[i]->dy != f[0].m.top.layers[i - 1]->dy)
+      fail_msg("the fused relu %d does not borrow its layer's buffers", i);
+  const dt_seq *outer = &f[0].m.top.layers[5]->body; /* its inner residual's relu ends the branch */
+  if (outer->layers[0]->fused_relu || outer->layers[1]->fused_into) fail_msg("a branch-ending relu was fused");
   int64_t nin = 6 * shape_size(f[0].m.input);
   float *dx[2];
   for (int k = 0; k < 2; k++) {
@@ -234,6 +243,11 @@ static void dropout_and_flatten_grads(void **s) {
 
 static void residual_grads(void **s) {
   (void)s;
+  /* followed by a relu: fused into the residual's sum (model.fuse's default), its gradient masked in place */
+  grad_check(
+      "  input: [2, 4, 4]\n  layers:\n    - residual: {body: [{conv2d: {out: 2, kernel: 3, pad: 1}}]}\n"
+      "    - relu\n    - flatten\n  loss: mse\n",
+      2);
   grad_check(
       "  input: [2, 4, 4]\n  layers:\n"
       "    - residual: {body: [{conv2d: {out: 2, kernel: 3, pad: 1, bias: false}}, {batchnorm: {}}, relu]}\n"
@@ -1059,7 +1073,7 @@ int main(void) {
       cmocka_unit_test(linear_grads),
       cmocka_unit_test(conv2d_grads),
       cmocka_unit_test(batchnorm_grads),
-      cmocka_unit_test(batchnorm_relu_fused_equals_apart),
+      cmocka_unit_test(relu_fused_equals_apart),
       cmocka_unit_test(activation_grads),
       cmocka_unit_test(pooling_grads),
       cmocka_unit_test(dropout_and_flatten_grads),

@@ -162,6 +162,14 @@ VECTOR_CLONES void cpu_dropout_bwd(cpu_impl *im, const dt_op *op) {
 VECTOR_CLONES void cpu_add(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.add) *q = &op->p.add;
+  if (q->relu) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < q->n; i++) {
+      float v = q->a[i] + q->b[i];
+      q->y[i] = v < 0 ? 0.0f : v; /* as act_fwd's relu: NaN passes */
+    }
+    return;
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < q->n; i++) q->y[i] = q->a[i] + q->b[i];
 }

@@ -44,7 +44,7 @@ void cuda_dropout_bwd(cuda_impl *im, const dt_op *op) {
 
 void cuda_add(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.add) *q = &op->p.add;
-  k_add(im->stream, q->a, q->b, q->y, q->n);
+  k_add(im->stream, q->a, q->b, q->y, q->n, q->relu);
 }
 
 void cuda_scale(cuda_impl *im, const dt_op *op) {
