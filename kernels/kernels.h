@@ -85,7 +85,7 @@ void k_bn_bwd_apply(cudaStream_t s, int relu, const float *x, const float *dy, f
  * `format` (half.h's DT_F16_BF16 or DT_F16_HALF), y and dy FP32 (B, C, S); the same roundings. A block
  * sums 32 channels, so the positions go in more chunks, k_bn16_chunks(n, c), at least K_BN16_CHUNK_MIN
  * positions each and about K_BN16_BLOCKS blocks in all (each channel's chunks then summed by a block). */
-enum { K_BN16_BLOCKS = 512, K_BN16_CHUNK_MIN = 512 };
+enum { K_BN16_BLOCKS = 2048, K_BN16_CHUNK_MIN = 128 };
 static inline int64_t k_bn16_chunks(int64_t n, int64_t c) {
   const int64_t groups = (c + 31) / 32, most = K_BN16_BLOCKS / groups,
                 chunks = (n + K_BN16_CHUNK_MIN - 1) / K_BN16_CHUNK_MIN;

@@ -88,6 +88,12 @@ __device__ __forceinline__ float bn_grad_at_z(int relu, float dy, float x, float
   return !relu || bn_z(x, mean, invstd, gamma, beta) > 0 ? dy : 0.0f;
 }
 
+// dx = gamma * invstd * (d - mean(dy) - xhat * mean(dy * xhat)), rounded in that order (no fused
+// multiply-add, as src/cpu/norm.c)
+__device__ __forceinline__ float bn_dx(float d, float xhat, float mdy, float mdyx, float gamma, float invstd) {
+  return __fmul_rn(__fmul_rn(gamma, invstd), __fsub_rn(__fsub_rn(d, mdy), __fmul_rn(xhat, mdyx)));
+}
+
 // partials (chunks, 2C): sum_dy(c), sum_dy_xhat(c) of the chunk; their sums are also the parameter
 // gradients' shares
 __global__ void bn_bwd_stats_kernel(int relu, const float *x, const float *dy, int64_t b, int64_t c, fast_div sp,
@@ -117,7 +123,7 @@ __global__ void bn_bwd_apply_kernel(int relu, const float *x, const float *dy, f
     float is = invstd[ch], xhat = (x[i] - mean[ch]) * is;
     float mdy = (float)(sums[ch] / cnt), mdyx = (float)(sums[c.d + ch] / cnt);
     float d = bn_grad_at_z(relu, dy[i], x[i], mean[ch], is, gamma[ch], relu ? beta[ch] : 0.0f);
-    dx[i] = gamma[ch] * is * (d - mdy - xhat * mdyx);
+    dx[i] = bn_dx(d, xhat, mdy, mdyx, gamma[ch], is);
   }
 }
 
@@ -195,14 +201,23 @@ __global__ void bn16_sums_kernel(int relu, const uint16_t *x, int format, const 
 
 // y (B, C, S) = z, or relu(z), of x (B, S, C): z computed as a tile is read (the lane's channel), written
 // along the positions
-__global__ void bn16_apply_kernel(int relu, const uint16_t *x, int format, float *y, int64_t n, int64_t c, fast_div sp,
-                                  const float *mean, const float *invstd, const float *gamma, const float *beta) {
+__global__ void bn16_apply_kernel(int relu, const uint16_t *x, int format, void *y, int y16, int64_t n, int64_t c,
+                                  fast_div sp, const float *mean, const float *invstd, const float *gamma,
+                                  const float *beta) {
   __shared__ float tile[kLanes16][kLanes16 + 1];
   const int lane = threadIdx.x % kLanes16, row = threadIdx.x / kLanes16;
   const int64_t ch0 = (int64_t)blockIdx.x * kLanes16, ch = ch0 + lane;
   const float m = ch < c ? mean[ch] : 0.0f, is = ch < c ? invstd[ch] : 0.0f, g = ch < c ? gamma[ch] : 0.0f,
               bt = ch < c ? beta[ch] : 0.0f;
   for (int64_t q0 = (int64_t)blockIdx.y * kLanes16; q0 < n; q0 += (int64_t)gridDim.y * kLanes16) {
+    if (y16) {  // y as x is: along the channels, no tile
+      for (int r = row; r < kLanes16; r += kRows16)
+        if (q0 + r < n && ch < c) {
+          float z = bn_z(dt_from_16(x[(q0 + r) * c + ch], format), m, is, g, bt);
+          ((uint16_t *)y)[(q0 + r) * c + ch] = dt_to_16(relu && z < 0 ? 0.0f : z, format);
+        }
+      continue;
+    }
     __syncthreads();  // the last tile is written out
     for (int r = row; r < kLanes16; r += kRows16)
       if (q0 + r < n && ch < c) {
@@ -211,7 +226,7 @@ __global__ void bn16_apply_kernel(int relu, const uint16_t *x, int format, float
       }
     __syncthreads();
     for (int r = row; r < kLanes16; r += kRows16)
-      if (ch0 + r < c && q0 + lane < n) y[nchw_at(q0 + lane, ch0 + r, c, sp)] = tile[lane][r];
+      if (ch0 + r < c && q0 + lane < n) ((float *)y)[nchw_at(q0 + lane, ch0 + r, c, sp)] = tile[lane][r];
   }
 }
 
@@ -252,8 +267,8 @@ __global__ void bn16_bwd_stats_kernel(int relu, const uint16_t *x, int format, c
 }
 
 // dx (B, S, C) 16-bit from x (B, S, C) and dy (B, C, S), written along the channels
-__global__ void bn16_bwd_apply_kernel(int relu, const uint16_t *x, int format, const float *dy, uint16_t *dx, int64_t n,
-                                      int64_t c, fast_div sp, const double *count, const float *mean,
+__global__ void bn16_bwd_apply_kernel(int relu, const uint16_t *x, int format, const void *dy, int dy16, uint16_t *dx,
+                                      int64_t n, int64_t c, fast_div sp, const double *count, const float *mean,
                                       const float *invstd, const float *gamma, const float *beta, const double *sums) {
   __shared__ float tile[kLanes16][kLanes16 + 1];
   const int lane = threadIdx.x % kLanes16, row = threadIdx.x / kLanes16;
@@ -263,40 +278,18 @@ __global__ void bn16_bwd_apply_kernel(int relu, const uint16_t *x, int format, c
   const float bt = relu && ch < c ? beta[ch] : 0.0f;
   const float mdy = ch < c ? (float)(sums[ch] / cnt) : 0.0f, mdyx = ch < c ? (float)(sums[c + ch] / cnt) : 0.0f;
   for (int64_t q0 = (int64_t)blockIdx.y * kLanes16; q0 < n; q0 += (int64_t)gridDim.y * kLanes16) {
-    __syncthreads();  // the last tile is read
-    bn16_dy_tile(tile, dy, q0, n, ch0, c, sp);
-    __syncthreads();
+    if (!dy16) {        // dy as x is (a convolution wrote it), read along the channels; else through the tile
+      __syncthreads();  // the last tile is read
+      bn16_dy_tile(tile, (const float *)dy, q0, n, ch0, c, sp);
+      __syncthreads();
+    }
     for (int r = row; r < kLanes16; r += kRows16)
       if (q0 + r < n && ch < c) {
         float xv = dt_from_16(x[(q0 + r) * c + ch], format), xhat = (xv - m) * is;
-        float d = bn_grad_at_z(relu, tile[lane][r], xv, m, is, g, bt);
-        dx[(q0 + r) * c + ch] = dt_to_16(g * is * (d - mdy - xhat * mdyx), format);
+        float dyv = dy16 ? dt_from_16(((const uint16_t *)dy)[(q0 + r) * c + ch], format) : tile[lane][r];
+        float d = bn_grad_at_z(relu, dyv, xv, m, is, g, bt);
+        dx[(q0 + r) * c + ch] = dt_to_16(bn_dx(d, xhat, mdy, mdyx, g, is), format);
       }
-  }
-}
-
-// The same where y and dy are 16-bit NHWC too (a convolution reads y next, bn_apply's y16): every operand
-// along the channels, no tiles. Element i of the (n, C) rows is channel i mod C.
-__global__ void bn16_apply16_kernel(int relu, const uint16_t *x, int format, uint16_t *y, int64_t total, fast_div c,
-                                    const float *mean, const float *invstd, const float *gamma, const float *beta) {
-  GRID_STRIDE(i, total) {
-    uint32_t ch = (uint32_t)i - div_by((uint32_t)i, c) * c.d;
-    float z = bn_z(dt_from_16(x[i], format), mean[ch], invstd[ch], gamma[ch], beta[ch]);
-    y[i] = dt_to_16(relu && z < 0 ? 0.0f : z, format);
-  }
-}
-
-__global__ void bn16_bwd_apply16_kernel(int relu, const uint16_t *x, int format, const uint16_t *dy, uint16_t *dx,
-                                        int64_t total, fast_div c, const double *count, const float *mean,
-                                        const float *invstd, const float *gamma, const float *beta,
-                                        const double *sums) {
-  const double cnt = *count;
-  GRID_STRIDE(i, total) {
-    uint32_t ch = (uint32_t)i - div_by((uint32_t)i, c) * c.d;
-    float xv = dt_from_16(x[i], format), m = mean[ch], is = invstd[ch], xhat = (xv - m) * is;
-    float mdy = (float)(sums[ch] / cnt), mdyx = (float)(sums[c.d + ch] / cnt);
-    float d = bn_grad_at_z(relu, dt_from_16(dy[i], format), xv, m, is, gamma[ch], relu ? beta[ch] : 0.0f);
-    dx[i] = dt_to_16(gamma[ch] * is * (d - mdy - xhat * mdyx), format);
   }
 }
 
@@ -447,13 +440,8 @@ void k_bn16_stats(cudaStream_t s, const uint16_t *x, int format, int64_t b, int6
 void k_bn16_apply(cudaStream_t s, int relu, const uint16_t *x, int format, void *y, int y16, int64_t b, int64_t c,
                   int64_t sp, const float *mean, const float *invstd, const float *gamma, const float *beta) {
   if (b * sp == 0) return;
-  if (y16) {
-    LAUNCH(bn16_apply16_kernel, blocks_for(b * sp * c), kThreads, 0, s)
-    (relu, x, format, (uint16_t *)y, b * sp * c, make_fast_div(c), mean, invstd, gamma, beta);
-  } else {
-    LAUNCH(bn16_apply_kernel, bn16_tiles(b * sp, c), kThreads, 0, s)
-    (relu, x, format, (float *)y, b * sp, c, make_fast_div(sp), mean, invstd, gamma, beta);
-  }
+  LAUNCH(bn16_apply_kernel, bn16_tiles(b * sp, c), kThreads, 0, s)
+  (relu, x, format, y, y16, b * sp, c, make_fast_div(sp), mean, invstd, gamma, beta);
 }
 
 void k_bn16_bwd_stats(cudaStream_t s, int relu, const uint16_t *x, int format, const void *dy, int dy16, int64_t b,
@@ -475,13 +463,8 @@ void k_bn16_bwd_apply(cudaStream_t s, int relu, const uint16_t *x, int format, c
                       int64_t b, int64_t c, int64_t sp, const double *count, const float *mean, const float *invstd,
                       const float *gamma, const float *beta, const double *sums) {
   if (b * sp == 0) return;
-  if (dy16) {
-    LAUNCH(bn16_bwd_apply16_kernel, blocks_for(b * sp * c), kThreads, 0, s)
-    (relu, x, format, (const uint16_t *)dy, dx, b * sp * c, make_fast_div(c), count, mean, invstd, gamma, beta, sums);
-  } else {
-    LAUNCH(bn16_bwd_apply_kernel, bn16_tiles(b * sp, c), kThreads, 0, s)
-    (relu, x, format, (const float *)dy, dx, b * sp, c, make_fast_div(sp), count, mean, invstd, gamma, beta, sums);
-  }
+  LAUNCH(bn16_bwd_apply_kernel, bn16_tiles(b * sp, c), kThreads, 0, s)
+  (relu, x, format, dy, dy16, dx, b * sp, c, make_fast_div(sp), count, mean, invstd, gamma, beta, sums);
 }
 
 void k_ln_fwd(cudaStream_t s, const float *x, const float *gamma, const float *beta, float *y, float *mean, float *rstd,

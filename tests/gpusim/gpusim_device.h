@@ -79,6 +79,9 @@ static inline float __fmul_rn(float a, float b) {
 static inline float __fadd_rn(float a, float b) {
   return a + b;
 }
+static inline float __fsub_rn(float a, float b) {
+  return a - b;
+}
 
 // Fences order memory between threads; blocks and threads run one at a time here.
 static inline void __threadfence() {
