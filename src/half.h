@@ -8,6 +8,8 @@
 #include <string.h>
 
 #ifdef __CUDACC__
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #define DT_HD __host__ __device__ __forceinline__
 #else
 #define DT_HD static inline
@@ -25,11 +27,17 @@ DT_HD float dt_bits_float(uint32_t u) {
   return f;
 }
 
+/* On a GPU the conversion instructions (the same bits, but for a NaN's payload: one quiet NaN); the
+ * stand-in and the CPU run the bit patterns below. */
 DT_HD uint16_t dt_to_bf16(float f) {
+#ifdef __CUDA_ARCH__
+  return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+#else
   uint32_t u = dt_float_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
   u += 0x7fffu + ((u >> 16) & 1u);
   return (uint16_t)(u >> 16);
+#endif
 }
 
 DT_HD float dt_from_bf16(uint16_t h) {
@@ -37,6 +45,9 @@ DT_HD float dt_from_bf16(uint16_t h) {
 }
 
 DT_HD uint16_t dt_to_half(float f) {
+#ifdef __CUDA_ARCH__
+  return __half_as_ushort(__float2half_rn(f));
+#else
   uint32_t u = dt_float_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);  /* NaN */
   if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds past 65504: infinity */
@@ -50,9 +61,13 @@ DT_HD uint16_t dt_to_half(float f) {
   uint32_t r = a - 0x38000000u; /* exponent rebiased from 127 to 15 */
   r += 0xfffu + ((r >> 13) & 1u);
   return (uint16_t)(sign | (r >> 13));
+#endif
 }
 
 DT_HD float dt_from_half(uint16_t h) {
+#ifdef __CUDA_ARCH__
+  return __half2float(__ushort_as_half(h));
+#else
   uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
   if (e == 0) {
     float v = (float)m * 5.9604644775390625e-8f; /* m * 2^-24 */
@@ -60,6 +75,7 @@ DT_HD float dt_from_half(uint16_t h) {
   }
   if (e == 31) return dt_bits_float(sign | 0x7f800000u | (m << 13));
   return dt_bits_float(sign | ((e + 112u) << 23) | (m << 13));
+#endif
 }
 
 /* The 16-bit formats a tensor can be stored in (backend.h's x16, y16, dy16 fields): 0 is FP32. */
