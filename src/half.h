@@ -1,6 +1,7 @@
 /* half.h: FP32 to and from the two 16-bit formats (bfloat16, IEEE half), rounded to nearest even as
- * __float2bfloat16_rn and __float2half_rn, on the bit patterns. One definition for the CUDA kernels
- * (kernels/convert.cu, kernels/norm.cu) and the CPU backend's 16-bit operands (src/cpu). */
+ * __float2bfloat16_rn and __float2half_rn (which a GPU runs; elsewhere the same on the bit patterns). One
+ * definition for the CUDA kernels (kernels/convert.cu, kernels/norm.cu) and the CPU backend's 16-bit
+ * operands (src/cpu). */
 #ifndef DT_HALF_H
 #define DT_HALF_H
 
