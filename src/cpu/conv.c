@@ -150,6 +150,7 @@ static float *fp32_for(int format, int64_t n) {
 void cpu_conv_fwd(cpu_impl *im, const dt_op *op) {
   const typeof(op->p.conv_fwd) *q = &op->p.conv_fwd;
   const dt_conv_geom *g = &q->g;
+  DT_ASSERT(!q->in16 || !q->x16); /* a 16-bit x is its own copy (backend.h) */
   float *x = widened(q->x, q->in16, g->b, g->c, g->h * g->w), *y = fp32_for(q->y16, g->b * g->o * g->ho * g->wo);
   conv_fwd(im, g, x ? x : q->x, q->w, y ? y : q->y);
   if (y) cpu_narrow16(y, q->y, q->y16, g->b, g->o, g->ho * g->wo);

@@ -91,6 +91,7 @@ static inline float bn_z(float x, float mean, float scale, float beta) {
 VECTOR_CLONES void cpu_bn_apply(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.bn_apply) *q = &op->p.bn_apply;
+  DT_ASSERT(!q->y16 || q->y16 == q->x16); /* a 16-bit y only beside a 16-bit x (backend.h) */
   if (q->x16) {
     dt_op wide = *op;
     bn_wide w = bn_widen(q->x, q->x16, NULL, 0, q->y16, q->b, q->c, q->s);
@@ -125,6 +126,7 @@ static inline float bn_relu_grad(float dy, float x, float mean, float scale, flo
 VECTOR_CLONES void cpu_bn_bwd_stats(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.bn_bwd_stats) *q = &op->p.bn_bwd_stats;
+  DT_ASSERT(!q->dy16 || q->dy16 == q->x16);
   if (q->x16) {
     dt_op wide = *op;
     bn_wide w = bn_widen(q->x, q->x16, q->dy, q->dy16, 0, q->b, q->c, q->s);
@@ -166,6 +168,7 @@ VECTOR_CLONES void cpu_bn_bwd_stats(cpu_impl *im, const dt_op *op) {
 VECTOR_CLONES void cpu_bn_bwd_apply(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.bn_bwd_apply) *q = &op->p.bn_bwd_apply;
+  DT_ASSERT(!q->dy16 || q->dy16 == q->x16);
   if (q->x16) { /* dx too: FP32, then rounded into the 16-bit dx */
     dt_op wide = *op;
     bn_wide w = bn_widen(q->x, q->x16, q->dy, q->dy16, q->x16, q->b, q->c, q->s);
