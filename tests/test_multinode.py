@@ -151,7 +151,11 @@ class TwoNodes(ClusterCase):
         os.rename(self.w.file("log"), self.w.file("log-two-nodes"))
         rc, out, err = run([self.cfg], np_=4)
         self.assertEqual(rc, 0, out + err)
-        np.testing.assert_allclose(losses, [r["loss"] for r in self.w.metrics() if "loss" in r], rtol=1e-5)
+        # as the parameters below: the losses fall to 1e-12 in 16 steps, and the summation order of the
+        # gradient all-reduce over the network and within a node may differ (up to 5e-8 apart at a loss of
+        # 3e-3 on a 2-core AMD EPYC)
+        np.testing.assert_allclose(losses, [r["loss"] for r in self.w.metrics() if "loss" in r], rtol=1e-5,
+                                   atol=1e-6)
         one_node = final_params(self.w.latest())
         for k in one_node:
             np.testing.assert_allclose(two_nodes[k], one_node[k], rtol=1e-5, atol=1e-6, err_msg=k)
