@@ -134,12 +134,6 @@ __global__ void bn_bwd_apply_kernel(int relu, const float *x, const float *dy, f
 // contiguous dimension. The sums go in chunks of whole tiles of positions (k_bn16_chunks).
 static const int kLanes16 = 32, kRows16 = kThreads / kLanes16;
 
-// The FP32 (B, C, S) offset of position p, channel ch.
-static __device__ __forceinline__ int64_t nchw_at(int64_t p, int64_t ch, int64_t c, fast_div sp) {
-  uint32_t img = div_by((uint32_t)p, sp);
-  return ((int64_t)img * c + ch) * sp.d + (p - (int64_t)img * sp.d);
-}
-
 // Thread (lane, row)'s double sums over the block's rows, in row order, into partials (chunks, 2C) at
 // chunk blockIdx.y; red: the kernel's shared (2, kRows16, kLanes16).
 static __device__ __forceinline__ void bn16_partials(double (*red)[kRows16][kLanes16], double s1, double s2, int64_t ch,
@@ -226,7 +220,7 @@ __global__ void bn16_apply_kernel(int relu, const uint16_t *x, int format, void 
       }
     __syncthreads();
     for (int r = row; r < kLanes16; r += kRows16)
-      if (ch0 + r < c && q0 + lane < n) ((float *)y)[nchw_at(q0 + lane, ch0 + r, c, sp)] = tile[lane][r];
+      if (ch0 + r < c && q0 + lane < n) ((float *)y)[channel_offset(q0 + lane, ch0 + r, c, sp)] = tile[lane][r];
   }
 }
 
@@ -236,7 +230,7 @@ static __device__ __forceinline__ void bn16_dy_tile(float (*tile)[kLanes16 + 1],
                                                     int64_t end, int64_t ch0, int64_t c, fast_div sp) {
   const int lane = threadIdx.x % kLanes16, row = threadIdx.x / kLanes16;
   for (int r = row; r < kLanes16; r += kRows16)
-    tile[r][lane] = ch0 + r < c && q0 + lane < end ? dy[nchw_at(q0 + lane, ch0 + r, c, sp)] : 0.0f;
+    tile[r][lane] = ch0 + r < c && q0 + lane < end ? dy[channel_offset(q0 + lane, ch0 + r, c, sp)] : 0.0f;
 }
 
 // partials (chunks, 2C): sum_dy(c), sum_dy_xhat(c) of the chunk (whole tiles of positions)

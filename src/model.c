@@ -253,18 +253,19 @@ static void pick_y16(dt_model *m, int format) {
 
 /* Under bf16 and fp16 CUDA convolves 16-bit NHWC copies: a convolution's output and gradient between it and
  * its batchnorm stay as cuDNN has them. The teacher runs in the model's precision (the backend's). */
-void model_pick_ops(dt_model *m, int cuda, size_t shared_per_block) {
+static void pick_ops(dt_model *m, int cuda, size_t shared_per_block, int format) {
   for (int i = 0; i < m->n_all; i++)
     if (m->all[i]->ops->pick) m->all[i]->ops->pick(m->all[i], m, cuda, shared_per_block);
-  const int format = !cuda                          ? DT_F16_NONE
-                     : m->precision == DT_PREC_BF16 ? DT_F16_BF16
-                     : m->precision == DT_PREC_FP16 ? DT_F16_HALF
-                                                    : DT_F16_NONE;
   pick_y16(m, format);
-  if (m->teacher) {
-    model_pick_ops(m->teacher, cuda, shared_per_block);
-    pick_y16(m->teacher, format);
-  }
+  if (m->teacher) pick_ops(m->teacher, cuda, shared_per_block, format);
+}
+
+void model_pick_ops(dt_model *m, int cuda, size_t shared_per_block) {
+  pick_ops(m, cuda, shared_per_block,
+           !cuda                          ? DT_F16_NONE
+           : m->precision == DT_PREC_BF16 ? DT_F16_BF16
+           : m->precision == DT_PREC_FP16 ? DT_F16_HALF
+                                          : DT_F16_NONE);
 }
 
 int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {

@@ -138,20 +138,13 @@ static void conv_bwd_filter(cpu_impl *im, const dt_conv_geom *g, const float *x,
   }
 }
 
-/* 16-bit operands (in16, y16, dy16) go through FP32 copies (cpu_widen16, cpu_narrow16): an input's
- * widened copy, or NULL where it is FP32; an output's FP32 buffer, or NULL. */
-static float *widened(const float *p, int format, int64_t b, int64_t c, int64_t s) {
-  return format ? cpu_widen16(p, format, b, c, s) : NULL;
-}
-static float *fp32_for(int format, int64_t n) {
-  return format ? dt_malloc((size_t)(n + 1) * sizeof(float)) : NULL;
-}
-
+/* 16-bit operands (in16, y16, dy16) go through FP32 copies (cpu_widen16, cpu_narrow16). */
 void cpu_conv_fwd(cpu_impl *im, const dt_op *op) {
   const typeof(op->p.conv_fwd) *q = &op->p.conv_fwd;
   const dt_conv_geom *g = &q->g;
   DT_ASSERT(!q->in16 || !q->x16); /* a 16-bit x is its own copy (backend.h) */
-  float *x = widened(q->x, q->in16, g->b, g->c, g->h * g->w), *y = fp32_for(q->y16, g->b * g->o * g->ho * g->wo);
+  float *x = cpu_widen16(q->x, q->in16, g->b, g->c, g->h * g->w),
+        *y = cpu_fp32_for(q->y16, g->b * g->o * g->ho * g->wo);
   conv_fwd(im, g, x ? x : q->x, q->w, y ? y : q->y);
   if (y) cpu_narrow16(y, q->y, q->y16, g->b, g->o, g->ho * g->wo);
   free(x);
@@ -161,7 +154,8 @@ void cpu_conv_fwd(cpu_impl *im, const dt_op *op) {
 void cpu_conv_bwd_data(cpu_impl *im, const dt_op *op) {
   const typeof(op->p.conv_bwd_data) *q = &op->p.conv_bwd_data;
   const dt_conv_geom *g = &q->g;
-  float *dy = widened(q->dy, q->dy16, g->b, g->o, g->ho * g->wo), *dx = fp32_for(q->in16, g->b * g->c * g->h * g->w);
+  float *dy = cpu_widen16(q->dy, q->dy16, g->b, g->o, g->ho * g->wo),
+        *dx = cpu_fp32_for(q->in16, g->b * g->c * g->h * g->w);
   conv_bwd_data(im, g, dy ? dy : q->dy, q->w, dx ? dx : q->dx);
   if (dx) cpu_narrow16(dx, q->dx, q->in16, g->b, g->c, g->h * g->w);
   free(dy);
@@ -171,7 +165,8 @@ void cpu_conv_bwd_data(cpu_impl *im, const dt_op *op) {
 void cpu_conv_bwd_filter(cpu_impl *im, const dt_op *op) {
   const typeof(op->p.conv_bwd_filter) *q = &op->p.conv_bwd_filter;
   const dt_conv_geom *g = &q->g;
-  float *dy = widened(q->dy, q->dy16, g->b, g->o, g->ho * g->wo), *x = widened(q->x, q->in16, g->b, g->c, g->h * g->w);
+  float *dy = cpu_widen16(q->dy, q->dy16, g->b, g->o, g->ho * g->wo),
+        *x = cpu_widen16(q->x, q->in16, g->b, g->c, g->h * g->w);
   conv_bwd_filter(im, g, x ? x : q->x, dy ? dy : q->dy, q->dw);
   free(dy);
   free(x);

@@ -57,7 +57,9 @@ void cpu_ln_bwd(cpu_impl *im, const dt_op *op);
 /* elementwise.c */
 /* 16-bit operands (backend.h's x16, y16, dy16), which training gives only the CUDA backend (model.c picks
  * them there) and the op tests give both: x16 (B, S, C) in half.h's `format` widened to a new FP32 (B, C, S)
- * copy that the caller frees, and x (B, C, S) rounded to nearest even into x16 (B, S, C). */
+ * copy that the caller frees, and x (B, C, S) rounded to nearest even into x16 (B, S, C); an FP32 buffer of
+ * n values for a 16-bit output. Format 0 (the operand is FP32): NULL, nothing to do. */
+float *cpu_fp32_for(int format, int64_t n);
 float *cpu_widen16(const void *x16, int format, int64_t b, int64_t c, int64_t s);
 void cpu_narrow16(const float *x, void *x16, int format, int64_t b, int64_t c, int64_t s);
 void cpu_bias_add(cpu_impl *im, const dt_op *op);

@@ -264,9 +264,14 @@ void cpu_gather(cpu_impl *im, const dt_op *op) {
   }
 }
 
+float *cpu_fp32_for(int format, int64_t n) {
+  return format ? dt_malloc((size_t)(n + 1) * sizeof(float)) : NULL;
+}
+
 float *cpu_widen16(const void *x16, int format, int64_t b, int64_t c, int64_t s) {
   const uint16_t *h = x16;
-  float *x = dt_malloc((size_t)(b * c * s + 1) * sizeof(float));
+  float *x = cpu_fp32_for(format, b * c * s);
+  if (!x) return NULL;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t i = 0; i < b; i++)
     for (int64_t ch = 0; ch < c; ch++)

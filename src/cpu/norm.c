@@ -14,9 +14,8 @@ typedef struct {
 
 static bn_wide bn_widen(const float *x, int x16, const float *dy, int dy16, int out16, int64_t b, int64_t c,
                         int64_t s) {
-  return (bn_wide){.x = cpu_widen16(x, x16, b, c, s),
-                   .dy = dy16 ? cpu_widen16(dy, dy16, b, c, s) : NULL,
-                   .out = out16 ? dt_malloc((size_t)(b * c * s + 1) * sizeof(float)) : NULL};
+  return (bn_wide){
+      .x = cpu_widen16(x, x16, b, c, s), .dy = cpu_widen16(dy, dy16, b, c, s), .out = cpu_fp32_for(out16, b * c * s)};
 }
 
 static void bn_narrow(bn_wide *w, float *out, int out16, int64_t b, int64_t c, int64_t s) {
