@@ -39,6 +39,19 @@ static __device__ __forceinline__ float4 load_float4(const float *p) {
   return *(const float4 *)p;
 }
 
+// Eight 16-bit values in one 16-byte load, as load_float4 (p 16-byte aligned); value i is the low (even i)
+// or high half of word i / 2: half16_of reads it without aliasing the vector through another type.
+static __device__ __forceinline__ uint4 load_half8(const uint16_t *p) {
+#ifdef GPUSIM_CHECK_ALIGNED
+  GPUSIM_CHECK_ALIGNED(p, 16);
+#endif
+  return *(const uint4 *)p;
+}
+static __device__ __forceinline__ uint16_t half16_of(uint4 v, int i) {
+  const unsigned w = i < 2 ? v.x : i < 4 ? v.y : i < 6 ? v.z : v.w;
+  return (uint16_t)(i & 1 ? w >> 16 : w & 0xffffu);
+}
+
 static const int kThreads = 256;
 // Grid-stride kernels get at most this many blocks: two waves of 256-thread blocks on an H100
 // (132 SMs x 8 resident blocks), so each thread handles several elements once tensors are large.

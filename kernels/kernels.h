@@ -120,11 +120,12 @@ void k_pool_bwd(cudaStream_t s, int kind, const float *dy, const int32_t *argmax
  * `pairs`, 2 * b doubles, added in a fixed order); dlogits weighted by `weight` (1 / global count)
  * (or weight_dev[0], read on the device, unless NULL) and by grad_scale[0] unless it is NULL; cross-entropy rows
  * labelled ignore_index (>= 0; -1: none) add nothing; distill (DT_DISTILL_*, 0: none) mixes in the teacher's
- * logits (b, k) as backend.h's loss op says */
-void k_loss(cudaStream_t s, int kind, const float *logits, const int32_t *labels, const float *targets, float *dlogits,
-            int64_t b, int64_t k, float label_smoothing, int32_t ignore_index, double weight, const double *weight_dev,
-            const float *grad_scale, int distill, float alpha, float temperature, const float *teacher, double *out,
-            double *pairs);
+ * logits (b, k) as backend.h's loss op says; logits16 (DT_F16_BF16): logits and dlogits are bfloat16 rows of
+ * dt_ld16(k) values, both 16-byte aligned */
+void k_loss(cudaStream_t s, int kind, const void *logits, int logits16, const int32_t *labels, const float *targets,
+            void *dlogits, int64_t b, int64_t k, float label_smoothing, int32_t ignore_index, double weight,
+            const double *weight_dev, const float *grad_scale, int distill, float alpha, float temperature,
+            const float *teacher, double *out, double *pairs);
 
 /* transformer.cu: backend.h's DT_OP_EMBED_*, SOFTMAX_* and PERMUTE. The embedding gradient adds
  * rows in increasing order (as the CPU: the same bits). No atomics: results are the same on every

@@ -1,29 +1,74 @@
 // loss.cu: softmax cross-entropy (label smoothing) and mean squared error, one block per sample,
 // fused with their gradient (cross-entropy in two passes over the logits: an online log-sum-exp,
-// then the gradient), and with distillation's term where a teacher's logits are given;
-// per-sample losses and hits go to pairs, summed into out[0], out[1] (doubles) in a fixed order,
-// so that the loss is the same on every run.
+// then the gradient), on FP32 logits or bfloat16 rows (the loss's logits16), and with distillation's
+// term where a teacher's logits are given; per-sample losses and hits go to pairs, summed into
+// out[0], out[1] (doubles) in a fixed order, so that the loss is the same on every run.
 #include <math.h>
 
 #include "common.cuh"
+#include "half.h"
 #include "kernels.h"
 
 enum { LOSS_CE, LOSS_MSE };                     // backend.h's DT_LOSS_*
 enum { DISTILL_NONE, DISTILL_KL, DISTILL_MSE };  // backend.h's DT_DISTILL_*
 
+// A logit: FP32, or bfloat16 (the loss's logits16).
+static __device__ __forceinline__ float logit_at(const float *z, int64_t j) {
+  return z[j];
+}
+static __device__ __forceinline__ float logit_at(const uint16_t *z, int64_t j) {
+  return dt_from_bf16(z[j]);
+}
+
+// Calls f(j, z[j]) for the row's elements this thread owns, j increasing: one at a time in FP32, eight
+// (one 16-byte load; the row starts 16-byte aligned) at a time in bfloat16.
+template <class F>
+static __device__ __forceinline__ void each_logit(const float *z, int64_t k, F f) {
+  for (int64_t j = threadIdx.x; j < k; j += blockDim.x) f(j, z[j]);
+}
+template <class F>
+static __device__ __forceinline__ void each_logit(const uint16_t *z, int64_t k, F f) {
+  for (int64_t j0 = 8 * (int64_t)threadIdx.x; j0 < k; j0 += 8 * (int64_t)blockDim.x) {
+    const uint4 v = load_half8(z + j0);
+    for (int i = 0; i < 8 && j0 + i < k; i++) f(j0 + i, dt_from_bf16(half16_of(v, i)));
+  }
+}
+
+// d[j] = g(j, z[j]) for the same elements, rounded to nearest even in bfloat16 (eight to a 16-byte store
+// where all eight lie inside the row).
+template <class G>
+static __device__ __forceinline__ void each_grad(const float *z, float *d, int64_t k, G g) {
+  for (int64_t j = threadIdx.x; j < k; j += blockDim.x) d[j] = g(j, z[j]);
+}
+template <class G>
+static __device__ __forceinline__ void each_grad(const uint16_t *z, uint16_t *d, int64_t k, G g) {
+  for (int64_t j0 = 8 * (int64_t)threadIdx.x; j0 < k; j0 += 8 * (int64_t)blockDim.x) {
+    const uint4 v = load_half8(z + j0);
+    if (j0 + 8 <= k) {
+      unsigned o[8];  // g in increasing j: it may add to a thread's sums
+      for (int i = 0; i < 8; i++) o[i] = dt_to_bf16(g(j0 + i, dt_from_bf16(half16_of(v, i))));
+      *reinterpret_cast<uint4 *>(d + j0) =
+          make_uint4(o[0] | o[1] << 16, o[2] | o[3] << 16, o[4] | o[5] << 16, o[6] | o[7] << 16);
+    } else {
+      for (int i = 0; j0 + i < k; i++) d[j0 + i] = dt_to_bf16(g(j0 + i, dt_from_bf16(half16_of(v, i))));
+    }
+  }
+}
+
 // Row b's log-sum-exps at temperature temp of the student's logits z and the teacher's t, as
 // max / temp + log(se) (cpu/loss.c's distill_row), valid in every thread on return.
-static __device__ void distill_row(const float *z, const float *t, int64_t k, double temp, double *r) {
+template <typename T>
+static __device__ void distill_row(const T *z, const float *t, int64_t k, double temp, double *r) {
   __shared__ double s_r[4];
   float zm = -INFINITY, tm = -INFINITY;
-  for (int64_t j = threadIdx.x; j < k; j += blockDim.x) zm = fmaxf(zm, z[j]), tm = fmaxf(tm, t[j]);
+  for (int64_t j = threadIdx.x; j < k; j += blockDim.x) zm = fmaxf(zm, logit_at(z, j)), tm = fmaxf(tm, t[j]);
   zm = block_max(zm);
   tm = block_max(tm);
   if (threadIdx.x == 0) s_r[0] = zm, s_r[2] = tm;
   __syncthreads();
   double ss = 0, st = 0;
   for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
-    ss += exp(((double)z[j] - s_r[0]) / temp);
+    ss += exp(((double)logit_at(z, j) - s_r[0]) / temp);
     st += exp(((double)t[j] - s_r[2]) / temp);
   }
   ss = block_sum(ss);
@@ -85,7 +130,9 @@ static __device__ __forceinline__ ce_row shfl_down(unsigned mask, ce_row v, int 
           __shfl_down_sync(mask, v.z, o)};
 }
 
-__global__ void loss_kernel(int kind, const float *logits, const int32_t *labels, const float *targets, float *dz,
+// Rows of ld values (k in FP32, dt_ld16(k) in bfloat16), one block each.
+template <typename T>
+__global__ void loss_kernel(int kind, const T *logits, int64_t ld, const int32_t *labels, const float *targets, T *dz,
                             int64_t k, float ls, int32_t ignore, double weight, const double *weight_dev,
                             const float *grad_scale, int distill, double alpha, double temp, const float *teacher,
                             double *pairs) {
@@ -93,11 +140,11 @@ __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels
   if (weight_dev) weight = weight_dev[0];
   if (grad_scale) weight *= (double)grad_scale[0];
   const double keep = 1.0 - alpha;
-  const float *z = logits + b * k;
+  const T *z = logits + b * ld;
   const float *tz = distill ? teacher + b * k : NULL;
-  float *d = dz + b * k;
+  T *d = dz + b * ld;
   if (kind == LOSS_CE && labels[b] == ignore) {  // padding: no loss, hit or gradient
-    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) d[j] = 0.0f;
+    each_grad(z, d, k, [](int64_t, float) { return 0.0f; });
     if (threadIdx.x == 0) pairs[2 * b] = 0.0, pairs[2 * b + 1] = 0.0;
     return;
   }
@@ -108,7 +155,7 @@ __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels
     // one read for the max, its first index, the sum of exp(z - max) and the sum of z; one more
     // to write the gradient: the loss is -(off (sum z - k lse) + (1 - ls)(z[y] - lse))
     ce_row st = {-INFINITY, 0.0, (int)k, 0.0};
-    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) ce_add(&st, z[j], (int)j);
+    each_logit(z, k, [&](int64_t j, float v) { ce_add(&st, v, (int)j); });
     st = block_reduce(st, [](ce_row x, ce_row y) { return ce_merge(x, y); });
     __shared__ double s_lse;
     __shared__ int s_arg;
@@ -117,32 +164,32 @@ __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels
     const double lse = s_lse;
     int32_t y = labels[b];
     double off = (double)ls / (double)k;
-    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
+    each_grad(z, d, k, [&](int64_t j, float zj) {
       // the label's in double: p near 1 - ls would cancel a float's digits (the others need no more)
-      double lp = (double)z[j] - lse, p = j == y ? exp(lp) : (double)expf((float)lp);
+      double lp = (double)zj - lse, p = j == y ? exp(lp) : (double)expf((float)lp);
       double g = p - (off + (j == y ? 1.0 - ls : 0.0));
       if (distill) {
         double dg;
-        dist += distill_element(distill, r, z[j], tz[j], k, temp, &dg);
+        dist += distill_element(distill, r, zj, tz[j], k, temp, &dg);
         g = keep * g + alpha * dg;
       }
-      d[j] = (float)(g * weight);
-    }
-    if (threadIdx.x == 0) own = -(off * (st.z - (double)k * lse) + (1.0 - ls) * ((double)z[y] - lse));
+      return (float)(g * weight);
+    });
+    if (threadIdx.x == 0) own = -(off * (st.z - (double)k * lse) + (1.0 - ls) * ((double)logit_at(z, y) - lse));
     hit = s_arg == y ? 1.0 : 0.0;
   } else {
     const float *t = targets + b * k;
-    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
-      double diff = (double)z[j] - t[j];
+    each_grad(z, d, k, [&](int64_t j, float zj) {
+      double diff = (double)zj - t[j];
       own += diff * diff;
       double g = 2.0 * diff / (double)k;
       if (distill) {
         double dg;
-        dist += distill_element(distill, r, z[j], tz[j], k, temp, &dg);
+        dist += distill_element(distill, r, zj, tz[j], k, temp, &dg);
         g = keep * g + alpha * dg;
       }
-      d[j] = (float)(g * weight);
-    }
+      return (float)(g * weight);
+    });
   }
   if (kind == LOSS_MSE) own = block_sum(own);  // cross-entropy's is thread 0's already
   if (distill) dist = block_sum(dist);
@@ -152,12 +199,18 @@ __global__ void loss_kernel(int kind, const float *logits, const int32_t *labels
   }
 }
 
-extern "C" void k_loss(cudaStream_t s, int kind, const float *logits, const int32_t *labels, const float *targets,
-                       float *dlogits, int64_t b, int64_t k, float label_smoothing, int32_t ignore_index, double weight,
-                       const double *weight_dev, const float *grad_scale, int distill, float alpha, float temperature,
-                       const float *teacher, double *out, double *pairs) {
-  if (b > 0) LAUNCH(loss_kernel, (unsigned)b, 128, 0, s)
-  (kind, logits, labels, targets, dlogits, k, label_smoothing, ignore_index, weight, weight_dev, grad_scale, distill,
-   (double)alpha, (double)temperature, teacher, pairs);
+extern "C" void k_loss(cudaStream_t s, int kind, const void *logits, int logits16, const int32_t *labels,
+                       const float *targets, void *dlogits, int64_t b, int64_t k, float label_smoothing,
+                       int32_t ignore_index, double weight, const double *weight_dev, const float *grad_scale,
+                       int distill, float alpha, float temperature, const float *teacher, double *out, double *pairs) {
+  if (b > 0 && logits16) {  // rows of 16-byte pieces (the caller checks their alignment)
+    LAUNCH(loss_kernel<uint16_t>, (unsigned)b, 128, 0, s)
+    (kind, (const uint16_t *)logits, dt_ld16(k), labels, targets, (uint16_t *)dlogits, k, label_smoothing, ignore_index,
+     weight, weight_dev, grad_scale, distill, (double)alpha, (double)temperature, teacher, pairs);
+  } else if (b > 0) {
+    LAUNCH(loss_kernel<float>, (unsigned)b, 128, 0, s)
+    (kind, (const float *)logits, k, labels, targets, (float *)dlogits, k, label_smoothing, ignore_index, weight,
+     weight_dev, grad_scale, distill, (double)alpha, (double)temperature, teacher, pairs);
+  }
   k_sum_pairs(s, pairs, b, out);  // zeros when b is 0
 }

@@ -88,6 +88,9 @@ enum {
 /* A GEMM's epilogue (one product, beta 0): GELU_TANH: aux = op(A) op(B) + bias, C = gelu_tanh(aux);
  * DGELU_TANH (no bias): C = op(A) op(B) * gelu_tanh'(aux), a gelu's input gradient. */
 enum { DT_GEMM_PLAIN, DT_GEMM_GELU_TANH, DT_GEMM_DGELU_TANH };
+/* Below this in any dimension a GEMM has no tensor-core tile to fill: the CUDA backend multiplies its FP32
+ * operands under bf16 rather than copy them to bfloat16 (src/cuda/gemm.c). */
+enum { DT_GEMM16_MIN_DIM = 16 };
 enum { DT_POOL_MAX, DT_POOL_AVG };
 enum { DT_LOSS_CROSS_ENTROPY, DT_LOSS_MSE };
 enum { DT_DISTILL_NONE, DT_DISTILL_KL, DT_DISTILL_MSE }; /* distill.loss: how a teacher's logits join the loss */
@@ -122,6 +125,11 @@ typedef struct {
                                                (one product, beta 0): the CPU starts C at the bias */
       int epilogue;                         /* DT_GEMM_*: a gelu applied to C as it is written, or its derivative */
       float *aux;                           /* (m, n), the gelu's input: written by GELU_TANH, read by DGELU_TANH */
+      int c16; /* 0, or half.h's DT_F16_BF16 (the CUDA backend under bf16): C written in bfloat16 as rows of
+                  dt_ld16(n) values, their padding left as it is, for a loss's logits16; one product, beta 0, no
+                  bias, no epilogue */
+      int a16; /* 0, or A stored so already (rows of dt_ld16 of its stored columns: a loss's 16-bit dlogits),
+                  read as it is; one product */
     } gemm;
     struct {
       int64_t b, c, s;
@@ -260,6 +268,9 @@ typedef struct {
       int distill;
       float alpha, temperature;
       const float *teacher; /* (b, k) the teacher's logits */
+      int logits16;         /* 0, or DT_F16_BF16: logits and dlogits in bfloat16, rows of dt_ld16(k) values whose
+                               padding is left as it is (a GEMM's c16 and, for the backward, its a16); the
+                               targets and the teacher's logits stay FP32 */
     } loss;
     struct {
       int64_t n;

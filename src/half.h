@@ -90,4 +90,10 @@ DT_HD float dt_from_16(uint16_t h, int format) {
   return format == DT_F16_BF16 ? dt_from_bf16(h) : dt_from_half(h);
 }
 
+/* The values a row of n takes in the 16-bit row layout (a GEMM's 16-bit operands, a classifier's logits):
+ * rows of whole 16-byte pieces, as cuBLAS's aligned kernels read them. */
+DT_HD int64_t dt_ld16(int64_t n) {
+  return (n + 7) / 8 * 8;
+}
+
 #endif

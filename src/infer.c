@@ -42,7 +42,7 @@ static void eval_rows(dt_model *m, const float *params, const float *bufs, dt_da
     pass.batch = n;
     model_forward(m, &pass);
     model_loss(m, &pass, db.labels, db.targets, dev_sums);
-    if (logits) be->to_host(be, logits + i * m->n_outputs, model_logits(m), (size_t)(n * m->n_outputs) * sizeof(float));
+    if (logits) model_logits_to_host(m, logits + i * m->n_outputs, 0, n * m->n_labels);
     if (all_labels && s->y_k == 0)
       memcpy(all_labels + i * m->n_labels, labels, (size_t)(n * m->n_labels) * sizeof(int32_t));
   }
@@ -236,7 +236,7 @@ int infer_sample(const dt_config *cfg, dt_model *m, dt_comm *comm, int64_t n, co
     be->to_device(be, raw, x, (size_t)t * sizeof(float));
     model_input(m, raw, 1);
     model_forward(m, &pass);
-    be->to_host(be, logits, model_logits(m) + (w - 1) * v, (size_t)v * sizeof(float));
+    model_logits_to_host(m, logits, w - 1, 1); /* row w - 1 of the one sample's (T, V) */
     int32_t tok =
         sample_token(logits, v, temperature, top_k, dt_hash_uniform((uint64_t)cfg->v.seed, (uint64_t)i), scratch);
     ctx[len++] = tok;

@@ -76,15 +76,16 @@ dt_op dense_gemm(int kind, int64_t rows, int64_t in, int64_t out) {
 }
 
 void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
-                   const float *bias, float *y, float *gelu_y) {
+                   const float *bias, float *y, float *gelu_y, int y16) {
   dt_op op = dense_gemm(DENSE_FWD, rows, in, out);
-  op.p.gemm.a = x, op.p.gemm.b = w, op.p.gemm.c = y, op.p.gemm.bias = bias;
+  op.p.gemm.a = x, op.p.gemm.b = w, op.p.gemm.c = y, op.p.gemm.bias = bias, op.p.gemm.c16 = y16;
   if (gelu_y) op.p.gemm.epilogue = DT_GEMM_GELU_TANH, op.p.gemm.aux = y, op.p.gemm.c = gelu_y;
   backend_run(be, &op);
 }
 
 void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
-                    const float *dy, float *dw, float *dbias, float *dx, float *dgelu_x) {
+                    const float *dy, float *dw, float *dbias, float *dx, float *dgelu_x, int y16) {
+  DT_ASSERT(!y16 || !dbias);
   if (dbias) {
     dt_op b = {.type = DT_OP_BIAS_GRAD};
     b.p.bias_grad = (typeof(b.p.bias_grad)){.b = rows, .c = out, .s = 1, .dy = dy, .db = dbias};
@@ -92,40 +93,42 @@ void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const
   }
   /* the two GEMMs back to back: under bf16 the CUDA backend copies dy to bfloat16 once for both */
   dt_op op = dense_gemm(DENSE_DW, rows, in, out);
-  op.p.gemm.a = dy, op.p.gemm.b = x, op.p.gemm.c = dw;
+  op.p.gemm.a = dy, op.p.gemm.b = x, op.p.gemm.c = dw, op.p.gemm.a16 = y16;
   backend_run(be, &op);
   if (dx) {
     op = dense_gemm(DENSE_DX, rows, in, out);
-    op.p.gemm.a = dy, op.p.gemm.b = w, op.p.gemm.c = dx;
+    op.p.gemm.a = dy, op.p.gemm.b = w, op.p.gemm.c = dx, op.p.gemm.a16 = y16;
     if (dgelu_x) op.p.gemm.epilogue = DT_GEMM_DGELU_TANH, op.p.gemm.aux = dgelu_x;
     backend_run(be, &op);
   }
 }
 
-int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][4]) {
+int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][5]) {
   const int64_t rows = shape_rows(l->in, batch), c = l->in.c;
   if (l->ops == &dt_layer_linear) {
     products[0][0] = rows, products[0][1] = c, products[0][2] = l->args.out;
-    products[0][3] = l->args.bias || l->gelu_next || l->dgelu_aux;
+    products[0][3] = l->args.bias || l->gelu_next || l->dgelu_aux, products[0][4] = l->y16;
     return 1;
   }
   if (l->ops != &dt_layer_attention) return 0;
-  products[0][0] = rows, products[0][1] = c, products[0][2] = 3 * c, products[0][3] = 1;
-  products[1][0] = rows, products[1][1] = c, products[1][2] = c, products[1][3] = 1;
+  products[0][0] = rows, products[0][1] = c, products[0][2] = 3 * c, products[0][3] = 1, products[0][4] = 0;
+  products[1][0] = rows, products[1][1] = c, products[1][2] = c, products[1][3] = 1, products[1][4] = 0;
   return 2;
 }
 
-/* With a gelu after it (gelu_next), y is the gelu's input and the GEMM writes the gelu's output too. */
+/* With a gelu after it (gelu_next), y is the gelu's input and the GEMM writes the gelu's output too. The
+ * classifier under bf16 (y16, model.c's pick_logits16) writes bfloat16 logits for the loss, whose gradient
+ * its backward GEMMs read as the loss wrote it. */
 static void linear_forward(dt_layer *l, dt_pass *pass, const float *x) {
   dense_forward(pass->be, shape_rows(l->in, pass->batch), l->in.c, l->args.out, x, pass->params + weight_off(l),
-                l->args.bias ? pass->params + bias_off(l) : NULL, l->y, l->gelu_next ? l->gelu_next->y : NULL);
+                l->args.bias ? pass->params + bias_off(l) : NULL, l->y, l->gelu_next ? l->gelu_next->y : NULL, l->y16);
 }
 
 /* After such a gelu (dgelu_aux), dx goes through the gelu's derivative at its input. */
 static void linear_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
   dense_backward(pass->be, shape_rows(l->in, pass->batch), l->in.c, l->args.out, x, pass->params + weight_off(l), l->dy,
                  pass->grads + weight_off(l), l->args.bias ? pass->grads + bias_off(l) : NULL, dx,
-                 l->dgelu_aux ? l->dgelu_aux->y : NULL);
+                 l->dgelu_aux ? l->dgelu_aux->y : NULL, l->y16);
 }
 
 static int64_t linear_flops(const dt_layer *l) {

@@ -62,7 +62,7 @@ const char *loss_name(const dt_loss *l) {
 
 void loss_run(const dt_loss *l, dt_backend *be, int64_t rows, int64_t k, double weight, const double *weight_dev,
               const float *grad_scale, const float *logits, const float *teacher, const int32_t *labels,
-              const float *targets, float *dlogits, double *sums) {
+              const float *targets, float *dlogits, double *sums, int logits16) {
   if (rows == 0) return; /* a rank with no rows this batch */
   dt_op op = {.type = DT_OP_LOSS,
               .p.loss = {.kind = l->kind,
@@ -82,6 +82,7 @@ void loss_run(const dt_loss *l, dt_backend *be, int64_t rows, int64_t k, double 
                          .distill = teacher ? l->distill : DT_DISTILL_NONE,
                          .alpha = (float)l->alpha,
                          .temperature = (float)l->temperature,
-                         .teacher = teacher}};
+                         .teacher = teacher,
+                         .logits16 = logits16}};
   backend_run(be, &op);
 }

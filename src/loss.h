@@ -29,9 +29,9 @@ const char *loss_name(const dt_loss *l);
  * count, and by grad_scale[0] unless it is NULL) and adds the summed per-sample loss and the hits
  * to sums[0], sums[1]. With a teacher's logits (rows x k; NULL: none) and l->distill, each row's loss
  * is distillation's mix (backend.h's loss op). Every pointer is backend memory (labels: rows int32;
- * targets: rows x k). */
+ * targets: rows x k). logits16: logits and dlogits in bfloat16 rows (backend.h's loss.logits16). */
 void loss_run(const dt_loss *l, dt_backend *be, int64_t rows, int64_t k, double weight, const double *weight_dev,
               const float *grad_scale, const float *logits, const float *teacher, const int32_t *labels,
-              const float *targets, float *dlogits, double *sums);
+              const float *targets, float *dlogits, double *sums, int logits16);
 
 #endif

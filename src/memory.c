@@ -37,16 +37,17 @@ static int scratch_ops(const dt_model *m, int64_t batch, int backward, dt_op *op
     const dt_layer *l = m->all[i];
     const int first = l == m->top.layers[0];
     dt_conv_geom g;
-    int64_t dense[2][4];
+    int64_t dense[2][5];
     const int n_dense = layer_dense_products(l, batch, dense);
     for (int d = 0; d < n_dense; d++) {
       const int64_t rows = dense[d][0], in = dense[d][1], out = dense[d][2];
+      const int y16 = (int)dense[d][4]; /* the 16-bit C, and the 16-bit A of the gradients: no copy of it */
       static const float bias_marker; /* these ops are shapes only: never read */
       ops[n] = dense_gemm(DENSE_FWD, rows, in, out);
       if (dense[d][3]) ops[n].p.gemm.bias = &bias_marker; /* an epilogue: the CUDA backend's cuBLASLt workspace */
-      n++;
-      if (backward) ops[n++] = dense_gemm(DENSE_DW, rows, in, out);
-      if (backward && !first) ops[n++] = dense_gemm(DENSE_DX, rows, in, out);
+      ops[n++].p.gemm.c16 = y16;
+      if (backward) ops[n] = dense_gemm(DENSE_DW, rows, in, out), ops[n++].p.gemm.a16 = y16;
+      if (backward && !first) ops[n] = dense_gemm(DENSE_DX, rows, in, out), ops[n++].p.gemm.a16 = y16;
     }
     if (layer_conv_geom(l, batch, &g)) {
       ops[n++] = (dt_op){.type = DT_OP_CONV_FWD, .p.conv_fwd = {.g = g}};

@@ -251,12 +251,26 @@ static void pick_y16(dt_model *m, int format) {
   }
 }
 
+/* model.fuse under bf16 on CUDA: a classifier (the last layer, a linear without a bias, of at least
+ * DT_GEMM16_MIN_DIM inputs and outputs) writes the logits as its bfloat16 GEMM has them, and its gradient GEMMs
+ * read dlogits as the loss writes them, in the same rows: no FP32 logits, no copy of dlogits (as PyTorch's
+ * autocast gives the loss bfloat16 logits). Not a teacher's, whose logits the loss reads in FP32. */
+static void pick_logits16(dt_model *m, int format) {
+  dt_layer *last = m->top.layers[m->top.n - 1];
+  if (!(last->ops->traits & DT_LAYER_LINEAR)) return;
+  last->y16 = format == DT_F16_BF16 && m->fuse && !m->frozen && !last->args.bias && !last->gelu_next &&
+                      last->args.out >= DT_GEMM16_MIN_DIM && last->in.c >= DT_GEMM16_MIN_DIM
+                  ? format
+                  : DT_F16_NONE;
+}
+
 /* Under bf16 and fp16 CUDA convolves 16-bit NHWC copies: a convolution's output and gradient between it and
  * its batchnorm stay as cuDNN has them. The teacher runs in the model's precision (the backend's). */
 static void pick_ops(dt_model *m, int cuda, size_t shared_per_block, int format) {
   for (int i = 0; i < m->n_all; i++)
     if (m->all[i]->ops->pick) m->all[i]->ops->pick(m->all[i], m, cuda, shared_per_block);
   pick_y16(m, format);
+  pick_logits16(m, format);
   if (m->teacher) pick_ops(m->teacher, cuda, shared_per_block, format);
 }
 
@@ -301,7 +315,8 @@ int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
   m->attention = cfg->v.attention;
   m->precision = cfg->v.precision;
   if (seq_build(m, &m->top, cfg->v.layers, m->input, "", "model.layers", st)) return st->code;
-  if (cfg->v.fuse) fuse_seq(&m->top);
+  m->fuse = cfg->v.fuse;
+  if (m->fuse) fuse_seq(&m->top);
   share_branch_grads(&m->top);
   m->recompute = m->top.recompute = cfg->v.recompute == DT_RECOMPUTE_BLOCKS;
   if (loss_parse(&m->loss, cfg->v.loss, st)) return st->code;
@@ -404,8 +419,11 @@ static int block_output(const dt_seq *s, const dt_block *b, int i) {
   return i == b->last || s->layers[b->last]->fused_into == s->layers[i];
 }
 
-/* The bytes of l's y (and of its dy) for `batch` rows: 2 a value when 16-bit (y16). */
+/* The bytes of l's y (and of its dy) for `batch` rows: 2 a value when 16-bit (y16), a linear's in rows of
+ * dt_ld16(out) values. */
 static size_t act_bytes(const dt_layer *l, int64_t batch) {
+  if (l->y16 && (l->ops->traits & DT_LAYER_LINEAR))
+    return (size_t)(shape_rows(l->in, batch) * dt_ld16(l->args.out)) * 2;
   return (size_t)(batch * shape_size(l->out)) * (l->y16 ? 2 : sizeof(float));
 }
 
@@ -742,6 +760,20 @@ float *model_dlogits(dt_model *m) {
   return m->top.layers[m->top.n - 1]->dy;
 }
 
+void model_logits_to_host(dt_model *m, float *dst, int64_t row, int64_t n) {
+  const int format = m->top.layers[m->top.n - 1]->y16;
+  const int64_t k = m->n_classes, ld = dt_ld16(k);
+  if (!format) {
+    m->be->to_host(m->be, dst, model_logits(m) + row * k, (size_t)(n * k) * sizeof(float));
+    return;
+  }
+  uint16_t *h = dt_malloc((size_t)(n * ld + 1) * sizeof *h);
+  m->be->to_host(m->be, h, (const uint16_t *)(const void *)model_logits(m) + row * ld, (size_t)(n * ld) * sizeof *h);
+  for (int64_t r = 0; r < n; r++)
+    for (int64_t j = 0; j < k; j++) dst[r * k + j] = dt_from_16(h[r * ld + j], format);
+  free(h);
+}
+
 void model_input(dt_model *m, const float *raw, int64_t rows) {
   if (m->tokens) { /* token ids, taken as they are */
     backend_copy(m->be, m->input_x, raw, rows * m->tokens);
@@ -762,5 +794,6 @@ void model_input(dt_model *m, const float *raw, int64_t rows) {
 
 void model_loss(dt_model *m, dt_pass *pass, const int32_t *labels, const float *targets, double *sums) {
   loss_run(&m->loss, pass->be, pass->batch * m->n_labels, m->n_classes, 1.0 / pass->global_targets, pass->loss_weight,
-           pass->grad_scale, model_logits(m), pass->teacher_logits, labels, targets, model_dlogits(m), sums);
+           pass->grad_scale, model_logits(m), pass->teacher_logits, labels, targets, model_dlogits(m), sums,
+           m->top.layers[m->top.n - 1]->y16);
 }

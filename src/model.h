@@ -170,7 +170,9 @@ struct dt_layer {
                             which may read its y and write its dy as 16-bit NHWC too */
   int y16;               /* conv2d with a bn_next, or batchnorm with a conv_next, picked for CUDA under bf16 or
                             fp16: y and dy hold 16-bit values (half.h's DT_F16_*) as (B, H, W, C), NHWC, as cuDNN
-                            writes and reads them (no copies to and from FP32 NCHW), 2 bytes a value; 0: FP32 */
+                            writes and reads them (no copies to and from FP32 NCHW), 2 bytes a value; 0: FP32.
+                            The last layer, a linear (pick_logits16, CUDA under bf16): the logits and their
+                            gradient in bfloat16 rows of dt_ld16(out) values (backend.h's loss.logits16) */
   int x16;               /* batchnorm after such a conv2d: its x and dx are that layer's y and dy, in this format */
   int in16;              /* conv2d after such a batchnorm: its x and dx are that layer's y and dy, in this format
                             (read as they are: no x16 copy kept) */
@@ -219,6 +221,7 @@ struct dt_model {
   int attention;      /* model.attention (DT_ATTENTION_*): read by the attention layers' setup and pick */
   int precision;      /* train.precision (DT_PREC_*): read by the conv layers' pick */
   int frozen;         /* forward only (distillation's teacher): no gradients, no dy; set before model_alloc */
+  int fuse;           /* model.fuse */
   dt_model *teacher;  /* distill.teacher: its logits join the training loss (distill.h; borrowed), or NULL */
   dt_tensor *tensors; /* every tensor, in PyTorch state_dict order */
   int n_tensors;
@@ -281,6 +284,9 @@ void model_loss(dt_model *m, dt_pass *pass, const int32_t *labels, const float *
 void model_backward(dt_model *m, dt_pass *pass);
 float *model_logits(dt_model *m);
 float *model_dlogits(dt_model *m);
+/* The logits of rows [row, row + n) of the last forward (rows of n_classes values) to host memory as FP32,
+ * widened from bfloat16 where the classifier writes them so (y16). */
+void model_logits_to_host(dt_model *m, float *dst, int64_t row, int64_t n);
 
 /* Sequence runners (used by residual). dx may be NULL. */
 void seq_forward(dt_seq *s, dt_pass *pass, const float *x);

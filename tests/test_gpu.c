@@ -571,32 +571,39 @@ static dbuf ot_rand16(int64_t n, float lo, float hi) {
 
 /* Compares 16-bit buffer b (n values) of both backends as widened values: a relative error of at most one
  * unit in the last place of the format (both round a FP32 result whose sums may differ in their order),
- * and the values [written, n) unchanged on both. */
-static void ot_check16(const char *what, dbuf b, int64_t n, int64_t written) {
+ * and the values [written, n) unchanged on both. With ld > 0 the values are rows of ld, of which the first
+ * k are the row's (the 16-bit row layout, dt_ld16): the padding is unchanged too. */
+static void ot_check16_rows(const char *what, dbuf b, int64_t n, int64_t written, int64_t k, int64_t ld) {
   uint16_t *h[2];
   for (int s = 0; s < 2; s++) {
     h[s] = malloc((size_t)b.n * 4 + 8);
     ot.be[s]->to_host(ot.be[s], h[s], b.p[s], (size_t)b.n * 4);
   }
   double d = 0, na = 0;
+  int64_t changed = -1, side = 0;
   for (int64_t i = 0; i < n; i++) {
-    double c = dt_from_16(h[0][i], ot_format16()), g = dt_from_16(h[1][i], ot_format16());
-    d += (c - g) * (c - g), na += c * c;
+    if (i < written && (!ld || i % ld < k)) {
+      double c = dt_from_16(h[0][i], ot_format16()), g = dt_from_16(h[1][i], ot_format16());
+      d += (c - g) * (c - g), na += c * c;
+    } else {
+      for (int s = 0; s < 2 && changed < 0; s++)
+        if (h[s][i] != ((const uint16_t *)b.init)[i]) changed = i, side = s;
+    }
   }
   const double err = sqrt(d) / (sqrt(na) > 1e-6 ? sqrt(na) : 1e-6),
                ulp = ot_format16() == DT_F16_BF16 ? 0x1p-7 : 0x1p-10;
-  int changed = -1;
-  for (int s = 0; s < 2 && changed < 0; s++)
-    for (int64_t i = written; i < n && changed < 0; i++)
-      if (h[s][i] != ((const uint16_t *)b.init)[i]) changed = s;
   free(h[0]);
   free(h[1]);
   if (!(err <= ulp))
     fail_msg("op %s [%s]: 16-bit %s differs between CUDA and CPU: relative error %.3g", dt_op_names[ot.op], ot.kase,
              what, err);
   if (changed >= 0)
-    fail_msg("op %s [%s]: 16-bit %s changed on %s past the %lld values the op was given", dt_op_names[ot.op], ot.kase,
-             what, changed ? "CUDA" : "CPU", (long long)written);
+    fail_msg("op %s [%s]: 16-bit %s value %lld changed on %s, past the values the op was given", dt_op_names[ot.op],
+             ot.kase, what, (long long)changed, side ? "CUDA" : "CPU");
+}
+
+static void ot_check16(const char *what, dbuf b, int64_t n, int64_t written) {
+  ot_check16_rows(what, b, n, written, 0, 0);
 }
 
 /* ot_check16 of n values where `is16` (a format), else ot_check. */
@@ -1784,6 +1791,106 @@ static void ops_gemm_bf16(void) {
   assert_int_equal(ot.be[1]->scratch(ot.be[1], &batched, 1), 0);
 }
 
+/* The classifier under bf16 (model.c's pick_logits16): the forward GEMM writing bfloat16 logits rows (c16),
+ * the loss on such rows (logits16: cross-entropy with label smoothing and ignored rows, distilled from FP32
+ * teacher logits by KL, and mse on FP32 targets) writing dlogits so, and the two gradient GEMMs reading them
+ * (a16) with no copy; K = 21 and 1031 classes (rows of 24 and 1032: padding never written), 40 inputs. The CPU
+ * widens, runs its FP32 op and rounds; its GEMM operands are rounded beforehand, as CUDA's copies round them. */
+static void ops_classifier_rows16(void) {
+  const int64_t in = 40, ks[] = {21, 1031};
+  for (int ki = 0; ki < 2; ki++) {
+    const int64_t K = ks[ki], ld = dt_ld16(K);
+    FOR_ROWS(r) {
+      float *hx = ot_host_rand(cap * in, -1, 1), *hw = ot_host_rand(K * in, -1, 1);
+      dbuf x = ot_buf(OT_F32, hx, cap * in), w = ot_buf(OT_F32, hw, K * in);
+      for (int64_t j = 0; j < cap * in; j++) hx[j] = round_bf16(hx[j]);
+      for (int64_t j = 0; j < K * in; j++) hw[j] = round_bf16(hw[j]);
+      dbuf xr = ot_buf(OT_F32, hx, cap * in), wr = ot_buf(OT_F32, hw, K * in);
+      free(hx);
+      free(hw);
+      dbuf logits = ot_rand16(cap * ld, -1, 1);
+      ot_case(DT_OP_GEMM, "bfloat16 logits rows (c16), %lld classes, %s", (long long)K, ROWS_NAME(r));
+      BOTH {
+        dt_op op = dense_gemm(DENSE_FWD, rows, in, K);
+        op.p.gemm.a = s_ ? F(x) : F(xr), op.p.gemm.b = s_ ? F(w) : F(wr), op.p.gemm.c = F(logits);
+        op.p.gemm.c16 = DT_F16_BF16;
+        RUN(op);
+      }
+      ot_check16_rows("logits", logits, cap * ld, rows * ld, K, ld);
+
+      /* the loss on rows both sides hold alike: even rows labelled with their argmax, odd ones at random */
+      dbuf z = ot_rand16(cap * ld, -3, 3);
+      const uint16_t *zh = (const uint16_t *)z.init;
+      int32_t *labels = calloc((size_t)cap + 1, sizeof(int32_t));
+      for (int64_t b = 0; b < cap; b++) {
+        int32_t arg = 0;
+        for (int32_t j = 1; j < K; j++)
+          if (dt_from_bf16(zh[b * ld + j]) > dt_from_bf16(zh[b * ld + arg])) arg = j;
+        labels[b] = b % 2 ? (int32_t)(dt_hash64((uint64_t)b + 5) % (uint64_t)K) : arg;
+      }
+      dbuf lab = ot_buf(OT_I32, labels, cap), targets = ot_rand(cap * K, -1, 1), teacher = ot_rand(cap * K, -3, 3);
+      static const char *const kinds[] = {"cross entropy, label smoothing 0.1, rows labelled as row 1 ignored",
+                                          "cross entropy distilled by kl at T = 2.5, alpha 0.6", "mse"};
+      for (int kind = 0; kind < 3; kind++) {
+        const double before[2] = {0.5, 2};
+        dbuf dz = ot_rand16(cap * ld, -1, 1), sums = ot_buf(OT_F64, before, 2);
+        ot_case(DT_OP_LOSS, "bfloat16 logits rows (logits16), %s, %lld classes, %s", kinds[kind], (long long)K,
+                ROWS_NAME(r));
+        if (rows == 0) continue; /* loss_run queues nothing for no rows */
+        BOTH {
+          dt_op op = {.type = DT_OP_LOSS,
+                      .p.loss = {.kind = kind == 2 ? DT_LOSS_MSE : DT_LOSS_CROSS_ENTROPY,
+                                 .b = rows,
+                                 .k = K,
+                                 .label_smoothing = kind == 0 ? 0.1f : 0.0f,
+                                 .ignore = kind == 0,
+                                 .ignore_index = labels[1],
+                                 .weight = 1.0 / (double)(3 * cap),
+                                 .logits = F(z),
+                                 .labels = kind == 2 ? NULL : I(lab),
+                                 .targets = kind == 2 ? F(targets) : NULL,
+                                 .dlogits = F(dz),
+                                 .sums = D(sums),
+                                 .distill = kind == 1 ? DT_DISTILL_KL : DT_DISTILL_NONE,
+                                 .alpha = 0.6f,
+                                 .temperature = 2.5f,
+                                 .teacher = kind == 1 ? F(teacher) : NULL,
+                                 .logits16 = DT_F16_BF16}};
+          RUN(op);
+        }
+        ot_check("loss sum and hits (added into)", sums, 2);
+        ot_check16_rows("dlogits", dz, cap * ld, rows * ld, K, ld);
+      }
+      free(labels);
+
+      /* the gradients from 16-bit dlogits: dW (K, in) += dy^T x, dx (rows, in) = dy W, and so through the
+       * derivative of a tanh gelu before the classifier (DGELU's epilogue) */
+      dbuf dy = ot_rand16(cap * ld, -1, 1), dw = ot_rand(K * in, -1, 1), dx = ot_rand(cap * in, -1, 1);
+      dbuf gelu_x = ot_rand(cap * in, -3, 3), dgelu = ot_rand(cap * in, -1, 1);
+      ot_case(DT_OP_GEMM, "bfloat16 dlogits rows read as they are (a16), %lld classes, %s", (long long)K, ROWS_NAME(r));
+      size_t scratch = 0;
+      BOTH {
+        dt_op op = dense_gemm(DENSE_DW, rows, in, K);
+        op.p.gemm.a = F(dy), op.p.gemm.b = s_ ? F(x) : F(xr), op.p.gemm.c = F(dw), op.p.gemm.a16 = DT_F16_BF16;
+        RUN(op);
+        op = dense_gemm(DENSE_DX, rows, in, K);
+        op.p.gemm.a = F(dy), op.p.gemm.b = s_ ? F(w) : F(wr), op.p.gemm.c = F(dx), op.p.gemm.a16 = DT_F16_BF16;
+        RUN(op);
+        if (s_) scratch = ot.be[1]->scratch(ot.be[1], &op, 1);
+        op.p.gemm.c = F(dgelu), op.p.gemm.epilogue = DT_GEMM_DGELU_TANH, op.p.gemm.aux = F(gelu_x);
+        RUN(op);
+      }
+      ot_check("dW (added into)", dw, K * in);
+      ot_check("dx", dx, rows * in);
+      ot_check("dx through the gelu's derivative", dgelu, rows * in);
+      /* the memory estimate: W's bfloat16 copy (K rows of dt_ld16(in) values), none of dy */
+      if (rows && scratch != (size_t)((K * dt_ld16(in) * 2 + 255) / 256 * 256))
+        fail_msg("op gemm [%s]: the estimate gives the 16-bit operands %zu bytes, not W's copy alone (%lld)", ot.kase,
+                 scratch, (long long)(K * dt_ld16(in) * 2));
+    }
+  }
+}
+
 /* Fused attention over H heads of `rows` samples (buffers for `cap`), in the attention layer's layout:
  * q, k, v in one (cap, T, 3, H, hd) buffer, o in (cap, T, H, hd); the scores scaled by 1/sqrt(hd), q of
  * every third head (h = 1, 4, ...) times 8 (scores of hundreds: exp overflows unless the running maximum
@@ -2268,7 +2375,7 @@ static void gemm_bias_in_cublaslt_epilogue(void) {
     be->to_device(be, bias + cases[c].off_bias, hb, (size_t)out * 4);
     const int64_t fused = backend_cuda_gemm_epilogues(be);
     dense_forward(be, rows, in, out, x + cases[c].off_x, w + cases[c].off_w, bias + cases[c].off_bias,
-                  y + cases[c].off_y, NULL);
+                  y + cases[c].off_y, NULL, 0);
     be->to_host(be, got, y + cases[c].off_y, (size_t)(rows * out) * 4);
     const int want_fused = cases[c].off_bias % 4 == 0 && !(cases[c].no_algorithm && standin) && rows > 1;
     if (backend_cuda_gemm_epilogues(be) - fused != want_fused)
@@ -2299,6 +2406,7 @@ GPU_TEST(cuda_op_gemm_gelu, (ot_begin(), ops_gemm_gelu(), ot_end()))
 GPU_TEST(cuda_gemm_bias_in_cublaslt_epilogue, gemm_bias_in_cublaslt_epilogue())
 GPU_TEST(cuda_op_gemm_batched, (ot_begin(), ops_gemm_batched(), ot_end()))
 GPU_TEST(cuda_op_gemm_bf16, (ot_begin_precision(DT_PREC_BF16, 1e-5), ops_gemm_bf16(), ot_end()))
+GPU_TEST(cuda_op_classifier_bf16_rows, (ot_begin_precision(DT_PREC_BF16, 1e-5), ops_classifier_rows16(), ot_end()))
 GPU_TEST(cuda_op_embed, (ot_begin(), ops_embed(), ot_end()))
 GPU_TEST(cuda_op_layernorm, (ot_begin(), ops_layernorm(), ot_end()))
 GPU_TEST(cuda_op_softmax, (ot_begin(), ops_softmax(), ot_end()))
@@ -2403,6 +2511,7 @@ int main(void) {
       cmocka_unit_test(cuda_gemm_bias_in_cublaslt_epilogue),
       cmocka_unit_test(cuda_op_gemm_batched),
       cmocka_unit_test(cuda_op_gemm_bf16),
+      cmocka_unit_test(cuda_op_classifier_bf16_rows),
       cmocka_unit_test(cuda_op_embed),
       cmocka_unit_test(cuda_op_layernorm),
       cmocka_unit_test(cuda_op_softmax),

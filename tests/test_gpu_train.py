@@ -622,6 +622,49 @@ optim: {{name: sgd, lr: 0.1, momentum: 0.9}}
                 for copy in ("pack16_tiled_kernel", "unpack16_tiled_kernel"):
                     self.assertEqual(off[copy] - on[copy], (pairs + bn_conv) * steps, (prec, copy, on, off))
 
+    def test_bf16_classifier_keeps_its_logits_in_bfloat16(self):
+        """Under bf16 (model.fuse) the last layer, a linear without a bias, writes the logits in bfloat16 as its
+        GEMM computes them; the loss reads them and writes dlogits so, and the two gradient GEMMs read those as
+        they are (PyTorch's autocast, too, gives cross_entropy bfloat16 logits). The small GPT (20 classes:
+        rows padded to 24) trains 16 steps as with model.fuse false, which keeps FP32 logits: each loss within
+        2e-2 relative, not the same bits. On the stand-in, its profile shows one bfloat16 copy (dlogits') a step
+        fewer. --predict and --sample read the bfloat16 logits back: the predicted logits within 2e-2 of the
+        FP32 ones, from the same checkpoint."""
+        cfg = self.small_gpt()
+        steps, losses, launches = 16, {}, {}
+        for fuse in ("true", "false"):
+            sub = f"fuse_{fuse}"
+            rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", "train.precision=bf16", "--set",
+                                    f"model.fuse={fuse}", "--set", f"train.max_steps={steps}", "--set",
+                                    f"log.dir={self.w.file(sub)}", "--set", f"checkpoint.dir={self.w.file(sub)}",
+                                    "--set", "train.cuda_graph=off"], 1, dict(ENV1, GPUSIM_PROFILE="1"))
+            self.assertEqual(rc, 0, out + err)
+            losses[fuse] = np.array([r["loss"] for r in self.w.metrics(sub) if "loss" in r and "step" in r])
+            launches[fuse] = {k: int(n) for k, n in re.findall(r"^\s*(\w+_kernel)\s+(\d+)\s", err, re.M)}
+        self.assertEqual(len(losses["true"]), steps)
+        np.testing.assert_allclose(losses["true"], losses["false"], rtol=2e-2)
+        self.assertFalse(np.array_equal(losses["true"], losses["false"]))  # the logits really round
+        if SIM:
+            on, off = launches["true"], launches["false"]
+            self.assertEqual(off["pack_bf16_rows_kernel"] - on["pack_bf16_rows_kernel"], steps, (on, off))
+        # the same checkpoint's validation logits, read back from bfloat16 rows and from FP32
+        ckpt = self.w.latest("fuse_true")
+        pred = {}
+        for fuse in ("true", "false"):
+            path = self.w.file(f"pred_{fuse}.h5")
+            rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", "train.precision=bf16", "--set",
+                                    f"model.fuse={fuse}", "--set", "data.val.x=/train/tokens", "--resume", ckpt,
+                                    "--predict", path], 1, ENV1)
+            self.assertEqual(rc, 0, out + err)
+            with h5py.File(path) as f:
+                pred[fuse] = f["logits"][...]
+        self.assertEqual(pred["true"].shape, pred["false"].shape)
+        self.assertEqual(pred["true"].shape[-1], 8 * 20)  # each row's (T, V)
+        np.testing.assert_allclose(pred["true"], pred["false"], rtol=2e-2, atol=2e-2 * np.abs(pred["false"]).max())
+        rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", "train.precision=bf16", "--resume", ckpt,
+                                "--sample", "12", "--prompt", "3 10", "--top-k", "1"], 1, ENV1)
+        self.assertEqual(rc, 0, out + err)
+
     @unittest.skipUnless(SIM, "reads the stand-in's GPUSIM_PROFILE (on a GPU, gpu_check.sh's profile names the kernels)")
     def test_bf16_attention_uses_tensor_cores_only_where_the_build_has_them(self):
         """bf16 runs the fused attention's tensor-core kernels on a GPU of 8.0 or later; where the build's

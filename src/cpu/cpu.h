@@ -62,6 +62,10 @@ void cpu_ln_bwd(cpu_impl *im, const dt_op *op);
 float *cpu_fp32_for(int format, int64_t n);
 float *cpu_widen16(const void *x16, int format, int64_t b, int64_t c, int64_t s);
 void cpu_narrow16(const float *x, void *x16, int format, int64_t b, int64_t c, int64_t s);
+/* The same for the 16-bit row layout (backend.h's gemm.c16, a16, loss.logits16): (rows, cols) FP32 and rows
+ * of dt_ld16(cols) 16-bit values, whose padding is neither read nor written. */
+float *cpu_widen_rows(const void *x16, int format, int64_t rows, int64_t cols);
+void cpu_narrow_rows(const float *x, void *x16, int format, int64_t rows, int64_t cols);
 void cpu_bias_add(cpu_impl *im, const dt_op *op);
 void cpu_bias_grad(cpu_impl *im, const dt_op *op);
 void cpu_act_fwd(cpu_impl *im, const dt_op *op);

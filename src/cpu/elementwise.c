@@ -286,3 +286,22 @@ void cpu_narrow16(const float *x, void *x16, int format, int64_t b, int64_t c, i
     for (int64_t p = 0; p < s; p++)
       for (int64_t ch = 0; ch < c; ch++) h[(i * s + p) * c + ch] = dt_to_16(x[(i * c + ch) * s + p], format);
 }
+
+float *cpu_widen_rows(const void *x16, int format, int64_t rows, int64_t cols) {
+  const uint16_t *h = x16;
+  const int64_t ld = dt_ld16(cols);
+  float *x = cpu_fp32_for(format, rows * cols);
+  if (!x) return NULL;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t j = 0; j < cols; j++) x[r * cols + j] = dt_from_16(h[r * ld + j], format);
+  return x;
+}
+
+void cpu_narrow_rows(const float *x, void *x16, int format, int64_t rows, int64_t cols) {
+  uint16_t *h = x16;
+  const int64_t ld = dt_ld16(cols);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t j = 0; j < cols; j++) h[r * ld + j] = dt_to_16(x[r * cols + j], format);
+}

@@ -1,6 +1,7 @@
 /* gemm.c: the GEMM op through OpenBLAS (one product, a batch of them, or one starting from a
  * bias); the CUDA side is src/cuda/gemm.c (cuBLAS). */
 #include <cblas.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu.h"
@@ -12,6 +13,23 @@ static void gemm_one(const typeof(((dt_op *)0)->p.gemm) *q, int64_t i) {
               (int)(ldb > 1 ? ldb : 1), q->beta, q->c + i * q->stride_c, (int)q->n);
 }
 
+/* 16-bit rows (a16, c16): A widened to FP32, the product in FP32 and C rounded to nearest even from it, as
+ * the CUDA backend rounds its FP32 sums. */
+static void gemm_rows16(cpu_impl *im, const dt_op *op) {
+  const typeof(op->p.gemm) *q = &op->p.gemm;
+  DT_ASSERT(q->batch <= 1 && (!q->c16 || (q->beta == 0.0f && !q->bias && !q->epilogue)));
+  float *a = q->a16 ? cpu_widen_rows(q->a, q->a16, q->trans_a ? q->k : q->m, q->trans_a ? q->m : q->k) : NULL;
+  float *c = cpu_fp32_for(q->c16, q->m * q->n);
+  dt_op fp32 = *op;
+  fp32.p.gemm.a16 = fp32.p.gemm.c16 = 0;
+  if (a) fp32.p.gemm.a = a;
+  if (c) fp32.p.gemm.c = c;
+  cpu_gemm(im, &fp32);
+  if (c) cpu_narrow_rows(c, q->c, q->c16, q->m, q->n);
+  free(a);
+  free(c);
+}
+
 /* The products one by one with a threaded GEMM each, or, when there are at least as many products
  * as threads, in parallel with a single-threaded GEMM each (as conv_fwd's). The threaded GEMM is
  * called outside any parallel region: inside even an if(0) one, OpenBLAS's own region is nested,
@@ -19,6 +37,10 @@ static void gemm_one(const typeof(((dt_op *)0)->p.gemm) *q, int64_t i) {
 void cpu_gemm(cpu_impl *im, const dt_op *op) {
   const typeof(op->p.gemm) *q = &op->p.gemm;
   if (!q->m || !q->n) return; /* a rank with no rows this batch */
+  if (q->a16 || q->c16) {
+    gemm_rows16(im, op);
+    return;
+  }
   if (q->epilogue) {          /* the product, then the gelu's op as a layer of its own would run it */
     DT_ASSERT(q->beta == 0.0f && q->batch <= 1 && q->aux && (q->epilogue == DT_GEMM_GELU_TANH || !q->bias));
     dt_op product = *op;

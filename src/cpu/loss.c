@@ -2,6 +2,7 @@
  * logits mixed in by KL or MSE for distillation): loss sums and dlogits in double, as
  * kernels/loss.cu. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu.h"
@@ -43,8 +44,17 @@ static double distill_element(int kind, const row_softmax *r, double z, double t
 }
 
 void cpu_loss(cpu_impl *im, const dt_op *op) {
-  (void)im;
   const typeof(op->p.loss) *q = &op->p.loss;
+  if (q->logits16) { /* the FP32 op on the widened logits; dlogits rounded to nearest even from its floats */
+    float *z = cpu_widen_rows(q->logits, q->logits16, q->b, q->k), *dz = cpu_fp32_for(q->logits16, q->b * q->k);
+    dt_op fp32 = *op;
+    fp32.p.loss.logits16 = 0, fp32.p.loss.logits = z, fp32.p.loss.dlogits = dz;
+    cpu_loss(im, &fp32);
+    cpu_narrow_rows(dz, q->dlogits, q->logits16, q->b, q->k);
+    free(z);
+    free(dz);
+    return;
+  }
   const double weight = (q->weight_dev ? *q->weight_dev : q->weight) * (q->grad_scale ? (double)q->grad_scale[0] : 1.0);
   const double alpha = q->alpha, keep = 1.0 - alpha, temp = q->temperature;
   double total = 0, hits = 0;

@@ -20,28 +20,31 @@ typedef struct {
   int64_t rows, cols, ld16;
 } operand16;
 
-/* Below this in any dimension a GEMM has no tensor-core tile to fill, and copying its operands
- * would cost more than it saves. */
-enum { GEMM16_MIN_DIM = 16 };
-
 static operand16 stored(int64_t rows, int64_t cols) {
   return (operand16){rows, cols, (cols + 7) / 8 * 8}; /* rows of 16 bytes: cuBLAS's aligned kernels */
 }
 
-/* Under bf16, an unbatched GEMM (batch 0) with every dimension at least GEMM16_MIN_DIM runs on bfloat16
+/* Under bf16, an unbatched GEMM (batch 0) with every dimension at least DT_GEMM16_MIN_DIM runs on bfloat16
  * copies of A and B in im->h16 (as PyTorch's autocast casts a linear layer's operands): twice the
- * tensor-core rate of FP32 operands, which cuBLAS runs as TF32 even under _FAST_16BF. Their bytes
- * (A's copy, then B's, each 256-byte aligned), or 0 for a GEMM on FP32 operands. */
+ * tensor-core rate of FP32 operands, which cuBLAS runs as TF32 even under _FAST_16BF. So does any GEMM
+ * whose A or C is in 16-bit rows already (a16, c16), with no copy of such an A. Their bytes (A's copy,
+ * then B's, each 256-byte aligned), or 0 for a GEMM on FP32 operands. */
 static size_t gemm16_plan(const cuda_impl *im, const dt_op *op, operand16 *a, operand16 *b) {
   const typeof(op->p.gemm) *q = &op->p.gemm;
-  if (im->precision != DT_PREC_BF16 || q->batch || q->m < GEMM16_MIN_DIM || q->n < GEMM16_MIN_DIM ||
-      q->k < GEMM16_MIN_DIM) /* batch 1 is attention's (B, H) product of one: not a dense layer's */
+  const int rows16 = q->a16 || q->c16; /* A or C in 16-bit rows already: this path, whatever the shape */
+  if (rows16)
+    DT_ASSERT(im->precision == DT_PREC_BF16 && q->batch <= 1 && (!q->a16 || q->a16 == DT_F16_BF16) &&
+              (!q->c16 || (q->c16 == DT_F16_BF16 && q->beta == 0.0f && !q->bias && !q->epilogue)));
+  else if (im->precision != DT_PREC_BF16 || q->batch || q->m < DT_GEMM16_MIN_DIM || q->n < DT_GEMM16_MIN_DIM ||
+           q->k < DT_GEMM16_MIN_DIM) /* batch 1 is attention's (B, H) product of one: not a dense layer's */
     return 0;
   *a = q->trans_a ? stored(q->k, q->m) : stored(q->m, q->k);
   *b = q->trans_b ? stored(q->n, q->k) : stored(q->k, q->n);
   const int64_t limit = (int64_t)1 << 31; /* k_pack_bf16_rows' (fast_div is exact below 2^31) */
-  if (a->rows * a->cols >= limit || b->rows * b->cols >= limit) return 0;
-  return align256((size_t)(a->rows * a->ld16) * 2) + align256((size_t)(b->rows * b->ld16) * 2);
+  const int over = (!q->a16 && a->rows * a->cols >= limit) || b->rows * b->cols >= limit;
+  DT_ASSERT(!(rows16 && over)); /* device.c keeps every tensor under 2^31 values */
+  if (over) return 0;
+  return (q->a16 ? 0 : align256((size_t)(a->rows * a->ld16) * 2)) + align256((size_t)(b->rows * b->ld16) * 2);
 }
 
 size_t cuda_gemm16_bytes(const cuda_impl *im, const dt_op *op) {
@@ -234,16 +237,19 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
   int64_t layout[4] = {0};
   if (bytes16) {
     /* A dense layer's dy is A of both its weight gradient and, next, its input gradient (layer_dense.c):
-     * the second takes the copy the first left at the start of h16. */
+     * the second takes the copy the first left at the start of h16. A 16-bit A (a16) is read where it is. */
     a16 = cuda_grow_device(im, (void **)&im->h16, &im->h16_bytes, bytes16, "16-bit GEMM operands");
-    uint16_t *b16 = a16 + align256((size_t)(a.rows * a.ld16) * 2) / 2;
+    uint16_t *b16 = q->a16 ? a16 : a16 + align256((size_t)(a.rows * a.ld16) * 2) / 2;
     layout[0] = DY16_ROWS, layout[1] = a.rows, layout[2] = a.cols, layout[3] = a.ld16;
-    if (cuda_dy16_held(im, q->a, a16, layout))
+    if (q->a16)
+      cuda_forget_dy16(im); /* B's copy takes the start of h16 */
+    else if (cuda_dy16_held(im, q->a, a16, layout))
       im->dy16_reuses++;
     else
       k_pack_bf16_rows(im->stream, q->a, a16, a.rows, a.cols, a.ld16);
     k_pack_bf16_rows(im->stream, q->b, b16, b.rows, b.cols, b.ld16);
-    a_op = a16, b_op = b16, lda_op = a.ld16, ldb_op = b.ld16, type = CUDA_R_16BF, compute = CUBLAS_COMPUTE_32F;
+    a_op = q->a16 ? (const void *)q->a : a16, b_op = b16, lda_op = a.ld16, ldb_op = b.ld16, type = CUDA_R_16BF,
+    compute = CUBLAS_COMPUTE_32F;
   }
   /* the workspace whether or not cuBLASLt takes the GEMM, as the memory estimate counts it */
   if (cuda_gemm_workspace(op))
@@ -253,11 +259,11 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
     float *dest = q->epilogue == DT_GEMM_GELU_TANH ? q->aux : q->c; /* a gelu's input first */
     if (q->bias) k_fill_rows(im->stream, dest, q->bias, q->m, q->n), beta = &one;
     CUBLAS_CHECK(cublasGemmEx(im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, b_op, type, (int)ldb_op,
-                              a_op, type, (int)lda_op, beta, dest, CUDA_R_32F, (int)q->n, compute,
-                              CUBLAS_GEMM_DEFAULT));
+                              a_op, type, (int)lda_op, beta, dest, q->c16 ? CUDA_R_16BF : CUDA_R_32F,
+                              (int)(q->c16 ? dt_ld16(q->n) : q->n), compute, CUBLAS_GEMM_DEFAULT));
     if (q->epilogue == DT_GEMM_GELU_TANH) k_act_fwd(im->stream, DT_ACT_GELU_TANH, q->aux, q->c, q->m * q->n);
     if (q->epilogue == DT_GEMM_DGELU_TANH) /* in place: c = gelu_tanh'(aux) c */
       k_act_bwd(im->stream, DT_ACT_GELU_TANH, q->aux, NULL, q->c, q->c, q->m * q->n);
   }
-  if (bytes16) cuda_hold_dy16(im, q->a, a16, layout); /* A as it was: C never aliases it (cuBLAS's contract) */
+  if (bytes16 && !q->a16) cuda_hold_dy16(im, q->a, a16, layout); /* A as it was: C never aliases it (cuBLAS's) */
 }

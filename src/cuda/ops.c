@@ -196,7 +196,9 @@ void cuda_loss(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.loss) *q = &op->p.loss;
   double *pairs =
       cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes, cuda_partials_bytes(op), "loss sums");
-  k_loss(im->stream, q->kind, q->logits, q->labels, q->targets, q->dlogits, q->b, q->k, q->label_smoothing,
+  DT_ASSERT(!q->logits16 ||
+            (q->logits16 == DT_F16_BF16 && (uintptr_t)q->logits % 16 == 0 && (uintptr_t)q->dlogits % 16 == 0));
+  k_loss(im->stream, q->kind, q->logits, q->logits16, q->labels, q->targets, q->dlogits, q->b, q->k, q->label_smoothing,
          q->ignore ? q->ignore_index : -1, q->weight, q->weight_dev, q->grad_scale, q->distill, q->alpha,
          q->temperature, q->teacher, q->sums, pairs);
 }
