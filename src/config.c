@@ -28,7 +28,9 @@ static const dt_key config_keys[] = {
      "results bit for bit), and a tanh gelu between two linears inside their GEMMs (CUDA: cuBLASLt's "
      "epilogues; one gradient buffer fewer; on the CPU the same bits), and under bf16 and fp16 on CUDA a conv2d "
      "without a bias hands the batchnorm after it its output, and takes its gradient, in cuDNN's 16-bit NHWC, as "
-     "such a batchnorm does to a conv2d after it (no copies to and from FP32 between them; the same results); "
+     "such a batchnorm does to a conv2d after it (no copies to and from FP32 between them; the same results), and "
+     "under bf16 on CUDA a last linear without a bias (GPT-2's tied head) writes bfloat16 logits, which the loss "
+     "reads and whose bfloat16 gradient the linear's GEMMs read as it is (PyTorch's autocast rounds them so too); "
      "false runs them apart"},
     {"model.attention", DT_KEY_ENUM, F(attention), "auto", NOB, "auto|fused|materialized",
      "fused: each attention layer's heads in one op that never stores the (B, H, T, T) scores (online softmax; "
