@@ -83,10 +83,15 @@ __global__ void act_fwd_kernel(int kind, const float *x, float *y, int64_t n) {
   }
 }
 
+// relu's selects dy (+0 where x <= 0, whatever dy is: no NaN or -0 from 0 * dy), as the CPU and the fused
+// relus of batchnorm and residual sums
 __global__ void act_bwd_kernel(int kind, const float *x, const float *y, const float *dy, float *dx, int64_t n) {
   GRID_STRIDE(i, n) {
-    float g = kind == ACT_RELU        ? (x[i] > 0 ? 1.0f : 0.0f)
-              : kind == ACT_GELU      ? gelu_grad(x[i])
+    if (kind == ACT_RELU) {
+      dx[i] = x[i] > 0 ? dy[i] : 0.0f;
+      continue;
+    }
+    float g = kind == ACT_GELU        ? gelu_grad(x[i])
               : kind == ACT_TANH      ? 1.0f - y[i] * y[i]
               : kind == ACT_GELU_TANH ? gelu_tanh_grad(x[i])
                                       : y[i] * (1.0f - y[i]);

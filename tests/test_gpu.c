@@ -809,6 +809,26 @@ static void ops_activation(void) {
       ot_check("dx", dx, n);
     }
   }
+  /* relu's backward selects, dx = x > 0 ? dy : +0, on both backends bit for bit (as the fused relus of a
+   * batchnorm and a residual sum): not 0 * dy, whose NaN (a NaN or infinite dy) and -0 (a negative dy) where
+   * x <= 0 would part from the CPU's */
+  const float xs[8] = {-1.0f, 0.0f, -0.0f, 2.0f, -3.0f, 0.5f, -2.0f, NAN};
+  const float dys[8] = {NAN, -1.5f, INFINITY, NAN, -INFINITY, -0.25f, -0.0f, 1.0f};
+  const float want[8] = {0.0f, 0.0f, 0.0f, NAN, 0.0f, -0.25f, 0.0f, 0.0f};
+  dbuf x = ot_buf(OT_F32, xs, 8), dy = ot_buf(OT_F32, dys, 8), dx = ot_rand(8, -1, 1);
+  ot_case(DT_OP_ACT_BWD, "relu, dy NaN, infinite, negative or -0 where x <= 0 (NaN among them)");
+  BOTH {
+    dt_op op = {.type = DT_OP_ACT_BWD, .p.act_bwd = {.kind = DT_ACT_RELU, .n = 8, .x = F(x), .dy = F(dy), .dx = F(dx)}};
+    RUN(op);
+  }
+  for (int s = 0; s < 2; s++) {
+    float got[8];
+    ot.be[s]->to_host(ot.be[s], got, dx.p[s], sizeof got);
+    for (int i = 0; i < 8; i++)
+      if (memcmp(&got[i], &want[i], sizeof got[i]) && !(isnan(got[i]) && isnan(want[i])))
+        fail_msg("op act_bwd [%s]: dx[%d] = %g on %s (x %g, dy %g), expected %g", ot.kase, i, got[i],
+                 s ? "CUDA" : "CPU", xs[i], dys[i], want[i]);
+  }
 }
 
 static void ops_pool(void) {
