@@ -115,6 +115,11 @@ void k_pool_fwd(cudaStream_t s, int kind, const float *x, float *y, int32_t *arg
                 int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo);
 void k_pool_bwd(cudaStream_t s, int kind, const float *dy, const int32_t *argmax, float *dx, int64_t b, int64_t c,
                 int64_t h, int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo);
+/* max pooling of 16-bit NHWC values (bf16: bfloat16, else IEEE half), argmax (B, Ho, Wo, C) */
+void k_pool16_fwd(cudaStream_t s, const uint16_t *x, uint16_t *y, int32_t *argmax, int64_t b, int64_t c, int64_t h,
+                  int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo, int bf16);
+void k_pool16_bwd(cudaStream_t s, const uint16_t *dy, const int32_t *argmax, uint16_t *dx, int64_t b, int64_t c,
+                  int64_t h, int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo, int bf16);
 
 /* loss.cu: per-sample losses added to out[0], hits to out[1] (doubles; per-sample pairs in
  * `pairs`, 2 * b doubles, added in a fixed order); dlogits weighted by `weight` (1 / global count)

@@ -1,7 +1,9 @@
-// pool.cu: max and average pooling, NCHW, no padding (floor), as src/cpu/pool.c.
+// pool.cu: max and average pooling, NCHW (max pooling also 16-bit NHWC), no padding (floor), as
+// src/cpu/pool.c.
 #include <math.h>
 
 #include "common.cuh"
+#include "half.h"
 #include "kernels.h"
 
 enum { POOL_MAX, POOL_AVG };  // backend.h's DT_POOL_*
@@ -72,7 +74,78 @@ __global__ void pool_bwd_kernel(int kind, const float *dy, const int32_t *argmax
   }
 }
 
+// 16-bit NHWC max pooling (the op's nhwc16): one thread per output value (b, oh, ow, c), c fastest, so a
+// warp reads 32 channels of a pixel at once. The same choice as pool_fwd_kernel (the first maximum in
+// row-major order, a NaN over numbers); y takes that input's bits.
+__global__ void pool16_fwd_kernel(const uint16_t *x, uint16_t *y, int32_t *argmax, int64_t n, int64_t h, int64_t w,
+                                  int k, int stride, fast_div c, fast_div wo, fast_div ho, int bf16) {
+  GRID_STRIDE(i, n) {
+    uint32_t pix = div_by((uint32_t)i, c), row = div_by(pix, wo), img = div_by(row, ho);
+    const int64_t ch = i - (int64_t)pix * c.d, ow = pix - row * wo.d, oh = row - img * ho.d;
+    const uint16_t *xp = x + (int64_t)img * h * w * c.d + ch;
+    float best = -INFINITY;
+    int32_t where = (int32_t)(oh * stride * w + ow * stride);
+    for (int a = 0; a < k; a++)
+      for (int b = 0; b < k; b++) {
+        const int32_t idx = (int32_t)((oh * stride + a) * w + ow * stride + b);
+        const float v = bf16 ? dt_from_bf16(xp[(int64_t)idx * c.d]) : dt_from_half(xp[(int64_t)idx * c.d]);
+        if (v > best || (isnan(v) && !isnan(best))) best = v, where = idx;
+      }
+    y[i] = xp[(int64_t)where * c.d];
+    argmax[i] = where;
+  }
+}
+
+// Its backward: one thread per input value (b, iy, ix, c), as pool_bwd_kernel (disjoint windows by
+// multiplies), the sum in FP32 rounded once to nearest even.
+__global__ void pool16_bwd_kernel(const uint16_t *dy, const int32_t *argmax, uint16_t *dx, int64_t n, fast_div c,
+                                  fast_div w, fast_div h, int k, int stride, int ho, int wo, fast_div window,
+                                  int bf16) {
+  GRID_STRIDE(i, n) {
+    uint32_t pix = div_by((uint32_t)i, c), row = div_by(pix, w), img = div_by(row, h);
+    const int64_t ch = i - (int64_t)pix * c.d;
+    const int ix = (int)(pix - row * w.d), iy = (int)(row - img * h.d), at = iy * (int)w.d + ix;
+    const int64_t plane = (int64_t)img * ho * wo;
+    float g = 0;
+    if (k == stride) {
+      const int oh = (int)div_by((uint32_t)iy, window), ow = (int)div_by((uint32_t)ix, window);
+      if (oh < ho && ow < wo) {  // else past the last whole window: no gradient
+        const int64_t o = (plane + oh * wo + ow) * c.d + ch;
+        if (argmax[o] == at) g = bf16 ? dt_from_bf16(dy[o]) : dt_from_half(dy[o]);
+      }
+    } else {
+      int oh0 = iy >= k ? (iy - k) / stride + 1 : 0, ow0 = ix >= k ? (ix - k) / stride + 1 : 0;
+      int oh1 = iy / stride, ow1 = ix / stride;
+      if (oh1 >= ho) oh1 = ho - 1;
+      if (ow1 >= wo) ow1 = wo - 1;
+      for (int oh = oh0; oh <= oh1; oh++)
+        for (int ow = ow0; ow <= ow1; ow++) {
+          const int64_t o = (plane + oh * wo + ow) * c.d + ch;
+          if (argmax[o] == at) g += bf16 ? dt_from_bf16(dy[o]) : dt_from_half(dy[o]);
+        }
+    }
+    dx[i] = bf16 ? dt_to_bf16(g) : dt_to_half(g);
+  }
+}
+
 extern "C" {
+
+void k_pool16_fwd(cudaStream_t s, const uint16_t *x, uint16_t *y, int32_t *argmax, int64_t b, int64_t c, int64_t h,
+                  int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo, int bf16) {
+  int64_t n = b * ho * wo * c;
+  if (!n) return;
+  LAUNCH(pool16_fwd_kernel, blocks_for(n), kThreads, 0, s)
+  (x, y, argmax, n, h, w, (int)k, (int)stride, make_fast_div(c), make_fast_div(wo), make_fast_div(ho), bf16);
+}
+
+void k_pool16_bwd(cudaStream_t s, const uint16_t *dy, const int32_t *argmax, uint16_t *dx, int64_t b, int64_t c,
+                  int64_t h, int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo, int bf16) {
+  int64_t n = b * h * w * c;
+  if (!n) return;
+  LAUNCH(pool16_bwd_kernel, blocks_for(n), kThreads, 0, s)
+  (dy, argmax, dx, n, make_fast_div(c), make_fast_div(w), make_fast_div(h), (int)k, (int)stride, (int)ho, (int)wo,
+   make_fast_div(k), bf16);
+}
 
 void k_pool_fwd(cudaStream_t s, int kind, const float *x, float *y, int32_t *argmax, int64_t b, int64_t c, int64_t h,
                 int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo) {

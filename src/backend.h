@@ -107,7 +107,11 @@ typedef struct {
   int64_t b, c, h, w, k, stride, ho, wo;
   const float *x, *dy;
   float *y, *dx;
-  int32_t *argmax; /* max pooling only, (B,C,Ho,Wo): written forward, read backward */
+  int32_t *argmax; /* max pooling only, (B,C,Ho,Wo): written forward, read backward; each the index of its
+                      window's maximum in its (H, W) plane */
+  int nhwc16;      /* 0, or half.h's DT_F16_* (max pooling; CUDA under bf16 and fp16, between a batchnorm's y16
+                      and a conv2d's in16): x and dx in that format as (B, H, W, C), y and dy as (B, Ho, Wo, C),
+                      and argmax as (B, Ho, Wo, C) */
 } dt_pool_args;
 
 typedef struct {

@@ -70,7 +70,9 @@ static void pool_run(dt_layer *l, dt_pass *pass, dt_op_type type, const float *x
                           .y = l->y,
                           .dy = l->dy,
                           .dx = dx,
-                          .argmax = s->argmax};
+                          .argmax = s->argmax,
+                          .nhwc16 = l->y16};
+  DT_ASSERT(l->x16 == l->y16);
   dt_op op = {.type = type};
   if (type == DT_OP_POOL_FWD)
     op.p.pool_fwd = a;
@@ -97,8 +99,9 @@ static void pool_memory(const dt_layer *l, int64_t batch, int threads, dt_memory
   if (l->ops == &dt_layer_global_avgpool) mem->buffers += (size_t)(l->in.h * l->in.w) * sizeof(float);
 }
 
-#define POOL_LAYER(var, name)                          \
+#define POOL_LAYER(var, name, kind_traits)             \
   const dt_layer_ops var = {.kind = name,              \
+                            .traits = kind_traits,     \
                             .keys = pool_keys,         \
                             .n_keys = 2,               \
                             .setup = pool_setup,       \
@@ -108,8 +111,8 @@ static void pool_memory(const dt_layer *l, int64_t batch, int threads, dt_memory
                             .release = pool_release,   \
                             .flops = pool_flops,       \
                             .memory = pool_memory}
-POOL_LAYER(dt_layer_maxpool, "maxpool");
-POOL_LAYER(dt_layer_avgpool, "avgpool");
+POOL_LAYER(dt_layer_maxpool, "maxpool", DT_LAYER_MAXPOOL);
+POOL_LAYER(dt_layer_avgpool, "avgpool", 0);
 
 static int gap_setup(dt_model *m, dt_layer *l, dt_status *st) {
   (void)m;

@@ -196,7 +196,8 @@ static int is_gelu_tanh(const dt_seq *s, int i) {
  * linear; all three in one train.recompute block, so that each reads what its own block keeps. A
  * batchnorm right after a convolution without a bias may take that layer's output, and give its
  * gradient, as the convolution has them, and hand its own to a convolution right after it (or after
- * its fused relu) so too (model_pick_ops decides, for the backend). */
+ * its fused relu), or to a maxpool that such a convolution follows, so too (model_pick_ops decides, for
+ * the backend). */
 static void fuse_seq(dt_seq *s) {
   for (int i = 0; i < s->n; i++) {
     dt_layer *l = s->layers[i];
@@ -220,6 +221,9 @@ static void fuse_seq(dt_seq *s) {
     const int after = i + 1 + l->fused_relu; /* the layer reading this one's output */
     if (i > 0 && s->layers[i - 1]->bn_next == l && after < s->n && (s->layers[after]->ops->traits & DT_LAYER_CONV))
       l->conv_next = s->layers[after];
+    if (i > 0 && s->layers[i - 1]->bn_next == l && after + 1 < s->n &&
+        (s->layers[after]->ops->traits & DT_LAYER_MAXPOOL) && (s->layers[after + 1]->ops->traits & DT_LAYER_CONV))
+      l->pool_next = s->layers[after], l->pool_next->conv_next = s->layers[after + 1];
   }
 }
 
@@ -239,11 +243,13 @@ static void share_branch_grads(dt_seq *s) {
 }
 
 /* Each convolution with a bn_next hands it y and dy in `format` (half.h; DT_F16_NONE: FP32 NCHW), and each
- * such batchnorm with a conv_next its own to that convolution, which then keeps no copy of x. */
+ * such batchnorm with a conv_next its own to that convolution, which then keeps no copy of x; or with a
+ * pool_next to that maxpool, which pools them as they are and hands its own to its conv_next so too. */
 static void pick_y16(dt_model *m, int format) {
   for (int i = 0; i < m->n_all; i++) {
     dt_layer *l = m->all[i];
     if (l->bn_next) l->y16 = l->bn_next->x16 = format;
+    if (l->pool_next) l->y16 = l->pool_next->x16 = format;
     if (l->conv_next) {
       l->y16 = l->conv_next->in16 = format;
       if (format) l->conv_next->keeps_x16 = 0;

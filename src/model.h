@@ -96,17 +96,19 @@ typedef struct {
 } dt_layer_ops;
 
 enum {
-  DT_LAYER_FUSES_RELU = 1, /* applies a relu right after it in its own ops (model.fuse: batchnorm, residual) */
-  DT_LAYER_RELU = 2,       /* a relu: the layer before may apply it */
-  DT_LAYER_NORM = 4,       /* a normalisation: its weights are optim.no_decay's "norm" group */
-  DT_LAYER_EMBEDDING = 8,  /* a token embedding: optim.no_decay's "embedding", what linear{tie} may name */
-  DT_LAYER_BLOCK = 16,     /* a block for train.recompute (residual) where it is not inside a repeat's copy */
-  DT_LAYER_LINEAR = 32,    /* a linear: its GEMM may apply the tanh gelu after it, or that gelu's derivative
-                              before it (model.fuse) */
-  DT_LAYER_GELU = 64,      /* a gelu: in its tanh form, the linears around it may apply it */
-  DT_LAYER_CONV = 128,     /* a convolution: without a bias, a batchnorm right after it may take its output and
-                              give its gradient as the 16-bit convolution has them (y16, model.fuse) */
-  DT_LAYER_BATCHNORM = 256 /* a batchnorm: what such a convolution may hand its output to */
+  DT_LAYER_FUSES_RELU = 1,  /* applies a relu right after it in its own ops (model.fuse: batchnorm, residual) */
+  DT_LAYER_RELU = 2,        /* a relu: the layer before may apply it */
+  DT_LAYER_NORM = 4,        /* a normalisation: its weights are optim.no_decay's "norm" group */
+  DT_LAYER_EMBEDDING = 8,   /* a token embedding: optim.no_decay's "embedding", what linear{tie} may name */
+  DT_LAYER_BLOCK = 16,      /* a block for train.recompute (residual) where it is not inside a repeat's copy */
+  DT_LAYER_LINEAR = 32,     /* a linear: its GEMM may apply the tanh gelu after it, or that gelu's derivative
+                               before it (model.fuse) */
+  DT_LAYER_GELU = 64,       /* a gelu: in its tanh form, the linears around it may apply it */
+  DT_LAYER_CONV = 128,      /* a convolution: without a bias, a batchnorm right after it may take its output and
+                               give its gradient as the 16-bit convolution has them (y16, model.fuse) */
+  DT_LAYER_BATCHNORM = 256, /* a batchnorm: what such a convolution may hand its output to */
+  DT_LAYER_MAXPOOL = 512    /* a max pooling: between such a batchnorm and a convolution, it may pool their 16-bit
+                               NHWC values as they are */
 };
 
 /* The layer kinds (layers.c): the one of that name in the config, or NULL; their names (n_kinds). */
@@ -167,13 +169,17 @@ struct dt_layer {
   dt_layer *bn_next;     /* conv2d without a bias: the batchnorm right after it (model.fuse), which may read
                             its y and write its dy as its 16-bit convolution has them */
   dt_layer *conv_next;   /* batchnorm after such a conv2d: the conv2d right after it (or after its fused relu),
-                            which may read its y and write its dy as 16-bit NHWC too */
+                            which may read its y and write its dy as 16-bit NHWC too; maxpool after such a
+                            batchnorm (pool_next): the conv2d right after it, so too */
+  dt_layer *pool_next;   /* batchnorm after such a conv2d: a maxpool right after it (or after its fused relu) that
+                            a conv2d follows, which may pool its y and give its dy as 16-bit NHWC */
   int y16;               /* conv2d with a bn_next, or batchnorm with a conv_next, picked for CUDA under bf16 or
                             fp16: y and dy hold 16-bit values (half.h's DT_F16_*) as (B, H, W, C), NHWC, as cuDNN
                             writes and reads them (no copies to and from FP32 NCHW), 2 bytes a value; 0: FP32.
                             The last layer, a linear (pick_logits16, CUDA under bf16): the logits and their
                             gradient in bfloat16 rows of dt_ld16(out) values (backend.h's loss.logits16) */
-  int x16;               /* batchnorm after such a conv2d: its x and dx are that layer's y and dy, in this format */
+  int x16;               /* batchnorm after such a conv2d: its x and dx are that layer's y and dy, in this format;
+                            a pool_next: so too, and its y and dy (y16) */
   int in16;              /* conv2d after such a batchnorm: its x and dx are that layer's y and dy, in this format
                             (read as they are: no x16 copy kept) */
   void *priv;            /* per-kind state */

@@ -831,7 +831,9 @@ static void ops_activation(void) {
   }
 }
 
-static void ops_pool(void) {
+/* f16 0: FP32 NCHW, max and average pooling; else (half.h's format, the CUDA backend's) max pooling of 16-bit
+ * NHWC values (nhwc16: between a batchnorm's y16 and a convolution's in16), argmax (B, Ho, Wo, C). */
+static void ops_pool_in(int f16) {
   /* (c, h, w, k, stride): disjoint windows (the kernel's own path), also with rows and columns past the
    * last whole window; overlapping windows with a cut-off edge, stride 1 */
   const int64_t geoms[][5] = {{2, 8, 8, 2, 2}, {2, 7, 9, 2, 2}, {1, 11, 7, 3, 3}, {3, 7, 6, 3, 2}, {1, 5, 5, 2, 1}};
@@ -840,15 +842,18 @@ static void ops_pool(void) {
       for (int kind = DT_POOL_MAX; kind <= DT_POOL_AVG; kind++) {
         const int64_t *q = geoms[gi], c = q[0], h = q[1], w = q[2], k = q[3], st = q[4];
         int64_t ho = (h - k) / st + 1, wo = (w - k) / st + 1, xs = c * h * w, ys = c * ho * wo;
-        dbuf x = ot_rand(cap * xs, -1, 1), y = ot_rand(cap * ys, -1, 1), dy = ot_rand(cap * ys, -1, 1);
-        dbuf dx = ot_rand(cap * xs, -1, 1);
+        if (f16 && kind != DT_POOL_MAX) continue;
+        dbuf x = f16 ? ot_rand16(cap * xs, -1, 1) : ot_rand(cap * xs, -1, 1);
+        dbuf y = f16 ? ot_rand16(cap * ys, -1, 1) : ot_rand(cap * ys, -1, 1);
+        dbuf dy = f16 ? ot_rand16(cap * ys, -1, 1) : ot_rand(cap * ys, -1, 1);
+        dbuf dx = f16 ? ot_rand16(cap * xs, -1, 1) : ot_rand(cap * xs, -1, 1);
         int32_t *am0 = malloc((size_t)(cap * ys + 1) * sizeof(int32_t));
         for (int64_t i = 0; i < cap * ys; i++) am0[i] = (int32_t)(1000 + i);
         dbuf am = ot_buf(OT_I32, am0, cap * ys);
         free(am0);
         const char *kn = kind == DT_POOL_MAX ? "max" : "avg";
-        ot_case(DT_OP_POOL_FWD, "%s, (%lld,%lld,%lld) k %lld stride %lld, %s", kn, (long long)c, (long long)h,
-                (long long)w, (long long)k, (long long)st, ROWS_NAME(r));
+        ot_case(DT_OP_POOL_FWD, "%s%s, (%lld,%lld,%lld) k %lld stride %lld, %s", kn, f16 ? ", 16-bit NHWC" : "",
+                (long long)c, (long long)h, (long long)w, (long long)k, (long long)st, ROWS_NAME(r));
         BOTH {
           dt_op op = {.type = DT_OP_POOL_FWD};
           op.p.pool_fwd = (typeof(op.p.pool_fwd)){.kind = kind,
@@ -862,13 +867,14 @@ static void ops_pool(void) {
                                                   .wo = wo,
                                                   .x = F(x),
                                                   .y = F(y),
-                                                  .argmax = kind == DT_POOL_MAX ? I(am) : NULL};
+                                                  .argmax = kind == DT_POOL_MAX ? I(am) : NULL,
+                                                  .nhwc16 = f16};
           RUN(op);
         }
-        ot_check("y", y, rows * ys);
+        ot_check_in(f16, "y", y, cap * ys, rows * ys);
         ot_check("argmax", am, kind == DT_POOL_MAX ? rows * ys : 0);
-        ot_case(DT_OP_POOL_BWD, "%s, (%lld,%lld,%lld) k %lld stride %lld, %s", kn, (long long)c, (long long)h,
-                (long long)w, (long long)k, (long long)st, ROWS_NAME(r));
+        ot_case(DT_OP_POOL_BWD, "%s%s, (%lld,%lld,%lld) k %lld stride %lld, %s", kn, f16 ? ", 16-bit NHWC" : "",
+                (long long)c, (long long)h, (long long)w, (long long)k, (long long)st, ROWS_NAME(r));
         BOTH {
           dt_op op = {.type = DT_OP_POOL_BWD};
           op.p.pool_bwd = (typeof(op.p.pool_bwd)){.kind = kind,
@@ -882,10 +888,11 @@ static void ops_pool(void) {
                                                   .wo = wo,
                                                   .dy = F(dy),
                                                   .argmax = kind == DT_POOL_MAX ? I(am) : NULL,
-                                                  .dx = F(dx)};
+                                                  .dx = F(dx),
+                                                  .nhwc16 = f16};
           RUN(op);
         }
-        ot_check("dx", dx, rows * xs);
+        ot_check_in(f16, "dx", dx, cap * xs, rows * xs);
       }
   }
 }
@@ -2455,7 +2462,9 @@ GPU_TEST(cuda_op_conv_16bit_nhwc,
           ot_end(), ot_begin_precision(DT_PREC_FP16, 2e-3), ops_conv_in(DT_F16_HALF, 0),
           ops_conv_in(DT_F16_HALF, DT_F16_HALF), ot_end()))
 GPU_TEST(cuda_op_activation, (ot_begin(), ops_activation(), ot_end()))
-GPU_TEST(cuda_op_pool, (ot_begin(), ops_pool(), ot_end()))
+GPU_TEST(cuda_op_pool, (ot_begin(), ops_pool_in(0), ot_end()))
+GPU_TEST(cuda_op_pool_16bit_nhwc, (ot_begin_precision(DT_PREC_BF16, 1e-5), ops_pool_in(DT_F16_BF16), ot_end(),
+                                   ot_begin_precision(DT_PREC_FP16, 1e-5), ops_pool_in(DT_F16_HALF), ot_end()))
 GPU_TEST(cuda_op_dropout, (ot_begin(), ops_dropout(), ot_end()))
 GPU_TEST(cuda_op_add_scale, (ot_begin(), ops_elementwise(), ot_end()))
 GPU_TEST(cuda_op_loss, (ot_begin(), ops_loss(), ot_end()))
@@ -2551,6 +2560,7 @@ int main(void) {
       cmocka_unit_test(cuda_op_conv_16bit_nhwc),
       cmocka_unit_test(cuda_op_activation),
       cmocka_unit_test(cuda_op_pool),
+      cmocka_unit_test(cuda_op_pool_16bit_nhwc),
       cmocka_unit_test(cuda_op_dropout),
       cmocka_unit_test(cuda_op_add_scale),
       cmocka_unit_test(cuda_op_loss),

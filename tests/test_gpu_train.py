@@ -622,6 +622,63 @@ optim: {{name: sgd, lr: 0.1, momentum: 0.9}}
                 for copy in ("pack16_tiled_kernel", "unpack16_tiled_kernel"):
                     self.assertEqual(off[copy] - on[copy], (pairs + bn_conv) * steps, (prec, copy, on, off))
 
+    def test_16bit_max_pooling_between_batchnorm_and_convolution_stays_nhwc(self):
+        """Under bf16 and fp16 a maxpool between a batchnorm (after its convolution, with its fused relu) and a
+        convolution pools the batchnorm's 16-bit NHWC output as it is and hands its own, and takes its gradient,
+        so (the default CNN's first pool): the convolution after it reads and writes them with no copies. A
+        maximum is one of its inputs, so the forward's values are those of model.fuse false; a tie that rounding
+        makes (two inputs of one window equal in 16 bits) routes the gradient to the first, not the larger, as
+        under PyTorch's autocast: 4 steps end within 1e-2 of model.fuse false. The stand-in's profile shows
+        the 16-bit pooling kernels, and a copy of x to 16 bits and one of dx to FP32 a step fewer, for that
+        convolution, than the two convolution-batchnorm pairs save; the pool before the flatten stays FP32. On
+        the stand-in the first step's loss is the same bits, and in fp16 (no such tie in this data) so are the
+        parameters after 4 steps."""
+        self.w.dataset(n=48, shape=(2, 8, 8))
+        cfg = self.w.file("pool.yaml")
+        with open(cfg, "w") as f:
+            f.write(f"""model:
+  input: [2, 8, 8]
+  layers:
+    - conv2d: {{out: 8, kernel: 3, pad: 1, bias: false}}
+    - batchnorm: {{}}
+    - relu
+    - maxpool: {{kernel: 2}}
+    - conv2d: {{out: 12, kernel: 3, pad: 1, bias: false}}
+    - batchnorm: {{}}
+    - relu
+    - maxpool: {{kernel: 2}}
+    - flatten
+    - linear: {{out: 3}}
+data: {{path: {self.w.file("data.h5")}, scale: 0.00392156862745098, val: {{x: ""}}}}
+train: {{max_steps: 4, global_batch_size: 12, seed: 5, cuda_graph: off}}
+optim: {{name: sgd, lr: 0.1, momentum: 0.9}}
+log: {{every_steps: 1}}
+""")
+        pairs, pools, steps = 2, 1, 4
+        for prec in ("bf16", "fp16"):
+            got = {}
+            for fuse in ("true", "false"):
+                sub = f"{prec}_{fuse}"
+                rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", f"train.precision={prec}", "--set",
+                                        f"model.fuse={fuse}", "--set", f"checkpoint.dir={self.w.file(sub)}", "--set",
+                                        f"log.dir={self.w.file(sub)}"], 1, dict(ENV1, GPUSIM_PROFILE="1"))
+                self.assertEqual(rc, 0, out + err)
+                launches = {k: int(n) for k, n in re.findall(r"^\s*(\w+_kernel)\s+(\d+)\s", err, re.M)}
+                loss = [r["loss"] for r in self.w.metrics(sub) if "loss" in r and "step" in r]
+                got[fuse] = (params(self.w.latest(sub)), launches, loss)
+            assert_params_close(self, got["true"][0], got["false"][0], 5e-2, prec)
+            if SIM:
+                self.assertEqual(got["true"][2][0], got["false"][2][0], prec)
+                if prec == "fp16":
+                    for k in got["true"][0]:
+                        self.assertTrue(np.array_equal(got["true"][0][k], got["false"][0][k]), (prec, k))
+                on, off = got["true"][1], got["false"][1]
+                self.assertEqual((on.get("pool16_fwd_kernel"), on.get("pool16_bwd_kernel")), (pools * steps,) * 2, prec)
+                self.assertEqual((on.get("pool_fwd_kernel"), on.get("pool_bwd_kernel")), (steps, steps), prec)
+                self.assertFalse([k for k in off if k.startswith("pool16")], prec)
+                for copy in ("pack16_tiled_kernel", "unpack16_tiled_kernel"):
+                    self.assertEqual(off[copy] - on[copy], (pairs + pools) * steps, (prec, copy, on, off))
+
     def test_bf16_classifier_keeps_its_logits_in_bfloat16(self):
         """Under bf16 (model.fuse) the last layer, a linear without a bias, writes the logits in bfloat16 as its
         GEMM computes them; the loss reads them and writes dlogits so, and the two gradient GEMMs read those as

@@ -1,5 +1,7 @@
-/* pool.c: max (argmax kept) and average pooling, NCHW, no padding, as kernels/pool.cu. */
+/* pool.c: max (argmax kept) and average pooling, NCHW (max pooling also 16-bit NHWC), no padding, as
+ * kernels/pool.cu. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu.h"
@@ -37,9 +39,61 @@ VECTOR_CLONES static void max_pool_2x2(const typeof(((dt_op *)0)->p.pool_fwd) *q
   }
 }
 
-void cpu_pool_fwd(cpu_impl *im, const dt_op *op) {
-  (void)im;
+/* argmax between (B, C, S) and (B, S, C): to_nhwc 1 from the first to the second, 0 back. */
+static void transpose_argmax(const int32_t *src, int32_t *dst, int64_t b, int64_t c, int64_t s, int to_nhwc) {
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t i = 0; i < b; i++)
+    for (int64_t ch = 0; ch < c; ch++)
+      for (int64_t p = 0; p < s; p++) {
+        const int64_t nchw = (i * c + ch) * s + p, nhwc = (i * s + p) * c + ch;
+        if (to_nhwc)
+          dst[nhwc] = src[nchw];
+        else
+          dst[nchw] = src[nhwc];
+      }
+}
+
+/* 16-bit NHWC (nhwc16): the FP32 op on widened NCHW copies, y rounded back (exactly: a maximum is one of
+ * x's values), argmax transposed. */
+static void pool_fwd16(cpu_impl *im, const dt_op *op) {
   const typeof(op->p.pool_fwd) *q = &op->p.pool_fwd;
+  DT_ASSERT(q->kind == DT_POOL_MAX);
+  const int64_t s = q->ho * q->wo;
+  float *x = cpu_widen16(q->x, q->nhwc16, q->b, q->c, q->h * q->w), *y = cpu_fp32_for(q->nhwc16, q->b * q->c * s);
+  int32_t *am = dt_malloc((size_t)(q->b * q->c * s + 1) * sizeof *am);
+  dt_op fp32 = *op;
+  fp32.p.pool_fwd.nhwc16 = 0, fp32.p.pool_fwd.x = x, fp32.p.pool_fwd.y = y, fp32.p.pool_fwd.argmax = am;
+  cpu_pool_fwd(im, &fp32);
+  cpu_narrow16(y, q->y, q->nhwc16, q->b, q->c, s);
+  transpose_argmax(am, q->argmax, q->b, q->c, s, 1);
+  free(x);
+  free(y);
+  free(am);
+}
+
+/* The same for the backward: dx summed in FP32 and rounded once. */
+static void pool_bwd16(cpu_impl *im, const dt_op *op) {
+  const typeof(op->p.pool_bwd) *q = &op->p.pool_bwd;
+  DT_ASSERT(q->kind == DT_POOL_MAX);
+  const int64_t s = q->ho * q->wo;
+  float *dy = cpu_widen16(q->dy, q->nhwc16, q->b, q->c, s), *dx = cpu_fp32_for(q->nhwc16, q->b * q->c * q->h * q->w);
+  int32_t *am = dt_malloc((size_t)(q->b * q->c * s + 1) * sizeof *am);
+  transpose_argmax(q->argmax, am, q->b, q->c, s, 0);
+  dt_op fp32 = *op;
+  fp32.p.pool_bwd.nhwc16 = 0, fp32.p.pool_bwd.dy = dy, fp32.p.pool_bwd.dx = dx, fp32.p.pool_bwd.argmax = am;
+  cpu_pool_bwd(im, &fp32);
+  cpu_narrow16(dx, q->dx, q->nhwc16, q->b, q->c, q->h * q->w);
+  free(dy);
+  free(dx);
+  free(am);
+}
+
+void cpu_pool_fwd(cpu_impl *im, const dt_op *op) {
+  const typeof(op->p.pool_fwd) *q = &op->p.pool_fwd;
+  if (q->nhwc16) {
+    pool_fwd16(im, op);
+    return;
+  }
   if (q->kind == DT_POOL_MAX && q->k == 2 && q->stride == 2 && q->ho * 2 <= q->h && q->wo * 2 <= q->w) {
     max_pool_2x2(q);
     return;
@@ -76,8 +130,11 @@ void cpu_pool_fwd(cpu_impl *im, const dt_op *op) {
 }
 
 VECTOR_CLONES void cpu_pool_bwd(cpu_impl *im, const dt_op *op) {
-  (void)im;
   const typeof(op->p.pool_bwd) *q = &op->p.pool_bwd;
+  if (q->nhwc16) {
+    pool_bwd16(im, op);
+    return;
+  }
   float inv = 1.0f / (float)(q->k * q->k);
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < q->b; b++)

@@ -181,12 +181,24 @@ void cuda_ln_bwd(cuda_impl *im, const dt_op *op) {
 void cuda_pool_fwd(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.pool_fwd) *q = &op->p.pool_fwd;
   CHECK_INDEXABLE(q->b * q->c * q->h * q->w);
+  if (q->nhwc16) {
+    DT_ASSERT(q->kind == DT_POOL_MAX);
+    k_pool16_fwd(im->stream, (const uint16_t *)q->x, (uint16_t *)q->y, q->argmax, q->b, q->c, q->h, q->w, q->k,
+                 q->stride, q->ho, q->wo, q->nhwc16 == DT_F16_BF16);
+    return;
+  }
   k_pool_fwd(im->stream, q->kind, q->x, q->y, q->argmax, q->b, q->c, q->h, q->w, q->k, q->stride, q->ho, q->wo);
 }
 
 void cuda_pool_bwd(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.pool_bwd) *q = &op->p.pool_bwd;
   CHECK_INDEXABLE(q->b * q->c * q->h * q->w);
+  if (q->nhwc16) {
+    DT_ASSERT(q->kind == DT_POOL_MAX);
+    k_pool16_bwd(im->stream, (const uint16_t *)q->dy, q->argmax, (uint16_t *)q->dx, q->b, q->c, q->h, q->w, q->k,
+                 q->stride, q->ho, q->wo, q->nhwc16 == DT_F16_BF16);
+    return;
+  }
   k_pool_bwd(im->stream, q->kind, q->dy, q->argmax, q->dx, q->b, q->c, q->h, q->w, q->k, q->stride, q->ho, q->wo);
 }
 
