@@ -45,6 +45,12 @@ checkpoint: {{dir: {dir}/ckpt}}
 """
 
 
+def assert_params_equal(test, got, want, what):
+    test.assertEqual(sorted(got), sorted(want))
+    for k in want:
+        test.assertTrue(np.array_equal(got[k], want[k]), f"{what}: {k} differs")
+
+
 def assert_params_close(test, got, want, rtol, what):
     test.assertEqual(sorted(got), sorted(want))
     for k in want:
@@ -567,6 +573,35 @@ class GpuPrecision(GpuCase):
             self.assertLess(got[-5:].mean(), 0.7 * got[0], prec)
             self.assertGreater(np.abs(got - cpu).max(), 0, prec)  # the reduced precision really rounds
 
+    def images_config(self, name, layers):
+        """A config over 48 random (2, 8, 8) images: the given layers (model.layers' lines), 4 SGD steps of 12
+        rows with no CUDA graphs, a loss logged each step. Returns its path."""
+        self.w.dataset(n=48, shape=(2, 8, 8))
+        cfg = self.w.file(name)
+        with open(cfg, "w") as f:
+            f.write("model:\n  input: [2, 8, 8]\n  layers:\n" + layers + f"""\
+data: {{path: {self.w.file("data.h5")}, scale: 0.00392156862745098, val: {{x: ""}}}}
+train: {{max_steps: 4, global_batch_size: 12, seed: 5, cuda_graph: off}}
+optim: {{name: sgd, lr: 0.1, momentum: 0.9}}
+log: {{every_steps: 1}}
+""")
+        return cfg
+
+    def fuse_pair(self, cfg, prec, extra=()):
+        """cfg on one GPU in precision prec with model.fuse true and false, the stand-in's profile on:
+        {fuse: (the last checkpoint's parameters, kernel launches, the logged losses)}."""
+        got = {}
+        for fuse in ("true", "false"):
+            sub = f"{prec}_{fuse}"
+            rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", f"train.precision={prec}", "--set",
+                                    f"model.fuse={fuse}", "--set", f"checkpoint.dir={self.w.file(sub)}", "--set",
+                                    f"log.dir={self.w.file(sub)}", *extra], 1, dict(ENV1, GPUSIM_PROFILE="1"))
+            self.assertEqual(rc, 0, out + err)
+            launches = {k: int(n) for k, n in re.findall(r"^\s*(\w+_kernel)\s+(\d+)\s", err, re.M)}
+            losses = [r["loss"] for r in self.w.metrics(sub) if "loss" in r and "step" in r]
+            got[fuse] = (params(self.w.latest(sub)), launches, losses)
+        return got
+
     def test_16bit_convolutions_hand_their_batchnorm_nhwc_values(self):
         """Under bf16 and fp16 a convolution without a bias that a batchnorm follows (model.fuse) leaves its
         output, and takes its gradient, in the 16-bit NHWC cuDNN computes in; the batchnorm reads and writes
@@ -576,43 +611,26 @@ class GpuPrecision(GpuCase):
         pair) end with the parameters of model.fuse false, which keeps the copies; on the stand-in bit for bit,
         and its profile shows the batchnorm's 16-bit kernels and, per pair and step, a copy of y to FP32 and
         one of dy to 16 bits fewer (of x to 16 bits and dx to FP32 for the second kind)."""
-        self.w.dataset(n=48, shape=(2, 8, 8))
-        cfg = self.w.file("res.yaml")
-        with open(cfg, "w") as f:
-            f.write(f"""model:
-  input: [2, 8, 8]
-  layers:
-    - conv2d: {{out: 8, kernel: 3, pad: 1, bias: false}}
-    - batchnorm: {{}}
+        cfg = self.images_config("res.yaml", """\
+    - conv2d: {out: 8, kernel: 3, pad: 1, bias: false}
+    - batchnorm: {}
     - relu
     - residual:
-        body: [{{conv2d: {{out: 40, kernel: 3, stride: 2, pad: 1, bias: false}}}}, {{batchnorm: {{}}}}, relu,
-               {{conv2d: {{out: 40, kernel: 3, pad: 1, bias: false}}}}, {{batchnorm: {{}}}}]
-        shortcut: [{{conv2d: {{out: 40, kernel: 1, stride: 2, bias: false}}}}, {{batchnorm: {{}}}}]
+        body: [{conv2d: {out: 40, kernel: 3, stride: 2, pad: 1, bias: false}}, {batchnorm: {}}, relu,
+               {conv2d: {out: 40, kernel: 3, pad: 1, bias: false}}, {batchnorm: {}}]
+        shortcut: [{conv2d: {out: 40, kernel: 1, stride: 2, bias: false}}, {batchnorm: {}}]
     - relu
-    - {{conv2d: {{out: 6, kernel: 3, pad: 1, bias: false}}}}
-    - {{batchnorm: {{}}}}
+    - {conv2d: {out: 6, kernel: 3, pad: 1, bias: false}}
+    - {batchnorm: {}}
     - flatten
-    - linear: {{out: 3}}
-data: {{path: {self.w.file("data.h5")}, scale: 0.00392156862745098, val: {{x: ""}}}}
-train: {{max_steps: 4, global_batch_size: 12, seed: 5, cuda_graph: off}}
-optim: {{name: sgd, lr: 0.1, momentum: 0.9}}
+    - linear: {out: 3}
 """)
         pairs, bn_conv, steps = 5, 1, 4
         for prec in ("bf16", "fp16"):
-            got = {}
-            for fuse in ("true", "false"):
-                sub = f"{prec}_{fuse}"
-                rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", f"train.precision={prec}", "--set",
-                                        f"model.fuse={fuse}", "--set", f"checkpoint.dir={self.w.file(sub)}", "--set",
-                                        f"log.dir={self.w.file(sub)}"], 1, dict(ENV1, GPUSIM_PROFILE="1"))
-                self.assertEqual(rc, 0, out + err)
-                launches = {k: int(n) for k, n in re.findall(r"^\s*(\w+_kernel)\s+(\d+)\s", err, re.M)}
-                got[fuse] = (params(self.w.latest(sub)), launches)
+            got = self.fuse_pair(cfg, prec)
             assert_params_close(self, got["true"][0], got["false"][0], 1e-5, prec)
             if SIM:
-                for k in got["true"][0]:
-                    self.assertTrue(np.array_equal(got["true"][0][k], got["false"][0][k]), (prec, k))
+                assert_params_equal(self, got["true"][0], got["false"][0], prec)
                 on, off = got["true"][1], got["false"][1]
                 # bn16_sums_kernel: the forward's sums, and the backward's where dy is 16-bit too
                 want = {"bn16_sums_kernel": (pairs + bn_conv) * steps, "bn16_bwd_stats_kernel": (pairs - bn_conv) * steps,
@@ -628,50 +646,31 @@ optim: {{name: sgd, lr: 0.1, momentum: 0.9}}
         so (the default CNN's first pool): the convolution after it reads and writes them with no copies. A
         maximum is one of its inputs, so the forward's values are those of model.fuse false; a tie that rounding
         makes (two inputs of one window equal in 16 bits) routes the gradient to the first, not the larger, as
-        under PyTorch's autocast: 4 steps end within 1e-2 of model.fuse false. The stand-in's profile shows
+        under PyTorch's autocast: 4 steps end within 5e-2 of model.fuse false. The stand-in's profile shows
         the 16-bit pooling kernels, and a copy of x to 16 bits and one of dx to FP32 a step fewer, for that
         convolution, than the two convolution-batchnorm pairs save; the pool before the flatten stays FP32. On
         the stand-in the first step's loss is the same bits, and in fp16 (no such tie in this data) so are the
         parameters after 4 steps."""
-        self.w.dataset(n=48, shape=(2, 8, 8))
-        cfg = self.w.file("pool.yaml")
-        with open(cfg, "w") as f:
-            f.write(f"""model:
-  input: [2, 8, 8]
-  layers:
-    - conv2d: {{out: 8, kernel: 3, pad: 1, bias: false}}
-    - batchnorm: {{}}
+        cfg = self.images_config("pool.yaml", """\
+    - conv2d: {out: 8, kernel: 3, pad: 1, bias: false}
+    - batchnorm: {}
     - relu
-    - maxpool: {{kernel: 2}}
-    - conv2d: {{out: 12, kernel: 3, pad: 1, bias: false}}
-    - batchnorm: {{}}
+    - maxpool: {kernel: 2}
+    - conv2d: {out: 12, kernel: 3, pad: 1, bias: false}
+    - batchnorm: {}
     - relu
-    - maxpool: {{kernel: 2}}
+    - maxpool: {kernel: 2}
     - flatten
-    - linear: {{out: 3}}
-data: {{path: {self.w.file("data.h5")}, scale: 0.00392156862745098, val: {{x: ""}}}}
-train: {{max_steps: 4, global_batch_size: 12, seed: 5, cuda_graph: off}}
-optim: {{name: sgd, lr: 0.1, momentum: 0.9}}
-log: {{every_steps: 1}}
+    - linear: {out: 3}
 """)
         pairs, pools, steps = 2, 1, 4
         for prec in ("bf16", "fp16"):
-            got = {}
-            for fuse in ("true", "false"):
-                sub = f"{prec}_{fuse}"
-                rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", f"train.precision={prec}", "--set",
-                                        f"model.fuse={fuse}", "--set", f"checkpoint.dir={self.w.file(sub)}", "--set",
-                                        f"log.dir={self.w.file(sub)}"], 1, dict(ENV1, GPUSIM_PROFILE="1"))
-                self.assertEqual(rc, 0, out + err)
-                launches = {k: int(n) for k, n in re.findall(r"^\s*(\w+_kernel)\s+(\d+)\s", err, re.M)}
-                loss = [r["loss"] for r in self.w.metrics(sub) if "loss" in r and "step" in r]
-                got[fuse] = (params(self.w.latest(sub)), launches, loss)
+            got = self.fuse_pair(cfg, prec)
             assert_params_close(self, got["true"][0], got["false"][0], 5e-2, prec)
             if SIM:
                 self.assertEqual(got["true"][2][0], got["false"][2][0], prec)
                 if prec == "fp16":
-                    for k in got["true"][0]:
-                        self.assertTrue(np.array_equal(got["true"][0][k], got["false"][0][k]), (prec, k))
+                    assert_params_equal(self, got["true"][0], got["false"][0], prec)
                 on, off = got["true"][1], got["false"][1]
                 self.assertEqual((on.get("pool16_fwd_kernel"), on.get("pool16_bwd_kernel")), (pools * steps,) * 2, prec)
                 self.assertEqual((on.get("pool_fwd_kernel"), on.get("pool_bwd_kernel")), (steps, steps), prec)
@@ -688,24 +687,17 @@ log: {{every_steps: 1}}
         fewer. --predict and --sample read the bfloat16 logits back: the predicted logits within 2e-2 of the
         FP32 ones, from the same checkpoint."""
         cfg = self.small_gpt()
-        steps, losses, launches = 16, {}, {}
-        for fuse in ("true", "false"):
-            sub = f"fuse_{fuse}"
-            rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", "train.precision=bf16", "--set",
-                                    f"model.fuse={fuse}", "--set", f"train.max_steps={steps}", "--set",
-                                    f"log.dir={self.w.file(sub)}", "--set", f"checkpoint.dir={self.w.file(sub)}",
-                                    "--set", "train.cuda_graph=off"], 1, dict(ENV1, GPUSIM_PROFILE="1"))
-            self.assertEqual(rc, 0, out + err)
-            losses[fuse] = np.array([r["loss"] for r in self.w.metrics(sub) if "loss" in r and "step" in r])
-            launches[fuse] = {k: int(n) for k, n in re.findall(r"^\s*(\w+_kernel)\s+(\d+)\s", err, re.M)}
+        steps = 16
+        got = self.fuse_pair(cfg, "bf16", ("--set", f"train.max_steps={steps}", "--set", "train.cuda_graph=off"))
+        losses = {fuse: np.array(got[fuse][2]) for fuse in got}
         self.assertEqual(len(losses["true"]), steps)
         np.testing.assert_allclose(losses["true"], losses["false"], rtol=2e-2)
         self.assertFalse(np.array_equal(losses["true"], losses["false"]))  # the logits really round
         if SIM:
-            on, off = launches["true"], launches["false"]
+            on, off = got["true"][1], got["false"][1]
             self.assertEqual(off["pack_bf16_rows_kernel"] - on["pack_bf16_rows_kernel"], steps, (on, off))
         # the same checkpoint's validation logits, read back from bfloat16 rows and from FP32
-        ckpt = self.w.latest("fuse_true")
+        ckpt = self.w.latest("bf16_true")
         pred = {}
         for fuse in ("true", "false"):
             path = self.w.file(f"pred_{fuse}.h5")
