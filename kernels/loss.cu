@@ -30,7 +30,9 @@ template <class F>
 static __device__ __forceinline__ void each_logit(const uint16_t *z, int64_t k, F f) {
   for (int64_t j0 = 8 * (int64_t)threadIdx.x; j0 < k; j0 += 8 * (int64_t)blockDim.x) {
     const uint4 v = load_half8(z + j0);
-    for (int i = 0; i < 8 && j0 + i < k; i++) f(j0 + i, dt_from_bf16(half16_of(v, i)));
+    UNROLL
+    for (int i = 0; i < 8; i++)
+      if (j0 + i < k) f(j0 + i, dt_from_bf16(half16_of(v, i)));
   }
 }
 
@@ -46,6 +48,7 @@ static __device__ __forceinline__ void each_grad(const uint16_t *z, uint16_t *d,
     const uint4 v = load_half8(z + j0);
     if (j0 + 8 <= k) {
       unsigned o[8];  // g in increasing j: it may add to a thread's sums
+      UNROLL
       for (int i = 0; i < 8; i++) o[i] = dt_to_bf16(g(j0 + i, dt_from_bf16(half16_of(v, i))));
       *reinterpret_cast<uint4 *>(d + j0) =
           make_uint4(o[0] | o[1] << 16, o[2] | o[3] << 16, o[4] | o[5] << 16, o[6] | o[7] << 16);

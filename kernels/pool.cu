@@ -15,7 +15,7 @@ __global__ void pool_fwd_kernel(int kind, const float *x, float *y, int32_t *arg
     int64_t ow = i - (int64_t)row * wo.d, oh = row - plane * ho.d;
     const float *xp = x + plane * h * w;
     float best = -INFINITY, acc = 0;
-    int32_t where = 0;
+    int32_t where = (int32_t)(oh * stride * w + ow * stride);  // a window of -inf: its first, as the CPU
     for (int64_t a = 0; a < k; a++)
       for (int64_t b = 0; b < k; b++) {
         int64_t idx = (oh * stride + a) * w + ow * stride + b;
@@ -84,7 +84,7 @@ __global__ void pool16_fwd_kernel(const uint16_t *x, uint16_t *y, int32_t *argma
     const int64_t ch = i - (int64_t)pix * c.d, ow = pix - row * wo.d, oh = row - img * ho.d;
     const uint16_t *xp = x + (int64_t)img * h * w * c.d + ch;
     float best = -INFINITY;
-    int32_t where = (int32_t)(oh * stride * w + ow * stride);
+    int32_t where = (int32_t)(oh * stride * w + ow * stride);  // a window of -inf: its first
     for (int a = 0; a < k; a++)
       for (int b = 0; b < k; b++) {
         const int32_t idx = (int32_t)((oh * stride + a) * w + ow * stride + b);

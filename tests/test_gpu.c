@@ -895,6 +895,44 @@ static void ops_pool_in(int f16) {
         ot_check_in(f16, "dx", dx, cap * xs, rows * xs);
       }
   }
+  /* max pooling of -inf everywhere (fp16's overflow): each window's argmax is its first element, where its
+   * gradient goes, on both backends, for disjoint (2, 2) and overlapping (3, 2) windows */
+  const int64_t c = 2, h = 7, w = 7, n = 2 * c * h * w;
+  float *ninf = ot_host_rand(n, -1, 1);
+  uint16_t *ninf16 = calloc((size_t)n + 2, sizeof *ninf16);
+  for (int64_t i = 0; i < n; i++) ninf[i] = -INFINITY, ninf16[i] = dt_to_16(-INFINITY, f16 ? f16 : DT_F16_BF16);
+  for (int64_t k = 2; k <= 3; k++) {
+    const int64_t ho = (h - k) / 2 + 1, ys = 2 * c * ho * ho;
+    dbuf x = f16 ? ot_buf(OT_I32, ninf16, (n + 1) / 2) : ot_buf(OT_F32, ninf, n);
+    dbuf y = f16 ? ot_rand16(ys, -1, 1) : ot_rand(ys, -1, 1), dy = f16 ? ot_rand16(ys, -1, 1) : ot_rand(ys, -1, 1);
+    dbuf dx = f16 ? ot_rand16(n, -1, 1) : ot_rand(n, -1, 1), am = ot_buf(OT_I32, NULL, ys);
+    ot_case(DT_OP_POOL_BWD, "max%s of -inf, k %lld stride 2", f16 ? ", 16-bit NHWC" : "", (long long)k);
+    BOTH {
+      dt_pool_args a = {.kind = DT_POOL_MAX,
+                        .b = 2,
+                        .c = c,
+                        .h = h,
+                        .w = w,
+                        .k = k,
+                        .stride = 2,
+                        .ho = ho,
+                        .wo = ho,
+                        .x = F(x),
+                        .y = F(y),
+                        .dy = F(dy),
+                        .dx = F(dx),
+                        .argmax = I(am),
+                        .nhwc16 = f16};
+      dt_op op = {.type = DT_OP_POOL_FWD, .p.pool_fwd = a};
+      RUN(op);
+      op = (dt_op){.type = DT_OP_POOL_BWD, .p.pool_bwd = a};
+      RUN(op);
+    }
+    ot_check("argmax", am, ys);
+    ot_check_in(f16, "dx", dx, n, n);
+  }
+  free(ninf);
+  free(ninf16);
 }
 
 /* The masks must be identical: the same elements dropped on both. */

@@ -108,7 +108,7 @@ void cpu_pool_fwd(cpu_impl *im, const dt_op *op) {
       for (int64_t oh = 0; oh < q->ho; oh++)
         for (int64_t ow = 0; ow < q->wo; ow++) {
           float best = -INFINITY, acc = 0;
-          int32_t where = 0;
+          int32_t where = (int32_t)(oh * q->stride * q->w + ow * q->stride); /* a window of -inf: its first */
           for (int64_t i = 0; i < q->k; i++)
             for (int64_t j = 0; j < q->k; j++) {
               int64_t idx = (oh * q->stride + i) * q->w + ow * q->stride + j;
