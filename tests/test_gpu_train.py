@@ -683,7 +683,7 @@ log: {{every_steps: 1}}
         GEMM computes them; the loss reads them and writes dlogits so, and the two gradient GEMMs read those as
         they are (PyTorch's autocast, too, gives cross_entropy bfloat16 logits). The small GPT (20 classes:
         rows padded to 24) trains 16 steps as with model.fuse false, which keeps FP32 logits: each loss within
-        2e-2 relative, not the same bits. On the stand-in, its profile shows one bfloat16 copy (dlogits') a step
+        5e-3 relative, not the same bits. On the stand-in, its profile shows one bfloat16 copy (dlogits') a step
         fewer. --predict and --sample read the bfloat16 logits back: the predicted logits within 2e-2 of the
         FP32 ones, from the same checkpoint."""
         cfg = self.small_gpt()
@@ -691,7 +691,7 @@ log: {{every_steps: 1}}
         got = self.fuse_pair(cfg, "bf16", ("--set", f"train.max_steps={steps}", "--set", "train.cuda_graph=off"))
         losses = {fuse: np.array(got[fuse][2]) for fuse in got}
         self.assertEqual(len(losses["true"]), steps)
-        np.testing.assert_allclose(losses["true"], losses["false"], rtol=2e-2)
+        np.testing.assert_allclose(losses["true"], losses["false"], rtol=5e-3)  # 7e-4 on the stand-in
         self.assertFalse(np.array_equal(losses["true"], losses["false"]))  # the logits really round
         if SIM:
             on, off = got["true"][1], got["false"][1]
