@@ -219,11 +219,14 @@ static void fuse_seq(dt_seq *s) {
         (s->layers[i + 1]->ops->traits & DT_LAYER_BATCHNORM))
       l->bn_next = s->layers[i + 1];
     const int after = i + 1 + l->fused_relu; /* the layer reading this one's output */
-    if (i > 0 && s->layers[i - 1]->bn_next == l && after < s->n && (s->layers[after]->ops->traits & DT_LAYER_CONV))
-      l->conv_next = s->layers[after];
-    if (i > 0 && s->layers[i - 1]->bn_next == l && after + 1 < s->n &&
-        (s->layers[after]->ops->traits & DT_LAYER_MAXPOOL) && (s->layers[after + 1]->ops->traits & DT_LAYER_CONV))
-      l->pool_next = s->layers[after], l->pool_next->conv_next = s->layers[after + 1];
+    if (i > 0 && s->layers[i - 1]->bn_next == l && after < s->n) {
+      dt_layer *next = s->layers[after];
+      if (next->ops->traits & DT_LAYER_CONV)
+        l->conv_next = next;
+      else if ((next->ops->traits & DT_LAYER_MAXPOOL) && after + 1 < s->n &&
+               (s->layers[after + 1]->ops->traits & DT_LAYER_CONV))
+        l->pool_next = next, next->conv_next = s->layers[after + 1];
+    }
   }
 }
 

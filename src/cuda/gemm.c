@@ -21,7 +21,7 @@ typedef struct {
 } operand16;
 
 static operand16 stored(int64_t rows, int64_t cols) {
-  return (operand16){rows, cols, (cols + 7) / 8 * 8}; /* rows of 16 bytes: cuBLAS's aligned kernels */
+  return (operand16){rows, cols, dt_ld16(cols)}; /* rows of 16 bytes: cuBLAS's aligned kernels */
 }
 
 /* Under bf16, an unbatched GEMM (batch 0) with every dimension at least DT_GEMM16_MIN_DIM runs on bfloat16
