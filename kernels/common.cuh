@@ -52,6 +52,15 @@ static __device__ __forceinline__ uint16_t half16_of(uint4 v, int i) {
   return (uint16_t)(i & 1 ? w >> 16 : w & 0xffffu);
 }
 
+// Eight 16-bit values, o[0] lowest, in one 16-byte store (p 16-byte aligned, as load_half8's).
+static __device__ __forceinline__ void store_half8(uint16_t *p, const unsigned o[8]) {
+#ifdef GPUSIM_CHECK_ALIGNED
+  GPUSIM_CHECK_ALIGNED(p, 16);
+#endif
+  *reinterpret_cast<uint4 *>(p) =
+      make_uint4(o[0] | o[1] << 16, o[2] | o[3] << 16, o[4] | o[5] << 16, o[6] | o[7] << 16);
+}
+
 static const int kThreads = 256;
 // Grid-stride kernels get at most this many blocks: two waves of 256-thread blocks on an H100
 // (132 SMs x 8 resident blocks), so each thread handles several elements once tensors are large.

@@ -2,6 +2,7 @@
 #include <math.h>
 
 #include "common.cuh"
+#include "half.h"
 #include "kernels.h"
 #include "tanh_poly.h"  // the CPU backend's tanh, bit for bit
 
@@ -120,6 +121,39 @@ __global__ void add_kernel(const float *a, const float *b, float *y, int64_t n, 
   }
 }
 
+// 16-bit values in half.h's format: f(i, ...) on each of n, eight to a thread with 16-byte loads and a store
+// where vec (every pointer 16-byte aligned), the rest one to a thread.
+template <class F>
+static __device__ __forceinline__ void each16(int64_t n, int vec, const uint16_t *a, const uint16_t *b, uint16_t *y,
+                                              F f) {
+  const int64_t eights = vec ? n / 8 : 0;
+  GRID_STRIDE(g, eights) {
+    const uint4 va = load_half8(a + 8 * g), vb = load_half8(b + 8 * g);
+    unsigned o[8];
+    UNROLL
+    for (int j = 0; j < 8; j++) o[j] = f(half16_of(va, j), half16_of(vb, j));
+    store_half8(y + 8 * g, o);
+  }
+  GRID_STRIDE(i, n - 8 * eights) {
+    const int64_t at = 8 * eights + i;
+    y[at] = (uint16_t)f(a[at], b[at]);
+  }
+}
+
+// y = relu(a + b) (or a + b), each sum in FP32 rounded to nearest even: a residual's 16-bit sums
+__global__ void add16_kernel(const uint16_t *a, const uint16_t *b, uint16_t *y, int64_t n, int relu, int format,
+                             int vec) {
+  each16(n, vec, a, b, y, [=](uint16_t u, uint16_t v) -> unsigned {
+    const float z = dt_from_16(u, format) + dt_from_16(v, format);
+    return dt_to_16(relu && z < 0 ? 0.0f : z, format);
+  });
+}
+
+// dx = dy where x > 0, else +0: the relu's backward on 16-bit values, dy's bits passed as they are
+__global__ void relu_bwd16_kernel(const uint16_t *x, const uint16_t *dy, uint16_t *dx, int64_t n, int format, int vec) {
+  each16(n, vec, x, dy, dx, [=](uint16_t u, uint16_t g) -> unsigned { return dt_from_16(u, format) > 0 ? g : 0u; });
+}
+
 // out(n, row) = src rows idx[i]; i runs over out
 __global__ void gather_kernel(int type, const void *src, const int32_t *idx, void *out, int64_t n, fast_div row) {
   GRID_STRIDE(i, n) {
@@ -209,6 +243,20 @@ void k_clip(cudaStream_t s, float *x, int64_t n, float max_norm, const double *s
 
 void k_add(cudaStream_t s, const float *a, const float *b, float *y, int64_t n, int relu) {
   LAUNCH(add_kernel, blocks_for(n), kThreads, 0, s)(a, b, y, n, relu);
+}
+
+static int aligned16(const void *a, const void *b, const void *c) {
+  return (((uintptr_t)a | (uintptr_t)b | (uintptr_t)c) & 15) == 0;
+}
+
+void k_add16(cudaStream_t s, const uint16_t *a, const uint16_t *b, uint16_t *y, int64_t n, int relu, int format) {
+  const int vec = aligned16(a, b, y);
+  LAUNCH(add16_kernel, blocks_for(vec ? n / 8 + 8 : n), kThreads, 0, s)(a, b, y, n, relu, format, vec);
+}
+
+void k_relu_bwd16(cudaStream_t s, const uint16_t *x, const uint16_t *dy, uint16_t *dx, int64_t n, int format) {
+  const int vec = aligned16(x, dy, dx);
+  LAUNCH(relu_bwd16_kernel, blocks_for(vec ? n / 8 + 8 : n), kThreads, 0, s)(x, dy, dx, n, format, vec);
 }
 
 void k_gather(cudaStream_t s, int type, const void *src, const int32_t *idx, void *out, int64_t n, int64_t row) {

@@ -24,6 +24,9 @@ void k_act_bwd(cudaStream_t s, int kind, const float *x, const float *y, const f
 void k_dropout(cudaStream_t s, const float *x, float *y, int64_t n, float p, uint64_t seed, const uint64_t *step_seed);
 void k_clip(cudaStream_t s, float *x, int64_t n, float max_norm, const double *sumsq);
 void k_add(cudaStream_t s, const float *a, const float *b, float *y, int64_t n, int relu);
+// 16-bit values in half.h's format (backend.h's add.h16, act_bwd.h16: the relu's only)
+void k_add16(cudaStream_t s, const uint16_t *a, const uint16_t *b, uint16_t *y, int64_t n, int relu, int format);
+void k_relu_bwd16(cudaStream_t s, const uint16_t *x, const uint16_t *dy, uint16_t *dx, int64_t n, int format);
 void k_scale(cudaStream_t s, float *x, float alpha, int64_t n);
 /* out(n, row) = rows idx[0..n) of src; type: backend.h's DT_GATHER_* (0 uint8, 1 float, 2 double: out is
  * float; 3 int32: out is int32) */
@@ -120,6 +123,9 @@ void k_pool16_fwd(cudaStream_t s, const uint16_t *x, uint16_t *y, int32_t *argma
                   int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo, int bf16);
 void k_pool16_bwd(cudaStream_t s, const uint16_t *dy, const int32_t *argmax, uint16_t *dx, int64_t b, int64_t c,
                   int64_t h, int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo, int bf16);
+// backend.h's gap16_fwd and gap16_bwd
+void k_gap16_fwd(cudaStream_t s, const uint16_t *x, int format, float *y, int64_t b, int64_t sp, int64_t c);
+void k_gap16_bwd(cudaStream_t s, const float *dy, uint16_t *dx, int format, int64_t b, int64_t sp, int64_t c);
 
 /* loss.cu: per-sample losses added to out[0], hits to out[1] (doubles; per-sample pairs in
  * `pairs`, 2 * b doubles, added in a fixed order); dlogits weighted by `weight` (1 / global count)

@@ -50,8 +50,7 @@ static __device__ __forceinline__ void each_grad(const uint16_t *z, uint16_t *d,
       unsigned o[8];  // g in increasing j: it may add to a thread's sums
       UNROLL
       for (int i = 0; i < 8; i++) o[i] = dt_to_bf16(g(j0 + i, dt_from_bf16(half16_of(v, i))));
-      *reinterpret_cast<uint4 *>(d + j0) =
-          make_uint4(o[0] | o[1] << 16, o[2] | o[3] << 16, o[4] | o[5] << 16, o[6] | o[7] << 16);
+      store_half8(d + j0, o);
     } else {
       for (int i = 0; j0 + i < k; i++) d[j0 + i] = dt_to_bf16(g(j0 + i, dt_from_bf16(half16_of(v, i))));
     }

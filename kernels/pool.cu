@@ -128,7 +128,39 @@ __global__ void pool16_bwd_kernel(const uint16_t *dy, const int32_t *argmax, uin
   }
 }
 
+// Global average pooling of 16-bit NHWC values: one thread per (b, c), c fastest (a warp reads 32 channels
+// of a pixel at once), the sum over s in order divided once, as the CPU's.
+__global__ void gap16_fwd_kernel(const uint16_t *x, int format, float *y, int64_t n, int64_t sp, fast_div c) {
+  GRID_STRIDE(i, n) {
+    const uint32_t img = div_by((uint32_t)i, c);
+    const uint16_t *xp = x + (int64_t)img * sp * c.d + (i - (int64_t)img * c.d);
+    float sum = 0.0f;
+    for (int64_t s = 0; s < sp; s++) sum += dt_from_16(xp[s * c.d], format);
+    y[i] = sum / (float)sp;
+  }
+}
+
+// Its backward: one thread per dx value (b, s, c)
+__global__ void gap16_bwd_kernel(const float *dy, uint16_t *dx, int format, int64_t n, int64_t sp, fast_div c,
+                                 fast_div plane) {
+  GRID_STRIDE(i, n) {
+    const uint32_t img = div_by((uint32_t)i, plane), ch = (uint32_t)i - div_by((uint32_t)i, c) * c.d;
+    dx[i] = dt_to_16(dy[(int64_t)img * c.d + ch] / (float)sp, format);
+  }
+}
+
 extern "C" {
+
+void k_gap16_fwd(cudaStream_t s, const uint16_t *x, int format, float *y, int64_t b, int64_t sp, int64_t c) {
+  if (b * c == 0) return;
+  LAUNCH(gap16_fwd_kernel, blocks_for(b * c), kThreads, 0, s)(x, format, y, b * c, sp, make_fast_div(c));
+}
+
+void k_gap16_bwd(cudaStream_t s, const float *dy, uint16_t *dx, int format, int64_t b, int64_t sp, int64_t c) {
+  if (b * sp * c == 0) return;
+  LAUNCH(gap16_bwd_kernel, blocks_for(b * sp * c), kThreads, 0, s)
+  (dy, dx, format, b * sp * c, sp, make_fast_div(c), make_fast_div(sp * c));
+}
 
 void k_pool16_fwd(cudaStream_t s, const uint16_t *x, uint16_t *y, int32_t *argmax, int64_t b, int64_t c, int64_t h,
                   int64_t w, int64_t k, int64_t stride, int64_t ho, int64_t wo, int bf16) {

@@ -41,6 +41,8 @@
   X(ACT_BWD, act_bwd)                 /* dx = f'(x) dy */                                                              \
   X(POOL_FWD, pool_fwd)               /* max or average pooling, NCHW */                                               \
   X(POOL_BWD, pool_bwd)                                                                                                \
+  X(GAP16_FWD, gap16_fwd)             /* y(B,C) = the mean over s of x(B,S,C), 16-bit NHWC: a global average pool */   \
+  X(GAP16_BWD, gap16_bwd)             /* dx(B,S,C) = dy(B,C) / S, rounded to 16 bits */                                \
   X(DROPOUT_FWD, dropout_fwd)         /* y = x * mask / (1-p); mask from a counter-based hash of (seed, element) */    \
   X(DROPOUT_BWD, dropout_bwd)                                                                                          \
   X(ADD, add)                         /* y = a + b */                                                                  \
@@ -226,9 +228,22 @@ typedef struct {
       int64_t n;
       const float *x, *y, *dy;
       float *dx;
+      int h16; /* 0, or half.h's DT_F16_* (relu only): x, y, dy and dx hold n 16-bit values in that format */
     } act_bwd;
     dt_pool_args pool_fwd; /* x -> y (and argmax) */
     dt_pool_args pool_bwd; /* dy (and argmax) -> dx */
+    struct {
+      int64_t b, s, c;
+      int format;    /* half.h's DT_F16_* of x */
+      const void *x; /* (B, S, C) 16-bit: a residual's 16-bit sums */
+      float *y;      /* (B, C) FP32: (sum over s, in order, of x) / S */
+    } gap16_fwd;
+    struct {
+      int64_t b, s, c;
+      int format;
+      const float *dy; /* (B, C) FP32 */
+      void *dx;        /* (B, S, C) 16-bit: dy / S rounded to nearest even */
+    } gap16_bwd;
     struct {
       int64_t n;
       float p;
@@ -250,6 +265,8 @@ typedef struct {
       const float *a, *b;
       float *y;
       int relu; /* y = relu(a + b): the relu after a residual, fused (model.fuse); NaN passes, as act_fwd's */
+      int h16;  /* 0, or half.h's DT_F16_*: a, b and y hold n 16-bit values in that format (a residual's 16-bit
+                   NHWC sums), added in FP32 and rounded to nearest even */
     } add;
     struct {
       int kind;

@@ -29,7 +29,9 @@ static const dt_key config_keys[] = {
      "epilogues; one gradient buffer fewer; on the CPU the same bits), and under bf16 and fp16 on CUDA a conv2d "
      "without a bias hands the batchnorm after it its output, and takes its gradient, in cuDNN's 16-bit NHWC, as "
      "such a batchnorm does to a conv2d after it, or to a maxpool before a conv2d (no copies to and from FP32 "
-     "between them; the same results, but for the gradient's way through a max that 16 bits make a tie), and "
+     "between them; the same results, but for the gradient's way through a max that 16 bits make a tie), and a "
+     "ResNet's residuals between such layers add 16-bit NHWC values as far as its global_avgpool (the sums "
+     "rounded to 16 bits), and "
      "under bf16 on CUDA a last linear without a bias (GPT-2's tied head) writes bfloat16 logits, which the loss "
      "reads and whose bfloat16 gradient the linear's GEMMs read as it is (PyTorch's autocast rounds them so too); "
      "false runs them apart"},

@@ -126,8 +126,16 @@ static int gap_setup(dt_model *m, dt_layer *l, dt_status *st) {
   return 0;
 }
 
-/* y(B*C) = x(B*C, HW) ones(HW); dx(B*C, HW) = dy(B*C, 1) ones^T(1, HW) */
+/* y(B*C) = x(B*C, HW) ones(HW); dx(B*C, HW) = dy(B*C, 1) ones^T(1, HW). A 16-bit NHWC x (x16: a residual's
+ * 16-bit sums) has ops of its own; y and dy stay FP32. */
 static void gap_forward(dt_layer *l, dt_pass *pass, const float *x) {
+  if (l->x16) {
+    dt_op op = {.type = DT_OP_GAP16_FWD};
+    op.p.gap16_fwd = (typeof(op.p.gap16_fwd)){
+        .b = pass->batch, .s = l->in.h * l->in.w, .c = l->in.c, .format = l->x16, .x = x, .y = l->y};
+    backend_run(pass->be, &op);
+    return;
+  }
   pool_state *s = l->priv;
   dt_op op = {.type = DT_OP_GEMM};
   op.p.gemm = (typeof(op.p.gemm)){.trans_a = 0,
@@ -146,6 +154,13 @@ static void gap_forward(dt_layer *l, dt_pass *pass, const float *x) {
 static void gap_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
   (void)x;
   if (!dx) return;
+  if (l->x16) {
+    dt_op op = {.type = DT_OP_GAP16_BWD};
+    op.p.gap16_bwd = (typeof(op.p.gap16_bwd)){
+        .b = pass->batch, .s = l->in.h * l->in.w, .c = l->in.c, .format = l->x16, .dy = l->dy, .dx = dx};
+    backend_run(pass->be, &op);
+    return;
+  }
   pool_state *s = l->priv;
   dt_op op = {.type = DT_OP_GEMM};
   op.p.gemm = (typeof(op.p.gemm)){.trans_a = 0,
@@ -166,6 +181,7 @@ static int64_t gap_flops(const dt_layer *l) {
 }
 
 const dt_layer_ops dt_layer_global_avgpool = {.kind = "global_avgpool",
+                                              .traits = DT_LAYER_GAP,
                                               .keys = NULL,
                                               .n_keys = 0,
                                               .setup = gap_setup,

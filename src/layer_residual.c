@@ -1,6 +1,7 @@
 /* layer_residual.c: residual{body, shortcut}: y = body(x) + shortcut(x), the shortcut being the
  * identity when omitted; with model.fuse a relu right after it is applied in the same pass (as a
- * batchnorm's is). Tensors are named "<i>.body.<j>.*" and "<i>.shortcut.<j>.*". */
+ * batchnorm's is), and between 16-bit NHWC layers (model.c's pick_trunk16) x, y and their gradients are
+ * 16-bit NHWC too, as are the branches' ends. Tensors are named "<i>.body.<j>.*" and "<i>.shortcut.<j>.*". */
 #include <stddef.h>
 #include <stdio.h>
 
@@ -13,7 +14,7 @@ static const dt_key residual_keys[] = {
 };
 
 typedef struct {
-  float *dx_short; /* (B, in) backend memory */
+  float *dx_short; /* (B, in) backend memory, as x (x16) */
 } residual_state;
 
 static int residual_setup(dt_model *m, dt_layer *l, dt_status *st) {
@@ -40,11 +41,16 @@ static int residual_setup(dt_model *m, dt_layer *l, dt_status *st) {
   return 0;
 }
 
+/* The shortcut's dx: as x, 16-bit when x is (model.c's pick_trunk16). */
+static size_t dx_short_bytes(const dt_layer *l, int64_t batch) {
+  return (size_t)(batch * shape_size(l->in)) * (l->x16 ? 2 : sizeof(float));
+}
+
 static void residual_alloc(dt_layer *l, dt_backend *be, dt_acts *acts, int64_t max_batch) {
   (void)be;
   residual_state *s = dt_calloc(1, sizeof *s);
   l->priv = s;
-  acts_take(acts, &s->dx_short, (size_t)(max_batch * shape_size(l->in)) * sizeof(float));
+  acts_take(acts, &s->dx_short, dx_short_bytes(l, max_batch));
 }
 
 static void residual_forward(dt_layer *l, dt_pass *pass, const float *x) {
@@ -59,7 +65,9 @@ static void residual_forward(dt_layer *l, dt_pass *pass, const float *x) {
                                 .a = l->body.layers[l->body.n - 1]->y,
                                 .b = shortcut,
                                 .y = l->y,
-                                .relu = l->fused_relu};
+                                .relu = l->fused_relu,
+                                .h16 = l->y16};
+  DT_ASSERT(l->x16 == l->y16);
   backend_run(pass->be, &op);
 }
 
@@ -72,8 +80,13 @@ static void residual_backward(dt_layer *l, dt_pass *pass, const float *x, float 
   DT_ASSERT(l->body.layers[l->body.n - 1]->dy == l->dy);
   if (l->fused_relu) {
     dt_op op = {.type = DT_OP_ACT_BWD};
-    op.p.act_bwd = (typeof(op.p.act_bwd)){
-        .kind = DT_ACT_RELU, .n = pass->batch * shape_size(l->out), .x = l->y, .y = l->y, .dy = l->dy, .dx = l->dy};
+    op.p.act_bwd = (typeof(op.p.act_bwd)){.kind = DT_ACT_RELU,
+                                          .n = pass->batch * shape_size(l->out),
+                                          .x = l->y,
+                                          .y = l->y,
+                                          .dy = l->dy,
+                                          .dx = l->dy,
+                                          .h16 = l->y16};
     backend_run(pass->be, &op);
   }
   if (l->shortcut.n) {
@@ -84,7 +97,7 @@ static void residual_backward(dt_layer *l, dt_pass *pass, const float *x, float 
   if (!dx) return;
   dt_op op = {.type = DT_OP_ADD};
   op.p.add = (typeof(op.p.add)){
-      .n = pass->batch * shape_size(l->in), .a = dx, .b = l->shortcut.n ? s->dx_short : l->dy, .y = dx};
+      .n = pass->batch * shape_size(l->in), .a = dx, .b = l->shortcut.n ? s->dx_short : l->dy, .y = dx, .h16 = l->x16};
   backend_run(pass->be, &op);
 }
 
@@ -94,11 +107,11 @@ static int64_t residual_flops(const dt_layer *l) {
 
 static void residual_memory(const dt_layer *l, int64_t batch, int threads, dt_memory *mem) {
   (void)threads;
-  mem->activations += (size_t)(batch * shape_size(l->in)) * sizeof(float); /* dx of the shortcut */
+  mem->activations += dx_short_bytes(l, batch);
 }
 
 const dt_layer_ops dt_layer_residual = {.kind = "residual",
-                                        .traits = DT_LAYER_BLOCK | DT_LAYER_FUSES_RELU,
+                                        .traits = DT_LAYER_BLOCK | DT_LAYER_FUSES_RELU | DT_LAYER_RESIDUAL,
                                         .keys = residual_keys,
                                         .n_keys = 2,
                                         .setup = residual_setup,

@@ -188,6 +188,31 @@ static int is_gelu_tanh(const dt_seq *s, int i) {
   return i < s->n && (s->layers[i]->ops->traits & DT_LAYER_GELU) && s->layers[i]->args.approximate;
 }
 
+/* A branch that may take its residual's input and give its output as 16-bit NHWC: the identity, or a conv2d
+ * first and last a batchnorm that reads its conv2d's 16-bit output (bn_next). */
+static int branch16(const dt_seq *b) {
+  return !b->n || ((b->layers[0]->ops->traits & DT_LAYER_CONV) && b->n >= 2 &&
+                   b->layers[b->n - 2]->bn_next == b->layers[b->n - 1]);
+}
+
+/* The residual at s->layers[i]: whether its branches could sum 16-bit NHWC values, and its neighbours that
+ * could write and read them (pick_trunk16 decides): before it (or its fused relu) a batchnorm that reads its
+ * conv2d's 16-bit output, or a residual; after it (or its own fused relu) a conv2d, a global_avgpool or a
+ * residual. */
+static void link_residual(dt_seq *s, int i) {
+  dt_layer *l = s->layers[i];
+  l->branches16 = branch16(&l->body) && branch16(&l->shortcut);
+  dt_layer *prev = i > 0 ? s->layers[i - 1] : NULL;
+  if (prev && prev->fused_into) prev = prev->fused_into;
+  const int at = prev ? (prev == s->layers[i - 1] ? i - 1 : i - 2) : -1; /* prev's index */
+  if (prev && ((prev->ops->traits & DT_LAYER_RESIDUAL) ||
+               ((prev->ops->traits & DT_LAYER_BATCHNORM) && at > 0 && s->layers[at - 1]->bn_next == prev)))
+    l->res_prev = prev, prev->res_next = l;
+  const int after = i + 1 + l->fused_relu;
+  if (after < s->n && (s->layers[after]->ops->traits & DT_LAYER_CONV)) l->conv_next = s->layers[after];
+  if (after < s->n && (s->layers[after]->ops->traits & DT_LAYER_GAP)) l->gap_next = s->layers[after];
+}
+
 /* model.fuse: each relu right after a batchnorm or a residual is applied by that layer's ops (the
  * residual's sum), and its output buffers are that layer's (nothing else reads its output before the
  * relu). A tanh gelu
@@ -227,6 +252,7 @@ static void fuse_seq(dt_seq *s) {
                (s->layers[after + 1]->ops->traits & DT_LAYER_CONV))
         l->pool_next = next, next->conv_next = s->layers[after + 1];
     }
+    if (l->ops->traits & DT_LAYER_RESIDUAL) link_residual(s, i);
   }
 }
 
@@ -253,10 +279,51 @@ static void pick_y16(dt_model *m, int format) {
     dt_layer *l = m->all[i];
     if (l->bn_next) l->y16 = l->bn_next->x16 = format;
     if (l->pool_next) l->y16 = l->pool_next->x16 = format;
-    if (l->conv_next) {
+    if (l->conv_next && !(l->ops->traits & DT_LAYER_RESIDUAL)) { /* a residual's: pick_trunk16 */
       l->y16 = l->conv_next->in16 = format;
       if (format) l->conv_next->keeps_x16 = 0;
     }
+  }
+}
+
+/* Whether a residual's neighbours keep it 16-bit (l->y16 marks those still in the running): a batchnorm that
+ * reads 16 bits writes them; a residual so marked writes and reads them; a conv2d and a global_avgpool read them. */
+static int trunk16_fits(const dt_layer *l) {
+  const dt_layer *p = l->res_prev, *n = l->res_next;
+  const int in = p && ((p->ops->traits & DT_LAYER_BATCHNORM) ? p->x16 != 0 : p->y16 != 0);
+  return in && (l->conv_next || l->gap_next || (n && n->y16));
+}
+
+/* Each residual whose branches can (branches16), between a layer that writes 16-bit NHWC values and one that
+ * reads them, adds its branches' outputs as 16-bit NHWC and hands its sum, and takes its gradient, so: the
+ * trunk of a ResNet from its stem's batchnorm to its global_avgpool, with no copies to and from FP32 NCHW. A
+ * chain of residuals is 16-bit whole or not at all, so the marks are taken back until every one left fits. */
+static void pick_trunk16(dt_model *m, int format) {
+  for (int i = 0; i < m->n_all; i++) {
+    dt_layer *l = m->all[i];
+    if (l->ops->traits & DT_LAYER_RESIDUAL) l->y16 = l->x16 = l->branches16 && l->res_prev ? format : DT_F16_NONE;
+  }
+  for (int changed = 1; changed;) {
+    changed = 0;
+    for (int i = 0; i < m->n_all; i++) {
+      dt_layer *l = m->all[i];
+      if ((l->ops->traits & DT_LAYER_RESIDUAL) && l->y16 && !trunk16_fits(l))
+        l->y16 = l->x16 = DT_F16_NONE, changed = 1;
+    }
+  }
+  for (int i = 0; i < m->n_all; i++) {
+    dt_layer *l = m->all[i];
+    if (!(l->ops->traits & DT_LAYER_RESIDUAL) || !l->y16) continue;
+    const dt_seq *branches[2] = {&l->body, &l->shortcut};
+    for (int b = 0; b < 2; b++) {
+      if (!branches[b]->n) continue;
+      dt_layer *first = branches[b]->layers[0];
+      first->in16 = format, first->keeps_x16 = 0;
+      branches[b]->layers[branches[b]->n - 1]->y16 = format;
+    }
+    if (l->res_prev->ops->traits & DT_LAYER_BATCHNORM) l->res_prev->y16 = format;
+    if (l->conv_next) l->conv_next->in16 = format, l->conv_next->keeps_x16 = 0;
+    if (l->gap_next) l->gap_next->x16 = format;
   }
 }
 
@@ -279,6 +346,7 @@ static void pick_ops(dt_model *m, int cuda, size_t shared_per_block, int format)
   for (int i = 0; i < m->n_all; i++)
     if (m->all[i]->ops->pick) m->all[i]->ops->pick(m->all[i], m, cuda, shared_per_block);
   pick_y16(m, format);
+  pick_trunk16(m, format);
   pick_logits16(m, format);
   if (m->teacher) pick_ops(m->teacher, cuda, shared_per_block, format);
 }

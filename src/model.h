@@ -107,8 +107,11 @@ enum {
   DT_LAYER_CONV = 128,      /* a convolution: without a bias, a batchnorm right after it may take its output and
                                give its gradient as the 16-bit convolution has them (y16, model.fuse) */
   DT_LAYER_BATCHNORM = 256, /* a batchnorm: what such a convolution may hand its output to */
-  DT_LAYER_MAXPOOL = 512    /* a max pooling: between such a batchnorm and a convolution, it may pool their 16-bit
+  DT_LAYER_MAXPOOL = 512,   /* a max pooling: between such a batchnorm and a convolution, it may pool their 16-bit
                                NHWC values as they are */
+  DT_LAYER_RESIDUAL = 1024, /* a residual: between such a batchnorm (or another) and a convolution, a global
+                               average pool (or another), it may add 16-bit NHWC values (model.c's pick_trunk16) */
+  DT_LAYER_GAP = 2048       /* a global average pool: it may average such a residual's 16-bit sums */
 };
 
 /* The layer kinds (layers.c): the one of that name in the config, or NULL; their names (n_kinds). */
@@ -170,18 +173,26 @@ struct dt_layer {
                             its y and write its dy as its 16-bit convolution has them */
   dt_layer *conv_next;   /* batchnorm after such a conv2d: the conv2d right after it (or after its fused relu),
                             which may read its y and write its dy as 16-bit NHWC too; maxpool after such a
-                            batchnorm (pool_next): the conv2d right after it, so too */
+                            batchnorm (pool_next), or a residual: the conv2d right after it, so too */
   dt_layer *pool_next;   /* batchnorm after such a conv2d: a maxpool right after it (or after its fused relu) that
                             a conv2d follows, which may pool its y and give its dy as 16-bit NHWC */
-  int y16;               /* conv2d with a bn_next, or batchnorm with a conv_next, picked for CUDA under bf16 or
-                            fp16: y and dy hold 16-bit values (half.h's DT_F16_*) as (B, H, W, C), NHWC, as cuDNN
-                            writes and reads them (no copies to and from FP32 NCHW), 2 bytes a value; 0: FP32.
-                            The last layer, a linear (pick_logits16, CUDA under bf16): the logits and their
-                            gradient in bfloat16 rows of dt_ld16(out) values (backend.h's loss.logits16) */
+  dt_layer *res_next;    /* batchnorm after such a conv2d, or a residual: the residual right after it (or after
+                            its fused relu), which may add its y and give its dy as 16-bit NHWC (pick_trunk16) */
+  dt_layer *res_prev;    /* residual: the layer whose res_next it is */
+  dt_layer *gap_next;    /* residual: a global_avgpool right after it (or after its fused relu), which may average
+                            its y and give its dy so */
+  int branches16;        /* residual: each branch begins with a conv2d and ends in a batchnorm right after a
+                            conv2d (its bn_next), or is the identity: each may take x and give y as 16-bit NHWC */
+  int y16;               /* conv2d with a bn_next, batchnorm with a conv_next, or a residual so (pick_trunk16),
+                            picked for CUDA under bf16 or fp16: y and dy hold 16-bit values (half.h's DT_F16_*)
+                            as (B, H, W, C), NHWC, as cuDNN writes and reads them (no copies to and from FP32
+                            NCHW), 2 bytes a value; 0: FP32. The last layer, a linear (pick_logits16, CUDA under
+                            bf16): the logits and their gradient in bfloat16 rows of dt_ld16(out) values
+                            (backend.h's loss.logits16) */
   int x16;               /* batchnorm after such a conv2d: its x and dx are that layer's y and dy, in this format;
-                            a pool_next: so too, and its y and dy (y16) */
-  int in16;              /* conv2d after such a batchnorm: its x and dx are that layer's y and dy, in this format
-                            (read as they are: no x16 copy kept) */
+                            a pool_next, or a residual: so too, and its y and dy (y16); a global_avgpool: x, dx */
+  int in16;              /* conv2d after such a batchnorm or residual, or first in such a residual's branch: its
+                            x and dx are that layer's y and dy, in this format (read as they are: no x16 copy) */
   void *priv;            /* per-kind state */
 };
 

@@ -1519,6 +1519,106 @@ static void ot_check_bits(const char *what, dbuf b) {
   if (!same) fail_msg("op %s [%s]: %s: not the same bits on CUDA as on the CPU", dt_op_names[ot.op], ot.kase, what);
 }
 
+/* The 16-bit value i of buffer b on one side (0: CPU, 1: CUDA), widened. */
+static float ot_get16(dbuf b, int side, int64_t i) {
+  uint16_t v;
+  ot.be[side]->to_host(ot.be[side], &v, (uint16_t *)b.p[side] + i, sizeof v);
+  return dt_from_16(v, ot_format16());
+}
+
+/* A residual's 16-bit NHWC ops (model.c's pick_trunk16) in the backend's format: the sum of its branches with
+ * and without its relu, the relu's backward (in place, as the residual runs it, and not), and a global average
+ * pool of its sums and that pool's backward. n values a row, a multiple of 8 (CUDA's 16-byte loads) and not
+ * (a tail), from an aligned start and from one value past it (every value on its own). The same bits on both
+ * backends, nothing written past n, and on the CPU the values worked by hand from the widened inputs. */
+static void ops_residual16(void) {
+  const int f16 = ot_format16();
+  FOR_ROWS(r) {
+    for (int shape = 0; shape < 3; shape++) {
+      const int64_t feat = shape == 1 ? 37 : 40, off = shape == 2, n = rows * feat, all = cap * feat + 8;
+      const char *how = shape == 0 ? "aligned" : shape == 1 ? "a tail" : "unaligned";
+#define H16(b) ((float *)((uint16_t *)(b).p[s_] + off))
+      dbuf a = ot_rand16(all, -1, 1), b = ot_rand16(all, -1, 1), y = ot_rand16(all, -1, 1);
+      for (int relu = 0; relu < 2; relu++) {
+        ot_case(DT_OP_ADD, "16-bit, %s%s, %s", how, relu ? ", relu" : "", ROWS_NAME(r));
+        BOTH {
+          dt_op op = {.type = DT_OP_ADD};
+          op.p.add = (typeof(op.p.add)){.n = n, .a = H16(a), .b = H16(b), .y = H16(y), .relu = relu, .h16 = f16};
+          RUN(op);
+        }
+        ot_check16("y", y, all, off + n);
+        ot_check_bits("y", y);
+        for (int64_t i = 0; i < n; i++) {
+          const float v = ot_get16(a, 0, off + i) + ot_get16(b, 0, off + i);
+          const float want = dt_from_16(dt_to_16(relu && v < 0 ? 0.0f : v, f16), f16);
+          if (ot_get16(y, 0, off + i) != want)
+            fail_msg("op add [%s]: y[%lld] = %g, by hand %g", ot.kase, (long long)i, ot_get16(y, 0, off + i), want);
+        }
+      }
+      /* the relu's backward where x is y of the sum above: zeros (relu), negatives and positives */
+      for (int in_place = 0; in_place < 2; in_place++) {
+        dbuf dy = ot_rand16(all, -1, 1), dx = ot_rand16(all, -1, 1);
+        ot_case(DT_OP_ACT_BWD, "16-bit relu, %s%s, %s", how, in_place ? ", in place" : "", ROWS_NAME(r));
+        BOTH {
+          dt_op op = {.type = DT_OP_ACT_BWD};
+          op.p.act_bwd = (typeof(op.p.act_bwd)){.kind = DT_ACT_RELU,
+                                                .n = n,
+                                                .x = H16(a),
+                                                .y = H16(a),
+                                                .dy = H16(dy),
+                                                .dx = in_place ? H16(dy) : H16(dx),
+                                                .h16 = f16};
+          RUN(op);
+        }
+        const dbuf out = in_place ? dy : dx;
+        ot_check16("dx", out, all, off + n);
+        ot_check_bits("dx", out);
+        for (int64_t i = 0; i < n; i++) {
+          const float x = ot_get16(a, 0, off + i);
+          const uint16_t g = ((const uint16_t *)dy.init)[off + i];
+          uint16_t got;
+          ot.be[0]->to_host(ot.be[0], &got, (uint16_t *)out.p[0] + off + i, sizeof got);
+          if (got != (x > 0 ? g : 0))
+            fail_msg("op act_bwd [%s]: dx[%lld] = 0x%04x where x is %g and dy 0x%04x", ot.kase, (long long)i, got, x,
+                     g);
+        }
+      }
+#undef H16
+    }
+    /* global average pooling: (B, S, C) -> (B, C), C past a warp and not a multiple of 8 */
+    const int64_t sp = 9, c = 37;
+    dbuf x = ot_rand16(cap * sp * c, -2, 2), y = ot_rand(cap * c, -1, 1), dy = ot_rand(cap * c, -1, 1);
+    dbuf dx = ot_rand16(cap * sp * c, -1, 1);
+    ot_case(DT_OP_GAP16_FWD, "(9, 37), %s", ROWS_NAME(r));
+    BOTH {
+      dt_op op = {.type = DT_OP_GAP16_FWD};
+      op.p.gap16_fwd = (typeof(op.p.gap16_fwd)){.b = rows, .s = sp, .c = c, .format = f16, .x = F(x), .y = F(y)};
+      RUN(op);
+    }
+    ot_check("y", y, rows * c);
+    ot_check_bits("y", y);
+    for (int64_t i = 0; i < rows * c; i++) {
+      double sum = 0;
+      for (int64_t k = 0; k < sp; k++) sum += ot_get16(x, 0, (i / c * sp + k) * c + i % c);
+      if (fabs(ot_get(y, 0, i) - sum / sp) > 1e-6 * (1 + fabs(sum / sp)))
+        fail_msg("op gap16_fwd [%s]: y[%lld] = %g, by hand %g", ot.kase, (long long)i, ot_get(y, 0, i), sum / sp);
+    }
+    ot_case(DT_OP_GAP16_BWD, "(9, 37), %s", ROWS_NAME(r));
+    BOTH {
+      dt_op op = {.type = DT_OP_GAP16_BWD};
+      op.p.gap16_bwd = (typeof(op.p.gap16_bwd)){.b = rows, .s = sp, .c = c, .format = f16, .dy = F(dy), .dx = F(dx)};
+      RUN(op);
+    }
+    ot_check16("dx", dx, cap * sp * c, rows * sp * c);
+    ot_check_bits("dx", dx);
+    for (int64_t i = 0; i < rows * sp * c; i++) {
+      const float want = dt_from_16(dt_to_16((float)ot_get(dy, 0, i / (sp * c) * c + i % c) / (float)sp, f16), f16);
+      if (ot_get16(dx, 0, i) != want)
+        fail_msg("op gap16_bwd [%s]: dx[%lld] = %g, by hand %g", ot.kase, (long long)i, ot_get16(dx, 0, i), want);
+    }
+  }
+}
+
 /* Strided batched GEMM (attention's scores and context): products at element strides with gaps
  * between them, or B shared by all (stride 0), every transpose combination, alpha and beta; the
  * gaps keep their values on both. Then no rows (m = 0): nothing written. */
@@ -2503,6 +2603,8 @@ GPU_TEST(cuda_op_activation, (ot_begin(), ops_activation(), ot_end()))
 GPU_TEST(cuda_op_pool, (ot_begin(), ops_pool_in(0), ot_end()))
 GPU_TEST(cuda_op_pool_16bit_nhwc, (ot_begin_precision(DT_PREC_BF16, 1e-5), ops_pool_in(DT_F16_BF16), ot_end(),
                                    ot_begin_precision(DT_PREC_FP16, 1e-5), ops_pool_in(DT_F16_HALF), ot_end()))
+GPU_TEST(cuda_op_residual_16bit_nhwc, (ot_begin_precision(DT_PREC_BF16, 1e-5), ops_residual16(), ot_end(),
+                                       ot_begin_precision(DT_PREC_FP16, 1e-5), ops_residual16(), ot_end()))
 GPU_TEST(cuda_op_dropout, (ot_begin(), ops_dropout(), ot_end()))
 GPU_TEST(cuda_op_add_scale, (ot_begin(), ops_elementwise(), ot_end()))
 GPU_TEST(cuda_op_loss, (ot_begin(), ops_loss(), ot_end()))
@@ -2599,6 +2701,7 @@ int main(void) {
       cmocka_unit_test(cuda_op_activation),
       cmocka_unit_test(cuda_op_pool),
       cmocka_unit_test(cuda_op_pool_16bit_nhwc),
+      cmocka_unit_test(cuda_op_residual_16bit_nhwc),
       cmocka_unit_test(cuda_op_dropout),
       cmocka_unit_test(cuda_op_add_scale),
       cmocka_unit_test(cuda_op_loss),

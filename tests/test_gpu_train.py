@@ -57,6 +57,11 @@ def assert_params_close(test, got, want, rtol, what):
         np.testing.assert_allclose(got[k], want[k], rtol=rtol, atol=rtol * 0.1, err_msg=f"{what}: {k}")
 
 
+def params_distance(got, want):
+    """||got - want|| / ||want|| over all parameters."""
+    return np.sqrt(sum(((got[k] - want[k]) ** 2).sum() for k in want) / sum((want[k] ** 2).sum() for k in want))
+
+
 def gpu_run(args, np_, env, timeout=300, mpmd=None):
     return run(args, np_=np_, timeout=timeout, binary=GPU_BINARY, env=env, mpmd=mpmd)
 
@@ -607,9 +612,9 @@ log: {{every_steps: 1}}
         output, and takes its gradient, in the 16-bit NHWC cuDNN computes in; the batchnorm reads and writes
         them there, with no copies to and from FP32 NCHW, and hands its own output (after its fused relu) to
         a convolution right after it so too. The same values cross where the copies were, so 4 steps of a
-        residual CNN (stem, a block with a projection: 5 convolution-batchnorm pairs, 1 batchnorm-convolution
-        pair) end with the parameters of model.fuse false, which keeps the copies; on the stand-in bit for bit,
-        and its profile shows the batchnorm's 16-bit kernels and, per pair and step, a copy of y to FP32 and
+        residual CNN (stem, a block with a projection: 4 convolution-batchnorm pairs, 1 batchnorm-convolution
+        pair; the residual's sum, which a flatten reads, stays FP32) end with the parameters of model.fuse
+        false, which keeps the copies; on the stand-in bit for bit, and its profile shows the batchnorm's 16-bit kernels and, per pair and step, a copy of y to FP32 and
         one of dy to 16 bits fewer (of x to 16 bits and dx to FP32 for the second kind)."""
         cfg = self.images_config("res.yaml", """\
     - conv2d: {out: 8, kernel: 3, pad: 1, bias: false}
@@ -620,12 +625,10 @@ log: {{every_steps: 1}}
                {conv2d: {out: 40, kernel: 3, pad: 1, bias: false}}, {batchnorm: {}}]
         shortcut: [{conv2d: {out: 40, kernel: 1, stride: 2, bias: false}}, {batchnorm: {}}]
     - relu
-    - {conv2d: {out: 6, kernel: 3, pad: 1, bias: false}}
-    - {batchnorm: {}}
     - flatten
     - linear: {out: 3}
 """)
-        pairs, bn_conv, steps = 5, 1, 4
+        pairs, bn_conv, steps = 4, 1, 4
         for prec in ("bf16", "fp16"):
             got = self.fuse_pair(cfg, prec)
             assert_params_close(self, got["true"][0], got["false"][0], 1e-5, prec)
@@ -639,6 +642,56 @@ log: {{every_steps: 1}}
                 self.assertFalse([k for k in off if k.startswith("bn16_")], prec)
                 for copy in ("pack16_tiled_kernel", "unpack16_tiled_kernel"):
                     self.assertEqual(off[copy] - on[copy], (pairs + bn_conv) * steps, (prec, copy, on, off))
+
+    def test_16bit_residual_sums_stay_nhwc(self):
+        """Under bf16 and fp16 (model.fuse) a ResNet's trunk stays 16-bit NHWC from its stem's batchnorm to its
+        global average pool: each residual adds its branches' 16-bit outputs (the batchnorms ending them) and
+        its input, applies its relu and hands the sum on as it is, to the convolutions of the next block and
+        its shortcut, and takes its gradient so; the pool averages the last sums into FP32. The sums round to
+        16 bits where model.fuse false keeps them in FP32, so 4 steps end near its parameters, not on them.
+        The stand-in's profile shows the 16-bit sums, relu backward and pooling kernels and no FP32 ones, and
+        of the 16-bit copies only the input's and the weights' (each convolution's w for its forward and its
+        input gradient, its dw back to FP32): no activation is copied. train.recompute blocks gives the same
+        bits."""
+        cfg = self.images_config("trunk.yaml", """\
+    - conv2d: {out: 8, kernel: 3, pad: 1, bias: false}
+    - batchnorm: {}
+    - relu
+    - residual:
+        body: [{conv2d: {out: 8, kernel: 3, pad: 1, bias: false}}, {batchnorm: {}}, relu,
+               {conv2d: {out: 8, kernel: 3, pad: 1, bias: false}}, {batchnorm: {}}]
+    - relu
+    - residual:
+        body: [{conv2d: {out: 16, kernel: 3, stride: 2, pad: 1, bias: false}}, {batchnorm: {}}, relu,
+               {conv2d: {out: 16, kernel: 3, pad: 1, bias: false}}, {batchnorm: {}}]
+        shortcut: [{conv2d: {out: 16, kernel: 1, stride: 2, bias: false}}, {batchnorm: {}}]
+    - relu
+    - global_avgpool
+    - linear: {out: 3}
+""")
+        convs, residuals, steps = 6, 2, 4
+        fp32, trained = self.fuse_pair(cfg, "fp32")["true"][0], {}
+        for prec in ("bf16", "fp16"):
+            got = self.fuse_pair(cfg, prec)
+            trained[prec] = got["true"][0]
+            # norm-wise: 5e-3 (bf16) and 1.4e-3 (fp16) apart, and 1.09x and 1.06x model.fuse false's distance
+            # from FP32 on the stand-in
+            self.assertLess(params_distance(got["true"][0], got["false"][0]), 2e-2, prec)
+            self.assertLess(params_distance(got["true"][0], fp32), 1.5 * params_distance(got["false"][0], fp32), prec)
+            np.testing.assert_allclose(got["true"][2], got["false"][2], rtol=1e-2, err_msg=prec)  # 3.4e-3
+            if SIM:
+                on = got["true"][1]
+                want = {"add16_kernel": 2 * residuals * steps, "relu_bwd16_kernel": residuals * steps,
+                        "gap16_fwd_kernel": steps, "gap16_bwd_kernel": steps}
+                self.assertEqual({k: on.get(k, 0) for k in want}, want, prec)
+                self.assertFalse([k for k in ("add_kernel", "act_bwd_kernel", "act_fwd_kernel") if k in on], prec)
+                copies = {d: sum(n for k, n in on.items() if k.startswith(d + "16")) for d in ("pack", "unpack")}
+                self.assertEqual(copies, {"pack": (2 * convs - 1 + 1) * steps, "unpack": convs * steps}, (prec, on))
+        rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", "train.precision=bf16", "--set",
+                                "train.recompute=blocks", "--set", f"checkpoint.dir={self.w.file('rec')}", "--set",
+                                f"log.dir={self.w.file('rec')}"], 1, ENV1)
+        self.assertEqual(rc, 0, out + err)
+        assert_params_equal(self, params(self.w.latest("rec")), trained["bf16"], "recompute")
 
     def test_16bit_max_pooling_between_batchnorm_and_convolution_stays_nhwc(self):
         """Under bf16 and fp16 a maxpool between a batchnorm (after its convolution, with its fused relu) and a

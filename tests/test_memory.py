@@ -93,6 +93,8 @@ CASES = [
                                                      "train.ema.decay=0.999", "data.cache=device"],
          ("images", (1, 28, 28)), None, 64),
     Case("resnet18", "resnet18_cifar.yaml", IMAGES, ("images", (3, 32, 32)), 8, 8),
+    # bf16: the 16-bit NHWC trunk (the residuals' sums, their gradients and the shortcuts' dx at 2 bytes a value)
+    Case("resnet18_bf16", "resnet18_cifar.yaml", IMAGES + ["train.precision=bf16"], ("images", (3, 32, 32)), None, 8),
     # oneDNN's Winograd filter gradient books a copy per thread and touches a share of each (src/cpu/dnnl.c)
     Case("resnet18_4_threads", "resnet18_cifar.yaml", IMAGES + ["dist.threads=4"], ("images", (3, 32, 32)), 8, None),
     Case("gpt_tiny", "gpt_tiny.yaml", [], ("tokens", (128, 256)), 8, 4),

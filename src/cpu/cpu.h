@@ -83,6 +83,8 @@ void cpu_gather(cpu_impl *im, const dt_op *op);
 /* pool.c */
 void cpu_pool_fwd(cpu_impl *im, const dt_op *op);
 void cpu_pool_bwd(cpu_impl *im, const dt_op *op);
+void cpu_gap16_fwd(cpu_impl *im, const dt_op *op);
+void cpu_gap16_bwd(cpu_impl *im, const dt_op *op);
 
 /* loss.c */
 void cpu_loss(cpu_impl *im, const dt_op *op);

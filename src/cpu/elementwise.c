@@ -136,8 +136,21 @@ void cpu_act_fwd(cpu_impl *im, const dt_op *op) {
   act_fwd(op->p.act_fwd.kind, op->p.act_fwd.n, op->p.act_fwd.x, op->p.act_fwd.y);
 }
 
+/* 16-bit values (h16): the relu's mask, dy's bits passed as they are. */
+static void relu_bwd16(const typeof(((dt_op *)0)->p.act_bwd) *q) {
+  DT_ASSERT(q->kind == DT_ACT_RELU);
+  const uint16_t *x = (const uint16_t *)q->x, *dy = (const uint16_t *)q->dy;
+  uint16_t *dx = (uint16_t *)q->dx;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < q->n; i++) dx[i] = dt_from_16(x[i], q->h16) > 0 ? dy[i] : 0;
+}
+
 void cpu_act_bwd(cpu_impl *im, const dt_op *op) {
   (void)im;
+  if (op->p.act_bwd.h16) {
+    relu_bwd16(&op->p.act_bwd);
+    return;
+  }
   act_bwd(op->p.act_bwd.kind, op->p.act_bwd.n, op->p.act_bwd.x, op->p.act_bwd.y, op->p.act_bwd.dy, op->p.act_bwd.dx);
 }
 
@@ -162,6 +175,16 @@ VECTOR_CLONES void cpu_dropout_bwd(cpu_impl *im, const dt_op *op) {
 VECTOR_CLONES void cpu_add(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.add) *q = &op->p.add;
+  if (q->h16) { /* as the FP32 loop, each sum rounded to 16 bits */
+    const uint16_t *a = (const uint16_t *)q->a, *b = (const uint16_t *)q->b;
+    uint16_t *y = (uint16_t *)q->y;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < q->n; i++) {
+      float v = dt_from_16(a[i], q->h16) + dt_from_16(b[i], q->h16);
+      y[i] = dt_to_16(q->relu && v < 0 ? 0.0f : v, q->h16);
+    }
+    return;
+  }
   if (q->relu) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < q->n; i++) {

@@ -155,3 +155,29 @@ VECTOR_CLONES void cpu_pool_bwd(cpu_impl *im, const dt_op *op) {
       }
     }
 }
+
+/* Global average pooling of 16-bit NHWC values (backend.h's gap16_fwd): each (b, c)'s sum over s in order,
+ * divided once, as the CUDA kernel does. */
+void cpu_gap16_fwd(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.gap16_fwd) *q = &op->p.gap16_fwd;
+  const uint16_t *x = q->x;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < q->b; b++)
+    for (int64_t c = 0; c < q->c; c++) {
+      float sum = 0.0f;
+      for (int64_t s = 0; s < q->s; s++) sum += dt_from_16(x[(b * q->s + s) * q->c + c], q->format);
+      q->y[b * q->c + c] = sum / (float)q->s;
+    }
+}
+
+void cpu_gap16_bwd(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.gap16_bwd) *q = &op->p.gap16_bwd;
+  uint16_t *dx = q->dx;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < q->b; b++)
+    for (int64_t s = 0; s < q->s; s++)
+      for (int64_t c = 0; c < q->c; c++)
+        dx[(b * q->s + s) * q->c + c] = dt_to_16(q->dy[b * q->c + c] / (float)q->s, q->format);
+}

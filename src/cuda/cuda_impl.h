@@ -159,6 +159,8 @@ void cuda_gather(cuda_impl *im, const dt_op *op);
 /* ops.c, kernels/pool.cu */
 void cuda_pool_fwd(cuda_impl *im, const dt_op *op);
 void cuda_pool_bwd(cuda_impl *im, const dt_op *op);
+void cuda_gap16_fwd(cuda_impl *im, const dt_op *op);
+void cuda_gap16_bwd(cuda_impl *im, const dt_op *op);
 
 /* ops.c, kernels/loss.cu */
 void cuda_loss(cuda_impl *im, const dt_op *op);

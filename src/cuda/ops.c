@@ -28,6 +28,11 @@ void cuda_act_fwd(cuda_impl *im, const dt_op *op) {
 
 void cuda_act_bwd(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.act_bwd) *q = &op->p.act_bwd;
+  if (q->h16) {
+    DT_ASSERT(q->kind == DT_ACT_RELU && q->h16 == cuda_format16(im));
+    k_relu_bwd16(im->stream, (const uint16_t *)q->x, (const uint16_t *)q->dy, (uint16_t *)q->dx, q->n, q->h16);
+    return;
+  }
   k_act_bwd(im->stream, q->kind, q->x, q->y, q->dy, q->dx, q->n);
 }
 
@@ -44,6 +49,11 @@ void cuda_dropout_bwd(cuda_impl *im, const dt_op *op) {
 
 void cuda_add(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.add) *q = &op->p.add;
+  if (q->h16) {
+    DT_ASSERT(q->h16 == cuda_format16(im));
+    k_add16(im->stream, (const uint16_t *)q->a, (const uint16_t *)q->b, (uint16_t *)q->y, q->n, q->relu, q->h16);
+    return;
+  }
   k_add(im->stream, q->a, q->b, q->y, q->n, q->relu);
 }
 
@@ -200,6 +210,20 @@ void cuda_pool_bwd(cuda_impl *im, const dt_op *op) {
     return;
   }
   k_pool_bwd(im->stream, q->kind, q->dy, q->argmax, q->dx, q->b, q->c, q->h, q->w, q->k, q->stride, q->ho, q->wo);
+}
+
+void cuda_gap16_fwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.gap16_fwd) *q = &op->p.gap16_fwd;
+  CHECK_INDEXABLE(q->b * q->s * q->c);
+  DT_ASSERT(q->format == cuda_format16(im));
+  k_gap16_fwd(im->stream, q->x, q->format, q->y, q->b, q->s, q->c);
+}
+
+void cuda_gap16_bwd(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.gap16_bwd) *q = &op->p.gap16_bwd;
+  CHECK_INDEXABLE(q->b * q->s * q->c);
+  DT_ASSERT(q->format == cuda_format16(im));
+  k_gap16_bwd(im->stream, q->dy, q->dx, q->format, q->b, q->s, q->c);
 }
 
 /* kernels/loss.cu */
