@@ -443,7 +443,7 @@ typedef __nv_bfloat16 bfloat;
 // row stride of a transposed tile (attn_tiles_tc).
 enum { kMmaWarps = kTile / 16, kMmaBlock = 32 * kMmaWarps, kPieces8 = kTile / 8, kPieces16 = kTile / 16 };
 enum { kTld = kTile + 8 };
-static constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+[[maybe_unused]] static constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
 // hd rounded up to whole 16-column pieces: the width of a tile of a head.
 [[maybe_unused]] static __device__ __forceinline__ int width16(int hd) {
