@@ -88,8 +88,9 @@ enum {
   DT_ACT_GELU_TANH
 }; /* GELU_TANH: PyTorch's approximate='tanh' */
 /* A GEMM's epilogue (one product, beta 0): GELU_TANH: aux = op(A) op(B) + bias, C = gelu_tanh(aux);
- * DGELU_TANH (no bias): C = op(A) op(B) * gelu_tanh'(aux), a gelu's input gradient. */
-enum { DT_GEMM_PLAIN, DT_GEMM_GELU_TANH, DT_GEMM_DGELU_TANH };
+ * DGELU_TANH (no bias): C = op(A) op(B) * gelu_tanh'(aux), a gelu's input gradient; RELU: C = relu(op(A)
+ * op(B) + bias), no aux (the CPU's relu passes a NaN; cuBLASLt's max(x, 0) may give 0 for one). */
+enum { DT_GEMM_PLAIN, DT_GEMM_GELU_TANH, DT_GEMM_DGELU_TANH, DT_GEMM_RELU };
 /* Below this in any dimension a GEMM has no tensor-core tile to fill: the CUDA backend multiplies its FP32
  * operands under bf16 rather than copy them to bfloat16 (src/cuda/gemm.c). */
 enum { DT_GEMM16_MIN_DIM = 16 };
@@ -129,8 +130,8 @@ typedef struct {
       int64_t stride_a, stride_b, stride_c; /* elements between consecutive products (batch > 1) */
       const float *bias;                    /* NULL, or (n): then C = alpha op(A) op(B) + bias on each row
                                                (one product, beta 0): the CPU starts C at the bias */
-      int epilogue;                         /* DT_GEMM_*: a gelu applied to C as it is written, or its derivative */
-      float *aux;                           /* (m, n), the gelu's input: written by GELU_TANH, read by DGELU_TANH */
+      int epilogue; /* DT_GEMM_*: a gelu or a relu applied to C as it is written, or a gelu's derivative */
+      float *aux;   /* (m, n), the gelu's input: written by GELU_TANH, read by DGELU_TANH; RELU: unused */
       int c16; /* 0, or half.h's DT_F16_BF16 (the CUDA backend under bf16): C written in bfloat16 as rows of
                   dt_ld16(n) values, their padding left as it is, for a loss's logits16; one product, beta 0, no
                   bias, no epilogue */

@@ -76,10 +76,11 @@ dt_op dense_gemm(int kind, int64_t rows, int64_t in, int64_t out) {
 }
 
 void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
-                   const float *bias, float *y, float *gelu_y, int y16) {
+                   const float *bias, float *y, float *gelu_y, int relu, int y16) {
   dt_op op = dense_gemm(DENSE_FWD, rows, in, out);
   op.p.gemm.a = x, op.p.gemm.b = w, op.p.gemm.c = y, op.p.gemm.bias = bias, op.p.gemm.c16 = y16;
   if (gelu_y) op.p.gemm.epilogue = DT_GEMM_GELU_TANH, op.p.gemm.aux = y, op.p.gemm.c = gelu_y;
+  if (relu) op.p.gemm.epilogue = DT_GEMM_RELU;
   backend_run(be, &op);
 }
 
@@ -107,7 +108,7 @@ int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][5
   const int64_t rows = shape_rows(l->in, batch), c = l->in.c;
   if (l->ops == &dt_layer_linear) {
     products[0][0] = rows, products[0][1] = c, products[0][2] = l->args.out;
-    products[0][3] = l->args.bias || l->gelu_next || l->dgelu_aux, products[0][4] = l->y16;
+    products[0][3] = l->args.bias || l->gelu_next || l->dgelu_aux || l->fused_relu, products[0][4] = l->y16;
     return 1;
   }
   if (l->ops != &dt_layer_attention) return 0;
@@ -116,16 +117,30 @@ int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][5
   return 2;
 }
 
-/* With a gelu after it (gelu_next), y is the gelu's input and the GEMM writes the gelu's output too. The
+/* With a gelu after it (gelu_next), y is the gelu's input and the GEMM writes the gelu's output too; with a
+ * relu after it (fused_relu, model.fuse), the GEMM writes the relu's output, y, which the relu borrows. The
  * classifier under bf16 (y16, model.c's pick_logits16) writes bfloat16 logits for the loss, whose gradient
  * its backward GEMMs read as the loss wrote it. */
 static void linear_forward(dt_layer *l, dt_pass *pass, const float *x) {
   dense_forward(pass->be, shape_rows(l->in, pass->batch), l->in.c, l->args.out, x, pass->params + weight_off(l),
-                l->args.bias ? pass->params + bias_off(l) : NULL, l->y, l->gelu_next ? l->gelu_next->y : NULL, l->y16);
+                l->args.bias ? pass->params + bias_off(l) : NULL, l->y, l->gelu_next ? l->gelu_next->y : NULL,
+                l->fused_relu, l->y16);
 }
 
-/* After such a gelu (dgelu_aux), dx goes through the gelu's derivative at its input. */
+/* After such a gelu (dgelu_aux), dx goes through the gelu's derivative at its input. A fused relu's gradient
+ * (dy, shared) is masked first in place where y, its output, is not positive: the relu's own backward, bit for
+ * bit (as a residual's). */
 static void linear_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
+  if (l->fused_relu) {
+    dt_op op = {.type = DT_OP_ACT_BWD};
+    op.p.act_bwd = (typeof(op.p.act_bwd)){.kind = DT_ACT_RELU,
+                                          .n = shape_rows(l->in, pass->batch) * l->args.out,
+                                          .x = l->y,
+                                          .y = l->y,
+                                          .dy = l->dy,
+                                          .dx = l->dy};
+    backend_run(pass->be, &op);
+  }
   dense_backward(pass->be, shape_rows(l->in, pass->batch), l->in.c, l->args.out, x, pass->params + weight_off(l), l->dy,
                  pass->grads + weight_off(l), l->args.bias ? pass->grads + bias_off(l) : NULL, dx,
                  l->dgelu_aux ? l->dgelu_aux->y : NULL, l->y16);
@@ -143,4 +158,4 @@ const dt_layer_ops dt_layer_linear = {.kind = "linear",
                                       .forward = linear_forward,
                                       .backward = linear_backward,
                                       .flops = linear_flops,
-                                      .traits = DT_LAYER_LINEAR};
+                                      .traits = DT_LAYER_LINEAR | DT_LAYER_FUSES_RELU};

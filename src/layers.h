@@ -28,17 +28,18 @@ void dense_init(dt_layer *l, float *params, float *bufs, uint64_t seed);
 enum { DENSE_FWD, DENSE_DW, DENSE_DX };
 dt_op dense_gemm(int kind, int64_t rows, int64_t in, int64_t out);
 /* Queues y(rows, out) = x(rows, in) W^T + bias (bias NULL: none); W (out, in); and, when gelu_y is not
- * NULL, gelu_y = gelu_tanh(y) in the same GEMM: the gelu after it. y16 (half.h's format, 0: FP32): y is
- * written in 16-bit rows (backend.h's gemm.c16; no bias, no gelu). layer_dense.c. */
+ * NULL, gelu_y = gelu_tanh(y) in the same GEMM: the gelu after it; or with relu, y = relu(x W^T + bias) (the
+ * relu after it). y16 (half.h's format, 0: FP32): y is written in 16-bit rows (backend.h's gemm.c16; no
+ * bias, no activation). layer_dense.c. */
 void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
-                   const float *bias, float *y, float *gelu_y, int y16);
+                   const float *bias, float *y, float *gelu_y, int relu, int y16);
 /* Queues dW += dy^T x, dbias += column sums of dy (NULL: none), dx = dy W (NULL: none), times
  * gelu_tanh'(dgelu_x) (rows, in) when dgelu_x is not NULL: the input gradient of the gelu before. y16: dy is
  * in 16-bit rows (the forward's y16; gemm.a16, no bias). */
 void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
                     const float *dy, float *dw, float *dbias, float *dx, float *dgelu_x, int y16);
 
-/* The dense products (rows, in, out, has an epilogue: a bias or a gelu, y16: its y in 16-bit rows) of a linear
+/* The dense products (rows, in, out, has an epilogue: a bias, a gelu or a relu, y16: its y in 16-bit rows) of a linear
  * layer (one) or an attention layer (its two projections, (rows, C, 3C, 1, 0) and (rows, C, C, 1, 0)) over
  * `batch` rows, in products; 0 for any other layer. dense_forward and dense_backward run each as up to three
  * GEMMs (the memory estimate asks the backend for their scratch). layer_dense.c. */

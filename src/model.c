@@ -213,9 +213,9 @@ static void link_residual(dt_seq *s, int i) {
   if (after < s->n && (s->layers[after]->ops->traits & DT_LAYER_GAP)) l->gap_next = s->layers[after];
 }
 
-/* model.fuse: each relu right after a batchnorm or a residual is applied by that layer's ops (the
- * residual's sum), and its output buffers are that layer's (nothing else reads its output before the
- * relu). A tanh gelu
+/* model.fuse: each relu right after a batchnorm, a residual or a linear is applied by that layer's ops (the
+ * residual's sum, the linear's GEMM epilogue), and its output buffers are that layer's (nothing else reads
+ * its output before the relu). A tanh gelu
  * right after a linear is applied by the linear's GEMM (its epilogue), and, when a linear follows
  * it, its derivative by that linear's input-gradient GEMM, into the dy it then shares with the first
  * linear; all three in one train.recompute block, so that each reads what its own block keeps. A
@@ -228,10 +228,12 @@ static void fuse_seq(dt_seq *s) {
     dt_layer *l = s->layers[i];
     fuse_seq(&l->body);
     fuse_seq(&l->shortcut);
-    /* a residual masks its relu's gradient in place: not in a dy that the sequence's end shares (dy_of) */
-    const int masks_own_dy = !l->body.n || i + 2 < s->n;
+    /* a residual and a linear mask their relu's gradient in place: not in a dy that the sequence's end shares
+     * (dy_of); a linear's relu in its own train.recompute block */
+    const int masks_in_place = l->body.n || (l->ops->traits & DT_LAYER_LINEAR);
+    const int masks_own_dy = !masks_in_place || i + 2 < s->n;
     if (i + 1 < s->n && (l->ops->traits & DT_LAYER_FUSES_RELU) && (s->layers[i + 1]->ops->traits & DT_LAYER_RELU) &&
-        masks_own_dy) {
+        masks_own_dy && (!(l->ops->traits & DT_LAYER_LINEAR) || block_of(s, i) == block_of(s, i + 1))) {
       l->fused_relu = 1;
       s->layers[i + 1]->fused_into = l;
     }

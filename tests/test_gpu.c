@@ -2452,9 +2452,9 @@ static void gemm16_reuses_dy_only_back_to_back(void) {
 }
 
 /* A linear layer's GEMM applying the tanh gelu after it (aux: the gelu's input; with and without a
- * bias), and the next linear's input gradient through the gelu's derivative at aux (in place of the
- * gelu's own backward): cuBLASLt's epilogues where the gelu's rows are a multiple of 8 values (16 and
- * 24), the GEMM and the gelu's kernel otherwise (12 and 20), against the CPU's GEMM and gelu ops. */
+ * bias), or the relu after it, and the next linear's input gradient through the gelu's derivative at aux (in place of
+ * the gelu's own backward): cuBLASLt's epilogues where the gelu's rows are a multiple of 8 values (16 and 24), the GEMM
+ * and the gelu's kernel otherwise (12 and 20), against the CPU's GEMM and gelu ops. */
 static void ops_gemm_gelu(void) {
   const int64_t outs[] = {16, 12}, ins[] = {24, 20};
   for (int o = 0; o < 2; o++) {
@@ -2475,6 +2475,29 @@ static void ops_gemm_gelu(void) {
         ot_check("y", y, rows * out);
         ot_check("aux (the gelu's input)", pre, rows * out);
         if (backend_cuda_gemm_epilogues(ot.be[1]) - fused != (rows && out % 8 == 0))
+          fail_msg("op gemm [%s]: %lld cuBLASLt epilogues", ot.kase,
+                   (long long)(backend_cuda_gemm_epilogues(ot.be[1]) - fused));
+      }
+      /* a relu after it instead (model.fuse): y = relu(x W^T + bias), no aux, whatever the width (cuBLASLt's
+       * RELU epilogues need no gelu input) */
+      for (int with_bias = 1; with_bias >= 0; with_bias--) {
+        ot_case(DT_OP_GEMM, "linear forward, relu epilogue, out %lld%s, %s", (long long)out, with_bias ? ", bias" : "",
+                ROWS_NAME(r));
+        const int64_t fused = backend_cuda_gemm_epilogues(ot.be[1]);
+        BOTH {
+          dt_op op = dense_gemm(DENSE_FWD, rows, in, out);
+          op.p.gemm.a = F(x), op.p.gemm.b = F(w), op.p.gemm.c = F(y), op.p.gemm.bias = with_bias ? F(bias) : NULL;
+          op.p.gemm.epilogue = DT_GEMM_RELU;
+          RUN(op);
+        }
+        ot_check("y", y, rows * out);
+        float *got = ot_fetch(y, 1);
+        int64_t zeros = 0;
+        for (int64_t i = 0; i < rows * out; i++) zeros += got[i] == 0.0f;
+        free(got);
+        if (rows && !(zeros > 0 && zeros < rows * out)) /* about half: the relu really clipped, and not all */
+          fail_msg("op gemm [%s]: %lld of %lld values are 0", ot.kase, (long long)zeros, (long long)(rows * out));
+        if (backend_cuda_gemm_epilogues(ot.be[1]) - fused != (rows > 1))
           fail_msg("op gemm [%s]: %lld cuBLASLt epilogues", ot.kase,
                    (long long)(backend_cuda_gemm_epilogues(ot.be[1]) - fused));
       }
@@ -2540,7 +2563,7 @@ static void gemm_bias_in_cublaslt_epilogue(void) {
     be->to_device(be, bias + cases[c].off_bias, hb, (size_t)out * 4);
     const int64_t fused = backend_cuda_gemm_epilogues(be);
     dense_forward(be, rows, in, out, x + cases[c].off_x, w + cases[c].off_w, bias + cases[c].off_bias,
-                  y + cases[c].off_y, NULL, 0);
+                  y + cases[c].off_y, NULL, 0, 0);
     be->to_host(be, got, y + cases[c].off_y, (size_t)(rows * out) * 4);
     const int want_fused = cases[c].off_bias % 4 == 0 && !(cases[c].no_algorithm && standin) && rows > 1;
     if (backend_cuda_gemm_epilogues(be) - fused != want_fused)

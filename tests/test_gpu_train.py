@@ -643,6 +643,36 @@ log: {{every_steps: 1}}
                 for copy in ("pack16_tiled_kernel", "unpack16_tiled_kernel"):
                     self.assertEqual(off[copy] - on[copy], (pairs + bn_conv) * steps, (prec, copy, on, off))
 
+    def test_a_linear_applies_the_relu_after_it_in_its_gemm(self):
+        """model.fuse: a relu right after a linear is applied by the linear's GEMM (cuBLASLt's RELU_BIAS or RELU
+        epilogue), which writes the relu's output; the linear's backward masks the gradient in place where that
+        output is not positive. 4 steps of an MLP (with and without a bias) end where model.fuse false does (two
+        kernels apart): on the stand-in bit for bit in fp32 and bf16, with no act_fwd_kernel. cuBLASLt's max(x, 0)
+        may make a NaN 0 (the stand-in's does), where the relu's kernel passes it: a NaN in the data still fails
+        the step (exit 4), through the gradient it leaves in the first layer's weights."""
+        cfg = self.images_config("mlp.yaml", """\
+    - flatten
+    - linear: {out: 32}
+    - relu
+    - linear: {out: 24, bias: false}
+    - relu
+    - linear: {out: 3}
+""")
+        relus, steps = 2, 4
+        for prec in ("fp32", "bf16"):
+            got = self.fuse_pair(cfg, prec)
+            assert_params_close(self, got["true"][0], got["false"][0], 1e-5 if prec == "fp32" else 1e-2, prec)
+            if SIM:
+                assert_params_equal(self, got["true"][0], got["false"][0], prec)
+                on, off = got["true"][1], got["false"][1]
+                self.assertEqual((on.get("act_fwd_kernel", 0), off.get("act_fwd_kernel", 0)), (0, relus * steps), prec)
+                self.assertEqual(on.get("act_bwd_kernel"), off.get("act_bwd_kernel"), prec)
+        rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", f"checkpoint.dir={self.w.file('nan')}", "--set",
+                                f"log.dir={self.w.file('nan')}"], 1, dict(ENV1, DDP_TRAIN_FAULT="nan@0:2"))
+        self.assertEqual(rc, 4, out + err)
+        # the stand-in's relu made it 0, so the loss stayed finite; a GPU's may pass it to the loss
+        self.assertRegex(err, "non-finite gradient values" if SIM else "non-finite gradient values|loss became NaN")
+
     def test_16bit_residual_sums_stay_nhwc(self):
         """Under bf16 and fp16 (model.fuse) a ResNet's trunk stays 16-bit NHWC from its stem's batchnorm to its
         global average pool: each residual adds its branches' 16-bit outputs (the batchnorms ending them) and

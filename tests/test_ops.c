@@ -159,7 +159,8 @@ static void batchnorm_grads(void **s) {
   grad_check("  fuse: false\n  input: [3, 4, 4]\n  layers: [{batchnorm: {}}, relu, flatten]\n  loss: mse\n", 4);
 }
 
-/* model.fuse: a batchnorm or a residual applies the relu after it (and the relu borrows its buffers), with
+/* model.fuse: a batchnorm, a residual or a linear (its GEMM's epilogue) applies the relu after it (and the
+ * relu borrows its buffers), with
  * the same logits, parameter gradients, input gradient and running statistics, bit for bit, as the two
  * layers apart; a relu after anything else, a batchnorm followed by another layer, or a residual's relu
  * that ends a residual's branch (the residual masks the relu's gradient in place, and a branch's end
@@ -170,21 +171,21 @@ static void relu_fused_equals_apart(void **s) {
       "  input: [3, 5, 5]\n  layers: [{conv2d: {out: 4, kernel: 3, pad: 1}}, {batchnorm: {}}, relu,"
       " {residual: {body: [{conv2d: {out: 4, kernel: 3, pad: 1}}, {batchnorm: {}}]}}, relu,"
       " {residual: {body: [{residual: {body: [{conv2d: {out: 4, kernel: 1}}]}}, relu]}},"
-      " {conv2d: {out: 4, kernel: 3}}, relu, {batchnorm: {}}, flatten, {linear: {out: 6}},"
-      " {batchnorm: {}}, relu, {linear: {out: 3}}]\n  loss: cross_entropy\n";
+      " {conv2d: {out: 4, kernel: 3}}, relu, {batchnorm: {}}, flatten, {linear: {out: 5}}, relu,"
+      " {linear: {out: 6}}, {batchnorm: {}}, relu, {linear: {out: 3}}]\n  loss: cross_entropy\n";
   char apart_yaml[1024];
   snprintf(apart_yaml, sizeof apart_yaml, "  fuse: false\n%s", model);
   fixture f[2];
   setup(&f[0], model, 6);
   setup(&f[1], apart_yaml, 6);
-  static const int fused_bn[] = {0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0};
+  static const int fused_bn[] = {0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 1, 0, 0, 1, 0, 0};
   for (int i = 0; i < f[0].m.top.n; i++) {
     const dt_layer *l = f[0].m.top.layers[i], *a = f[1].m.top.layers[i];
     if (l->fused_relu != fused_bn[i] || (i > 0 && (l->fused_into != NULL) != fused_bn[i - 1]))
       fail_msg("layer %d (%s): fused_relu %d, fused into %p", i, l->ops->kind, l->fused_relu, (void *)l->fused_into);
     if (a->fused_relu || a->fused_into) fail_msg("layer %d fused with model.fuse false", i);
   }
-  for (int i = 2; i <= 4; i += 2)
+  for (int i = 2; i <= 11; i += i < 4 ? 2 : 7)
     if (f[0].m.top.layers[i]->y != f[0].m.top.layers[i - 1]->y ||
         f[0].m.top.layers[i]->dy != f[0].m.top.layers[i - 1]->dy)
       fail_msg("the fused relu %d does not borrow its layer's buffers", i);
@@ -225,6 +226,9 @@ static void activation_grads(void **s) {
     snprintf(y, sizeof y, "  input: [7]\n  layers: [{linear: {out: 6}}, %s]\n  loss: mse\n", acts[i]);
     grad_check(y, 3);
   }
+  /* a relu between two linears: applied by the first's GEMM (model.fuse), its gradient masked in place */
+  grad_check("  input: [7]\n  layers: [{linear: {out: 6}}, relu, {linear: {out: 4}}]\n  loss: mse\n", 3);
+  grad_check("  input: [7]\n  layers: [{linear: {out: 6, bias: false}}, relu, {linear: {out: 4}}]\n  loss: mse\n", 3);
 }
 
 static void pooling_grads(void **s) {

@@ -41,7 +41,17 @@ void cpu_gemm(cpu_impl *im, const dt_op *op) {
     gemm_rows16(im, op);
     return;
   }
-  if (q->epilogue) {          /* the product, then the gelu's op as a layer of its own would run it */
+  if (q->epilogue == DT_GEMM_RELU) { /* the product, then the relu in place as the layer would run it */
+    DT_ASSERT(q->beta == 0.0f && q->batch <= 1);
+    dt_op product = *op;
+    product.p.gemm.epilogue = DT_GEMM_PLAIN;
+    cpu_gemm(im, &product);
+    dt_op act = {.type = DT_OP_ACT_FWD};
+    act.p.act_fwd = (typeof(act.p.act_fwd)){.kind = DT_ACT_RELU, .n = q->m * q->n, .x = q->c, .y = q->c};
+    cpu_act_fwd(im, &act);
+    return;
+  }
+  if (q->epilogue) { /* the product, then the gelu's op as a layer of its own would run it */
     DT_ASSERT(q->beta == 0.0f && q->batch <= 1 && q->aux && (q->epilogue == DT_GEMM_GELU_TANH || !q->bias));
     dt_op product = *op;
     product.p.gemm.epilogue = DT_GEMM_PLAIN;

@@ -1,8 +1,8 @@
 /* gemm.c: the GEMM op through cuBLAS, as src/cpu/gemm.c's through OpenBLAS; train.precision
  * picks the compute type (the math mode is set on the handle in backend.c). A GEMM with a bias or a
- * gelu epilogue runs as one cublasLtMatmul whose epilogue applies them to the FP32 sums; where
+ * gelu or relu epilogue runs as one cublasLtMatmul whose epilogue applies them to the FP32 sums; where
  * cuBLASLt cannot, C starts as the bias rows (kernels/elementwise.cu's k_fill_rows), cublasGemmEx
- * adds the product to it, and the gelu's kernel runs after. */
+ * adds the product to it, and the activation's kernel runs after. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -95,6 +95,11 @@ void cuda_gemm_free(cuda_impl *im) {
   im->n_gemm_plans = 0;
 }
 
+/* Whether an epilogue (DT_GEMM_*) writes or reads a gelu's input (aux). */
+static int has_gelu_input(int epilogue) {
+  return epilogue == DT_GEMM_GELU_TANH || epilogue == DT_GEMM_DGELU_TANH;
+}
+
 /* The plan for key (made now if new): the descriptors and the heuristic's first algorithm for
  * these alignments, with the epilogue the op asks for and a workspace of at most GEMM_LT_WORKSPACE. */
 static gemm_plan *plan_for(cuda_impl *im, const int64_t key[PLAN_KEY], const void *bias, const void *aux) {
@@ -114,17 +119,18 @@ static gemm_plan *plan_for(cuda_impl *im, const int64_t key[PLAN_KEY], const voi
                                                                       : gemm_compute[im->precision];
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, compute, CUDA_R_32F));
   const int has_bias = key[11] != 0, kind = (int)key[13];
-  const cublasLtEpilogue_t epilogue = kind == DT_GEMM_DGELU_TANH ? CUBLASLT_EPILOGUE_DGELU
-                                      : kind == DT_GEMM_GELU_TANH
-                                          ? (has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX)
-                                          : CUBLASLT_EPILOGUE_BIAS;
+  const cublasLtEpilogue_t epilogue =
+      kind == DT_GEMM_DGELU_TANH  ? CUBLASLT_EPILOGUE_DGELU
+      : kind == DT_GEMM_GELU_TANH ? (has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX)
+      : kind == DT_GEMM_RELU      ? (has_bias ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU)
+                                  : CUBLASLT_EPILOGUE_BIAS;
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &tb, sizeof tb));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &ta, sizeof ta));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue));
   /* the heuristic reads the bias's and the gelu input's pointers for their alignment (in the key) */
   if (has_bias)
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
-  if (kind) {
+  if (has_gelu_input(kind)) {
     const int64_t aux_ld = n; /* the gelu's input is laid out as C */
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof aux_ld));
@@ -159,7 +165,7 @@ static gemm_plan *plan_for(cuda_impl *im, const int64_t key[PLAN_KEY], const voi
   if (p->usable) {
     p->algo = result.algo;
   } else { /* for the log: a GPU where this is common would be slower than it need be */
-    static const char *const epilogue_names[] = {"bias", "gelu", "gelu's derivative"};
+    static const char *const epilogue_names[] = {"bias", "gelu", "gelu's derivative", "relu"};
     char line[256];
     snprintf(line, sizeof line, "cublaslt: GEMM (%lld, %lld, %lld) %s with its %s: %s, so cublasGemmEx and kernels\n",
              (long long)m, (long long)n, (long long)k, bf16 ? "bf16" : "fp32", epilogue_names[kind],
@@ -177,7 +183,8 @@ static int gemm_lt(cuda_impl *im, const typeof(((dt_op *)0)->p.gemm) *q, int bf1
   const int64_t elem = bf16 ? 2 : 4;
   /* cuBLASLt reads the bias and the gelu's input in 16-byte pieces; the gelu input's rows are whole
    * multiples of 8 values */
-  if ((uintptr_t)q->bias % 16 || (q->epilogue && ((uintptr_t)q->aux % 16 || q->n % 8))) return 0;
+  const int gelu = has_gelu_input(q->epilogue);
+  if ((uintptr_t)q->bias % 16 || (gelu && ((uintptr_t)q->aux % 16 || q->n % 8))) return 0;
   if (q->m < 2 || q->n < 2 || q->k < 2) return 0; /* PyTorch keeps a dimension of 1 from cuBLASLt too */
   const int64_t key[PLAN_KEY] = {bf16,
                                  q->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
@@ -191,13 +198,13 @@ static int gemm_lt(cuda_impl *im, const typeof(((dt_op *)0)->p.gemm) *q, int bf1
                                  alignment(a, lda * elem),
                                  alignment(q->c, q->n * 4),
                                  q->bias ? alignment(q->bias, 0) : 0,
-                                 q->epilogue ? alignment(q->aux, q->n * 4) : 0,
+                                 gelu ? alignment(q->aux, q->n * 4) : 0,
                                  q->epilogue};
   gemm_plan *p = plan_for(im, key, q->bias, q->aux);
   if (!p->usable) return 0;
   if (q->bias)
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &q->bias, sizeof q->bias));
-  if (q->epilogue)
+  if (gelu)
     CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &q->aux, sizeof q->aux));
   const float zero = 0.0f;
@@ -264,6 +271,7 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
     if (q->epilogue == DT_GEMM_GELU_TANH) k_act_fwd(im->stream, DT_ACT_GELU_TANH, q->aux, q->c, q->m * q->n);
     if (q->epilogue == DT_GEMM_DGELU_TANH) /* in place: c = gelu_tanh'(aux) c */
       k_act_bwd(im->stream, DT_ACT_GELU_TANH, q->aux, NULL, q->c, q->c, q->m * q->n);
+    if (q->epilogue == DT_GEMM_RELU) k_act_fwd(im->stream, DT_ACT_RELU, q->c, q->c, q->m * q->n); /* in place */
   }
   if (bytes16 && !q->a16) cuda_hold_dy16(im, q->a, a16, layout); /* A as it was: C never aliases it (cuBLAS's) */
 }

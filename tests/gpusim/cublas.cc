@@ -80,6 +80,9 @@ struct Gemm {
   int gelu = 0;  // 0, GELU_AUX or DGELU below
   void *aux = nullptr;
   int aux_ld = 0;
+  // cuBLASLt's RELU epilogues: max(v, 0), documented so; as CUTLASS's maximum, a NaN gives 0 (and -0 gives
+  // +0), where ddp_train's own relu passes them: what the hardware does is for the GPU's op tests to show
+  bool relu = false;
 };
 enum { GELU_AUX = 1, DGELU = 2 };
 
@@ -153,6 +156,12 @@ void run_gemm(const Gemm &g) {
             float *v = (float *)c + (size_t)j * g.ldc + i;
             *v = gelu_epilogue(g, i, j, *v);
           }
+      if (g.relu)
+        for (int j = 0; j < g.n; j++)
+          for (int i = 0; i < g.m; i++) {
+            float *v = (float *)c + (size_t)j * g.ldc + i;
+            *v = *v > 0.0f ? *v : 0.0f;
+          }
       continue;
     }
     // other types: gather the operands densely, reduced as the compute type allows
@@ -193,6 +202,7 @@ void run_gemm(const Gemm &g) {
           if (beta != 0) vf += (float)beta * (float)load(c, g.ct, at);
           if (g.bias) vf += (float)load(g.bias, g.ct, (size_t)i);
           if (g.gelu) vf = gelu_epilogue(g, i, j, vf);
+          if (g.relu) vf = vf > 0.0f ? vf : 0.0f;
           v = vf;
         }
         store(c, g.ct, at, v);
@@ -366,7 +376,8 @@ cublasStatus_t lt_problem(const LtDesc *d, const LtLayout *l[4]) {
     if (l[i]->ld < (int64_t)(l[i]->rows > 1 ? l[i]->rows : 1)) return CUBLAS_STATUS_INVALID_VALUE;
   if (d->epilogue != CUBLASLT_EPILOGUE_DEFAULT && d->epilogue != CUBLASLT_EPILOGUE_BIAS &&
       d->epilogue != CUBLASLT_EPILOGUE_GELU_AUX && d->epilogue != CUBLASLT_EPILOGUE_GELU_AUX_BIAS &&
-      d->epilogue != CUBLASLT_EPILOGUE_DGELU)
+      d->epilogue != CUBLASLT_EPILOGUE_DGELU && d->epilogue != CUBLASLT_EPILOGUE_RELU &&
+      d->epilogue != CUBLASLT_EPILOGUE_RELU_BIAS)
     return CUBLAS_STATUS_NOT_SUPPORTED;
   if ((d->epilogue & CUBLASLT_EPILOGUE_BIAS) && d->bias_type != -1 && d->bias_type != (int32_t)dd->type)
     return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -798,6 +809,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
   g.alpha = *(const float *)alpha, g.beta = *(const float *)beta;
   g.bias = bias ? d->bias : nullptr;
   g.gelu = gelu, g.aux = d->aux, g.aux_ld = (int)d->aux_ld;
+  g.relu = d->epilogue == CUBLASLT_EPILOGUE_RELU || d->epilogue == CUBLASLT_EPILOGUE_RELU_BIAS;
   if (g.m == 0 || g.n == 0) return CUBLAS_STATUS_SUCCESS;
   int ar = g.ta == CUBLAS_OP_N ? g.m : g.k, ac = g.ta == CUBLAS_OP_N ? g.k : g.m;
   int br = g.tb == CUBLAS_OP_N ? g.k : g.n, bc = g.tb == CUBLAS_OP_N ? g.n : g.k;
@@ -844,6 +856,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
   snprintf(what, sizeof what, "%s (m %d, n %d, k %d%s%s)", api, g.m, g.n, g.k, bias ? ", bias" : "",
            gelu == GELU_AUX ? ", gelu"
            : gelu == DGELU  ? ", gelu's derivative"
+           : g.relu         ? ", relu"
                             : "");
   op->what = what;
   op->fn = [g, C, ldc_in]() {
