@@ -723,6 +723,54 @@ log: {{every_steps: 1}}
         self.assertEqual(rc, 0, out + err)
         assert_params_equal(self, params(self.w.latest("rec")), trained["bf16"], "recompute")
 
+    def test_16bit_residual_sums_reach_a_convolution_or_stay_fp32_whole(self):
+        """The 16-bit trunk's other ends (model.c's pick_trunk16): a convolution right after a residual reads its
+        16-bit sum as it is and writes its input gradient into the residual's gradient so (no activation copy
+        but the input's, 4 steps near model.fuse false in bf16); and a chain of residuals one of which cannot
+        add 16-bit values (a convolution with a bias begins its branch: no batchnorm takes its output in 16
+        bits) stays FP32 whole, the residual before it too: no 16-bit sums at all, and on the stand-in the
+        parameters of model.fuse false bit for bit."""
+        into_conv = self.images_config("into_conv.yaml", """\
+    - conv2d: {out: 8, kernel: 3, pad: 1, bias: false}
+    - batchnorm: {}
+    - relu
+    - residual:
+        body: [{conv2d: {out: 16, kernel: 3, stride: 2, pad: 1, bias: false}}, {batchnorm: {}}, relu,
+               {conv2d: {out: 16, kernel: 3, pad: 1, bias: false}}, {batchnorm: {}}]
+        shortcut: [{conv2d: {out: 16, kernel: 1, stride: 2, bias: false}}, {batchnorm: {}}]
+    - relu
+    - {conv2d: {out: 6, kernel: 3, pad: 1, bias: false}}
+    - {batchnorm: {}}
+    - flatten
+    - linear: {out: 3}
+""")
+        convs, steps = 5, 4
+        got = self.fuse_pair(into_conv, "bf16")
+        self.assertLess(params_distance(got["true"][0], got["false"][0]), 2e-2)
+        if SIM:
+            on = got["true"][1]
+            self.assertEqual((on.get("add16_kernel"), on.get("relu_bwd16_kernel")), (2 * steps, steps), on)
+            copies = {d: sum(n for k, n in on.items() if k.startswith(d + "16")) for d in ("pack", "unpack")}
+            self.assertEqual(copies, {"pack": 2 * convs * steps, "unpack": convs * steps}, on)
+        broken = self.images_config("broken.yaml", """\
+    - conv2d: {out: 8, kernel: 3, pad: 1, bias: false}
+    - batchnorm: {}
+    - relu
+    - residual:
+        body: [{conv2d: {out: 8, kernel: 3, pad: 1, bias: false}}, {batchnorm: {}}]
+    - relu
+    - residual:
+        body: [{conv2d: {out: 8, kernel: 3, pad: 1}}, {batchnorm: {}}]
+    - relu
+    - global_avgpool
+    - linear: {out: 3}
+""")
+        got = self.fuse_pair(broken, "bf16")
+        if SIM:
+            assert_params_equal(self, got["true"][0], got["false"][0], "FP32 residuals")
+            self.assertFalse([k for k in ("add16_kernel", "relu_bwd16_kernel", "gap16_fwd_kernel") if k in got["true"][1]],
+                             got["true"][1])
+
     def test_16bit_max_pooling_between_batchnorm_and_convolution_stays_nhwc(self):
         """Under bf16 and fp16 a maxpool between a batchnorm (after its convolution, with its fused relu) and a
         convolution pools the batchnorm's 16-bit NHWC output as it is and hands its own, and takes its gradient,
