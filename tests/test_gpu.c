@@ -2462,45 +2462,31 @@ static void ops_gemm_gelu(void) {
     FOR_ROWS(r) {
       dbuf x = ot_rand(cap * in, -1, 1), w = ot_rand(out * in, -1, 1), bias = ot_rand(out, -1, 1);
       dbuf pre = ot_rand(cap * out, -1, 1), y = ot_rand(cap * out, -1, 1);
-      for (int with_bias = 1; with_bias >= 0; with_bias--) {
-        ot_case(DT_OP_GEMM, "linear forward, gelu epilogue, out %lld%s, %s", (long long)out, with_bias ? ", bias" : "",
-                ROWS_NAME(r));
-        const int64_t fused = backend_cuda_gemm_epilogues(ot.be[1]);
-        BOTH {
-          dt_op op = dense_gemm(DENSE_FWD, rows, in, out);
-          op.p.gemm.a = F(x), op.p.gemm.b = F(w), op.p.gemm.c = F(y), op.p.gemm.bias = with_bias ? F(bias) : NULL;
-          op.p.gemm.epilogue = DT_GEMM_GELU_TANH, op.p.gemm.aux = F(pre);
-          RUN(op);
+      /* the gelu after it, or a relu instead (no aux, whatever the width: cuBLASLt's RELU epilogues need no
+       * gelu input) */
+      for (int relu = 0; relu < 2; relu++)
+        for (int with_bias = 1; with_bias >= 0; with_bias--) {
+          ot_case(DT_OP_GEMM, "linear forward, %s epilogue, out %lld%s, %s", relu ? "relu" : "gelu", (long long)out,
+                  with_bias ? ", bias" : "", ROWS_NAME(r));
+          const int64_t fused = backend_cuda_gemm_epilogues(ot.be[1]);
+          BOTH {
+            dt_op op = dense_gemm(DENSE_FWD, rows, in, out);
+            op.p.gemm.a = F(x), op.p.gemm.b = F(w), op.p.gemm.c = F(y), op.p.gemm.bias = with_bias ? F(bias) : NULL;
+            op.p.gemm.epilogue = relu ? DT_GEMM_RELU : DT_GEMM_GELU_TANH, op.p.gemm.aux = relu ? NULL : F(pre);
+            RUN(op);
+          }
+          ot_check("y", y, rows * out);
+          if (!relu) ot_check("aux (the gelu's input)", pre, rows * out);
+          float *got = ot_fetch(y, 1);
+          int64_t zeros = 0;
+          for (int64_t i = 0; i < rows * out; i++) zeros += got[i] == 0.0f;
+          free(got);
+          if (relu && rows && !(zeros > 0 && zeros < rows * out)) /* about half: the relu clipped, and not all */
+            fail_msg("op gemm [%s]: %lld of %lld values are 0", ot.kase, (long long)zeros, (long long)(rows * out));
+          if (backend_cuda_gemm_epilogues(ot.be[1]) - fused != (rows && (relu || out % 8 == 0)))
+            fail_msg("op gemm [%s]: %lld cuBLASLt epilogues", ot.kase,
+                     (long long)(backend_cuda_gemm_epilogues(ot.be[1]) - fused));
         }
-        ot_check("y", y, rows * out);
-        ot_check("aux (the gelu's input)", pre, rows * out);
-        if (backend_cuda_gemm_epilogues(ot.be[1]) - fused != (rows && out % 8 == 0))
-          fail_msg("op gemm [%s]: %lld cuBLASLt epilogues", ot.kase,
-                   (long long)(backend_cuda_gemm_epilogues(ot.be[1]) - fused));
-      }
-      /* a relu after it instead (model.fuse): y = relu(x W^T + bias), no aux, whatever the width (cuBLASLt's
-       * RELU epilogues need no gelu input) */
-      for (int with_bias = 1; with_bias >= 0; with_bias--) {
-        ot_case(DT_OP_GEMM, "linear forward, relu epilogue, out %lld%s, %s", (long long)out, with_bias ? ", bias" : "",
-                ROWS_NAME(r));
-        const int64_t fused = backend_cuda_gemm_epilogues(ot.be[1]);
-        BOTH {
-          dt_op op = dense_gemm(DENSE_FWD, rows, in, out);
-          op.p.gemm.a = F(x), op.p.gemm.b = F(w), op.p.gemm.c = F(y), op.p.gemm.bias = with_bias ? F(bias) : NULL;
-          op.p.gemm.epilogue = DT_GEMM_RELU;
-          RUN(op);
-        }
-        ot_check("y", y, rows * out);
-        float *got = ot_fetch(y, 1);
-        int64_t zeros = 0;
-        for (int64_t i = 0; i < rows * out; i++) zeros += got[i] == 0.0f;
-        free(got);
-        if (rows && !(zeros > 0 && zeros < rows * out)) /* about half: the relu really clipped, and not all */
-          fail_msg("op gemm [%s]: %lld of %lld values are 0", ot.kase, (long long)zeros, (long long)(rows * out));
-        if (backend_cuda_gemm_epilogues(ot.be[1]) - fused != (rows > 1))
-          fail_msg("op gemm [%s]: %lld cuBLASLt epilogues", ot.kase,
-                   (long long)(backend_cuda_gemm_epilogues(ot.be[1]) - fused));
-      }
       /* the next linear (in -> out) after a gelu of `in` values: dx = (dy W) gelu'(pre) */
       dbuf dy = ot_rand(cap * out, -1, 1), gin = ot_rand(cap * in, -2, 2), dx = ot_rand(cap * in, -1, 1);
       ot_case(DT_OP_GEMM, "input gradient through the gelu's derivative, in %lld, %s", (long long)in, ROWS_NAME(r));

@@ -57,6 +57,28 @@ def assert_params_close(test, got, want, rtol, what):
         np.testing.assert_allclose(got[k], want[k], rtol=rtol, atol=rtol * 0.1, err_msg=f"{what}: {k}")
 
 
+# model.layers' lines: a CNN's stem (a convolution without a bias, its batchnorm and relu) of 8 channels, and a
+# ResNet basic block of `out` channels and its relu (a 1x1 projection shortcut where asked)
+STEM = """\
+    - conv2d: {out: 8, kernel: 3, pad: 1, bias: false}
+    - batchnorm: {}
+    - relu
+"""
+
+
+def basic_block(out, stride=1, projection=False):
+    lines = f"""\
+    - residual:
+        body: [{{conv2d: {{out: {out}, kernel: 3, stride: {stride}, pad: 1, bias: false}}}}, {{batchnorm: {{}}}}, relu,
+               {{conv2d: {{out: {out}, kernel: 3, pad: 1, bias: false}}}}, {{batchnorm: {{}}}}]
+"""
+    if projection:
+        lines += f"""\
+        shortcut: [{{conv2d: {{out: {out}, kernel: 1, stride: {stride}, bias: false}}}}, {{batchnorm: {{}}}}]
+"""
+    return lines + "    - relu\n"
+
+
 def params_distance(got, want):
     """||got - want|| / ||want|| over all parameters."""
     return np.sqrt(sum(((got[k] - want[k]) ** 2).sum() for k in want) / sum((want[k] ** 2).sum() for k in want))
@@ -616,18 +638,7 @@ log: {{every_steps: 1}}
         pair; the residual's sum, which a flatten reads, stays FP32) end with the parameters of model.fuse
         false, which keeps the copies; on the stand-in bit for bit, and its profile shows the batchnorm's 16-bit kernels and, per pair and step, a copy of y to FP32 and
         one of dy to 16 bits fewer (of x to 16 bits and dx to FP32 for the second kind)."""
-        cfg = self.images_config("res.yaml", """\
-    - conv2d: {out: 8, kernel: 3, pad: 1, bias: false}
-    - batchnorm: {}
-    - relu
-    - residual:
-        body: [{conv2d: {out: 40, kernel: 3, stride: 2, pad: 1, bias: false}}, {batchnorm: {}}, relu,
-               {conv2d: {out: 40, kernel: 3, pad: 1, bias: false}}, {batchnorm: {}}]
-        shortcut: [{conv2d: {out: 40, kernel: 1, stride: 2, bias: false}}, {batchnorm: {}}]
-    - relu
-    - flatten
-    - linear: {out: 3}
-""")
+        cfg = self.images_config("res.yaml", STEM + basic_block(40, 2, True) + "    - flatten\n    - linear: {out: 3}\n")
         pairs, bn_conv, steps = 4, 1, 4
         for prec in ("bf16", "fp16"):
             got = self.fuse_pair(cfg, prec)
@@ -683,22 +694,8 @@ log: {{every_steps: 1}}
         of the 16-bit copies only the input's and the weights' (each convolution's w for its forward and its
         input gradient, its dw back to FP32): no activation is copied. train.recompute blocks gives the same
         bits."""
-        cfg = self.images_config("trunk.yaml", """\
-    - conv2d: {out: 8, kernel: 3, pad: 1, bias: false}
-    - batchnorm: {}
-    - relu
-    - residual:
-        body: [{conv2d: {out: 8, kernel: 3, pad: 1, bias: false}}, {batchnorm: {}}, relu,
-               {conv2d: {out: 8, kernel: 3, pad: 1, bias: false}}, {batchnorm: {}}]
-    - relu
-    - residual:
-        body: [{conv2d: {out: 16, kernel: 3, stride: 2, pad: 1, bias: false}}, {batchnorm: {}}, relu,
-               {conv2d: {out: 16, kernel: 3, pad: 1, bias: false}}, {batchnorm: {}}]
-        shortcut: [{conv2d: {out: 16, kernel: 1, stride: 2, bias: false}}, {batchnorm: {}}]
-    - relu
-    - global_avgpool
-    - linear: {out: 3}
-""")
+        cfg = self.images_config("trunk.yaml", STEM + basic_block(8) + basic_block(16, 2, True) +
+                                 "    - global_avgpool\n    - linear: {out: 3}\n")
         convs, residuals, steps = 6, 2, 4
         fp32, trained = self.fuse_pair(cfg, "fp32")["true"][0], {}
         for prec in ("bf16", "fp16"):
@@ -730,15 +727,7 @@ log: {{every_steps: 1}}
         add 16-bit values (a convolution with a bias begins its branch: no batchnorm takes its output in 16
         bits) stays FP32 whole, the residual before it too: no 16-bit sums at all, and on the stand-in the
         parameters of model.fuse false bit for bit."""
-        into_conv = self.images_config("into_conv.yaml", """\
-    - conv2d: {out: 8, kernel: 3, pad: 1, bias: false}
-    - batchnorm: {}
-    - relu
-    - residual:
-        body: [{conv2d: {out: 16, kernel: 3, stride: 2, pad: 1, bias: false}}, {batchnorm: {}}, relu,
-               {conv2d: {out: 16, kernel: 3, pad: 1, bias: false}}, {batchnorm: {}}]
-        shortcut: [{conv2d: {out: 16, kernel: 1, stride: 2, bias: false}}, {batchnorm: {}}]
-    - relu
+        into_conv = self.images_config("into_conv.yaml", STEM + basic_block(16, 2, True) + """\
     - {conv2d: {out: 6, kernel: 3, pad: 1, bias: false}}
     - {batchnorm: {}}
     - flatten
@@ -752,10 +741,7 @@ log: {{every_steps: 1}}
             self.assertEqual((on.get("add16_kernel"), on.get("relu_bwd16_kernel")), (2 * steps, steps), on)
             copies = {d: sum(n for k, n in on.items() if k.startswith(d + "16")) for d in ("pack", "unpack")}
             self.assertEqual(copies, {"pack": 2 * convs * steps, "unpack": convs * steps}, on)
-        broken = self.images_config("broken.yaml", """\
-    - conv2d: {out: 8, kernel: 3, pad: 1, bias: false}
-    - batchnorm: {}
-    - relu
+        broken = self.images_config("broken.yaml", STEM + """\
     - residual:
         body: [{conv2d: {out: 8, kernel: 3, pad: 1, bias: false}}, {batchnorm: {}}]
     - relu
