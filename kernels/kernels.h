@@ -72,7 +72,14 @@ static inline int64_t k_bn_chunks(int64_t n) {
   const int64_t most = K_BN_CHUNKS, chunks = (n + K_BN_CHUNK_MIN - 1) / K_BN_CHUNK_MIN;
   return chunks < 1 ? 1 : chunks > most ? most : chunks;
 }
-void k_bn_stats(cudaStream_t s, const float *x, int64_t b, int64_t c, int64_t sp, double *sums, double *partials);
+/* backend.h's bn_stats.finalize: k_bn_finalize's work in training on the sums just added, by the kernel that
+ * adds each channel's (mean NULL: none) */
+typedef struct {
+  float momentum, eps;
+  float *mean, *invstd, *running_mean, *running_var;
+} k_bn_fin;
+void k_bn_stats(cudaStream_t s, const float *x, int64_t b, int64_t c, int64_t sp, double *sums, double *partials,
+                k_bn_fin fin);
 void k_bn_finalize(cudaStream_t s, int64_t c, int training, float momentum, float eps, const double *sums, float *mean,
                    float *invstd, float *running_mean, float *running_var);
 /* relu: the fused relu of backend.h's bn ops (forward applies it; backward masks dy where z <= 0) */
@@ -95,7 +102,7 @@ static inline int64_t k_bn16_chunks(int64_t n, int64_t c) {
   return chunks < 1 || most < 1 ? 1 : chunks > most ? most : chunks;
 }
 void k_bn16_stats(cudaStream_t s, const uint16_t *x, int format, int64_t b, int64_t c, int64_t sp, double *sums,
-                  double *partials);
+                  double *partials, k_bn_fin fin);
 /* y16 and dy16 (a convolution reads y next): y and dy 16-bit (B, S, C) in the same format, else FP32 (B, C, S) */
 void k_bn16_apply(cudaStream_t s, int relu, const uint16_t *x, int format, void *y, int y16, int64_t b, int64_t c,
                   int64_t sp, const float *mean, const float *invstd, const float *gamma, const float *beta);

@@ -33,18 +33,40 @@ __global__ void bn_stats_kernel(const float *x, int64_t b, int64_t c, fast_div s
 
 // sums (2C) from partials (chunks, 2C), chunk by chunk; count >= 0 goes to sums[2C] (the forward's);
 // dgamma, dbeta (backward's; NULL in forward) get the sums added
+// Channel ch's batch statistics in training from its sum s1 and sum of squares s2 over n values, and its running
+// ones updated, as src/cpu/norm.c's cpu_bn_finalize (double precision, PyTorch's rules).
+static __device__ __forceinline__ void bn_finalize_channel(int64_t ch, double n, double s1, double s2, float momentum,
+                                                           float eps, float *mean, float *invstd, float *running_mean,
+                                                           float *running_var) {
+  double mu = n > 0 ? s1 / n : 0.0;
+  double var = n > 0 ? s2 / n - mu * mu : 0.0;
+  if (var < 0) var = 0;
+  mean[ch] = (float)mu;
+  invstd[ch] = (float)(1.0 / sqrt(var + eps));
+  if (n > 0) {
+    double unbiased = n > 1 ? var * n / (n - 1) : var;
+    running_mean[ch] = (1 - momentum) * running_mean[ch] + momentum * (float)mu;
+    running_var[ch] = (1 - momentum) * running_var[ch] + momentum * (float)unbiased;
+  }
+}
+
+// Each channel's chunks added in order (count >= 0: the forward's, written after the 2C sums), then its
+// statistics where mean is not NULL (kernels.h's k_bn_fin; pointers as arguments of their own, where the
+// stand-in looks for what a kernel may touch)
 __global__ void bn_sums_kernel(const double *partials, int64_t chunks, int64_t c, double count, double *sums,
-                               float *dgamma, float *dbeta) {
+                               float *dgamma, float *dbeta, float momentum, float eps, float *mean, float *invstd,
+                               float *running_mean, float *running_var) {
   GRID_STRIDE(ch, c) {
     double s1 = 0, s2 = 0;
     for (int64_t k = 0; k < chunks; k++) s1 += partials[k * 2 * c + ch], s2 += partials[k * 2 * c + c + ch];
     sums[ch] = s1, sums[c + ch] = s2;
     if (dbeta) dbeta[ch] += (float)s1, dgamma[ch] += (float)s2;
     if (ch == 0 && count >= 0) sums[2 * c] = count;
+    if (mean) bn_finalize_channel(ch, count, s1, s2, momentum, eps, mean, invstd, running_mean, running_var);
   }
 }
 
-// One thread per channel, as src/cpu/norm.c's cpu_bn_finalize (double precision, PyTorch's rules).
+// One thread per channel: the running statistics in evaluation, else bn_finalize_channel.
 __global__ void bn_finalize_kernel(int64_t c, int training, float momentum, float eps, const double *sums, float *mean,
                                    float *invstd, float *running_mean, float *running_var) {
   GRID_STRIDE(ch, c) {
@@ -53,17 +75,8 @@ __global__ void bn_finalize_kernel(int64_t c, int training, float momentum, floa
       invstd[ch] = (float)(1.0 / sqrt((double)running_var[ch] + eps));
       continue;
     }
-    double n = sums[2 * c];
-    double mu = n > 0 ? sums[ch] / n : 0.0;
-    double var = n > 0 ? sums[c + ch] / n - mu * mu : 0.0;
-    if (var < 0) var = 0;
-    mean[ch] = (float)mu;
-    invstd[ch] = (float)(1.0 / sqrt(var + eps));
-    if (n > 0) {
-      double unbiased = n > 1 ? var * n / (n - 1) : var;
-      running_mean[ch] = (1 - momentum) * running_mean[ch] + momentum * (float)mu;
-      running_var[ch] = (1 - momentum) * running_var[ch] + momentum * (float)unbiased;
-    }
+    bn_finalize_channel(ch, sums[2 * c], sums[ch], sums[c + ch], momentum, eps, mean, invstd, running_mean,
+                        running_var);
   }
 }
 
@@ -150,7 +163,8 @@ static __device__ __forceinline__ void bn16_partials(double (*red)[kRows16][kLan
 // As bn_sums_kernel, for the 16-bit kernels' hundreds of chunks: a block per channel, thread t adding chunks
 // t, t + blockDim.x, ..., then the block's sum (block_sum: one order for a given shape)
 __global__ void bn_chunk_sums_kernel(const double *partials, int64_t chunks, int64_t c, double count, double *sums,
-                                     float *dgamma, float *dbeta) {
+                                     float *dgamma, float *dbeta, float momentum, float eps, float *mean, float *invstd,
+                                     float *running_mean, float *running_var) {
   const int64_t ch = blockIdx.x;
   double s1 = 0, s2 = 0;
   for (int64_t k = threadIdx.x; k < chunks; k += blockDim.x)
@@ -161,6 +175,7 @@ __global__ void bn_chunk_sums_kernel(const double *partials, int64_t chunks, int
     sums[ch] = s1, sums[c + ch] = s2;
     if (dbeta) dbeta[ch] += (float)s1, dgamma[ch] += (float)s2;
     if (ch == 0 && count >= 0) sums[2 * c] = count;
+    if (mean) bn_finalize_channel(ch, count, s1, s2, momentum, eps, mean, invstd, running_mean, running_var);
   }
 }
 
@@ -371,12 +386,14 @@ static dim3 bn_grid(int64_t n, int64_t c, int64_t *per) {
   return dim3((unsigned)c, (unsigned)(n > 0 ? (n + *per - 1) / *per : 1));
 }
 
-void k_bn_stats(cudaStream_t s, const float *x, int64_t b, int64_t c, int64_t sp, double *sums, double *partials) {
+void k_bn_stats(cudaStream_t s, const float *x, int64_t b, int64_t c, int64_t sp, double *sums, double *partials,
+                k_bn_fin fin) {
   int64_t per;
   dim3 grid = bn_grid(b * sp, c, &per);
   LAUNCH(bn_stats_kernel, grid, kThreads, 0, s)(x, b, c, make_fast_div(sp), per, partials);
   LAUNCH(bn_sums_kernel, blocks_for(c), kThreads, 0, s)
-  (partials, grid.y, c, (double)(b * sp), sums, (float *)NULL, (float *)NULL);
+  (partials, grid.y, c, (double)(b * sp), sums, (float *)NULL, (float *)NULL, fin.momentum, fin.eps, fin.mean,
+   fin.invstd, fin.running_mean, fin.running_var);
 }
 
 void k_bn_finalize(cudaStream_t s, int64_t c, int training, float momentum, float eps, const double *sums, float *mean,
@@ -398,7 +415,9 @@ void k_bn_bwd_stats(cudaStream_t s, int relu, const float *x, const float *dy, i
   dim3 grid = bn_grid(b * sp, c, &per);
   LAUNCH(bn_bwd_stats_kernel, grid, kThreads, 0, s)
   (relu, x, dy, b, c, make_fast_div(sp), per, mean, invstd, gamma, beta, partials);
-  LAUNCH(bn_sums_kernel, blocks_for(c), kThreads, 0, s)(partials, grid.y, c, -1.0, sums, dgamma, dbeta);
+  LAUNCH(bn_sums_kernel, blocks_for(c), kThreads, 0, s)
+  (partials, grid.y, c, -1.0, sums, dgamma, dbeta, 0.0f, 0.0f, (float *)NULL, (float *)NULL, (float *)NULL,
+   (float *)NULL);
 }
 
 void k_bn_bwd_apply(cudaStream_t s, int relu, const float *x, const float *dy, float *dx, int64_t b, int64_t c,
@@ -421,14 +440,15 @@ static dim3 bn16_tiles(int64_t n, int64_t c) {
 }
 
 void k_bn16_stats(cudaStream_t s, const uint16_t *x, int format, int64_t b, int64_t c, int64_t sp, double *sums,
-                  double *partials) {
+                  double *partials, k_bn_fin fin) {
   int64_t per;
   dim3 grid = bn16_grid(b * sp, c, &per);
   LAUNCH(bn16_sums_kernel, grid, kThreads, 0, s)
   (0, x, format, (const uint16_t *)NULL, b * sp, c, per, (const float *)NULL, (const float *)NULL, (const float *)NULL,
    (const float *)NULL, partials);
   LAUNCH(bn_chunk_sums_kernel, (unsigned)c, row_threads(grid.y), 0, s)
-  (partials, grid.y, c, (double)(b * sp), sums, (float *)NULL, (float *)NULL);
+  (partials, grid.y, c, (double)(b * sp), sums, (float *)NULL, (float *)NULL, fin.momentum, fin.eps, fin.mean,
+   fin.invstd, fin.running_mean, fin.running_var);
 }
 
 void k_bn16_apply(cudaStream_t s, int relu, const uint16_t *x, int format, void *y, int y16, int64_t b, int64_t c,
@@ -450,7 +470,9 @@ void k_bn16_bwd_stats(cudaStream_t s, int relu, const uint16_t *x, int format, c
     LAUNCH(bn16_bwd_stats_kernel, grid, kThreads, 0, s)
     (relu, x, format, (const float *)dy, b * sp, c, make_fast_div(sp), per, mean, invstd, gamma, beta, partials);
   }
-  LAUNCH(bn_chunk_sums_kernel, (unsigned)c, row_threads(grid.y), 0, s)(partials, grid.y, c, -1.0, sums, dgamma, dbeta);
+  LAUNCH(bn_chunk_sums_kernel, (unsigned)c, row_threads(grid.y), 0, s)
+  (partials, grid.y, c, -1.0, sums, dgamma, dbeta, 0.0f, 0.0f, (float *)NULL, (float *)NULL, (float *)NULL,
+   (float *)NULL);
 }
 
 void k_bn16_bwd_apply(cudaStream_t s, int relu, const uint16_t *x, int format, const void *dy, int dy16, uint16_t *dx,

@@ -117,6 +117,16 @@ typedef struct {
                       and argmax as (B, Ho, Wo, C) */
 } dt_pool_args;
 
+/* Batch statistics from bn_stats' sums (the bn_finalize op, or bn_stats' own finalize). */
+typedef struct {
+  int64_t c;
+  int training;
+  float momentum, eps;
+  const double *sums;                /* (2C + 1) of bn_stats (reduced over ranks when sync); training only */
+  float *mean, *invstd;              /* (C), written */
+  float *running_mean, *running_var; /* (C): updated in training (unbiased variance), read otherwise */
+} dt_bn_finalize_args;
+
 typedef struct {
   dt_op_type type;
   union {
@@ -178,17 +188,12 @@ typedef struct {
       int64_t b, c, s;
       const float *x;
       double *sums; /* (2C + 1): sum(c), sumsq(c), then the count b * s */
+      const dt_bn_finalize_args *finalize; /* NULL, or (training, statistics not synchronised over ranks) the
+                                              bn_finalize of these sums, run by the same op */
       int x16;      /* 0: x (B, C, S) FP32; half.h's DT_F16_*: x in that format as (B, S, C), NHWC (a conv_fwd's
                        y16), and so is bn_bwd_apply's dx; y and dy stay FP32 (B, C, S) */
     } bn_stats;
-    struct {
-      int64_t c;
-      int training;
-      float momentum, eps;
-      const double *sums;                /* (2C + 1) of bn_stats (reduced over ranks when sync); training only */
-      float *mean, *invstd;              /* (C), written */
-      float *running_mean, *running_var; /* (C): updated in training (unbiased variance), read otherwise */
-    } bn_finalize;
+    dt_bn_finalize_args bn_finalize;
     struct {
       int64_t b, c, s;
       int relu; /* y = relu(z): the relu that follows, fused (model.fuse) */

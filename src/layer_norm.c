@@ -108,23 +108,32 @@ static void bn_forward(dt_layer *l, dt_pass *pass, const float *x) {
     bn_apply(l, pass, x);
     return;
   }
-  if (pass->training) {
+  const dt_bn_finalize_args fin = {.c = c,
+                                   .training = pass->training,
+                                   .momentum = (float)l->args.momentum,
+                                   .eps = (float)l->args.eps,
+                                   .sums = s->stats,
+                                   .mean = s->mean,
+                                   .invstd = s->invstd,
+                                   .running_mean = pass->bufs + l->tensors[2].offset,
+                                   .running_var = pass->bufs + l->tensors[3].offset};
+  const int sync = l->args.sync && pass->allreduce_sum;
+  if (pass->training) { /* local statistics: finalized by the op that sums them (one kernel fewer on CUDA) */
     dt_op op = {.type = DT_OP_BN_STATS,
-                .p.bn_stats = {.b = pass->batch, .c = c, .s = spatial(l), .x = x, .x16 = l->x16, .sums = s->stats}};
+                .p.bn_stats = {.b = pass->batch,
+                               .c = c,
+                               .s = spatial(l),
+                               .x = x,
+                               .x16 = l->x16,
+                               .sums = s->stats,
+                               .finalize = sync ? NULL : &fin}};
     backend_run(be, &op);
-    if (l->args.sync && pass->allreduce_sum) pass->allreduce_sum(pass->ctx, s->stats, (int)(2 * c + 1));
+    if (sync) pass->allreduce_sum(pass->ctx, s->stats, (int)(2 * c + 1));
   }
-  dt_op fin = {.type = DT_OP_BN_FINALIZE,
-               .p.bn_finalize = {.c = c,
-                                 .training = pass->training,
-                                 .momentum = (float)l->args.momentum,
-                                 .eps = (float)l->args.eps,
-                                 .sums = s->stats,
-                                 .mean = s->mean,
-                                 .invstd = s->invstd,
-                                 .running_mean = pass->bufs + l->tensors[2].offset,
-                                 .running_var = pass->bufs + l->tensors[3].offset}};
-  backend_run(be, &fin);
+  if (!pass->training || sync) {
+    dt_op op = {.type = DT_OP_BN_FINALIZE, .p.bn_finalize = fin};
+    backend_run(be, &op);
+  }
   bn_apply(l, pass, x);
 }
 

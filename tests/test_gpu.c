@@ -197,7 +197,7 @@ typedef struct {
   int type;
 } dbuf;
 
-enum { OT_MAX_BUFS = 256 };
+enum { OT_MAX_BUFS = 512 };
 static struct {
   dt_backend *be[2];
   dbuf bufs[OT_MAX_BUFS];
@@ -285,6 +285,14 @@ static dbuf ot_rand_d(int64_t n, double lo, double hi) {
   dbuf b = ot_buf(OT_F64, h, n);
   free(h);
   return b;
+}
+
+/* A buffer's contents on one side (0: CPU, 1: CUDA), in a fresh host array. */
+static void *ot_fetch(dbuf b, int side) {
+  size_t bytes = (size_t)b.n * ot_size(b.type);
+  void *h = malloc(bytes + 8);
+  ot.be[side]->to_host(ot.be[side], h, b.p[side], bytes);
+  return h;
 }
 
 static double ot_elem(int type, const void *p, int64_t i) {
@@ -711,6 +719,51 @@ static void ops_batchnorm_in(int f16, int y16) {
         ot_check("invstd", finv, C);
         ot_check("running_mean", rmean, C);
         ot_check("running_var", rvar, C);
+      }
+      /* the sums finalized by the op that adds them (training, local statistics: bn_stats.finalize), against
+       * the CPU, and on each backend the same bits as the two ops from the same running statistics */
+      float *run0[2] = {ot_host_rand(C, -0.5f, 0.5f), ot_host_rand(C, 0.5f, 2.0f)};
+      dbuf out[2][5]; /* [fused, apart]: sums, mean, invstd, running mean, running var */
+      for (int k = 0; k < 2; k++) {
+        out[k][0] = ot_rand_d(2 * C + 1, -9, 9), out[k][1] = ot_rand(C, -1, 1), out[k][2] = ot_rand(C, -1, 1);
+        out[k][3] = ot_buf(OT_F32, run0[0], C), out[k][4] = ot_buf(OT_F32, run0[1], C);
+      }
+      free(run0[0]), free(run0[1]);
+      ot_case(DT_OP_BN_STATS, "with its finalize, %s(C, S) (%lld, %lld), %s", in, (long long)C, (long long)S,
+              ROWS_NAME(r));
+      BOTH {
+        for (int k = 0; k < 2; k++) {
+          const dt_bn_finalize_args fin = {.c = C,
+                                           .training = 1,
+                                           .momentum = 0.1f,
+                                           .eps = 1e-5f,
+                                           .sums = D(out[k][0]),
+                                           .mean = F(out[k][1]),
+                                           .invstd = F(out[k][2]),
+                                           .running_mean = F(out[k][3]),
+                                           .running_var = F(out[k][4])};
+          dt_op op = {
+              .type = DT_OP_BN_STATS,
+              .p.bn_stats = {
+                  .b = rows, .c = C, .s = S, .x = F(x), .x16 = f16, .sums = D(out[k][0]), .finalize = k ? NULL : &fin}};
+          RUN(op);
+          if (k) {
+            dt_op f = {.type = DT_OP_BN_FINALIZE, .p.bn_finalize = fin};
+            RUN(f);
+          }
+        }
+      }
+      static const char *const fin_names[5] = {"sums and count", "mean", "invstd", "running_mean", "running_var"};
+      for (int v = 0; v < 5; v++) {
+        ot_check(fin_names[v], out[0][v], v ? C : 2 * C + 1);
+        for (int side = 0; side < 2; side++) {
+          void *fused = ot_fetch(out[0][v], side), *apart = ot_fetch(out[1][v], side);
+          const int same = !memcmp(fused, apart, (size_t)out[0][v].n * ot_size(out[0][v].type));
+          free(fused), free(apart);
+          if (!same)
+            fail_msg("op bn_stats [%s]: %s on %s differs from the two ops'", ot.kase, fin_names[v],
+                     side ? "CUDA" : "CPU");
+        }
       }
       /* relu: the fused relu (model.fuse), which backward masks by recomputing z from x */
       for (int relu = 0; relu < 2; relu++) {
@@ -1500,14 +1553,6 @@ static void ops_upload_download(void) {
       fail_msg("upload_ahead into a new buffer on %s: %g", s ? "CUDA" : "CPU", got[0]);
     ot.be[s]->free(ot.be[s], fresh);
   }
-}
-
-/* A buffer's contents on one side (0: CPU, 1: CUDA), in a fresh host array. */
-static void *ot_fetch(dbuf b, int side) {
-  size_t bytes = (size_t)b.n * ot_size(b.type);
-  void *h = malloc(bytes + 8);
-  ot.be[side]->to_host(ot.be[side], h, b.p[side], bytes);
-  return h;
 }
 
 /* Buffer b holds the same bits on the CPU and on CUDA. */

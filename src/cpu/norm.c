@@ -52,6 +52,10 @@ VECTOR_CLONES void cpu_bn_stats(cpu_impl *im, const dt_op *op) {
     q->sums[q->c + c] = s2;
   }
   q->sums[2 * q->c] = (double)(q->b * q->s);
+  if (q->finalize) {
+    dt_op fin = {.type = DT_OP_BN_FINALIZE, .p.bn_finalize = *q->finalize};
+    cpu_bn_finalize(im, &fin);
+  }
 }
 
 /* Batch statistics (biased variance) from the sums, running statistics updated with the unbiased

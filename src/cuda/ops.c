@@ -122,10 +122,14 @@ void cuda_bn_stats(cuda_impl *im, const dt_op *op) {
   CHECK_INDEXABLE(q->b * q->c * q->s);
   double *partials =
       cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes, cuda_partials_bytes(op), "batchnorm sums");
+  const dt_bn_finalize_args *f = q->finalize;
+  DT_ASSERT(!f || (f->training && f->sums == q->sums && f->c == q->c));
+  const k_bn_fin fin =
+      f ? (k_bn_fin){f->momentum, f->eps, f->mean, f->invstd, f->running_mean, f->running_var} : (k_bn_fin){0};
   if (q->x16)
-    k_bn16_stats(im->stream, x16_of(im, q->x, q->x16), q->x16, q->b, q->c, q->s, q->sums, partials);
+    k_bn16_stats(im->stream, x16_of(im, q->x, q->x16), q->x16, q->b, q->c, q->s, q->sums, partials, fin);
   else
-    k_bn_stats(im->stream, q->x, q->b, q->c, q->s, q->sums, partials);
+    k_bn_stats(im->stream, q->x, q->b, q->c, q->s, q->sums, partials, fin);
 }
 
 void cuda_bn_finalize(cuda_impl *im, const dt_op *op) {
