@@ -87,7 +87,55 @@ __global__ void pack_bf16_rows_kernel(const float *x, uint16_t *y, int64_t n, fa
   }
 }
 
+// As pack_bf16_rows_kernel, summing each column of x in double as it goes (a dense layer's bias gradient from
+// its dy): a block copies 32 columns of a chunk of rows (a warp one row of them: 128 bytes read), then adds its
+// rows' sums per column in order into partials (chunks, cols)
+__global__ void pack_bf16_rows_sums_kernel(const float *x, uint16_t *y, int64_t rows, int64_t cols, int64_t ld,
+                                           int64_t per, double *partials) {
+  __shared__ double red[kThreads / 32][32];
+  const int lane = threadIdx.x % 32, row = threadIdx.x / 32;
+  const int64_t col = (int64_t)blockIdx.x * 32 + lane, r0 = (int64_t)blockIdx.y * per,
+                r1 = r0 + per < rows ? r0 + per : rows;
+  double sum = 0;
+  if (col < cols)
+    for (int64_t r = r0 + row; r < r1; r += kThreads / 32) {
+      const float v = x[r * cols + col];
+      y[r * ld + col] = dt_to_bf16(v);
+      sum += v;
+    }
+  red[row][lane] = sum;
+  __syncthreads();
+  if (row == 0 && col < cols) {
+    for (int k = 1; k < kThreads / 32; k++) sum += red[k][lane];
+    partials[(int64_t)blockIdx.y * cols + col] = sum;
+  }
+}
+
+// db(cols) += the chunks' sums of each column, added in order (one thread a column)
+__global__ void col_sums_kernel(const double *partials, int64_t chunks, int64_t cols, float *db) {
+  GRID_STRIDE(col, cols) {
+    double sum = 0;
+    for (int64_t k = 0; k < chunks; k++) sum += partials[k * cols + col];
+    db[col] += (float)sum;
+  }
+}
+
 extern "C" {
+
+int64_t k_pack_bf16_rows_chunks(int64_t rows, int64_t cols) {
+  const int64_t groups = (cols + 31) / 32, most = K_PACK_SUMS_BLOCKS / groups,
+                chunks = (rows + K_PACK_SUMS_ROWS_MIN - 1) / K_PACK_SUMS_ROWS_MIN;
+  return chunks < 1 || most < 1 ? 1 : chunks > most ? most : chunks;
+}
+
+void k_pack_bf16_rows_sums(cudaStream_t s, const float *x, uint16_t *y, int64_t rows, int64_t cols, int64_t ld,
+                           float *db, double *partials) {
+  if (!cols) return;
+  const int64_t chunks = k_pack_bf16_rows_chunks(rows, cols), per = rows > 0 ? (rows + chunks - 1) / chunks : 1;
+  const dim3 grid((unsigned)((cols + 31) / 32), (unsigned)(rows > 0 ? (rows + per - 1) / per : 1));
+  LAUNCH(pack_bf16_rows_sums_kernel, grid, kThreads, 0, s)(x, y, rows, cols, ld, per, partials);
+  LAUNCH(col_sums_kernel, blocks_for(cols), kThreads, 0, s)(partials, grid.y, cols, db);
+}
 
 // transpose_tiles' grid for b images of (rows, cols): row tiles and images up to the grid's y and z
 // limits (cols: C or S of a tensor under 2^31 values, under the x limit as tiles).

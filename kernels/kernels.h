@@ -50,6 +50,13 @@ void k_unpack16(cudaStream_t s, const uint16_t *y, float *x, int64_t b, int64_t 
 /* x (rows, cols) FP32, row-major, to y (rows, ld) in bfloat16 rounded to nearest even (ld >= cols, the
  * padding left as it is; rows * cols < 2^31) */
 void k_pack_bf16_rows(cudaStream_t s, const float *x, uint16_t *y, int64_t rows, int64_t cols, int64_t ld);
+/* The same, db(cols) += x's column sums too, in double (a dense layer's bias gradient from its dy): chunks of
+ * rows, at least K_PACK_SUMS_ROWS_MIN each and about K_PACK_SUMS_BLOCKS blocks in all, into partials
+ * (k_pack_bf16_rows_chunks(rows, cols) x cols doubles), then each column's chunks added in order. */
+enum { K_PACK_SUMS_BLOCKS = 2048, K_PACK_SUMS_ROWS_MIN = 64 };
+int64_t k_pack_bf16_rows_chunks(int64_t rows, int64_t cols);
+void k_pack_bf16_rows_sums(cudaStream_t s, const float *x, uint16_t *y, int64_t rows, int64_t cols, int64_t ld,
+                           float *db, double *partials);
 
 /* optim.cu: one pass over the flat parameter buffer */
 /* hyper: the step's values, uploaded by the host (SGD: lr; AdamW: lr, lr / bc1, sqrt(bc2)) */

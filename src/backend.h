@@ -147,6 +147,9 @@ typedef struct {
                   bias, no epilogue */
       int a16; /* 0, or A stored so already (rows of dt_ld16 of its stored columns: a loss's 16-bit dlogits),
                   read as it is; one product */
+      float *a_col_sums; /* NULL, or (A's stored columns): += the sums of A's columns as stored, in double, as
+                            bias_grad's (a dense layer's bias gradient, from the dy its weight gradient reads:
+                            CUDA under bf16 sums it as it copies dy to bfloat16); one product, no a16 */
     } gemm;
     struct {
       int64_t b, c, s;

@@ -87,14 +87,10 @@ void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const 
 void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
                     const float *dy, float *dw, float *dbias, float *dx, float *dgelu_x, int y16) {
   DT_ASSERT(!y16 || !dbias);
-  if (dbias) {
-    dt_op b = {.type = DT_OP_BIAS_GRAD};
-    b.p.bias_grad = (typeof(b.p.bias_grad)){.b = rows, .c = out, .s = 1, .dy = dy, .db = dbias};
-    backend_run(be, &b);
-  }
-  /* the two GEMMs back to back: under bf16 the CUDA backend copies dy to bfloat16 once for both */
+  /* the two GEMMs back to back: under bf16 the CUDA backend copies dy to bfloat16 once for both, and sums
+   * dbias's columns as it copies */
   dt_op op = dense_gemm(DENSE_DW, rows, in, out);
-  op.p.gemm.a = dy, op.p.gemm.b = x, op.p.gemm.c = dw, op.p.gemm.a16 = y16;
+  op.p.gemm.a = dy, op.p.gemm.b = x, op.p.gemm.c = dw, op.p.gemm.a16 = y16, op.p.gemm.a_col_sums = dbias;
   backend_run(be, &op);
   if (dx) {
     op = dense_gemm(DENSE_DX, rows, in, out);
@@ -104,16 +100,19 @@ void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const
   }
 }
 
-int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][5]) {
+int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][6]) {
   const int64_t rows = shape_rows(l->in, batch), c = l->in.c;
   if (l->ops == &dt_layer_linear) {
     products[0][0] = rows, products[0][1] = c, products[0][2] = l->args.out;
     products[0][3] = l->args.bias || l->gelu_next || l->dgelu_aux || l->fused_relu, products[0][4] = l->y16;
+    products[0][5] = l->args.bias;
     return 1;
   }
   if (l->ops != &dt_layer_attention) return 0;
-  products[0][0] = rows, products[0][1] = c, products[0][2] = 3 * c, products[0][3] = 1, products[0][4] = 0;
-  products[1][0] = rows, products[1][1] = c, products[1][2] = c, products[1][3] = 1, products[1][4] = 0;
+  for (int p = 0; p < 2; p++) {
+    products[p][0] = rows, products[p][1] = c, products[p][2] = p ? c : 3 * c;
+    products[p][3] = 1, products[p][4] = 0, products[p][5] = 1;
+  }
   return 2;
 }
 

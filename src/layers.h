@@ -33,17 +33,18 @@ dt_op dense_gemm(int kind, int64_t rows, int64_t in, int64_t out);
  * bias, no activation). layer_dense.c. */
 void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
                    const float *bias, float *y, float *gelu_y, int relu, int y16);
-/* Queues dW += dy^T x, dbias += column sums of dy (NULL: none), dx = dy W (NULL: none), times
+/* Queues dW += dy^T x and dbias += column sums of dy (NULL: none) in one GEMM op, dx = dy W (NULL: none), times
  * gelu_tanh'(dgelu_x) (rows, in) when dgelu_x is not NULL: the input gradient of the gelu before. y16: dy is
  * in 16-bit rows (the forward's y16; gemm.a16, no bias). */
 void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
                     const float *dy, float *dw, float *dbias, float *dx, float *dgelu_x, int y16);
 
-/* The dense products (rows, in, out, has an epilogue: a bias, a gelu or a relu, y16: its y in 16-bit rows) of a linear
- * layer (one) or an attention layer (its two projections, (rows, C, 3C, 1, 0) and (rows, C, C, 1, 0)) over
+/* The dense products (rows, in, out, has an epilogue: a bias, a gelu or a relu, y16: its y in 16-bit rows, has a
+ * bias) of a linear layer (one) or an attention layer (its two projections, (rows, C, 3C, 1, 0, 1) and (rows,
+ * C, C, 1, 0, 1)) over
  * `batch` rows, in products; 0 for any other layer. dense_forward and dense_backward run each as up to three
  * GEMMs (the memory estimate asks the backend for their scratch). layer_dense.c. */
-int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][5]);
+int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][6]);
 
 /* A conv2d layer's convolution of `batch` rows into *g (its scratch is the backend's: the memory
  * estimate asks the backend, backend.h's scratch); 0 for any other layer. layer_conv.c. */

@@ -37,7 +37,7 @@ static int scratch_ops(const dt_model *m, int64_t batch, int backward, dt_op *op
     const dt_layer *l = m->all[i];
     const int first = l == m->top.layers[0];
     dt_conv_geom g;
-    int64_t dense[2][5];
+    int64_t dense[2][6];
     const int n_dense = layer_dense_products(l, batch, dense);
     for (int d = 0; d < n_dense; d++) {
       const int64_t rows = dense[d][0], in = dense[d][1], out = dense[d][2];
@@ -46,7 +46,12 @@ static int scratch_ops(const dt_model *m, int64_t batch, int backward, dt_op *op
       ops[n] = dense_gemm(DENSE_FWD, rows, in, out);
       if (dense[d][3]) ops[n].p.gemm.bias = &bias_marker; /* an epilogue: the CUDA backend's cuBLASLt workspace */
       ops[n++].p.gemm.c16 = y16;
-      if (backward) ops[n] = dense_gemm(DENSE_DW, rows, in, out), ops[n++].p.gemm.a16 = y16;
+      if (backward) { /* with a bias, its gradient summed as dy is copied: partial sums */
+        ops[n] = dense_gemm(DENSE_DW, rows, in, out), ops[n].p.gemm.a16 = y16;
+        static float sums_marker; /* shapes only, as bias_marker */
+        if (dense[d][5]) ops[n].p.gemm.a_col_sums = &sums_marker;
+        n++;
+      }
       if (backward && !first) ops[n] = dense_gemm(DENSE_DX, rows, in, out), ops[n++].p.gemm.a16 = y16;
     }
     if (layer_conv_geom(l, batch, &g)) {

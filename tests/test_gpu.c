@@ -2001,6 +2001,53 @@ static void ops_gemm_bf16(void) {
   assert_int_equal(ot.be[1]->scratch(ot.be[1], &batched, 1), 0);
 }
 
+/* A dense layer's weight gradient and its bias gradient in one GEMM op (a_col_sums): under bf16 CUDA sums dy's
+ * columns as it copies dy to bfloat16 (chunks of 64 rows by 32 columns, then each column's chunks in order),
+ * else its bias-gradient kernel runs first. db against the CPU's sums of the FP32 dy, dW against the CPU's
+ * product of dy and x (rounded to bfloat16 beforehand under bf16), and the input gradient after it, which
+ * takes the copy of dy the first made, likewise (but for a dimension under 16 under bf16, whose FP32 operands
+ * cuBLAS rounds its own way). (rows, in, out): 5 chunks of 2 column groups, one cut-short group, the smallest
+ * copied shape, a dimension under 16, no rows. */
+static void ops_gemm_bias_sums(void) {
+  const int64_t shapes[][3] = {{300, 24, 40}, {37, 20, 17}, {16, 16, 16}, {40, 15, 20}, {0, 24, 40}};
+  const int bf16 = ot.precision == DT_PREC_BF16;
+  for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++) {
+    const int64_t rows = shapes[i][0], in = shapes[i][1], out = shapes[i][2];
+    float *host[3] = {ot_host_rand(rows * out, -1, 1), ot_host_rand(rows * in, -1, 1), ot_host_rand(out * in, -1, 1)};
+    dbuf fp32[3], rounded[3]; /* dy, x, W */
+    for (int t = 0; t < 3; t++) {
+      const int64_t n = t == 0 ? rows * out : t == 1 ? rows * in : out * in;
+      fp32[t] = ot_buf(OT_F32, host[t], n);
+      for (int64_t j = 0; bf16 && j < n; j++) host[t][j] = round_bf16(host[t][j]);
+      rounded[t] = ot_buf(OT_F32, host[t], n);
+      free(host[t]);
+    }
+    dbuf dw = ot_rand(out * in, -1, 1), db = ot_rand(out, -1, 1), dx = ot_rand(rows * in + 1, -1, 1);
+    ot_case(DT_OP_GEMM, "weight and bias gradients, (rows, in, out) (%lld, %lld, %lld)", (long long)rows, (long long)in,
+            (long long)out);
+    BOTH {
+      const int cpu_apart = !s_ && bf16; /* the CPU's sums of the FP32 dy, its product of the rounded one */
+      if (cpu_apart) {
+        dt_op sums = {.type = DT_OP_BIAS_GRAD,
+                      .p.bias_grad = {.b = rows, .c = out, .s = 1, .dy = F(fp32[0]), .db = F(db)}};
+        RUN(sums);
+      }
+      dt_op op = dense_gemm(DENSE_DW, rows, in, out);
+      op.p.gemm.a = s_ ? F(fp32[0]) : F(rounded[0]), op.p.gemm.b = s_ ? F(fp32[1]) : F(rounded[1]);
+      op.p.gemm.c = F(dw), op.p.gemm.a_col_sums = cpu_apart ? NULL : F(db);
+      RUN(op);
+      dt_op d = dense_gemm(DENSE_DX, rows, in, out);
+      d.p.gemm.a = s_ ? F(fp32[0]) : F(rounded[0]), d.p.gemm.b = s_ ? F(fp32[2]) : F(rounded[2]), d.p.gemm.c = F(dx);
+      RUN(d);
+    }
+    ot_check("db", db, db.n);
+    if (!bf16 || (in >= DT_GEMM16_MIN_DIM && out >= DT_GEMM16_MIN_DIM)) { /* else cuBLAS's own rounding */
+      ot_check("dW", dw, dw.n);
+      ot_check("dx", dx, rows * in);
+    }
+  }
+}
+
 /* The classifier under bf16 (model.c's pick_logits16): the forward GEMM writing bfloat16 logits rows (c16),
  * the loss on such rows (logits16: cross-entropy with label smoothing and ignored rows, distilled from FP32
  * teacher logits by KL, and mse on FP32 targets) writing dlogits so, and the two gradient GEMMs reading them
@@ -2625,6 +2672,8 @@ GPU_TEST(cuda_op_gemm_gelu, (ot_begin(), ops_gemm_gelu(), ot_end()))
 GPU_TEST(cuda_gemm_bias_in_cublaslt_epilogue, gemm_bias_in_cublaslt_epilogue())
 GPU_TEST(cuda_op_gemm_batched, (ot_begin(), ops_gemm_batched(), ot_end()))
 GPU_TEST(cuda_op_gemm_bf16, (ot_begin_precision(DT_PREC_BF16, 1e-5), ops_gemm_bf16(), ot_end()))
+GPU_TEST(cuda_op_gemm_bias_sums, (ot_begin(), ops_gemm_bias_sums(), ot_end(), ot_begin_precision(DT_PREC_BF16, 1e-5),
+                                  ops_gemm_bias_sums(), ot_end()))
 GPU_TEST(cuda_op_classifier_bf16_rows, (ot_begin_precision(DT_PREC_BF16, 1e-5), ops_classifier_rows16(), ot_end()))
 GPU_TEST(cuda_op_embed, (ot_begin(), ops_embed(), ot_end()))
 GPU_TEST(cuda_op_layernorm, (ot_begin(), ops_layernorm(), ot_end()))
@@ -2734,6 +2783,7 @@ int main(void) {
       cmocka_unit_test(cuda_gemm_bias_in_cublaslt_epilogue),
       cmocka_unit_test(cuda_op_gemm_batched),
       cmocka_unit_test(cuda_op_gemm_bf16),
+      cmocka_unit_test(cuda_op_gemm_bias_sums),
       cmocka_unit_test(cuda_op_classifier_bf16_rows),
       cmocka_unit_test(cuda_op_embed),
       cmocka_unit_test(cuda_op_layernorm),

@@ -36,6 +36,17 @@ static void gemm_rows16(cpu_impl *im, const dt_op *op) {
  * and libgomp starts fresh threads for it on every call while the pool's threads spin. */
 void cpu_gemm(cpu_impl *im, const dt_op *op) {
   const typeof(op->p.gemm) *q = &op->p.gemm;
+  if (q->a_col_sums) { /* bias_grad's op on A as stored, then the product */
+    DT_ASSERT(q->batch <= 1 && !q->a16);
+    dt_op sums = {.type = DT_OP_BIAS_GRAD};
+    sums.p.bias_grad = (typeof(sums.p.bias_grad)){
+        .b = q->trans_a ? q->k : q->m, .c = q->trans_a ? q->m : q->k, .s = 1, .dy = q->a, .db = q->a_col_sums};
+    cpu_bias_grad(im, &sums);
+    dt_op product = *op;
+    product.p.gemm.a_col_sums = NULL;
+    cpu_gemm(im, &product);
+    return;
+  }
   if (!q->m || !q->n) return; /* a rank with no rows this batch */
   if (q->a16 || q->c16) {
     gemm_rows16(im, op);

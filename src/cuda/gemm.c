@@ -218,10 +218,13 @@ static int gemm_lt(cuda_impl *im, const typeof(((dt_op *)0)->p.gemm) *q, int bf1
  * their leading dimensions (at least 1, even when k is 0) and batch strides. */
 void cuda_gemm(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.gemm) *q = &op->p.gemm;
-  operand16 a, b;
+  operand16 a = {0}, b = {0};
   const size_t bytes16 = q->m && q->n ? gemm16_plan(im, op, &a, &b) : 0;
+  DT_ASSERT(!q->a_col_sums || (q->batch <= 1 && !q->a16));
   if (!bytes16) cuda_forget_dy16(im); /* only the bfloat16 path below reuses or holds one */
-  if (!q->m || !q->n) return;         /* a rank with no rows this batch */
+  if (q->a_col_sums && !bytes16)      /* else summed as A is copied to bfloat16 below */
+    k_bias_grad(im->stream, q->a, q->a_col_sums, q->trans_a ? q->k : q->m, q->trans_a ? q->m : q->k, 1);
+  if (!q->m || !q->n) return; /* a rank with no rows this batch */
   int64_t lda = q->trans_a ? q->m : q->k, ldb = q->trans_b ? q->k : q->n;
   const cublasOperation_t ta = q->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = q->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   if (q->batch > 1) {
@@ -248,12 +251,18 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
     a16 = cuda_grow_device(im, (void **)&im->h16, &im->h16_bytes, bytes16, "16-bit GEMM operands");
     uint16_t *b16 = q->a16 ? a16 : a16 + align256((size_t)(a.rows * a.ld16) * 2) / 2;
     layout[0] = DY16_ROWS, layout[1] = a.rows, layout[2] = a.cols, layout[3] = a.ld16;
-    if (q->a16)
+    if (q->a16) {
       cuda_forget_dy16(im); /* B's copy takes the start of h16 */
-    else if (cuda_dy16_held(im, q->a, a16, layout))
+    } else if (cuda_dy16_held(im, q->a, a16, layout)) {
       im->dy16_reuses++;
-    else
+      if (q->a_col_sums) k_bias_grad(im->stream, q->a, q->a_col_sums, a.rows, a.cols, 1);
+    } else if (q->a_col_sums) { /* a dense layer's dy: its bias gradient summed as it is copied */
+      double *partials = cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes, cuda_partials_bytes(op),
+                                          "bias gradient sums");
+      k_pack_bf16_rows_sums(im->stream, q->a, a16, a.rows, a.cols, a.ld16, q->a_col_sums, partials);
+    } else {
       k_pack_bf16_rows(im->stream, q->a, a16, a.rows, a.cols, a.ld16);
+    }
     k_pack_bf16_rows(im->stream, q->b, b16, b.rows, b.cols, b.ld16);
     a_op = q->a16 ? (const void *)q->a : a16, b_op = b16, lda_op = a.ld16, ldb_op = b.ld16, type = CUDA_R_16BF,
     compute = CUBLAS_COMPUTE_32F;
