@@ -527,7 +527,9 @@ int64_t backend_cpu_reorders_saved(const dt_backend *be);
 dt_backend *backend_cuda_create(int device, int precision);
 /* 16-bit packs of dy its backward-data convolutions skipped, reusing the backward filter's before. */
 int64_t backend_cuda_dy16_reuses(const dt_backend *be);
-/* GEMMs whose bias or gelu cuBLASLt's epilogue applied (the others run them as kernels). */
+/* Bias gradients summed as their dy was copied to bfloat16 (gemm.a_col_sums under bf16). */
+int64_t backend_cuda_col_sums_copied(const dt_backend *be);
+/* GEMMs whose bias, gelu or relu cuBLASLt's epilogue applied (the others run them as kernels). */
 int64_t backend_cuda_gemm_epilogues(const dt_backend *be);
 
 #endif

@@ -19,7 +19,7 @@ static int act_kind(const dt_layer *l) {
   return DT_ACT_SIGMOID;
 }
 
-/* A relu fused into the batchnorm or residual before it (l->fused_into), or a gelu the linear before it
+/* A relu fused into the batchnorm, residual or linear before it (l->fused_into), or a gelu the linear before it
  * applies (l->gelu_prev), has nothing of its own to do. */
 static void act_forward(dt_layer *l, dt_pass *pass, const float *x) {
   if (l->fused_into || l->gelu_prev) return;

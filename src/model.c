@@ -214,8 +214,8 @@ static void link_residual(dt_seq *s, int i) {
 }
 
 /* model.fuse: each relu right after a batchnorm, a residual or a linear is applied by that layer's ops (the
- * residual's sum, the linear's GEMM epilogue), and its output buffers are that layer's (nothing else reads
- * its output before the relu). A tanh gelu
+ * residual's sum, the linear's GEMM epilogue; not a linear's under fp16, linear_relu 0), and its output
+ * buffers are that layer's (nothing else reads its output before the relu). A tanh gelu
  * right after a linear is applied by the linear's GEMM (its epilogue), and, when a linear follows
  * it, its derivative by that linear's input-gradient GEMM, into the dy it then shares with the first
  * linear; all three in one train.recompute block, so that each reads what its own block keeps. A
@@ -223,17 +223,17 @@ static void link_residual(dt_seq *s, int i) {
  * gradient, as the convolution has them, and hand its own to a convolution right after it (or after
  * its fused relu), or to a maxpool that such a convolution follows, so too (model_pick_ops decides, for
  * the backend). */
-static void fuse_seq(dt_seq *s) {
+static void fuse_seq(dt_seq *s, int linear_relu) {
   for (int i = 0; i < s->n; i++) {
     dt_layer *l = s->layers[i];
-    fuse_seq(&l->body);
-    fuse_seq(&l->shortcut);
+    fuse_seq(&l->body, linear_relu);
+    fuse_seq(&l->shortcut, linear_relu);
     /* a residual and a linear mask their relu's gradient in place: not in a dy that the sequence's end shares
      * (dy_of); a linear's relu in its own train.recompute block */
-    const int masks_in_place = l->body.n || (l->ops->traits & DT_LAYER_LINEAR);
+    const int linear = l->ops->traits & DT_LAYER_LINEAR, masks_in_place = l->body.n || linear;
     const int masks_own_dy = !masks_in_place || i + 2 < s->n;
     if (i + 1 < s->n && (l->ops->traits & DT_LAYER_FUSES_RELU) && (s->layers[i + 1]->ops->traits & DT_LAYER_RELU) &&
-        masks_own_dy && (!(l->ops->traits & DT_LAYER_LINEAR) || block_of(s, i) == block_of(s, i + 1))) {
+        masks_own_dy && (!linear || (linear_relu && block_of(s, i) == block_of(s, i + 1)))) {
       l->fused_relu = 1;
       s->layers[i + 1]->fused_into = l;
     }
@@ -395,7 +395,9 @@ int model_build(dt_model *m, const dt_config *cfg, dt_status *st) {
   m->precision = cfg->v.precision;
   if (seq_build(m, &m->top, cfg->v.layers, m->input, "", "model.layers", st)) return st->code;
   m->fuse = cfg->v.fuse;
-  if (m->fuse) fuse_seq(&m->top);
+  /* a linear's relu in cuBLASLt's epilogue, max(x, 0), may make a NaN 0: not under fp16, whose activations
+   * overflow, and whose inf - inf in a hidden layer must reach the loss (exit 4, or a skipped step) */
+  if (m->fuse) fuse_seq(&m->top, m->precision != DT_PREC_FP16);
   share_branch_grads(&m->top);
   m->recompute = m->top.recompute = cfg->v.recompute == DT_RECOMPUTE_BLOCKS;
   if (loss_parse(&m->loss, cfg->v.loss, st)) return st->code;

@@ -96,7 +96,8 @@ typedef struct {
 } dt_layer_ops;
 
 enum {
-  DT_LAYER_FUSES_RELU = 1,  /* applies a relu right after it in its own ops (model.fuse: batchnorm, residual) */
+  DT_LAYER_FUSES_RELU = 1,  /* applies a relu right after it in its own ops (model.fuse: batchnorm, residual,
+                               linear) */
   DT_LAYER_RELU = 2,        /* a relu: the layer before may apply it */
   DT_LAYER_NORM = 4,        /* a normalisation: its weights are optim.no_decay's "norm" group */
   DT_LAYER_EMBEDDING = 8,   /* a token embedding: optim.no_decay's "embedding", what linear{tie} may name */
@@ -152,8 +153,8 @@ struct dt_layer {
   float *y, *dy;         /* (B, out) backend memory */
   dt_seq body, shortcut; /* residual only */
   dt_layer *tied;        /* linear{tie}: the embedding whose token matrix it uses (borrowed) */
-  int fused_relu;        /* batchnorm, residual: applies the relu that follows it (model.fuse) */
-  dt_layer *fused_into;  /* relu: the batchnorm that applies it; y and dy are that layer's (borrowed) */
+  int fused_relu;        /* batchnorm, residual, linear: applies the relu that follows it (model.fuse) */
+  dt_layer *fused_into;  /* relu: the layer that applies it; y and dy are that layer's (borrowed) */
   dt_layer *dy_of;       /* the layer whose dy this one's is (borrowed): for the last layer (or, for a fused
                             relu, its batchnorm) of a residual's body or shortcut, that residual (a term of a
                             sum has the sum's gradient, and no backward writes its own dy); for a gelu whose

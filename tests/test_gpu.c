@@ -2025,6 +2025,7 @@ static void ops_gemm_bias_sums(void) {
     dbuf dw = ot_rand(out * in, -1, 1), db = ot_rand(out, -1, 1), dx = ot_rand(rows * in + 1, -1, 1);
     ot_case(DT_OP_GEMM, "weight and bias gradients, (rows, in, out) (%lld, %lld, %lld)", (long long)rows, (long long)in,
             (long long)out);
+    const int64_t copied = backend_cuda_col_sums_copied(ot.be[1]);
     BOTH {
       const int cpu_apart = !s_ && bf16; /* the CPU's sums of the FP32 dy, its product of the rounded one */
       if (cpu_apart) {
@@ -2041,6 +2042,10 @@ static void ops_gemm_bias_sums(void) {
       RUN(d);
     }
     ot_check("db", db, db.n);
+    const int copies = bf16 && rows >= DT_GEMM16_MIN_DIM && in >= DT_GEMM16_MIN_DIM && out >= DT_GEMM16_MIN_DIM;
+    if (backend_cuda_col_sums_copied(ot.be[1]) - copied != copies)
+      fail_msg("op gemm [%s]: %lld bias gradients summed as dy was copied, %d expected", ot.kase,
+               (long long)(backend_cuda_col_sums_copied(ot.be[1]) - copied), copies);
     if (!bf16 || (in >= DT_GEMM16_MIN_DIM && out >= DT_GEMM16_MIN_DIM)) { /* else cuBLAS's own rounding */
       ot_check("dW", dw, dw.n);
       ot_check("dx", dx, rows * in);

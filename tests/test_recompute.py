@@ -53,7 +53,8 @@ checkpoint: {{dir: {dir}/ckpt}}
 """
 
 # Blocks inside blocks: a repeat's copies (the block) holding a repeat and a residual that holds a
-# residual; a residual ending the model, so that its output is the logits.
+# residual; an MLP block whose relu the first linear applies (model.fuse); a residual ending the model, so
+# that its output is the logits.
 NESTED = """\
 model:
   input: [1, 8, 8]
@@ -69,6 +70,7 @@ model:
                 - residual: {{body: [conv2d: {{out: 4, kernel: 3, pad: 1}}, relu]}}
                 - dropout: {{p: 0.2}}
     - flatten
+    - residual: {{body: [linear: {{out: 16}}, relu, linear: {{out: 256}}]}}
     - linear: {{out: 3}}
     - residual: {{body: [linear: {{out: 3}}, tanh]}}
 data: {{path: {dir}/data.h5}}
@@ -169,8 +171,8 @@ class Recompute(unittest.TestCase):
                 self.check(self.runs(CNN, np_, extra))
 
     def test_nested_blocks_on_the_cpu(self):
-        """With model.fuse on and off: the relu a batchnorm applies, or its own buffers."""
-        self.assertEqual(self.blocks(NESTED), 3)  # the outer repeat's 2 copies, the last residual
+        """With model.fuse on and off: the relu a batchnorm or a linear applies, or its own buffers."""
+        self.assertEqual(self.blocks(NESTED), 4)  # the outer repeat's 2 copies, the MLP, the last residual
         for fuse in ("true", "false"):
             with self.subTest(fuse=fuse):
                 self.check(self.runs(NESTED, 1, ["--set", f"model.fuse={fuse}"]), metrics=("loss",))

@@ -338,6 +338,10 @@ int64_t backend_cuda_dy16_reuses(const dt_backend *be) {
   return ((const cuda_impl *)be->impl)->dy16_reuses;
 }
 
+int64_t backend_cuda_col_sums_copied(const dt_backend *be) {
+  return ((const cuda_impl *)be->impl)->col_sums_copied;
+}
+
 int64_t backend_cuda_gemm_epilogues(const dt_backend *be) {
   return ((const cuda_impl *)be->impl)->gemm_epilogues;
 }

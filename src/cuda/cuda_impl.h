@@ -58,7 +58,8 @@ typedef struct {
   const float *dy16_of;
   const uint16_t *dy16_at;
   int64_t dy16_layout[4]; /* DY16_NHWC (b, c, positions) or DY16_ROWS (rows, cols, row length) */
-  int64_t dy16_reuses; /* packs of dy skipped so far */
+  int64_t dy16_reuses;    /* packs of dy skipped so far */
+  int64_t col_sums_copied; /* bias gradients summed as their dy was copied to bfloat16 (gemm.a_col_sums) */
   double *partials; /* device: per-block or per-sample pairs, summed in a fixed order */
   size_t partials_bytes;
   char *stage;              /* pinned host staging for upload(): two halves of stage_half bytes */

@@ -175,7 +175,7 @@ static gemm_plan *plan_for(cuda_impl *im, const int64_t key[PLAN_KEY], const voi
   return p;
 }
 
-/* C(rows, n) = op(A) op(B) + bias, or its gelu epilogue, through cuBLASLt, as cublasGemmEx's
+/* C(rows, n) = op(A) op(B) + bias, or its gelu or relu epilogue, through cuBLASLt, as cublasGemmEx's
  * arguments say (A and B: bfloat16 copies when bf16, else FP32); 0 when cuBLASLt cannot (the caller
  * fills C with the bias, runs cublasGemmEx and the gelu's kernel). */
 static int gemm_lt(cuda_impl *im, const typeof(((dt_op *)0)->p.gemm) *q, int bf16, const void *a, int64_t lda,
@@ -260,6 +260,7 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
       double *partials = cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes, cuda_partials_bytes(op),
                                           "bias gradient sums");
       k_pack_bf16_rows_sums(im->stream, q->a, a16, a.rows, a.cols, a.ld16, q->a_col_sums, partials);
+      im->col_sums_copied++;
     } else {
       k_pack_bf16_rows(im->stream, q->a, a16, a.rows, a.cols, a.ld16);
     }
