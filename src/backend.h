@@ -91,6 +91,9 @@ enum {
  * DGELU_TANH (no bias): C = op(A) op(B) * gelu_tanh'(aux), a gelu's input gradient; RELU: C = relu(op(A)
  * op(B) + bias), no aux (the CPU's relu passes a NaN; cuBLASLt's max(x, 0) may give 0 for one). */
 enum { DT_GEMM_PLAIN, DT_GEMM_GELU_TANH, DT_GEMM_DGELU_TANH, DT_GEMM_RELU };
+/* A GEMM op's A as stored, row-major: its rows and its columns (op(A) is (m, k)). */
+#define DT_GEMM_A_ROWS(g) ((g)->trans_a ? (g)->k : (g)->m)
+#define DT_GEMM_A_COLS(g) ((g)->trans_a ? (g)->m : (g)->k)
 /* Below this in any dimension a GEMM has no tensor-core tile to fill: the CUDA backend multiplies its FP32
  * operands under bf16 rather than copy them to bfloat16 (src/cuda/gemm.c). */
 enum { DT_GEMM16_MIN_DIM = 16 };

@@ -130,16 +130,7 @@ static void linear_forward(dt_layer *l, dt_pass *pass, const float *x) {
  * (dy, shared) is masked first in place where y, its output, is not positive: the relu's own backward, bit for
  * bit (as a residual's). */
 static void linear_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
-  if (l->fused_relu) {
-    dt_op op = {.type = DT_OP_ACT_BWD};
-    op.p.act_bwd = (typeof(op.p.act_bwd)){.kind = DT_ACT_RELU,
-                                          .n = shape_rows(l->in, pass->batch) * l->args.out,
-                                          .x = l->y,
-                                          .y = l->y,
-                                          .dy = l->dy,
-                                          .dx = l->dy};
-    backend_run(pass->be, &op);
-  }
+  if (l->fused_relu) layer_mask_relu_dy(l, pass, shape_rows(l->in, pass->batch) * l->args.out);
   dense_backward(pass->be, shape_rows(l->in, pass->batch), l->in.c, l->args.out, x, pass->params + weight_off(l), l->dy,
                  pass->grads + weight_off(l), l->args.bias ? pass->grads + bias_off(l) : NULL, dx,
                  l->dgelu_aux ? l->dgelu_aux->y : NULL, l->y16);

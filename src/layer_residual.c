@@ -78,17 +78,7 @@ static void residual_forward(dt_layer *l, dt_pass *pass, const float *x) {
 static void residual_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
   residual_state *s = l->priv;
   DT_ASSERT(l->body.layers[l->body.n - 1]->dy == l->dy);
-  if (l->fused_relu) {
-    dt_op op = {.type = DT_OP_ACT_BWD};
-    op.p.act_bwd = (typeof(op.p.act_bwd)){.kind = DT_ACT_RELU,
-                                          .n = pass->batch * shape_size(l->out),
-                                          .x = l->y,
-                                          .y = l->y,
-                                          .dy = l->dy,
-                                          .dx = l->dy,
-                                          .h16 = l->y16};
-    backend_run(pass->be, &op);
-  }
+  if (l->fused_relu) layer_mask_relu_dy(l, pass, pass->batch * shape_size(l->out));
   if (l->shortcut.n) {
     DT_ASSERT(l->shortcut.layers[l->shortcut.n - 1]->dy == l->dy);
     seq_backward(&l->shortcut, pass, x, dx ? s->dx_short : NULL);

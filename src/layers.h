@@ -46,6 +46,11 @@ void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const
  * GEMMs (the memory estimate asks the backend for their scratch). layer_dense.c. */
 int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][6]);
 
+/* The gradient of the relu that l applies (fused_relu), l->dy, masked in place where l->y, the relu's output,
+ * is not positive: the relu's own backward, bit for bit (a residual's and a linear's; n values, as y16).
+ * layers.c. */
+void layer_mask_relu_dy(dt_layer *l, dt_pass *pass, int64_t n);
+
 /* A conv2d layer's convolution of `batch` rows into *g (its scratch is the backend's: the memory
  * estimate asks the backend, backend.h's scratch); 0 for any other layer. layer_conv.c. */
 int layer_conv_geom(const dt_layer *l, int64_t batch, dt_conv_geom *g);

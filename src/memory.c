@@ -43,12 +43,12 @@ static int scratch_ops(const dt_model *m, int64_t batch, int backward, dt_op *op
       const int64_t rows = dense[d][0], in = dense[d][1], out = dense[d][2];
       const int y16 = (int)dense[d][4]; /* the 16-bit C, and the 16-bit A of the gradients: no copy of it */
       static const float bias_marker; /* these ops are shapes only: never read */
+      static float sums_marker;       /* so too */
       ops[n] = dense_gemm(DENSE_FWD, rows, in, out);
       if (dense[d][3]) ops[n].p.gemm.bias = &bias_marker; /* an epilogue: the CUDA backend's cuBLASLt workspace */
       ops[n++].p.gemm.c16 = y16;
       if (backward) { /* with a bias, its gradient summed as dy is copied: partial sums */
         ops[n] = dense_gemm(DENSE_DW, rows, in, out), ops[n].p.gemm.a16 = y16;
-        static float sums_marker; /* shapes only, as bias_marker */
         if (dense[d][5]) ops[n].p.gemm.a_col_sums = &sums_marker;
         n++;
       }

@@ -202,9 +202,8 @@ static int branch16(const dt_seq *b) {
 static void link_residual(dt_seq *s, int i) {
   dt_layer *l = s->layers[i];
   l->branches16 = branch16(&l->body) && branch16(&l->shortcut);
-  dt_layer *prev = i > 0 ? s->layers[i - 1] : NULL;
-  if (prev && prev->fused_into) prev = prev->fused_into;
-  const int at = prev ? (prev == s->layers[i - 1] ? i - 1 : i - 2) : -1; /* prev's index */
+  const int at = i > 0 && s->layers[i - 1]->fused_into ? i - 2 : i - 1; /* the layer before (its fused relu's) */
+  dt_layer *prev = at >= 0 ? s->layers[at] : NULL;
   if (prev && ((prev->ops->traits & DT_LAYER_RESIDUAL) ||
                ((prev->ops->traits & DT_LAYER_BATCHNORM) && at > 0 && s->layers[at - 1]->bn_next == prev)))
     l->res_prev = prev, prev->res_next = l;

@@ -40,7 +40,7 @@ void cpu_gemm(cpu_impl *im, const dt_op *op) {
     DT_ASSERT(q->batch <= 1 && !q->a16);
     dt_op sums = {.type = DT_OP_BIAS_GRAD};
     sums.p.bias_grad = (typeof(sums.p.bias_grad)){
-        .b = q->trans_a ? q->k : q->m, .c = q->trans_a ? q->m : q->k, .s = 1, .dy = q->a, .db = q->a_col_sums};
+        .b = DT_GEMM_A_ROWS(q), .c = DT_GEMM_A_COLS(q), .s = 1, .dy = q->a, .db = q->a_col_sums};
     cpu_bias_grad(im, &sums);
     dt_op product = *op;
     product.p.gemm.a_col_sums = NULL;

@@ -38,7 +38,7 @@ static size_t gemm16_plan(const cuda_impl *im, const dt_op *op, operand16 *a, op
   else if (im->precision != DT_PREC_BF16 || q->batch || q->m < DT_GEMM16_MIN_DIM || q->n < DT_GEMM16_MIN_DIM ||
            q->k < DT_GEMM16_MIN_DIM) /* batch 1 is attention's (B, H) product of one: not a dense layer's */
     return 0;
-  *a = q->trans_a ? stored(q->k, q->m) : stored(q->m, q->k);
+  *a = stored(DT_GEMM_A_ROWS(q), DT_GEMM_A_COLS(q));
   *b = q->trans_b ? stored(q->n, q->k) : stored(q->k, q->n);
   const int64_t limit = (int64_t)1 << 31; /* k_pack_bf16_rows' (fast_div is exact below 2^31) */
   const int over = (!q->a16 && a->rows * a->cols >= limit) || b->rows * b->cols >= limit;
@@ -223,7 +223,7 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
   DT_ASSERT(!q->a_col_sums || (q->batch <= 1 && !q->a16));
   if (!bytes16) cuda_forget_dy16(im); /* only the bfloat16 path below reuses or holds one */
   if (q->a_col_sums && !bytes16)      /* else summed as A is copied to bfloat16 below */
-    k_bias_grad(im->stream, q->a, q->a_col_sums, q->trans_a ? q->k : q->m, q->trans_a ? q->m : q->k, 1);
+    k_bias_grad(im->stream, q->a, q->a_col_sums, DT_GEMM_A_ROWS(q), DT_GEMM_A_COLS(q), 1);
   if (!q->m || !q->n) return; /* a rank with no rows this batch */
   int64_t lda = q->trans_a ? q->m : q->k, ldb = q->trans_b ? q->k : q->n;
   const cublasOperation_t ta = q->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = q->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;

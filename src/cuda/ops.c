@@ -74,10 +74,8 @@ size_t cuda_partials_bytes(const dt_op *op) {
   } else if (op->type == DT_OP_BN_BWD_STATS) {
     const typeof(op->p.bn_bwd_stats) *q = &op->p.bn_bwd_stats;
     n = 2 * q->c * (q->x16 ? k_bn16_chunks(q->b * q->s, q->c) : k_bn_chunks(q->b * q->s));
-  } else if (op->type == DT_OP_GEMM && op->p.gemm.a_col_sums) { /* as stored: rows, cols */
-    const typeof(op->p.gemm) *q = &op->p.gemm;
-    const int64_t rows = q->trans_a ? q->k : q->m, cols = q->trans_a ? q->m : q->k;
-    n = k_pack_bf16_rows_chunks(rows, cols) * cols;
+  } else if (op->type == DT_OP_GEMM && op->p.gemm.a_col_sums) {
+    n = k_pack_bf16_rows_chunks(DT_GEMM_A_ROWS(&op->p.gemm), DT_GEMM_A_COLS(&op->p.gemm)) * DT_GEMM_A_COLS(&op->p.gemm);
   } else if (op->type == DT_OP_LOSS) {
     n = (op->p.loss.b > K_SUM_BLOCKS ? op->p.loss.b : K_SUM_BLOCKS) * 2;
   }
