@@ -456,10 +456,14 @@ struct dt_backend {
   /* The same, overlapping work already queued (CUDA: on a copy stream): only into memory that no
    * queued work uses (the caller has waited for its last reader); work queued after it sees it. */
   void (*upload_ahead)(dt_backend *be, void *dst, const void *src, size_t bytes);
-  /* Queued device-to-host copy into dst (memory from alloc_host), valid once done() says so. */
+  /* Queued device-to-host copy into dst (memory from alloc_host), valid once the work queued
+   * before a later mark() has been reached(). */
   void (*download)(dt_backend *be, void *dst, const void *src, size_t bytes);
-  /* 1 when every queued op has completed (never blocks). */
-  int (*done)(dt_backend *be);
+  /* Marks the work queued so far as step `slot`'s (0 or 1: a step may be queued while the one
+   * before still runs); reached(slot) is 1 once all of it has completed (never blocks). Marking a
+   * slot again moves its mark. The CPU's work is done when queued. */
+  void (*mark)(dt_backend *be, int slot);
+  int (*reached)(dt_backend *be, int slot);
   /* Host memory the device copies to and from asynchronously (pinned on CUDA). */
   void *(*alloc_host)(dt_backend *be, size_t bytes);
   void (*free_host)(dt_backend *be, void *p);

@@ -108,6 +108,10 @@ static const dt_key config_keys[] = {
      "capture the training step (forward, backward, gradient allreduce, optimizer, EMA) as one CUDA graph after "
      "a warm-up step and replay it; steps of another shape run eagerly (auto: when the step can be captured: "
      "--device cuda, train.grad_accum 1, and NCCL or a single rank; on: the same, an error where it cannot)"},
+    {"train.queue_ahead", DT_KEY_BOOL, F(queue_ahead), "true", NOB, NULL,
+     "CUDA graphs: queue each replayed step before the host reads the step before's results, so that the device "
+     "does not idle between steps (not after a step that validation or a checkpoint follows, nor under fp16); a "
+     "stop or checkpoint asked for then comes one step later"},
     {"optim.name", DT_KEY_ENUM, F(optim), "sgd", NOB, "sgd|adamw", "optimizer"},
     {"optim.lr", DT_KEY_FLOAT, F(lr), "0.01", 0, BIG, NULL, "peak learning rate"},
     {"optim.momentum", DT_KEY_FLOAT, F(momentum), "0", 0, 1, NULL, "SGD momentum"},

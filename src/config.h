@@ -44,7 +44,7 @@ typedef struct {
   int early_metric;
   int64_t early_patience;
   double ema_decay;
-  int cuda_graph, precision, conv_algo, recompute;
+  int cuda_graph, queue_ahead, precision, conv_algo, recompute;
   /* optim */
   int optim;
   double lr, momentum, weight_decay, eps;

@@ -120,13 +120,26 @@ static int save_checkpoint(dt_trainer *tr, int best) {
   return comm_agree(tr->comm, &st);
 }
 
+/* Validation's schedule after step `step`: the end of an epoch, or train.eval_every_steps (and the
+ * last step, and a stop). */
+static int evaluation_scheduled(const dt_trainer *tr, int64_t step, int end_of_epoch) {
+  return tr->d->has_val && (end_of_epoch || (tr->v->eval_every_steps && step % tr->v->eval_every_steps == 0));
+}
+
+/* The periodic checkpoints' schedule after step `step` (checkpoint.every_steps and every_epochs). */
+static int checkpoint_scheduled(const dt_trainer *tr, int64_t step, int end_of_epoch) {
+  const dt_config_values *v = tr->v;
+  return v->ckpt_dir[0] && ((v->ckpt_every_steps && step % v->ckpt_every_steps == 0) ||
+                            (end_of_epoch && v->ckpt_every_epochs && (tr->at.epoch + 1) % v->ckpt_every_epochs == 0));
+}
+
 /* Validates when due (end of epoch, train.eval_every_steps, the last step), logs, tracks the best
  * metric and early stopping. *new_best: this evaluation is the best so far. Returns the code. */
 static int evaluate_if_due(dt_trainer *tr, int end_of_epoch, dt_train_result *res, int *new_best) {
   const dt_config_values *v = tr->v;
   dt_train_state *ts = &tr->ts;
   *new_best = 0;
-  int due = end_of_epoch || (v->eval_every_steps && ts->step % v->eval_every_steps == 0) || tr->stop;
+  int due = evaluation_scheduled(tr, ts->step, end_of_epoch) || tr->stop;
   if (!tr->d->has_val || tr->stop_signal || !due) return 0;
   step_wait_filled(tr); /* HDF5 is the loader thread's while it fills the cache */
   dt_status st = {0};
@@ -148,7 +161,7 @@ static int evaluate_if_due(dt_trainer *tr, int end_of_epoch, dt_train_result *re
   tr->win.snap.ema_val_acc = eva;
   if (va > ts->best_val_acc) ts->best_val_acc = va;
   res->best_val_acc = ts->best_val_acc;
-  long long step = (long long)ts->step, epoch = (long long)tr->epoch + 1;
+  long long step = (long long)ts->step, epoch = (long long)tr->at.epoch + 1;
   char ema_text[128] = "", ema_json[128] = "";
   const int classifier = tr->m->loss.kind == DT_LOSS_CROSS_ENTROPY; /* the metric names follow the loss */
   if (ema && classifier) {
@@ -188,9 +201,8 @@ static int checkpoint_if_due(dt_trainer *tr, int end_of_epoch, int new_best) {
   const dt_config_values *v = tr->v;
   if (!v->ckpt_dir[0]) return 0;
   int code = 0;
-  int periodic = (v->ckpt_every_steps && tr->ts.step % v->ckpt_every_steps == 0) ||
-                 (end_of_epoch && v->ckpt_every_epochs && (tr->epoch + 1) % v->ckpt_every_epochs == 0);
-  int step_due = periodic || tr->ckpt_asked || tr->stop || tr->ts.step == tr->total;
+  int step_due =
+      checkpoint_scheduled(tr, tr->ts.step, end_of_epoch) || tr->ckpt_asked || tr->stop || tr->ts.step == tr->total;
   if ((new_best && v->ckpt_best) || step_due)
     step_wait_filled(tr); /* HDF5 is the loader thread's while it fills the cache */
   if (new_best && v->ckpt_best && (code = save_checkpoint(tr, 1))) return code;
@@ -201,27 +213,39 @@ static int checkpoint_if_due(dt_trainer *tr, int end_of_epoch, int new_best) {
   return code;
 }
 
-/* One optimizer step: micro-batches, reduce and agree, step, log, evaluate, checkpoint. */
+/* Whether the step after this one may be queued before this one's results are read (train.queue_ahead):
+ * the run goes on past it, nothing after it reads its parameters (validation, a checkpoint), and no
+ * stop or checkpoint agreed already waits for the step queued before. The same on every rank. */
+static int may_queue_next(const dt_trainer *tr) {
+  const int64_t step = tr->ts.step + 1;
+  const int end_of_epoch = tr->at.os == tr->opt_per_epoch - 1;
+  return tr->v->queue_ahead && !tr->stop && !tr->held_stop && !tr->held_ckpt && step < tr->total &&
+         !evaluation_scheduled(tr, step, end_of_epoch) && !checkpoint_scheduled(tr, step, end_of_epoch);
+}
+
+/* One optimizer step: micro-batches, reduce and agree, step, log, evaluate, checkpoint. A stop or a
+ * checkpoint agreed while the next step was already queued waits for that step. */
 static int train_step(dt_trainer *tr, dt_train_result *res) {
   const dt_config_values *v = tr->v;
   tr->comm->step = tr->ts.step + 1;
-  tr->micro0 = tr->os * tr->accum;
-  tr->k = tr->micro_per_epoch - tr->micro0 < tr->accum ? tr->micro_per_epoch - tr->micro0 : tr->accum;
-  step_prepare(tr);
   dt_status st = {0};
   dt_step_report mine = {0};
   double data_s = 0;
-  step_run(tr, &mine, &data_s, &st);
+  step_run(tr, may_queue_next(tr), &mine, &data_s, &st);
   if (!st.code && tr->lg.st.code) st = tr->lg.st; /* a metrics line lost since the last step */
   int code = step_agree(tr, &mine, &st);
   if (code) return code;
-  metrics_step(&tr->win, tr->ts.step, tr->total, tr->epoch, tr->lr, tr->all.loss_sum / tr->target_count, tr->count,
-               data_s, tr->v->log_every_steps);
-  if (tr->all.stop) tr->stop = 1, tr->stop_signal = tr->all.stop;
-  tr->ckpt_asked = tr->all.checkpoint;
+  metrics_step(&tr->win, tr->ts.step, tr->total, tr->at.epoch, tr->at.lr, tr->all.loss_sum / tr->at.target_count,
+               tr->at.count, data_s, tr->v->log_every_steps);
+  int stop = tr->all.stop ? tr->all.stop : tr->held_stop, ckpt = tr->all.checkpoint || tr->held_ckpt;
+  tr->held_stop = tr->held_ckpt = 0;
+  if (step_next_queued(tr)) /* the next step reads and writes the parameters already */
+    tr->held_stop = stop, tr->held_ckpt = ckpt, stop = ckpt = 0;
+  if (stop) tr->stop = 1, tr->stop_signal = stop;
+  tr->ckpt_asked = ckpt;
   if (tr->ckpt_asked)
     log_line(&tr->lg, "step %lld: a checkpoint was asked for (POST /checkpoint)", (long long)tr->ts.step);
-  int end_of_epoch = tr->os == tr->opt_per_epoch - 1, new_best;
+  int end_of_epoch = tr->at.os == tr->opt_per_epoch - 1, new_best;
   if (v->max_steps && tr->ts.step >= v->max_steps) tr->stop = 1;
   if ((code = evaluate_if_due(tr, end_of_epoch, res, &new_best))) return code;
   code = checkpoint_if_due(tr, end_of_epoch, new_best);
@@ -229,7 +253,7 @@ static int train_step(dt_trainer *tr, dt_train_result *res) {
   sn->steps_run++;
   sn->step = tr->ts.step;
   sn->total_steps = tr->total;
-  sn->epoch = tr->epoch + 1;
+  sn->epoch = tr->at.epoch + 1;
   sn->train_s = dt_now() - tr->win.t_start;
   monitor_publish(tr->opts->monitor, sn);
   return code;
@@ -258,10 +282,13 @@ static int trainer_report_end(dt_trainer *tr, int code, dt_train_result *res) {
              res->wall_s > 0 ? (double)tr->win.run_samples / res->wall_s : 0.0);
     if (res->best_val_acc >= 0)
       log_line(&tr->lg, "best val_acc %.4f, final val_acc %.4f", res->best_val_acc, res->final_val_acc);
-    int64_t captures, replays;
-    step_graph_counts(tr, &captures, &replays);
+    int64_t captures, replays, behind;
+    step_graph_counts(tr, &captures, &replays, &behind);
     if (captures)
       log_line(&tr->lg, "cuda graph: %lld steps captured, %lld replayed", (long long)captures, (long long)replays);
+    if (behind)
+      log_line(&tr->lg, "queued ahead: %lld of %lld steps were queued while the step before ran", (long long)behind,
+               (long long)tr->ts.step);
   }
   return code;
 }
@@ -278,9 +305,9 @@ int train_run(const dt_config *cfg, dt_model *m, dt_data *d, dt_comm *comm, cons
     return code;
   }
   res->best_val_acc = tr->ts.best_val_acc;
-  for (tr->epoch = tr->ts.epoch; tr->epoch < cfg->v.epochs && !tr->stop && !code; tr->epoch++)
-    for (tr->os = tr->epoch == tr->ts.epoch ? tr->ts.micro / tr->accum : 0;
-         tr->os < tr->opt_per_epoch && !tr->stop && !code; tr->os++)
+  for (tr->at.epoch = tr->ts.epoch; tr->at.epoch < cfg->v.epochs && !tr->stop && !code; tr->at.epoch++)
+    for (tr->at.os = tr->at.epoch == tr->ts.epoch ? tr->ts.micro / tr->accum : 0;
+         tr->at.os < tr->opt_per_epoch && !tr->stop && !code; tr->at.os++)
       code = train_step(tr, res);
   if (!code) { /* the last lines (the last step's, the last evaluation's) are in, or the run fails */
     metrics_memory(&tr->win, opts->mem, opts->mem_estimate, tr->ts.step);

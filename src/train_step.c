@@ -3,7 +3,9 @@
  * bucket by bucket during the last backward (ddp.h), then the update: clipping, fp16 loss scaling,
  * the optimizer, the EMA. With one micro-batch a step is captured as a CUDA graph once per input
  * buffer and shape and replayed after, the choice agreed by every rank. The host waits once per
- * step, for the step's sums, while the next batch is copied ahead.
+ * step, for the step's sums; where the loop allows, the next step's graph is queued before that
+ * wait, so that the device goes from one step to the next while the host reads the results, agrees
+ * with the other ranks and logs (else the next batch is copied ahead during it).
  * Owns the dt_step: samplers and the loader, batches, the device cache, the sums, the buckets, the
  * optimizer, the EMA, the graphs. */
 #include <math.h>
@@ -39,11 +41,13 @@ typedef struct {
 /* This step's results, summed on the device and read once: loss, hits, the sum of squares and the
  * non-finite count of the gradient buckets this rank sent, and (fp16) the same of the summed
  * gradients after unscaling (a non-finite one skips the step); clipping's sum of squares; fp16's
- * loss scale. */
+ * loss scale. The device's sums serve each step in turn (stream order); each is downloaded into
+ * the host slot of its step's number (step % 2), so that a step queued behind another cannot
+ * overwrite the results the host has yet to read. */
 typedef struct {
-  double *stats, *stats_host;  /* (STATS): backend memory, and host memory it is downloaded to */
+  double *stats, *stats_host;  /* (STATS) backend memory; (2, STATS) host memory it is downloaded to */
   double *clip_sq;             /* (2) backend memory: train.clip_grad_norm's sum of squares */
-  float *scaler, *scaler_host; /* train.precision fp16: (2) the loss scale and good steps; else NULL */
+  float *scaler, *scaler_host; /* train.precision fp16: (2) loss scale and good steps; (2, 2) host; else NULL */
 } dt_step_sums;
 
 /* model.loss ignore_index: the targets a step's loss averages over, counted from the sampler's twin
@@ -71,8 +75,15 @@ struct dt_step {
   dt_graphs graphs;
   dt_step_sums sums;
   dt_target_counter counter; /* ignore_index only */
-  int inject;                /* this step's injected fault: DT_FAULT_NAN, DT_FAULT_OVERFLOW or none */
+  int inject;                /* the injected fault of the step being queued: DT_FAULT_NAN, DT_FAULT_OVERFLOW or none */
   double last_wait_s;        /* how long the host waited on the last step's results (wait_step) */
+  /* the next step, queued while this one ran (step_run's queue_next): its place, the time its batch
+   * waited on the loader, why taking it failed (reported with its results) */
+  int next_queued;
+  dt_step_at next;
+  double next_data_s;
+  dt_status next_st;
+  int64_t queued_behind; /* steps queued while the step before ran */
 };
 
 void step_open(dt_trainer *tr, dt_status *st) {
@@ -133,10 +144,10 @@ const dt_ddp *step_alloc(dt_trainer *tr) {
   }
   dt_step_sums *s = &tr->step->sums;
   s->stats = (double *)be->alloc(be, STATS * sizeof(double));
-  s->stats_host = be->alloc_host(be, STATS * sizeof(double));
+  s->stats_host = be->alloc_host(be, 2 * STATS * sizeof(double));
   if (v->precision == DT_PREC_FP16) {
     s->scaler = be->alloc(be, 2 * sizeof(float));
-    s->scaler_host = be->alloc_host(be, 2 * sizeof(float));
+    s->scaler_host = be->alloc_host(be, 2 * 2 * sizeof(float));
     tr->step->opt.skip = s->stats + 5;
   }
   s->clip_sq = (double *)be->alloc(be, 2 * sizeof(double));
@@ -200,34 +211,35 @@ void step_log_setup(dt_trainer *tr) {
                                              : "off (gradients over MPI)");
 }
 
-/* model.loss ignore_index: the targets the step's global batch averages over, summed over ranks
+/* model.loss ignore_index: the targets step a's global batch averages over, summed over ranks
  * (a collective; the sampler gives each rank its rows without reading them). At least 1. */
-static double count_step_targets(dt_trainer *tr) {
+static double count_step_targets(dt_trainer *tr, const dt_step_at *a) {
   dt_target_counter *c = &tr->step->counter;
   double n_targets = 0;
-  for (int64_t j = 0; j < tr->k; j++) {
-    int64_t global, n = sampler_batch(&c->smp, tr->epoch, tr->micro0 + j, c->idx, &global);
+  for (int64_t j = 0; j < a->k; j++) {
+    int64_t global, n = sampler_batch(&c->smp, a->epoch, a->micro0 + j, c->idx, &global);
     n_targets += count_targets(&tr->d->train, c->idx, n, tr->m->loss.ignore_index);
   }
   comm_allreduce_sum_f64(tr->comm, &n_targets, 1, "target count");
   return n_targets > 0 ? n_targets : 1;
 }
 
-void step_prepare(dt_trainer *tr) {
-  dt_step *s = tr->step;
-  tr->count = 0;
-  for (int64_t j = 0; j < tr->k; j++) tr->count += (double)sampler_count(&s->smp, tr->micro0 + j);
-  tr->target_count = tr->m->loss.ignore_index_set ? count_step_targets(tr) : tr->count * (double)tr->m->n_labels;
-  if (s->counter.weight) { /* queued before the step (a graph replay reads it) */
-    const double w = 1.0 / tr->target_count;
-    tr->be->upload(tr->be, s->counter.weight, &w, sizeof w);
-  }
+/* The optimizer step at (epoch, os), after `done` steps: its micro-batches, rows, targets (a
+ * collective with ignore_index) and learning rate. */
+static dt_step_at place(dt_trainer *tr, int64_t epoch, int64_t os, int64_t done) {
+  dt_step_at a = {.epoch = epoch, .os = os, .micro0 = os * tr->accum};
+  a.k = tr->micro_per_epoch - a.micro0 < tr->accum ? tr->micro_per_epoch - a.micro0 : tr->accum;
+  for (int64_t j = 0; j < a.k; j++) a.count += (double)sampler_count(&tr->step->smp, a.micro0 + j);
+  a.target_count = tr->m->loss.ignore_index_set ? count_step_targets(tr, &a) : a.count * (double)tr->m->n_labels;
+  a.lr = schedule_lr(tr->v, done, tr->total);
+  return a;
 }
 
 /* Queues one micro-batch's forward, loss and backward from db (rows rows): gradients accumulate
  * (zeroed with the step's sums before the first), and the last one's backward starts the bucket
  * sums. No host synchronisation: with one micro-batch a step is captured from here. */
-static void queue_micro(dt_trainer *tr, const dt_dev_batch *db, int64_t rows, int first, int last) {
+static void queue_micro(dt_trainer *tr, const dt_step_at *a, const dt_dev_batch *db, int64_t rows, int first,
+                        int last) {
   dt_model *m = tr->m;
   dt_backend *be = tr->be;
   if (first) {
@@ -249,7 +261,7 @@ static void queue_micro(dt_trainer *tr, const dt_dev_batch *db, int64_t rows, in
   dt_pass pass = {.be = be,
                   .batch = rows,
                   .training = 1,
-                  .global_targets = tr->target_count,
+                  .global_targets = a->target_count,
                   .loss_weight = tr->step->counter.weight,
                   .grad_scale = tr->step->sums.scaler,
                   .step_seed = db->seed,
@@ -323,25 +335,25 @@ static void queue_update(dt_trainer *tr) {
  * every rank or on none, and these conditions differ between ranks (a rank's rows, its buffers,
  * its faults): each rank says what it could do, and all do the least of those. */
 enum { GRAPH_EAGER, GRAPH_CAPTURE, GRAPH_REPLAY };
-static int graph_choice(dt_trainer *tr, const dt_dev_batch *db, int64_t rows) {
+static int graph_choice(dt_trainer *tr, const dt_step_at *a, const dt_dev_batch *db, int64_t rows) {
   const dt_graphs *g = &tr->step->graphs;
   if (!g->on) return GRAPH_EAGER;
   const int i = db ? (int)(db - tr->step->in) : 0;
-  const int same_shape = g->rows[i] == rows && g->count[i] == tr->count;
+  const int same_shape = g->rows[i] == rows && g->count[i] == a->count;
   const int mine = !db || tr->step->inject != DT_FAULT_NONE ? GRAPH_EAGER /* no batch: this rank fails the step */
                    : g->exec[i] && same_shape && g->gen[i] == tr->be->generation ? GRAPH_REPLAY
-                   : rows == g->warm_rows && tr->count == g->warm_count          ? GRAPH_CAPTURE
+                   : rows == g->warm_rows && a->count == g->warm_count           ? GRAPH_CAPTURE
                                                                                  : GRAPH_EAGER;
   return comm_min_i32(tr->comm, mine, "the CUDA graph choice");
 }
 
-/* Queues a step of one micro-batch (db, rows): eagerly, captured or replayed (how: graph_choice). */
-static void queue_single(dt_trainer *tr, const dt_dev_batch *db, int64_t rows, int how) {
+/* Queues step a of one micro-batch (db, rows): eagerly, captured or replayed (how: graph_choice). */
+static void queue_single(dt_trainer *tr, const dt_step_at *a, const dt_dev_batch *db, int64_t rows, int how) {
   dt_backend *be = tr->be;
   dt_graphs *g = &tr->step->graphs;
   const int i = (int)(db - tr->step->in);
   if (how == GRAPH_EAGER) {
-    queue_micro(tr, db, rows, 1, 1);
+    queue_micro(tr, a, db, rows, 1, 1);
     queue_update(tr);
   } else if (how == GRAPH_REPLAY) {
     be->replay(be, g->exec[i]);
@@ -352,16 +364,16 @@ static void queue_single(dt_trainer *tr, const dt_dev_batch *db, int64_t rows, i
     be->graph_free(be, g->exec[i]);
     g->gen[i] = be->generation;
     be->capture_begin(be);
-    queue_micro(tr, db, rows, 1, 1);
+    queue_micro(tr, a, db, rows, 1, 1);
     queue_update(tr);
     g->exec[i] = be->capture_end(be);
     g->rows[i] = rows;
-    g->count[i] = tr->count;
+    g->count[i] = a->count;
     be->replay(be, g->exec[i]);
     g->captures++;
   }
   g->warm_rows = rows;
-  g->warm_count = tr->count;
+  g->warm_count = a->count;
 }
 
 /* Takes the next micro-batch from the loader and queues its upload (with its dropout seed, from
@@ -386,22 +398,16 @@ int step_wait_spins(double waited_s, double last_wait_s) {
   return last_wait_s > 0 && fabs(waited_s - last_wait_s) <= window;
 }
 
-/* The step's one host wait: its results downloaded, polling (a failed NCCL peer, the deadline)
- * while the device works. Before it, with one micro-batch per step and a step to follow, the next
- * batch is taken and copied ahead, overlapping this step: its buffer was last read by the step
- * before, which the host has waited for. The device idles from the step's end until the host sees
- * it and queues the next one, so the polls stop sleeping around the end (step_wait_spins): a sleep
- * of 50 us oversleeps to about 100 (the kernel's timer slack), which was 20-40% of a small model's
- * step. The failure checks still run every 50 us. */
-static void wait_step(dt_trainer *tr, double *data_s) {
+/* A host wait for step n's work (its mark, host slot n % 2), polling for a failed NCCL peer and the
+ * deadline while the device works. Where nothing is queued behind the step, the device idles from
+ * its end until the host sees it and queues the next one, so the polls stop sleeping around the end
+ * (step_wait_spins): a sleep of 50 us oversleeps to about 100 (the kernel's timer slack), which was
+ * 20-40% of a small model's step. The failure checks still run every 50 us. */
+static void wait_step(dt_trainer *tr, int64_t n) {
   dt_backend *be = tr->be;
-  be->download(be, tr->step->sums.stats_host, tr->step->sums.stats, STATS * sizeof(double));
-  if (tr->step->sums.scaler) be->download(be, tr->step->sums.scaler_host, tr->step->sums.scaler, 2 * sizeof(float));
-  if (tr->accum == 1 && !tr->step->ahead && !tr->step->ahead_st.code && tr->ts.step + 1 < tr->total)
-    tr->step->ahead = upload_next(tr, 1, &tr->step->ahead_rows, data_s, &tr->step->ahead_st);
   const double since = dt_now();
   double checked = -1.0, now = since;
-  while (!be->done(be)) {
+  while (!be->reached(be, (int)(n % 2))) {
     if (now - checked >= 50e-6) {
       checked = now;
       if (tr->opts->dev)
@@ -411,7 +417,7 @@ static void wait_step(dt_trainer *tr, double *data_s) {
         fprintf(stderr,
                 "ddp_train: error: rank %d: step %lld did not complete on the device within dist.timeout_s = "
                 "%.0f s; aborting the job\n",
-                tr->comm->rank, (long long)tr->ts.step + 1, tr->comm->timeout_s);
+                tr->comm->rank, (long long)n, tr->comm->timeout_s);
         fflush(stderr);
         comm_abort(tr->comm, DT_EXIT_PEER);
       }
@@ -443,8 +449,8 @@ static int inputs_non_finite(dt_trainer *tr, char *why, size_t cap) {
         *targets = dt_malloc((size_t)(s->y_k + 1) * sizeof(float));
   int32_t label;
   int found = 0;
-  for (int64_t j = 0; j < tr->k && !found; j++) {
-    const int64_t n = sampler_batch(&smp, tr->epoch, tr->micro0 + j, idx, &global);
+  for (int64_t j = 0; j < tr->at.k && !found; j++) {
+    const int64_t n = sampler_batch(&smp, tr->at.epoch, tr->at.micro0 + j, idx, &global);
     for (int64_t i = 0; i < n && !found; i++) {
       dt_status st = {0};
       if (data_gather(d, s, idx + i, 1, x, &label, targets, &st)) break; /* unreadable now: no answer */
@@ -465,7 +471,9 @@ static int inputs_non_finite(dt_trainer *tr, char *why, size_t cap) {
  * step's inputs hold a NaN or an Inf, else the optimisation's); an fp16 overflow skips the update on
  * every rank (the summed gradients are the same everywhere) and moves the scale. */
 static void read_results(dt_trainer *tr, dt_step_report *mine, dt_status *st) {
-  const double *r = tr->step->sums.stats_host;
+  const int slot = (int)((tr->ts.step + 1) % 2);
+  const double *r = tr->step->sums.stats_host + slot * STATS;
+  const float *scaler = tr->step->sums.scaler_host + slot * 2;
   char what[96] = "", data[1400];
   if (!isfinite(r[0]))
     snprintf(what, sizeof what, "the loss became %s", isnan(r[0]) ? "NaN" : "infinite");
@@ -475,18 +483,18 @@ static void read_results(dt_trainer *tr, dt_step_report *mine, dt_status *st) {
     dt_fail(st, DT_EXIT_NUMERIC,
             "%s at step %lld (epoch %lld), and this rank's inputs of the step are not finite: %s; it is the "
             "data, not the learning rate: mend or drop those rows",
-            what, (long long)tr->ts.step + 1, (long long)tr->epoch + 1, data);
+            what, (long long)tr->ts.step + 1, (long long)tr->at.epoch + 1, data);
   else if (what[0])
     dt_fail(st, DT_EXIT_NUMERIC, "%s at step %lld (epoch %lld); lower optim.lr or set train.clip_grad_norm", what,
-            (long long)tr->ts.step + 1, (long long)tr->epoch + 1);
+            (long long)tr->ts.step + 1, (long long)tr->at.epoch + 1);
   if (tr->step->sums.scaler && !st->code) {
     if (r[5] > 0) {
       optim_skipped(&tr->step->opt);
       log_line(&tr->lg, "step %lld: %lld gradient values overflowed in fp16: update skipped, loss scale %g -> %g",
-               (long long)tr->ts.step + 1, (long long)r[5], tr->ts.loss_scale, (double)tr->step->sums.scaler_host[0]);
+               (long long)tr->ts.step + 1, (long long)r[5], tr->ts.loss_scale, (double)scaler[0]);
     }
-    tr->ts.loss_scale = tr->step->sums.scaler_host[0];
-    tr->ts.scale_growth = tr->step->sums.scaler_host[1];
+    tr->ts.loss_scale = scaler[0];
+    tr->ts.scale_growth = scaler[1];
   }
   mine->loss_sum += r[0];
   mine->correct += r[1];
@@ -508,28 +516,81 @@ static dt_dev_batch *stand_in(dt_trainer *tr, int64_t *rows) {
   return db;
 }
 
-void step_run(dt_trainer *tr, dt_step_report *mine, double *data_s, dt_status *st) {
-  tr->step->inject = fault_fire(tr->opts->fault, tr->comm->rank, tr->ts.step + 1);
-  tr->lr = schedule_lr(tr->v, tr->ts.step, tr->total);
-  optim_prepare(&tr->step->opt, tr->be, tr->lr);
-  for (int64_t j = 0; j < tr->k; j++) {
-    int64_t rows = tr->step->ahead_rows;
-    if (j == 0 && tr->step->ahead_st.code) *st = tr->step->ahead_st;
-    dt_dev_batch *db = st->code                    ? NULL
-                       : j == 0 && tr->step->ahead ? tr->step->ahead
-                                                   : upload_next(tr, 0, &rows, data_s, st);
-    tr->step->ahead = NULL;
+/* Queues step n (after n - 1 steps) at a, then its results' download into host slot n % 2 and its
+ * mark. behind: step n - 1 may still run; a graph replay then overlaps it, anything else (a capture,
+ * an eager step) waits for it first. A failed batch sets st (its rank runs a stand-in). */
+static void queue_step(dt_trainer *tr, const dt_step_at *a, int64_t n, int behind, double *data_s, dt_status *st) {
+  dt_step *s = tr->step;
+  dt_backend *be = tr->be;
+  const int64_t named = tr->comm->step; /* the step a collective's timeout names */
+  tr->comm->step = n;
+  s->inject = fault_fire(tr->opts->fault, tr->comm->rank, n);
+  if (s->counter.weight) { /* queued before the step (a graph replay reads it) */
+    const double w = 1.0 / a->target_count;
+    be->upload(be, s->counter.weight, &w, sizeof w);
+  }
+  optim_prepare(&s->opt, be, a->lr);
+  for (int64_t j = 0; j < a->k; j++) {
+    int64_t rows = s->ahead_rows;
+    if (j == 0 && s->ahead_st.code) *st = s->ahead_st;
+    dt_dev_batch *db = st->code ? NULL : j == 0 && s->ahead ? s->ahead : NULL;
+    if (!db && !st->code && behind) /* its buffer's last reader, step n - 2, is done: copy alongside n - 1 */
+      db = upload_next(tr, 1, &rows, data_s, st);
+    if (!db && !st->code) db = upload_next(tr, 0, &rows, data_s, st);
+    s->ahead = NULL;
+    s->ahead_st = (dt_status){0};
     const int failed = !db;
     if (failed) db = stand_in(tr, &rows);
-    if (tr->k == 1) { /* a collective choice: a rank whose batch failed runs its stand-in eagerly */
-      queue_single(tr, db, rows, graph_choice(tr, failed ? NULL : db, rows));
+    if (a->k == 1) { /* a collective choice: a rank whose batch failed runs its stand-in eagerly */
+      const int how = graph_choice(tr, a, failed ? NULL : db, rows);
+      if (behind && how != GRAPH_REPLAY) wait_step(tr, n - 1);
+      s->queued_behind += behind && how == GRAPH_REPLAY;
+      queue_single(tr, a, db, rows, how);
       break;
     }
-    queue_micro(tr, db, rows, j == 0, j == tr->k - 1);
+    queue_micro(tr, a, db, rows, j == 0, j == a->k - 1);
   }
-  if (tr->k > 1) queue_update(tr);
-  wait_step(tr, data_s);
+  if (a->k > 1) queue_update(tr);
+  const int slot = (int)(n % 2);
+  be->download(be, s->sums.stats_host + slot * STATS, s->sums.stats, STATS * sizeof(double));
+  if (s->sums.scaler) be->download(be, s->sums.scaler_host + slot * 2, s->sums.scaler, 2 * sizeof(float));
+  be->mark(be, slot);
+  tr->comm->step = named;
+}
+
+void step_run(dt_trainer *tr, int queue_next, dt_step_report *mine, double *data_s, dt_status *st) {
+  dt_step *s = tr->step;
+  const int64_t n = tr->ts.step + 1;
+  if (s->next_queued) { /* by the step before */
+    DT_ASSERT(s->next.epoch == tr->at.epoch && s->next.os == tr->at.os);
+    tr->at = s->next;
+    *data_s += s->next_data_s;
+    if (s->next_st.code) *st = s->next_st;
+    s->next_queued = 0;
+  } else {
+    tr->at = place(tr, tr->at.epoch, tr->at.os, n - 1);
+    queue_step(tr, &tr->at, n, 0, data_s, st);
+  }
+  /* the next step behind this one: replayed graphs only, and not under fp16, where the host learns
+   * of a skipped update (AdamW's step count) from this step's results */
+  if (queue_next && s->graphs.on && !s->sums.scaler && n < tr->total) {
+    const int64_t wraps = tr->at.os + 1 == tr->opt_per_epoch;
+    s->next = place(tr, tr->at.epoch + wraps, wraps ? 0 : tr->at.os + 1, n);
+    s->next_data_s = 0;
+    s->next_st = (dt_status){0};
+    queue_step(tr, &s->next, n + 1, 1, &s->next_data_s, &s->next_st);
+    s->next_queued = 1;
+  } else if (tr->accum == 1 && !s->ahead && !s->ahead_st.code && n < tr->total) {
+    /* the next batch copied ahead instead, overlapping this step: its buffer was last read by the step
+     * before, which the host has waited for */
+    s->ahead = upload_next(tr, 1, &s->ahead_rows, data_s, &s->ahead_st);
+  }
+  wait_step(tr, n);
   read_results(tr, mine, st); /* a failed batch's status stays: dt_fail keeps the first */
+}
+
+int step_next_queued(const dt_trainer *tr) {
+  return tr->step->next_queued;
 }
 
 /* A signal or the time limit on any rank stops every rank at this same step; a failed step ends
@@ -545,9 +606,9 @@ int step_agree(dt_trainer *tr, dt_step_report *mine, dt_status *st) {
   tr->win.agree_s += dt_now() - t0;
   if (code) return code;
   tr->ts.step++;
-  tr->ts.micro = tr->micro0 + tr->k;
-  tr->ts.epoch = tr->epoch;
-  if (tr->ts.micro >= tr->micro_per_epoch) tr->ts.epoch = tr->epoch + 1, tr->ts.micro = 0;
+  tr->ts.micro = tr->at.micro0 + tr->at.k;
+  tr->ts.epoch = tr->at.epoch;
+  if (tr->ts.micro >= tr->micro_per_epoch) tr->ts.epoch = tr->at.epoch + 1, tr->ts.micro = 0;
   return 0;
 }
 
@@ -607,9 +668,10 @@ void step_gather_shards(const dt_trainer *tr, dt_ckpt_data *d) {
   free(mine);
 }
 
-void step_graph_counts(const dt_trainer *tr, int64_t *captures, int64_t *replays) {
+void step_graph_counts(const dt_trainer *tr, int64_t *captures, int64_t *replays, int64_t *queued_behind) {
   *captures = tr->step->graphs.captures;
   *replays = tr->step->graphs.replays;
+  *queued_behind = tr->step->queued_behind;
 }
 
 void step_close(dt_trainer *tr) {

@@ -1512,6 +1512,13 @@ static __attribute__((noinline)) void scribble_stack(void) {
   (void)junk[0];
 }
 
+static int on_standin(void) {
+  char device[512];
+  size_t free_bytes = 0;
+  gpu_describe(0, device, sizeof device, &free_bytes);
+  return strstr(device, "stand-in") != NULL;
+}
+
 static void ops_upload_download(void) {
   dbuf a = ot_rand(64, -1, 1), b = ot_rand(64, -1, 1), c = ot_rand(70, -1, 1);
   ot_case(DT_OP_COPY, "uploads from a stack that is then overwritten, then a queued copy");
@@ -1527,18 +1534,31 @@ static void ops_upload_download(void) {
         fail_msg("upload [%s]: element %d on %s: %g, %g, %g", ot.kase, i, s ? "CUDA" : "CPU", ot_get(a, s, i),
                  ot_get(b, s, i), ot_get(c, s, i));
   ot_check("copy destination", c, 64);
-  /* a download into memory from alloc_host is valid once done() says so */
+  /* a download into memory from alloc_host is valid once a mark after it is reached: two steps'
+   * results, the second queued before the first is waited for, each into its own host memory from
+   * the same device buffer; the second's mark, reached, covers the first's work too */
   for (int s = 0; s < 2; s++) {
-    double *host = ot.be[s]->alloc_host(ot.be[s], 2 * sizeof(double));
-    const double before[2] = {4.5, -2};
-    double *dev = (double *)ot.be[s]->alloc(ot.be[s], sizeof before);
-    ot.be[s]->upload(ot.be[s], dev, before, sizeof before);
-    ot.be[s]->download(ot.be[s], host, dev, sizeof before);
-    while (!ot.be[s]->done(ot.be[s])) {
-    }
+    dt_backend *be = ot.be[s];
+    double *host = be->alloc_host(be, 4 * sizeof(double));
+    const double first[2] = {4.5, -2}, second[2] = {7.25, 3};
+    double *dev = (double *)be->alloc(be, sizeof first);
+    be->upload(be, dev, first, sizeof first);
+    be->download(be, host, dev, sizeof first);
+    be->mark(be, 1);
+    be->upload(be, dev, second, sizeof second);
+    be->download(be, host + 2, dev, sizeof second);
+    be->mark(be, 0);
+    int polls = 0;
+    while (!be->reached(be, 1)) polls++;
     if (host[0] != 4.5 || host[1] != -2) fail_msg("download on %s: %g, %g", s ? "CUDA" : "CPU", host[0], host[1]);
-    ot.be[s]->free(ot.be[s], dev);
-    ot.be[s]->free_host(ot.be[s], host);
+    while (!be->reached(be, 0)) polls++;
+    if (host[2] != 7.25 || host[3] != 3)
+      fail_msg("second download on %s: %g, %g", s ? "CUDA" : "CPU", host[2], host[3]);
+    if (s && polls == 0 && on_standin()) /* the stand-in is never done at the first query: a stub would be */
+      fail_msg("the stand-in reached both marks at the first query");
+    if (!be->reached(be, 1)) fail_msg("a reached mark is no longer reached on %s", s ? "CUDA" : "CPU");
+    be->free(be, dev);
+    be->free_host(be, host);
   }
   /* upload_ahead straight into a new buffer: the copy (CUDA: on the copy stream) must follow the
    * memset that cleared the buffer on the compute stream (the stand-in's hazard checker stops the
@@ -2629,10 +2649,7 @@ static void gemm_bias_in_cublaslt_epilogue(void) {
       {"fp32, one row", DT_PREC_FP32, 0, 0, 0, 0, 0, 1e-5, 1},
   };
   const int64_t in = 40, out = 24;
-  char device[512];
-  size_t free_bytes = 0;
-  gpu_describe(0, device, sizeof device, &free_bytes);
-  const int standin = strstr(device, "stand-in") != NULL; /* where GPUSIM_CUBLASLT applies */
+  const int standin = on_standin(); /* where GPUSIM_CUBLASLT applies */
   for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
     const int64_t rows = cases[c].rows;
     if (cases[c].no_algorithm) setenv("GPUSIM_CUBLASLT", "none", 1);

@@ -3,6 +3,7 @@ equivalence over NCCL (a GPU per rank) and over MPI (ranks sharing one GPU), a r
 in the last batch, checkpoints moving between --device cuda and --device cpu, and each rank
 touching only its own GPU. In `make test` the GPU is the CPU stand-in (tests/gpusim, the binary
 build/sim/ddp_train); `make test-gpu` runs the same tests on real GPUs. Skipped without a GPU."""
+import glob
 import os
 import re
 import shutil
@@ -431,20 +432,34 @@ class GpuTraining(GpuCase):
 
     def graph_runs(self, np_, env, extra):
         """21 steps of GPU_CNN (20 full global batches of 8, then 4 rows) with train.cuda_graph on and
-        off; returns each run's checkpoint and stderr."""
+        off, and on with train.queue_ahead false ("in_turn"), validation after steps 10, 20 and 21, a
+        checkpoint after every third step (all kept); returns each run's last checkpoint, stdout,
+        stderr, every checkpoint and the validation lines."""
         self.w.dataset(n=164)
         cfg = self.w.config(GPU_CNN, dropout="dropout: {p: 0.2}")
         base = [cfg, "--device", "cuda", "--set", "train.epochs=1", "--set", "train.eval_every_steps=10", "--set",
                 "train.ema.decay=0.9", "--set", "train.clip_grad_norm=0.5", "--set", "optim.name=adamw", "--set",
-                "optim.lr=0.01"] + extra
+                "optim.lr=0.01", "--set", "checkpoint.every_steps=3", "--set", "checkpoint.keep=100"] + extra
         got = {}
-        for mode in ("on", "off"):
-            rc, out, err = gpu_run(base + ["--set", f"train.cuda_graph={mode}", "--set",
+        for mode in ("on", "off", "in_turn"):
+            rc, out, err = gpu_run(base + ["--set", f"train.cuda_graph={'on' if mode == 'in_turn' else mode}",
+                                           "--set", f"train.queue_ahead={mode != 'in_turn'}".lower(), "--set",
                                            f"checkpoint.dir={self.w.file(mode)}", "--set",
                                            f"log.dir={self.w.file(mode + '_log')}"], np_, dict(env, GPUSIM_PROFILE="1"))
             self.assertEqual(rc, 0, out + err)
-            got[mode] = (self.w.latest(mode), out, err)
+            every = sorted(glob.glob(os.path.join(self.w.file(mode), "step-*.h5")))
+            got[mode] = (self.w.latest(mode), out, err, every, re.findall(r"(?m)^eval step .*$", out))
         return got
+
+    def assert_same_bits(self, path_a, path_b):
+        """Every dataset of two checkpoints, EMA and optimizer state included, equal to the bit."""
+        with h5py.File(path_a, "r") as a, h5py.File(path_b, "r") as b:
+            names = []
+            a.visit(lambda n: names.append(n) if isinstance(a[n], h5py.Dataset) else None)
+            self.assertTrue(any(n.startswith("ema/") for n in names) and any(n.startswith("optim") for n in names),
+                            names)
+            for n in names:
+                self.assertTrue(np.array_equal(a[n][...], b[n][...]), f"{path_a}: {n}")
 
     def assert_graphs_replayed_bit_for_bit(self, got, np_):
         """Every full step after the first ran as a graph (19: each captured step is replayed once, then
@@ -467,13 +482,25 @@ class GpuTraining(GpuCase):
             self.assertNotRegex(got["off"][2], r"gpusim graphs \(pid \d+\): \d+ instantiated, [1-9]")
         self.assertIn("cuda graph: on", got["on"][1])
         self.assertIn("cuda graph: off (train.cuda_graph off)", got["off"][1])
-        with h5py.File(got["on"][0], "r") as a, h5py.File(got["off"][0], "r") as b:
-            names = []
-            a.visit(lambda n: names.append(n) if isinstance(a[n], h5py.Dataset) else None)
-            self.assertTrue(any(n.startswith("ema/") for n in names) and any(n.startswith("optim") for n in names),
-                            names)
-            for n in names:
-                self.assertTrue(np.array_equal(a[n][...], b[n][...]), n)
+        # Replayed steps are queued before the step before them is read back, but never behind a step
+        # that validation or a checkpoint follows (3, 6, ..., 21 and 10, 20), which must read that
+        # step's parameters: each checkpoint and validation equals the eager run's.
+        queued = re.findall(r"(?m)^queued ahead: (\d+) of 21 steps were queued while the step before ran$",
+                            got["on"][1])
+        self.assertEqual(len(queued), 1, got["on"][1][-3000:])
+        # steps 2 and 3 captured, 4-20 replayed (21 has 4 rows: eager): all but 4, 7, 10, 11, 13, 16 and 19
+        if captures == 2:
+            self.assertEqual(int(queued[0]), replays - 7)
+        self.assertGreaterEqual(int(queued[0]), 6)
+        self.assertNotIn("queued ahead:", got["off"][1] + got["in_turn"][1])
+        self.assertEqual(re.findall(r"(?m)^cuda graph: .* replayed$", got["in_turn"][1]), [f"cuda graph: {captures} "
+                         f"steps captured, {replays} replayed"])
+        for mode in ("off", "in_turn"):
+            self.assertEqual([os.path.basename(p) for p in got[mode][3]], [f"step-{i:08d}.h5" for i in range(3, 22, 3)])
+            for a, b in zip(got["on"][3], got[mode][3]):
+                self.assert_same_bits(a, b)
+            self.assertEqual(len(got[mode][4]), 3, got[mode][1])
+            self.assertEqual(got["on"][4], got[mode][4])
 
     def test_cuda_graph_replay_equals_eager_on_one_rank(self):
         got = self.graph_runs(1, ENV1, [])

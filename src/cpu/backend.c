@@ -73,8 +73,12 @@ static void cpu_sync(dt_backend *be) {
   (void)be;
 }
 
-static int cpu_done(dt_backend *be) {
-  (void)be;
+static void cpu_mark(dt_backend *be, int slot) {
+  (void)be, (void)slot;
+}
+
+static int cpu_reached(dt_backend *be, int slot) {
+  (void)be, (void)slot;
   return 1;
 }
 
@@ -134,7 +138,8 @@ dt_backend *backend_cpu_create_with(int threads, int conv) {
                      .upload = cpu_copy_bytes,
                      .upload_ahead = cpu_copy_bytes,
                      .download = cpu_copy_bytes,
-                     .done = cpu_done,
+                     .mark = cpu_mark,
+                     .reached = cpu_reached,
                      .alloc_host = cpu_alloc_host,
                      .free_host = cpu_free,
                      .zero = cpu_zero,

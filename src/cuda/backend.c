@@ -159,18 +159,30 @@ static void cuda_upload_ahead(dt_backend *be, void *dst, const void *src, size_t
   CUDA_CHECK(cudaStreamWaitEvent(im->stream, im->copied, 0));
 }
 
-/* dst: pinned host memory from cuda_alloc_host; valid once cuda_done says so. */
+/* dst: pinned host memory from cuda_alloc_host; valid once a later mark is reached. */
 static void cuda_download(dt_backend *be, void *dst, const void *src, size_t bytes) {
   cuda_impl *im = be->impl;
   if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, im->stream));
 }
 
-static int cuda_done(dt_backend *be) {
+static void cuda_mark(dt_backend *be, int slot) {
   cuda_impl *im = be->impl;
-  cudaError_t q = cudaStreamQuery(im->stream);
+  CUDA_CHECK(cudaEventRecord(im->marks[slot], im->stream));
+}
+
+/* Buffers retired during a capture are freed once the whole stream is found idle. */
+static int cuda_reached(dt_backend *be, int slot) {
+  cuda_impl *im = be->impl;
+  cudaError_t q = cudaEventQuery(im->marks[slot]);
   if (q == cudaErrorNotReady) return 0;
   CUDA_CHECK(q);
-  if (im->n_retired) drain(im);
+  if (im->n_retired) {
+    q = cudaStreamQuery(im->stream);
+    if (q == cudaSuccess)
+      drain(im);
+    else if (q != cudaErrorNotReady)
+      CUDA_CHECK(q);
+  }
   return 1;
 }
 
@@ -323,6 +335,7 @@ static void cuda_destroy(dt_backend *be) {
     for (int q = 0; q < 2; q++) CUDA_CHECK(cudaEventDestroy(im->staged[h][q]));
   CUDA_CHECK(cudaEventDestroy(im->copied));
   CUDA_CHECK(cudaEventDestroy(im->cleared));
+  for (int i = 0; i < 2; i++) CUDA_CHECK(cudaEventDestroy(im->marks[i]));
   CUDA_CHECK(cudaStreamDestroy(im->copy));
   cuda_device_free(im, im->partials);
   CUDNN_CHECK(cudnnDestroy(im->dnn));
@@ -374,6 +387,7 @@ dt_backend *backend_cuda_create(int device, int precision) {
     for (int q = 0; q < 2; q++) CUDA_CHECK(cudaEventCreateWithFlags(&im->staged[h][q], cudaEventDisableTiming));
   CUDA_CHECK(cudaEventCreateWithFlags(&im->copied, cudaEventDisableTiming));
   CUDA_CHECK(cudaEventCreateWithFlags(&im->cleared, cudaEventDisableTiming));
+  for (int i = 0; i < 2; i++) CUDA_CHECK(cudaEventCreateWithFlags(&im->marks[i], cudaEventDisableTiming));
   char line[160];
   snprintf(line, sizeof line, "cuda: GPU %d set up in %.3f s (context %.3f, cuBLAS and cuBLASLt %.3f, cuDNN %.3f)\n",
            device, dt_now() - t0, t_context - t0, t_blas - t_context, t_dnn - t_blas);
@@ -388,7 +402,8 @@ dt_backend *backend_cuda_create(int device, int precision) {
                      .upload = cuda_upload,
                      .upload_ahead = cuda_upload_ahead,
                      .download = cuda_download,
-                     .done = cuda_done,
+                     .mark = cuda_mark,
+                     .reached = cuda_reached,
                      .alloc_host = cuda_alloc_host,
                      .free_host = cuda_free_host,
                      .zero = cuda_zero,

@@ -70,6 +70,7 @@ typedef struct {
   cudaStream_t copy;        /* upload_ahead's copies, overlapping the stream's work */
   cudaEvent_t copied;       /* the last upload_ahead: the stream waits for it */
   cudaEvent_t cleared;      /* after the last allocation's memset on the stream: copies wait for it */
+  cudaEvent_t marks[2];     /* be->mark's: the end of the last step queued in each slot */
   int capturing;            /* between capture_begin and capture_end */
   void *retired[8];         /* buffers outgrown during a capture: freed once the stream drains */
   int n_retired;
