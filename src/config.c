@@ -162,7 +162,7 @@ static const dt_key config_keys[] = {
     {"log.progress", DT_KEY_ENUM, F(progress), "auto", NOB, "auto|on|off",
      "progress bar with ETA (auto: when stdout is a terminal and not under mpirun or Slurm)"},
     {"dist.comm", DT_KEY_ENUM, F(comm), "auto", NOB, "auto|mpi|nccl",
-     "gradient communicator (auto: NCCL on GPUs, MPI on CPUs)"},
+     "gradient communicator (auto: NCCL on GPUs, MPI on CPUs; one rank has none, unless dist.grad_dtype is bf16)"},
     {"dist.grad_dtype", DT_KEY_ENUM, F(grad_dtype), "fp32", NOB, "fp32|bf16",
      "type of the gradient all-reduce: bf16 rounds each bucket to bfloat16 for the NCCL sum and back, halving the "
      "bytes sent (NCCL only; the gradients and the optimizer stay fp32)"},

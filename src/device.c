@@ -475,7 +475,9 @@ dt_backend *device_backend_create(const dt_config *cfg, const dt_comm *comm, int
 }
 
 /* The backend of the device: --device cuda's GPU, with the gradients over NCCL when no two ranks
- * share a GPU (or dist.comm nccl), else over MPI through host memory; or the CPU backend. */
+ * share a GPU (or dist.comm nccl), else over MPI through host memory; or the CPU backend. One rank
+ * has nothing to sum (unless dist.grad_dtype bf16 rounds its gradients as NCCL's bf16 sum would):
+ * no NCCL communicator, whose set-up (its topology search, its kernels) would only lengthen start-up. */
 int device_open(dt_device *dev, const dt_config *cfg, dt_comm *comm, int gpu, const char *shared, dt_status *st) {
   memset(dev, 0, sizeof *dev);
   const dt_config_values *v = &cfg->v;
@@ -483,9 +485,10 @@ int device_open(dt_device *dev, const dt_config *cfg, dt_comm *comm, int gpu, co
   if (gpu >= 0) {
     print_device_table(comm, gpu);
     dev->be = device_backend_create(cfg, comm, gpu, &dev->cpu_threads);
+    const int alone = comm->size == 1 && v->grad_dtype != DT_GRAD_BF16;
     /* gpus_shared gave every rank the same answer, so all make the same choice (NCCL's collectives
      * on some would wait forever for MPI's on the others) */
-    if (v->comm == DT_COMM_NCCL || (v->comm == DT_COMM_AUTO && !shared[0])) {
+    if (!alone && (v->comm == DT_COMM_NCCL || (v->comm == DT_COMM_AUTO && !shared[0]))) {
       dev->nccl = nccl_create(comm, dev->be, v->grad_dtype == DT_GRAD_BF16, st);
       int code = comm_agree(comm, st);
       if (code) return code;
@@ -494,6 +497,8 @@ int device_open(dt_device *dev, const dt_config *cfg, dt_comm *comm, int gpu, co
     if (comm->rank == 0) {
       if (dev->nccl)
         printf("gradients: NCCL\n");
+      else if (alone)
+        printf("gradients: one rank, nothing to sum (no NCCL communicator)\n");
       else if (v->comm == DT_COMM_MPI)
         printf("gradients: MPI through host memory (dist.comm mpi)\n");
       else

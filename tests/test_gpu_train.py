@@ -168,6 +168,23 @@ class GpuTraining(GpuCase):
         self.assertIn("gradients: NCCL", out)
         self.assertIn("GPU 1:", out)  # rank 1 on its own GPU
 
+    @unittest.skipUnless(SIM, "needs the stand-in's fault injection (GPUSIM_NCCL_FAULT)")
+    def test_one_rank_makes_no_nccl_communicator_unless_it_rounds_to_bf16(self):
+        """One rank has nothing to sum: an NCCL set-up that would fail is never reached, whatever dist.comm
+        says; under dist.grad_dtype bf16 it is (NCCL's bf16 sum rounds the gradients as N ranks' are)."""
+        self.w.dataset(n=48)
+        cfg = self.w.config(GPU_CNN, dropout="relu")
+        env = dict(ENV1, GPUSIM_NCCL_FAULT="init@0")
+        for comm in ("auto", "nccl"):
+            rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", f"dist.comm={comm}", "--set",
+                                    "train.max_steps=2"], 1, env)
+            self.assertEqual(rc, 0, out + err)
+            self.assertIn("gradients: one rank, nothing to sum (no NCCL communicator)", out)
+        rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", "dist.grad_dtype=bf16", "--set", "train.max_steps=2"],
+                               1, env)
+        self.assertEqual(rc, 3, out + err)
+        self.assertIn("NCCL initialisation failed", errors(err)[0])
+
     def test_two_ranks_sharing_one_gpu_over_mpi_equal_one_rank(self):
         out = self.equivalence(2, ENV1, ["--set", "dist.comm=mpi"])
         self.assertIn("gradients: MPI through host memory (dist.comm mpi)", out)
@@ -503,7 +520,10 @@ class GpuTraining(GpuCase):
             self.assertEqual(got["on"][4], got[mode][4])
 
     def test_cuda_graph_replay_equals_eager_on_one_rank(self):
-        got = self.graph_runs(1, ENV1, [])
+        """With bf16 gradient sums, so that one rank still makes an NCCL communicator and its graphs hold
+        NCCL's all-reduce (one GPU is all a lent machine has)."""
+        got = self.graph_runs(1, ENV1, ["--set", "dist.grad_dtype=bf16"])
+        self.assertIn("gradients: NCCL", got["on"][1])
         self.assert_graphs_replayed_bit_for_bit(got, 1)
 
     @unittest.skipUnless(VISIBLE2 >= 2, "fewer than 2 GPUs visible")
