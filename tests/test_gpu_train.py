@@ -451,7 +451,7 @@ class GpuTraining(GpuCase):
         """21 steps of GPU_CNN (20 full global batches of 8, then 4 rows) with train.cuda_graph on and
         off, and on with train.queue_ahead false ("in_turn"), validation after steps 10, 20 and 21, a
         checkpoint after every third step (all kept); returns each run's last checkpoint, stdout,
-        stderr, every checkpoint and the validation lines."""
+        stderr, every checkpoint, and each step's loss and validation line."""
         self.w.dataset(n=164)
         cfg = self.w.config(GPU_CNN, dropout="dropout: {p: 0.2}")
         base = [cfg, "--device", "cuda", "--set", "train.epochs=1", "--set", "train.eval_every_steps=10", "--set",
@@ -465,7 +465,8 @@ class GpuTraining(GpuCase):
                                            f"log.dir={self.w.file(mode + '_log')}"], np_, dict(env, GPUSIM_PROFILE="1"))
             self.assertEqual(rc, 0, out + err)
             every = sorted(glob.glob(os.path.join(self.w.file(mode), "step-*.h5")))
-            got[mode] = (self.w.latest(mode), out, err, every, re.findall(r"(?m)^eval step .*$", out))
+            got[mode] = (self.w.latest(mode), out, err, every,
+                         re.findall(r"(?m)^eval step .*$|^step \d+/\d+ epoch \d+ loss \S+", out))
         return got
 
     def assert_same_bits(self, path_a, path_b):
@@ -516,7 +517,7 @@ class GpuTraining(GpuCase):
             self.assertEqual([os.path.basename(p) for p in got[mode][3]], [f"step-{i:08d}.h5" for i in range(3, 22, 3)])
             for a, b in zip(got["on"][3], got[mode][3]):
                 self.assert_same_bits(a, b)
-            self.assertEqual(len(got[mode][4]), 3, got[mode][1])
+            self.assertEqual(len(got[mode][4]), 21 + 3, got[mode][1])  # each step's loss, as read back, and 3 evaluations
             self.assertEqual(got["on"][4], got[mode][4])
 
     def test_cuda_graph_replay_equals_eager_on_one_rank(self):
