@@ -19,6 +19,9 @@
 #                       "ResNet|GPT|launch" for the rows a short GPU window left out)
 #   BENCH_DDP_SET       extra KEY=VALUE overrides for every ddp_train run, space-separated
 #                       (e.g. "train.cuda_graph=off dist.threads=4"; later ones win)
+#   BENCH_DDP_AB        KEY=VALUE overrides, space-separated, each timed alone against the default in the
+#                       same run: every ddp_train row runs again with it, and a list after the tables gives
+#                       its figure and the default's ratio to it (e.g. "train.queue_ahead=false model.fuse=false")
 #   BENCH_TORCH_PYTHON  the Python with PyTorch (PYTHON); BENCH_TORCH_DEVICE cuda (or cpu: smoke tests)
 #   BENCH_TORCH_SETTINGS  the PyTorch settings to try (see torch_gpu_train.py)
 #   BENCH_GPT_CONFIG    the GPT rows' config (configs/gpt2_124m.yaml; the smoke test gives a tiny one)
@@ -76,12 +79,16 @@ ratio() { "$PYTHON" -c "print(f'{$1 / $2:.2f}x')"; }
 info=$("$DDP" --info)
 printf '| case | ddp_train samples/s | PyTorch eager samples/s | PyTorch best samples/s | PyTorch best setting |'
 printf ' ddp_train / PyTorch best | target |\n|---|---|---|---|---|---|---|\n'
-notes=()
+notes=() variants=()
 while IFS='|' read -r label cfg batch precision target; do
   batch=${BENCH_BATCH:-$batch}
   name="$label, $precision, batch $batch"
   [[ $name =~ $ONLY ]] || continue
   a=$(ours "$cfg" "$batch" "$precision")
+  for kv in ${BENCH_DDP_AB:-}; do
+    v=$(ours "$cfg" "$batch" "$precision" samples_per_s --set "$kv")
+    variants+=("- $name, $kv: $v samples/s; the default $(ratio "$a" "$v") of it")
+  done
   b=$("$TORCH_PYTHON" benchmarks/torch_gpu_train.py "$cfg" "$batch" "$precision" "$STEPS" "$WINDOWS")
   IFS=$'\t' read -r eager best setting tried <<<"$b"
   printf '| %s | %s | %s | %s | %s | %s | %s |\n' "$name" "$a" "$eager" "$best" "$setting" "$(ratio "$a" "$best")" \
@@ -152,10 +159,14 @@ for precision in fp32 bf16; do
   eager_mfu=-
   [ "$eager" != - ] && eager_mfu=$(mfu "$eager" "$precision")
   for attention in ${BENCH_GPT_ATTENTION:-auto}; do
-    a=$(ours "$gpt_cfg" "$gpt_batch" "$precision" tokens_per_s --set "model.input=[$gpt_seq]" \
-      --set data.path="$out/gpt_tokens.h5" --set data.train.x=/train/tokens --set train.batch_size=0 \
-      --set train.grad_accum=1 --set train.epochs=1 --set model.init_from= --set optim.lr=0.0001 \
-      --set data.cache=auto --set model.attention="$attention")
+    gpt_args=(--set "model.input=[$gpt_seq]" --set data.path="$out/gpt_tokens.h5" --set data.train.x=/train/tokens
+      --set train.batch_size=0 --set train.grad_accum=1 --set train.epochs=1 --set model.init_from=
+      --set optim.lr=0.0001 --set data.cache=auto --set model.attention="$attention")
+    a=$(ours "$gpt_cfg" "$gpt_batch" "$precision" tokens_per_s "${gpt_args[@]}")
+    for kv in ${BENCH_DDP_AB:-}; do
+      v=$(ours "$gpt_cfg" "$gpt_batch" "$precision" tokens_per_s "${gpt_args[@]}" --set "$kv")
+      variants+=("- $name, attention $attention, $kv: $v tokens/s; the default $(ratio "$a" "$v") of it")
+    done
     printf '| %s, attention %s | %s | %s | %s | %s | %s | %s | %s | %s |\n' "$name" "$attention" "$a" \
       "$(mfu "$a" "$precision")" "$eager" "$eager_mfu" "$best" "$(mfu "$best" "$precision")" "$setting" \
       "$(ratio "$a" "$best")"
@@ -177,6 +188,11 @@ echo
 echo "PyTorch settings (samples/s):"
 printf '%s\n' "${notes[@]}"
 echo
+if [ ${#variants[@]} -gt 0 ]; then
+  echo "ddp_train with each of BENCH_DDP_AB in turn, beside the default's figure above:"
+  printf '%s\n' "${variants[@]}"
+  echo
+fi
 gpu=$(grep -m1 '^  GPU 0:' <<<"$info" | sed 's/^  GPU 0: //; s/, .*//' || true)
 torch=$("$TORCH_PYTHON" -c 'import torch
 cuda = f" (CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()})" if torch.version.cuda else ""

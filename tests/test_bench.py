@@ -42,10 +42,11 @@ def tables(out):
 class Bench(unittest.TestCase):
     @unittest.skipUnless(VISIBLE1, "no GPU visible (ddp_train --info of DDP_TRAIN_GPU_BINARY)")
     def test_the_gpu_table_has_every_row(self):
+        """Every row, and each row of ddp_train again with BENCH_DDP_AB's override."""
         env = dict(ENV, **ENV1, PYTHON=sys.executable, BENCH_DDP_BINARY=GPU_BINARY, BENCH_STEPS="1",
                    BENCH_WINDOWS="1", BENCH_BATCH="4", BENCH_LAUNCHES="1", BENCH_TORCH_DEVICE="cpu",
                    BENCH_GPT_CONFIG="configs/gpt_tiny.yaml", BENCH_GPT_SEQ="16", BENCH_GPT_BATCH="2",
-                   BENCH_GPT_ATTENTION="auto materialized")
+                   BENCH_GPT_ATTENTION="auto materialized", BENCH_DDP_AB="train.queue_ahead=false")
         p = subprocess.run(["bash", "benchmarks/bench.sh"], capture_output=True, text=True, env=env, cwd=ROOT,
                            timeout=600)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
@@ -86,6 +87,10 @@ class Bench(unittest.TestCase):
             self.assertRegex(r[8], f"^{NUMBER}x$", r)
         self.assertRegex(out, r"MFU: target tokens/s x \d+ FLOPs per token")
         self.assertEqual(len(re.findall(rf"^- .*: eager {NUMBER}", out, re.M)), 7, out)  # settings tried
+        ab = re.findall(rf"^- (.*), train.queue_ahead=false: {NUMBER} (samples|tokens)/s; the default {NUMBER}x of it$",
+                        out, re.M)  # BENCH_DDP_AB: each ddp_train row again
+        self.assertEqual([a[0] for a in ab], want[:-1] + [r[0] for r in gpt_rows],
+                         out)
         if SIM:
             self.assertIn("a smoke run", out)
 
