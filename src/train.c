@@ -140,7 +140,8 @@ static int evaluate_if_due(dt_trainer *tr, int end_of_epoch, dt_train_result *re
   dt_train_state *ts = &tr->ts;
   *new_best = 0;
   int due = evaluation_scheduled(tr, ts->step, end_of_epoch) || tr->stop;
-  if (!tr->d->has_val || tr->stop_signal || !due) return 0;
+  /* a stop skips validation, but for the last step's, which a resumed run would never reach */
+  if (!tr->d->has_val || (tr->stop_signal && ts->step < tr->total) || !due) return 0;
   step_wait_filled(tr); /* HDF5 is the loader thread's while it fills the cache */
   dt_status st = {0};
   const float *ema_params, *ema_bufs;

@@ -473,7 +473,7 @@ static int inputs_non_finite(dt_trainer *tr, char *why, size_t cap) {
 static void read_results(dt_trainer *tr, dt_step_report *mine, dt_status *st) {
   const int slot = (int)((tr->ts.step + 1) % 2);
   const double *r = tr->step->sums.stats_host + slot * STATS;
-  const float *scaler = tr->step->sums.scaler_host + slot * 2;
+  const float *scaler = tr->step->sums.scaler ? tr->step->sums.scaler_host + slot * 2 : NULL;
   char what[96] = "", data[1400];
   if (!isfinite(r[0]))
     snprintf(what, sizeof what, "the loss became %s", isnan(r[0]) ? "NaN" : "infinite");

@@ -80,6 +80,17 @@ class Resume(unittest.TestCase):
         for k in full:
             self.assertTrue(np.array_equal(full[k], resumed[k]), k)
 
+    def test_a_signal_at_the_last_step_still_validates_it(self):
+        """The last step's validation is the run's final one: a stop there still runs it (a resumed run
+        has no step left to reach it), and resuming finds nothing to do."""
+        rc, out, err, _ = run_fault(self.args, "signal@1:24")
+        self.assertEqual(rc, 75, out + err)
+        self.assertIn("stopped by SIGUSR1 at step 24 after saving a checkpoint", err)
+        self.assertRegex(out, r"(?m)^eval step 24 epoch 3: val_loss")
+        rc, out, err = run(self.args + ["--resume", "auto"], np_=2)
+        self.assertEqual(rc, 0, out + err)
+        self.assertEqual([r["step"] for r in self.w.metrics() if "val_loss" in r], [8, 16, 24])
+
     def test_resume_at_another_world_size_continues_the_data(self):
         rc, out, err = run(self.args, np_=2)
         self.assertEqual(rc, 0, err)

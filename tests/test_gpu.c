@@ -1560,6 +1560,45 @@ static void ops_upload_download(void) {
     be->free(be, dev);
     be->free_host(be, host);
   }
+  /* a capture that outgrows a scratch buffer (a batchnorm's partial sums) retires the old one (the work
+   * queued before may use it); it is freed once a mark recorded after it is reached, though work queued
+   * after that mark (the next step, queued ahead) has yet to run */
+  {
+    dt_backend *be = ot.be[1];
+    const int64_t c = 64, s_big = 1 << 14;
+    float *x = be->alloc(be, c * s_big * sizeof(float));
+    double *sums = (double *)be->alloc(be, (2 * c + 1) * sizeof(double));
+    double *host = be->alloc_host(be, sizeof(double));
+    float *ones = malloc(c * s_big * sizeof(float));
+    for (int64_t i = 0; i < c * s_big; i++) ones[i] = 1;
+    be->upload(be, x, ones, c * s_big * sizeof(float));
+    dt_op st = {.type = DT_OP_BN_STATS, .p.bn_stats = {.b = 1, .c = 1, .s = 16, .x = x, .sums = sums}};
+    backend_run(be, &st); /* sizes the partial sums for one channel of 16 */
+    be->sync(be);
+    be->capture_begin(be);
+    st.p.bn_stats.c = c, st.p.bn_stats.s = s_big;
+    backend_run(be, &st); /* outgrows them */
+    void *graph = be->capture_end(be);
+    const size_t with_retired = be->mem_used;
+    be->replay(be, graph);
+    be->download(be, host, sums, sizeof(double));
+    be->mark(be, 0);
+    be->upload(be, x, ones, sizeof(float)); /* work after the mark: the stream is not idle at the mark */
+    be->mark(be, 1);
+    while (!be->reached(be, 0)) {
+    }
+    if (host[0] != (double)s_big) fail_msg("the captured batchnorm sum: %g (want %g)", host[0], (double)s_big);
+    if (be->mem_used >= with_retired)
+      fail_msg("the buffer retired during the capture is still held once its step's mark is reached (%zu bytes)",
+               be->mem_used);
+    while (!be->reached(be, 1)) {
+    }
+    be->graph_free(be, graph);
+    be->free(be, x);
+    be->free(be, sums);
+    be->free_host(be, host);
+    free(ones);
+  }
   /* upload_ahead straight into a new buffer: the copy (CUDA: on the copy stream) must follow the
    * memset that cleared the buffer on the compute stream (the stand-in's hazard checker stops the
    * program otherwise, and a GPU could let the memset win) */

@@ -103,6 +103,15 @@ class FaultCases:
             self.assertTrue(np.array_equal(full[k], resumed[k]), k)
 
 
+    def test_a_signal_at_the_last_step_still_validates_it(self):
+        """With NCCL, step 24 is queued behind step 23 when the signal comes: the stop is held until step
+        24 is done, and that last step's validation still runs."""
+        rc, out, err, _ = self.run_gpu([], fault="signal@1:24")
+        self.assertEqual(rc, 75, out + err)
+        self.assertIn("stopped by SIGUSR1 at step 24 after saving a checkpoint", err)
+        self.assertRegex(out, r"(?m)^eval step 24 epoch 3: val_loss")
+
+
 @unittest.skipUnless(VISIBLE2 >= 2, "fewer than 2 GPUs visible (NCCL needs one per rank)")
 class GpuFaults(FaultCases, unittest.TestCase):
     COMM = "NCCL"

@@ -91,6 +91,7 @@ void *cuda_grow_device(cuda_impl *im, void **buf, size_t *have, size_t need, con
     if (im->capturing) {
       DT_ASSERT(im->n_retired < (int)(sizeof im->retired / sizeof im->retired[0]));
       im->retired[im->n_retired++] = *buf;
+      im->retired_after = im->marks_made;
     } else {
       drain(im);
       cuda_device_free(im, *buf);
@@ -168,21 +169,19 @@ static void cuda_download(dt_backend *be, void *dst, const void *src, size_t byt
 static void cuda_mark(dt_backend *be, int slot) {
   cuda_impl *im = be->impl;
   CUDA_CHECK(cudaEventRecord(im->marks[slot], im->stream));
+  im->mark_seq[slot] = ++im->marks_made;
 }
 
-/* Buffers retired during a capture are freed once the whole stream is found idle. */
+/* A mark recorded after buffers were retired, once reached, says that the work queued before the
+ * capture that retired them (the only work that used them) is done: they are freed then, though
+ * later steps may run. */
 static int cuda_reached(dt_backend *be, int slot) {
   cuda_impl *im = be->impl;
   cudaError_t q = cudaEventQuery(im->marks[slot]);
   if (q == cudaErrorNotReady) return 0;
   CUDA_CHECK(q);
-  if (im->n_retired) {
-    q = cudaStreamQuery(im->stream);
-    if (q == cudaSuccess)
-      drain(im);
-    else if (q != cudaErrorNotReady)
-      CUDA_CHECK(q);
-  }
+  if (im->n_retired && im->mark_seq[slot] > im->retired_after)
+    for (; im->n_retired > 0; im->n_retired--) cuda_device_free(im, im->retired[im->n_retired - 1]);
   return 1;
 }
 

@@ -71,6 +71,8 @@ typedef struct {
   cudaEvent_t copied;       /* the last upload_ahead: the stream waits for it */
   cudaEvent_t cleared;      /* after the last allocation's memset on the stream: copies wait for it */
   cudaEvent_t marks[2];     /* be->mark's: the end of the last step queued in each slot */
+  int64_t marks_made, mark_seq[2]; /* marks recorded so far; the number of each slot's last */
+  int64_t retired_after;           /* marks_made when a buffer was last retired */
   int capturing;            /* between capture_begin and capture_end */
   void *retired[8];         /* buffers outgrown during a capture: freed once the stream drains */
   int n_retired;
