@@ -402,7 +402,8 @@ int step_wait_spins(double waited_s, double last_wait_s) {
  * deadline while the device works. Where nothing is queued behind the step, the device idles from
  * its end until the host sees it and queues the next one, so the polls stop sleeping around the end
  * (step_wait_spins): a sleep of 50 us oversleeps to about 100 (the kernel's timer slack), which was
- * 20-40% of a small model's step. The failure checks still run every 50 us. */
+ * 20-40% of a small model's step. With the next step queued the device has work, and the polls sleep,
+ * leaving the core to the loader. The failure checks still run every 50 us. */
 static void wait_step(dt_trainer *tr, int64_t n) {
   dt_backend *be = tr->be;
   const double since = dt_now();
@@ -422,7 +423,7 @@ static void wait_step(dt_trainer *tr, int64_t n) {
         comm_abort(tr->comm, DT_EXIT_PEER);
       }
     }
-    if (step_wait_spins(now - since, tr->step->last_wait_s))
+    if (!tr->step->next_queued && step_wait_spins(now - since, tr->step->last_wait_s))
       sched_yield();
     else
       usleep(50);
