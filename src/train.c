@@ -120,6 +120,11 @@ static int save_checkpoint(dt_trainer *tr, int best) {
   return comm_agree(tr->comm, &st);
 }
 
+/* This step (tr->at) is its epoch's last. */
+static int ends_epoch(const dt_trainer *tr) {
+  return tr->at.os == tr->opt_per_epoch - 1;
+}
+
 /* Validation's schedule after step `step`: the end of an epoch, or train.eval_every_steps (and the
  * last step, and a stop). */
 static int evaluation_scheduled(const dt_trainer *tr, int64_t step, int end_of_epoch) {
@@ -219,7 +224,7 @@ static int checkpoint_if_due(dt_trainer *tr, int end_of_epoch, int new_best) {
  * stop or checkpoint agreed already waits for the step queued before. The same on every rank. */
 static int may_queue_next(const dt_trainer *tr) {
   const int64_t step = tr->ts.step + 1;
-  const int end_of_epoch = tr->at.os == tr->opt_per_epoch - 1;
+  const int end_of_epoch = ends_epoch(tr);
   return tr->v->queue_ahead && !tr->stop && !tr->held_stop && !tr->held_ckpt && step < tr->total &&
          !evaluation_scheduled(tr, step, end_of_epoch) && !checkpoint_scheduled(tr, step, end_of_epoch);
 }
@@ -246,7 +251,7 @@ static int train_step(dt_trainer *tr, dt_train_result *res) {
   tr->ckpt_asked = ckpt;
   if (tr->ckpt_asked)
     log_line(&tr->lg, "step %lld: a checkpoint was asked for (POST /checkpoint)", (long long)tr->ts.step);
-  int end_of_epoch = tr->at.os == tr->opt_per_epoch - 1, new_best;
+  int end_of_epoch = ends_epoch(tr), new_best;
   if (v->max_steps && tr->ts.step >= v->max_steps) tr->stop = 1;
   if ((code = evaluate_if_due(tr, end_of_epoch, res, &new_best))) return code;
   code = checkpoint_if_due(tr, end_of_epoch, new_best);

@@ -60,11 +60,16 @@ void cuda_device_free(cuda_impl *im, void *p) {
   CUDA_CHECK(cudaFree(p));
 }
 
+/* Frees the buffers retired during a capture, once no queued work can use them. */
+static void free_retired(cuda_impl *im) {
+  for (; im->n_retired > 0; im->n_retired--) cuda_device_free(im, im->retired[im->n_retired - 1]);
+}
+
 /* Waits for the stream's work, then frees the buffers retired during a capture. */
 static void drain(cuda_impl *im) {
   CUDA_CHECK(cudaStreamSynchronize(im->copy));
   CUDA_CHECK(cudaStreamSynchronize(im->stream));
-  for (; im->n_retired > 0; im->n_retired--) cuda_device_free(im, im->retired[im->n_retired - 1]);
+  free_retired(im);
 }
 
 void cuda_forget_dy16(cuda_impl *im) {
@@ -180,8 +185,7 @@ static int cuda_reached(dt_backend *be, int slot) {
   cudaError_t q = cudaEventQuery(im->marks[slot]);
   if (q == cudaErrorNotReady) return 0;
   CUDA_CHECK(q);
-  if (im->n_retired && im->mark_seq[slot] > im->retired_after)
-    for (; im->n_retired > 0; im->n_retired--) cuda_device_free(im, im->retired[im->n_retired - 1]);
+  if (im->mark_seq[slot] > im->retired_after) free_retired(im);
   return 1;
 }
 
