@@ -449,20 +449,25 @@ class GpuTraining(GpuCase):
 
     def graph_runs(self, np_, env, extra):
         """21 steps of GPU_CNN (20 full global batches of 8, then 4 rows) with train.cuda_graph on and
-        off, and on with train.queue_ahead false ("in_turn"), validation after steps 10, 20 and 21, a
-        checkpoint after every third step (all kept); returns each run's last checkpoint, stdout,
-        stderr, every checkpoint, and each step's loss and validation line."""
+        off, on with train.queue_ahead false ("in_turn"), and on again with the stand-in running work as
+        soon as it is queued ("eager": where the lazy default runs a step queued ahead only when the host
+        waits for it, so that a host slot it overwrites still holds the step before's results, as a GPU
+        that is ahead of the host would not); validation after steps 10, 20 and 21, a checkpoint after
+        every third step (all kept). Returns each run's last checkpoint, stdout, stderr, every
+        checkpoint, and each step's loss and validation line."""
         self.w.dataset(n=164)
         cfg = self.w.config(GPU_CNN, dropout="dropout: {p: 0.2}")
         base = [cfg, "--device", "cuda", "--set", "train.epochs=1", "--set", "train.eval_every_steps=10", "--set",
                 "train.ema.decay=0.9", "--set", "train.clip_grad_norm=0.5", "--set", "optim.name=adamw", "--set",
                 "optim.lr=0.01", "--set", "checkpoint.every_steps=3", "--set", "checkpoint.keep=100"] + extra
         got = {}
-        for mode in ("on", "off", "in_turn"):
-            rc, out, err = gpu_run(base + ["--set", f"train.cuda_graph={'on' if mode == 'in_turn' else mode}",
+        for mode in ("on", "off", "in_turn", "eager") if SIM else ("on", "off", "in_turn"):
+            order = "eager" if mode == "eager" else "lazy"
+            rc, out, err = gpu_run(base + ["--set", f"train.cuda_graph={'off' if mode == 'off' else 'on'}",
                                            "--set", f"train.queue_ahead={mode != 'in_turn'}".lower(), "--set",
                                            f"checkpoint.dir={self.w.file(mode)}", "--set",
-                                           f"log.dir={self.w.file(mode + '_log')}"], np_, dict(env, GPUSIM_PROFILE="1"))
+                                           f"log.dir={self.w.file(mode + '_log')}"], np_,
+                                   dict(env, GPUSIM_PROFILE="1", GPUSIM_STREAM_ORDER=order))
             self.assertEqual(rc, 0, out + err)
             every = sorted(glob.glob(os.path.join(self.w.file(mode), "step-*.h5")))
             got[mode] = (self.w.latest(mode), out, err, every,
@@ -513,7 +518,10 @@ class GpuTraining(GpuCase):
         self.assertNotIn("queued ahead:", got["off"][1] + got["in_turn"][1])
         self.assertEqual(re.findall(r"(?m)^cuda graph: .* replayed$", got["in_turn"][1]), [f"cuda graph: {captures} "
                          f"steps captured, {replays} replayed"])
-        for mode in ("off", "in_turn"):
+        if SIM:  # queued ahead as often when the device is ahead of the host
+            self.assertEqual(re.findall(r"(?m)^queued ahead: .*$", got["eager"][1]),
+                             [f"queued ahead: {queued[0]} of 21 steps were queued while the step before ran"])
+        for mode in ("off", "in_turn", "eager") if SIM else ("off", "in_turn"):
             self.assertEqual([os.path.basename(p) for p in got[mode][3]], [f"step-{i:08d}.h5" for i in range(3, 22, 3)])
             for a, b in zip(got["on"][3], got[mode][3]):
                 self.assert_same_bits(a, b)

@@ -289,11 +289,23 @@ const Config &config() {
   return core().cfg;
 }
 
+// The calling thread's depth of nested entry points, and whether it is running ready work
+// (GPUSIM_STREAM_ORDER=eager) as its outermost one ends.
+static thread_local int api_depth;
+static thread_local bool running_ready;
+
 ApiLock::ApiLock() {
   core().lock.lock();
+  api_depth++;
   init_locked();
 }
 ApiLock::~ApiLock() {
+  if (api_depth == 1 && !running_ready && stream_order() == ORDER_EAGER) {
+    running_ready = true;
+    run_ready_work();
+    running_ready = false;
+  }
+  api_depth--;
   core().lock.unlock();
 }
 

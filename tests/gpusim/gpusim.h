@@ -230,6 +230,9 @@ cudaError_t enqueue(Stream *s, std::unique_ptr<Op> op);
 bool progress(Stream *s, uint64_t until);
 // Runs s up to `until`, waiting for blocked work (collectives) as long as it takes.
 void drain(Stream *s, uint64_t until, const char *why);
+// GPUSIM_STREAM_ORDER=eager, as the outermost API call ends: every stream runs what it can now (up
+// to a collective whose peers have not joined, or a wait for such), without waiting.
+void run_ready_work();
 // Any queued, unfinished work that uses allocation a (for cudaFree); nullptr if none.
 const Op *pending_user(const Allocation *a);
 // Deletes the device's destroyed streams that nothing can reach any more.
@@ -259,7 +262,10 @@ struct FnOp : Op {
 // ---- the hazard checker's entry points (hazard.cc) ----
 enum HazardMode { HAZARD_OFF, HAZARD_WARN, HAZARD_ERROR };
 HazardMode hazard_mode();    // GPUSIM_HAZARDS: error (default), warn or off
-bool seeded_stream_order();  // GPUSIM_STREAM_ORDER=seeded: ready streams run in a seeded order
+// GPUSIM_STREAM_ORDER: lazy (queued work runs when a synchronisation needs it), seeded (ready
+// streams run early, in a seeded order) or eager (work runs as soon as the call that queued it ends).
+enum StreamOrder { ORDER_LAZY, ORDER_SEEDED, ORDER_EAGER };
+StreamOrder stream_order();
 void hazard_stream_created(Stream *s);
 // Stamps op as the next op of s (its own epoch is s->enqueued after it is counted).
 void hazard_stamp(Stream *s, Op *op);

@@ -80,7 +80,7 @@ struct Span {
 struct Tracker {
   bool ready = false;
   HazardMode mode = HAZARD_ERROR;
-  bool seeded = false;
+  StreamOrder order = ORDER_LAZY;
   uint32_t streams = 0;
   Clock host;
   uint64_t host_version = 1;
@@ -104,9 +104,14 @@ Tracker &tr() {
     else
       fatal("GPUSIM_HAZARDS=%s: expected error, warn or off", h);
     const char *o = getenv("GPUSIM_STREAM_ORDER");
-    if (o && *o && strcmp(o, "seeded") && strcmp(o, "lazy"))
-      fatal("GPUSIM_STREAM_ORDER=%s: expected lazy or seeded", o);
-    t->seeded = o && !strcmp(o, "seeded");
+    if (!o || !*o || !strcmp(o, "lazy"))
+      t->order = ORDER_LAZY;
+    else if (!strcmp(o, "seeded"))
+      t->order = ORDER_SEEDED;
+    else if (!strcmp(o, "eager"))
+      t->order = ORDER_EAGER;
+    else
+      fatal("GPUSIM_STREAM_ORDER=%s: expected lazy, seeded or eager", o);
   }
   return *t;
 }
@@ -312,8 +317,8 @@ HazardMode hazard_mode() {
   return tr().mode;
 }
 
-bool seeded_stream_order() {
-  return tr().seeded;
+StreamOrder stream_order() {
+  return tr().order;
 }
 
 void hazard_stream_created(Stream *s) {

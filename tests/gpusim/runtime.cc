@@ -267,7 +267,7 @@ bool progress(Stream *s, uint64_t until) {
   open_device_memory();
   double t0 = now_s();
   while (s->completed < until && !s->queue.empty()) {
-    if (seeded_stream_order()) run_others_first(s);
+    if (stream_order() == ORDER_SEEDED) run_others_first(s);
     if (!run_first(s)) break;
   }
   s->dev->busy_s += now_s() - t0;
@@ -288,6 +288,20 @@ void drain(Stream *s, uint64_t until, const char *why) {
       warn("%s has waited %.0f s for queued work that cannot finish (a collective whose peers have not joined)", why,
            waited);
     }
+  }
+}
+
+void run_ready_work() {
+  for (bool ran = true; ran;) {  // again while a pass ran something: a wait may have become ready
+    ran = false;
+    for (int i = 0; Device *d = device(i); i++)
+      for (size_t k = 0; k < d->streams.size(); k++) {
+        Stream *s = d->streams[k];
+        if (s->running || s->queue.empty()) continue;
+        uint64_t before = s->completed;
+        progress(s, s->enqueued);
+        ran = ran || s->completed > before;
+      }
   }
 }
 

@@ -886,6 +886,37 @@ static void seeded_stream_order_runs_other_streams_early(void **) {
   assert_true(seen.count("64\n") && seen.count("128\n"));
 }
 
+// Two steps' results downloaded into pinned host memory, each step's end marked by an event: the
+// host waits for step 1's event, then reads step 1's value from the slot step 2 also writes (a bug)
+// and from a slot of its own. Prints both.
+static void print_overwritten_slot() {
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  float *d = device_array<float>(2), *h;
+  CUDA_OK(cudaMallocHost((void **)&h, 3 * sizeof(float)));
+  cudaEvent_t step1;
+  CUDA_OK(cudaEventCreateWithFlags(&step1, cudaEventDisableTiming));
+  LAUNCH(fill_kernel, 1, 1, 0, s)(d, 1.0f, 1);
+  CUDA_OK(cudaMemcpyAsync(&h[0], d, sizeof(float), cudaMemcpyDeviceToHost, s));  // the shared slot
+  CUDA_OK(cudaMemcpyAsync(&h[1], d, sizeof(float), cudaMemcpyDeviceToHost, s));  // step 1's own
+  CUDA_OK(cudaEventRecord(step1, s));
+  LAUNCH(fill_kernel, 1, 1, 0, s)(d + 1, 2.0f, 1);  // step 2, queued before the host reads step 1
+  CUDA_OK(cudaMemcpyAsync(&h[0], d + 1, sizeof(float), cudaMemcpyDeviceToHost, s));
+  CUDA_OK(cudaMemcpyAsync(&h[2], d + 1, sizeof(float), cudaMemcpyDeviceToHost, s));
+  CUDA_OK(cudaEventSynchronize(step1));
+  printf("%g %g\n", h[0], h[1]);
+  CUDA_OK(cudaStreamSynchronize(s));
+}
+
+static void eager_stream_order_runs_work_as_soon_as_it_is_queued(void **) {
+  // lazy (the default): waiting for step 1 runs only step 1, so the shared slot still holds its value
+  // and the bug goes unseen
+  assert_string_equal(run_self_with("GPUSIM_STREAM_ORDER=lazy", "--overwritten-slot").c_str(), "1 1\n");
+  // eager: step 2 ran when it was queued, as a GPU that is ahead of the host would: the shared slot
+  // holds step 2's value, while a slot of its own still holds step 1's
+  assert_string_equal(run_self_with("GPUSIM_STREAM_ORDER=eager", "--overwritten-slot").c_str(), "2 1\n");
+}
+
 // ---- stream capture and graphs ------------------------------------------------------------------
 
 __global__ void axpy_kernel(float *y, const float *x, float a, int n) {
@@ -2237,6 +2268,7 @@ static void fast_division_matches_division(void **) {
 
 int main(int argc, char **argv) {
   if (argc > 1 && !strcmp(argv[1], "--unordered-read")) return print_unordered_read(), 0;
+  if (argc > 1 && !strcmp(argv[1], "--overwritten-slot")) return print_overwritten_slot(), 0;
   if (argc > 1 && !strcmp(argv[1], "--neighbour-sync")) return print_neighbour_checksum(1);
   if (argc > 1 && !strcmp(argv[1], "--neighbour-race")) return print_neighbour_checksum(0);
   if (argc > 1 && !strcmp(argv[1], "--compute-capability")) return print_compute_capability();
@@ -2262,6 +2294,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(streams_are_ordered_only_by_events),
       cmocka_unit_test(hazards_between_streams_are_reported),
       cmocka_unit_test(seeded_stream_order_runs_other_streams_early),
+      cmocka_unit_test(eager_stream_order_runs_work_as_soon_as_it_is_queued),
       cmocka_unit_test(capture_records_work_that_each_launch_runs),
       cmocka_unit_test(graph_kernels_keep_their_arguments_and_read_memory_when_launched),
       cmocka_unit_test(capture_follows_events_across_streams_and_must_be_joined),
