@@ -60,11 +60,12 @@ void k_pack_bf16_rows_sums(cudaStream_t s, const float *x, uint16_t *y, int64_t 
 
 /* optim.cu: one pass over the flat parameter buffer */
 /* hyper: the step's values, uploaded by the host (SGD: lr; AdamW: lr, lr / bc1, sqrt(bc2)) */
-/* skip: NULL, or a count that, above 0, makes the step leave everything as it is */
+/* skip: NULL, or a count that, above 0, makes the step leave everything as it is; nonfinite: NULL, or
+ * a count the number of g's non-finite values is added to (whole numbers: the same sum in any order) */
 void k_sgd(cudaStream_t s, float *p, const float *g, float *mom, int64_t n, const float *hyper, const double *skip,
-           float momentum, float wd, int nesterov);
+           double *nonfinite, float momentum, float wd, int nesterov);
 void k_adamw(cudaStream_t s, float *p, const float *g, float *m, float *v, int64_t n, const float *hyper,
-             const double *skip, float b1, float b2, float eps, float wd);
+             const double *skip, double *nonfinite, float b1, float b2, float eps, float wd);
 /* fp16 loss scaling (backend.h's DT_OP_UNSCALE and DT_OP_SCALER_UPDATE) */
 void k_unscale(cudaStream_t s, float *x, int64_t n, const float *scaler);
 void k_scaler_update(cudaStream_t s, float *scaler, const double *overflow, int64_t growth_interval, float growth,

@@ -5,13 +5,21 @@
 #include "common.cuh"
 #include "kernels.h"
 
+// The thread's count of non-finite gradient values, added to *nonfinite (a whole number: any order of
+// the additions gives the same sum).
+static __device__ __forceinline__ void add_nonfinite(double *nonfinite, int count) {
+  if (count) atomicAdd(nonfinite, (double)count);
+}
+
 __global__ void sgd_kernel(float *p, const float *g, float *mom, int64_t n, const float *hyper, const double *skip,
-                           float momentum, float wd, int nesterov) {
+                           double *nonfinite, float momentum, float wd, int nesterov) {
   if (skip && *skip > 0) return;
   float lr = hyper[0];
-  int first = hyper[1] != 0.0f;
+  int first = hyper[1] != 0.0f, bad = 0;
   GRID_STRIDE(i, n) {
-    float pi = p[i], d = g[i] + wd * pi;  // p read once: the store to mom would make the compiler read it again
+    float gi = g[i], pi = p[i],
+          d = gi + wd * pi;  // p read once: the store to mom would make the compiler read it again
+    bad += !isfinite(gi);
     if (momentum > 0) {
       float buf = first ? d : momentum * mom[i] + d;
       mom[i] = buf;
@@ -19,20 +27,24 @@ __global__ void sgd_kernel(float *p, const float *g, float *mom, int64_t n, cons
     }
     p[i] = pi - lr * d;
   }
+  if (nonfinite) add_nonfinite(nonfinite, bad);
 }
 
 __global__ void adamw_kernel(float *p, const float *g, float *m, float *v, int64_t n, const float *hyper,
-                             const double *skip, float b1, float b2, float eps, float wd) {
+                             const double *skip, double *nonfinite, float b1, float b2, float eps, float wd) {
   if (skip && *skip > 0) return;
   float lr = hyper[0], step_size = hyper[1], bc2_sqrt = hyper[2];
+  int bad = 0;
   GRID_STRIDE(i, n) {  // each value read and written once: the compiler cannot know that p, m, v do not alias
     float gi = g[i], pi = __fmul_rn(p[i], 1.0f - lr * wd);  // rounded, as when it was stored: no FMA with the update
+    bad += !isfinite(gi);
     float mi = b1 * m[i] + (1.0f - b1) * gi;
     float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
     m[i] = mi;
     v[i] = vi;
     p[i] = pi - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
   }
+  if (nonfinite) add_nonfinite(nonfinite, bad);
 }
 
 __global__ void unscale_kernel(float *x, int64_t n, const float *scaler) {
@@ -61,13 +73,13 @@ __global__ void ema_kernel(float *ema, const float *x, int64_t n, float decay, f
 extern "C" {
 
 void k_sgd(cudaStream_t s, float *p, const float *g, float *mom, int64_t n, const float *hyper, const double *skip,
-           float momentum, float wd, int nesterov) {
-  LAUNCH(sgd_kernel, blocks_for(n), kThreads, 0, s)(p, g, mom, n, hyper, skip, momentum, wd, nesterov);
+           double *nonfinite, float momentum, float wd, int nesterov) {
+  LAUNCH(sgd_kernel, blocks_for(n), kThreads, 0, s)(p, g, mom, n, hyper, skip, nonfinite, momentum, wd, nesterov);
 }
 
 void k_adamw(cudaStream_t s, float *p, const float *g, float *m, float *v, int64_t n, const float *hyper,
-             const double *skip, float b1, float b2, float eps, float wd) {
-  LAUNCH(adamw_kernel, blocks_for(n), kThreads, 0, s)(p, g, m, v, n, hyper, skip, b1, b2, eps, wd);
+             const double *skip, double *nonfinite, float b1, float b2, float eps, float wd) {
+  LAUNCH(adamw_kernel, blocks_for(n), kThreads, 0, s)(p, g, m, v, n, hyper, skip, nonfinite, b1, b2, eps, wd);
 }
 
 void k_unscale(cudaStream_t s, float *x, int64_t n, const float *scaler) {

@@ -312,6 +312,8 @@ typedef struct {
       const float *
           hyper; /* (2): lr, and 1 on the first step (the momentum buffer starts as the gradient), uploaded each step */
       const double *skip; /* (1) or NULL: no update when it is above 0 (an fp16 step that overflowed) */
+      double *nonfinite;  /* (1) or NULL: the count of grad's non-finite values is added to it (a rank alone
+                             checks its gradients as it steps, not in a pass of their own) */
       float *param;
       const float *grad;
       float *mom;
@@ -321,6 +323,7 @@ typedef struct {
       float beta1, beta2, eps, weight_decay;
       const float *hyper; /* (3): lr, lr / (1 - beta1^t), sqrt(1 - beta2^t) for step t, uploaded each step */
       const double *skip; /* (1) or NULL: as sgd's */
+      double *nonfinite;  /* (1) or NULL: as sgd's */
       float *param;
       const float *grad;
       float *m, *v;

@@ -34,7 +34,7 @@ typedef struct dt_ddp {
   dt_backend *be;
   float *grads;         /* (n) backend memory */
   float *staging;       /* (n) host copy for MPI when the backend's memory is not the host's; else NULL */
-  double *grad_check;   /* (2) backend memory: sum of squares and non-finite count of the sent buckets */
+  double *grad_check;   /* (2) backend memory or NULL: sum of squares and non-finite count of the sent buckets */
   const int64_t *shard; /* dist.zero 1: (size + 1) rank r owns [shard[r], shard[r + 1]); NULL: all-reduce */
   int n_buckets, n_pieces;
   dt_bucket *buckets; /* buckets[0] is the last range of the buffer */
@@ -48,7 +48,8 @@ typedef struct dt_ddp {
   double *ready_s, *ready_mpi_s; /* (n_buckets) */
 } dt_ddp;
 
-/* Buckets of bucket_elems floats over grads[0..n); check counts non-finite values into grad_check.
+/* Buckets of bucket_elems floats over grads[0..n); check counts non-finite values into grad_check
+ * (NULL: no check).
  * shard (borrowed, or NULL): dist.zero 1's slices, each rank's gradients summed into its own only. */
 void ddp_init(dt_ddp *g, dt_comm *c, const dt_device_reduce *dev, dt_backend *be, float *grads, int64_t n,
               int64_t bucket_elems, double *grad_check, const int64_t *shard);

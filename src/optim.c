@@ -102,7 +102,7 @@ static void apply_run(dt_optim *o, dt_backend *be, int64_t off, int64_t len, flo
   if (a >= b) return;
   float *states[DT_OPTIM_MAX_STATES] = {0};
   for (int i = 0; i < o->n_states; i++) states[i] = o->states[i] + (a - o->lo);
-  o->ops->step(o->cfg, be, b - a, o->step, o->hyper, o->skip, wd, params + a, grads + a, states);
+  o->ops->step(o->cfg, be, b - a, o->step, o->hyper, o->skip, o->nonfinite, wd, params + a, grads + a, states);
 }
 
 void optim_apply(dt_optim *o, dt_backend *be, float *params, const float *grads) {

@@ -22,9 +22,10 @@ typedef struct {
   /* Queues one step over n values reading `hyper` (backend memory, uploaded before it runs). The
    * op itself depends on t only through `first` values fixed after step 0, so a captured step
    * replays. skip: NULL, or device memory that, above 0, makes the step a no-op (fp16 overflow).
+   * nonfinite: NULL, or device memory the count of the non-finite gradient values is added to.
    * states: n_states tensors of n. */
   void (*step)(const dt_config_values *c, dt_backend *be, int64_t n, int64_t t, const float *hyper, const double *skip,
-               float weight_decay, float *params, const float *grads, float *const *states);
+               double *nonfinite, float weight_decay, float *params, const float *grads, float *const *states);
 } dt_optim_ops;
 
 extern const dt_optim_ops dt_optim_sgd;   /* optim_sgd.c */
@@ -46,6 +47,7 @@ typedef struct {
   float *states[DT_OPTIM_MAX_STATES]; /* (hi - lo) each, backend memory: the state of params[lo, hi) */
   float *hyper;                       /* (DT_OPTIM_HYPER) backend memory: this step's learning rate etc. */
   const double *skip;                 /* (1) backend memory or NULL: the op's skip (set by the trainer) */
+  double *nonfinite;                  /* (1) backend memory or NULL: the op's count (set by the trainer) */
   int64_t step;                       /* optimizer steps taken */
   /* optim.no_decay: runs of the flat buffer stepped with or without weight decay (n_runs 0: one
    * run of everything, with decay) */

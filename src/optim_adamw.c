@@ -19,7 +19,7 @@ static void adamw_hyper(const dt_config_values *c, int64_t t, double lr, float *
 }
 
 static void adamw_step(const dt_config_values *c, dt_backend *be, int64_t n, int64_t t, const float *hyper,
-                       const double *skip, float weight_decay, float *params, const float *grads,
+                       const double *skip, double *nonfinite, float weight_decay, float *params, const float *grads,
                        float *const *states) {
   (void)t;
   dt_op op = {.type = DT_OP_ADAMW,
@@ -30,6 +30,7 @@ static void adamw_step(const dt_config_values *c, dt_backend *be, int64_t n, int
                           .weight_decay = weight_decay,
                           .hyper = hyper,
                           .skip = skip,
+                          .nonfinite = nonfinite,
                           .param = params,
                           .grad = grads,
                           .m = states[0],

@@ -13,12 +13,14 @@ static void sgd_hyper(const dt_config_values *c, int64_t t, double lr, float *ou
 }
 
 static void sgd_step(const dt_config_values *c, dt_backend *be, int64_t n, int64_t t, const float *hyper,
-                     const double *skip, float weight_decay, float *params, const float *grads, float *const *states) {
+                     const double *skip, double *nonfinite, float weight_decay, float *params, const float *grads,
+                     float *const *states) {
   (void)t;
   dt_op op = {.type = DT_OP_SGD,
               .p.sgd = {.n = n,
                         .hyper = hyper,
                         .skip = skip,
+                        .nonfinite = nonfinite,
                         .momentum = (float)c->momentum,
                         .weight_decay = weight_decay,
                         .nesterov = c->nesterov,

@@ -39,7 +39,8 @@ typedef struct {
 } dt_graphs;
 
 /* This step's results, summed on the device and read once: loss, hits, the sum of squares and the
- * non-finite count of the gradient buckets this rank sent, and (fp16) the same of the summed
+ * non-finite count of the gradient buckets this rank sent (a rank alone: the count of the gradients
+ * its optimizer read, or their sum and count as clipping summed them), and (fp16) the same of the summed
  * gradients after unscaling (a non-finite one skips the step); clipping's sum of squares; fp16's
  * loss scale. The device's sums serve each step in turn (stream order); each is downloaded into
  * the host slot of its step's number (step % 2), so that a step queued behind another cannot
@@ -47,6 +48,7 @@ typedef struct {
 typedef struct {
   double *stats, *stats_host;  /* (STATS) backend memory; (2, STATS) host memory it is downloaded to */
   double *clip_sq;             /* (2) backend memory: train.clip_grad_norm's sum of squares */
+  int checked_in_update;       /* a rank alone: its gradients are checked by clipping's sum or the optimizer */
   float *scaler, *scaler_host; /* train.precision fp16: (2) loss scale and good steps; (2, 2) host; else NULL */
 } dt_step_sums;
 
@@ -151,10 +153,17 @@ const dt_ddp *step_alloc(dt_trainer *tr) {
     tr->step->opt.skip = s->stats + 5;
   }
   s->clip_sq = (double *)be->alloc(be, 2 * sizeof(double));
+  /* A rank alone sends no buckets, so checking each (a pass over the gradients, and its sums) before
+   * it is sent would only repeat what the update reads anyway: clipping's sum of squares, or the
+   * optimizer, counts the non-finite values into the step's results instead. (fp16 checks the
+   * unscaled gradients, and sends its buckets' own counts nowhere.) */
+  s->checked_in_update = W == 1 && !tr->opts->dev && !s->scaler && !tr->step->shard;
+  if (s->checked_in_update && !(v->clip_grad_norm > 0)) tr->step->opt.nonfinite = s->stats + 3;
   for (int i = 0; i < 2; i++) batch_alloc(&tr->step->in[i], m, m->max_batch);
   if (v->cache == DT_CACHE_DEVICE) cache_fill(&tr->step->cache, be, &tr->d->train); /* one copy, then row numbers */
   ddp_init(&tr->step->ddp, tr->comm, tr->opts->dev, be, m->grads, m->n_params,
-           (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float)), s->stats + 2, tr->step->shard);
+           (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float)), s->checked_in_update ? NULL : s->stats + 2,
+           tr->step->shard);
   return &tr->step->ddp;
 }
 
@@ -303,13 +312,14 @@ static void queue_update(dt_trainer *tr) {
     backend_run(be, &check);
     if (tr->step->shard) ddp_allreduce_sum(&tr->step->ddp, s->stats + 4, 2);
   }
-  if (v->clip_grad_norm > 0) {
-    be->zero(be, s->clip_sq, 2 * sizeof(double));
-    dt_op sq = {.type = DT_OP_SUMSQ, .p.sumsq = {.n = n, .x = grads, .out = s->clip_sq}};
+  if (v->clip_grad_norm > 0) { /* a rank alone sums into the step's results (zeroed), its check */
+    double *sumsq = s->checked_in_update ? s->stats + 2 : s->clip_sq;
+    if (!s->checked_in_update) be->zero(be, sumsq, 2 * sizeof(double));
+    dt_op sq = {.type = DT_OP_SUMSQ, .p.sumsq = {.n = n, .x = grads, .out = sumsq}};
     backend_run(be, &sq);
-    if (tr->step->shard) ddp_allreduce_sum(&tr->step->ddp, s->clip_sq, 2);
+    if (tr->step->shard) ddp_allreduce_sum(&tr->step->ddp, sumsq, 2);
     dt_op clip = {.type = DT_OP_CLIP,
-                  .p.clip = {.n = n, .max_norm = (float)v->clip_grad_norm, .sumsq = s->clip_sq, .x = grads}};
+                  .p.clip = {.n = n, .max_norm = (float)v->clip_grad_norm, .sumsq = sumsq, .x = grads}};
     backend_run(be, &clip);
   }
   optim_apply(&tr->step->opt, be, m->params, m->grads);

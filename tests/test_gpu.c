@@ -1324,6 +1324,65 @@ static void ops_optim(void) {
   }
 }
 
+/* A rank alone has its optimizer count the gradient's non-finite values: three (NaN, inf, -inf) spread
+ * over a gradient that many blocks of the kernel share, added to what the count held, on both
+ * backends; a finite gradient adds nothing, and the update around them is the one without a count. */
+static void ops_optim_nonfinite(void) {
+  const int64_t n = 300001, bad[3] = {7, 150000, 300000};
+  float *h = ot_host_rand(n, -1, 1);
+  dbuf g_finite = ot_buf(OT_F32, h, n);
+  h[bad[0]] = NAN, h[bad[1]] = INFINITY, h[bad[2]] = -INFINITY;
+  dbuf g_bad = ot_buf(OT_F32, h, n);
+  free(h);
+  const double start[2] = {2, 2};
+  dbuf count = ot_buf(OT_F64, start, 2);
+  const float h_sgd[2] = {0.1f, 0.0f}, h_adamw[3] = {0.1f, 0.1f, 1.0f};
+  dbuf hyper_sgd = ot_buf(OT_F32, h_sgd, 2), hyper_adamw = ot_buf(OT_F32, h_adamw, 3);
+  for (int kind = 0; kind < 2; kind++)
+    for (int with_bad = 0; with_bad < 2; with_bad++) {
+      const dbuf *g = with_bad ? &g_bad : &g_finite;
+      dbuf p[2], m[2], v[2]; /* [1] the same values as [0]: stepped with and without a count */
+      p[0] = ot_rand(n, -1, 1), m[0] = ot_rand(n, -1, 1), v[0] = ot_rand(n, 0, 0.01f);
+      p[1] = ot_buf(OT_F32, p[0].init, n), m[1] = ot_buf(OT_F32, m[0].init, n), v[1] = ot_buf(OT_F32, v[0].init, n);
+      ot_case(kind ? DT_OP_ADAMW : DT_OP_SGD, "%s gradient, counted",
+              with_bad ? "three non-finite values in a" : "a finite");
+      for (int counted = 0; counted < 2; counted++) BOTH {
+          double *out = counted ? D(count) + kind : NULL;
+          dt_op op = kind ? (dt_op){.type = DT_OP_ADAMW,
+                                    .p.adamw = {.n = n,
+                                                .beta1 = 0.9f,
+                                                .beta2 = 0.999f,
+                                                .eps = 1e-8f,
+                                                .hyper = F(hyper_adamw),
+                                                .nonfinite = out,
+                                                .param = F(p[counted]),
+                                                .grad = F(*g),
+                                                .m = F(m[counted]),
+                                                .v = F(v[counted])}}
+                          : (dt_op){.type = DT_OP_SGD,
+                                    .p.sgd = {.n = n,
+                                              .hyper = F(hyper_sgd),
+                                              .nonfinite = out,
+                                              .momentum = 0.9f,
+                                              .nesterov = 1,
+                                              .param = F(p[counted]),
+                                              .grad = F(*g),
+                                              .mom = F(m[counted])}};
+          RUN(op);
+        }
+      for (int side = 0; side < 2; side++) {
+        const double want = 2 + 3 * with_bad;
+        if (ot_get(count, side, kind) != want)
+          fail_msg("%s on the %s counted %g non-finite gradient values, not %g", kind ? "AdamW" : "SGD",
+                   side ? "GPU" : "CPU", ot_get(count, side, kind) - 2, want - 2);
+        for (int64_t i = 0; i < n; i += 997) /* counting leaves the update as it was (none of bad[]) */
+          if (ot_get(p[0], side, i) != ot_get(p[1], side, i))
+            fail_msg("counting changed parameter %lld on the %s", (long long)i, side ? "GPU" : "CPU");
+      }
+      if (!with_bad) ot_check("param", p[1], n); /* the bad values' parameters are NaN on both sides */
+    }
+}
+
 /* fp16 loss scaling: the update skipped on an overflow, the unscale, GradScaler's scale rules. */
 static void ops_scaler(void) {
   const double overflow[2] = {0, 3};
@@ -2776,6 +2835,7 @@ GPU_TEST(cuda_op_sgd_adamw, (ot_begin(), ops_optim(), ot_end()))
 GPU_TEST(cuda_op_sumsq, (ot_begin(), ops_sumsq(), ot_end()))
 GPU_TEST(cuda_op_input, (ot_begin(), ops_input(), ot_end()))
 GPU_TEST(cuda_op_loss_scaling, (ot_begin(), ops_scaler(), ot_end()))
+GPU_TEST(cuda_op_optimizer_counts_nonfinite_gradients, (ot_begin(), ops_optim_nonfinite(), ot_end()))
 GPU_TEST(cuda_op_gather, (ot_begin(), ops_gather(), ot_end()))
 GPU_TEST(cuda_upload_download_copy, (ot_begin(), ops_upload_download(), ot_end()))
 
@@ -2873,6 +2933,7 @@ int main(void) {
       cmocka_unit_test(cuda_op_sgd_adamw),
       cmocka_unit_test(cuda_op_sumsq),
       cmocka_unit_test(cuda_op_input),
+      cmocka_unit_test(cuda_op_optimizer_counts_nonfinite_gradients),
       cmocka_unit_test(cuda_op_loss_scaling),
       cmocka_unit_test(cuda_op_gather),
       cmocka_unit_test(cuda_upload_download_copy),

@@ -743,6 +743,36 @@ log: {{every_steps: 1}}
         # the stand-in's relu made it 0, so the loss stayed finite; a GPU's may pass it to the loss
         self.assertRegex(err, "non-finite gradient values" if SIM else "non-finite gradient values|loss became NaN")
 
+    @unittest.skipUnless(SIM, "needs the stand-in's relu, which makes a NaN 0 (a GPU's may pass it to the loss)")
+    def test_a_rank_alone_counts_non_finite_gradients_as_it_updates(self):
+        """A rank alone sends no gradient buckets, so its non-finite gradient values are counted by the
+        optimizer (or, with train.clip_grad_norm, by clipping's sum of squares) rather than by a pass of
+        their own before each bucket is sent. A NaN in the first input value leaves the first linear's 32
+        weights of that input NaN (the relu made its outputs 0 on their way to the loss, so the loss stays
+        finite): one rank counts the 32 that two ranks' bucket checks count, with SGD and AdamW, clipped or
+        not, and launches no sum of squares of its own."""
+        cfg = self.images_config("mlp.yaml", """\
+    - flatten
+    - linear: {out: 32}
+    - relu
+    - linear: {out: 24, bias: false}
+    - relu
+    - linear: {out: 3}
+""")
+        for optim in ("sgd", "adamw"):
+            for clip in ("0", "1.0"):
+                for np_ in (1, 2):
+                    case = (optim, clip, np_)
+                    rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", f"optim.name={optim}", "--set",
+                                            f"train.clip_grad_norm={clip}", "--set", "checkpoint.dir="], np_,
+                                           dict(ENV2, DDP_TRAIN_FAULT="nan@0:2", GPUSIM_PROFILE="1"))
+                    self.assertEqual(rc, 4, (case, out + err))
+                    self.assertIn("32 non-finite gradient values at step 2 (epoch 1)", errors(err)[0], case)
+                    sums = sum(int(n) for n in re.findall(r"^\s*sumsq_kernel\s+(\d+)\s", err, re.M))
+                    # two steps: clipping's sums alone on one rank; each rank's bucket check, and clipping's, on two
+                    self.assertEqual(sums, (2 if clip != "0" else 0) if np_ == 1 else 2 * 2 * (1 + (clip != "0")),
+                                     case)
+
     def test_16bit_residual_sums_stay_nhwc(self):
         """Under bf16 and fp16 (model.fuse) a ResNet's trunk stays 16-bit NHWC from its stem's batchnorm to its
         global average pool: each residual adds its branches' 16-bit outputs (the batchnorms ending them) and

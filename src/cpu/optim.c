@@ -15,9 +15,11 @@ VECTOR_CLONES void cpu_sgd(cpu_impl *im, const dt_op *op) {
   const float *restrict grad = q->grad;
   float *restrict param = q->param, *restrict mom = q->mom;
   /* PyTorch's SGD: g += wd*p; buf = momentum*buf + g (buf = g at first); nesterov: g += momentum*buf */
+  int64_t bad = 0;
   if (momentum > 0) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) reduction(+ : bad)
     for (int64_t i = 0; i < q->n; i++) {
+      bad += !isfinite(grad[i]);
       float g = grad[i] + wd * param[i];
       float buf = first ? g : momentum * mom[i] + g;
       mom[i] = buf;
@@ -25,9 +27,13 @@ VECTOR_CLONES void cpu_sgd(cpu_impl *im, const dt_op *op) {
       param[i] -= lr * g;
     }
   } else {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < q->n; i++) param[i] -= lr * (grad[i] + wd * param[i]);
+#pragma omp parallel for schedule(static) reduction(+ : bad)
+    for (int64_t i = 0; i < q->n; i++) {
+      bad += !isfinite(grad[i]);
+      param[i] -= lr * (grad[i] + wd * param[i]);
+    }
   }
+  if (q->nonfinite) *q->nonfinite += (double)bad;
 }
 
 VECTOR_CLONES void cpu_adamw(cpu_impl *im, const dt_op *op) {
@@ -40,15 +46,18 @@ VECTOR_CLONES void cpu_adamw(cpu_impl *im, const dt_op *op) {
   const float rest1 = 1.0f - beta1, rest2 = 1.0f - beta2;
   const float *restrict grad = q->grad;
   float *restrict param = q->param, *restrict m = q->m, *restrict v = q->v;
-#pragma omp parallel for schedule(static)
+  int64_t bad = 0;
+#pragma omp parallel for schedule(static) reduction(+ : bad)
   for (int64_t i = 0; i < q->n; i++) {
     float g = grad[i], p = param[i] * decay;
+    bad += !isfinite(g);
     float mi = beta1 * m[i] + rest1 * g, vi = beta2 * v[i] + rest2 * g * g;
     m[i] = mi;
     v[i] = vi;
     float denom = sqrtf(vi) / bc2_sqrt + eps;
     param[i] = p - step_size * mi / denom;
   }
+  if (q->nonfinite) *q->nonfinite += (double)bad;
 }
 
 void cpu_unscale(cpu_impl *im, const dt_op *op) {
