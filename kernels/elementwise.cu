@@ -32,20 +32,38 @@ __global__ void bias_grad_kernel(const float *dy, float *db, int64_t b, int64_t 
 // four loads in flight (GPT-2's 768 channels are only 96 blocks: the loads in flight set the speed);
 // the lanes' sums then add in a fixed tree: the same bits every run.
 enum { kBiasThreads = 1024, kBiasCols = 8, kBiasLanes = kBiasThreads / kBiasCols };
-__global__ void LAUNCH_BOUNDS(kBiasThreads, 1) bias_grad_rows_kernel(const float *dy, float *db, int64_t b, int64_t c) {
+// kMask: a fused relu's backward first, in the same pass (dy set to +0 in place where relu_y <= 0, as
+// act_bwd_kernel's relu), the sums then taken of the masked values.
+template <bool kMask>
+static __device__ __forceinline__ void bias_grad_rows(const float *dy, float *masked, const float *relu_y, float *db,
+                                                      int64_t b, int64_t c) {
   __shared__ double lane_sums[kBiasThreads];
   const int col = threadIdx.x % kBiasCols, lane = threadIdx.x / kBiasCols;
   const int64_t ch = (int64_t)blockIdx.x * kBiasCols + col;
   double acc = 0;
   if (ch < c) {
-    const float *at = dy + ch;
     int64_t r = lane;
     for (; r + 3 * kBiasLanes < b; r += 4 * kBiasLanes) {
-      float v0 = at[r * c], v1 = at[(r + kBiasLanes) * c], v2 = at[(r + 2 * kBiasLanes) * c],
-            v3 = at[(r + 3 * kBiasLanes) * c];
-      acc += v0, acc += v1, acc += v2, acc += v3;
+      float v[4];
+      UNROLL
+      for (int k = 0; k < 4; k++) v[k] = dy[(r + k * kBiasLanes) * c + ch];
+      if (kMask) {
+        float y[4];
+        UNROLL
+        for (int k = 0; k < 4; k++) y[k] = relu_y[(r + k * kBiasLanes) * c + ch];
+        UNROLL
+        for (int k = 0; k < 4; k++) {
+          v[k] = y[k] > 0 ? v[k] : 0.0f;
+          masked[(r + k * kBiasLanes) * c + ch] = v[k];
+        }
+      }
+      acc += v[0], acc += v[1], acc += v[2], acc += v[3];
     }
-    for (; r < b; r += kBiasLanes) acc += at[r * c];
+    for (; r < b; r += kBiasLanes) {
+      float v = dy[r * c + ch];
+      if (kMask) masked[r * c + ch] = v = relu_y[r * c + ch] > 0 ? v : 0.0f;
+      acc += v;
+    }
   }
   lane_sums[threadIdx.x] = acc;
   for (int half = kBiasLanes / 2; half > 0; half /= 2) {
@@ -53,6 +71,15 @@ __global__ void LAUNCH_BOUNDS(kBiasThreads, 1) bias_grad_rows_kernel(const float
     if (lane < half) lane_sums[threadIdx.x] += lane_sums[threadIdx.x + half * kBiasCols];
   }
   if (lane == 0 && ch < c) db[ch] += (float)lane_sums[threadIdx.x];
+}
+
+__global__ void LAUNCH_BOUNDS(kBiasThreads, 1) bias_grad_rows_kernel(const float *dy, float *db, int64_t b, int64_t c) {
+  bias_grad_rows<false>(dy, nullptr, nullptr, db, b, c);
+}
+
+__global__ void LAUNCH_BOUNDS(kBiasThreads, 1)
+    relu_bias_grad_rows_kernel(float *dy, const float *relu_y, float *db, int64_t b, int64_t c) {
+  bias_grad_rows<true>(dy, dy, relu_y, db, b, c);
 }
 
 __device__ __forceinline__ float gelu(float x) {
@@ -223,6 +250,11 @@ void k_bias_grad(cudaStream_t s, const float *dy, float *db, int64_t b, int64_t 
     LAUNCH(bias_grad_rows_kernel, (unsigned)((c + kBiasCols - 1) / kBiasCols), kBiasThreads, 0, s)(dy, db, b, c);
   else
     LAUNCH(bias_grad_kernel, (unsigned)c, kThreads, 0, s)(dy, db, b, c, make_fast_div(sp));
+}
+
+void k_relu_bias_grad(cudaStream_t s, float *dy, const float *relu_y, float *db, int64_t b, int64_t c) {
+  LAUNCH(relu_bias_grad_rows_kernel, (unsigned)((c + kBiasCols - 1) / kBiasCols), kBiasThreads, 0, s)
+  (dy, relu_y, db, b, c);
 }
 
 void k_act_fwd(cudaStream_t s, int kind, const float *x, float *y, int64_t n) {

@@ -19,6 +19,9 @@ void k_bias_add(cudaStream_t s, float *y, const float *bias, int64_t b, int64_t 
 /* y (m, n) = bias (n) on every row (a GEMM with a bias starts from it) */
 void k_fill_rows(cudaStream_t s, float *y, const float *bias, int64_t m, int64_t n);
 void k_bias_grad(cudaStream_t s, const float *dy, float *db, int64_t b, int64_t c, int64_t sp);
+/* a fused relu's backward and its linear's bias gradient in one pass: dy (b, c) set to +0 in place where
+ * relu_y (b, c) is not positive, then db (c) += its column sums, as k_bias_grad's (sp 1) */
+void k_relu_bias_grad(cudaStream_t s, float *dy, const float *relu_y, float *db, int64_t b, int64_t c);
 void k_act_fwd(cudaStream_t s, int kind, const float *x, float *y, int64_t n);
 void k_act_bwd(cudaStream_t s, int kind, const float *x, const float *y, const float *dy, float *dx, int64_t n);
 void k_dropout(cudaStream_t s, const float *x, float *y, int64_t n, float p, uint64_t seed, const uint64_t *step_seed);

@@ -153,6 +153,10 @@ typedef struct {
       float *a_col_sums; /* NULL, or (A's stored columns): += the sums of A's columns as stored, in double, as
                             bias_grad's (a dense layer's bias gradient, from the dy its weight gradient reads:
                             CUDA under bf16 sums it as it copies dy to bfloat16); one product, no a16 */
+      const float *relu_y; /* NULL, or (A as stored) a fused relu's output: A (then writable: a dense layer's dy)
+                              is first set to +0 in place where relu_y is not positive, the relu's backward, and
+                              the sums and the product read it so (CUDA in FP32 masks and sums in one pass); one
+                              product, no a16 */
     } gemm;
     struct {
       int64_t b, c, s;

@@ -268,7 +268,7 @@ static void attention_backward(dt_layer *l, dt_pass *pass, const float *x, float
   const float *w = pass->params;
   float *g = pass->grads;
   const int64_t b = pass->batch, t = l->in.h, c = l->in.c, h = l->args.heads, hd = c / h;
-  dense_backward(be, b * t, c, c, s->merged, w + l->tensors[2].offset, l->dy, g + l->tensors[2].offset,
+  dense_backward(be, b * t, c, c, s->merged, w + l->tensors[2].offset, l->dy, NULL, g + l->tensors[2].offset,
                  g + l->tensors[3].offset, s->d_merged, NULL, 0);
   if (l->fused_attention) {
     dt_op op = {.type = DT_OP_ATTENTION_BWD,
@@ -292,7 +292,7 @@ static void attention_backward(dt_layer *l, dt_pass *pass, const float *x, float
     int64_t head_dims[5] = {3, b, h, t, hd};
     permute(be, 5, head_dims, from_heads, s->d_heads, s->d_qkv);
   }
-  dense_backward(be, b * t, c, 3 * c, x, w + l->tensors[0].offset, s->d_qkv, g + l->tensors[0].offset,
+  dense_backward(be, b * t, c, 3 * c, x, w + l->tensors[0].offset, s->d_qkv, NULL, g + l->tensors[0].offset,
                  g + l->tensors[1].offset, dx, NULL, 0);
 }
 

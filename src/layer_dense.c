@@ -85,12 +85,13 @@ void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const 
 }
 
 void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
-                    const float *dy, float *dw, float *dbias, float *dx, float *dgelu_x, int y16) {
-  DT_ASSERT(!y16 || !dbias);
+                    const float *dy, const float *relu_y, float *dw, float *dbias, float *dx, float *dgelu_x, int y16) {
+  DT_ASSERT(!y16 || (!dbias && !relu_y));
   /* the two GEMMs back to back: under bf16 the CUDA backend copies dy to bfloat16 once for both, and sums
    * dbias's columns as it copies */
   dt_op op = dense_gemm(DENSE_DW, rows, in, out);
   op.p.gemm.a = dy, op.p.gemm.b = x, op.p.gemm.c = dw, op.p.gemm.a16 = y16, op.p.gemm.a_col_sums = dbias;
+  op.p.gemm.relu_y = relu_y;
   backend_run(be, &op);
   if (dx) {
     op = dense_gemm(DENSE_DX, rows, in, out);
@@ -128,12 +129,14 @@ static void linear_forward(dt_layer *l, dt_pass *pass, const float *x) {
 
 /* After such a gelu (dgelu_aux), dx goes through the gelu's derivative at its input. A fused relu's gradient
  * (dy, shared) is masked first in place where y, its output, is not positive: the relu's own backward, bit for
- * bit (as a residual's). */
+ * bit (as a residual's), by the weight gradient's op, which on CUDA in FP32 sums the bias gradient in the same
+ * pass. */
 static void linear_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
-  if (l->fused_relu) layer_mask_relu_dy(l, pass, shape_rows(l->in, pass->batch) * l->args.out);
-  dense_backward(pass->be, shape_rows(l->in, pass->batch), l->in.c, l->args.out, x, pass->params + weight_off(l), l->dy,
-                 pass->grads + weight_off(l), l->args.bias ? pass->grads + bias_off(l) : NULL, dx,
-                 l->dgelu_aux ? l->dgelu_aux->y : NULL, l->y16);
+  const int64_t rows = shape_rows(l->in, pass->batch);
+  if (l->fused_relu && l->y16) layer_mask_relu_dy(l, pass, rows * l->args.out); /* 16-bit y: its own op */
+  dense_backward(pass->be, rows, l->in.c, l->args.out, x, pass->params + weight_off(l), l->dy,
+                 l->fused_relu && !l->y16 ? l->y : NULL, pass->grads + weight_off(l),
+                 l->args.bias ? pass->grads + bias_off(l) : NULL, dx, l->dgelu_aux ? l->dgelu_aux->y : NULL, l->y16);
 }
 
 static int64_t linear_flops(const dt_layer *l) {

@@ -34,10 +34,12 @@ dt_op dense_gemm(int kind, int64_t rows, int64_t in, int64_t out);
 void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
                    const float *bias, float *y, float *gelu_y, int relu, int y16);
 /* Queues dW += dy^T x and dbias += column sums of dy (NULL: none) in one GEMM op, dx = dy W (NULL: none), times
- * gelu_tanh'(dgelu_x) (rows, in) when dgelu_x is not NULL: the input gradient of the gelu before. y16: dy is
- * in 16-bit rows (the forward's y16; gemm.a16, no bias). */
+ * gelu_tanh'(dgelu_x) (rows, in) when dgelu_x is not NULL: the input gradient of the gelu before. relu_y: NULL,
+ * or (rows, out) the output of a relu the forward applied: dy (then written) is first masked in place where it
+ * is not positive, by the same op (gemm.relu_y). y16: dy is in 16-bit rows (the forward's y16; gemm.a16, no
+ * bias, no relu_y). */
 void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
-                    const float *dy, float *dw, float *dbias, float *dx, float *dgelu_x, int y16);
+                    const float *dy, const float *relu_y, float *dw, float *dbias, float *dx, float *dgelu_x, int y16);
 
 /* The dense products (rows, in, out, has an epilogue: a bias, a gelu or a relu, y16: its y in 16-bit rows, has a
  * bias) of a linear layer (one) or an attention layer (its two projections, (rows, C, 3C, 1, 0, 1) and (rows,

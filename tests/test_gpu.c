@@ -2171,6 +2171,73 @@ static void ops_gemm_bias_sums(void) {
   }
 }
 
+/* A fused relu's backward in the weight gradient's GEMM op (relu_y): dy masked in place where the relu's output is
+ * not positive (+0 there, a NaN dy included), then the bias gradient and the products of the masked dy; in FP32
+ * CUDA masks and sums in one kernel (relu_bias_grad_rows_kernel), under bf16 it masks, then sums as it copies. On
+ * each backend the op gives the bits of the relu's own op followed by the GEMM op without relu_y; against the
+ * CPU: the masked dy exactly, db, and in FP32 dW and dx. With and without a bias; (rows, in, out) as
+ * ops_gemm_bias_sums', and 1100 rows, which the kernel's lanes (128) read four at a time before the rest. */
+static void ops_gemm_relu_mask(void) {
+  const int64_t shapes[][3] = {{1100, 24, 40}, {300, 24, 40}, {37, 20, 17}, {16, 16, 16}, {40, 15, 20}, {0, 24, 40}};
+  const int bf16 = ot.precision == DT_PREC_BF16;
+  for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
+    for (int bias = 0; bias < 2; bias++) {
+      const int64_t rows = shapes[i][0], in = shapes[i][1], out = shapes[i][2];
+      float *hdy = ot_host_rand(rows * out, -1, 1), *hy = ot_host_rand(rows * out, -1, 1);
+      for (int64_t j = 0; j < rows * out; j++) { /* a relu's output: 0 or positive; a NaN where it is 0 */
+        hy[j] = hy[j] > 0 ? hy[j] : 0.0f;
+        if (j % 7 == 3) hy[j] = 0.0f, hdy[j] = NAN;
+      }
+      dbuf y = ot_buf(OT_F32, hy, rows * out), x = ot_rand(rows * in, -1, 1), w = ot_rand(out * in, -1, 1);
+      dbuf dy[2] = {ot_buf(OT_F32, hdy, rows * out), ot_buf(OT_F32, hdy, rows * out)}; /* fused, apart */
+      free(hdy);
+      free(hy);
+      dbuf dw[2], db[2], dx[2];
+      dw[0] = ot_rand(out * in, -1, 1), db[0] = ot_rand(out, -1, 1), dx[0] = ot_rand(rows * in + 1, -1, 1);
+      dw[1] = ot_buf(OT_F32, dw[0].init, dw[0].n), db[1] = ot_buf(OT_F32, db[0].init, out);
+      dx[1] = ot_buf(OT_F32, dx[0].init, dx[0].n);
+      ot_case(DT_OP_GEMM, "a relu's mask, %s bias, (rows, in, out) (%lld, %lld, %lld)", bias ? "a" : "no",
+              (long long)rows, (long long)in, (long long)out);
+      for (int apart = 0; apart < 2; apart++) BOTH {
+          if (apart) {
+            dt_op mask = {.type = DT_OP_ACT_BWD};
+            mask.p.act_bwd = (typeof(mask.p.act_bwd)){
+                .kind = DT_ACT_RELU, .n = rows * out, .x = F(y), .y = F(y), .dy = F(dy[1]), .dx = F(dy[1])};
+            RUN(mask);
+          }
+          dt_op op = dense_gemm(DENSE_DW, rows, in, out);
+          op.p.gemm.a = F(dy[apart]), op.p.gemm.b = F(x), op.p.gemm.c = F(dw[apart]);
+          op.p.gemm.a_col_sums = bias ? F(db[apart]) : NULL, op.p.gemm.relu_y = apart ? NULL : F(y);
+          RUN(op);
+          dt_op d = dense_gemm(DENSE_DX, rows, in, out);
+          d.p.gemm.a = F(dy[apart]), d.p.gemm.b = F(w), d.p.gemm.c = F(dx[apart]);
+          RUN(d);
+        }
+      for (int side = 0; side < 2; side++) {
+        const dbuf *pairs[4][2] = {{&dy[0], &dy[1]}, {&db[0], &db[1]}, {&dw[0], &dw[1]}, {&dx[0], &dx[1]}};
+        static const char *names[4] = {"dy", "db", "dW", "dx"};
+        for (int t = 0; t < 4; t++) {
+          const dbuf *a = pairs[t][0], *b = pairs[t][1];
+          for (int64_t j = 0; j < (t == 3 ? rows * in : a->n); j++) {
+            const float fa = (float)ot_get(*a, side, j), fb = (float)ot_get(*b, side, j);
+            if (memcmp(&fa, &fb, sizeof fa))
+              fail_msg("op gemm [%s]: %s[%lld] on the %s is %.9g with relu_y, %.9g with the relu's own op", ot.kase,
+                       names[t], (long long)j, side ? "GPU" : "CPU", fa, fb);
+          }
+        }
+      }
+      ot_check("masked dy", dy[0], dy[0].n);
+      for (int64_t j = 3; j < rows * out; j += 7)
+        if (ot_get(dy[0], 1, j) != 0.0f || signbit(ot_get(dy[0], 1, j)))
+          fail_msg("op gemm [%s]: a NaN dy where the relu gave 0 became %g, not +0", ot.kase, ot_get(dy[0], 1, j));
+      if (bias) ot_check("db", db[0], out);
+      if (!bf16) {
+        ot_check("dW", dw[0], dw[0].n);
+        ot_check("dx", dx[0], rows * in);
+      }
+    }
+}
+
 /* The classifier under bf16 (model.c's pick_logits16): the forward GEMM writing bfloat16 logits rows (c16),
  * the loss on such rows (logits16: cross-entropy with label smoothing and ignored rows, distilled from FP32
  * teacher logits by KL, and mse on FP32 targets) writing dlogits so, and the two gradient GEMMs reading them
@@ -2794,6 +2861,8 @@ GPU_TEST(cuda_op_gemm_batched, (ot_begin(), ops_gemm_batched(), ot_end()))
 GPU_TEST(cuda_op_gemm_bf16, (ot_begin_precision(DT_PREC_BF16, 1e-5), ops_gemm_bf16(), ot_end()))
 GPU_TEST(cuda_op_gemm_bias_sums, (ot_begin(), ops_gemm_bias_sums(), ot_end(), ot_begin_precision(DT_PREC_BF16, 1e-5),
                                   ops_gemm_bias_sums(), ot_end()))
+GPU_TEST(cuda_op_gemm_relu_mask, (ot_begin(), ops_gemm_relu_mask(), ot_end(), ot_begin_precision(DT_PREC_BF16, 1e-5),
+                                  ops_gemm_relu_mask(), ot_end()))
 GPU_TEST(cuda_op_classifier_bf16_rows, (ot_begin_precision(DT_PREC_BF16, 1e-5), ops_classifier_rows16(), ot_end()))
 GPU_TEST(cuda_op_embed, (ot_begin(), ops_embed(), ot_end()))
 GPU_TEST(cuda_op_layernorm, (ot_begin(), ops_layernorm(), ot_end()))
@@ -2905,6 +2974,7 @@ int main(void) {
       cmocka_unit_test(cuda_op_gemm_batched),
       cmocka_unit_test(cuda_op_gemm_bf16),
       cmocka_unit_test(cuda_op_gemm_bias_sums),
+      cmocka_unit_test(cuda_op_gemm_relu_mask),
       cmocka_unit_test(cuda_op_classifier_bf16_rows),
       cmocka_unit_test(cuda_op_embed),
       cmocka_unit_test(cuda_op_layernorm),

@@ -105,11 +105,13 @@ class FaultCases:
 
     def test_a_signal_at_the_last_step_still_validates_it(self):
         """With NCCL, step 24 is queued behind step 23 when the signal comes: the stop is held until step
-        24 is done, and that last step's validation still runs."""
-        rc, out, err, _ = self.run_gpu([], fault="signal@1:24")
-        self.assertEqual(rc, 75, out + err)
-        self.assertIn("stopped by SIGUSR1 at step 24 after saving a checkpoint", err)
-        self.assertRegex(out, r"(?m)^eval step 24 epoch 3: val_loss")
+        24 is done, and that last step's validation still runs. On the stand-in also with work run as soon
+        as it is queued (GPUSIM_STREAM_ORDER=eager), as a GPU ahead of the host runs step 24."""
+        for order in ("lazy", "eager") if SIM else ("lazy",):
+            rc, out, err, _ = self.run_gpu([], fault="signal@1:24", env={"GPUSIM_STREAM_ORDER": order})
+            self.assertEqual(rc, 75, (order, out + err))
+            self.assertIn("stopped by SIGUSR1 at step 24 after saving a checkpoint", err, order)
+            self.assertRegex(out, r"(?m)^eval step 24 epoch 3: val_loss", order)
 
 
 @unittest.skipUnless(VISIBLE2 >= 2, "fewer than 2 GPUs visible (NCCL needs one per rank)")

@@ -36,6 +36,18 @@ static void gemm_rows16(cpu_impl *im, const dt_op *op) {
  * and libgomp starts fresh threads for it on every call while the pool's threads spin. */
 void cpu_gemm(cpu_impl *im, const dt_op *op) {
   const typeof(op->p.gemm) *q = &op->p.gemm;
+  if (q->relu_y) { /* the relu's backward on A in place, as its own op would run it, then the rest */
+    DT_ASSERT(q->batch <= 1 && !q->a16);
+    const int64_t n = DT_GEMM_A_ROWS(q) * DT_GEMM_A_COLS(q);
+    dt_op mask = {.type = DT_OP_ACT_BWD};
+    mask.p.act_bwd = (typeof(mask.p.act_bwd)){
+        .kind = DT_ACT_RELU, .n = n, .x = q->relu_y, .y = q->relu_y, .dy = q->a, .dx = (float *)q->a};
+    cpu_act_bwd(im, &mask);
+    dt_op rest = *op;
+    rest.p.gemm.relu_y = NULL;
+    cpu_gemm(im, &rest);
+    return;
+  }
   if (q->a_col_sums) { /* bias_grad's op on A as stored, then the product */
     DT_ASSERT(q->batch <= 1 && !q->a16);
     dt_op sums = {.type = DT_OP_BIAS_GRAD};

@@ -221,9 +221,18 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
   operand16 a = {0}, b = {0};
   const size_t bytes16 = q->m && q->n ? gemm16_plan(im, op, &a, &b) : 0;
   DT_ASSERT(!q->a_col_sums || (q->batch <= 1 && !q->a16));
-  if (!bytes16) cuda_forget_dy16(im); /* only the bfloat16 path below reuses or holds one */
-  if (q->a_col_sums && !bytes16)      /* else summed as A is copied to bfloat16 below */
-    k_bias_grad(im->stream, q->a, q->a_col_sums, DT_GEMM_A_ROWS(q), DT_GEMM_A_COLS(q), 1);
+  DT_ASSERT(!q->relu_y || (q->batch <= 1 && !q->a16));
+  if (!bytes16 || q->relu_y)
+    cuda_forget_dy16(im); /* only the bfloat16 path below reuses or holds one; a masked
+                             A is not what an earlier copy holds */
+  const int64_t a_rows = DT_GEMM_A_ROWS(q), a_cols = DT_GEMM_A_COLS(q);
+  if (q->relu_y && q->a_col_sums && !bytes16) { /* the relu's backward and the sums in one pass */
+    k_relu_bias_grad(im->stream, (float *)q->a, q->relu_y, q->a_col_sums, a_rows, a_cols);
+  } else {
+    if (q->relu_y) k_act_bwd(im->stream, DT_ACT_RELU, q->relu_y, q->relu_y, q->a, (float *)q->a, a_rows * a_cols);
+    if (q->a_col_sums && !bytes16) /* else summed as A is copied to bfloat16 below */
+      k_bias_grad(im->stream, q->a, q->a_col_sums, a_rows, a_cols, 1);
+  }
   if (!q->m || !q->n) return; /* a rank with no rows this batch */
   int64_t lda = q->trans_a ? q->m : q->k, ldb = q->trans_b ? q->k : q->n;
   const cublasOperation_t ta = q->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = q->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
