@@ -774,10 +774,9 @@ log: {{every_steps: 1}}
                                            dict(ENV2, DDP_TRAIN_FAULT="nan@0:2", GPUSIM_PROFILE="1"))
                     self.assertEqual(rc, 4, (case, out + err))
                     self.assertIn("32 non-finite gradient values at step 2 (epoch 1)", errors(err)[0], case)
-                    sums = sum(int(n) for n in re.findall(r"^\s*sumsq_kernel\s+(\d+)\s", err, re.M))
-                    # two steps: clipping's sums alone on one rank; each rank's bucket check, and clipping's, on two
-                    self.assertEqual(sums, (2 if clip != "0" else 0) if np_ == 1 else 2 * 2 * (1 + (clip != "0")),
-                                     case)
+                    if np_ == 1:  # two steps, and clipping's sums alone (two ranks may not live to print theirs)
+                        sums = re.findall(r"^\s*sumsq_kernel\s+(\d+)\s", err, re.M)
+                        self.assertEqual(sums, ["2"] if clip != "0" else [], case)
 
     def test_16bit_residual_sums_stay_nhwc(self):
         """Under bf16 and fp16 (model.fuse) a ResNet's trunk stays 16-bit NHWC from its stem's batchnorm to its
