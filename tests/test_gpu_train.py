@@ -89,6 +89,17 @@ def gpu_run(args, np_, env, timeout=300, mpmd=None):
     return run(args, np_=np_, timeout=timeout, binary=GPU_BINARY, env=env, mpmd=mpmd)
 
 
+# An MLP whose relus follow a linear with a bias and one without (images_config's layers).
+MLP_RELUS = """\
+    - flatten
+    - linear: {out: 32}
+    - relu
+    - linear: {out: 24, bias: false}
+    - relu
+    - linear: {out: 3}
+"""
+
+
 class GpuCase(unittest.TestCase):
     """A work directory per test, and the losses a run logged."""
 
@@ -713,19 +724,13 @@ log: {{every_steps: 1}}
     def test_a_linear_applies_the_relu_after_it_in_its_gemm(self):
         """model.fuse: a relu right after a linear is applied by the linear's GEMM (cuBLASLt's RELU_BIAS or RELU
         epilogue), which writes the relu's output; the linear's backward masks the gradient in place where that
-        output is not positive (in FP32, with a bias, in the pass that sums the bias gradient). 4 steps of an MLP (with and without a bias) end where model.fuse false does (two
-        kernels apart): on the stand-in bit for bit in fp32 and bf16, with no act_fwd_kernel. cuBLASLt's max(x, 0)
+        output is not positive (with a bias and FP32 operands, in the pass that sums the bias gradient). 4 steps
+        of an MLP (with and without a bias) end where model.fuse false does (two kernels apart): on the stand-in
+        bit for bit in fp32 and bf16, with no act_fwd_kernel. cuBLASLt's max(x, 0)
         may make a NaN 0 (the stand-in's does), where the relu's kernel passes it: a NaN in the data still fails
         the step (exit 4), through the gradient it leaves in the first layer's weights. fp16, whose activations
         overflow (an inf - inf in a hidden layer would leave no such trace), keeps its relus apart."""
-        cfg = self.images_config("mlp.yaml", """\
-    - flatten
-    - linear: {out: 32}
-    - relu
-    - linear: {out: 24, bias: false}
-    - relu
-    - linear: {out: 3}
-""")
+        cfg = self.images_config("mlp.yaml", MLP_RELUS)
         relus, steps = 2, 4
         for prec in ("fp32", "bf16"):
             got = self.fuse_pair(cfg, prec)
@@ -734,13 +739,12 @@ log: {{every_steps: 1}}
                 assert_params_equal(self, got["true"][0], got["false"][0], prec)
                 on, off = got["true"][1], got["false"][1]
                 self.assertEqual((on.get("act_fwd_kernel", 0), off.get("act_fwd_kernel", 0)), (0, relus * steps), prec)
-                # backward: the first linear (with a bias) masks its dy as it sums the bias gradient, one pass (the
-                # second has no bias, so its mask stays a kernel of its own); FP32 products in bf16 too, whose
-                # copies need 16 rows or more (12 here)
-                fused = steps
+                # backward: the first linear (with a bias) masks its dy as it sums the bias gradient, one pass a
+                # step (the second has no bias, so its mask stays a kernel of its own); FP32 products in bf16 too,
+                # whose copies need 16 rows or more (12 here)
                 self.assertEqual((on.get("act_bwd_kernel"), on.get("relu_bias_grad_rows_kernel", 0)),
-                                 (off.get("act_bwd_kernel") - fused, fused), prec)
-                self.assertEqual(on.get("bias_grad_rows_kernel", 0), off.get("bias_grad_rows_kernel", 0) - fused, prec)
+                                 (off.get("act_bwd_kernel") - steps, steps), prec)
+                self.assertEqual(on.get("bias_grad_rows_kernel", 0), off.get("bias_grad_rows_kernel", 0) - steps, prec)
         if SIM:  # fp16, whose activations overflow, keeps the relus apart: an inf - inf must reach the loss
             self.assertEqual(self.fuse_pair(cfg, "fp16")["true"][1].get("act_fwd_kernel"), relus * steps)
         rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", f"checkpoint.dir={self.w.file('nan')}", "--set",
@@ -757,14 +761,7 @@ log: {{every_steps: 1}}
         weights of that input NaN (the relu made its outputs 0 on their way to the loss, so the loss stays
         finite): one rank counts the 32 that two ranks' bucket checks count, with SGD and AdamW, clipped or
         not, and launches no sum of squares of its own."""
-        cfg = self.images_config("mlp.yaml", """\
-    - flatten
-    - linear: {out: 32}
-    - relu
-    - linear: {out: 24, bias: false}
-    - relu
-    - linear: {out: 3}
-""")
+        cfg = self.images_config("mlp.yaml", MLP_RELUS)
         for optim in ("sgd", "adamw"):
             for clip in ("0", "1.0"):
                 for np_ in (1, 2):
