@@ -17,8 +17,8 @@ __global__ void sgd_kernel(float *p, const float *g, float *mom, int64_t n, cons
   float lr = hyper[0];
   int first = hyper[1] != 0.0f, bad = 0;
   GRID_STRIDE(i, n) {
-    float gi = g[i], pi = p[i],
-          d = gi + wd * pi;  // p read once: the store to mom would make the compiler read it again
+    // p read once: the store to mom would make the compiler read it again
+    float gi = g[i], pi = p[i], d = gi + wd * pi;
     bad += !isfinite(gi);
     if (momentum > 0) {
       float buf = first ? d : momentum * mom[i] + d;

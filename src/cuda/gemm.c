@@ -222,9 +222,8 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
   const size_t bytes16 = q->m && q->n ? gemm16_plan(im, op, &a, &b) : 0;
   DT_ASSERT(!q->a_col_sums || (q->batch <= 1 && !q->a16));
   DT_ASSERT(!q->relu_y || (q->batch <= 1 && !q->a16));
-  if (!bytes16 || q->relu_y)
-    cuda_forget_dy16(im); /* only the bfloat16 path below reuses or holds one; a masked
-                             A is not what an earlier copy holds */
+  /* only the bfloat16 path below reuses or holds one, and a masked A is not what an earlier copy holds */
+  if (!bytes16 || q->relu_y) cuda_forget_dy16(im);
   const int64_t a_rows = DT_GEMM_A_ROWS(q), a_cols = DT_GEMM_A_COLS(q);
   if (q->relu_y && q->a_col_sums && !bytes16) { /* the relu's backward and the sums in one pass */
     k_relu_bias_grad(im->stream, (float *)q->a, q->relu_y, q->a_col_sums, a_rows, a_cols);
