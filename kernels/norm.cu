@@ -327,9 +327,10 @@ __global__ void ln_fwd_kernel(const float *x, const float *gamma, const float *b
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x) yr[j] = (float)(((double)xr[j] - mu) * rs) * gamma[j] + beta[j];
 }
 
-// One block per row: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma.
+// One block per row: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma, plus add (NULL, or a
+// residual's gradient through its shortcut; the value rounded first, as the add kernel's sum, no FMA).
 __global__ void ln_bwd_dx_kernel(const float *x, const float *dy, const float *gamma, const float *mean,
-                                 const float *rstd, float *dx, int64_t d) {
+                                 const float *rstd, float *dx, const float *add, int64_t d) {
   const int64_t off = blockIdx.x * d;
   const float m = mean[blockIdx.x], rs = rstd[blockIdx.x];
   __shared__ float s_ma, s_mb;
@@ -345,8 +346,8 @@ __global__ void ln_bwd_dx_kernel(const float *x, const float *dy, const float *g
   __syncthreads();
   float ma = s_ma, mb = s_mb;
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
-    float g = dy[off + j] * gamma[j], xh = (x[off + j] - m) * rs;
-    dx[off + j] = rs * (g - ma - xh * mb);
+    float g = dy[off + j] * gamma[j], xh = (x[off + j] - m) * rs, v = rs * (g - ma - xh * mb);
+    dx[off + j] = add ? __fadd_rn(v, add[off + j]) : v;
   }
 }
 
@@ -490,9 +491,9 @@ void k_ln_fwd(cudaStream_t s, const float *x, const float *gamma, const float *b
 }
 
 void k_ln_bwd(cudaStream_t s, const float *x, const float *dy, const float *gamma, const float *mean, const float *rstd,
-              float *dx, float *dgamma, float *dbeta, int64_t n, int64_t d, double *partials) {
+              float *dx, const float *dx_add, float *dgamma, float *dbeta, int64_t n, int64_t d, double *partials) {
   if (!n || !d) return;
-  if (dx) LAUNCH(ln_bwd_dx_kernel, (unsigned)n, row_threads(d), 0, s)(x, dy, gamma, mean, rstd, dx, d);
+  if (dx) LAUNCH(ln_bwd_dx_kernel, (unsigned)n, row_threads(d), 0, s)(x, dy, gamma, mean, rstd, dx, dx_add, d);
   const int64_t COLS = 128, most = K_LN_CHUNKS;
   int64_t chunks = n < most ? n : most, per = (n + chunks - 1) / chunks;
   chunks = (n + per - 1) / per;  // no empty chunk

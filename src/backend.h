@@ -395,6 +395,8 @@ typedef struct {
       int64_t n, d;
       const float *x, *dy, *gamma, *mean, *rstd;
       float *dx;             /* (N, D) overwritten; NULL: only the parameter gradients */
+      const float *dx_add;   /* (N, D) or NULL: added to dx as it is written, each value rounded first (a
+                                residual's gradient through its identity shortcut) */
       float *dgamma, *dbeta; /* (D) added into */
     } ln_bwd;
     struct {

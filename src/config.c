@@ -25,7 +25,8 @@ static const dt_key config_keys[] = {
      "PyTorch's strict load_state_dict"},
     {"model.fuse", DT_KEY_BOOL, F(fuse), "true", NOB, NULL,
      "a relu right after a batchnorm, a residual or a linear runs inside it (one pass fewer over the activations, "
-     "the same results bit for bit), and a tanh gelu between two linears inside their GEMMs (CUDA: cuBLASLt's "
+     "the same results bit for bit), a layernorm opening a residual's body adds the shortcut's gradient as it "
+     "writes its own (the same bits), and a tanh gelu between two linears inside their GEMMs (CUDA: cuBLASLt's "
      "epilogues; one gradient buffer fewer; on the CPU the same bits), and under bf16 and fp16 on CUDA a conv2d "
      "without a bias hands the batchnorm after it its output, and takes its gradient, in cuDNN's 16-bit NHWC, as "
      "such a batchnorm does to a conv2d after it, or to a maxpool before a conv2d (no copies to and from FP32 "

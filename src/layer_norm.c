@@ -254,6 +254,7 @@ static void ln_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
                            .mean = s->mean,
                            .rstd = s->rstd,
                            .dx = dx,
+                           .dx_add = dx && l->dx_adds ? l->dx_adds->dy : NULL,
                            .dgamma = pass->grads + l->tensors[0].offset,
                            .dbeta = pass->grads + l->tensors[1].offset}};
   backend_run(pass->be, &op);

@@ -84,7 +84,7 @@ static void residual_backward(dt_layer *l, dt_pass *pass, const float *x, float 
     seq_backward(&l->shortcut, pass, x, dx ? s->dx_short : NULL);
   }
   seq_backward(&l->body, pass, x, dx);
-  if (!dx) return;
+  if (!dx || l->body.layers[0]->dx_adds == l) return; /* else a layernorm opening the body has added dy */
   dt_op op = {.type = DT_OP_ADD};
   op.p.add = (typeof(op.p.add)){
       .n = pass->batch * shape_size(l->in), .a = dx, .b = l->shortcut.n ? s->dx_short : l->dy, .y = dx, .h16 = l->x16};

@@ -221,7 +221,8 @@ static void link_residual(dt_seq *s, int i) {
  * batchnorm right after a convolution without a bias may take that layer's output, and give its
  * gradient, as the convolution has them, and hand its own to a convolution right after it (or after
  * its fused relu), or to a maxpool that such a convolution follows, so too (model_pick_ops decides, for
- * the backend). */
+ * the backend). A layernorm opening a residual's body (a pre-LN transformer block's) adds the identity
+ * shortcut's gradient into its input gradient as it writes it, in place of the residual's sum. */
 static void fuse_seq(dt_seq *s, int linear_relu) {
   for (int i = 0; i < s->n; i++) {
     dt_layer *l = s->layers[i];
@@ -254,6 +255,8 @@ static void fuse_seq(dt_seq *s, int linear_relu) {
         l->pool_next = next, next->conv_next = s->layers[after + 1];
     }
     if (l->ops->traits & DT_LAYER_RESIDUAL) link_residual(s, i);
+    if ((l->ops->traits & DT_LAYER_RESIDUAL) && !l->shortcut.n && (l->body.layers[0]->ops->traits & DT_LAYER_NORM))
+      l->body.layers[0]->dx_adds = l;
   }
 }
 

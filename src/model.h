@@ -165,6 +165,9 @@ struct dt_layer {
   dt_layer *dgelu_aux;   /* linear right after such a gelu: the linear before the gelu, whose y is the gelu's
                             input; this layer's input gradient passes through the gelu's derivative in its
                             GEMM's epilogue, into the gelu's dy, which is that linear's (dy_of) */
+  dt_layer *dx_adds;     /* layernorm opening the body of a residual with no shortcut layers (model.fuse): that
+                            residual, whose dy this layer's backward adds into its dx as it writes it (the
+                            shortcut's gradient, which the residual then does not add) */
   int too_large;         /* layer_add_tensor got a tensor of more than DT_MAX_ELEMENTS */
   int fused_attention;   /* attention: its heads in the fused ops (model.attention, heads of at most
                             DT_ATTENTION_MAX_HD values) */

@@ -1963,6 +1963,35 @@ static void ln_case(int64_t D, int64_t cap, int64_t n, const char *rows_name) {
   }
   ot_check("dgamma (added into twice)", dgamma, n ? D : 0);
   ot_check("dbeta (added into twice)", dbeta, n ? D : 0);
+  /* a residual's gradient added to dx as it is written (dx_add): on each backend the bits of the op without
+   * it followed by the add op, as the residual adds it apart (model.fuse false) */
+  dbuf add = ot_rand(cap * D, -1, 1), fused = ot_rand(cap * D, -1, 1), apart = ot_buf(OT_F32, fused.init, cap * D);
+  ot_case(DT_OP_LN_BWD, "D %lld, dx_add, %s", (long long)D, rows_name);
+  for (int sep = 0; sep < 2; sep++) BOTH {
+      dt_op op = {.type = DT_OP_LN_BWD,
+                  .p.ln_bwd = {.n = n,
+                               .d = D,
+                               .x = F(x),
+                               .dy = F(dy),
+                               .gamma = F(gamma),
+                               .mean = F(mean),
+                               .rstd = F(rstd),
+                               .dx = sep ? F(apart) : F(fused),
+                               .dx_add = sep ? NULL : F(add),
+                               .dgamma = F(dgamma),
+                               .dbeta = F(dbeta)}};
+      RUN(op);
+      if (sep) {
+        dt_op sum = {.type = DT_OP_ADD, .p.add = {.n = n * D, .a = F(apart), .b = F(add), .y = F(apart)}};
+        RUN(sum);
+      }
+    }
+  ot_check("dx plus dx_add", fused, n * D);
+  for (int side = 0; side < 2; side++)
+    for (int64_t i = 0; i < n * D; i++)
+      if (ot_get(fused, side, i) != ot_get(apart, side, i))
+        fail_msg("op ln_bwd [%s]: dx[%lld] on the %s is %.9g with dx_add, %.9g with the add op after", ot.kase,
+                 (long long)i, side ? "GPU" : "CPU", ot_get(fused, side, i), ot_get(apart, side, i));
 }
 
 static void ops_layernorm(void) {

@@ -235,11 +235,9 @@ class GpuTraining(GpuCase):
             self.assertNotIn("device:", out)
             self.assertRegex(out, r"(?m)^training: .* cpu backend")
 
-    def test_transformer_matches_the_cpu(self):
-        """A GPT (embedding with positions, pre-LN blocks with causal attention and attention dropout,
-        tied head, padding left out by ignore_index) on 2 ranks: CUDA against the CPU, steps captured
-        as graphs after the first and replayed although each step's count of real targets differs (the
-        loss weight is read on the device). The last global batch has 2 rows: a rank runs one."""
+    def gpt_config(self):
+        """A GPT (embedding with positions, pre-LN blocks with causal attention and attention dropout, tied
+        head, padding left out by ignore_index) on 26 rows of 9 tokens (18 for training): its config's path."""
         rng = np.random.default_rng(0)
         rows = rng.integers(1, 20, (26, 9)).astype(np.int32)
         for r in rows:  # padding of varying length: each step averages over a different count
@@ -266,6 +264,13 @@ class GpuTraining(GpuCase):
             optim: {{name: adamw, lr: 0.003, weight_decay: 0.1, no_decay: [bias, norm, embedding]}}
             log: {{dir: {dir}/log, every_steps: 1}}
             """)
+        return cfg
+
+    def test_transformer_matches_the_cpu(self):
+        """The GPT on 2 ranks: CUDA against the CPU, steps captured as graphs after the first and replayed
+        although each step's count of real targets differs (the loss weight is read on the device). The last
+        global batch has 2 rows: a rank runs one."""
+        cfg = self.gpt_config()
         rc, out, err = run([cfg, "--device", "cpu", "--set", f"checkpoint.dir={self.w.file('cpu')}",
                             "--set", f"log.dir={self.w.file('cpu')}"], np_=2)
         self.assertEqual(rc, 0, out + err)
@@ -294,6 +299,27 @@ class GpuTraining(GpuCase):
             np.testing.assert_allclose(got[weight][24:48], want[weight][24:48], rtol=0, atol=1e-5, err_msg=weight)
             got[weight], want[weight] = np.delete(got[weight], np.s_[24:48], 0), np.delete(want[weight], np.s_[24:48], 0)
         assert_params_close(self, got, want, 1e-5, "CUDA against CPU")
+
+    def test_a_layernorm_opening_a_residual_adds_its_shortcut_gradient(self):
+        """model.fuse: the layernorm opening each pre-LN block's residual adds the identity shortcut's gradient
+        into its input gradient as it writes it, where the residual added it in a pass of its own. The GPT's 9
+        steps on the CPU end bit for bit where model.fuse false does; on CUDA the stand-in counts one add a
+        residual and step fewer (the backward's; the forward's sums and validation's remain)."""
+        cfg = self.gpt_config()
+        for fuse in ("true", "false"):
+            rc, out, err = run([cfg, "--device", "cpu", "--set", f"model.fuse={fuse}", "--set",
+                                f"checkpoint.dir={self.w.file('cpu' + fuse)}"], np_=2)
+            self.assertEqual(rc, 0, out + err)
+        assert_params_equal(self, params(self.w.latest("cputrue")), params(self.w.latest("cpufalse")), "cpu")
+        if not SIM:
+            return
+        adds = {}
+        for fuse in ("true", "false"):
+            rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", f"model.fuse={fuse}", "--set",
+                                    f"checkpoint.dir={self.w.file('gpu' + fuse)}"], 1, dict(ENV1, GPUSIM_PROFILE="1"))
+            self.assertEqual(rc, 0, out + err)
+            adds[fuse] = int(re.search(r"^\s*add_kernel\s+(\d+)\s", err, re.M).group(1))
+        self.assertEqual(adds["false"] - adds["true"], 4 * 9, adds)  # 4 residuals, 9 steps
 
     def test_a_rank_with_no_rows_matches_the_cpu(self):
         """42 rows, a global batch of 8 on 3 ranks: the last batch has 2 rows, so rank 2 gets none."""

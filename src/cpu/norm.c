@@ -230,8 +230,8 @@ VECTOR_CLONES void cpu_ln_fwd(cpu_impl *im, const dt_op *op) {
 }
 
 /* xhat = (x - mean) * rstd, g = dy * gamma: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) per
- * row (means in double); dgamma += sum_n dy * xhat, dbeta += sum_n dy, in double over rows in
- * increasing order. */
+ * row (means in double), plus dx_add (rounded first: the add op's sum); dgamma += sum_n dy * xhat,
+ * dbeta += sum_n dy, in double over rows in increasing order. */
 VECTOR_CLONES void cpu_ln_bwd(cpu_impl *im, const dt_op *op) {
   (void)im;
   const typeof(op->p.ln_bwd) *q = &op->p.ln_bwd;
@@ -240,6 +240,7 @@ VECTOR_CLONES void cpu_ln_bwd(cpu_impl *im, const dt_op *op) {
   for (int64_t r = 0; r < (q->dx ? q->n : 0); r++) { /* dx NULL: the parameter gradients only */
     const float *x = q->x + r * d, *dy = q->dy + r * d;
     float *dx = q->dx + r * d;
+    const float *add = q->dx_add ? q->dx_add + r * d : NULL;
     float m = q->mean[r], rs = q->rstd[r];
     double a = 0, b = 0;
     for (int64_t j = 0; j < d; j++) {
@@ -249,8 +250,8 @@ VECTOR_CLONES void cpu_ln_bwd(cpu_impl *im, const dt_op *op) {
     }
     float ma = (float)(a / (double)d), mb = (float)(b / (double)d);
     for (int64_t j = 0; j < d; j++) {
-      float g = dy[j] * q->gamma[j], xh = (x[j] - m) * rs;
-      dx[j] = rs * (g - ma - xh * mb);
+      float g = dy[j] * q->gamma[j], xh = (x[j] - m) * rs, v = rs * (g - ma - xh * mb);
+      dx[j] = add ? v + add[j] : v;
     }
   }
   if (!q->n) return;

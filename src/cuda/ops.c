@@ -189,7 +189,8 @@ void cuda_ln_bwd(cuda_impl *im, const dt_op *op) {
   if (!q->n) return;
   double *partials =
       cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes, cuda_partials_bytes(op), "layernorm sums");
-  k_ln_bwd(im->stream, q->x, q->dy, q->gamma, q->mean, q->rstd, q->dx, q->dgamma, q->dbeta, q->n, q->d, partials);
+  k_ln_bwd(im->stream, q->x, q->dy, q->gamma, q->mean, q->rstd, q->dx, q->dx_add, q->dgamma, q->dbeta, q->n, q->d,
+           partials);
 }
 
 /* kernels/pool.cu */
