@@ -266,7 +266,7 @@ static void ln_memory(const dt_layer *l, int64_t batch, int threads, dt_memory *
 }
 
 const dt_layer_ops dt_layer_layernorm = {.kind = "layernorm",
-                                         .traits = DT_LAYER_NORM,
+                                         .traits = DT_LAYER_NORM | DT_LAYER_ADDS_DX,
                                          .keys = ln_keys,
                                          .n_keys = 1,
                                          .setup = ln_setup,

@@ -255,8 +255,8 @@ static void fuse_seq(dt_seq *s, int linear_relu) {
         l->pool_next = next, next->conv_next = s->layers[after + 1];
     }
     if (l->ops->traits & DT_LAYER_RESIDUAL) link_residual(s, i);
-    if ((l->ops->traits & DT_LAYER_RESIDUAL) && !l->shortcut.n && (l->body.layers[0]->ops->traits & DT_LAYER_NORM))
-      l->body.layers[0]->dx_adds = l;
+    if ((l->ops->traits & DT_LAYER_RESIDUAL) && !l->shortcut.n && (l->body.layers[0]->ops->traits & DT_LAYER_ADDS_DX))
+      l->body.layers[0]->dx_adds = l; /* a layernorm: a batchnorm (a pre-activation block's) adds nothing */
   }
 }
 

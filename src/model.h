@@ -112,7 +112,9 @@ enum {
                                NHWC values as they are */
   DT_LAYER_RESIDUAL = 1024, /* a residual: between such a batchnorm (or another) and a convolution, a global
                                average pool (or another), it may add 16-bit NHWC values (model.c's pick_trunk16) */
-  DT_LAYER_GAP = 2048       /* a global average pool: it may average such a residual's 16-bit sums */
+  DT_LAYER_GAP = 2048,      /* a global average pool: it may average such a residual's 16-bit sums */
+  DT_LAYER_ADDS_DX = 4096   /* a layernorm: opening a residual's body, its backward may add the residual's
+                               gradient into its input gradient (dx_adds, model.fuse) */
 };
 
 /* The layer kinds (layers.c): the one of that name in the config, or NULL; their names (n_kinds). */

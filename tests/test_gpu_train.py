@@ -131,6 +131,21 @@ class GpuCase(unittest.TestCase):
             return dict(zip(names, pool.map(one, names)))
 
 
+    def images_config(self, name, layers):
+        """A config over 48 random (2, 8, 8) images: the given layers (model.layers' lines), 4 SGD steps of 12
+        rows with no CUDA graphs, a loss logged each step. Returns its path."""
+        self.w.dataset(n=48, shape=(2, 8, 8))
+        cfg = self.w.file(name)
+        with open(cfg, "w") as f:
+            f.write("model:\n  input: [2, 8, 8]\n  layers:\n" + layers + f"""\
+data: {{path: {self.w.file("data.h5")}, scale: 0.00392156862745098, val: {{x: ""}}}}
+train: {{max_steps: 4, global_batch_size: 12, seed: 5, cuda_graph: off}}
+optim: {{name: sgd, lr: 0.1, momentum: 0.9}}
+log: {{every_steps: 1}}
+""")
+        return cfg
+
+
 @unittest.skipUnless(VISIBLE1, "no GPU visible (ddp_train --info)")
 class GpuTraining(GpuCase):
     def test_50_steps_of_the_default_cnn_match_the_cpu(self):
@@ -303,20 +318,35 @@ class GpuTraining(GpuCase):
     def test_a_layernorm_opening_a_residual_adds_its_shortcut_gradient(self):
         """model.fuse: the layernorm opening each pre-LN block's residual adds the identity shortcut's gradient
         into its input gradient as it writes it, where the residual added it in a pass of its own. The GPT's 9
-        steps on the CPU end bit for bit where model.fuse false does; on CUDA the stand-in counts one add a
-        residual and step fewer (the backward's; the forward's sums and validation's remain)."""
+        steps on the CPU end bit for bit where model.fuse false does, as does a pre-activation residual whose
+        body opens with a batchnorm (which adds nothing); on CUDA the stand-in counts one add a residual and
+        step fewer (the backward's; the forward's sums and validation's remain)."""
         cfg = self.gpt_config()
         for fuse in ("true", "false"):
             rc, out, err = run([cfg, "--device", "cpu", "--set", f"model.fuse={fuse}", "--set",
-                                f"checkpoint.dir={self.w.file('cpu' + fuse)}"], np_=2)
+                                f"checkpoint.dir={self.w.file('cpu' + fuse)}", "--set", "log.dir="], np_=2)
             self.assertEqual(rc, 0, out + err)
         assert_params_equal(self, params(self.w.latest("cputrue")), params(self.w.latest("cpufalse")), "cpu")
+        # a batchnorm opening a pre-activation residual's body adds nothing: the residual adds the shortcut's
+        # gradient itself (it once gave the batchnorm the layernorm's role, and the shortcut's gradient was lost)
+        preact = self.images_config("preact.yaml", """\
+    - conv2d: {out: 4, kernel: 3, pad: 1}
+    - residual: {body: [batchnorm: {}, relu: {}, conv2d: {out: 4, kernel: 3, pad: 1}]}
+    - flatten
+    - linear: {out: 3}
+""")
+        for fuse in ("true", "false"):
+            rc, out, err = run([preact, "--device", "cpu", "--set", f"model.fuse={fuse}", "--set",
+                                f"checkpoint.dir={self.w.file('preact' + fuse)}"])
+            self.assertEqual(rc, 0, out + err)
+        assert_params_equal(self, params(self.w.latest("preacttrue")), params(self.w.latest("preactfalse")), "preact")
         if not SIM:
             return
         adds = {}
         for fuse in ("true", "false"):
             rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", f"model.fuse={fuse}", "--set",
-                                    f"checkpoint.dir={self.w.file('gpu' + fuse)}"], 1, dict(ENV1, GPUSIM_PROFILE="1"))
+                                    f"checkpoint.dir={self.w.file('gpu' + fuse)}", "--set", "log.dir="], 1,
+                                   dict(ENV1, GPUSIM_PROFILE="1"))
             self.assertEqual(rc, 0, out + err)
             adds[fuse] = int(re.search(r"^\s*add_kernel\s+(\d+)\s", err, re.M).group(1))
         self.assertEqual(adds["false"] - adds["true"], 4 * 9, adds)  # 4 residuals, 9 steps
@@ -692,20 +722,6 @@ class GpuPrecision(GpuCase):
             self.assertLess(abs(got[-5:].mean() - cpu[-5:].mean()) / cpu[-5:].mean(), 0.02, (prec, got, cpu))
             self.assertLess(got[-5:].mean(), 0.7 * got[0], prec)
             self.assertGreater(np.abs(got - cpu).max(), 0, prec)  # the reduced precision really rounds
-
-    def images_config(self, name, layers):
-        """A config over 48 random (2, 8, 8) images: the given layers (model.layers' lines), 4 SGD steps of 12
-        rows with no CUDA graphs, a loss logged each step. Returns its path."""
-        self.w.dataset(n=48, shape=(2, 8, 8))
-        cfg = self.w.file(name)
-        with open(cfg, "w") as f:
-            f.write("model:\n  input: [2, 8, 8]\n  layers:\n" + layers + f"""\
-data: {{path: {self.w.file("data.h5")}, scale: 0.00392156862745098, val: {{x: ""}}}}
-train: {{max_steps: 4, global_batch_size: 12, seed: 5, cuda_graph: off}}
-optim: {{name: sgd, lr: 0.1, momentum: 0.9}}
-log: {{every_steps: 1}}
-""")
-        return cfg
 
     def fuse_pair(self, cfg, prec, extra=()):
         """cfg on one GPU in precision prec with model.fuse true and false, the stand-in's profile on:
