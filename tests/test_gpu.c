@@ -1907,6 +1907,22 @@ static void ops_embed(void) {
 /* Layernorm over D = 37 and D = 300 (more than a block's threads), rows of (B, T = 5), and 130
  * rows (more than K_LN_CHUNKS chunks of dgamma, dbeta): y, mean, rstd; dx overwritten, dgamma
  * and dbeta added into. */
+static dt_op ln_bwd_op(int64_t n, int64_t d, const float *x, const float *dy, const float *gamma, const float *mean,
+                       const float *rstd, float *dx, const float *dx_add, float *dgamma, float *dbeta) {
+  return (dt_op){.type = DT_OP_LN_BWD,
+                 .p.ln_bwd = {.n = n,
+                              .d = d,
+                              .x = x,
+                              .dy = dy,
+                              .gamma = gamma,
+                              .mean = mean,
+                              .rstd = rstd,
+                              .dx = dx,
+                              .dx_add = dx_add,
+                              .dgamma = dgamma,
+                              .dbeta = dbeta}};
+}
+
 static void ln_case(int64_t D, int64_t cap, int64_t n, const char *rows_name) {
   dbuf x = ot_rand(cap * D, -2, 3), gamma = ot_rand(D, 0.5f, 1.5f), beta = ot_rand(D, -0.5f, 0.5f);
   dbuf y = ot_rand(cap * D, -1, 1), mean = ot_rand(cap, -1, 1), rstd = ot_rand(cap, -1, 1);
@@ -1931,17 +1947,7 @@ static void ln_case(int64_t D, int64_t cap, int64_t n, const char *rows_name) {
   ot_check("rstd", rstd, n);
   ot_case(DT_OP_LN_BWD, "D %lld, %s", (long long)D, rows_name);
   BOTH {
-    dt_op op = {.type = DT_OP_LN_BWD,
-                .p.ln_bwd = {.n = n,
-                             .d = D,
-                             .x = F(x),
-                             .dy = F(dy),
-                             .gamma = F(gamma),
-                             .mean = F(mean),
-                             .rstd = F(rstd),
-                             .dx = F(dx),
-                             .dgamma = F(dgamma),
-                             .dbeta = F(dbeta)}};
+    dt_op op = ln_bwd_op(n, D, F(x), F(dy), F(gamma), F(mean), F(rstd), F(dx), NULL, F(dgamma), F(dbeta));
     RUN(op);
   }
   ot_check("dx", dx, n * D);
@@ -1949,16 +1955,7 @@ static void ln_case(int64_t D, int64_t cap, int64_t n, const char *rows_name) {
   ot_check("dbeta (added into)", dbeta, n ? D : 0);
   ot_case(DT_OP_LN_BWD, "D %lld, no dx (the first layer's), %s", (long long)D, rows_name);
   BOTH {
-    dt_op op = {.type = DT_OP_LN_BWD,
-                .p.ln_bwd = {.n = n,
-                             .d = D,
-                             .x = F(x),
-                             .dy = F(dy),
-                             .gamma = F(gamma),
-                             .mean = F(mean),
-                             .rstd = F(rstd),
-                             .dgamma = F(dgamma),
-                             .dbeta = F(dbeta)}};
+    dt_op op = ln_bwd_op(n, D, F(x), F(dy), F(gamma), F(mean), F(rstd), NULL, NULL, F(dgamma), F(dbeta));
     RUN(op);
   }
   ot_check("dgamma (added into twice)", dgamma, n ? D : 0);
@@ -1968,18 +1965,8 @@ static void ln_case(int64_t D, int64_t cap, int64_t n, const char *rows_name) {
   dbuf add = ot_rand(cap * D, -1, 1), fused = ot_rand(cap * D, -1, 1), apart = ot_buf(OT_F32, fused.init, cap * D);
   ot_case(DT_OP_LN_BWD, "D %lld, dx_add, %s", (long long)D, rows_name);
   for (int sep = 0; sep < 2; sep++) BOTH {
-      dt_op op = {.type = DT_OP_LN_BWD,
-                  .p.ln_bwd = {.n = n,
-                               .d = D,
-                               .x = F(x),
-                               .dy = F(dy),
-                               .gamma = F(gamma),
-                               .mean = F(mean),
-                               .rstd = F(rstd),
-                               .dx = sep ? F(apart) : F(fused),
-                               .dx_add = sep ? NULL : F(add),
-                               .dgamma = F(dgamma),
-                               .dbeta = F(dbeta)}};
+      dt_op op = ln_bwd_op(n, D, F(x), F(dy), F(gamma), F(mean), F(rstd), sep ? F(apart) : F(fused),
+                           sep ? NULL : F(add), F(dgamma), F(dbeta));
       RUN(op);
       if (sep) {
         dt_op sum = {.type = DT_OP_ADD, .p.add = {.n = n * D, .a = F(apart), .b = F(add), .y = F(apart)}};
