@@ -132,10 +132,9 @@ static void linear_forward(dt_layer *l, dt_pass *pass, const float *x) {
  * bit (as a residual's), by the weight gradient's op, which on CUDA in FP32 sums the bias gradient in the same
  * pass. */
 static void linear_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
-  const int64_t rows = shape_rows(l->in, pass->batch);
-  if (l->fused_relu && l->y16) layer_mask_relu_dy(l, pass, rows * l->args.out); /* 16-bit y: its own op */
-  dense_backward(pass->be, rows, l->in.c, l->args.out, x, pass->params + weight_off(l), l->dy,
-                 l->fused_relu && !l->y16 ? l->y : NULL, pass->grads + weight_off(l),
+  /* a fused relu has a layer after it, so its linear is not the classifier, the one with 16-bit y */
+  dense_backward(pass->be, shape_rows(l->in, pass->batch), l->in.c, l->args.out, x, pass->params + weight_off(l), l->dy,
+                 l->fused_relu ? l->y : NULL, pass->grads + weight_off(l),
                  l->args.bias ? pass->grads + bias_off(l) : NULL, dx, l->dgelu_aux ? l->dgelu_aux->y : NULL, l->y16);
 }
 

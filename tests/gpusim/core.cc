@@ -289,10 +289,9 @@ const Config &config() {
   return core().cfg;
 }
 
-// The calling thread's depth of nested entry points, and whether it is running ready work
-// (GPUSIM_STREAM_ORDER=eager) as its outermost one ends.
+// The calling thread's depth of nested entry points: the outermost runs ready work as it ends
+// (GPUSIM_STREAM_ORDER=eager), and what that work enters nests inside it.
 static thread_local int api_depth;
-static thread_local bool running_ready;
 
 ApiLock::ApiLock() {
   core().lock.lock();
@@ -300,11 +299,7 @@ ApiLock::ApiLock() {
   init_locked();
 }
 ApiLock::~ApiLock() {
-  if (api_depth == 1 && !running_ready && stream_order() == ORDER_EAGER) {
-    running_ready = true;
-    run_ready_work();
-    running_ready = false;
-  }
+  if (api_depth == 1 && stream_order() == ORDER_EAGER) run_ready_work();
   api_depth--;
   core().lock.unlock();
 }

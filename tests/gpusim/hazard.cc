@@ -90,28 +90,24 @@ struct Tracker {
   std::set<std::pair<uint32_t, uint32_t>> warned;
 };
 
+// The index of environment variable var's value among names[0..2], names[0] when it is unset or empty.
+static int env_choice(const char *var, const char *const names[3]) {
+  const char *v = getenv(var);
+  if (!v || !*v) return 0;
+  for (int i = 0; i < 3; i++)
+    if (!strcmp(v, names[i])) return i;
+  fatal("%s=%s: expected %s, %s or %s", var, v, names[0], names[1], names[2]);
+}
+
 Tracker &tr() {
   static Tracker *t = new Tracker;  // lives until the process ends
   if (!t->ready) {
     t->ready = true;
-    const char *h = getenv("GPUSIM_HAZARDS");
-    if (!h || !*h || !strcmp(h, "error"))
-      t->mode = HAZARD_ERROR;
-    else if (!strcmp(h, "warn"))
-      t->mode = HAZARD_WARN;
-    else if (!strcmp(h, "off"))
-      t->mode = HAZARD_OFF;
-    else
-      fatal("GPUSIM_HAZARDS=%s: expected error, warn or off", h);
-    const char *o = getenv("GPUSIM_STREAM_ORDER");
-    if (!o || !*o || !strcmp(o, "lazy"))
-      t->order = ORDER_LAZY;
-    else if (!strcmp(o, "seeded"))
-      t->order = ORDER_SEEDED;
-    else if (!strcmp(o, "eager"))
-      t->order = ORDER_EAGER;
-    else
-      fatal("GPUSIM_STREAM_ORDER=%s: expected lazy, seeded or eager", o);
+    static const char *const modes[3] = {"error", "warn", "off"}, *const orders[3] = {"lazy", "seeded", "eager"};
+    static const HazardMode mode_of[3] = {HAZARD_ERROR, HAZARD_WARN, HAZARD_OFF};
+    static const StreamOrder order_of[3] = {ORDER_LAZY, ORDER_SEEDED, ORDER_EAGER};
+    t->mode = mode_of[env_choice("GPUSIM_HAZARDS", modes)];
+    t->order = order_of[env_choice("GPUSIM_STREAM_ORDER", orders)];
   }
   return *t;
 }
