@@ -126,6 +126,32 @@ class GpuFaults(FaultCases, unittest.TestCase):
         self.assertIn("on rank 1 (1 of 2 ranks failed): NCCL initialisation failed", errors(err)[0])
         self.assertLess(took, 30)  # not the 60 s deadline
 
+    @unittest.skipUnless(SIM, "needs the stand-in's fault injection (GPUSIM_KERNEL_FAULT)")
+    def test_a_gpu_fault_on_one_rank_ends_the_job_at_once_naming_it(self):
+        """Rank 1's first kernel of step 4 (a replayed graph) faults as a GPU's illegal address would: the
+        error surfaces at the host's next call, whose file and line are not the cause, so rank 1 names it a
+        GPU fault and where to look rather than a bug at that line; the job ends at once with 70 (rank 0,
+        waiting in step 4's all-reduce, with it) and step 2's checkpoint stays the latest."""
+        for order in ("lazy", "eager"):  # eagerly step 4 runs, and faults, before the host has read step 3
+            self.w.cleanup()
+            self.setUp()
+            rc, out, err, took = self.run_gpu(["--set", "checkpoint.every_steps=2", "--set", "dist.timeout_s=60"],
+                                              env={"GPUSIM_KERNEL_FAULT": "input_kernel:4@1",
+                                                   "GPUSIM_STREAM_ORDER": order})
+            self.assertEqual(rc, 70, out + err)
+            self.assertIn("cuda graph: on", out)
+            self.assertRegex(out, r"(?m)^step 2/")
+            if order == "lazy":
+                self.assertRegex(out, r"(?m)^step 3/")
+            self.assertNotRegex(out, r"(?m)^step 4/")
+            self.assertEqual(len(errors(err)), 1, err)
+            self.assertRegex(errors(err)[0], r"^ddp_train: error: rank 1: the GPU faulted: an illegal memory access "
+                             r"was encountered \(cudaErrorIllegalAddress\), reported by .+ at src/cuda/\S+:\d+\. ")
+            self.assertIn("rerun with CUDA_LAUNCH_BLOCKING=1 or under compute-sanitizer", errors(err)[0])
+            self.assertNotIn("ddp_train: bug:", err)
+            self.assertTrue(self.w.latest().endswith("step-00000002.h5"))
+            self.assertLess(took, 30)  # not the 60 s deadline
+
 
 @unittest.skipUnless(VISIBLE1 >= 1, "no GPU visible")
 class GpuFaultsSharedGpu(FaultCases, unittest.TestCase):

@@ -184,7 +184,7 @@ static int cuda_reached(dt_backend *be, int slot) {
   cuda_impl *im = be->impl;
   cudaError_t q = cudaEventQuery(im->marks[slot]);
   if (q == cudaErrorNotReady) return 0;
-  CUDA_CHECK(q);
+  CUDA_CHECK_AS(q, "cudaEventQuery(im->marks[slot])");
   if (im->mark_seq[slot] > im->retired_after) free_retired(im);
   return 1;
 }

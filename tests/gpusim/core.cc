@@ -46,6 +46,8 @@ struct Core {
   int context_device = -1;             // the device this process made its first context on
   std::map<uintptr_t, size_t> pinned;  // cudaMallocHost blocks
   uint64_t seeds = 0;
+  uint64_t fault_launches = 0;       // launches so far of GPUSIM_KERNEL_FAULT's kernel
+  cudaError_t sticky = cudaSuccess;  // the context's sticky error after a device fault
   struct sigaction previous_segv, previous_bus;
 };
 
@@ -126,6 +128,27 @@ void install_handler() {
   sigaction(SIGBUS, &sa, &c.previous_bus);
 }
 
+// GPUSIM_KERNEL_FAULT=NAME[:N][@RANK] into cfg (empty: no fault).
+void parse_kernel_fault(Config &cfg, const char *kf) {
+  if (!*kf) return;
+  size_t name = strcspn(kf, ":@");
+  const char *p = kf + name;
+  char *end = nullptr;
+  bool ok = name > 0 && name < sizeof cfg.kernel_fault;
+  if (ok && *p == ':') {
+    unsigned long long n = strtoull(p + 1, &end, 10);
+    ok = end != p + 1 && n >= 1 && p[1] != '-';
+    cfg.kernel_fault_launch = n, p = end;
+  }
+  if (ok && *p == '@') {
+    long r = strtol(p + 1, &end, 10);
+    ok = end != p + 1 && r >= 0 && r < 1 << 20;
+    cfg.kernel_fault_rank = (int)r, p = end;
+  }
+  if (!ok || *p) fatal("GPUSIM_KERNEL_FAULT=%s: expected KERNEL[:N][@RANK], e.g. add_kernel:3@1", kf);
+  memcpy(cfg.kernel_fault, kf, name);
+}
+
 void init_locked() {
   Core &c = core();
   if (c.ready) return;
@@ -139,6 +162,8 @@ void init_locked() {
   cfg.memory_bytes = env_size("GPUSIM_MEMORY_MIB", 81559) << 20;
   cfg.seed = env_size("GPUSIM_SEED", 1);
   cfg.nccl_fault = getenv("GPUSIM_NCCL_FAULT");
+  cfg.kernel_fault_launch = 1, cfg.kernel_fault_rank = -1;
+  if (const char *kf = getenv("GPUSIM_KERNEL_FAULT")) parse_kernel_fault(cfg, kf);
   cfg.cc_major = 9, cfg.cc_minor = 0;  // an H100's
   const char *cc = getenv("GPUSIM_CC");
   if (cc && *cc) {
@@ -279,6 +304,23 @@ void on_fault(int sig, siginfo_t *info, void *uctx) {
 }
 
 }  // namespace
+
+bool kernel_faults(const char *name) {
+  Core &c = core();
+  const Config &cfg = c.cfg;
+  if (!cfg.kernel_fault[0] || strcmp(name, cfg.kernel_fault) ||
+      (cfg.kernel_fault_rank >= 0 && cfg.kernel_fault_rank != cfg.rank))
+    return false;
+  if (++c.fault_launches != cfg.kernel_fault_launch) return false;
+  warn("GPUSIM_KERNEL_FAULT: launch %llu of %s faults (an illegal address); the context is broken from here on",
+       (unsigned long long)c.fault_launches, name);
+  c.sticky = cudaErrorIllegalAddress;
+  return true;
+}
+
+cudaError_t sticky_error() {
+  return core().sticky;
+}
 
 void reinstall_fault_handler() {
   install_handler();

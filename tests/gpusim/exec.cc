@@ -552,6 +552,7 @@ void print_profile() {
 }  // namespace
 
 void run_kernel(const gpusim_launch_desc *d, void *task) {
+  if (kernel_faults(d->name)) return;
   Executor &e = ex();
   static bool profiling = getenv("GPUSIM_PROFILE") && atexit(print_profile) == 0;
   double t0 = profiling ? now_s() : 0;
@@ -687,6 +688,10 @@ extern "C" void *gpusim_dynamic_shared(void) {
 extern "C" void gpusim_launch(const gpusim_launch_desc *d, void *task) {
   ApiLock lock;
   std::unique_ptr<KernelOp> op(new KernelOp(*d, task));
+  if (cudaError_t e = sticky_error()) {  // a broken context launches nothing
+    set_error(e);
+    return;
+  }
   Stream *s = stream_of(d->stream);
   if (!s) {
     set_error(cudaErrorInvalidResourceHandle);

@@ -64,6 +64,11 @@ struct Config {
   size_t memory_bytes;     // GPUSIM_MEMORY_MIB (default 81559): capacity per device
   uint64_t seed;           // GPUSIM_SEED (default 1): block, thread and completion orders
   const char *nccl_fault;  // GPUSIM_NCCL_FAULT: "init@RANK" or "hang@RANK" (tests)
+  // GPUSIM_KERNEL_FAULT=NAME[:N][@RANK]: the Nth launch (the first) of kernel NAME faults, on rank
+  // RANK (every rank): kernel_fault[0] == 0 for none
+  char kernel_fault[128];
+  uint64_t kernel_fault_launch;
+  int kernel_fault_rank;
   int cc_major, cc_minor;  // GPUSIM_CC (default "9.0"): the devices' compute capability
   int ptx_version;         // GPUSIM_PTX (default the devices'): the PTX the kernels' code is compiled from
   int rank;                // OMPI_COMM_WORLD_RANK or -1, for messages
@@ -301,6 +306,13 @@ void declare_access(Op *op, const void *p, size_t bytes, bool write);
 
 // The runtime's per-thread last error (cudaGetLastError).
 cudaError_t set_error(cudaError_t e);
+
+// A device fault (GPUSIM_KERNEL_FAULT), as a GPU's illegal address in a kernel: kernel_faults(name)
+// is called as a kernel starts to run, and true means that it does not run and the process's context
+// is broken from then on: queued and later work is dropped unrun, and every runtime call that uses
+// the device returns sticky_error() (cudaErrorIllegalAddress; cudaSuccess before any fault).
+bool kernel_faults(const char *name);
+cudaError_t sticky_error();
 
 // ---- stream capture (graph.cc) ---------------------------------------------------------------
 // While a stream captures, what is enqueued on it becomes a node of the capture's graph instead

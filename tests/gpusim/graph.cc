@@ -305,6 +305,7 @@ extern "C" {
 
 cudaError_t cudaStreamBeginCapture(cudaStream_t h, cudaStreamCaptureMode mode) {
   ApiLock lock;
+  if (cudaError_t e = sticky_error()) return set_error(e);  // a broken context (kernel_faults)
   Stream *s = stream_of(h);
   if (!s) return set_error(cudaErrorInvalidResourceHandle);
   // the legacy stream cannot capture (cudaStreamPerThread is the legacy stream here)
@@ -327,6 +328,7 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t h, cudaStreamCaptureMode mode) {
 
 cudaError_t cudaStreamEndCapture(cudaStream_t h, cudaGraph_t *out) {
   ApiLock lock;
+  if (cudaError_t e = sticky_error()) return set_error(e);  // a broken context (kernel_faults)
   Stream *s = stream_of(h);
   if (!s) return set_error(cudaErrorInvalidResourceHandle);
   if (!out) return set_error(cudaErrorInvalidValue);
@@ -414,6 +416,7 @@ cudaError_t cudaGraphGetNodes(cudaGraph_t h, cudaGraphNode_t *nodes, size_t *cou
 // refused.
 cudaError_t cudaGraphInstantiate(cudaGraphExec_t *out, cudaGraph_t h, unsigned long long flags) {
   ApiLock lock;
+  if (cudaError_t e = sticky_error()) return set_error(e);  // a broken context (kernel_faults)
   Graph *g = graph_of(h);
   if (!out || !g) return set_error(cudaErrorInvalidValue);
   if (flags & ~(unsigned long long)(cudaGraphInstantiateFlagAutoFreeOnLaunch | cudaGraphInstantiateFlagUseNodePriority))
@@ -450,6 +453,7 @@ cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t *out, cudaGraph_t h, u
 // is recorded (a child graph).
 cudaError_t cudaGraphLaunch(cudaGraphExec_t h, cudaStream_t sh) {
   ApiLock lock;
+  if (cudaError_t e = sticky_error()) return set_error(e);  // a broken context (kernel_faults)
   Exec *x = exec_of(h);
   if (!x) return set_error(cudaErrorInvalidValue);
   Stream *s = stream_of(sh);

@@ -54,6 +54,13 @@ cudaError_t ret(cudaError_t e) {
   return e;
 }
 
+// After a device fault every call that uses the device fails with the sticky error, before or
+// after it waits for work (kernel_faults).
+#define RETURN_IF_BROKEN()                                         \
+  do {                                                             \
+    if (cudaError_t sticky_ = sticky_error()) return ret(sticky_); \
+  } while (0)
+
 struct CopyOp : Op {
   void *dst;
   const void *src;
@@ -217,6 +224,7 @@ cudaError_t enqueue_wait(Stream *s, Stream *target, uint64_t seq, const Clock &a
 }
 
 bool run_checked(Op *op, const LaunchCtx *g) {
+  if (sticky_error()) return true;  // a broken context runs nothing more: the work is dropped
   grant_only(op->uses);  // the op reaches what it declared, nothing else
   if (op->traced) hazard_kernel_begin();
   bool done = op->run();
@@ -400,13 +408,18 @@ const char *cudaGetErrorString(cudaError_t e) {
   }
 }
 
+// A sticky error stays: every call returns it, this one too.
 cudaError_t cudaGetLastError(void) {
+  ApiLock lock;
+  RETURN_IF_BROKEN();
   cudaError_t e = last_error;
   last_error = cudaSuccess;
   return e;
 }
 
 cudaError_t cudaPeekAtLastError(void) {
+  ApiLock lock;
+  RETURN_IF_BROKEN();
   return last_error;
 }
 
@@ -468,6 +481,7 @@ cudaError_t cudaGetDevice(int *i) {
 // Since CUDA 12 cudaSetDevice initialises the device's primary context at once.
 cudaError_t cudaSetDevice(int i) {
   ApiLock lock;
+  RETURN_IF_BROKEN();
   Device *d = device(i);
   if (!d) return ret(config().devices ? cudaErrorInvalidDevice : cudaErrorNoDevice);
   set_current_index(i);
@@ -477,6 +491,7 @@ cudaError_t cudaSetDevice(int i) {
 
 cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total) {
   ApiLock lock;
+  RETURN_IF_BROKEN();
   Device *d = current_device();
   if (!d) return ret(cudaErrorNoDevice);
   *total = config().memory_bytes;
@@ -486,6 +501,7 @@ cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total) {
 
 cudaError_t cudaMalloc(void **p, size_t bytes) {
   ApiLock lock;
+  RETURN_IF_BROKEN();
   Device *d = current_device();
   if (!d) return ret(cudaErrorNoDevice);
   if (!p) return ret(cudaErrorInvalidValue);
@@ -500,6 +516,7 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
 
 cudaError_t cudaFree(void *p) {
   ApiLock lock;
+  RETURN_IF_BROKEN();
   if (cudaError_t e = check_unsafe_call()) return ret(e);
   if (!p) return cudaSuccess;
   const Allocation *a = find_allocation(p);
@@ -515,6 +532,7 @@ cudaError_t cudaFree(void *p) {
 
 cudaError_t cudaMallocHost(void **p, size_t bytes) {
   ApiLock lock;
+  RETURN_IF_BROKEN();
   current_device();
   if (cudaError_t e = check_unsafe_call()) return ret(e);
   if (posix_memalign(p, 4096, bytes ? bytes : 1)) return ret(cudaErrorMemoryAllocation);
@@ -525,6 +543,7 @@ cudaError_t cudaMallocHost(void **p, size_t bytes) {
 // Only what cudaMallocHost returned (the documentation does not promise that NULL is accepted).
 cudaError_t cudaFreeHost(void *p) {
   ApiLock lock;
+  RETURN_IF_BROKEN();
   if (cudaError_t e = check_unsafe_call()) return ret(e);
   if (!p || !pinned_remove(p)) return ret(cudaErrorInvalidValue);
   free(p);
@@ -533,6 +552,7 @@ cudaError_t cudaFreeHost(void *p) {
 
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind, cudaStream_t h) {
   ApiLock lock;
+  RETURN_IF_BROKEN();
   Stream *s = stream_of(h);
   if (!s) return ret(cudaErrorInvalidResourceHandle);
   return queue_copy(s, dst, src, bytes, kind, "cudaMemcpyAsync");
@@ -541,12 +561,14 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpy
 // Blocking: queued on the legacy stream (after every blocking stream's work) and run to the end.
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind) {
   ApiLock lock;
+  RETURN_IF_BROKEN();
   Stream *s = stream_of(nullptr);
   if (!s) return ret(cudaErrorNoDevice);
   if (cudaError_t e = check_unsafe_call()) return ret(e);
   cudaError_t e = queue_copy(s, dst, src, bytes, kind, "cudaMemcpy");
   if (e == cudaSuccess) {
     drain(s, s->enqueued, "cudaMemcpy");
+    RETURN_IF_BROKEN();
     hazard_host_waits(hazard_clock_of(s));
   }
   return e;
@@ -554,6 +576,7 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind 
 
 cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t h) {
   ApiLock lock;
+  RETURN_IF_BROKEN();
   Stream *s = stream_of(h);
   if (!s) return ret(cudaErrorInvalidResourceHandle);
   if (!bytes) return cudaSuccess;
@@ -575,12 +598,14 @@ cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t h) {
 // stream operation: capture forbids it as it does cudaMemcpy.
 cudaError_t cudaMemset(void *p, int value, size_t bytes) {
   ApiLock lock;
+  RETURN_IF_BROKEN();
   if (cudaError_t e = check_unsafe_call()) return ret(e);
   return cudaMemsetAsync(p, value, bytes, nullptr);
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *h, unsigned flags) {
   ApiLock lock;
+  RETURN_IF_BROKEN();
   Device *d = current_device();
   if (!d) return ret(cudaErrorNoDevice);
   if (flags & ~(unsigned)cudaStreamNonBlocking) return ret(cudaErrorInvalidValue);
@@ -604,6 +629,7 @@ cudaError_t cudaStreamCreate(cudaStream_t *h) {
 // reach it any more.
 cudaError_t cudaStreamDestroy(cudaStream_t h) {
   ApiLock lock;
+  RETURN_IF_BROKEN();
   Stream *s = stream_of(h);
   if (!s || s->legacy) return ret(cudaErrorInvalidResourceHandle);
   if (s->capture) return ret(refuse(s->capture, cudaErrorStreamCaptureUnsupported));
@@ -615,18 +641,21 @@ cudaError_t cudaStreamDestroy(cudaStream_t h) {
 
 cudaError_t cudaStreamSynchronize(cudaStream_t h) {
   ApiLock lock;
+  RETURN_IF_BROKEN();
   Stream *s = stream_of(h);
   if (!s) return ret(cudaErrorInvalidResourceHandle);
   if (s->capture) return ret(refuse(s->capture, cudaErrorStreamCaptureUnsupported));
   if (s->legacy)
     if (cudaError_t e = check_legacy_use(s->dev)) return ret(e);
   drain(s, s->enqueued, "cudaStreamSynchronize");
+  RETURN_IF_BROKEN();
   hazard_host_waits(hazard_clock_of(s));
   return cudaSuccess;
 }
 
 cudaError_t cudaStreamQuery(cudaStream_t h) {
   ApiLock lock;
+  RETURN_IF_BROKEN();
   Stream *s = stream_of(h);
   if (!s) return ret(cudaErrorInvalidResourceHandle);
   if (s->capture) return ret(refuse(s->capture, cudaErrorStreamCaptureUnsupported));
@@ -639,6 +668,7 @@ cudaError_t cudaStreamQuery(cudaStream_t h) {
   // the device works in the background: queued work is found done after a few polls, never at
   // the first one
   if (++s->polls >= 2 + (int)s->rng.below(3) && progress(s, s->enqueued)) {
+    RETURN_IF_BROKEN();
     s->polls = 0;
     hazard_host_waits(hazard_clock_of(s));
     return cudaSuccess;
@@ -648,11 +678,13 @@ cudaError_t cudaStreamQuery(cudaStream_t h) {
 
 cudaError_t cudaDeviceSynchronize(void) {
   ApiLock lock;
+  RETURN_IF_BROKEN();
   Device *d = current_device();
   if (!d) return ret(cudaErrorNoDevice);
   if (cudaError_t e = check_device_sync(d)) return ret(e);
   for (size_t i = 0; i < d->streams.size(); i++) {
     drain(d->streams[i], d->streams[i]->enqueued, "cudaDeviceSynchronize");
+    RETURN_IF_BROKEN();
     hazard_host_waits(hazard_clock_of(d->streams[i]));
   }
   release_destroyed_streams(d);
@@ -661,6 +693,7 @@ cudaError_t cudaDeviceSynchronize(void) {
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *h, unsigned flags) {
   ApiLock lock;
+  RETURN_IF_BROKEN();
   if (!current_device()) return ret(cudaErrorNoDevice);
   if (flags & ~(unsigned)(cudaEventBlockingSync | cudaEventDisableTiming | cudaEventInterprocess))
     return ret(cudaErrorInvalidValue);
@@ -678,6 +711,7 @@ cudaError_t cudaEventCreate(cudaEvent_t *h) {
 // another stream that waits for it joins the capture there.
 cudaError_t cudaEventRecord(cudaEvent_t h, cudaStream_t sh) {
   ApiLock lock;
+  RETURN_IF_BROKEN();
   Event *e = event_of(h);
   Stream *s = stream_of(sh);
   if (!e || !s) return ret(cudaErrorInvalidResourceHandle);
@@ -705,6 +739,7 @@ cudaError_t cudaEventRecord(cudaEvent_t h, cudaStream_t sh) {
 
 cudaError_t cudaEventQuery(cudaEvent_t h) {
   ApiLock lock;
+  RETURN_IF_BROKEN();
   Event *e = event_of(h);
   if (!e) return ret(cudaErrorInvalidResourceHandle);
   if (e->capture) return ret(refuse(find_capture(e->capture), cudaErrorCapturedEvent));
@@ -713,6 +748,7 @@ cudaError_t cudaEventQuery(cudaEvent_t h) {
     return cudaSuccess;
   }
   if (e->stream->completed >= e->seq || (++e->polls >= e->delay && progress(e->stream, e->seq))) {
+    RETURN_IF_BROKEN();
     hazard_host_waits(e->clock);
     return cudaSuccess;
   }
@@ -721,16 +757,19 @@ cudaError_t cudaEventQuery(cudaEvent_t h) {
 
 cudaError_t cudaEventSynchronize(cudaEvent_t h) {
   ApiLock lock;
+  RETURN_IF_BROKEN();
   Event *e = event_of(h);
   if (!e) return ret(cudaErrorInvalidResourceHandle);
   if (e->capture) return ret(refuse(find_capture(e->capture), cudaErrorCapturedEvent));
   if (e->recorded) drain(e->stream, e->seq, "cudaEventSynchronize");
+  RETURN_IF_BROKEN();
   hazard_host_waits(e->clock);
   return cudaSuccess;
 }
 
 cudaError_t cudaEventDestroy(cudaEvent_t h) {
   ApiLock lock;
+  RETURN_IF_BROKEN();
   Event *e = event_of(h);
   if (!e) return ret(cudaErrorInvalidResourceHandle);
   reg().events.erase(e);
@@ -743,6 +782,7 @@ cudaError_t cudaEventDestroy(cudaEvent_t h) {
 // work outside its capture.
 cudaError_t cudaStreamWaitEvent(cudaStream_t sh, cudaEvent_t h, unsigned flags) {
   ApiLock lock;
+  RETURN_IF_BROKEN();
   Stream *s = stream_of(sh);
   Event *e = event_of(h);
   if (!s || !e) return ret(cudaErrorInvalidResourceHandle);

@@ -917,6 +917,58 @@ static void eager_stream_order_runs_work_as_soon_as_it_is_queued(void **) {
   assert_string_equal(run_self_with("GPUSIM_STREAM_ORDER=eager", "--overwritten-slot").c_str(), "2 1\n");
 }
 
+// Two steps queued on a stream, each a fill and a copy to the host; the second fill is launch 2 of
+// fill_kernel, which GPUSIM_KERNEL_FAULT=fill_kernel:2 breaks. Prints what the calls return after.
+static void print_kernel_fault() {
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  float *d = device_array<float>(2), *h;
+  CUDA_OK(cudaMallocHost((void **)&h, 2 * sizeof(float)));
+  h[0] = h[1] = -1.0f;
+  LAUNCH(fill_kernel, 1, 1, 0, s)(d, 1.0f, 1);
+  CUDA_OK(cudaMemcpyAsync(&h[0], d, sizeof(float), cudaMemcpyDeviceToHost, s));
+  LAUNCH(fill_kernel, 1, 1, 0, s)(d + 1, 2.0f, 1);
+  cudaError_t copy = cudaMemcpyAsync(&h[1], d + 1, sizeof(float), cudaMemcpyDeviceToHost, s);
+  printf("queued %s %s\n", cudaGetErrorName(copy), cudaGetErrorName(cudaGetLastError()));
+  printf("sync %s\n", cudaGetErrorName(cudaStreamSynchronize(s)));
+  printf("h %g %g\n", h[0], h[1]);
+  void *more = nullptr;
+  cudaError_t last = cudaGetLastError(), again = cudaGetLastError(), alloc = cudaMalloc(&more, 4);
+  printf("then %s %s %s\n", cudaGetErrorName(last), cudaGetErrorName(again), cudaGetErrorName(alloc));
+  LAUNCH(fill_kernel, 1, 1, 0, s)(d, 3.0f, 1);
+  printf("launch %s\n", cudaGetErrorName(cudaGetLastError()));
+}
+
+// GPUSIM_KERNEL_FAULT: a kernel's launch faults as a GPU's illegal address would. The error shows at
+// the next synchronisation, the work after it never runs, and the context stays broken: every
+// later call returns the error (a sticky error), as CUDA's documentation describes.
+static void a_kernel_fault_breaks_the_context(void **) {
+  const char *clean =
+      "queued cudaSuccess cudaSuccess\nsync cudaSuccess\nh 1 2\nthen cudaSuccess cudaSuccess cudaSuccess\n"
+      "launch cudaSuccess\n";
+  assert_string_equal(run_self_with("", "--kernel-fault").c_str(), clean);
+  const char *after =
+      "sync cudaErrorIllegalAddress\nh 1 -1\nthen cudaErrorIllegalAddress cudaErrorIllegalAddress "
+      "cudaErrorIllegalAddress\nlaunch cudaErrorIllegalAddress\n";
+  std::string broken = std::string("queued cudaSuccess cudaSuccess\n") + after;
+  assert_string_equal(run_self_with("GPUSIM_KERNEL_FAULT=fill_kernel:2", "--kernel-fault").c_str(), broken.c_str());
+  // eagerly, the kernel runs (and faults) as its launch returns: the copy queued after it fails
+  assert_string_equal(
+      run_self_with("GPUSIM_STREAM_ORDER=eager GPUSIM_KERNEL_FAULT=fill_kernel:2", "--kernel-fault").c_str(),
+      (std::string("queued cudaErrorIllegalAddress cudaErrorIllegalAddress\n") + after).c_str());
+  // another rank's fault, another kernel's, a launch that never comes: nothing breaks
+  for (const char *env : {"OMPI_COMM_WORLD_RANK=0 GPUSIM_KERNEL_FAULT=fill_kernel:2@1",
+                          "GPUSIM_KERNEL_FAULT=axpy_kernel", "GPUSIM_KERNEL_FAULT=fill_kernel:4"})
+    assert_string_equal(run_self_with(env, "--kernel-fault").c_str(), clean);
+  assert_string_equal(
+      run_self_with("OMPI_COMM_WORLD_RANK=1 GPUSIM_KERNEL_FAULT=fill_kernel:2@1", "--kernel-fault").c_str(),
+      broken.c_str());
+  int status = 0;
+  std::string out = run_self_with("GPUSIM_KERNEL_FAULT=fill_kernel:0", "--kernel-fault", &status);
+  assert_true(status != 0);
+  assert_non_null(strstr(out.c_str(), "GPUSIM_KERNEL_FAULT=fill_kernel:0: expected KERNEL[:N][@RANK]"));
+}
+
 // ---- stream capture and graphs ------------------------------------------------------------------
 
 __global__ void axpy_kernel(float *y, const float *x, float a, int n) {
@@ -2269,6 +2321,7 @@ static void fast_division_matches_division(void **) {
 int main(int argc, char **argv) {
   if (argc > 1 && !strcmp(argv[1], "--unordered-read")) return print_unordered_read(), 0;
   if (argc > 1 && !strcmp(argv[1], "--overwritten-slot")) return print_overwritten_slot(), 0;
+  if (argc > 1 && !strcmp(argv[1], "--kernel-fault")) return print_kernel_fault(), 0;
   if (argc > 1 && !strcmp(argv[1], "--neighbour-sync")) return print_neighbour_checksum(1);
   if (argc > 1 && !strcmp(argv[1], "--neighbour-race")) return print_neighbour_checksum(0);
   if (argc > 1 && !strcmp(argv[1], "--compute-capability")) return print_compute_capability();
@@ -2295,6 +2348,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(hazards_between_streams_are_reported),
       cmocka_unit_test(seeded_stream_order_runs_other_streams_early),
       cmocka_unit_test(eager_stream_order_runs_work_as_soon_as_it_is_queued),
+      cmocka_unit_test(a_kernel_fault_breaks_the_context),
       cmocka_unit_test(capture_records_work_that_each_launch_runs),
       cmocka_unit_test(graph_kernels_keep_their_arguments_and_read_memory_when_launched),
       cmocka_unit_test(capture_follows_events_across_streams_and_must_be_joined),
