@@ -31,6 +31,14 @@
 #                       measures the fused kernels against the (B, H, T, T) path in the same run)
 #   BENCH_PEAK_TFLOPS   the peaks MFU divides by, per precision ("fp32=67 tf32=494.7 bf16=989.4": an
 #                       H100 SXM's dense figures; TF32 off in the fp32 rows, so fp32 is FP32's peak)
+#   BENCH_RUN_TIMEOUT_S each ddp_train run's time limit (300; its dist.timeout_s too, for a step that
+#                       never ends on the device)
+#   BENCH_DDP_FALLBACK  KEY=VALUE overrides, space-separated, for a second try of a ddp_train run that
+#                       fails ("model.fuse=false": the fused kernels off; "" for none): its cell then gives
+#                       that figure, marked, so that one broken kernel does not cost a lent GPU window the
+#                       row. A row that fails (by default or again) does not stop the table: it says
+#                       "failed", the failures are listed under the tables (the runs' last lines go to
+#                       stderr) and the script exits 1 at the end
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-/usr/bin/python3}
@@ -42,24 +50,35 @@ WINDOWS=${BENCH_WINDOWS:-5}
 LAUNCHES=${BENCH_LAUNCHES:-3}
 export BENCH_TORCH_DEVICE=${BENCH_TORCH_DEVICE:-cuda}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-extra=()
+RUN_LIMIT=${BENCH_RUN_TIMEOUT_S:-300}
+FALLBACK=${BENCH_DDP_FALLBACK-model.fuse=false}
+extra=() fallback=()
 for kv in ${BENCH_DDP_SET:-}; do extra+=(--set "$kv"); done
+for kv in $FALLBACK; do fallback+=(--set "$kv"); done
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
+failures=()
 
-# config batch precision [metric [more ddp_train arguments]] -> samples/s (or the logged metric); as many
+# config batch precision metric [more ddp_train arguments] -> samples/s (or the logged metric); as many
 # epochs as steps, so that a small dataset (2048 rows of synthetic CIFAR: 8 steps of 256) does not end the
-# run before its windows
+# run before its windows. A run that fails or passes RUN_LIMIT returns 1: its last lines go to stderr,
+# and why it failed (the exit status and its error line) to $out/why.
 ours() {
-  local log cfg=$1 batch=$2 precision=$3 metric=${4:-samples_per_s}
-  shift $(($# < 4 ? $# : 4))
+  local log cfg=$1 batch=$2 precision=$3 metric=$4 rc=0
+  shift 4
   log=$(mktemp -d "$out/run.XXXX")
-  if ! "$DDP" "$cfg" --device cuda --set train.global_batch_size="$batch" --set train.precision="$precision" \
-    --set train.max_steps=$((STEPS * (WINDOWS + 1))) --set train.epochs=$((STEPS * (WINDOWS + 1))) \
-    --set log.every_steps="$STEPS" --set log.dir="$log" \
+  timeout --kill-after=10 "$RUN_LIMIT" "$DDP" "$cfg" --device cuda --set train.global_batch_size="$batch" \
+    --set train.precision="$precision" --set train.max_steps=$((STEPS * (WINDOWS + 1))) \
+    --set train.epochs=$((STEPS * (WINDOWS + 1))) --set log.every_steps="$STEPS" --set log.dir="$log" \
     --set checkpoint.dir= --set data.val.x= --set data.drop_last=true --set data.cache=device \
-    --set optim.schedule.name=constant --set optim.lr=0.01 "$@" ${extra[@]+"${extra[@]}"} >"$log/out" 2>&1; then
-    cat "$log/out" >&2
+    --set optim.schedule.name=constant --set optim.lr=0.01 --set dist.timeout_s="$RUN_LIMIT" "$@" \
+    ${extra[@]+"${extra[@]}"} >"$log/out" 2>&1 || rc=$?
+  if [ $rc -ne 0 ]; then
+    local why="exit $rc"
+    [ $rc -eq 124 ] || [ $rc -eq 137 ] && why="past BENCH_RUN_TIMEOUT_S = $RUN_LIMIT s"
+    { echo "gpu_bench: ddp_train $cfg ($precision, batch $batch${*:+, $*}): $why; its last lines:"
+      tail -n 20 "$log/out"; } >&2
+    echo "$why: $(grep -m1 -E '^ddp_train: (error|bug)' "$log/out" || tail -n 1 "$log/out")" >"$out/why"
     return 1
   fi
   "$PYTHON" - "$log/metrics.jsonl" "$metric" <<'PY'
@@ -70,11 +89,45 @@ print(f"{statistics.median(r[key] for r in rows[1:]):.1f}")
 PY
 }
 
+# NAME, then ours' arguments -> sets cell (the row's ddp_train cell) and figure (its number, or - where
+# it failed). A failed run is listed in failures and tried again with BENCH_DDP_FALLBACK's overrides.
+measure() {
+  local name=$1 v
+  shift
+  if v=$(ours "$@"); then
+    cell=$v figure=$v
+    return 0
+  fi
+  failures+=("- $name: ddp_train $(cat "$out/why")")
+  cell=failed figure=-
+  [ ${#fallback[@]} -gt 0 ] || return 0
+  if v=$(ours "$@" "${fallback[@]}"); then
+    cell="$v ($FALLBACK; the default failed)" figure=$v
+  else
+    failures+=("- $name: ddp_train with $FALLBACK $(cat "$out/why")")
+  fi
+}
+
+# PyTorch's figures for a row: NAME, then torch_gpu_train.py's arguments -> sets eager, best, setting
+# and tried (its line), dashes where no setting ran (listed in failures)
+theirs() {
+  local name=$1 line
+  shift
+  if ! line=$("$TORCH_PYTHON" benchmarks/torch_gpu_train.py "$@"); then
+    failures+=("- $name: PyTorch ran no setting (its errors are above)")
+    line=$(printf -- '-\t-\t-\tnone ran')
+  fi
+  IFS=$'\t' read -r eager best setting tried <<<"$line"
+}
+
 launch() { # N READY DONE command... -> median seconds from launch to the stdout lines matching DONE, READY
   "$PYTHON" benchmarks/launch_time.py "$@"
 }
 
-ratio() { "$PYTHON" -c "print(f'{$1 / $2:.2f}x')"; }
+# a / b as "1.23x", or - where either is not a number (a failed run)
+ratio() { "$PYTHON" -c "import sys; a, b = sys.argv[1:]
+try: print(f'{float(a) / float(b):.2f}x')
+except ValueError: print('-')" "$1" "$2"; }
 
 info=$("$DDP" --info)
 printf '| case | ddp_train samples/s | PyTorch eager samples/s | PyTorch best samples/s | PyTorch best setting |'
@@ -84,15 +137,15 @@ while IFS='|' read -r label cfg batch precision target; do
   batch=${BENCH_BATCH:-$batch}
   name="$label, $precision, batch $batch"
   [[ $name =~ $ONLY ]] || continue
-  a=$(ours "$cfg" "$batch" "$precision")
+  measure "$name" "$cfg" "$batch" "$precision" samples_per_s
+  a=$figure a_cell=$cell
   for kv in ${BENCH_DDP_AB:-}; do
-    v=$(ours "$cfg" "$batch" "$precision" samples_per_s --set "$kv")
+    v=$(ours "$cfg" "$batch" "$precision" samples_per_s --set "$kv") || v="failed ($(cat "$out/why"))"
     variants+=("- $name, $kv: $v samples/s; the default $(ratio "$a" "$v") of it")
   done
-  b=$("$TORCH_PYTHON" benchmarks/torch_gpu_train.py "$cfg" "$batch" "$precision" "$STEPS" "$WINDOWS")
-  IFS=$'\t' read -r eager best setting tried <<<"$b"
-  printf '| %s | %s | %s | %s | %s | %s | %s |\n' "$name" "$a" "$eager" "$best" "$setting" "$(ratio "$a" "$best")" \
-    "${target:--}"
+  theirs "$name" "$cfg" "$batch" "$precision" "$STEPS" "$WINDOWS"
+  printf '| %s | %s | %s | %s | %s | %s | %s |\n' "$name" "$a_cell" "$eager" "$best" "$setting" \
+    "$(ratio "$a" "$best")" "${target:--}"
   notes+=("- $name: $tried")
 done <<'CASES'
 default CNN (configs/model.yaml)|configs/model.yaml|256|fp32|>= 3x
@@ -110,13 +163,17 @@ ours_s=- ours_ready=- torch_s=- torch_ready=-
 if [[ "launch to end of first step" =~ $ONLY ]]; then
   a=$(launch "$LAUNCHES" '^training:' '^step 1/' "$DDP" configs/model.yaml --device cuda \
     --set train.global_batch_size="$batch" --set train.max_steps=1 --set log.every_steps=1 \
-    --set log.dir="$out/first" --set checkpoint.dir= --set data.val.x= ${extra[@]+"${extra[@]}"})
+    --set log.dir="$out/first" --set checkpoint.dir= --set data.val.x= --set dist.timeout_s="$RUN_LIMIT" \
+    ${extra[@]+"${extra[@]}"}) ||
+    { a="- -" && failures+=("- launch to end of first step: ddp_train failed (its output is above)"); }
   b=$(launch "$LAUNCHES" '^ready' '^first step' "$TORCH_PYTHON" benchmarks/torch_gpu_train.py --first-step \
-    configs/model.yaml "$batch" fp32)
+    configs/model.yaml "$batch" fp32) ||
+    { b="- -" && failures+=("- launch to end of first step: PyTorch failed (its output is above)"); }
   read -r ours_s ours_ready <<<"$a"
   read -r torch_s torch_ready <<<"$b"
-  printf '| launch to end of first step (s, lower is better), default CNN, fp32, batch %s | %s s | %s s | - |' \
-    "$batch" "$ours_s" "$torch_s"
+  printf '| launch to end of first step (s, lower is better), default CNN, fp32, batch %s | %s | %s | - |' \
+    "$batch" "$([ "$ours_s" = - ] && echo failed || echo "$ours_s s")" \
+    "$([ "$torch_s" = - ] && echo failed || echo "$torch_s s")"
   printf ' eager | %s | <= 0.5 s |\n' "$(ratio "$ours_s" "$torch_s")"
 fi
 
@@ -142,7 +199,8 @@ with h5py.File(path, "w") as f:
     f["train/tokens"] = np.random.default_rng(0).integers(0, vocab, (rows, seq + 1)).astype(
         np.uint16 if vocab <= 65536 else np.int32)
 PY
-mfu() { # tokens/s precision -> percent of the precision's peak
+mfu() { # tokens/s precision -> percent of the precision's peak (- for a failed run's -)
+  [ "$1" = - ] && echo - && return
   "$PYTHON" -c "import sys; p = dict(kv.split('=') for kv in sys.argv[3].split()); \
 print(f'{100 * float(sys.argv[1]) * $gpt_flops / (float(p[sys.argv[2]]) * 1e12):.2f}%')" "$1" "$2" "$peaks"
 }
@@ -153,21 +211,20 @@ printf '|---|---|---|---|---|---|---|---|---|\n'
 for precision in fp32 bf16; do
   name="$gpt_label, seq $gpt_seq, $precision, batch $gpt_batch"
   [[ $name =~ $ONLY ]] || continue
-  b=$("$TORCH_PYTHON" benchmarks/torch_gpu_train.py --seq "$gpt_seq" "$gpt_cfg" "$gpt_batch" "$precision" "$STEPS" \
-    "$WINDOWS")
-  IFS=$'\t' read -r eager best setting tried <<<"$b"
-  eager_mfu=-
-  [ "$eager" != - ] && eager_mfu=$(mfu "$eager" "$precision")
+  theirs "$name" --seq "$gpt_seq" "$gpt_cfg" "$gpt_batch" "$precision" "$STEPS" "$WINDOWS"
+  eager_mfu=$(mfu "$eager" "$precision")
   for attention in ${BENCH_GPT_ATTENTION:-auto}; do
     gpt_args=(--set "model.input=[$gpt_seq]" --set data.path="$out/gpt_tokens.h5" --set data.train.x=/train/tokens
       --set train.batch_size=0 --set train.grad_accum=1 --set train.epochs=1 --set model.init_from=
       --set optim.lr=0.0001 --set data.cache=auto --set model.attention="$attention")
-    a=$(ours "$gpt_cfg" "$gpt_batch" "$precision" tokens_per_s "${gpt_args[@]}")
+    measure "$name, attention $attention" "$gpt_cfg" "$gpt_batch" "$precision" tokens_per_s "${gpt_args[@]}"
+    a=$figure
     for kv in ${BENCH_DDP_AB:-}; do
-      v=$(ours "$gpt_cfg" "$gpt_batch" "$precision" tokens_per_s "${gpt_args[@]}" --set "$kv")
+      v=$(ours "$gpt_cfg" "$gpt_batch" "$precision" tokens_per_s "${gpt_args[@]}" --set "$kv") ||
+        v="failed ($(cat "$out/why"))"
       variants+=("- $name, attention $attention, $kv: $v tokens/s; the default $(ratio "$a" "$v") of it")
     done
-    printf '| %s, attention %s | %s | %s | %s | %s | %s | %s | %s | %s |\n' "$name" "$attention" "$a" \
+    printf '| %s, attention %s | %s | %s | %s | %s | %s | %s | %s | %s |\n' "$name" "$attention" "$cell" \
       "$(mfu "$a" "$precision")" "$eager" "$eager_mfu" "$best" "$(mfu "$best" "$precision")" "$setting" \
       "$(ratio "$a" "$best")"
   done
@@ -193,6 +250,11 @@ if [ ${#variants[@]} -gt 0 ]; then
   printf '%s\n' "${variants[@]}"
   echo
 fi
+if [ ${#failures[@]} -gt 0 ]; then
+  echo "Runs that failed (their last lines are in the output above):"
+  printf '%s\n' "${failures[@]}"
+  echo
+fi
 gpu=$(grep -m1 '^  GPU 0:' <<<"$info" | sed 's/^  GPU 0: //; s/, .*//' || true)
 torch=$("$TORCH_PYTHON" -c 'import torch
 cuda = f" (CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()})" if torch.version.cuda else ""
@@ -203,3 +265,4 @@ echo "$(date -u +%Y-%m-%d), GPU 0: $gpu; $(head -n 1 <<<"$info" | cut -d: -f1):"
 if grep -q 'CPU stand-in' <<<"$info"; then
   echo "ddp_train ran on the CPU stand-in (tests/gpusim): a smoke run, these figures say nothing about speed."
 fi
+[ ${#failures[@]} -eq 0 ]

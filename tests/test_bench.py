@@ -94,6 +94,45 @@ class Bench(unittest.TestCase):
         if SIM:
             self.assertIn("a smoke run", out)
 
+    @unittest.skipUnless(VISIBLE1 and SIM, "needs the stand-in's fault injection (GPUSIM_KERNEL_FAULT)")
+    def test_a_row_that_fails_does_not_stop_the_gpu_table(self):
+        """A lent GPU window must not lose the table to one broken kernel. pool16_fwd_kernel (only the
+        default CNN's bf16 row runs it, and only under model.fuse) faults: that row's run fails, is run again
+        with BENCH_DDP_FALLBACK (model.fuse=false) and gives that figure, marked; the MLP row after it runs;
+        the failure is listed under the tables and the script exits 1. Without a fallback the cell says
+        failed; a run past BENCH_RUN_TIMEOUT_S (a rank hung on the host at step 2) is ended and said so."""
+        base = dict(ENV, **ENV1, PYTHON=sys.executable, BENCH_DDP_BINARY=GPU_BINARY, BENCH_STEPS="1",
+                    BENCH_WINDOWS="1", BENCH_BATCH="4", BENCH_TORCH_DEVICE="cpu", BENCH_TORCH_SETTINGS="eager",
+                    BENCH_GPT_CONFIG="configs/gpt_tiny.yaml", BENCH_GPT_SEQ="16", BENCH_GPT_BATCH="2")
+        cnn = "default CNN (configs/model.yaml), bf16, batch 4"
+        mlp = "MLP 784-1024-1024-10 (configs/mlp.yaml), tf32, batch 4"
+
+        def bench(**env):
+            p = subprocess.run(["bash", "benchmarks/gpu_bench.sh"], capture_output=True, text=True, cwd=ROOT,
+                               env=dict(base, **env), timeout=600)
+            self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+            (_, rows), _ = tables(p.stdout)
+            return {r[0]: r for r in rows}, p.stdout, p.stderr
+
+        rows, out, err = bench(BENCH_ONLY="CNN.*bf16|MLP", GPUSIM_KERNEL_FAULT="pool16_fwd_kernel")
+        self.assertEqual(list(rows), [cnn, mlp], out)
+        self.assertRegex(rows[cnn][1], rf"^{NUMBER} \(model\.fuse=false; the default failed\)$", out)
+        for r in rows.values():
+            self.assertRegex(r[5], f"^{NUMBER}x$", r)
+        self.assertRegex(rows[mlp][1], f"^{NUMBER}$", out)
+        self.assertRegex(out, rf"(?m)^Runs that failed .*\n- {re.escape(cnn)}: ddp_train exit 70: ddp_train: error: "
+                         r"rank 0: the GPU faulted: ")
+        self.assertIn("gpu_bench: ddp_train configs/model.yaml (bf16, batch 4): exit 70; its last lines:", err)
+
+        rows, out, _ = bench(BENCH_ONLY="CNN.*bf16", GPUSIM_KERNEL_FAULT="pool16_fwd_kernel", BENCH_DDP_FALLBACK="")
+        self.assertEqual((rows[cnn][1], rows[cnn][5]), ("failed", "-"), out)
+        self.assertRegex(rows[cnn][2], f"^{NUMBER}$", out)  # PyTorch's side still ran
+
+        rows, out, _ = bench(BENCH_ONLY="MLP", DDP_TRAIN_FAULT="hang@0:2", BENCH_RUN_TIMEOUT_S="5")
+        self.assertEqual(rows[mlp][1], "failed", out)
+        self.assertIn(f"- {mlp}: ddp_train past BENCH_RUN_TIMEOUT_S = 5 s: ", out)
+        self.assertIn(f"- {mlp}: ddp_train with model.fuse=false past BENCH_RUN_TIMEOUT_S = 5 s: ", out)
+
     def test_the_cpu_table_has_every_row(self):
         """The CPU table at its smallest (BENCH_STEPS=2 BENCH_PAIRS=1 BENCH_WINDOWS=2: one pair a row, a
         warm-up window and one timed window of 2 steps a side): one table, every model family and the 2-rank
