@@ -17,7 +17,8 @@
 #   data       data/synthetic_cifar.h5; data/fashion_mnist.h5 from the four .gz files in GPU_CHECK_FMNIST
 #              (default .device-data/fashion-mnist, carried; else /usr/share/datasets/fashion-mnist), or a
 #              synthetic file of its shape when there are none (the fmnist stage then says so)
-#   ops        test_gpu: every op on CUDA against the CPU backend (cmocka)
+#   ops        test_gpu: every op on CUDA against the CPU backend (cmocka); where a test ends the process
+#              (a GPU fault), the tests it did not report run again one a process
 #   train      test_gpu_train          faults     test_gpu_faults
 #   sanitizer  compute-sanitizer's memcheck, racecheck, synccheck and initcheck, each over test_gpu and over
 #              20 steps of configs/model.yaml with CUDA graphs on
@@ -123,8 +124,29 @@ PY
   fi
 }
 
+# test_gpu as TAP. A test that ends the process (a GPU fault breaks its context for good) takes the
+# tests after it with it: then every test the run did not report runs again, each in a process of its
+# own, so that one broken kernel costs a window its own tests only; one that ends its process alone is
+# reported here as "not ok", with the exit status.
 stage_ops() {
-  CMOCKA_MESSAGE_OUTPUT=TAP "$TEST_GPU"
+  local tap one rc one_rc name
+  tap=$(mktemp) one=$(mktemp)
+  CMOCKA_MESSAGE_OUTPUT=TAP "$TEST_GPU" 2>&1 | tee "$tap"
+  rc=${PIPESTATUS[0]}
+  if ! grep -qE '^# (not )?ok - gpu$' "$tap"; then # cmocka's last line is missing: the run ended early
+    echo "# test_gpu ended early (exit $rc): each test it did not report, in a process of its own"
+    for name in $("$TEST_GPU" --list); do
+      grep -qE "^(not )?ok [0-9]+ (- |# SKIP )$name\$" "$tap" && continue
+      CMOCKA_MESSAGE_OUTPUT=TAP "$TEST_GPU" "$name" >"$one" 2>&1
+      one_rc=$?
+      cat "$one"
+      grep -qE '^# (not )?ok - gpu$' "$one" ||
+        echo "not ok 0 - $name # its process ended (exit $one_rc) before reporting it"
+    done
+    rc=1
+  fi
+  rm -f "$tap" "$one"
+  return "$rc"
 }
 
 suite() { # default test names, override -> runs them through tests/pyrun.py

@@ -165,6 +165,25 @@ class GpuCheck(unittest.TestCase):
         self.assertEqual(got["ops"], ("skipped", "no time left in the budget of 10 s"))
         self.assertEqual(got["faults"], ("skipped", "no time left in the budget of 10 s"))
 
+    def test_a_test_that_ends_test_gpu_costs_only_its_own_result(self):
+        """A GPU fault in one op test (the stand-in faults gather_kernel, which only cuda_op_gather runs)
+        ends test_gpu's process there: the tests it did not report run again one a process, so the tests
+        after it still pass, the faulting one is "not ok" with its exit status, the coverage test (which
+        means something only over the whole run) skips, and the stage fails."""
+        p, out, summary = check(["--stages", "ops"], {"GPUSIM_KERNEL_FAULT": "gather_kernel"})
+        self.addCleanup(shutil.rmtree, out, True)
+        self.assertEqual(p.returncode, 0, p.stdout[-3000:] + p.stderr[-3000:])
+        ops = next(s for s in summary["stages"] if s["stage"] == "ops")
+        self.assertEqual((ops["status"], ops["failed"]), ("failed", ["cuda_op_gather"]), ops)
+        names = subprocess.run([os.path.join(ROOT, "build/sim/tests/test_gpu"), "--list"], capture_output=True,
+                               text=True, check=True).stdout.split()
+        self.assertEqual(ops["passed"], len(names) - 2, ops)  # all but the gather test and the coverage test
+        log = open(os.path.join(out, ops["log"])).read()
+        self.assertIn("# test_gpu ended early (exit 70): each test it did not report, in a process of its own", log)
+        self.assertIn("not ok 0 - cuda_op_gather # its process ended (exit 70) before reporting it", log)
+        self.assertIn("ok 1 - cuda_upload_download_copy", log)
+        self.assertIn("not ok 1 # SKIP cuda_op_every_op_tested", log)
+
     def test_two_checks_can_make_the_same_data_file_at_once(self):
         """The data stage writes data/ in the checkout, and make test runs two whole-plan checks at once on
         a fresh clone: each writer must use a name of its own until its rename (one shared NAME.tmp failed
