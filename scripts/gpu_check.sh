@@ -214,6 +214,8 @@ stage_bench() {
       BENCH_TORCH_SETTINGS="eager cuda-graph"
   else # windows that fit the budget; max-autotune's minutes of tuning per case do not
     export BENCH_STEPS=${BENCH_STEPS:-30} BENCH_WINDOWS=${BENCH_WINDOWS:-3} BENCH_LAUNCHES=${BENCH_LAUNCHES:-3}
+    # a run that hangs must not eat the stage: the slowest row (GPT-2 in fp32, 120 steps) takes about 30 s
+    export BENCH_RUN_TIMEOUT_S=${BENCH_RUN_TIMEOUT_S:-90}
     export BENCH_TORCH_SETTINGS=${BENCH_TORCH_SETTINGS:-eager channels-last sdpa cuda-graph reduce-overhead}
   fi
   BENCH_DDP_BINARY=$BIN BENCH_TORCH_PYTHON=$PY PYTHON=$PY bash benchmarks/gpu_bench.sh
