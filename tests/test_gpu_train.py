@@ -817,6 +817,44 @@ class GpuPrecision(GpuCase):
                         sums = re.findall(r"^\s*sumsq_kernel\s+(\d+)\s", err, re.M)
                         self.assertEqual(sums, ["2"] if clip != "0" else [], case)
 
+    def test_a_nan_in_a_replayed_steps_data_is_counted_in_the_update_and_its_row_named(self):
+        """The count above inside a replayed CUDA graph, and over accumulated micro-batches, from a NaN in the
+        data rather than an injected one (which makes its step eager): in file order, row 51 of 96 is read by
+        step 5, the fourth step after the first and the third replayed from a graph (with train.grad_accum
+        2, by step 3's second micro-batch). Its relu turns the NaN's activations into 0, so the loss stays
+        finite: the optimizer's count of the first linear's 32 non-finite weight gradients finds it, and the
+        row is named."""
+        self.w.dataset(n=96, shape=(2, 8, 8), dtype=np.float32)
+        with h5py.File(self.w.file("data.h5"), "r+") as f:
+            row = f["train/images"][51]
+            row[0, 0, 0] = np.nan
+            f["train/images"][51] = row
+        cfg = self.w.file("mlp.yaml")
+        with open(cfg, "w") as f:
+            f.write("model:\n  input: [2, 8, 8]\n  layers:\n" + MLP_RELUS + f"""\
+data: {{path: {self.w.file("data.h5")}, val: {{x: ""}}, shuffle: false}}
+train: {{max_steps: 8, global_batch_size: 12, seed: 5}}
+optim: {{name: sgd, lr: 0.1, momentum: 0.9}}
+log: {{every_steps: 1}}
+checkpoint: {{dir: ""}}
+""")
+        for accum, step in ((1, 5), (2, 3)):
+            rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", f"train.grad_accum={accum}"], 1,
+                                   dict(ENV1, GPUSIM_PROFILE="1"))
+            self.assertEqual(rc, 4, out + err)
+            self.assertIn(f"32 non-finite gradient values at step {step} (epoch 1), and this rank's inputs of the "
+                          f"step are not finite: {self.w.file('data.h5')}: '/train/images'[51] holds a NaN",
+                          errors(err)[0])
+            self.assertRegex(out, rf"(?m)^step {step - 1}/")
+            if accum == 1:
+                self.assertIn("cuda graph: on", out)
+                if SIM:  # steps 2 to 5 ran as graphs: the two captured (one for each host slot), then replays
+                    launches = re.search(r"gpusim graphs \(pid \d+\): 2 instantiated, (\d+) launches", err)
+                    self.assertIsNotNone(launches, err)
+                    self.assertGreaterEqual(int(launches[1]), 4, err)
+            else:
+                self.assertIn("cuda graph: off (train.grad_accum > 1)", out)
+
     def test_16bit_residual_sums_stay_nhwc(self):
         """Under bf16 and fp16 (model.fuse) a ResNet's trunk stays 16-bit NHWC from its stem's batchnorm to its
         global average pool: each residual adds its branches' 16-bit outputs (the batchnorms ending them) and
