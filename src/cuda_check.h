@@ -39,8 +39,9 @@ static inline _Noreturn void cuda_failed(cudaError_t e, const char *call, const 
     dt_die(
         "the GPU faulted: %s (%s), reported by %s at %s:%d. The work that faulted (a kernel, a copy or a "
         "library call) was queued before that call, and this process cannot use the GPU any more. To name it, "
-        "rerun with CUDA_LAUNCH_BLOCKING=1 or under compute-sanitizer; for a hardware fault (an Xid, an "
-        "uncorrectable ECC error) see nvidia-smi -q and the kernel log",
+        "rerun with CUDA_LAUNCH_BLOCKING=1 and --set train.cuda_graph=off (each op then reports its own fault), "
+        "or under compute-sanitizer; for a hardware fault (an Xid, an uncorrectable ECC error) see nvidia-smi -q "
+        "and the kernel log",
         cudaGetErrorString(fault), cudaGetErrorName(fault), call, file, line);
   char w[512];
   if (why)

@@ -131,7 +131,8 @@ class GpuFaults(FaultCases, unittest.TestCase):
         """Rank 1's first kernel of step 4 (a replayed graph) faults as a GPU's illegal address would: the
         error surfaces at the host's next call, whose file and line are not the cause, so rank 1 names it a
         GPU fault and where to look rather than a bug at that line; the job ends at once with 70 (rank 0,
-        waiting in step 4's all-reduce, with it) and step 2's checkpoint stays the latest."""
+        waiting in step 4's all-reduce, with it) and step 2's checkpoint stays the latest. Rerun as the
+        message advises, the fault names its op."""
         for order in ("lazy", "eager"):  # eagerly step 4 runs, and faults, before the host has read step 3
             self.w.cleanup()
             self.setUp()
@@ -147,10 +148,19 @@ class GpuFaults(FaultCases, unittest.TestCase):
             self.assertEqual(len(errors(err)), 1, err)
             self.assertRegex(errors(err)[0], r"^ddp_train: error: rank 1: the GPU faulted: an illegal memory access "
                              r"was encountered \(cudaErrorIllegalAddress\), reported by .+ at src/cuda/\S+:\d+\. ")
-            self.assertIn("rerun with CUDA_LAUNCH_BLOCKING=1 or under compute-sanitizer", errors(err)[0])
+            self.assertIn("rerun with CUDA_LAUNCH_BLOCKING=1 and --set train.cuda_graph=off (each op then reports "
+                          "its own fault), or under compute-sanitizer", errors(err)[0])
             self.assertNotIn("ddp_train: bug:", err)
             self.assertTrue(self.w.latest().endswith("step-00000002.h5"))
             self.assertLess(took, 30)  # not the 60 s deadline
+        # the advice taken: each launch returns when its kernel has run (the stand-in runs eagerly), so the
+        # check after the op names it
+        rc, out, err, _ = self.run_gpu(["--set", "train.cuda_graph=off"],
+                                       env={"GPUSIM_KERNEL_FAULT": "input_kernel:4@1", "CUDA_LAUNCH_BLOCKING": "1"})
+        self.assertEqual(rc, 70, out + err)
+        self.assertIn("ddp_train: error: rank 1: the GPU faulted: an illegal memory access was encountered "
+                      "(cudaErrorIllegalAddress), reported by cudaGetLastError() after the input op at src/cuda/",
+                      errors(err)[0])
 
 
 @unittest.skipUnless(VISIBLE1 >= 1, "no GPU visible")

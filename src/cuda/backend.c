@@ -216,13 +216,19 @@ static const cuda_op_fn cuda_ops[DT_OP_COUNT] = {
 #undef CUDA_OP_
 };
 
-/* Queues the op on the stream; a kernel launch that failed is reported as it returns. */
+/* Queues the op on the stream; a kernel launch that failed is reported as it returns, naming the op (under
+ * CUDA_LAUNCH_BLOCKING=1, a kernel that faults too). */
 static void cuda_run(dt_backend *be, const dt_op *op) {
   DT_ASSERT(op->type >= 0 && op->type < DT_OP_COUNT);
   /* a backward data or a GEMM may reuse the 16-bit dy that the op before it packed */
   if (op->type != DT_OP_CONV_BWD_DATA && op->type != DT_OP_GEMM) cuda_forget_dy16(be->impl);
   cuda_ops[op->type](be->impl, op);
-  CUDA_CHECK(cudaGetLastError());
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    char call[96];
+    snprintf(call, sizeof call, "cudaGetLastError() after the %s op", dt_op_names[op->type]);
+    cuda_failed(e, call, NULL, __FILE__, __LINE__);
+  }
 }
 
 static float *cuda_alloc(dt_backend *be, size_t bytes) {

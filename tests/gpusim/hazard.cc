@@ -108,6 +108,9 @@ Tracker &tr() {
     static const StreamOrder order_of[3] = {ORDER_LAZY, ORDER_SEEDED, ORDER_EAGER};
     t->mode = mode_of[env_choice("GPUSIM_HAZARDS", modes)];
     t->order = order_of[env_choice("GPUSIM_STREAM_ORDER", orders)];
+    // CUDA_LAUNCH_BLOCKING=1 makes each launch return when its kernel has run: eager, unless the order is set
+    const char *blocking = getenv("CUDA_LAUNCH_BLOCKING"), *order = getenv("GPUSIM_STREAM_ORDER");
+    if (blocking && !strcmp(blocking, "1") && !(order && *order)) t->order = ORDER_EAGER;
   }
   return *t;
 }

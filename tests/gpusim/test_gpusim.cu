@@ -915,6 +915,10 @@ static void eager_stream_order_runs_work_as_soon_as_it_is_queued(void **) {
   // eager: step 2 ran when it was queued, as a GPU that is ahead of the host would: the shared slot
   // holds step 2's value, while a slot of its own still holds step 1's
   assert_string_equal(run_self_with("GPUSIM_STREAM_ORDER=eager", "--overwritten-slot").c_str(), "2 1\n");
+  // CUDA_LAUNCH_BLOCKING=1's launches return when their kernel has run: eager, unless an order is set
+  assert_string_equal(run_self_with("CUDA_LAUNCH_BLOCKING=1", "--overwritten-slot").c_str(), "2 1\n");
+  assert_string_equal(run_self_with("CUDA_LAUNCH_BLOCKING=1 GPUSIM_STREAM_ORDER=lazy", "--overwritten-slot").c_str(),
+                      "1 1\n");
 }
 
 // Two steps queued on a stream, each a fill and a copy to the host; the second fill is launch 2 of
