@@ -67,6 +67,7 @@ ours() {
   local log cfg=$1 batch=$2 precision=$3 metric=$4 rc=0
   shift 4
   log=$(mktemp -d "$out/run.XXXX")
+  echo "no reason recorded" >"$out/why"
   timeout --kill-after=10 "$RUN_LIMIT" "$DDP" "$cfg" --device cuda --set train.global_batch_size="$batch" \
     --set train.precision="$precision" --set train.max_steps=$((STEPS * (WINDOWS + 1))) \
     --set train.epochs=$((STEPS * (WINDOWS + 1))) --set log.every_steps="$STEPS" --set log.dir="$log" \
@@ -81,12 +82,17 @@ ours() {
     echo "$why: $(grep -m1 -E '^ddp_train: (error|bug)' "$log/out" || tail -n 1 "$log/out")" >"$out/why"
     return 1
   fi
-  "$PYTHON" - "$log/metrics.jsonl" "$metric" <<'PY'
+  if ! "$PYTHON" - "$log/metrics.jsonl" "$metric" <<'PY'; then
 import json, statistics, sys
 key = sys.argv[2]
 rows = [json.loads(l) for l in open(sys.argv[1]) if f'"{key}"' in l]
+if len(rows) < 2:
+    sys.exit(f"{sys.argv[1]}: {len(rows)} lines with {key}, want a warm-up window and at least one more")
 print(f"{statistics.median(r[key] for r in rows[1:]):.1f}")
 PY
+    echo "exit 0, but its metrics.jsonl has no timed window" >"$out/why"
+    return 1
+  fi
 }
 
 # NAME, then ours' arguments -> sets cell (the row's ddp_train cell) and figure (its number, or - where
@@ -161,12 +167,13 @@ CASES
 batch=${BENCH_BATCH:-256}
 ours_s=- ours_ready=- torch_s=- torch_ready=-
 if [[ "launch to end of first step" =~ $ONLY ]]; then
-  a=$(launch "$LAUNCHES" '^training:' '^step 1/' "$DDP" configs/model.yaml --device cuda \
+  a=$(launch --timeout "$RUN_LIMIT" "$LAUNCHES" '^training:' '^step 1/' "$DDP" configs/model.yaml --device cuda \
     --set train.global_batch_size="$batch" --set train.max_steps=1 --set log.every_steps=1 \
     --set log.dir="$out/first" --set checkpoint.dir= --set data.val.x= --set dist.timeout_s="$RUN_LIMIT" \
     ${extra[@]+"${extra[@]}"}) ||
     { a="- -" && failures+=("- launch to end of first step: ddp_train failed (its output is above)"); }
-  b=$(launch "$LAUNCHES" '^ready' '^first step' "$TORCH_PYTHON" benchmarks/torch_gpu_train.py --first-step \
+  b=$(launch --timeout "$RUN_LIMIT" "$LAUNCHES" '^ready' '^first step' "$TORCH_PYTHON" \
+    benchmarks/torch_gpu_train.py --first-step \
     configs/model.yaml "$batch" fp32) ||
     { b="- -" && failures+=("- launch to end of first step: PyTorch failed (its output is above)"); }
   read -r ours_s ours_ready <<<"$a"

@@ -37,6 +37,13 @@ static void abort_comm(dt_nccl *n) {
 }
 
 static _Noreturn void give_up(dt_nccl *n, const char *what, const char *why) {
+  /* NCCL meets a GPU fault of this rank's work as an unhandled CUDA error: named as a fault (exit 70) */
+  const cudaError_t fault = cuda_context_fault();
+  if (fault != cudaSuccess) {
+    char call[256];
+    snprintf(call, sizeof call, "%s at step %lld (NCCL: %s)", what, (long long)n->mpi->step, why);
+    cuda_failed(fault, call, NULL, __FILE__, __LINE__);
+  }
   fprintf(stderr, "ddp_train: error: rank %d: %s at step %lld %s; aborting the job\n", n->mpi->rank, what,
           (long long)n->mpi->step, why);
   fflush(stderr);

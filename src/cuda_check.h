@@ -24,9 +24,22 @@ static inline int cuda_error_is_fault(cudaError_t e) {
     case cudaErrorInvalidPc:
     case cudaErrorAssert:
     case cudaErrorLaunchTimeout:
-    case cudaErrorECCUncorrectable: return 1;
+    case cudaErrorECCUncorrectable:
+    case cudaErrorNvlinkUncorrectable:
+    case cudaErrorContained:
+    case cudaErrorExternalDevice:
+    case cudaErrorTensorMemoryLeak: return 1;
     default: return 0;
   }
+}
+
+/* The fault that broke this process's CUDA context, or cudaSuccess: the last error, else what a query
+ * of the legacy stream returns (after a fault every call returns it; a library that met it first, cuBLAS
+ * or NCCL, may have left the runtime's last error clean). For failure paths only. */
+static inline cudaError_t cuda_context_fault(void) {
+  cudaError_t e = cudaPeekAtLastError();
+  if (!cuda_error_is_fault(e)) e = cudaStreamQuery(cudaStreamLegacy);
+  return cuda_error_is_fault(e) ? e : cudaSuccess;
 }
 
 /* A failed call (call: its text; why: a library's message, or NULL for e's). A device fault (e, or the
@@ -34,8 +47,8 @@ static inline int cuda_error_is_fault(cudaError_t e) {
  * at whatever call comes after the work that faulted, so the call's file and line are not the cause.
  * Anything else is a bug. */
 static inline _Noreturn void cuda_failed(cudaError_t e, const char *call, const char *why, const char *file, int line) {
-  cudaError_t fault = cuda_error_is_fault(e) ? e : cudaPeekAtLastError();
-  if (cuda_error_is_fault(fault))
+  cudaError_t fault = cuda_error_is_fault(e) ? e : cuda_context_fault();
+  if (fault != cudaSuccess)
     dt_die(
         "the GPU faulted: %s (%s), reported by %s at %s:%d. The work that faulted (a kernel, a copy or a "
         "library call) was queued before that call, and this process cannot use the GPU any more. To name it, "

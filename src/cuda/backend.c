@@ -26,10 +26,9 @@ static _Noreturn void alloc_failed(const cuda_impl *im, cudaError_t err, size_t 
   size_t free_b = 0, total_b = 0;
   cudaGetLastError(); /* reported here, not again by the next check */
   if (err != cudaErrorMemoryAllocation) {
-    char w[512];
-    snprintf(w, sizeof w, "cudaMalloc of %zu bytes (%s) on device %d failed: %s (%s)", need, what, im->device,
-             cudaGetErrorString(err), cudaGetErrorName(err));
-    dt_abort(__FILE__, __LINE__, w);
+    char call[256];
+    snprintf(call, sizeof call, "cudaMalloc of %zu bytes (%s) on device %d", need, what, im->device);
+    cuda_failed(err, call, NULL, __FILE__, __LINE__);
   }
   cudaMemGetInfo(&free_b, &total_b);
   dt_die(

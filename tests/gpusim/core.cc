@@ -147,6 +147,7 @@ void parse_kernel_fault(Config &cfg, const char *kf) {
   }
   if (!ok || *p) fatal("GPUSIM_KERNEL_FAULT=%s: expected KERNEL[:N][@RANK], e.g. add_kernel:3@1", kf);
   memcpy(cfg.kernel_fault, kf, name);
+  cfg.kernel_fault[name] = 0;
 }
 
 void init_locked() {

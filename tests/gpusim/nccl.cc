@@ -435,6 +435,8 @@ ncclResult_t submit(ncclComm_t comm, const Collective &c) {
                 "returns ncclSuccess first",
                 api);
   if (s->phase != State::READY) return s->error ? s->error : ncclInvalidUsage;
+  if (cudaError_t e = sticky_error())  // NCCL's own CUDA calls fail on a broken context (kernel_faults)
+    return fail(ncclUnhandledCudaError, "%s: Cuda failure '%s'", api, cudaGetErrorString(e));
   if (s->settle_polls > 0)
     return fail(ncclInvalidUsage,
                 "%s: the previous call is still in progress; poll ncclCommGetAsyncError until it "
@@ -607,6 +609,11 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *state) {
   }
   if (s->phase != State::READY) {
     *state = s->error;
+    return ncclSuccess;
+  }
+  if (cudaError_t e = sticky_error()) {  // a broken context (kernel_faults) is NCCL's asynchronous error too
+    fail(ncclUnhandledCudaError, "Cuda failure '%s'", cudaGetErrorString(e));
+    *state = ncclUnhandledCudaError;
     return ncclSuccess;
   }
   if (s->settle_polls > 0) {

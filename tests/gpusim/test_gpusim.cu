@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <cublasLt.h>
+#include <nccl.h>
 #include <cublas_v2.h>
 #include <cudnn.h>
 
@@ -926,6 +927,12 @@ static void eager_stream_order_runs_work_as_soon_as_it_is_queued(void **) {
 static void print_kernel_fault() {
   cudaStream_t s;
   CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  ncclUniqueId id;
+  ncclComm_t comm;
+  if (ncclGetUniqueId(&id) != ncclSuccess || ncclCommInitRank(&comm, 1, id, 0) != ncclSuccess) {
+    printf("no NCCL communicator\n");
+    return;
+  }
   float *d = device_array<float>(2), *h;
   CUDA_OK(cudaMallocHost((void **)&h, 2 * sizeof(float)));
   h[0] = h[1] = -1.0f;
@@ -941,19 +948,28 @@ static void print_kernel_fault() {
   printf("then %s %s %s\n", cudaGetErrorName(last), cudaGetErrorName(again), cudaGetErrorName(alloc));
   LAUNCH(fill_kernel, 1, 1, 0, s)(d, 3.0f, 1);
   printf("launch %s\n", cudaGetErrorName(cudaGetLastError()));
+  // NCCL meets the broken context in its own CUDA calls: its error, and its asynchronous state
+  ncclResult_t state = ncclSuccess, sum = ncclAllReduce(d, d, 2, ncclFloat, ncclSum, comm, s);
+  ncclResult_t query = ncclCommGetAsyncError(comm, &state);
+  printf("nccl %d %d %d\n", (int)sum, (int)query, (int)state);
 }
 
 // GPUSIM_KERNEL_FAULT: a kernel's launch faults as a GPU's illegal address would. The error shows at
 // the next synchronisation, the work after it never runs, and the context stays broken: every
 // later call returns the error (a sticky error), as CUDA's documentation describes.
 static void a_kernel_fault_breaks_the_context(void **) {
-  const char *clean =
-      "queued cudaSuccess cudaSuccess\nsync cudaSuccess\nh 1 2\nthen cudaSuccess cudaSuccess cudaSuccess\n"
-      "launch cudaSuccess\n";
+  char clean[256], nccl_broken[64];
+  snprintf(clean, sizeof clean,
+           "queued cudaSuccess cudaSuccess\nsync cudaSuccess\nh 1 2\nthen cudaSuccess cudaSuccess cudaSuccess\n"
+           "launch cudaSuccess\nnccl %d %d %d\n",
+           (int)ncclSuccess, (int)ncclSuccess, (int)ncclSuccess);
+  snprintf(nccl_broken, sizeof nccl_broken, "nccl %d %d %d\n", (int)ncclUnhandledCudaError, (int)ncclSuccess,
+           (int)ncclUnhandledCudaError);
   assert_string_equal(run_self_with("", "--kernel-fault").c_str(), clean);
-  const char *after =
-      "sync cudaErrorIllegalAddress\nh 1 -1\nthen cudaErrorIllegalAddress cudaErrorIllegalAddress "
-      "cudaErrorIllegalAddress\nlaunch cudaErrorIllegalAddress\n";
+  std::string after = std::string(
+                          "sync cudaErrorIllegalAddress\nh 1 -1\nthen cudaErrorIllegalAddress cudaErrorIllegalAddress "
+                          "cudaErrorIllegalAddress\nlaunch cudaErrorIllegalAddress\n") +
+                      nccl_broken;
   std::string broken = std::string("queued cudaSuccess cudaSuccess\n") + after;
   assert_string_equal(run_self_with("GPUSIM_KERNEL_FAULT=fill_kernel:2", "--kernel-fault").c_str(), broken.c_str());
   // eagerly, the kernel runs (and faults) as its launch returns: the copy queued after it fails
