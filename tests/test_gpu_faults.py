@@ -161,6 +161,13 @@ class GpuFaults(FaultCases, unittest.TestCase):
         self.assertIn("ddp_train: error: rank 1: the GPU faulted: an illegal memory access was encountered "
                       "(cudaErrorIllegalAddress), reported by cudaGetLastError() after the input op at src/cuda/",
                       errors(err)[0])
+        # a library that meets the fault first (cuDNN, whose convolution follows the 16-bit copy that faulted
+        # within one op) fails with its own status: the context's fault is what is named
+        rc, out, err, _ = self.run_gpu(["--set", "train.cuda_graph=off", "--set", "train.precision=bf16"],
+                                       env={"GPUSIM_KERNEL_FAULT": "pack16_kernel:1@1", "CUDA_LAUNCH_BLOCKING": "1"})
+        self.assertEqual(rc, 70, out + err)
+        self.assertRegex(errors(err)[0], r"^ddp_train: error: rank 1: the GPU faulted: an illegal memory access was "
+                         r"encountered \(cudaErrorIllegalAddress\), reported by cudnn\w+\(.*\) at src/cuda/conv\.c:\d+\. ")
 
 
 @unittest.skipUnless(VISIBLE1 >= 1, "no GPU visible")

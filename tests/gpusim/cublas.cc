@@ -265,7 +265,8 @@ cublasStatus_t submit(cublasContext *ctx, const char *api, Gemm g, const void *a
   snprintf(what, sizeof what, "%s (m %d, n %d, k %d)", api, g.m, g.n, g.k);
   op->what = what;
   op->fn = [g]() { run_gemm(g); };
-  if (enqueue(s, std::move(op)) != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;  // a capture refused it
+  // a capture refused it, or a fault broke the context (kernel_faults)
+  if (enqueue(s, std::move(op)) != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
   return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -865,7 +866,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
         for (int i = 0; i < g.m; i++) store(g.c, g.ct, (size_t)j * g.ldc + i, load(C, g.ct, (size_t)j * ldc_in + i));
     run_gemm(g);
   };
-  if (enqueue(s, std::move(op)) != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;  // a capture refused it
+  // a capture refused it, or a fault broke the context (kernel_faults)
+  if (enqueue(s, std::move(op)) != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
   return CUBLAS_STATUS_SUCCESS;
 }
 

@@ -574,7 +574,8 @@ cudnnStatus_t submit(cudnnContext *h, const char *api, Conv cv, int algo, void *
     again = true;
     run_conv(cv);
   };
-  if (enqueue(s, std::move(op)) != cudaSuccess) return CUDNN_STATUS_EXECUTION_FAILED;  // a capture refused it
+  // a capture refused it, or a fault broke the context (kernel_faults)
+  if (enqueue(s, std::move(op)) != cudaSuccess) return CUDNN_STATUS_EXECUTION_FAILED;
   return CUDNN_STATUS_SUCCESS;
 }
 

@@ -197,6 +197,9 @@ Stream *stream_of(cudaStream_t h) {
 }
 
 cudaError_t enqueue(Stream *s, std::unique_ptr<Op> op) {
+  // a broken context takes no work: its error is what the library queuing it meets (cuBLAS answers
+  // CUBLAS_STATUS_EXECUTION_FAILED, cuDNN CUDNN_STATUS_EXECUTION_FAILED, NCCL ncclUnhandledCudaError)
+  if (cudaError_t e = sticky_error()) return e;
   Device *d = s->dev;
   if (s->capture) return capture_op(s, std::move(op));
   // the legacy stream and the blocking streams wait for each other's earlier work
