@@ -32,10 +32,16 @@ def main():
     got = []
     for i in range(n):
         seen, breakdown, t0 = {}, "", time.perf_counter()
-        # a session of its own, so that a launch past the limit is killed with whatever it started
-        p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, start_new_session=True)
-        killer = threading.Timer(limit, kill_group, (p.pid,)) if limit else None
-        if killer:
+        # with a limit, a session of its own, so that a launch past it is killed with whatever it started;
+        # then a signal that ends this script (a stage's timeout) ends the launch too, being outside its group
+        p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+                             start_new_session=limit is not None)
+        killer = None
+        if limit:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, lambda signum, frame, pid=p.pid: (kill_group(pid), sys.exit(128 + signum)))
+            killer = threading.Timer(limit, kill_group, (p.pid,))
+            killer.daemon = True
             killer.start()
         for line in p.stdout:
             if line.startswith(("start-up:", "cuda: GPU")):  # where start-up went, and the device phase's part

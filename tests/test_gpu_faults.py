@@ -153,19 +153,26 @@ class GpuFaults(FaultCases, unittest.TestCase):
             self.assertNotIn("ddp_train: bug:", err)
             self.assertTrue(self.w.latest().endswith("step-00000002.h5"))
             self.assertLess(took, 30)  # not the 60 s deadline
-        # the advice taken: each launch returns when its kernel has run (the stand-in runs eagerly), so the
-        # check after the op names it
+        # the advice taken: each launch returns when its kernel has run (the stand-in runs eagerly, its order
+        # left to CUDA_LAUNCH_BLOCKING), so the check after the op names it
+        blocking = {"CUDA_LAUNCH_BLOCKING": "1", "GPUSIM_STREAM_ORDER": ""}
+        self.w.cleanup()
+        self.setUp()
         rc, out, err, _ = self.run_gpu(["--set", "train.cuda_graph=off"],
-                                       env={"GPUSIM_KERNEL_FAULT": "input_kernel:4@1", "CUDA_LAUNCH_BLOCKING": "1"})
+                                       env=dict(blocking, GPUSIM_KERNEL_FAULT="input_kernel:4@1"))
         self.assertEqual(rc, 70, out + err)
+        self.assertEqual(len(errors(err)), 1, err)
         self.assertIn("ddp_train: error: rank 1: the GPU faulted: an illegal memory access was encountered "
                       "(cudaErrorIllegalAddress), reported by cudaGetLastError() after the input op at src/cuda/",
                       errors(err)[0])
         # a library that meets the fault first (cuDNN, whose convolution follows the 16-bit copy that faulted
         # within one op) fails with its own status: the context's fault is what is named
+        self.w.cleanup()
+        self.setUp()
         rc, out, err, _ = self.run_gpu(["--set", "train.cuda_graph=off", "--set", "train.precision=bf16"],
-                                       env={"GPUSIM_KERNEL_FAULT": "pack16_kernel:1@1", "CUDA_LAUNCH_BLOCKING": "1"})
+                                       env=dict(blocking, GPUSIM_KERNEL_FAULT="pack16_kernel:1@1"))
         self.assertEqual(rc, 70, out + err)
+        self.assertEqual(len(errors(err)), 1, err)
         self.assertRegex(errors(err)[0], r"^ddp_train: error: rank 1: the GPU faulted: an illegal memory access was "
                          r"encountered \(cudaErrorIllegalAddress\), reported by cudnn\w+\(.*\) at src/cuda/conv\.c:\d+\. ")
 

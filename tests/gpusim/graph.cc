@@ -468,7 +468,7 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t h, cudaStream_t sh) {
   std::unique_ptr<GraphRunOp> op(new GraphRunOp(x->plan, s));
   std::shared_ptr<Mark> mark = std::make_shared<Mark>();
   op->mark = mark;
-  enqueue(s, std::move(op));
+  if (cudaError_t e = enqueue(s, std::move(op))) return set_error(e);
   count_launch(x->plan->nodes.size());
   mark->stream = s;
   mark->seq = s->enqueued;
