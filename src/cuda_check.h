@@ -33,12 +33,11 @@ static inline int cuda_error_is_fault(cudaError_t e) {
   }
 }
 
-/* The fault that broke this process's CUDA context, or cudaSuccess: the last error, else what a query
- * of the legacy stream returns (after a fault every call returns it; a library that met it first, cuBLAS
- * or NCCL, may have left the runtime's last error clean). For failure paths only. */
+/* The fault that broke this process's CUDA context, or cudaSuccess: what a query of the legacy stream
+ * returns (after a fault every call returns it, where a library that met it first, cuBLAS or NCCL, may
+ * have left the runtime's last error clean). For failure paths only. */
 static inline cudaError_t cuda_context_fault(void) {
-  cudaError_t e = cudaPeekAtLastError();
-  if (!cuda_error_is_fault(e)) e = cudaStreamQuery(cudaStreamLegacy);
+  cudaError_t e = cudaStreamQuery(cudaStreamLegacy);
   return cuda_error_is_fault(e) ? e : cudaSuccess;
 }
 

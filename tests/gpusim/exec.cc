@@ -688,10 +688,6 @@ extern "C" void *gpusim_dynamic_shared(void) {
 extern "C" void gpusim_launch(const gpusim_launch_desc *d, void *task) {
   ApiLock lock;
   std::unique_ptr<KernelOp> op(new KernelOp(*d, task));
-  if (cudaError_t e = sticky_error()) {  // a broken context launches nothing
-    set_error(e);
-    return;
-  }
   Stream *s = stream_of(d->stream);
   if (!s) {
     set_error(cudaErrorInvalidResourceHandle);

@@ -435,8 +435,6 @@ ncclResult_t submit(ncclComm_t comm, const Collective &c) {
                 "returns ncclSuccess first",
                 api);
   if (s->phase != State::READY) return s->error ? s->error : ncclInvalidUsage;
-  if (cudaError_t e = sticky_error())  // NCCL's own CUDA calls fail on a broken context (kernel_faults)
-    return fail(ncclUnhandledCudaError, "%s: Cuda failure '%s'", api, cudaGetErrorString(e));
   if (s->settle_polls > 0)
     return fail(ncclInvalidUsage,
                 "%s: the previous call is still in progress; poll ncclCommGetAsyncError until it "

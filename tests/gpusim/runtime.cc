@@ -55,7 +55,7 @@ cudaError_t ret(cudaError_t e) {
 }
 
 // After a device fault every call that uses the device fails with the sticky error, before or
-// after it waits for work (kernel_faults).
+// after it waits for work (kernel_faults); one that queues work meets it in enqueue.
 #define RETURN_IF_BROKEN()                                         \
   do {                                                             \
     if (cudaError_t sticky_ = sticky_error()) return ret(sticky_); \
@@ -555,7 +555,6 @@ cudaError_t cudaFreeHost(void *p) {
 
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind, cudaStream_t h) {
   ApiLock lock;
-  RETURN_IF_BROKEN();
   Stream *s = stream_of(h);
   if (!s) return ret(cudaErrorInvalidResourceHandle);
   return queue_copy(s, dst, src, bytes, kind, "cudaMemcpyAsync");
@@ -564,7 +563,6 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpy
 // Blocking: queued on the legacy stream (after every blocking stream's work) and run to the end.
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind) {
   ApiLock lock;
-  RETURN_IF_BROKEN();
   Stream *s = stream_of(nullptr);
   if (!s) return ret(cudaErrorNoDevice);
   if (cudaError_t e = check_unsafe_call()) return ret(e);
@@ -579,7 +577,6 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind 
 
 cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t h) {
   ApiLock lock;
-  RETURN_IF_BROKEN();
   Stream *s = stream_of(h);
   if (!s) return ret(cudaErrorInvalidResourceHandle);
   if (!bytes) return cudaSuccess;
@@ -601,7 +598,6 @@ cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t h) {
 // stream operation: capture forbids it as it does cudaMemcpy.
 cudaError_t cudaMemset(void *p, int value, size_t bytes) {
   ApiLock lock;
-  RETURN_IF_BROKEN();
   if (cudaError_t e = check_unsafe_call()) return ret(e);
   return cudaMemsetAsync(p, value, bytes, nullptr);
 }
