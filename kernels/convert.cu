@@ -87,11 +87,20 @@ __global__ void pack_bf16_rows_kernel(const float *x, uint16_t *y, int64_t n, fa
   }
 }
 
-// As pack_bf16_rows_kernel, summing each column of x in double as it goes (a dense layer's bias gradient from
-// its dy): a block copies 32 columns of a chunk of rows (a warp one row of them: 128 bytes read), then adds its
-// rows' sums per column in order into partials (chunks, cols)
-__global__ void pack_bf16_rows_sums_kernel(const float *x, uint16_t *y, int64_t rows, int64_t cols, int64_t ld,
-                                           int64_t per, double *partials) {
+static __device__ __forceinline__ float value_of(float v) {
+  return v;
+}
+static __device__ __forceinline__ float value_of(uint16_t v) {
+  return dt_from_bf16(v);
+}
+
+// Each column of x (rows, cols; rows of ldx values) summed in double, FP32 x copied to y (rows, ld) in bfloat16
+// as it goes (a dense layer's bias gradient from its dy; bfloat16 x, a 16-bit dy, is only summed, y NULL): a
+// block reads 32 columns of a chunk of rows (a warp one row of them), then adds its rows' sums per column in
+// order into partials (chunks, cols): pack_bf16_rows_sums_kernel and bf16_rows_sums_kernel
+template <class T>
+static __device__ __forceinline__ void rows_sums(const T *x, int64_t ldx, uint16_t *y, int64_t rows, int64_t cols,
+                                                 int64_t ld, int64_t per, double *partials) {
   __shared__ double red[kThreads / 32][32];
   const int lane = threadIdx.x % 32, row = threadIdx.x / 32;
   const int64_t col = (int64_t)blockIdx.x * 32 + lane, r0 = (int64_t)blockIdx.y * per,
@@ -99,8 +108,8 @@ __global__ void pack_bf16_rows_sums_kernel(const float *x, uint16_t *y, int64_t 
   double sum = 0;
   if (col < cols)
     for (int64_t r = r0 + row; r < r1; r += kThreads / 32) {
-      const float v = x[r * cols + col];
-      y[r * ld + col] = dt_to_bf16(v);
+      const float v = value_of(x[r * ldx + col]);
+      if (y) y[r * ld + col] = dt_to_bf16(v);
       sum += v;
     }
   red[row][lane] = sum;
@@ -109,6 +118,16 @@ __global__ void pack_bf16_rows_sums_kernel(const float *x, uint16_t *y, int64_t 
     for (int k = 1; k < kThreads / 32; k++) sum += red[k][lane];
     partials[(int64_t)blockIdx.y * cols + col] = sum;
   }
+}
+
+__global__ void pack_bf16_rows_sums_kernel(const float *x, uint16_t *y, int64_t rows, int64_t cols, int64_t ld,
+                                           int64_t per, double *partials) {
+  rows_sums(x, cols, y, rows, cols, ld, per, partials);
+}
+
+__global__ void bf16_rows_sums_kernel(const uint16_t *x, int64_t rows, int64_t cols, int64_t ld, int64_t per,
+                                      double *partials) {
+  rows_sums(x, ld, (uint16_t *)nullptr, rows, cols, 0, per, partials);
 }
 
 // db(cols) += the chunks' sums of each column, added in order (one thread a column)
@@ -128,12 +147,28 @@ int64_t k_pack_bf16_rows_chunks(int64_t rows, int64_t cols) {
   return chunks < 1 || most < 1 ? 1 : chunks > most ? most : chunks;
 }
 
+// The grid of rows_sums_kernel: 32 columns by a chunk of `per` rows a block.
+static dim3 sums_grid(int64_t rows, int64_t cols, int64_t *per) {
+  const int64_t chunks = k_pack_bf16_rows_chunks(rows, cols);
+  *per = rows > 0 ? (rows + chunks - 1) / chunks : 1;
+  return dim3((unsigned)((cols + 31) / 32), (unsigned)(rows > 0 ? (rows + *per - 1) / *per : 1));
+}
+
 void k_pack_bf16_rows_sums(cudaStream_t s, const float *x, uint16_t *y, int64_t rows, int64_t cols, int64_t ld,
                            float *db, double *partials) {
   if (!cols) return;
-  const int64_t chunks = k_pack_bf16_rows_chunks(rows, cols), per = rows > 0 ? (rows + chunks - 1) / chunks : 1;
-  const dim3 grid((unsigned)((cols + 31) / 32), (unsigned)(rows > 0 ? (rows + per - 1) / per : 1));
+  int64_t per;
+  const dim3 grid = sums_grid(rows, cols, &per);
   LAUNCH(pack_bf16_rows_sums_kernel, grid, kThreads, 0, s)(x, y, rows, cols, ld, per, partials);
+  LAUNCH(col_sums_kernel, blocks_for(cols), kThreads, 0, s)(partials, grid.y, cols, db);
+}
+
+void k_bf16_rows_sums(cudaStream_t s, const uint16_t *x, int64_t rows, int64_t cols, int64_t ld, float *db,
+                      double *partials) {
+  if (!cols) return;
+  int64_t per;
+  const dim3 grid = sums_grid(rows, cols, &per);
+  LAUNCH(bf16_rows_sums_kernel, grid, kThreads, 0, s)(x, rows, cols, ld, per, partials);
   LAUNCH(col_sums_kernel, blocks_for(cols), kThreads, 0, s)(partials, grid.y, cols, db);
 }
 

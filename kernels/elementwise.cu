@@ -127,6 +127,30 @@ __global__ void act_bwd_kernel(int kind, const float *x, const float *y, const f
   }
 }
 
+// The 16-bit GEMM's epilogues where cuBLASLt takes none (src/cuda/gemm.c), on (m, n) values in bfloat16 rows of
+// ld (i runs over m n): pre += the bias rounded to bfloat16 (when given), its FP32 sum rounded into pre, and y
+// (when given) the tanh gelu of that sum, rounded
+__global__ void bias_gelu_bf16_rows_kernel(uint16_t *pre, const float *bias, uint16_t *y, int64_t total, fast_div n,
+                                           int64_t ld) {
+  GRID_STRIDE(i, total) {
+    const uint32_t r = div_by((uint32_t)i, n), c = (uint32_t)i - r * n.d;
+    const int64_t at = (int64_t)r * ld + c;
+    float v = dt_from_bf16(pre[at]);
+    if (bias) v += dt_from_bf16(dt_to_bf16(bias[c]));
+    pre[at] = dt_to_bf16(v);
+    if (y) y[at] = dt_to_bf16(gelu_tanh(v));
+  }
+}
+
+// dx = the tanh gelu's derivative at aux times dx, in place, rounded (as act_bwd_kernel's gelu_tanh)
+__global__ void dgelu_tanh_bf16_rows_kernel(const uint16_t *aux, uint16_t *dx, int64_t total, fast_div n, int64_t ld) {
+  GRID_STRIDE(i, total) {
+    const uint32_t r = div_by((uint32_t)i, n), c = (uint32_t)i - r * n.d;
+    const int64_t at = (int64_t)r * ld + c;
+    dx[at] = dt_to_bf16(gelu_tanh_grad(dt_from_bf16(aux[at])) * dt_from_bf16(dx[at]));
+  }
+}
+
 __global__ void dropout_kernel(const float *x, float *y, int64_t n, float p, float keep, uint64_t layer_seed,
                                const uint64_t *step_seed) {
   uint64_t seed = dt_hash64(layer_seed ^ *step_seed);
@@ -255,6 +279,17 @@ void k_bias_grad(cudaStream_t s, const float *dy, float *db, int64_t b, int64_t 
 void k_relu_bias_grad(cudaStream_t s, float *dy, const float *relu_y, float *db, int64_t b, int64_t c) {
   LAUNCH(relu_bias_grad_rows_kernel, (unsigned)((c + kBiasCols - 1) / kBiasCols), kBiasThreads, 0, s)
   (dy, relu_y, db, b, c);
+}
+
+void k_bias_gelu_bf16_rows(cudaStream_t s, uint16_t *pre, const float *bias, uint16_t *y, int64_t m, int64_t n,
+                           int64_t ld) {
+  if (!m || !n) return;
+  LAUNCH(bias_gelu_bf16_rows_kernel, blocks_for(m * n), kThreads, 0, s)(pre, bias, y, m * n, make_fast_div(n), ld);
+}
+
+void k_dgelu_tanh_bf16_rows(cudaStream_t s, const uint16_t *aux, uint16_t *dx, int64_t m, int64_t n, int64_t ld) {
+  if (!m || !n) return;
+  LAUNCH(dgelu_tanh_bf16_rows_kernel, blocks_for(m * n), kThreads, 0, s)(aux, dx, m * n, make_fast_div(n), ld);
 }
 
 void k_act_fwd(cudaStream_t s, int kind, const float *x, float *y, int64_t n) {

@@ -23,6 +23,12 @@ void k_bias_grad(cudaStream_t s, const float *dy, float *db, int64_t b, int64_t 
  * relu_y (b, c) is not positive, then db (c) += its column sums, as k_bias_grad's (sp 1) */
 void k_relu_bias_grad(cudaStream_t s, float *dy, const float *relu_y, float *db, int64_t b, int64_t c);
 void k_act_fwd(cudaStream_t s, int kind, const float *x, float *y, int64_t n);
+/* A 16-bit GEMM's bias and gelu, or gelu derivative, where cuBLASLt's epilogue cannot: (m, n) values in bfloat16
+ * rows of ld. pre += round(bias) (bias NULL: none), rounded, and y (NULL: none) = the tanh gelu of that FP32
+ * sum, rounded; dx = gelu_tanh'(aux) dx, rounded. */
+void k_bias_gelu_bf16_rows(cudaStream_t s, uint16_t *pre, const float *bias, uint16_t *y, int64_t m, int64_t n,
+                           int64_t ld);
+void k_dgelu_tanh_bf16_rows(cudaStream_t s, const uint16_t *aux, uint16_t *dx, int64_t m, int64_t n, int64_t ld);
 void k_act_bwd(cudaStream_t s, int kind, const float *x, const float *y, const float *dy, float *dx, int64_t n);
 void k_dropout(cudaStream_t s, const float *x, float *y, int64_t n, float p, uint64_t seed, const uint64_t *step_seed);
 void k_clip(cudaStream_t s, float *x, int64_t n, float max_norm, const double *sumsq);
@@ -60,6 +66,9 @@ enum { K_PACK_SUMS_BLOCKS = 2048, K_PACK_SUMS_ROWS_MIN = 64 };
 int64_t k_pack_bf16_rows_chunks(int64_t rows, int64_t cols);
 void k_pack_bf16_rows_sums(cudaStream_t s, const float *x, uint16_t *y, int64_t rows, int64_t cols, int64_t ld,
                            float *db, double *partials);
+/* The sums alone, of x (rows, cols) already bfloat16 rows of ld (a 16-bit dy), in the same chunks and order. */
+void k_bf16_rows_sums(cudaStream_t s, const uint16_t *x, int64_t rows, int64_t cols, int64_t ld, float *db,
+                      double *partials);
 
 /* optim.cu: one pass over the flat parameter buffer */
 /* hyper: the step's values, uploaded by the host (SGD: lr; AdamW: lr, lr / bc1, sqrt(bc2)) */

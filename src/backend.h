@@ -145,14 +145,18 @@ typedef struct {
                                                (one product, beta 0): the CPU starts C at the bias */
       int epilogue; /* DT_GEMM_*: a gelu or a relu applied to C as it is written, or a gelu's derivative */
       float *aux;   /* (m, n), the gelu's input: written by GELU_TANH, read by DGELU_TANH; RELU: unused */
-      int c16; /* 0, or half.h's DT_F16_BF16 (the CUDA backend under bf16): C written in bfloat16 as rows of
-                  dt_ld16(n) values, their padding left as it is, for a loss's logits16; one product, beta 0, no
-                  bias, no epilogue */
-      int a16; /* 0, or A stored so already (rows of dt_ld16 of its stored columns: a loss's 16-bit dlogits),
-                  read as it is; one product */
-      float *a_col_sums; /* NULL, or (A's stored columns): += the sums of A's columns as stored, in double, as
-                            bias_grad's (a dense layer's bias gradient, from the dy its weight gradient reads:
-                            CUDA under bf16 sums it as it copies dy to bfloat16); one product, no a16 */
+      int c16;      /* 0, or half.h's DT_F16_BF16 (the CUDA backend under bf16): C written in bfloat16 as rows of
+                       dt_ld16(n) values, their padding left as it is (a loss's logits16, a linear's y16); one
+                       product, beta 0, no relu epilogue. With a bias, it is rounded to bfloat16 first (as
+                       autocast casts it); a gelu epilogue's aux is in C's format and rows too, written rounded
+                       from the same FP32 sum as the gelu (GELU_TANH) or read (DGELU_TANH) */
+      int a16;      /* 0, or A stored so already (rows of dt_ld16 of its stored columns: a loss's 16-bit dlogits, a
+                       linear's 16-bit dy or x), read as it is; one product */
+      int b16;      /* 0, or B stored so already (a linear's 16-bit x, the B of its weight gradient); one product */
+      float *a_col_sums;   /* NULL, or (A's stored columns): += the sums of A's columns as stored (a16: of its
+                              bfloat16 values), in double, as bias_grad's (a dense layer's bias gradient, from the
+                              dy its weight gradient reads: CUDA under bf16 sums it as it copies dy to bfloat16);
+                              one product */
       const float *relu_y; /* NULL, or (A as stored) a fused relu's output: A (then writable: a dense layer's dy)
                               is first set to +0 in place where relu_y is not positive, the relu's backward, and
                               the sums and the product read it so (CUDA in FP32 masks and sums in one pass); one

@@ -76,43 +76,45 @@ dt_op dense_gemm(int kind, int64_t rows, int64_t in, int64_t out) {
 }
 
 void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
-                   const float *bias, float *y, float *gelu_y, int relu, int y16) {
+                   const float *bias, float *y, float *gelu_y, int relu, int x16, int y16) {
   dt_op op = dense_gemm(DENSE_FWD, rows, in, out);
-  op.p.gemm.a = x, op.p.gemm.b = w, op.p.gemm.c = y, op.p.gemm.bias = bias, op.p.gemm.c16 = y16;
+  op.p.gemm.a = x, op.p.gemm.b = w, op.p.gemm.c = y, op.p.gemm.bias = bias, op.p.gemm.a16 = x16, op.p.gemm.c16 = y16;
   if (gelu_y) op.p.gemm.epilogue = DT_GEMM_GELU_TANH, op.p.gemm.aux = y, op.p.gemm.c = gelu_y;
   if (relu) op.p.gemm.epilogue = DT_GEMM_RELU;
   backend_run(be, &op);
 }
 
 void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
-                    const float *dy, const float *relu_y, float *dw, float *dbias, float *dx, float *dgelu_x, int y16) {
-  DT_ASSERT(!y16 || (!dbias && !relu_y));
+                    const float *dy, const float *relu_y, float *dw, float *dbias, float *dx, float *dgelu_x, int x16,
+                    int y16) {
+  DT_ASSERT(!y16 || !relu_y);
   /* the two GEMMs back to back: under bf16 the CUDA backend copies dy to bfloat16 once for both, and sums
    * dbias's columns as it copies */
   dt_op op = dense_gemm(DENSE_DW, rows, in, out);
-  op.p.gemm.a = dy, op.p.gemm.b = x, op.p.gemm.c = dw, op.p.gemm.a16 = y16, op.p.gemm.a_col_sums = dbias;
+  op.p.gemm.a = dy, op.p.gemm.b = x, op.p.gemm.c = dw, op.p.gemm.a16 = y16, op.p.gemm.b16 = x16;
+  op.p.gemm.a_col_sums = dbias;
   op.p.gemm.relu_y = relu_y;
   backend_run(be, &op);
   if (dx) {
     op = dense_gemm(DENSE_DX, rows, in, out);
-    op.p.gemm.a = dy, op.p.gemm.b = w, op.p.gemm.c = dx, op.p.gemm.a16 = y16;
+    op.p.gemm.a = dy, op.p.gemm.b = w, op.p.gemm.c = dx, op.p.gemm.a16 = y16, op.p.gemm.c16 = x16;
     if (dgelu_x) op.p.gemm.epilogue = DT_GEMM_DGELU_TANH, op.p.gemm.aux = dgelu_x;
     backend_run(be, &op);
   }
 }
 
-int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][6]) {
+int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][7]) {
   const int64_t rows = shape_rows(l->in, batch), c = l->in.c;
   if (l->ops == &dt_layer_linear) {
     products[0][0] = rows, products[0][1] = c, products[0][2] = l->args.out;
     products[0][3] = l->args.bias || l->gelu_next || l->dgelu_aux || l->fused_relu, products[0][4] = l->y16;
-    products[0][5] = l->args.bias;
+    products[0][5] = l->args.bias, products[0][6] = l->x16;
     return 1;
   }
   if (l->ops != &dt_layer_attention) return 0;
   for (int p = 0; p < 2; p++) {
     products[p][0] = rows, products[p][1] = c, products[p][2] = p ? c : 3 * c;
-    products[p][3] = 1, products[p][4] = 0, products[p][5] = 1;
+    products[p][3] = 1, products[p][4] = 0, products[p][5] = 1, products[p][6] = 0;
   }
   return 2;
 }
@@ -120,11 +122,13 @@ int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][6
 /* With a gelu after it (gelu_next), y is the gelu's input and the GEMM writes the gelu's output too; with a
  * relu after it (fused_relu, model.fuse), the GEMM writes the relu's output, y, which the relu borrows. The
  * classifier under bf16 (y16, model.c's pick_logits16) writes bfloat16 logits for the loss, whose gradient
- * its backward GEMMs read as the loss wrote it. */
+ * its backward GEMMs read as the loss wrote it; a transformer's MLP under bf16 (model.c's pick_gelu16) keeps
+ * its hidden activations so: the first linear writes the gelu's input and output, and reads its dy, in
+ * bfloat16 rows (y16), the second reads x and writes dx (through the gelu's derivative) so (x16). */
 static void linear_forward(dt_layer *l, dt_pass *pass, const float *x) {
   dense_forward(pass->be, shape_rows(l->in, pass->batch), l->in.c, l->args.out, x, pass->params + weight_off(l),
                 l->args.bias ? pass->params + bias_off(l) : NULL, l->y, l->gelu_next ? l->gelu_next->y : NULL,
-                l->fused_relu, l->y16);
+                l->fused_relu, l->x16, l->y16);
 }
 
 /* After such a gelu (dgelu_aux), dx goes through the gelu's derivative at its input. A fused relu's gradient
@@ -135,7 +139,8 @@ static void linear_backward(dt_layer *l, dt_pass *pass, const float *x, float *d
   /* a fused relu has a layer after it, so its linear is not the classifier, the one with 16-bit y */
   dense_backward(pass->be, shape_rows(l->in, pass->batch), l->in.c, l->args.out, x, pass->params + weight_off(l), l->dy,
                  l->fused_relu ? l->y : NULL, pass->grads + weight_off(l),
-                 l->args.bias ? pass->grads + bias_off(l) : NULL, dx, l->dgelu_aux ? l->dgelu_aux->y : NULL, l->y16);
+                 l->args.bias ? pass->grads + bias_off(l) : NULL, dx, l->dgelu_aux ? l->dgelu_aux->y : NULL, l->x16,
+                 l->y16);
 }
 
 static int64_t linear_flops(const dt_layer *l) {

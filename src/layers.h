@@ -29,24 +29,25 @@ enum { DENSE_FWD, DENSE_DW, DENSE_DX };
 dt_op dense_gemm(int kind, int64_t rows, int64_t in, int64_t out);
 /* Queues y(rows, out) = x(rows, in) W^T + bias (bias NULL: none); W (out, in); and, when gelu_y is not
  * NULL, gelu_y = gelu_tanh(y) in the same GEMM: the gelu after it; or with relu, y = relu(x W^T + bias) (the
- * relu after it). y16 (half.h's format, 0: FP32): y is written in 16-bit rows (backend.h's gemm.c16; no
- * bias, no activation). layer_dense.c. */
+ * relu after it). x16, y16 (half.h's format, 0: FP32): x is read from, y (and gelu_y) written in 16-bit rows
+ * (backend.h's gemm.a16 and c16; no relu with y16). layer_dense.c. */
 void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
-                   const float *bias, float *y, float *gelu_y, int relu, int y16);
+                   const float *bias, float *y, float *gelu_y, int relu, int x16, int y16);
 /* Queues dW += dy^T x and dbias += column sums of dy (NULL: none) in one GEMM op, dx = dy W (NULL: none), times
  * gelu_tanh'(dgelu_x) (rows, in) when dgelu_x is not NULL: the input gradient of the gelu before. relu_y: NULL,
  * or (rows, out) the output of a relu the forward applied: dy (then written) is first masked in place where it
  * is not positive, by the same op (gemm.relu_y). y16: dy is in 16-bit rows (the forward's y16; gemm.a16, no
- * bias, no relu_y). */
+ * relu_y); x16: x is, and dx (and dgelu_x) are written so (gemm.b16, c16). */
 void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
-                    const float *dy, const float *relu_y, float *dw, float *dbias, float *dx, float *dgelu_x, int y16);
+                    const float *dy, const float *relu_y, float *dw, float *dbias, float *dx, float *dgelu_x, int x16,
+                    int y16);
 
 /* The dense products (rows, in, out, has an epilogue: a bias, a gelu or a relu, y16: its y in 16-bit rows, has a
- * bias) of a linear layer (one) or an attention layer (its two projections, (rows, C, 3C, 1, 0, 1) and (rows,
- * C, C, 1, 0, 1)) over
+ * bias, x16: its x in 16-bit rows) of a linear layer (one) or an attention layer (its two projections, (rows, C,
+ * 3C, 1, 0, 1, 0) and (rows, C, C, 1, 0, 1, 0)) over
  * `batch` rows, in products; 0 for any other layer. dense_forward and dense_backward run each as up to three
  * GEMMs (the memory estimate asks the backend for their scratch). layer_dense.c. */
-int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][6]);
+int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][7]);
 
 /* The gradient of the relu that l applies (fused_relu), l->dy, masked in place where l->y, the relu's output,
  * is not positive: the relu's own backward, bit for bit (a residual's and a linear's; n values, as y16).

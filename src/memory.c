@@ -37,22 +37,28 @@ static int scratch_ops(const dt_model *m, int64_t batch, int backward, dt_op *op
     const dt_layer *l = m->all[i];
     const int first = l == m->top.layers[0];
     dt_conv_geom g;
-    int64_t dense[2][6];
+    int64_t dense[2][7];
     const int n_dense = layer_dense_products(l, batch, dense);
     for (int d = 0; d < n_dense; d++) {
       const int64_t rows = dense[d][0], in = dense[d][1], out = dense[d][2];
-      const int y16 = (int)dense[d][4]; /* the 16-bit C, and the 16-bit A of the gradients: no copy of it */
+      /* the 16-bit C and A of the gradients (y16), the 16-bit A and B of the gradients and C of dx (x16): no
+       * copies of them; under y16 a bias's bfloat16 copy */
+      const int y16 = (int)dense[d][4], x16 = (int)dense[d][6];
       static const float bias_marker; /* these ops are shapes only: never read */
       static float sums_marker;       /* so too */
       ops[n] = dense_gemm(DENSE_FWD, rows, in, out);
-      if (dense[d][3]) ops[n].p.gemm.bias = &bias_marker; /* an epilogue: the CUDA backend's cuBLASLt workspace */
-      ops[n++].p.gemm.c16 = y16;
+      if (dense[d][5]) /* a bias; either way an epilogue: the CUDA backend's cuBLASLt workspace */
+        ops[n].p.gemm.bias = &bias_marker;
+      else if (dense[d][3])
+        ops[n].p.gemm.epilogue = DT_GEMM_GELU_TANH;
+      ops[n].p.gemm.a16 = x16, ops[n++].p.gemm.c16 = y16;
       if (backward) { /* with a bias, its gradient summed as dy is copied: partial sums */
-        ops[n] = dense_gemm(DENSE_DW, rows, in, out), ops[n].p.gemm.a16 = y16;
+        ops[n] = dense_gemm(DENSE_DW, rows, in, out), ops[n].p.gemm.a16 = y16, ops[n].p.gemm.b16 = x16;
         if (dense[d][5]) ops[n].p.gemm.a_col_sums = &sums_marker;
         n++;
       }
-      if (backward && !first) ops[n] = dense_gemm(DENSE_DX, rows, in, out), ops[n++].p.gemm.a16 = y16;
+      if (backward && !first)
+        ops[n] = dense_gemm(DENSE_DX, rows, in, out), ops[n].p.gemm.a16 = y16, ops[n++].p.gemm.c16 = x16;
     }
     if (layer_conv_geom(l, batch, &g)) {
       ops[n++] = (dt_op){.type = DT_OP_CONV_FWD, .p.conv_fwd = {.g = g}};

@@ -344,6 +344,26 @@ static void pick_logits16(dt_model *m, int format) {
                   : DT_F16_NONE;
 }
 
+/* model.fuse under bf16 on CUDA: a linear, the tanh gelu its GEMM applies and the linear that applies the gelu's
+ * derivative (a transformer's MLP: gelu_next, dgelu_aux) keep the hidden activations in bfloat16 rows, as
+ * PyTorch's autocast does: the first writes the gelu's input and output (its y16: no FP32 copies, and none for
+ * the second's GEMMs to make), and reads its dy so; the second reads x and writes dx so (its x16). Hidden widths
+ * that are whole rows of 8 values (the gelu's buffers are laid out as the linear's), every dimension at least
+ * DT_GEMM16_MIN_DIM. */
+static void pick_gelu16(dt_seq *s, int format) {
+  for (int i = 0; i < s->n; i++) {
+    dt_layer *l = s->layers[i];
+    pick_gelu16(&l->body, format);
+    pick_gelu16(&l->shortcut, format);
+    if (!(l->ops->traits & DT_LAYER_LINEAR) || !l->gelu_next || i + 2 >= s->n) continue;
+    dt_layer *gelu = l->gelu_next, *next = s->layers[i + 2];
+    const int fits = format == DT_F16_BF16 && next->dgelu_aux == l && l->args.out % 8 == 0 &&
+                     l->in.c >= DT_GEMM16_MIN_DIM && l->args.out >= DT_GEMM16_MIN_DIM &&
+                     next->args.out >= DT_GEMM16_MIN_DIM;
+    l->y16 = gelu->y16 = next->x16 = fits ? format : DT_F16_NONE;
+  }
+}
+
 /* Under bf16 and fp16 CUDA convolves 16-bit NHWC copies: a convolution's output and gradient between it and
  * its batchnorm stay as cuDNN has them. The teacher runs in the model's precision (the backend's). */
 static void pick_ops(dt_model *m, int cuda, size_t shared_per_block, int format) {
@@ -352,6 +372,7 @@ static void pick_ops(dt_model *m, int cuda, size_t shared_per_block, int format)
   pick_y16(m, format);
   pick_trunk16(m, format);
   pick_logits16(m, format);
+  pick_gelu16(&m->top, format);
   if (m->teacher) pick_ops(m->teacher, cuda, shared_per_block, format);
 }
 

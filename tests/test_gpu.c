@@ -2354,6 +2354,122 @@ static void ops_classifier_rows16(void) {
   }
 }
 
+#define ALIGN256(bytes) ((size_t)((bytes) + 255) / 256 * 256)
+
+/* A dense buffer of n FP32 values and its copy rounded to bfloat16 (the CPU's operand where CUDA copies). */
+static void ot_rand_rounded(int64_t n, float lo, float hi, dbuf *fp32, dbuf *rounded) {
+  float *h = ot_host_rand(n, lo, hi);
+  *fp32 = ot_buf(OT_F32, h, n);
+  for (int64_t j = 0; j < n; j++) h[j] = round_bf16(h[j]);
+  *rounded = ot_buf(OT_F32, h, n);
+  free(h);
+}
+
+/* A transformer's MLP under bf16 (model.c's pick_gelu16), each GEMM on the same inputs on both sides: the first
+ * linear's forward writing the gelu's input and output in bfloat16 rows with its bias (c16, bias rounded to
+ * bfloat16 first: GELU_AUX_BIAS's epilogue), the second's reading x so (a16), its weight gradient reading x so
+ * (b16, no copy) and its input gradient written so through the gelu's derivative at the 16-bit input (c16,
+ * DGELU), and the first's gradients from its 16-bit dy (a16) with the bias gradient summed from those values.
+ * With no_lt (the stand-in's GPUSIM_CUBLASLT=none) the 16-bit epilogues run as kernels after cublasGemmEx, a
+ * rounding more (within the same bfloat16 tolerance). (in, hidden, out) (40, 64, 24) and (21, 20, 19): rows
+ * padded to 24 for 21, 20 and 19; the CPU's operands are rounded beforehand, as CUDA's copies round them. The
+ * memory estimate's 16-bit bytes are the copies each GEMM makes: none of a 16-bit operand. */
+static void ops_gelu_mlp_rows16(int no_lt) {
+  const int64_t shapes[][3] = {{40, 64, 24}, {21, 20, 19}};
+  const int lt = !(no_lt && on_standin());
+  for (int si = 0; si < 2; si++) {
+    const int64_t in = shapes[si][0], hid = shapes[si][1], out = shapes[si][2], ld = dt_ld16(hid);
+    FOR_ROWS(r) {
+      dbuf x, xr, w1, w1r, w2, w2r, dy2, dy2r;
+      ot_rand_rounded(cap * in, -1, 1, &x, &xr);
+      ot_rand_rounded(hid * in, -0.5f, 0.5f, &w1, &w1r);
+      ot_rand_rounded(out * hid, -0.5f, 0.5f, &w2, &w2r);
+      ot_rand_rounded(cap * out, -1, 1, &dy2, &dy2r);
+      dbuf b1 = ot_rand(hid, -1, 1), b2 = ot_rand(out, -1, 1);
+      dbuf pre = ot_rand16(cap * ld, -1, 1), act = ot_rand16(cap * ld, -1, 1);
+      ot_case(DT_OP_GEMM, "first linear: the gelu's input and output in bfloat16 rows (c16), bias, (%lld, %lld), %s",
+              (long long)in, (long long)hid, ROWS_NAME(r));
+      int64_t fused = backend_cuda_gemm_epilogues(ot.be[1]);
+      size_t scratch[3] = {0}; /* the op's, without its bias, and without the epilogue too: copies and workspace */
+      BOTH {
+        dt_op op = dense_gemm(DENSE_FWD, rows, in, hid);
+        op.p.gemm.a = s_ ? F(x) : F(xr), op.p.gemm.b = s_ ? F(w1) : F(w1r), op.p.gemm.bias = F(b1);
+        op.p.gemm.c = F(act), op.p.gemm.epilogue = DT_GEMM_GELU_TANH, op.p.gemm.aux = F(pre);
+        op.p.gemm.c16 = DT_F16_BF16;
+        if (s_) {
+          dt_op variant = op;
+          scratch[0] = ot.be[1]->scratch(ot.be[1], &op, 1);
+          variant.p.gemm.bias = NULL;
+          scratch[1] = ot.be[1]->scratch(ot.be[1], &variant, 1);
+          variant.p.gemm.epilogue = DT_GEMM_PLAIN, variant.p.gemm.aux = NULL;
+          scratch[2] = ot.be[1]->scratch(ot.be[1], &variant, 1);
+        }
+        RUN(op);
+      }
+      ot_check16_rows("the gelu's input", pre, cap * ld, rows * ld, hid, ld);
+      ot_check16_rows("the gelu's output", act, cap * ld, rows * ld, hid, ld);
+      if (backend_cuda_gemm_epilogues(ot.be[1]) - fused != (lt && rows > 1))
+        fail_msg("op gemm [%s]: %lld cuBLASLt epilogues", ot.kase,
+                 (long long)(backend_cuda_gemm_epilogues(ot.be[1]) - fused));
+      /* x's and W's copies; under c16 the bias's too */
+      if (rows && (scratch[2] != ALIGN256(rows * dt_ld16(in) * 2) + ALIGN256(hid * dt_ld16(in) * 2) ||
+                   scratch[0] - scratch[1] != ALIGN256(hid * 2)))
+        fail_msg("op gemm [%s]: the estimate gives the operands' copies %zu bytes, the bias's %zu", ot.kase, scratch[2],
+                 scratch[0] - scratch[1]);
+
+      /* the second linear on 16-bit x: its forward, then its gradients (dx through the gelu's derivative) */
+      dbuf x16 = ot_rand16(cap * ld, -2, 2), aux16 = ot_rand16(cap * ld, -3, 3), y2 = ot_rand(cap * out, -1, 1);
+      dbuf dw2 = ot_rand(out * hid, -1, 1), dx16 = ot_rand16(cap * ld, -1, 1);
+      ot_case(DT_OP_GEMM, "second linear: x in bfloat16 rows (a16, b16), dx through the gelu's derivative (c16), %s",
+              ROWS_NAME(r));
+      fused = backend_cuda_gemm_epilogues(ot.be[1]);
+      size_t scratch_dw = 0;
+      BOTH {
+        dt_op op = dense_gemm(DENSE_FWD, rows, hid, out);
+        op.p.gemm.a = F(x16), op.p.gemm.b = s_ ? F(w2) : F(w2r), op.p.gemm.c = F(y2), op.p.gemm.bias = F(b2);
+        op.p.gemm.a16 = DT_F16_BF16;
+        RUN(op);
+        op = dense_gemm(DENSE_DW, rows, hid, out);
+        op.p.gemm.a = s_ ? F(dy2) : F(dy2r), op.p.gemm.b = F(x16), op.p.gemm.c = F(dw2), op.p.gemm.b16 = DT_F16_BF16;
+        if (s_) scratch_dw = ot.be[1]->scratch(ot.be[1], &op, 1);
+        RUN(op);
+        op = dense_gemm(DENSE_DX, rows, hid, out);
+        op.p.gemm.a = s_ ? F(dy2) : F(dy2r), op.p.gemm.b = s_ ? F(w2) : F(w2r), op.p.gemm.c = F(dx16);
+        op.p.gemm.epilogue = DT_GEMM_DGELU_TANH, op.p.gemm.aux = F(aux16), op.p.gemm.c16 = DT_F16_BF16;
+        RUN(op);
+      }
+      ot_check("y", y2, rows * out);
+      ot_check("dW (added into)", dw2, dw2.n);
+      ot_check16_rows("dx through the gelu's derivative", dx16, cap * ld, rows * ld, hid, ld);
+      ot_check16_rows("the gelu's input (read)", aux16, cap * ld, 0, hid, ld);
+      /* the forward's bias, and the derivative when rows > 1 (the weight gradient has no epilogue) */
+      if (backend_cuda_gemm_epilogues(ot.be[1]) - fused != (lt && rows > 1 ? 2 : 0))
+        fail_msg("op gemm [%s]: %lld cuBLASLt epilogues", ot.kase,
+                 (long long)(backend_cuda_gemm_epilogues(ot.be[1]) - fused));
+      if (rows && scratch_dw != ALIGN256(rows * dt_ld16(out) * 2))
+        fail_msg("op gemm [%s]: the weight gradient's 16-bit bytes are %zu, not dy's copy alone", ot.kase, scratch_dw);
+
+      /* the first linear's gradients from its 16-bit dy: the bias gradient from the bfloat16 values */
+      dbuf dy1 = ot_rand16(cap * ld, -1, 1), dw1 = ot_rand(hid * in, -1, 1), db1 = ot_rand(hid, -1, 1);
+      dbuf dx1 = ot_rand(cap * in + 1, -1, 1);
+      ot_case(DT_OP_GEMM, "first linear's gradients from its bfloat16 dy (a16), the bias's summed from it, %s",
+              ROWS_NAME(r));
+      BOTH {
+        dt_op op = dense_gemm(DENSE_DW, rows, in, hid);
+        op.p.gemm.a = F(dy1), op.p.gemm.b = s_ ? F(x) : F(xr), op.p.gemm.c = F(dw1), op.p.gemm.a16 = DT_F16_BF16;
+        op.p.gemm.a_col_sums = F(db1);
+        RUN(op);
+        op = dense_gemm(DENSE_DX, rows, in, hid);
+        op.p.gemm.a = F(dy1), op.p.gemm.b = s_ ? F(w1) : F(w1r), op.p.gemm.c = F(dx1), op.p.gemm.a16 = DT_F16_BF16;
+        RUN(op);
+      }
+      ot_check("db (added into)", db1, hid);
+      ot_check("dW (added into)", dw1, dw1.n);
+      ot_check("dx", dx1, rows * in);
+    }
+  }
+}
+
 /* Fused attention over H heads of `rows` samples (buffers for `cap`), in the attention layer's layout:
  * q, k, v in one (cap, T, 3, H, hd) buffer, o in (cap, T, H, hd); the scores scaled by 1/sqrt(hd), q of
  * every third head (h = 1, 4, ...) times 8 (scores of hundreds: exp overflows unless the running maximum
@@ -2844,7 +2960,7 @@ static void gemm_bias_in_cublaslt_epilogue(void) {
     be->to_device(be, bias + cases[c].off_bias, hb, (size_t)out * 4);
     const int64_t fused = backend_cuda_gemm_epilogues(be);
     dense_forward(be, rows, in, out, x + cases[c].off_x, w + cases[c].off_w, bias + cases[c].off_bias,
-                  y + cases[c].off_y, NULL, 0, 0);
+                  y + cases[c].off_y, NULL, 0, 0, 0);
     be->to_host(be, got, y + cases[c].off_y, (size_t)(rows * out) * 4);
     const int want_fused = cases[c].off_bias % 4 == 0 && !(cases[c].no_algorithm && standin) && rows > 1;
     if (backend_cuda_gemm_epilogues(be) - fused != want_fused)
@@ -2880,6 +2996,10 @@ GPU_TEST(cuda_op_gemm_bias_sums, (ot_begin(), ops_gemm_bias_sums(), ot_end(), ot
 GPU_TEST(cuda_op_gemm_relu_mask, (ot_begin(), ops_gemm_relu_mask(), ot_end(), ot_begin_precision(DT_PREC_BF16, 1e-5),
                                   ops_gemm_relu_mask(), ot_end()))
 GPU_TEST(cuda_op_classifier_bf16_rows, (ot_begin_precision(DT_PREC_BF16, 1e-5), ops_classifier_rows16(), ot_end()))
+GPU_TEST(cuda_op_gelu_mlp_bf16_rows, (ot_begin_precision(DT_PREC_BF16, 1e-5), ops_gelu_mlp_rows16(0), ot_end()))
+GPU_TEST(cuda_op_gelu_mlp_bf16_rows_without_cublaslt,
+         (setenv("GPUSIM_CUBLASLT", "none", 1), ot_begin_precision(DT_PREC_BF16, 1e-5), ops_gelu_mlp_rows16(1),
+          ot_end(), unsetenv("GPUSIM_CUBLASLT")))
 GPU_TEST(cuda_op_embed, (ot_begin(), ops_embed(), ot_end()))
 GPU_TEST(cuda_op_layernorm, (ot_begin(), ops_layernorm(), ot_end()))
 GPU_TEST(cuda_op_softmax, (ot_begin(), ops_softmax(), ot_end()))
@@ -2997,6 +3117,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(cuda_op_gemm_bias_sums),
       cmocka_unit_test(cuda_op_gemm_relu_mask),
       cmocka_unit_test(cuda_op_classifier_bf16_rows),
+      cmocka_unit_test(cuda_op_gelu_mlp_bf16_rows),
+      cmocka_unit_test(cuda_op_gelu_mlp_bf16_rows_without_cublaslt),
       cmocka_unit_test(cuda_op_embed),
       cmocka_unit_test(cuda_op_layernorm),
       cmocka_unit_test(cuda_op_softmax),

@@ -13,21 +13,34 @@ static void gemm_one(const typeof(((dt_op *)0)->p.gemm) *q, int64_t i) {
               (int)(ldb > 1 ? ldb : 1), q->beta, q->c + i * q->stride_c, (int)q->n);
 }
 
-/* 16-bit rows (a16, c16): A widened to FP32, the product in FP32 and C rounded to nearest even from it, as
- * the CUDA backend rounds its FP32 sums. */
+/* 16-bit rows (a16, b16, c16): those operands widened to FP32 and the op run on FP32 buffers; C, and a gelu
+ * epilogue's aux with it, rounded to nearest even from the FP32 results, as the CUDA backend rounds its FP32
+ * sums (under c16 a bias is rounded to bfloat16 first, and DGELU reads the widened aux). */
 static void gemm_rows16(cpu_impl *im, const dt_op *op) {
   const typeof(op->p.gemm) *q = &op->p.gemm;
-  DT_ASSERT(q->batch <= 1 && (!q->c16 || (q->beta == 0.0f && !q->bias && !q->epilogue)));
-  float *a = q->a16 ? cpu_widen_rows(q->a, q->a16, q->trans_a ? q->k : q->m, q->trans_a ? q->m : q->k) : NULL;
-  float *c = cpu_fp32_for(q->c16, q->m * q->n);
+  DT_ASSERT(q->batch <= 1 && !(q->a16 && q->relu_y) && (!q->c16 || (q->beta == 0.0f && q->epilogue != DT_GEMM_RELU)));
+  const int aux16 = q->c16 && q->epilogue;
+  float *a = q->a16 ? cpu_widen_rows(q->a, q->a16, DT_GEMM_A_ROWS(q), DT_GEMM_A_COLS(q)) : NULL;
+  float *b = q->b16 ? cpu_widen_rows(q->b, q->b16, q->trans_b ? q->n : q->k, q->trans_b ? q->k : q->n) : NULL;
+  float *c = cpu_fp32_for(q->c16, q->m * q->n), *aux = NULL, *bias = NULL;
+  if (aux16)
+    aux = q->epilogue == DT_GEMM_DGELU_TANH ? cpu_widen_rows(q->aux, q->c16, q->m, q->n)
+                                            : cpu_fp32_for(q->c16, q->m * q->n);
+  if (q->c16 && q->bias) {
+    bias = dt_malloc((size_t)q->n * sizeof(float));
+    for (int64_t j = 0; j < q->n; j++) bias[j] = dt_from_16(dt_to_16(q->bias[j], q->c16), q->c16);
+  }
   dt_op fp32 = *op;
-  fp32.p.gemm.a16 = fp32.p.gemm.c16 = 0;
+  fp32.p.gemm.a16 = fp32.p.gemm.b16 = fp32.p.gemm.c16 = 0;
   if (a) fp32.p.gemm.a = a;
+  if (b) fp32.p.gemm.b = b;
   if (c) fp32.p.gemm.c = c;
+  if (aux) fp32.p.gemm.aux = aux;
+  if (bias) fp32.p.gemm.bias = bias;
   cpu_gemm(im, &fp32);
-  if (c) cpu_narrow_rows(c, q->c, q->c16, q->m, q->n);
-  free(a);
-  free(c);
+  if (c && q->m && q->n) cpu_narrow_rows(c, q->c, q->c16, q->m, q->n);
+  if (aux && q->epilogue == DT_GEMM_GELU_TANH && q->m && q->n) cpu_narrow_rows(aux, q->aux, q->c16, q->m, q->n);
+  free(a), free(b), free(c), free(aux), free(bias);
 }
 
 /* The products one by one with a threaded GEMM each, or, when there are at least as many products
@@ -36,8 +49,12 @@ static void gemm_rows16(cpu_impl *im, const dt_op *op) {
  * and libgomp starts fresh threads for it on every call while the pool's threads spin. */
 void cpu_gemm(cpu_impl *im, const dt_op *op) {
   const typeof(op->p.gemm) *q = &op->p.gemm;
+  if (q->a16 || q->b16 || q->c16) {
+    gemm_rows16(im, op);
+    return;
+  }
   if (q->relu_y) { /* the relu's backward on A in place, as its own op would run it, then the rest */
-    DT_ASSERT(q->batch <= 1 && !q->a16);
+    DT_ASSERT(q->batch <= 1);
     const int64_t n = DT_GEMM_A_ROWS(q) * DT_GEMM_A_COLS(q);
     dt_op mask = {.type = DT_OP_ACT_BWD};
     mask.p.act_bwd = (typeof(mask.p.act_bwd)){
@@ -49,7 +66,7 @@ void cpu_gemm(cpu_impl *im, const dt_op *op) {
     return;
   }
   if (q->a_col_sums) { /* bias_grad's op on A as stored, then the product */
-    DT_ASSERT(q->batch <= 1 && !q->a16);
+    DT_ASSERT(q->batch <= 1);
     dt_op sums = {.type = DT_OP_BIAS_GRAD};
     sums.p.bias_grad = (typeof(sums.p.bias_grad)){
         .b = DT_GEMM_A_ROWS(q), .c = DT_GEMM_A_COLS(q), .s = 1, .dy = q->a, .db = q->a_col_sums};
@@ -59,11 +76,7 @@ void cpu_gemm(cpu_impl *im, const dt_op *op) {
     cpu_gemm(im, &product);
     return;
   }
-  if (!q->m || !q->n) return; /* a rank with no rows this batch */
-  if (q->a16 || q->c16) {
-    gemm_rows16(im, op);
-    return;
-  }
+  if (!q->m || !q->n) return;        /* a rank with no rows this batch */
   if (q->epilogue == DT_GEMM_RELU) { /* the product, then the relu in place as the layer would run it */
     DT_ASSERT(q->beta == 0.0f && q->batch <= 1);
     dt_op product = *op;

@@ -27,29 +27,36 @@ static operand16 stored(int64_t rows, int64_t cols) {
 /* Under bf16, an unbatched GEMM (batch 0) with every dimension at least DT_GEMM16_MIN_DIM runs on bfloat16
  * copies of A and B in im->h16 (as PyTorch's autocast casts a linear layer's operands): twice the
  * tensor-core rate of FP32 operands, which cuBLAS runs as TF32 even under _FAST_16BF. So does any GEMM
- * whose A or C is in 16-bit rows already (a16, c16), with no copy of such an A. Their bytes (A's copy,
- * then B's, each 256-byte aligned), or 0 for a GEMM on FP32 operands. */
-static size_t gemm16_plan(const cuda_impl *im, const dt_op *op, operand16 *a, operand16 *b) {
+ * with an operand in 16-bit rows already (a16, b16, c16), with no copy of such an A or B. Whether it runs so;
+ * *bytes: the copies (A's, then B's, then under c16 the bias's, each 256-byte aligned), 0 for none. */
+static int gemm16_plan(const cuda_impl *im, const dt_op *op, operand16 *a, operand16 *b, size_t *bytes) {
   const typeof(op->p.gemm) *q = &op->p.gemm;
-  const int rows16 = q->a16 || q->c16; /* A or C in 16-bit rows already: this path, whatever the shape */
+  const int rows16 = q->a16 || q->b16 || q->c16; /* an operand in 16-bit rows already: this path, whatever the shape */
+  *bytes = 0;
   if (rows16)
     DT_ASSERT(im->precision == DT_PREC_BF16 && q->batch <= 1 && (!q->a16 || q->a16 == DT_F16_BF16) &&
-              (!q->c16 || (q->c16 == DT_F16_BF16 && q->beta == 0.0f && !q->bias && !q->epilogue)));
+              (!q->b16 || q->b16 == DT_F16_BF16) && !(q->a16 && q->relu_y) &&
+              (!q->c16 || (q->c16 == DT_F16_BF16 && q->beta == 0.0f && q->epilogue != DT_GEMM_RELU)));
   else if (im->precision != DT_PREC_BF16 || q->batch || q->m < DT_GEMM16_MIN_DIM || q->n < DT_GEMM16_MIN_DIM ||
            q->k < DT_GEMM16_MIN_DIM) /* batch 1 is attention's (B, H) product of one: not a dense layer's */
     return 0;
   *a = stored(DT_GEMM_A_ROWS(q), DT_GEMM_A_COLS(q));
   *b = q->trans_b ? stored(q->n, q->k) : stored(q->k, q->n);
   const int64_t limit = (int64_t)1 << 31; /* k_pack_bf16_rows' (fast_div is exact below 2^31) */
-  const int over = (!q->a16 && a->rows * a->cols >= limit) || b->rows * b->cols >= limit;
+  const int over = (!q->a16 && a->rows * a->cols >= limit) || (!q->b16 && b->rows * b->cols >= limit);
   DT_ASSERT(!(rows16 && over)); /* device.c keeps every tensor under 2^31 values */
   if (over) return 0;
-  return (q->a16 ? 0 : align256((size_t)(a->rows * a->ld16) * 2)) + align256((size_t)(b->rows * b->ld16) * 2);
+  *bytes = (q->a16 ? 0 : align256((size_t)(a->rows * a->ld16) * 2)) +
+           (q->b16 ? 0 : align256((size_t)(b->rows * b->ld16) * 2)) +
+           (q->c16 && q->bias ? align256((size_t)q->n * 2) : 0);
+  return 1;
 }
 
 size_t cuda_gemm16_bytes(const cuda_impl *im, const dt_op *op) {
   operand16 a, b;
-  return gemm16_plan(im, op, &a, &b);
+  size_t bytes;
+  gemm16_plan(im, op, &a, &b, &bytes);
+  return bytes;
 }
 
 /* cuBLASLt's workspace (im->workspace, shared with cuDNN's). cuBLAS advises 32 MiB on Hopper for
@@ -58,9 +65,9 @@ enum { GEMM_LT_WORKSPACE = 4 << 20 };
 
 /* The column-major problem cuBLAS sees (C^T = op(B)^T op(A)^T): the types of A and B, the
  * transposes, the shape, the leading dimensions, the alignment in bytes of each pointer (A's, B's,
- * C's, the bias's and the gelu input's, 0 for none: the heuristic reads them), and the epilogue
- * (DT_GEMM_*). */
-enum { PLAN_KEY = 14 };
+ * C's, the bias's and the gelu input's, 0 for none: the heuristic reads them), the epilogue
+ * (DT_GEMM_*), and C's format (c16: bfloat16 rows of dt_ld16(n), as the bias and the gelu's input). */
+enum { PLAN_KEY = 15 };
 
 struct gemm_plan {
   int64_t key[PLAN_KEY];
@@ -118,7 +125,7 @@ static gemm_plan *plan_for(cuda_impl *im, const int64_t key[PLAN_KEY], const voi
                                       : im->precision == DT_PREC_FP32 ? CUBLAS_COMPUTE_32F
                                                                       : gemm_compute[im->precision];
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, compute, CUDA_R_32F));
-  const int has_bias = key[11] != 0, kind = (int)key[13];
+  const int has_bias = key[11] != 0, kind = (int)key[13], c16 = key[14] != 0;
   const cublasLtEpilogue_t epilogue =
       kind == DT_GEMM_DGELU_TANH  ? CUBLASLT_EPILOGUE_DGELU
       : kind == DT_GEMM_GELU_TANH ? (has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX)
@@ -131,14 +138,14 @@ static gemm_plan *plan_for(cuda_impl *im, const int64_t key[PLAN_KEY], const voi
   if (has_bias)
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
   if (has_gelu_input(kind)) {
-    const int64_t aux_ld = n; /* the gelu's input is laid out as C */
+    const int64_t aux_ld = c16 ? dt_ld16(n) : n; /* the gelu's input is laid out as C, of C's type */
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof aux_ld));
   }
   /* stored (rows, cols) in column-major terms: op(X) = X^T stores X as (cols of op, rows of op) */
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->a, ab, tb == CUBLAS_OP_N ? n : k, tb == CUBLAS_OP_N ? k : n, ldb));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->b, ab, ta == CUBLAS_OP_N ? k : m, ta == CUBLAS_OP_N ? m : k, lda));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->c, CUDA_R_32F, n, m, n));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->c, c16 ? CUDA_R_16BF : CUDA_R_32F, n, m, c16 ? dt_ld16(n) : n));
   cublasLtMatmulPreference_t pref;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const uint64_t ws = GEMM_LT_WORKSPACE;
@@ -176,15 +183,15 @@ static gemm_plan *plan_for(cuda_impl *im, const int64_t key[PLAN_KEY], const voi
 }
 
 /* C(rows, n) = op(A) op(B) + bias, or its gelu or relu epilogue, through cuBLASLt, as cublasGemmEx's
- * arguments say (A and B: bfloat16 copies when bf16, else FP32); 0 when cuBLASLt cannot (the caller
- * fills C with the bias, runs cublasGemmEx and the gelu's kernel). */
+ * arguments say (A and B: bfloat16 when bf16, else FP32; bias: the op's, or under c16 its bfloat16 copy);
+ * 0 when cuBLASLt cannot (the caller runs cublasGemmEx and kernels for the rest). */
 static int gemm_lt(cuda_impl *im, const typeof(((dt_op *)0)->p.gemm) *q, int bf16, const void *a, int64_t lda,
-                   const void *b, int64_t ldb) {
-  const int64_t elem = bf16 ? 2 : 4;
+                   const void *b, int64_t ldb, const void *bias) {
+  const int64_t elem = bf16 ? 2 : 4, ldc_bytes = q->c16 ? dt_ld16(q->n) * 2 : q->n * 4;
   /* cuBLASLt reads the bias and the gelu's input in 16-byte pieces; the gelu input's rows are whole
-   * multiples of 8 values */
+   * multiples of 8 values (16-bit rows are) */
   const int gelu = has_gelu_input(q->epilogue);
-  if ((uintptr_t)q->bias % 16 || (gelu && ((uintptr_t)q->aux % 16 || q->n % 8))) return 0;
+  if ((uintptr_t)bias % 16 || (gelu && ((uintptr_t)q->aux % 16 || (!q->c16 && q->n % 8)))) return 0;
   if (q->m < 2 || q->n < 2 || q->k < 2) return 0; /* PyTorch keeps a dimension of 1 from cuBLASLt too */
   const int64_t key[PLAN_KEY] = {bf16,
                                  q->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
@@ -196,14 +203,15 @@ static int gemm_lt(cuda_impl *im, const typeof(((dt_op *)0)->p.gemm) *q, int bf1
                                  lda,
                                  alignment(b, ldb * elem),
                                  alignment(a, lda * elem),
-                                 alignment(q->c, q->n * 4),
-                                 q->bias ? alignment(q->bias, 0) : 0,
-                                 gelu ? alignment(q->aux, q->n * 4) : 0,
-                                 q->epilogue};
-  gemm_plan *p = plan_for(im, key, q->bias, q->aux);
+                                 alignment(q->c, ldc_bytes),
+                                 bias ? alignment(bias, 0) : 0,
+                                 gelu ? alignment(q->aux, ldc_bytes) : 0,
+                                 q->epilogue,
+                                 q->c16 != 0};
+  gemm_plan *p = plan_for(im, key, bias, q->aux);
   if (!p->usable) return 0;
-  if (q->bias)
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &q->bias, sizeof q->bias));
+  if (bias)
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
   if (gelu)
     CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &q->aux, sizeof q->aux));
@@ -219,17 +227,22 @@ static int gemm_lt(cuda_impl *im, const typeof(((dt_op *)0)->p.gemm) *q, int bf1
 void cuda_gemm(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.gemm) *q = &op->p.gemm;
   operand16 a = {0}, b = {0};
-  const size_t bytes16 = q->m && q->n ? gemm16_plan(im, op, &a, &b) : 0;
-  DT_ASSERT(!q->a_col_sums || (q->batch <= 1 && !q->a16));
+  size_t bytes16 = 0;
+  const int on16 = q->m && q->n && gemm16_plan(im, op, &a, &b, &bytes16);
+  DT_ASSERT(!q->a_col_sums || q->batch <= 1);
   DT_ASSERT(!q->relu_y || (q->batch <= 1 && !q->a16));
   /* only the bfloat16 path below reuses or holds one, and a masked A is not what an earlier copy holds */
-  if (!bytes16 || q->relu_y) cuda_forget_dy16(im);
+  if (!on16 || q->relu_y) cuda_forget_dy16(im);
   const int64_t a_rows = DT_GEMM_A_ROWS(q), a_cols = DT_GEMM_A_COLS(q);
-  if (q->relu_y && q->a_col_sums && !bytes16) { /* the relu's backward and the sums in one pass */
+  if (q->a_col_sums && q->a16) { /* a 16-bit dy's bias gradient, from its bfloat16 values */
+    double *partials = cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes, cuda_partials_bytes(op),
+                                        "bias gradient sums");
+    k_bf16_rows_sums(im->stream, (const uint16_t *)q->a, a_rows, a_cols, dt_ld16(a_cols), q->a_col_sums, partials);
+  } else if (q->relu_y && q->a_col_sums && !on16) { /* the relu's backward and the sums in one pass */
     k_relu_bias_grad(im->stream, (float *)q->a, q->relu_y, q->a_col_sums, a_rows, a_cols);
   } else {
     if (q->relu_y) k_act_bwd(im->stream, DT_ACT_RELU, q->relu_y, q->relu_y, q->a, (float *)q->a, a_rows * a_cols);
-    if (q->a_col_sums && !bytes16) /* else summed as A is copied to bfloat16 below */
+    if (q->a_col_sums && !on16) /* else summed as A is copied to bfloat16 below */
       k_bias_grad(im->stream, q->a, q->a_col_sums, a_rows, a_cols, 1);
   }
   if (!q->m || !q->n) return; /* a rank with no rows this batch */
@@ -247,20 +260,25 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
    * algorithm, an unaligned bias or gelu input) C starts as the bias rows, the GEMM adds to it
    * (beta 1; one rounding either way, as on the CPU), and the gelu's kernel runs after. */
   DT_ASSERT((!q->bias && !q->epilogue) || q->beta == 0.0f);
-  const void *a_op = q->a, *b_op = q->b;
+  const void *a_op = q->a, *b_op = q->b, *bias = q->bias;
   int64_t lda_op = lda > 1 ? lda : 1, ldb_op = ldb > 1 ? ldb : 1;
   cudaDataType type = CUDA_R_32F;
   cublasComputeType_t compute = gemm_compute[im->precision];
   uint16_t *a16 = NULL;
   int64_t layout[4] = {0};
-  if (bytes16) {
+  if (on16) {
     /* A dense layer's dy is A of both its weight gradient and, next, its input gradient (layer_dense.c):
-     * the second takes the copy the first left at the start of h16. A 16-bit A (a16) is read where it is. */
-    a16 = cuda_grow_device(im, (void **)&im->h16, &im->h16_bytes, bytes16, "16-bit GEMM operands");
-    uint16_t *b16 = q->a16 ? a16 : a16 + align256((size_t)(a.rows * a.ld16) * 2) / 2;
+     * the second takes the copy the first left at the start of h16. A 16-bit A or B (a16, b16) is read where
+     * it is; with a 16-bit C, the bias is read as a bfloat16 copy (cuBLASLt's epilogue takes C's type). */
+    uint16_t *h16 =
+        bytes16 ? cuda_grow_device(im, (void **)&im->h16, &im->h16_bytes, bytes16, "16-bit GEMM operands") : NULL;
+    const size_t a_bytes = q->a16 ? 0 : align256((size_t)(a.rows * a.ld16) * 2),
+                 b_bytes = q->b16 ? 0 : align256((size_t)(b.rows * b.ld16) * 2);
+    a16 = q->a16 ? NULL : h16;
+    uint16_t *b16 = q->b16 ? NULL : h16 + a_bytes / 2;
     layout[0] = DY16_ROWS, layout[1] = a.rows, layout[2] = a.cols, layout[3] = a.ld16;
     if (q->a16) {
-      cuda_forget_dy16(im); /* B's copy takes the start of h16 */
+      cuda_forget_dy16(im); /* the next copy takes the start of h16 */
     } else if (cuda_dy16_held(im, q->a, a16, layout)) {
       im->dy16_reuses++;
       if (q->a_col_sums) k_bias_grad(im->stream, q->a, q->a_col_sums, a.rows, a.cols, 1);
@@ -272,14 +290,35 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
     } else {
       k_pack_bf16_rows(im->stream, q->a, a16, a.rows, a.cols, a.ld16);
     }
-    k_pack_bf16_rows(im->stream, q->b, b16, b.rows, b.cols, b.ld16);
-    a_op = q->a16 ? (const void *)q->a : a16, b_op = b16, lda_op = a.ld16, ldb_op = b.ld16, type = CUDA_R_16BF,
-    compute = CUBLAS_COMPUTE_32F;
+    if (b16) k_pack_bf16_rows(im->stream, q->b, b16, b.rows, b.cols, b.ld16);
+    if (q->c16 && q->bias) {
+      uint16_t *bias16 = h16 + (a_bytes + b_bytes) / 2;
+      k_pack_bf16_rows(im->stream, q->bias, bias16, 1, q->n, q->n);
+      bias = bias16;
+    }
+    a_op = q->a16 ? (const void *)q->a : a16, b_op = q->b16 ? (const void *)q->b : b16, lda_op = a.ld16,
+    ldb_op = b.ld16, type = CUDA_R_16BF, compute = CUBLAS_COMPUTE_32F;
   }
   /* the workspace whether or not cuBLASLt takes the GEMM, as the memory estimate counts it */
   if (cuda_gemm_workspace(op))
     cuda_grow_device(im, &im->workspace, &im->workspace_bytes, GEMM_LT_WORKSPACE, "cuBLASLt workspace");
-  if (!cuda_gemm_workspace(op) || !gemm_lt(im, q, bytes16 != 0, a_op, lda_op, b_op, ldb_op)) {
+  if (cuda_gemm_workspace(op) && gemm_lt(im, q, on16, a_op, lda_op, b_op, ldb_op, bias)) {
+    /* done in cuBLASLt's epilogue */
+  } else if (q->c16 && (q->bias || q->epilogue)) {
+    /* 16-bit C: the product rounded into the gelu's input (GELU_TANH), else C; then one kernel adds the
+     * FP32 bias to it and writes the gelu, or multiplies C by the gelu's derivative at aux: a rounding more
+     * than cuBLASLt's epilogue (of the product, before the bias or the derivative) */
+    const float zero = 0.0f;
+    void *dest = q->epilogue == DT_GEMM_GELU_TANH ? (void *)q->aux : (void *)q->c;
+    CUBLAS_CHECK(cublasGemmEx(im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, b_op, type, (int)ldb_op,
+                              a_op, type, (int)lda_op, &zero, dest, CUDA_R_16BF, (int)dt_ld16(q->n), compute,
+                              CUBLAS_GEMM_DEFAULT));
+    if (q->epilogue == DT_GEMM_DGELU_TANH)
+      k_dgelu_tanh_bf16_rows(im->stream, (const uint16_t *)q->aux, (uint16_t *)q->c, q->m, q->n, dt_ld16(q->n));
+    else
+      k_bias_gelu_bf16_rows(im->stream, (uint16_t *)dest, q->bias, q->epilogue ? (uint16_t *)q->c : NULL, q->m, q->n,
+                            dt_ld16(q->n));
+  } else {
     const float one = 1.0f, *beta = &q->beta;
     float *dest = q->epilogue == DT_GEMM_GELU_TANH ? q->aux : q->c; /* a gelu's input first */
     if (q->bias) k_fill_rows(im->stream, dest, q->bias, q->m, q->n), beta = &one;
@@ -291,5 +330,5 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
       k_act_bwd(im->stream, DT_ACT_GELU_TANH, q->aux, NULL, q->c, q->c, q->m * q->n);
     if (q->epilogue == DT_GEMM_RELU) k_act_fwd(im->stream, DT_ACT_RELU, q->c, q->c, q->m * q->n); /* in place */
   }
-  if (bytes16 && !q->a16) cuda_hold_dy16(im, q->a, a16, layout); /* A as it was: C never aliases it (cuBLAS's) */
+  if (on16 && !q->a16) cuda_hold_dy16(im, q->a, a16, layout); /* A as it was: C never aliases it (cuBLAS's) */
 }
