@@ -80,7 +80,23 @@ static inline unsigned row_threads(int64_t len) {
 #define GRID_STRIDE(i, n) \
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); i += (int64_t)blockDim.x * gridDim.x)
 
+#include "half.h"  // dt_to_bf16, dt_from_bf16: rounding to nearest even, as the CPU's
 #include "hash.h"  // dt_hash_uniform: the same dropout masks as the CPU
+
+// A value of a buffer that is FP32, or bfloat16 (uint16_t: a bf16 build's 16-bit activations), as FP32; and one
+// stored so (rounded to nearest even): kernels templated on their buffers' types.
+static __device__ __forceinline__ float value_of(float v) {
+  return v;
+}
+static __device__ __forceinline__ float value_of(uint16_t v) {
+  return dt_from_bf16(v);
+}
+static __device__ __forceinline__ void store_value(float *p, float v) {
+  *p = v;
+}
+static __device__ __forceinline__ void store_value(uint16_t *p, float v) {
+  *p = dt_to_bf16(v);
+}
 
 // Division by a divisor fixed at launch, without a divide instruction (64-bit division is
 // emulated on GPUs): q = umulhi(n, mul) >> shift for 0 <= n < 2^31 (Granlund-Montgomery, as in

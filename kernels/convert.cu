@@ -87,13 +87,6 @@ __global__ void pack_bf16_rows_kernel(const float *x, uint16_t *y, int64_t n, fa
   }
 }
 
-static __device__ __forceinline__ float value_of(float v) {
-  return v;
-}
-static __device__ __forceinline__ float value_of(uint16_t v) {
-  return dt_from_bf16(v);
-}
-
 // Each column of x (rows, cols; rows of ldx values) summed in double, FP32 x copied to y (rows, ld) in bfloat16
 // as it goes (a dense layer's bias gradient from its dy; bfloat16 x, a 16-bit dy, is only summed, y NULL): a
 // block reads 32 columns of a chunk of rows (a warp one row of them), then adds its rows' sums per column in

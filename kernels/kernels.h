@@ -135,11 +135,13 @@ void k_bn16_bwd_apply(cudaStream_t s, int relu, const uint16_t *x, int format, c
 /* layernorm (backend.h's DT_OP_LN_*): dgamma and dbeta are summed per chunk of rows into `partials`
  * (2 * K_LN_CHUNKS * d doubles), then over chunks in order. No atomics: the same bits every run. */
 enum { K_LN_CHUNKS = 64 };
-void k_ln_fwd(cudaStream_t s, const float *x, const float *gamma, const float *beta, float *y, float *mean, float *rstd,
-              int64_t n, int64_t d, float eps);
+/* y16, dy16: y written, dy read, as bfloat16 rows of dt_ld16(d) values (else FP32 rows of d) */
+void k_ln_fwd(cudaStream_t s, const float *x, const float *gamma, const float *beta, void *y, int y16, float *mean,
+              float *rstd, int64_t n, int64_t d, float eps);
 /* dx (NULL: none) overwritten, plus dx_add (NULL: nothing) */
-void k_ln_bwd(cudaStream_t s, const float *x, const float *dy, const float *gamma, const float *mean, const float *rstd,
-              float *dx, const float *dx_add, float *dgamma, float *dbeta, int64_t n, int64_t d, double *partials);
+void k_ln_bwd(cudaStream_t s, const float *x, const void *dy, int dy16, const float *gamma, const float *mean,
+              const float *rstd, float *dx, const float *dx_add, float *dgamma, float *dbeta, int64_t n, int64_t d,
+              double *partials);
 
 /* pool.cu: max (argmax kept) and average pooling, NCHW, no padding */
 void k_pool_fwd(cudaStream_t s, int kind, const float *x, float *y, int32_t *argmax, int64_t b, int64_t c, int64_t h,

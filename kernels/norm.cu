@@ -303,11 +303,12 @@ __global__ void bn16_bwd_apply_kernel(int relu, const uint16_t *x, int format, c
 }
 
 // One block per row: mean and biased variance in double (two passes over the row), then y with
-// xhat in double, as the CPU's.
-__global__ void ln_fwd_kernel(const float *x, const float *gamma, const float *beta, float *y, float *mean, float *rstd,
-                              int64_t d, float eps) {
+// xhat in double, as the CPU's. Y: float, or uint16_t for bfloat16 rows of ldy values (rounded once).
+template <class Y>
+__global__ void ln_fwd_kernel(const float *x, const float *gamma, const float *beta, Y *y, float *mean, float *rstd,
+                              int64_t d, int64_t ldy, float eps) {
   const float *xr = x + blockIdx.x * d;
-  float *yr = y + blockIdx.x * d;
+  Y *yr = y + blockIdx.x * ldy;
   __shared__ double s_mu, s_rs;
   double s = 0;
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x) s += xr[j];
@@ -324,19 +325,22 @@ __global__ void ln_fwd_kernel(const float *x, const float *gamma, const float *b
   }
   __syncthreads();
   double rs = s_rs;
-  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) yr[j] = (float)(((double)xr[j] - mu) * rs) * gamma[j] + beta[j];
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x)
+    store_value(&yr[j], (float)(((double)xr[j] - mu) * rs) * gamma[j] + beta[j]);
 }
 
 // One block per row: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma, plus add (NULL, or a
-// residual's gradient through its shortcut; the value rounded first, as the add kernel's sum, no FMA).
-__global__ void ln_bwd_dx_kernel(const float *x, const float *dy, const float *gamma, const float *mean,
-                                 const float *rstd, float *dx, const float *add, int64_t d) {
-  const int64_t off = blockIdx.x * d;
+// residual's gradient through its shortcut; the value rounded first, as the add kernel's sum, no FMA). DY: float,
+// or uint16_t for bfloat16 rows of lddy values.
+template <class DY>
+__global__ void ln_bwd_dx_kernel(const float *x, const DY *dy, const float *gamma, const float *mean, const float *rstd,
+                                 float *dx, const float *add, int64_t d, int64_t lddy) {
+  const int64_t off = blockIdx.x * d, dy_off = blockIdx.x * lddy;
   const float m = mean[blockIdx.x], rs = rstd[blockIdx.x];
   __shared__ float s_ma, s_mb;
   double a = 0, b = 0;
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
-    float g = dy[off + j] * gamma[j], xh = (x[off + j] - m) * rs;
+    float g = value_of(dy[dy_off + j]) * gamma[j], xh = (x[off + j] - m) * rs;
     a += g;
     b += (double)g * xh;
   }
@@ -346,21 +350,22 @@ __global__ void ln_bwd_dx_kernel(const float *x, const float *dy, const float *g
   __syncthreads();
   float ma = s_ma, mb = s_mb;
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
-    float g = dy[off + j] * gamma[j], xh = (x[off + j] - m) * rs, v = rs * (g - ma - xh * mb);
+    float g = value_of(dy[dy_off + j]) * gamma[j], xh = (x[off + j] - m) * rs, v = rs * (g - ma - xh * mb);
     dx[off + j] = add ? __fadd_rn(v, add[off + j]) : v;
   }
 }
 
 // dgamma, dbeta partial sums: thread (column j, chunk blockIdx.y) sums its chunk of rows in
 // increasing order, in double, into partials (chunks, 2, D).
-__global__ void ln_bwd_partials_kernel(const float *x, const float *dy, const float *mean, const float *rstd, int64_t n,
-                                       int64_t d, int64_t per, double *partials) {
+template <class DY>
+__global__ void ln_bwd_partials_kernel(const float *x, const DY *dy, const float *mean, const float *rstd, int64_t n,
+                                       int64_t d, int64_t lddy, int64_t per, double *partials) {
   int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
   if (j >= d) return;
   int64_t r0 = blockIdx.y * per, r1 = r0 + per < n ? r0 + per : n;
   double sg = 0, sb = 0;
   for (int64_t r = r0; r < r1; r++) {
-    float g = dy[r * d + j];
+    float g = value_of(dy[r * lddy + j]);
     sg += (double)g * ((x[r * d + j] - mean[r]) * rstd[r]);
     sb += g;
   }
@@ -484,21 +489,37 @@ void k_bn16_bwd_apply(cudaStream_t s, int relu, const uint16_t *x, int format, c
   (relu, x, format, dy, dy16, dx, b * sp, c, make_fast_div(sp), count, mean, invstd, gamma, beta, sums);
 }
 
-void k_ln_fwd(cudaStream_t s, const float *x, const float *gamma, const float *beta, float *y, float *mean, float *rstd,
-              int64_t n, int64_t d, float eps) {
+void k_ln_fwd(cudaStream_t s, const float *x, const float *gamma, const float *beta, void *y, int y16, float *mean,
+              float *rstd, int64_t n, int64_t d, float eps) {
   if (!n) return;
-  LAUNCH(ln_fwd_kernel, (unsigned)n, row_threads(d), 0, s)(x, gamma, beta, y, mean, rstd, d, eps);
+  if (y16) {
+    LAUNCH(ln_fwd_kernel<uint16_t>, (unsigned)n, row_threads(d), 0, s)
+    (x, gamma, beta, (uint16_t *)y, mean, rstd, d, dt_ld16(d), eps);
+  } else {
+    LAUNCH(ln_fwd_kernel<float>, (unsigned)n, row_threads(d), 0, s)(x, gamma, beta, (float *)y, mean, rstd, d, d, eps);
+  }
 }
 
-void k_ln_bwd(cudaStream_t s, const float *x, const float *dy, const float *gamma, const float *mean, const float *rstd,
-              float *dx, const float *dx_add, float *dgamma, float *dbeta, int64_t n, int64_t d, double *partials) {
+void k_ln_bwd(cudaStream_t s, const float *x, const void *dy, int dy16, const float *gamma, const float *mean,
+              const float *rstd, float *dx, const float *dx_add, float *dgamma, float *dbeta, int64_t n, int64_t d,
+              double *partials) {
   if (!n || !d) return;
-  if (dx) LAUNCH(ln_bwd_dx_kernel, (unsigned)n, row_threads(d), 0, s)(x, dy, gamma, mean, rstd, dx, dx_add, d);
-  const int64_t COLS = 128, most = K_LN_CHUNKS;
+  const int64_t COLS = 128, most = K_LN_CHUNKS, lddy = dy16 ? dt_ld16(d) : d;
   int64_t chunks = n < most ? n : most, per = (n + chunks - 1) / chunks;
   chunks = (n + per - 1) / per;  // no empty chunk
   dim3 grid((unsigned)((d + COLS - 1) / COLS), (unsigned)chunks);
-  LAUNCH(ln_bwd_partials_kernel, grid, row_threads(d < COLS ? d : COLS), 0, s)(x, dy, mean, rstd, n, d, per, partials);
+  const unsigned threads = row_threads(d < COLS ? d : COLS);
+  if (dy16) {
+    const uint16_t *dy_16 = (const uint16_t *)dy;
+    if (dx) LAUNCH(ln_bwd_dx_kernel<uint16_t>, (unsigned)n, row_threads(d), 0, s)
+    (x, dy_16, gamma, mean, rstd, dx, dx_add, d, lddy);
+    LAUNCH(ln_bwd_partials_kernel<uint16_t>, grid, threads, 0, s)(x, dy_16, mean, rstd, n, d, lddy, per, partials);
+  } else {
+    const float *dy_32 = (const float *)dy;
+    if (dx) LAUNCH(ln_bwd_dx_kernel<float>, (unsigned)n, row_threads(d), 0, s)
+    (x, dy_32, gamma, mean, rstd, dx, dx_add, d, lddy);
+    LAUNCH(ln_bwd_partials_kernel<float>, grid, threads, 0, s)(x, dy_32, mean, rstd, n, d, lddy, per, partials);
+  }
   LAUNCH(ln_bwd_params_kernel, blocks_for(d), kThreads, 0, s)(partials, chunks, d, dgamma, dbeta);
 }
 

@@ -394,10 +394,13 @@ typedef struct {
       const float *x, *gamma, *beta; /* (N, D), (D), (D) */
       float *y;                      /* (N, D) */
       float *mean, *rstd;            /* (N), written for the backward */
+      int y16; /* 0, or DT_F16_BF16 (CUDA under bf16): y written in bfloat16 rows of dt_ld16(D) values, rounded
+                  once from the FP32 value (a layernorm before a linear or attention layer reading it so) */
     } ln_fwd;
     struct {
       int64_t n, d;
       const float *x, *dy, *gamma, *mean, *rstd;
+      int dy16;              /* 0, or DT_F16_BF16: dy in bfloat16 rows of dt_ld16(D) values (that layer's 16-bit dx) */
       float *dx;             /* (N, D) overwritten; NULL: only the parameter gradients */
       const float *dx_add;   /* (N, D) or NULL: added to dx as it is written, each value rounded first (a
                                 residual's gradient through its identity shortcut) */

@@ -209,7 +209,7 @@ static void attention_forward(dt_layer *l, dt_pass *pass, const float *x) {
   dt_backend *be = pass->be;
   const float *w = pass->params;
   const int64_t b = pass->batch, t = l->in.h, c = l->in.c, h = l->args.heads, hd = c / h;
-  dense_forward(be, b * t, c, 3 * c, x, w + l->tensors[0].offset, w + l->tensors[1].offset, s->qkv, NULL, 0, 0, 0);
+  dense_forward(be, b * t, c, 3 * c, x, w + l->tensors[0].offset, w + l->tensors[1].offset, s->qkv, NULL, 0, l->x16, 0);
   if (l->fused_attention) {
     dt_op op = {.type = DT_OP_ATTENTION_FWD,
                 .p.attention_fwd = {.g = fused_geom(l, pass),
@@ -293,7 +293,7 @@ static void attention_backward(dt_layer *l, dt_pass *pass, const float *x, float
     permute(be, 5, head_dims, from_heads, s->d_heads, s->d_qkv);
   }
   dense_backward(be, b * t, c, 3 * c, x, w + l->tensors[0].offset, s->d_qkv, NULL, g + l->tensors[0].offset,
-                 g + l->tensors[1].offset, dx, NULL, 0, 0);
+                 g + l->tensors[1].offset, dx, NULL, l->x16, 0);
 }
 
 /* Forward FLOPs per sample: the projections and the two products over heads. */
@@ -314,4 +314,5 @@ const dt_layer_ops dt_layer_attention = {.kind = "attention",
                                          .memory = attention_memory,
                                          .row_values = attention_row_values,
                                          .causal = attention_causal,
-                                         .pick = attention_pick};
+                                         .pick = attention_pick,
+                                         .traits = DT_LAYER_ATTENTION};

@@ -239,7 +239,8 @@ static void ln_forward(dt_layer *l, dt_pass *pass, const float *x) {
                            .beta = pass->params + l->tensors[1].offset,
                            .y = l->y,
                            .mean = s->mean,
-                           .rstd = s->rstd}};
+                           .rstd = s->rstd,
+                           .y16 = l->y16}};
   backend_run(pass->be, &op);
 }
 
@@ -256,7 +257,8 @@ static void ln_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
                            .dx = dx,
                            .dx_add = dx && l->dx_adds ? l->dx_adds->dy : NULL,
                            .dgamma = pass->grads + l->tensors[0].offset,
-                           .dbeta = pass->grads + l->tensors[1].offset}};
+                           .dbeta = pass->grads + l->tensors[1].offset,
+                           .dy16 = l->y16}};
   backend_run(pass->be, &op);
 }
 

@@ -355,12 +355,34 @@ static void pick_gelu16(dt_seq *s, int format) {
     dt_layer *l = s->layers[i];
     pick_gelu16(&l->body, format);
     pick_gelu16(&l->shortcut, format);
-    if (!(l->ops->traits & DT_LAYER_LINEAR) || !l->gelu_next || i + 2 >= s->n) continue;
+    if (!(l->ops->traits & DT_LAYER_LINEAR) || !l->gelu_next || i + 2 >= s->n || s->layers[i + 2]->dgelu_aux != l)
+      continue;
     dt_layer *gelu = l->gelu_next, *next = s->layers[i + 2];
-    const int fits = format == DT_F16_BF16 && next->dgelu_aux == l && l->args.out % 8 == 0 &&
-                     l->in.c >= DT_GEMM16_MIN_DIM && l->args.out >= DT_GEMM16_MIN_DIM &&
-                     next->args.out >= DT_GEMM16_MIN_DIM;
+    const int fits = format == DT_F16_BF16 && l->args.out % 8 == 0 && l->in.c >= DT_GEMM16_MIN_DIM &&
+                     l->args.out >= DT_GEMM16_MIN_DIM && next->args.out >= DT_GEMM16_MIN_DIM;
     l->y16 = gelu->y16 = next->x16 = fits ? format : DT_F16_NONE;
+  }
+}
+
+/* model.fuse under bf16 on CUDA: a layernorm right before a linear or an attention layer in its train.recompute
+ * block (a pre-LN transformer's, and its last before the classifier) writes its output in bfloat16 rows, which
+ * that layer's GEMMs read as they are (as autocast hands them bfloat16 values: no FP32 output, no copies), and
+ * reads its gradient so, which that layer's input-gradient GEMM writes so (its x16). Widths that are whole rows
+ * of 8 values, at least DT_GEMM16_MIN_DIM. */
+static void pick_norm16(dt_seq *s, int fuse, int format) {
+  for (int i = 0; i < s->n; i++) {
+    dt_layer *l = s->layers[i];
+    pick_norm16(&l->body, fuse, format);
+    pick_norm16(&l->shortcut, fuse, format);
+    if (!(l->ops->traits & DT_LAYER_ADDS_DX)) continue; /* a layernorm */
+    dt_layer *next = i + 1 < s->n ? s->layers[i + 1] : NULL;
+    const int linear = next && (next->ops->traits & DT_LAYER_LINEAR),
+              reader = linear || (next && (next->ops->traits & DT_LAYER_ATTENTION));
+    const int fits = reader && fuse && format == DT_F16_BF16 && block_of(s, i) == block_of(s, i + 1) &&
+                     l->in.c % 8 == 0 && l->in.c >= DT_GEMM16_MIN_DIM &&
+                     (!linear || next->args.out >= DT_GEMM16_MIN_DIM);
+    l->y16 = fits ? format : DT_F16_NONE;
+    if (reader) next->x16 = l->y16;
   }
 }
 
@@ -373,6 +395,7 @@ static void pick_ops(dt_model *m, int cuda, size_t shared_per_block, int format)
   pick_trunk16(m, format);
   pick_logits16(m, format);
   pick_gelu16(&m->top, format);
+  pick_norm16(&m->top, m->fuse, format);
   if (m->teacher) pick_ops(m->teacher, cuda, shared_per_block, format);
 }
 

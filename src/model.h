@@ -113,8 +113,10 @@ enum {
   DT_LAYER_RESIDUAL = 1024, /* a residual: between such a batchnorm (or another) and a convolution, a global
                                average pool (or another), it may add 16-bit NHWC values (model.c's pick_trunk16) */
   DT_LAYER_GAP = 2048,      /* a global average pool: it may average such a residual's 16-bit sums */
-  DT_LAYER_ADDS_DX = 4096   /* a layernorm: opening a residual's body, its backward may add the residual's
-                               gradient into its input gradient (dx_adds, model.fuse) */
+  DT_LAYER_ADDS_DX = 4096,  /* a layernorm: opening a residual's body, its backward may add the residual's
+                               gradient into its input gradient (dx_adds, model.fuse); before a linear or an
+                               attention layer, it may hand them its output in bfloat16 (pick_norm16) */
+  DT_LAYER_ATTENTION = 8192 /* an attention layer: its projection may read such a layernorm's 16-bit output */
 };
 
 /* The layer kinds (layers.c): the one of that name in the config, or NULL; their names (n_kinds). */
@@ -194,9 +196,13 @@ struct dt_layer {
                             as (B, H, W, C), NHWC, as cuDNN writes and reads them (no copies to and from FP32
                             NCHW), 2 bytes a value; 0: FP32. The last layer, a linear (pick_logits16, CUDA under
                             bf16): the logits and their gradient in bfloat16 rows of dt_ld16(out) values
-                            (backend.h's loss.logits16) */
+                            (backend.h's loss.logits16); so too a linear whose GEMM applies the gelu after it, and
+                            that gelu (pick_gelu16: its input and output, and their shared gradient), and a
+                            layernorm before a linear or attention layer (pick_norm16) */
   int x16;               /* batchnorm after such a conv2d: its x and dx are that layer's y and dy, in this format;
-                            a pool_next, or a residual: so too, and its y and dy (y16); a global_avgpool: x, dx */
+                            a pool_next, or a residual: so too, and its y and dy (y16); a global_avgpool: x, dx; a
+                            linear after such a gelu, or a linear or attention layer after such a layernorm: x and
+                            dx in bfloat16 rows (its GEMMs' a16, b16 and c16) */
   int in16;              /* conv2d after such a batchnorm or residual, or first in such a residual's branch: its
                             x and dx are that layer's y and dy, in this format (read as they are: no x16 copy) */
   void *priv;            /* per-kind state */

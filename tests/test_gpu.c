@@ -1990,6 +1990,48 @@ static void ops_layernorm(void) {
   ln_case(37, 130, 130, "130 rows");
 }
 
+/* A layernorm before a linear or attention layer under bf16 (model.c's pick_norm16): y written in bfloat16 rows
+ * (y16: rounded once from the FP32 value), dy read from them (dy16), with dx_add, and without dx; D 40, 37 (rows
+ * padded to 40: the padding never written) and 264. */
+static void ops_layernorm_bf16(void) {
+  const int64_t T = 5, dims[] = {40, 37, 264};
+  for (int di = 0; di < 3; di++) FOR_ROWS(r) {
+      const int64_t D = dims[di], ld = dt_ld16(D), n = rows * T, c = cap * T;
+      dbuf x = ot_rand(c * D, -2, 3), gamma = ot_rand(D, 0.5f, 1.5f), beta = ot_rand(D, -0.5f, 0.5f);
+      dbuf y = ot_rand16(c * ld, -1, 1), mean = ot_rand(c, -1, 1), rstd = ot_rand(c, -1, 1);
+      ot_case(DT_OP_LN_FWD, "y in bfloat16 rows (y16), D %lld, %s", (long long)D, ROWS_NAME(r));
+      BOTH {
+        dt_op op = {.type = DT_OP_LN_FWD,
+                    .p.ln_fwd = {.n = n,
+                                 .d = D,
+                                 .eps = 1e-5f,
+                                 .x = F(x),
+                                 .gamma = F(gamma),
+                                 .beta = F(beta),
+                                 .y = F(y),
+                                 .mean = F(mean),
+                                 .rstd = F(rstd),
+                                 .y16 = DT_F16_BF16}};
+        RUN(op);
+      }
+      ot_check16_rows("y", y, c * ld, n * ld, D, ld);
+      ot_check("mean", mean, n);
+      ot_check("rstd", rstd, n);
+      dbuf dy = ot_rand16(c * ld, -1, 1), dx = ot_rand(c * D, -1, 1), add = ot_rand(c * D, -1, 1);
+      dbuf dgamma = ot_rand(D, -1, 1), dbeta = ot_rand(D, -1, 1);
+      ot_case(DT_OP_LN_BWD, "dy in bfloat16 rows (dy16), dx_add, then no dx, D %lld, %s", (long long)D, ROWS_NAME(r));
+      for (int with_dx = 1; with_dx >= 0; with_dx--) BOTH {
+          dt_op op = ln_bwd_op(n, D, F(x), F(dy), F(gamma), F(mean), F(rstd), with_dx ? F(dx) : NULL,
+                               with_dx ? F(add) : NULL, F(dgamma), F(dbeta));
+          op.p.ln_bwd.dy16 = DT_F16_BF16;
+          RUN(op);
+        }
+      ot_check("dx plus dx_add", dx, n * D);
+      ot_check("dgamma (added into twice)", dgamma, n ? D : 0);
+      ot_check("dbeta (added into twice)", dbeta, n ? D : 0);
+    }
+}
+
 /* Softmax over rows of (B, H, T, T) scores, causal (row r: columns j <= r % T) and not, scale
  * 1/sqrt(8): T = 5 and 33 (a partial warp), then T = 300 (more than a block's threads). Every
  * seventh row is shifted by 250 (exp(scale * x) overflows a float unless the max is taken out). */
@@ -3002,6 +3044,7 @@ GPU_TEST(cuda_op_gelu_mlp_bf16_rows_without_cublaslt,
           ot_end(), unsetenv("GPUSIM_CUBLASLT")))
 GPU_TEST(cuda_op_embed, (ot_begin(), ops_embed(), ot_end()))
 GPU_TEST(cuda_op_layernorm, (ot_begin(), ops_layernorm(), ot_end()))
+GPU_TEST(cuda_op_layernorm_bf16_rows, (ot_begin_precision(DT_PREC_BF16, 1e-5), ops_layernorm_bf16(), ot_end()))
 GPU_TEST(cuda_op_softmax, (ot_begin(), ops_softmax(), ot_end()))
 GPU_TEST(cuda_op_permute, (ot_begin(), ops_permute(), ot_end()))
 GPU_TEST(cuda_op_attention, (ot_begin(), ops_attention(), ot_end()))
@@ -3121,6 +3164,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(cuda_op_gelu_mlp_bf16_rows_without_cublaslt),
       cmocka_unit_test(cuda_op_embed),
       cmocka_unit_test(cuda_op_layernorm),
+      cmocka_unit_test(cuda_op_layernorm_bf16_rows),
       cmocka_unit_test(cuda_op_softmax),
       cmocka_unit_test(cuda_op_permute),
       cmocka_unit_test(cuda_op_attention),

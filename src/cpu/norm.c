@@ -209,9 +209,16 @@ VECTOR_CLONES void cpu_bn_bwd_apply(cpu_impl *im, const dt_op *op) {
  * xhat = (x - mean) * rstd in double (a float mean would cost rows far from 0 their low bits),
  * y = xhat * gamma + beta in float; mean and rstd stored as float for the backward. */
 VECTOR_CLONES void cpu_ln_fwd(cpu_impl *im, const dt_op *op) {
-  (void)im;
   const typeof(op->p.ln_fwd) *q = &op->p.ln_fwd;
   const int64_t d = q->d;
+  if (q->y16) { /* y in FP32, then rounded into its 16-bit rows */
+    dt_op fp32 = *op;
+    fp32.p.ln_fwd.y16 = 0, fp32.p.ln_fwd.y = cpu_fp32_for(q->y16, q->n * d);
+    cpu_ln_fwd(im, &fp32);
+    cpu_narrow_rows(fp32.p.ln_fwd.y, q->y, q->y16, q->n, d);
+    free(fp32.p.ln_fwd.y);
+    return;
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < q->n; r++) {
     const float *x = q->x + r * d;
@@ -233,9 +240,16 @@ VECTOR_CLONES void cpu_ln_fwd(cpu_impl *im, const dt_op *op) {
  * row (means in double), plus dx_add (rounded first: the add op's sum); dgamma += sum_n dy * xhat,
  * dbeta += sum_n dy, in double over rows in increasing order. */
 VECTOR_CLONES void cpu_ln_bwd(cpu_impl *im, const dt_op *op) {
-  (void)im;
   const typeof(op->p.ln_bwd) *q = &op->p.ln_bwd;
   const int64_t d = q->d, chunks = (d + COL_CHUNK - 1) / COL_CHUNK;
+  if (q->dy16) { /* dy widened from its 16-bit rows */
+    dt_op fp32 = *op;
+    float *dy = cpu_widen_rows(q->dy, q->dy16, q->n, d);
+    fp32.p.ln_bwd.dy16 = 0, fp32.p.ln_bwd.dy = dy;
+    cpu_ln_bwd(im, &fp32);
+    free(dy);
+    return;
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < (q->dx ? q->n : 0); r++) { /* dx NULL: the parameter gradients only */
     const float *x = q->x + r * d, *dy = q->dy + r * d;

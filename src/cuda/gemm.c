@@ -270,6 +270,7 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
     /* A dense layer's dy is A of both its weight gradient and, next, its input gradient (layer_dense.c):
      * the second takes the copy the first left at the start of h16. A 16-bit A or B (a16, b16) is read where
      * it is; with a 16-bit C, the bias is read as a bfloat16 copy (cuBLASLt's epilogue takes C's type). */
+    /* NULL when nothing is copied (a16 and b16 without a bias, or k 0: no rows, and cuBLAS reads no A or B) */
     uint16_t *h16 =
         bytes16 ? cuda_grow_device(im, (void **)&im->h16, &im->h16_bytes, bytes16, "16-bit GEMM operands") : NULL;
     const size_t a_bytes = q->a16 ? 0 : align256((size_t)(a.rows * a.ld16) * 2),

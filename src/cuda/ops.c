@@ -180,7 +180,8 @@ void cuda_bn_bwd_apply(cuda_impl *im, const dt_op *op) {
 void cuda_ln_fwd(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.ln_fwd) *q = &op->p.ln_fwd;
   CHECK_INDEXABLE(q->n * q->d);
-  k_ln_fwd(im->stream, q->x, q->gamma, q->beta, q->y, q->mean, q->rstd, q->n, q->d, q->eps);
+  DT_ASSERT(!q->y16 || q->y16 == DT_F16_BF16);
+  k_ln_fwd(im->stream, q->x, q->gamma, q->beta, q->y, q->y16, q->mean, q->rstd, q->n, q->d, q->eps);
 }
 
 void cuda_ln_bwd(cuda_impl *im, const dt_op *op) {
@@ -189,8 +190,9 @@ void cuda_ln_bwd(cuda_impl *im, const dt_op *op) {
   if (!q->n) return;
   double *partials =
       cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes, cuda_partials_bytes(op), "layernorm sums");
-  k_ln_bwd(im->stream, q->x, q->dy, q->gamma, q->mean, q->rstd, q->dx, q->dx_add, q->dgamma, q->dbeta, q->n, q->d,
-           partials);
+  DT_ASSERT(!q->dy16 || q->dy16 == DT_F16_BF16);
+  k_ln_bwd(im->stream, q->x, q->dy, q->dy16, q->gamma, q->mean, q->rstd, q->dx, q->dx_add, q->dgamma, q->dbeta, q->n,
+           q->d, partials);
 }
 
 /* kernels/pool.cu */
