@@ -86,9 +86,9 @@ static __device__ __forceinline__ void zero_rows(float acc[kRows][COLS]) {
 }
 
 // Writes the thread's rows of acc (rows row0 + ty + kSide a below T) into a head (rows `stride` apart),
-// times scale[a] (NULL: 1).
-template <int COLS>
-static __device__ void store_rows(float *head, int64_t stride, const float acc[kRows][COLS], const float *scale,
+// times scale[a] (NULL: 1); T: float, or uint16_t for bfloat16 (rounded).
+template <int COLS, class T>
+static __device__ void store_rows(T *head, int64_t stride, const float acc[kRows][COLS], const float *scale,
                                   int64_t row0, int64_t t, int hd) {
   const int tx = thread_x(), ty = thread_y();
   UNROLL
@@ -98,7 +98,7 @@ static __device__ void store_rows(float *head, int64_t stride, const float acc[k
     UNROLL
     for (int b = 0; b < COLS; b++) {
       int c = tx + kSide * b;
-      if (c < hd) head[r * stride + c] = scale ? acc[a][b] * scale[a] : acc[a][b];
+      if (c < hd) store_value(&head[r * stride + c], scale ? acc[a][b] * scale[a] : acc[a][b]);
     }
   }
 }
@@ -120,6 +120,24 @@ typedef struct {
   float scale, p, keep;  // dropout: keep = 1 / (1 - p)
   uint64_t layer_seed;
 } attn_geom;
+
+// A kernel's heads, one type so that a launch names it without a comma (f32x2, bf16x4, ...): COLS column
+// groups of kSide (1, 2, 4 or 8: heads of up to kSide COLS values) of type T, float or uint16_t (bfloat16).
+template <int C, class T>
+struct heads_of {
+  static constexpr int COLS = C;
+  typedef T type;
+};
+template <class H>
+using heads_t = typename H::type;
+typedef heads_of<1, float> f32x1;
+typedef heads_of<2, float> f32x2;
+typedef heads_of<4, float> f32x4;
+typedef heads_of<8, float> f32x8;
+typedef heads_of<1, uint16_t> bf16x1;
+typedef heads_of<2, uint16_t> bf16x2;
+typedef heads_of<4, uint16_t> bf16x4;
+typedef heads_of<8, uint16_t> bf16x8;
 
 // Where head `head` (b H + h) starts in a buffer of row stride ld.
 static __device__ __forceinline__ int64_t head_offset(const attn_geom &g, int64_t head, int64_t ld) {
@@ -148,13 +166,14 @@ static __device__ __forceinline__ bool tile_all_visible(const attn_geom &g, int6
 // tile; rows past T as zeros. Two tiles at once (tb NULL: one). Every load of both is issued before the
 // first store, as float4 where the heads' rows are 16-byte aligned: a thread's loads are in flight
 // together rather than each behind the last one's store, which left the kernels waiting on memory at
-// every tile. hd <= 16 COLS.
-template <int COLS>
-static __device__ void load_tiles(float *ta, const float *ha, int64_t sa, float *tb, const float *hb, int64_t sb,
-                                  int64_t row0, int64_t t, int hd) {
+// every tile. hd <= 16 COLS. T: the heads' type, float or uint16_t (bfloat16, widened; 4 values an 8-byte load).
+template <int COLS, class T>
+static __device__ void load_tiles(float *ta, const T *ha, int64_t sa, float *tb, const T *hb, int64_t sb, int64_t row0,
+                                  int64_t t, int hd) {
   const int ld = hd + 1;
+  constexpr unsigned kQuad = 4 * sizeof(T);  // the bytes of 4 values, the alignment of a vector load
   const bool vec =
-      hd % 4 == 0 && sa % 4 == 0 && (uintptr_t)ha % 16 == 0 && (!tb || (sb % 4 == 0 && (uintptr_t)hb % 16 == 0));
+      hd % 4 == 0 && sa % 4 == 0 && (uintptr_t)ha % kQuad == 0 && (!tb || (sb % 4 == 0 && (uintptr_t)hb % kQuad == 0));
   if (vec) {
     constexpr int N = kTile * 4 * COLS / kBlock;  // a thread's float4 of a tile, at most
     const int quads = hd / 4;
@@ -164,8 +183,8 @@ static __device__ void load_tiles(float *ta, const float *ha, int64_t sa, float 
     for (int n = 0; n < N; n++) {
       const int e = (int)threadIdx.x + n * kBlock, r = e / quads, c = (e - r * quads) * 4;
       const bool in = e < kTile * quads && row0 + r < t;
-      va[n] = in ? load_float4(ha + (row0 + r) * sa + c) : zero;
-      vb[n] = in && tb ? load_float4(hb + (row0 + r) * sb + c) : zero;
+      va[n] = in ? load4(ha + (row0 + r) * sa + c) : zero;
+      vb[n] = in && tb ? load4(hb + (row0 + r) * sb + c) : zero;
     }
     UNROLL
     for (int n = 0; n < N; n++) {
@@ -182,20 +201,20 @@ static __device__ void load_tiles(float *ta, const float *ha, int64_t sa, float 
   for (int e = threadIdx.x; e < kTile * hd; e += kBlock) {
     const int r = e / hd, c = e - r * hd;
     const bool in = row0 + r < t;
-    ta[r * ld + c] = in ? ha[(row0 + r) * sa + c] : 0.0f;
-    if (tb) tb[r * ld + c] = in ? hb[(row0 + r) * sb + c] : 0.0f;
+    ta[r * ld + c] = in ? value_of(ha[(row0 + r) * sa + c]) : 0.0f;
+    if (tb) tb[r * ld + c] = in ? value_of(hb[(row0 + r) * sb + c]) : 0.0f;
   }
 }
 
 // FP32 tiles (kTile, hd + 1): one, or two at once.
-template <int COLS>
-static __device__ void load_tile(float *tile, const float *head, int64_t stride, int64_t row0, int64_t t, int hd) {
-  load_tiles<COLS>(tile, head, stride, NULL, NULL, 0, row0, t, hd);
+template <int COLS, class T>
+static __device__ void load_tile(float *tile, const T *head, int64_t stride, int64_t row0, int64_t t, int hd) {
+  load_tiles<COLS, T>(tile, head, stride, NULL, NULL, 0, row0, t, hd);
 }
-template <int COLS>
-static __device__ void load_tile_pair(float *ta, const float *ha, int64_t sa, float *tb, const float *hb, int64_t sb,
+template <int COLS, class T>
+static __device__ void load_tile_pair(float *ta, const T *ha, int64_t sa, float *tb, const T *hb, int64_t sb,
                                       int64_t row0, int64_t t, int hd) {
-  load_tiles<COLS>(ta, ha, sa, tb, hb, sb, row0, t, hd);
+  load_tiles<COLS, T>(ta, ha, sa, tb, hb, sb, row0, t, hd);
 }
 
 // One key tile j0 of the forward's online softmax, for the thread's rows of query tile i0: s (its
@@ -245,10 +264,10 @@ static __device__ __forceinline__ void attn_rows_start(float m[kRows], float l[k
 }
 
 // The forward's rows after the last key tile: lse = m + log l, o = acc / l.
-template <int COLS>
+template <int COLS, class T>
 static __device__ __forceinline__ void attn_rows_finish(const attn_geom &g, int64_t head, int64_t i0,
                                                         const float m[kRows], const float l[kRows],
-                                                        const float acc[kRows][COLS], float *o, float *lse) {
+                                                        const float acc[kRows][COLS], T *o, float *lse) {
   const int tx = thread_x(), ty = thread_y();
   float inv[kRows];
   UNROLL
@@ -257,27 +276,29 @@ static __device__ __forceinline__ void attn_rows_finish(const attn_geom &g, int6
     int64_t i = i0 + ty + kSide * a;
     if (tx == 0 && i < g.t) lse[head * g.t + i] = m[a] + logf(l[a]);
   }
-  store_rows<COLS>(o + head_offset(g, head, g.ld_o), g.ld_o, acc, inv, i0, g.t, g.hd);
+  store_rows<COLS, T>(o + head_offset(g, head, g.ld_o), g.ld_o, acc, inv, i0, g.t, g.hd);
 }
 
 // Forward: a block per (head, query tile): shared q, k, v tiles (kTile, hd + 1) and the probabilities
-// (kTile, kScoreLd).
-template <int COLS>
-__global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
-    attn_fwd_kernel(const float *q, const float *k, const float *v, float *o, float *lse, const uint64_t *step_seed,
-                    attn_geom g) {
+// (kTile, kScoreLd). T: q, k, v and o in FP32, or in bfloat16 (uint16_t) where the layer keeps them so.
+template <class H>
+__global__ void LAUNCH_BOUNDS(kBlock, H::COLS <= 4 ? 2 : 1)
+    attn_fwd_kernel(const heads_t<H> *q, const heads_t<H> *k, const heads_t<H> *v, heads_t<H> *o, float *lse,
+                    const uint64_t *step_seed, attn_geom g) {
+  constexpr int COLS = H::COLS;
+  typedef heads_t<H> T;
   DYNAMIC_SHARED(float, smem);
   const int ld = g.hd + 1;
   float *sq = smem, *sk = sq + kTile * ld, *sv = sk + kTile * ld, *sp = sv + kTile * ld;
   const int64_t head = blockIdx.x / g.tiles, i0 = (blockIdx.x % g.tiles) * kTile, in = head_offset(g, head, g.ld);
   const uint64_t seed = g.p > 0 ? dt_hash64(g.layer_seed ^ *step_seed) : 0;
-  load_tile<COLS>(sq, q + in, g.ld, i0, g.t, g.hd);
+  load_tile<COLS, T>(sq, q + in, g.ld, i0, g.t, g.hd);
   float m[kRows], l[kRows], acc[kRows][COLS];
   attn_rows_start<COLS>(m, l, acc);
   const int64_t end = g.causal && i0 + kTile < g.t ? i0 + kTile : g.t;
   for (int64_t j0 = 0; j0 < end; j0 += kTile) {
     __syncthreads();  // the last tile's readers are done with sk, sv, sp
-    load_tile_pair<COLS>(sk, k + in, g.ld, sv, v + in, g.ld, j0, g.t, g.hd);
+    load_tile_pair<COLS, T>(sk, k + in, g.ld, sv, v + in, g.ld, j0, g.t, g.hd);
     __syncthreads();
     float s[kRows][kRows];
     tile_xyt(sq, sk, g.hd, ld, s);
@@ -285,15 +306,18 @@ __global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
     __syncthreads();
     tile_py<COLS>(sp, 0, sv, g.hd, ld, acc);
   }
-  attn_rows_finish<COLS>(g, head, i0, m, l, acc, o, lse);
+  attn_rows_finish<COLS, T>(g, head, i0, m, l, acc, o, lse);
 }
 
 // delta (B*H*T) = each row's dout . o. kDeltaLanes lanes a row, each adding every kDeltaLanes-th float4 of
 // it (float where the rows are not 16-byte aligned): a row's lanes read 128 contiguous bytes at a time,
-// where a thread a row read 32 rows 3 KiB apart at each step. The lanes' sums are added in a fixed order.
+// where a thread a row read 32 rows 3 KiB apart at each step. The lanes' sums are added in a fixed order. T:
+// float, or uint16_t (bfloat16 dout and o, 4 values an 8-byte load).
 enum { kDeltaLanes = 8 };
-__global__ void attn_delta_kernel(const float *dout, const float *o, float *delta, int64_t rows, attn_geom g) {
-  const bool vec = g.hd % 4 == 0 && g.ld_o % 4 == 0 && (uintptr_t)dout % 16 == 0 && (uintptr_t)o % 16 == 0;
+template <class T>
+__global__ void attn_delta_kernel(const T *dout, const T *o, float *delta, int64_t rows, attn_geom g) {
+  constexpr unsigned kQuad = 4 * sizeof(T);
+  const bool vec = g.hd % 4 == 0 && g.ld_o % 4 == 0 && (uintptr_t)dout % kQuad == 0 && (uintptr_t)o % kQuad == 0;
   const int lane = (int)threadIdx.x % 32, part = lane % kDeltaLanes, per_warp = 32 / kDeltaLanes;
   const int64_t warp = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32,
                 warps = (int64_t)gridDim.x * blockDim.x / 32;
@@ -305,11 +329,11 @@ __global__ void attn_delta_kernel(const float *dout, const float *o, float *delt
       const int64_t at = head_offset(g, r / g.t, g.ld_o) + r % g.t * g.ld_o;
       if (vec) {
         for (int d = 4 * part; d < g.hd; d += 4 * kDeltaLanes) {
-          const float4 x = load_float4(dout + at + d), y = load_float4(o + at + d);
+          const float4 x = load4(dout + at + d), y = load4(o + at + d);
           s += x.x * y.x + x.y * y.y + x.z * y.z + x.w * y.w;
         }
       } else {
-        for (int d = part; d < g.hd; d += kDeltaLanes) s += dout[at + d] * o[at + d];
+        for (int d = part; d < g.hd; d += kDeltaLanes) s += value_of(dout[at + d]) * value_of(o[at + d]);
       }
     }
     for (int m = kDeltaLanes / 2; m > 0; m >>= 1) s += __shfl_xor_sync(0xffffffffu, s, m);
@@ -364,10 +388,13 @@ static __device__ void load_row_stats(float *sl, float *sd, const float *lse, co
 }
 
 // dk, dv: a block per (head, key tile), walking the query tiles that see it.
-template <int COLS>
-__global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
-    attn_bwd_kv_kernel(const float *q, const float *k, const float *v, const float *dout, const float *lse,
-                       const float *delta, float *dk, float *dv, const uint64_t *step_seed, attn_geom g) {
+template <class H>
+__global__ void LAUNCH_BOUNDS(kBlock, H::COLS <= 4 ? 2 : 1)
+    attn_bwd_kv_kernel(const heads_t<H> *q, const heads_t<H> *k, const heads_t<H> *v, const heads_t<H> *dout,
+                       const float *lse, const float *delta, heads_t<H> *dk, heads_t<H> *dv, const uint64_t *step_seed,
+                       attn_geom g) {
+  constexpr int COLS = H::COLS;
+  typedef heads_t<H> T;
   DYNAMIC_SHARED(float, smem);
   const int ld = g.hd + 1;
   float *sk = smem, *sv = sk + kTile * ld, *sq = sv + kTile * ld, *sdo = sq + kTile * ld, *sp = sdo + kTile * ld,
@@ -375,14 +402,14 @@ __global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
   const int64_t head = blockIdx.x / g.tiles, j0 = (blockIdx.x % g.tiles) * kTile;
   const int64_t in = head_offset(g, head, g.ld), out = head_offset(g, head, g.ld_o);
   const uint64_t seed = g.p > 0 ? dt_hash64(g.layer_seed ^ *step_seed) : 0;
-  load_tile_pair<COLS>(sk, k + in, g.ld, sv, v + in, g.ld, j0, g.t, g.hd);
+  load_tile_pair<COLS, T>(sk, k + in, g.ld, sv, v + in, g.ld, j0, g.t, g.hd);
   float dk_acc[kRows][COLS], dv_acc[kRows][COLS];
   zero_rows<COLS>(dk_acc);
   zero_rows<COLS>(dv_acc);
   for (int64_t i0 = g.causal ? j0 : 0; i0 < g.t; i0 += kTile) {
     __syncthreads();  // the last tile's readers are done with sq, sdo, sp, sds
-    load_tile<COLS>(sq, q + in, g.ld, i0, g.t, g.hd);  // one at a time: a pair's registers would spill
-    load_tile<COLS>(sdo, dout + out, g.ld_o, i0, g.t, g.hd);
+    load_tile<COLS, T>(sq, q + in, g.ld, i0, g.t, g.hd);  // one at a time: a pair's registers would spill
+    load_tile<COLS, T>(sdo, dout + out, g.ld_o, i0, g.t, g.hd);
     load_row_stats(sl, sd, lse, delta, head, i0, g.t);
     __syncthreads();
     attn_scores_bwd(g, seed, head, i0, j0, sq, sdo, sk, sv, sl, sd, sp, sds);
@@ -390,15 +417,17 @@ __global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
     tile_py<COLS>(sp, 1, sdo, g.hd, ld, dv_acc);  // dv_j += sum_i p_ij dout_i
     tile_py<COLS>(sds, 1, sq, g.hd, ld, dk_acc);  // dk_j += sum_i ds_ij q_i
   }
-  store_rows<COLS>(dk + in, g.ld, dk_acc, NULL, j0, g.t, g.hd);
-  store_rows<COLS>(dv + in, g.ld, dv_acc, NULL, j0, g.t, g.hd);
+  store_rows<COLS, T>(dk + in, g.ld, dk_acc, NULL, j0, g.t, g.hd);
+  store_rows<COLS, T>(dv + in, g.ld, dv_acc, NULL, j0, g.t, g.hd);
 }
 
 // dq: a block per (head, query tile), walking the key tiles it sees.
-template <int COLS>
-__global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
-    attn_bwd_q_kernel(const float *q, const float *k, const float *v, const float *dout, const float *lse,
-                      const float *delta, float *dq, const uint64_t *step_seed, attn_geom g) {
+template <class H>
+__global__ void LAUNCH_BOUNDS(kBlock, H::COLS <= 4 ? 2 : 1)
+    attn_bwd_q_kernel(const heads_t<H> *q, const heads_t<H> *k, const heads_t<H> *v, const heads_t<H> *dout,
+                      const float *lse, const float *delta, heads_t<H> *dq, const uint64_t *step_seed, attn_geom g) {
+  constexpr int COLS = H::COLS;
+  typedef heads_t<H> T;
   DYNAMIC_SHARED(float, smem);
   const int ld = g.hd + 1;
   float *sq = smem, *sdo = sq + kTile * ld, *sk = sdo + kTile * ld, *sv = sk + kTile * ld, *sds = sv + kTile * ld,
@@ -406,21 +435,21 @@ __global__ void LAUNCH_BOUNDS(kBlock, COLS <= 4 ? 2 : 1)
   const int64_t head = blockIdx.x / g.tiles, i0 = (blockIdx.x % g.tiles) * kTile;
   const int64_t in = head_offset(g, head, g.ld), out = head_offset(g, head, g.ld_o);
   const uint64_t seed = g.p > 0 ? dt_hash64(g.layer_seed ^ *step_seed) : 0;
-  load_tile_pair<COLS>(sq, q + in, g.ld, sdo, dout + out, g.ld_o, i0, g.t, g.hd);
+  load_tile_pair<COLS, T>(sq, q + in, g.ld, sdo, dout + out, g.ld_o, i0, g.t, g.hd);
   load_row_stats(sl, sd, lse, delta, head, i0, g.t);
   float dq_acc[kRows][COLS];
   zero_rows<COLS>(dq_acc);
   const int64_t end = g.causal && i0 + kTile < g.t ? i0 + kTile : g.t;
   for (int64_t j0 = 0; j0 < end; j0 += kTile) {
     __syncthreads();  // the last tile's readers are done with sk, sv, sds
-    load_tile<COLS>(sk, k + in, g.ld, j0, g.t, g.hd);  // one at a time: a pair's registers would spill
-    load_tile<COLS>(sv, v + in, g.ld, j0, g.t, g.hd);
+    load_tile<COLS, T>(sk, k + in, g.ld, j0, g.t, g.hd);  // one at a time: a pair's registers would spill
+    load_tile<COLS, T>(sv, v + in, g.ld, j0, g.t, g.hd);
     __syncthreads();
     attn_scores_bwd(g, seed, head, i0, j0, sq, sdo, sk, sv, sl, sd, NULL, sds);
     __syncthreads();
     tile_py<COLS>(sds, 0, sk, g.hd, ld, dq_acc);  // dq_i += sum_j ds_ij k_j
   }
-  store_rows<COLS>(dq + in, g.ld, dq_acc, NULL, i0, g.t, g.hd);
+  store_rows<COLS, T>(dq + in, g.ld, dq_acc, NULL, i0, g.t, g.hd);
 }
 
 // ---- Tensor cores (train.precision bf16, compute capability 8.0 and later) --------------------------
@@ -584,12 +613,13 @@ static __device__ __forceinline__ void zero_pieces(float x[N][4]) {
 // tiles and transposed into cols (w, kTile + 8) tiles, each when not NULL. Every load of both heads is issued
 // before the first store, as float4 where the heads' rows are 16-byte aligned: a warp reads 8 rows of 4
 // float4 at a time (64 contiguous bytes a row), so that its transposed stores meet in pairs of banks at most.
-template <int COLS>
-static __device__ void attn_tiles_tc(const float *ha, int64_t sa, bfloat *rows_a, bfloat *cols_a, const float *hb,
-                                     int64_t sb, bfloat *rows_b, bfloat *cols_b, int64_t row0, int64_t t, int hd) {
+template <int COLS, class T>
+static __device__ void attn_tiles_tc(const T *ha, int64_t sa, bfloat *rows_a, bfloat *cols_a, const T *hb, int64_t sb,
+                                     bfloat *rows_b, bfloat *cols_b, int64_t row0, int64_t t, int hd) {
   const int w = width16(hd), ld = w + 8, nk = w / 16;
+  constexpr unsigned kQuad = 4 * sizeof(T);  // T: float, or uint16_t (bfloat16 heads: copied as they are)
   const bool vec =
-      hd % 4 == 0 && sa % 4 == 0 && (uintptr_t)ha % 16 == 0 && (!hb || (sb % 4 == 0 && (uintptr_t)hb % 16 == 0));
+      hd % 4 == 0 && sa % 4 == 0 && (uintptr_t)ha % kQuad == 0 && (!hb || (sb % 4 == 0 && (uintptr_t)hb % kQuad == 0));
   const int lane = (int)threadIdx.x % 32, warp = (int)threadIdx.x / 32;
   if (vec) {
     constexpr int N = kTile * 16 * COLS / 4 / kMmaBlock;  // a thread's (8 rows, 4 float4) pieces, at most
@@ -599,8 +629,8 @@ static __device__ void attn_tiles_tc(const float *ha, int64_t sa, bfloat *rows_a
     for (int n = 0; n < N; n++) {
       const int piece = warp + kMmaWarps * n, r = piece / nk * 8 + lane / 4, c = (piece % nk * 4 + lane % 4) * 4;
       const bool in = piece < 8 * nk && row0 + r < t && c < hd;
-      va[n] = in ? load_float4(ha + (row0 + r) * sa + c) : zero;
-      vb[n] = in && hb ? load_float4(hb + (row0 + r) * sb + c) : zero;
+      va[n] = in ? load4(ha + (row0 + r) * sa + c) : zero;
+      vb[n] = in && hb ? load4(hb + (row0 + r) * sb + c) : zero;
     }
     UNROLL
     for (int n = 0; n < N; n++) {
@@ -624,8 +654,8 @@ static __device__ void attn_tiles_tc(const float *ha, int64_t sa, bfloat *rows_a
   for (int e = threadIdx.x; e < kTile * w; e += kMmaBlock) {
     const int r = e / w, c = e - r * w;
     const bool in = row0 + r < t && c < hd;
-    const bfloat xa = __float2bfloat16_rn(in ? ha[(row0 + r) * sa + c] : 0.0f);
-    const bfloat xb = __float2bfloat16_rn(in && hb ? hb[(row0 + r) * sb + c] : 0.0f);
+    const bfloat xa = __float2bfloat16_rn(in ? value_of(ha[(row0 + r) * sa + c]) : 0.0f);
+    const bfloat xb = __float2bfloat16_rn(in && hb ? value_of(hb[(row0 + r) * sb + c]) : 0.0f);
     if (rows_a) rows_a[r * ld + c] = xa;
     if (cols_a) cols_a[c * kTld + r] = xa;
     if (rows_b) rows_b[r * ld + c] = xb;
@@ -635,8 +665,8 @@ static __device__ void attn_tiles_tc(const float *ha, int64_t sa, bfloat *rows_a
 
 // Stores a warp's (16, 16 COLS) block of results (rows row0 + 16 warp + ..., those below T; columns below
 // hd) into a head (rows `stride` apart), row h (0: the lane's first, 1: its second) times scale[h].
-template <int COLS>
-static __device__ void store_pieces(float *head, int64_t stride, const float acc[2 * COLS][4], const float scale[2],
+template <int COLS, class T>
+static __device__ void store_pieces(T *head, int64_t stride, const float acc[2 * COLS][4], const float scale[2],
                                     int64_t row0, int64_t t, int hd) {
   const int lane = (int)threadIdx.x % 32, warp = (int)threadIdx.x / 32;
   UNROLL
@@ -646,8 +676,8 @@ static __device__ void store_pieces(float *head, int64_t stride, const float acc
     UNROLL
     for (int n = 0; n < 2 * COLS; n++) {
       const int c = 8 * n + lane % 4 * 2;
-      if (c < hd) head[r * stride + c] = acc[n][2 * h] * scale[h];
-      if (c + 1 < hd) head[r * stride + c + 1] = acc[n][2 * h + 1] * scale[h];
+      if (c < hd) store_value(&head[r * stride + c], acc[n][2 * h] * scale[h]);
+      if (c + 1 < hd) store_value(&head[r * stride + c + 1], acc[n][2 * h + 1] * scale[h]);
     }
   }
 }
@@ -656,10 +686,12 @@ static __device__ void store_pieces(float *head, int64_t stride, const float acc
 // Forward: a block per (head, query tile). Shared: the query tile (kTile, w + 8) for w = width16(hd), read
 // once into the warps' A operands, the key tile (the same shape) and the value tile transposed (w, kTile +
 // 8).
-template <int COLS>
-__global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 3 : 2)
-    attn_fwd_tc_kernel(const float *q, const float *k, const float *v, float *o, float *lse, const uint64_t *step_seed,
-                       attn_geom g) {
+template <class H>
+__global__ void LAUNCH_BOUNDS(kMmaBlock, H::COLS <= 4 ? 3 : 2)
+    attn_fwd_tc_kernel(const heads_t<H> *q, const heads_t<H> *k, const heads_t<H> *v, heads_t<H> *o, float *lse,
+                       const uint64_t *step_seed, attn_geom g) {
+  constexpr int COLS = H::COLS;
+  typedef heads_t<H> T;
 #if ATTN_TENSOR_CORES
   const int w = width16(g.hd), ld = w + 8, nk = w / 16;
   DYNAMIC_SHARED(float, smem);
@@ -669,7 +701,7 @@ __global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 3 : 2)
   const int64_t head = blockIdx.x / g.tiles, i0 = (blockIdx.x % g.tiles) * kTile, in = head_offset(g, head, g.ld);
   const int64_t row[2] = {i0 + 16 * warp + lane / 4, i0 + 16 * warp + lane / 4 + 8};
   const uint64_t seed = g.p > 0 ? dt_hash64(g.layer_seed ^ *step_seed) : 0;
-  attn_tiles_tc<COLS>(q + in, g.ld, sq, NULL, NULL, 0, NULL, NULL, i0, g.t, g.hd);
+  attn_tiles_tc<COLS, T>(q + in, g.ld, sq, NULL, NULL, 0, NULL, NULL, i0, g.t, g.hd);
   __syncthreads();
   uint32_t qa[COLS][4];
   UNROLL
@@ -681,8 +713,8 @@ __global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 3 : 2)
   const int64_t end = g.causal && i0 + kTile < g.t ? i0 + kTile : g.t;
   for (int64_t j0 = 0; j0 < end; j0 += kTile) {
     __syncthreads();  // the last tile's readers are done with sk, svt
-    attn_tiles_tc<COLS>(k + in, g.ld, sk, NULL, NULL, 0, NULL, NULL, j0, g.t, g.hd);
-    attn_tiles_tc<COLS>(v + in, g.ld, NULL, svt, NULL, 0, NULL, NULL, j0, g.t, g.hd);
+    attn_tiles_tc<COLS, T>(k + in, g.ld, sk, NULL, NULL, 0, NULL, NULL, j0, g.t, g.hd);
+    attn_tiles_tc<COLS, T>(v + in, g.ld, NULL, svt, NULL, 0, NULL, NULL, j0, g.t, g.hd);
     __syncthreads();
     float s[kPieces8][4];
     zero_pieces<kPieces8>(s);
@@ -740,7 +772,7 @@ __global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 3 : 2)
     inv[h] = l[h] > 0 ? 1.0f / l[h] : 0.0f;
     if (lane % 4 == 0 && row[h] < g.t) lse[head * g.t + row[h]] = m[h] * kLn2 + logf(l[h]);
   }
-  store_pieces<COLS>(o + head_offset(g, head, g.ld_o), g.ld_o, acc, inv, i0, g.t, g.hd);
+  store_pieces<COLS, T>(o + head_offset(g, head, g.ld_o), g.ld_o, acc, inv, i0, g.t, g.hd);
 #else
   __trap();
 #endif
@@ -795,10 +827,13 @@ static __device__ __forceinline__ void warp_scores_bwd(const attn_geom &g, uint6
 // dk, dv: a block per (head, key tile), walking the query tiles that see it. Shared: the key and value
 // tiles (the warps' A operands of s^T = k q^T and dp^T = v dout^T), the query and dout tiles as rows (B
 // operands of those) and transposed (of dk += ds^T q and dv += p^T dout), the query tile's lse and delta.
-template <int COLS>
-__global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 2 : 1)
-    attn_bwd_kv_tc_kernel(const float *q, const float *k, const float *v, const float *dout, const float *lse,
-                          const float *delta, float *dk, float *dv, const uint64_t *step_seed, attn_geom g) {
+template <class H>
+__global__ void LAUNCH_BOUNDS(kMmaBlock, H::COLS <= 4 ? 2 : 1)
+    attn_bwd_kv_tc_kernel(const heads_t<H> *q, const heads_t<H> *k, const heads_t<H> *v, const heads_t<H> *dout,
+                          const float *lse, const float *delta, heads_t<H> *dk, heads_t<H> *dv,
+                          const uint64_t *step_seed, attn_geom g) {
+  constexpr int COLS = H::COLS;
+  typedef heads_t<H> T;
 #if ATTN_TENSOR_CORES
   const int w = width16(g.hd), ld = w + 8, nk = w / 16;
   DYNAMIC_SHARED(float, smem);
@@ -809,13 +844,13 @@ __global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 2 : 1)
   const int64_t head = blockIdx.x / g.tiles, j0 = (blockIdx.x % g.tiles) * kTile;
   const int64_t in = head_offset(g, head, g.ld), out = head_offset(g, head, g.ld_o);
   const uint64_t seed = g.p > 0 ? dt_hash64(g.layer_seed ^ *step_seed) : 0;
-  attn_tiles_tc<COLS>(k + in, g.ld, sk, NULL, v + in, g.ld, sv, NULL, j0, g.t, g.hd);
+  attn_tiles_tc<COLS, T>(k + in, g.ld, sk, NULL, v + in, g.ld, sv, NULL, j0, g.t, g.hd);
   float dk_acc[2 * COLS][4], dv_acc[2 * COLS][4];
   zero_pieces<2 * COLS>(dk_acc);
   zero_pieces<2 * COLS>(dv_acc);
   for (int64_t i0 = g.causal ? j0 : 0; i0 < g.t; i0 += kTile) {
     __syncthreads();  // the last tile's readers are done with sq, sdo, sqt, sdot, sl, sd
-    attn_tiles_tc<COLS>(q + in, g.ld, sq, sqt, dout + out, g.ld_o, sdo, sdot, i0, g.t, g.hd);
+    attn_tiles_tc<COLS, T>(q + in, g.ld, sq, sqt, dout + out, g.ld_o, sdo, sdot, i0, g.t, g.hd);
     load_row_stats(sl, sd, lse, delta, head, i0, g.t);
     __syncthreads();
     float pt[kPieces8][4], dst[kPieces8][4];  // p^T, ds^T
@@ -824,8 +859,8 @@ __global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 2 : 1)
     warp_py<COLS>(dst, sqt, nk, dk_acc);  // dk_j += sum_i ds_ij q_i
   }
   const float one[2] = {1.0f, 1.0f};
-  store_pieces<COLS>(dk + in, g.ld, dk_acc, one, j0, g.t, g.hd);
-  store_pieces<COLS>(dv + in, g.ld, dv_acc, one, j0, g.t, g.hd);
+  store_pieces<COLS, T>(dk + in, g.ld, dk_acc, one, j0, g.t, g.hd);
+  store_pieces<COLS, T>(dv + in, g.ld, dv_acc, one, j0, g.t, g.hd);
 #else
   __trap();
 #endif
@@ -834,10 +869,12 @@ __global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 2 : 1)
 // dq: a block per (head, query tile), walking the key tiles it sees. Shared: the query and dout tiles
 // (read as they are used: A operands of s = q k^T and dp = dout v^T), the key and value tiles as rows (B
 // operands of those) and the key tile transposed (of dq += ds k), the query tile's lse and delta.
-template <int COLS>
-__global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 3 : 1)
-    attn_bwd_q_tc_kernel(const float *q, const float *k, const float *v, const float *dout, const float *lse,
-                         const float *delta, float *dq, const uint64_t *step_seed, attn_geom g) {
+template <class H>
+__global__ void LAUNCH_BOUNDS(kMmaBlock, H::COLS <= 4 ? 3 : 1)
+    attn_bwd_q_tc_kernel(const heads_t<H> *q, const heads_t<H> *k, const heads_t<H> *v, const heads_t<H> *dout,
+                         const float *lse, const float *delta, heads_t<H> *dq, const uint64_t *step_seed, attn_geom g) {
+  constexpr int COLS = H::COLS;
+  typedef heads_t<H> T;
 #if ATTN_TENSOR_CORES
   const int w = width16(g.hd), ld = w + 8, nk = w / 16;
   DYNAMIC_SHARED(float, smem);
@@ -848,21 +885,21 @@ __global__ void LAUNCH_BOUNDS(kMmaBlock, COLS <= 4 ? 3 : 1)
   const int64_t head = blockIdx.x / g.tiles, i0 = (blockIdx.x % g.tiles) * kTile;
   const int64_t in = head_offset(g, head, g.ld), out = head_offset(g, head, g.ld_o);
   const uint64_t seed = g.p > 0 ? dt_hash64(g.layer_seed ^ *step_seed) : 0;
-  attn_tiles_tc<COLS>(q + in, g.ld, sq, NULL, dout + out, g.ld_o, sdo, NULL, i0, g.t, g.hd);
+  attn_tiles_tc<COLS, T>(q + in, g.ld, sq, NULL, dout + out, g.ld_o, sdo, NULL, i0, g.t, g.hd);
   load_row_stats(sl, sd, lse, delta, head, i0, g.t);
   float dq_acc[2 * COLS][4];
   zero_pieces<2 * COLS>(dq_acc);
   const int64_t end = g.causal && i0 + kTile < g.t ? i0 + kTile : g.t;
   for (int64_t j0 = 0; j0 < end; j0 += kTile) {
     __syncthreads();  // the last tile's readers are done with sk, sv, skt
-    attn_tiles_tc<COLS>(k + in, g.ld, sk, skt, v + in, g.ld, sv, NULL, j0, g.t, g.hd);
+    attn_tiles_tc<COLS, T>(k + in, g.ld, sk, skt, v + in, g.ld, sv, NULL, j0, g.t, g.hd);
     __syncthreads();
     float p[kPieces8][4], ds[kPieces8][4];
     warp_scores_bwd<COLS, 0>(g, seed, head, i0, j0, sq, sk, sdo, sv, ld, nk, sl, sd, p, ds);
     warp_py<COLS>(ds, skt, nk, dq_acc);  // dq_i += sum_j ds_ij k_j
   }
   const float one[2] = {1.0f, 1.0f};
-  store_pieces<COLS>(dq + in, g.ld, dq_acc, one, i0, g.t, g.hd);
+  store_pieces<COLS, T>(dq + in, g.ld, dq_acc, one, i0, g.t, g.hd);
 #else
   __trap();
 #endif
@@ -876,79 +913,101 @@ static attn_geom make_geom(const dt_attention_geom *a) {
   return g;
 }
 
-// Launches kernel<COLS> with COLS the column groups hd needs (1, 2, 4 or 8), opting in to the shared
-// memory it takes (attention_geom.h's dt_attention_shared); on the opt-in's error, returns it from the
-// function it is used in.
-#define ATTN_LAUNCH(kernel, hd, smem, grid, threads, stream, ...)                                            \
-  do {                                                                                                       \
-    int cols_ = (int)(((hd) + kSide - 1) / kSide);                                                           \
-    cudaError_t err_;                                                                                        \
-    if (cols_ <= 1) {                                                                                        \
-      if ((err_ = cudaFuncSetAttribute((const void *)kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
-                                       (int)(smem))) != cudaSuccess)                                         \
-        return err_;                                                                                         \
-      LAUNCH(kernel<1>, grid, threads, smem, stream)(__VA_ARGS__);                                           \
-    } else if (cols_ <= 2) {                                                                                 \
-      if ((err_ = cudaFuncSetAttribute((const void *)kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
-                                       (int)(smem))) != cudaSuccess)                                         \
-        return err_;                                                                                         \
-      LAUNCH(kernel<2>, grid, threads, smem, stream)(__VA_ARGS__);                                           \
-    } else if (cols_ <= 4) {                                                                                 \
-      if ((err_ = cudaFuncSetAttribute((const void *)kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
-                                       (int)(smem))) != cudaSuccess)                                         \
-        return err_;                                                                                         \
-      LAUNCH(kernel<4>, grid, threads, smem, stream)(__VA_ARGS__);                                           \
-    } else {                                                                                                 \
-      if ((err_ = cudaFuncSetAttribute((const void *)kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
-                                       (int)(smem))) != cudaSuccess)                                         \
-        return err_;                                                                                         \
-      LAUNCH(kernel<8>, grid, threads, smem, stream)(__VA_ARGS__);                                           \
-    }                                                                                                        \
+// Launches kernel<TY x COLS> (TY: f32 or bf16, the heads' type) with COLS the column groups hd needs (1, 2, 4
+// or 8), opting in to the shared memory it takes (attention_geom.h's dt_attention_shared); on the opt-in's
+// error, returns it from the function it is used in.
+#define ATTN_LAUNCH(kernel, TY, hd, smem, grid, threads, stream, ...)                                             \
+  do {                                                                                                            \
+    int cols_ = (int)(((hd) + kSide - 1) / kSide);                                                                \
+    cudaError_t err_;                                                                                             \
+    if (cols_ <= 1) {                                                                                             \
+      if ((err_ = cudaFuncSetAttribute((const void *)kernel<TY##x1>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
+                                       (int)(smem))) != cudaSuccess)                                              \
+        return err_;                                                                                              \
+      LAUNCH(kernel<TY##x1>, grid, threads, smem, stream)(__VA_ARGS__);                                           \
+    } else if (cols_ <= 2) {                                                                                      \
+      if ((err_ = cudaFuncSetAttribute((const void *)kernel<TY##x2>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
+                                       (int)(smem))) != cudaSuccess)                                              \
+        return err_;                                                                                              \
+      LAUNCH(kernel<TY##x2>, grid, threads, smem, stream)(__VA_ARGS__);                                           \
+    } else if (cols_ <= 4) {                                                                                      \
+      if ((err_ = cudaFuncSetAttribute((const void *)kernel<TY##x4>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
+                                       (int)(smem))) != cudaSuccess)                                              \
+        return err_;                                                                                              \
+      LAUNCH(kernel<TY##x4>, grid, threads, smem, stream)(__VA_ARGS__);                                           \
+    } else {                                                                                                      \
+      if ((err_ = cudaFuncSetAttribute((const void *)kernel<TY##x8>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
+                                       (int)(smem))) != cudaSuccess)                                              \
+        return err_;                                                                                              \
+      LAUNCH(kernel<TY##x8>, grid, threads, smem, stream)(__VA_ARGS__);                                           \
+    }                                                                                                             \
+  } while (0)
+
+// The forward's kernel on heads of TY (f32 or bf16: T float or uint16_t), the backward's three.
+#define ATTN_FWD(TY, T)                                                                                             \
+  do {                                                                                                              \
+    const T *q_ = (const T *)q, *k_ = (const T *)k, *v_ = (const T *)v;                                             \
+    T *o_ = (T *)o;                                                                                                 \
+    if (tensor_cores)                                                                                               \
+      ATTN_LAUNCH(attn_fwd_tc_kernel, TY, a->hd, dt_attention_shared_tc(DT_ATTENTION_FWD_KERNEL, a->hd), grid,      \
+                  kMmaBlock, s, q_, k_, v_, o_, lse, a->step_seed, g);                                              \
+    else                                                                                                            \
+      ATTN_LAUNCH(attn_fwd_kernel, TY, a->hd, dt_attention_shared(DT_ATTENTION_FWD_KERNEL, a->hd), grid, kBlock, s, \
+                  q_, k_, v_, o_, lse, a->step_seed, g);                                                            \
+  } while (0)
+#define ATTN_BWD(TY, T)                                                                                                \
+  do {                                                                                                                 \
+    const T *q_ = (const T *)q, *k_ = (const T *)k, *v_ = (const T *)v, *o_ = (const T *)o;                            \
+    const T *dout_ = (const T *)dout;                                                                                  \
+    T *dq_ = (T *)dq, *dk_ = (T *)dk, *dv_ = (T *)dv;                                                                  \
+    LAUNCH(attn_delta_kernel<T>, blocks_for(heads * a->t * kDeltaLanes), kThreads, 0, s)                               \
+    (dout_, o_, delta, heads * a->t, g);                                                                               \
+    if (tensor_cores) {                                                                                                \
+      ATTN_LAUNCH(attn_bwd_kv_tc_kernel, TY, a->hd, dt_attention_shared_tc(DT_ATTENTION_BWD_KV_KERNEL, a->hd), grid,   \
+                  kMmaBlock, s, q_, k_, v_, dout_, lse, delta, dk_, dv_, a->step_seed, g);                             \
+      ATTN_LAUNCH(attn_bwd_q_tc_kernel, TY, a->hd, dt_attention_shared_tc(DT_ATTENTION_BWD_Q_KERNEL, a->hd), grid,     \
+                  kMmaBlock, s, q_, k_, v_, dout_, lse, delta, dq_, a->step_seed, g);                                  \
+    } else {                                                                                                           \
+      ATTN_LAUNCH(attn_bwd_kv_kernel, TY, a->hd, dt_attention_shared(DT_ATTENTION_BWD_KV_KERNEL, a->hd), grid, kBlock, \
+                  s, q_, k_, v_, dout_, lse, delta, dk_, dv_, a->step_seed, g);                                        \
+      ATTN_LAUNCH(attn_bwd_q_kernel, TY, a->hd, dt_attention_shared(DT_ATTENTION_BWD_Q_KERNEL, a->hd), grid, kBlock,   \
+                  s, q_, k_, v_, dout_, lse, delta, dq_, a->step_seed, g);                                             \
+    }                                                                                                                  \
   } while (0)
 
 extern "C" {
 
 cudaError_t k_attention_tensor_cores_built(int *built) {
   cudaFuncAttributes fa;
-  cudaError_t err = cudaFuncGetAttributes(&fa, (const void *)attn_fwd_tc_kernel<1>);
+  cudaError_t err = cudaFuncGetAttributes(&fa, (const void *)attn_fwd_tc_kernel<f32x1>);
   *built = err == cudaSuccess && fa.ptxVersion >= 80;
   return err;
 }
 
-cudaError_t k_attention_fwd(cudaStream_t s, const dt_attention_geom *a, int tensor_cores, const float *q,
-                            const float *k, const float *v, float *o, float *lse) {
+cudaError_t k_attention_fwd(cudaStream_t s, const dt_attention_geom *a, int tensor_cores, const void *q, const void *k,
+                            const void *v, void *o, float *lse) {
   const int64_t heads = a->b * a->h;
   if (!heads || !a->t) return cudaSuccess;
   attn_geom g = make_geom(a);
   unsigned grid = (unsigned)(heads * g.tiles);
-  if (tensor_cores)
-    ATTN_LAUNCH(attn_fwd_tc_kernel, a->hd, dt_attention_shared_tc(DT_ATTENTION_FWD_KERNEL, a->hd), grid, kMmaBlock, s,
-                q, k, v, o, lse, a->step_seed, g);
+  if (a->io16)
+    ATTN_FWD(bf16, uint16_t);
   else
-    ATTN_LAUNCH(attn_fwd_kernel, a->hd, dt_attention_shared(DT_ATTENTION_FWD_KERNEL, a->hd), grid, kBlock, s, q, k, v,
-                o, lse, a->step_seed, g);
+    ATTN_FWD(f32, float);
   return cudaSuccess;
 }
 
-cudaError_t k_attention_bwd(cudaStream_t s, const dt_attention_geom *a, int tensor_cores, const float *q,
-                            const float *k, const float *v, const float *o, const float *lse, const float *dout,
-                            float *delta, float *dq, float *dk, float *dv) {
+cudaError_t k_attention_bwd(cudaStream_t s, const dt_attention_geom *a, int tensor_cores, const void *q, const void *k,
+                            const void *v, const void *o, const float *lse, const void *dout, float *delta, void *dq,
+                            void *dk, void *dv) {
   const int64_t heads = a->b * a->h;
   if (!heads || !a->t) return cudaSuccess;
   attn_geom g = make_geom(a);
   unsigned grid = (unsigned)(heads * g.tiles);
-  LAUNCH(attn_delta_kernel, blocks_for(heads * a->t * kDeltaLanes), kThreads, 0, s)(dout, o, delta, heads * a->t, g);
-  if (tensor_cores) {
-    ATTN_LAUNCH(attn_bwd_kv_tc_kernel, a->hd, dt_attention_shared_tc(DT_ATTENTION_BWD_KV_KERNEL, a->hd), grid,
-                kMmaBlock, s, q, k, v, dout, lse, delta, dk, dv, a->step_seed, g);
-    ATTN_LAUNCH(attn_bwd_q_tc_kernel, a->hd, dt_attention_shared_tc(DT_ATTENTION_BWD_Q_KERNEL, a->hd), grid, kMmaBlock,
-                s, q, k, v, dout, lse, delta, dq, a->step_seed, g);
-    return cudaSuccess;
-  }
-  ATTN_LAUNCH(attn_bwd_kv_kernel, a->hd, dt_attention_shared(DT_ATTENTION_BWD_KV_KERNEL, a->hd), grid, kBlock, s, q, k,
-              v, dout, lse, delta, dk, dv, a->step_seed, g);
-  ATTN_LAUNCH(attn_bwd_q_kernel, a->hd, dt_attention_shared(DT_ATTENTION_BWD_Q_KERNEL, a->hd), grid, kBlock, s, q, k, v,
-              dout, lse, delta, dq, a->step_seed, g);
+  if (a->io16)
+    ATTN_BWD(bf16, uint16_t);
+  else
+    ATTN_BWD(f32, float);
   return cudaSuccess;
 }
 

@@ -3,6 +3,8 @@
 #pragma once
 #include <stdint.h>
 
+#include "half.h"  // dt_to_bf16, dt_from_bf16: rounding to nearest even, as the CPU's
+
 // Kernels are launched as LAUNCH(kernel, grid, block, smem, stream)(args...) and declare dynamic
 // shared memory with DYNAMIC_SHARED(T, name): nvcc gets the usual syntax; the CPU stand-in that
 // `make test` runs them on (tests/gpusim) defines both before this file is read.
@@ -37,6 +39,19 @@ static __device__ __forceinline__ float4 load_float4(const float *p) {
   GPUSIM_CHECK_ALIGNED(p, 16);
 #endif
   return *(const float4 *)p;
+}
+
+// Four bfloat16 values (8 bytes, p 8-byte aligned) as floats: load_float4's counterpart for 16-bit buffers.
+static __device__ __forceinline__ float4 load4(const uint16_t *p) {
+#ifdef GPUSIM_CHECK_ALIGNED
+  GPUSIM_CHECK_ALIGNED(p, 8);
+#endif
+  const uint2 u = *(const uint2 *)p;
+  return make_float4(dt_from_bf16((uint16_t)(u.x & 0xffffu)), dt_from_bf16((uint16_t)(u.x >> 16)),
+                     dt_from_bf16((uint16_t)(u.y & 0xffffu)), dt_from_bf16((uint16_t)(u.y >> 16)));
+}
+static __device__ __forceinline__ float4 load4(const float *p) {
+  return load_float4(p);
 }
 
 // Eight 16-bit values in one 16-byte load, as load_float4 (p 16-byte aligned); value i is the low (even i)
@@ -80,7 +95,6 @@ static inline unsigned row_threads(int64_t len) {
 #define GRID_STRIDE(i, n) \
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); i += (int64_t)blockDim.x * gridDim.x)
 
-#include "half.h"  // dt_to_bf16, dt_from_bf16: rounding to nearest even, as the CPU's
 #include "hash.h"  // dt_hash_uniform: the same dropout masks as the CPU
 
 // A value of a buffer that is FP32, or bfloat16 (uint16_t: a bf16 build's 16-bit activations), as FP32; and one

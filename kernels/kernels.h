@@ -188,11 +188,12 @@ void k_permute(cudaStream_t s, const float *x, float *y, int ndim, const int64_t
 /* *built: whether the device runs the tensor-core kernels as built (their code compiled from PTX for
  * compute capability 8.0 or later: a build whose newest PTX is older has them trap even on an 8.0 GPU). */
 cudaError_t k_attention_tensor_cores_built(int *built);
-cudaError_t k_attention_fwd(cudaStream_t s, const dt_attention_geom *g, int tensor_cores, const float *q,
-                            const float *k, const float *v, float *o, float *lse);
-cudaError_t k_attention_bwd(cudaStream_t s, const dt_attention_geom *g, int tensor_cores, const float *q,
-                            const float *k, const float *v, const float *o, const float *lse, const float *dout,
-                            float *delta, float *dq, float *dk, float *dv);
+/* q, k, v, o (dout, dq, dk, dv): FP32, or bfloat16 (uint16_t) where g->io16 */
+cudaError_t k_attention_fwd(cudaStream_t s, const dt_attention_geom *g, int tensor_cores, const void *q, const void *k,
+                            const void *v, void *o, float *lse);
+cudaError_t k_attention_bwd(cudaStream_t s, const dt_attention_geom *g, int tensor_cores, const void *q, const void *k,
+                            const void *v, const void *o, const float *lse, const void *dout, float *delta, void *dq,
+                            void *dk, void *dv);
 
 #ifdef __cplusplus
 }

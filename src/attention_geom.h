@@ -52,6 +52,9 @@ typedef struct {
   uint64_t seed;             /* as dropout_fwd's: probability (b H + h, i, j) gets the mask of element
                                 ((b H + h) T + i) T + j, as the materialised (B*H, T, T) buffer's */
   const uint64_t *step_seed; /* (1), read when p > 0 */
+  int io16;                  /* 0, or DT_F16_BF16 (CUDA under bf16): q, k, v, o and their gradients are bfloat16
+                                values where they lie (the layer's projections written so), 2 bytes an element;
+                                lse and delta stay FP32 */
 } dt_attention_geom;
 
 #endif

@@ -61,10 +61,11 @@ static int attention_setup(dt_model *m, dt_layer *l, dt_status *st) {
   return 0;
 }
 
-/* Bytes of a (B*T, C) buffer, of the (B*H, T, T) ones (materialised) and of the (B*H, T) ones (fused). */
+/* Bytes of a (B*T, C) buffer (2 a value under heads16: the projections, the heads and their gradients), of the
+ * (B*H, T, T) ones (materialised) and of the (B*H, T) ones (fused). */
 static void sizes(const dt_layer *l, int64_t batch, size_t *seq, size_t *square, size_t *rows) {
   int64_t t = l->in.h;
-  *seq = (size_t)(batch * t * l->in.c) * sizeof(float);
+  *seq = (size_t)(batch * t * l->in.c) * (l->heads16 ? 2 : sizeof(float));
   *square = (size_t)(batch * l->args.heads * t * t) * sizeof(float);
   *rows = (size_t)(batch * l->args.heads * t) * sizeof(float);
 }
@@ -188,6 +189,11 @@ static void heads_forward_materialized(dt_layer *l, dt_pass *pass, const float *
   batched_gemm(be, bh, 0, 0, t, hd, t, kept, v, s->att);
 }
 
+/* Element i of a buffer of the heads (qkv, merged and their gradients): bfloat16 under heads16. */
+static float *element(float *buf, int64_t i, int heads16) {
+  return heads16 ? (float *)((uint16_t *)buf + i) : buf + i;
+}
+
 /* The fused ops' geometry over the layer's own buffers: q, k, v in (B, T, 3, H, hd), o in (B, T, H, hd). */
 static dt_attention_geom fused_geom(const dt_layer *l, const dt_pass *pass) {
   const int64_t c = l->in.c, h = l->args.heads;
@@ -201,7 +207,8 @@ static dt_attention_geom fused_geom(const dt_layer *l, const dt_pass *pass) {
                              .scale = 1.0f / sqrtf((float)(c / h)),
                              .p = pass->training ? (float)l->args.p : 0.0f, /* dropout only in training */
                              .seed = attention_seed(l),
-                             .step_seed = pass->step_seed};
+                             .step_seed = pass->step_seed,
+                             .io16 = l->heads16};
 }
 
 static void attention_forward(dt_layer *l, dt_pass *pass, const float *x) {
@@ -209,13 +216,14 @@ static void attention_forward(dt_layer *l, dt_pass *pass, const float *x) {
   dt_backend *be = pass->be;
   const float *w = pass->params;
   const int64_t b = pass->batch, t = l->in.h, c = l->in.c, h = l->args.heads, hd = c / h;
-  dense_forward(be, b * t, c, 3 * c, x, w + l->tensors[0].offset, w + l->tensors[1].offset, s->qkv, NULL, 0, l->x16, 0);
+  dense_forward(be, b * t, c, 3 * c, x, w + l->tensors[0].offset, w + l->tensors[1].offset, s->qkv, NULL, 0, l->x16,
+                l->heads16);
   if (l->fused_attention) {
     dt_op op = {.type = DT_OP_ATTENTION_FWD,
                 .p.attention_fwd = {.g = fused_geom(l, pass),
                                     .q = s->qkv,
-                                    .k = s->qkv + c,
-                                    .v = s->qkv + 2 * c,
+                                    .k = element(s->qkv, c, l->heads16),
+                                    .v = element(s->qkv, 2 * c, l->heads16),
                                     .o = s->merged,
                                     .lse = s->lse}};
     backend_run(be, &op);
@@ -226,7 +234,8 @@ static void attention_forward(dt_layer *l, dt_pass *pass, const float *x) {
     int64_t att_dims[4] = {b, h, t, hd};
     permute(be, 4, att_dims, swap_th, s->att, s->merged);
   }
-  dense_forward(be, b * t, c, c, s->merged, w + l->tensors[2].offset, w + l->tensors[3].offset, l->y, NULL, 0, 0, 0);
+  dense_forward(be, b * t, c, c, s->merged, w + l->tensors[2].offset, w + l->tensors[3].offset, l->y, NULL, 0,
+                l->heads16, 0);
 }
 
 /* Materialised: dq, dk, dv (each (B*H, T, hd)) from d_att through the (B*H, T, T) buffers. */
@@ -269,20 +278,20 @@ static void attention_backward(dt_layer *l, dt_pass *pass, const float *x, float
   float *g = pass->grads;
   const int64_t b = pass->batch, t = l->in.h, c = l->in.c, h = l->args.heads, hd = c / h;
   dense_backward(be, b * t, c, c, s->merged, w + l->tensors[2].offset, l->dy, NULL, g + l->tensors[2].offset,
-                 g + l->tensors[3].offset, s->d_merged, NULL, 0, 0);
+                 g + l->tensors[3].offset, s->d_merged, NULL, l->heads16, 0);
   if (l->fused_attention) {
     dt_op op = {.type = DT_OP_ATTENTION_BWD,
                 .p.attention_bwd = {.g = fused_geom(l, pass),
                                     .q = s->qkv,
-                                    .k = s->qkv + c,
-                                    .v = s->qkv + 2 * c,
+                                    .k = element(s->qkv, c, l->heads16),
+                                    .v = element(s->qkv, 2 * c, l->heads16),
                                     .o = s->merged,
                                     .lse = s->lse,
                                     .dout = s->d_merged,
                                     .delta = s->delta,
                                     .dq = s->d_qkv,
-                                    .dk = s->d_qkv + c,
-                                    .dv = s->d_qkv + 2 * c}};
+                                    .dk = element(s->d_qkv, c, l->heads16),
+                                    .dv = element(s->d_qkv, 2 * c, l->heads16)}};
     backend_run(be, &op);
   } else {
     int64_t merged_dims[4] = {b, t, h, hd};
@@ -293,7 +302,7 @@ static void attention_backward(dt_layer *l, dt_pass *pass, const float *x, float
     permute(be, 5, head_dims, from_heads, s->d_heads, s->d_qkv);
   }
   dense_backward(be, b * t, c, 3 * c, x, w + l->tensors[0].offset, s->d_qkv, NULL, g + l->tensors[0].offset,
-                 g + l->tensors[1].offset, dx, NULL, l->x16, 0);
+                 g + l->tensors[1].offset, dx, NULL, l->x16, l->heads16);
 }
 
 /* Forward FLOPs per sample: the projections and the two products over heads. */

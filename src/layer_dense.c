@@ -114,7 +114,8 @@ int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][7
   if (l->ops != &dt_layer_attention) return 0;
   for (int p = 0; p < 2; p++) {
     products[p][0] = rows, products[p][1] = c, products[p][2] = p ? c : 3 * c;
-    products[p][3] = 1, products[p][4] = 0, products[p][5] = 1, products[p][6] = p ? 0 : l->x16;
+    products[p][3] = 1, products[p][4] = p ? 0 : l->heads16, products[p][5] = 1,
+    products[p][6] = p ? l->heads16 : l->x16;
   }
   return 2;
 }

@@ -44,7 +44,7 @@ void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const
 
 /* The dense products (rows, in, out, has an epilogue: a bias, a gelu or a relu, y16: its y in 16-bit rows, has a
  * bias, x16: its x in 16-bit rows) of a linear layer (one) or an attention layer (its two projections, (rows, C,
- * 3C, 1, 0, 1, x16) and (rows, C, C, 1, 0, 1, 0)) over
+ * 3C, 1, heads16, 1, x16) and (rows, C, C, 1, 0, 1, heads16)) over
  * `batch` rows, in products; 0 for any other layer. dense_forward and dense_backward run each as up to three
  * GEMMs (the memory estimate asks the backend for their scratch). layer_dense.c. */
 int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][7]);

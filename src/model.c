@@ -386,6 +386,21 @@ static void pick_norm16(dt_seq *s, int fuse, int format) {
   }
 }
 
+/* model.fuse under bf16 on CUDA: an attention layer in the fused ops keeps q, k, v, the merged heads and their
+ * gradients in bfloat16 (heads16), as autocast's projections and SDPA have them: its qkv projection writes them
+ * so, the fused ops read and write them so (their tensor-core tiles are bfloat16 anyway), and its output
+ * projection reads them as they are. Widths that are whole rows of 8 values, at least DT_GEMM16_MIN_DIM. */
+static void pick_heads16(dt_model *m, int format) {
+  for (int i = 0; i < m->n_all; i++) {
+    dt_layer *l = m->all[i];
+    if (l->ops->traits & DT_LAYER_ATTENTION)
+      l->heads16 =
+          m->fuse && format == DT_F16_BF16 && l->fused_attention && l->in.c % 8 == 0 && l->in.c >= DT_GEMM16_MIN_DIM
+              ? format
+              : DT_F16_NONE;
+  }
+}
+
 /* Under bf16 and fp16 CUDA convolves 16-bit NHWC copies: a convolution's output and gradient between it and
  * its batchnorm stay as cuDNN has them. The teacher runs in the model's precision (the backend's). */
 static void pick_ops(dt_model *m, int cuda, size_t shared_per_block, int format) {
@@ -396,6 +411,7 @@ static void pick_ops(dt_model *m, int cuda, size_t shared_per_block, int format)
   pick_logits16(m, format);
   pick_gelu16(&m->top, format);
   pick_norm16(&m->top, m->fuse, format);
+  pick_heads16(m, format);
   if (m->teacher) pick_ops(m->teacher, cuda, shared_per_block, format);
 }
 

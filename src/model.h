@@ -175,6 +175,9 @@ struct dt_layer {
   int too_large;         /* layer_add_tensor got a tensor of more than DT_MAX_ELEMENTS */
   int fused_attention;   /* attention: its heads in the fused ops (model.attention, heads of at most
                             DT_ATTENTION_MAX_HD values) */
+  int heads16;           /* attention with fused_attention (pick_heads16, CUDA under bf16): its projections q, k, v,
+                            the merged heads and their gradients in bfloat16 (half.h's DT_F16_BF16), rows of 3C
+                            and C values: written and read so by its GEMMs and the fused ops */
   int keeps_x16;         /* conv2d: its forward leaves x's 16-bit copy for its backward filter (CUDA,
                             train.precision bf16 or fp16, a model that trains) */
   dt_layer *bn_next;     /* conv2d without a bias: the batchnorm right after it (model.fuse), which may read

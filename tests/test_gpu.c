@@ -2645,6 +2645,109 @@ static void ops_attention_tensor_cores(void) {
   attention_same_bits();
 }
 
+/* Value i of a 16-bit buffer, as the ops' float pointers carry it. */
+#define F16_AT(b, i) ((float *)((uint16_t *)(b).p[s_] + (i)))
+
+/* Whether CUDA's 16-bit values b16 (n of them, bfloat16) are its FP32 values b32 rounded, bit for bit. */
+static void same_rounded_bits(const char *what, dbuf b16, dbuf b32, int64_t n) {
+  uint16_t *h = ot_fetch(b16, 1);
+  float *f = ot_fetch(b32, 1);
+  for (int64_t i = 0; i < n; i++)
+    if (h[i] != dt_to_bf16(f[i])) {
+      const float got = dt_from_bf16(h[i]), want = f[i];
+      free(h), free(f);
+      fail_msg("op %s [%s]: %s[%lld] is %.9g with bfloat16 heads, %.9g rounded with FP32 ones", dt_op_names[ot.op],
+               ot.kase, what, (long long)i, got, want);
+    }
+  free(h), free(f);
+}
+
+/* The fused ops on bfloat16 heads (io16: the attention layer's heads16): q, k, v, o, dout and dq, dk, dv
+ * bfloat16 where they lie, lse and delta FP32. On CUDA they are the FP32 heads' results rounded, bit for bit,
+ * given the same values (the kernels widen what they load and round what they store, nothing else); under
+ * bf16 (the tensor-core kernels) that is the check, and in FP32 the CPU's widen-run-round too (one bfloat16
+ * unit). Causal or not, dropout or not; hd 6 (loaded a value at a time) and 24 and 64 (4 values a load). */
+static void attention16_case(int64_t T, int64_t hd, int64_t H, int64_t cap, int64_t rows, const char *rows_name) {
+  const int64_t c = H * hd, n = cap * T * 3 * c, no = cap * T * c;
+  const int tc = ot.precision == DT_PREC_BF16;
+  dbuf qkv16 = ot_rand16(n, -2, 2), dout16 = ot_rand16(no, -1, 1), o_in16 = ot_rand16(no, -1, 1);
+  float *wide[3] = {calloc((size_t)n + 1, 4), calloc((size_t)no + 1, 4), calloc((size_t)no + 1, 4)};
+  const dbuf *from[3] = {&qkv16, &dout16, &o_in16};
+  for (int b = 0; b < 3; b++)
+    for (int64_t i = 0; i < (b ? no : n); i++) wide[b][i] = dt_from_bf16(((const uint16_t *)from[b]->init)[i]);
+  dbuf qkv = ot_buf(OT_F32, wide[0], n), dout = ot_buf(OT_F32, wide[1], no), o_in = ot_buf(OT_F32, wide[2], no);
+  for (int b = 0; b < 3; b++) free(wide[b]);
+  const uint64_t step_seed_h = 0x1234567u;
+  dbuf step_seed = ot_buf(OT_F64, &step_seed_h, 1);
+  for (int causal = 0; causal < 2; causal++)
+    for (int drop = 0; drop < 2; drop++) {
+      dbuf o16 = ot_rand16(no, -1, 1), o = ot_rand(no, -1, 1), lse16 = ot_rand(cap * H * T, -1, 1);
+      dbuf lse = ot_buf(OT_F32, lse16.init, cap * H * T), delta16 = ot_rand(cap * H * T, -1, 1);
+      dbuf delta = ot_buf(OT_F32, delta16.init, cap * H * T), dqkv16 = ot_rand16(n, -1, 1), dqkv = ot_rand(n, -1, 1);
+      dt_attention_geom g = {.b = rows,
+                             .h = H,
+                             .t = T,
+                             .hd = hd,
+                             .ld_qkv = 3 * c,
+                             .ld_o = c,
+                             .causal = causal,
+                             .scale = 1.0f / sqrtf((float)hd),
+                             .p = drop ? 0.25f : 0.0f,
+                             .seed = 77};
+      ot_case(DT_OP_ATTENTION_FWD, "bfloat16 heads (io16), T %lld, hd %lld, H %lld, %s, dropout %g, %s", (long long)T,
+              (long long)hd, (long long)H, causal ? "causal" : "not causal", g.p, rows_name);
+      BOTH {
+        g.step_seed = (const uint64_t *)D(step_seed);
+        dt_attention_geom g16 = g;
+        g16.io16 = DT_F16_BF16;
+        dt_op op = attention_fwd_op(g16, F(qkv16), F(o16), F(lse16));
+        op.p.attention_fwd.k = F16_AT(qkv16, c), op.p.attention_fwd.v = F16_AT(qkv16, 2 * c);
+        RUN(op);
+        if (s_) { /* the FP32 heads, on CUDA only */
+          dt_op f = attention_fwd_op(g, F(qkv), F(o), F(lse));
+          RUN(f);
+        }
+      }
+      same_rounded_bits("o", o16, o, rows * T * c);
+      float *l16 = ot_fetch(lse16, 1), *l32 = ot_fetch(lse, 1);
+      if (memcmp(l16, l32, (size_t)(rows * H * T) * sizeof(float))) fail_msg("lse differs with bfloat16 heads");
+      free(l16), free(l32);
+      if (!tc) {
+        ot_check16("o", o16, no, rows * T * c);
+        ot_check("lse", lse16, rows * H * T);
+      }
+      ot_case(DT_OP_ATTENTION_BWD, "bfloat16 heads (io16), T %lld, hd %lld, H %lld, %s, dropout %g, %s", (long long)T,
+              (long long)hd, (long long)H, causal ? "causal" : "not causal", g.p, rows_name);
+      BOTH {
+        g.step_seed = (const uint64_t *)D(step_seed);
+        dt_attention_geom g16 = g;
+        g16.io16 = DT_F16_BF16;
+        dt_op op = attention_bwd_op(g16, F(qkv16), F(o_in16), F(lse16), F(dout16), F(delta16), F(dqkv16));
+        op.p.attention_bwd.k = F16_AT(qkv16, c), op.p.attention_bwd.v = F16_AT(qkv16, 2 * c);
+        op.p.attention_bwd.dk = F16_AT(dqkv16, c), op.p.attention_bwd.dv = F16_AT(dqkv16, 2 * c);
+        RUN(op);
+        if (s_) {
+          dt_op f = attention_bwd_op(g, F(qkv), F(o_in), F(lse16), F(dout), F(delta), F(dqkv));
+          RUN(f);
+        }
+      }
+      same_rounded_bits("dq, dk, dv", dqkv16, dqkv, rows * T * 3 * c);
+      float *d16 = ot_fetch(delta16, 1), *d32 = ot_fetch(delta, 1);
+      if (memcmp(d16, d32, (size_t)(rows * H * T) * sizeof(float))) fail_msg("delta differs with bfloat16 heads");
+      free(d16), free(d32);
+      if (!tc) {
+        ot_check("delta", delta16, rows * H * T);
+        ot_check16("dq, dk, dv", dqkv16, n, rows * T * 3 * c);
+      }
+    }
+}
+
+static void ops_attention16(void) {
+  FOR_ROWS(r) attention16_case(70, 24, 2, cap, rows, ROWS_NAME(r));
+  attention16_case(130, 64, 3, 1, 1, "1 row, 3 heads");
+  attention16_case(33, 6, 2, 1, 1, "1 row, 2 heads of 6 (a value at a time)");
+}
+
 /* Permutes with the batch as x's first dim: (B, T, H, hd) to (B, H, T, hd), the attention's
  * (B, T, 3, H, hd) to (3, B, H, T, hd), a 3-d and a 2-d transpose. */
 static void ops_permute(void) {
@@ -3050,6 +3153,8 @@ GPU_TEST(cuda_op_permute, (ot_begin(), ops_permute(), ot_end()))
 GPU_TEST(cuda_op_attention, (ot_begin(), ops_attention(), ot_end()))
 GPU_TEST(cuda_op_attention_tensor_cores,
          (ot_begin_precision(DT_PREC_BF16, 1e-2), ops_attention_tensor_cores(), ot_end()))
+GPU_TEST(cuda_op_attention_bf16_heads,
+         (ot_begin(), ops_attention16(), ot_end(), ot_begin_precision(DT_PREC_BF16, 1e-2), ops_attention16(), ot_end()))
 GPU_TEST(cuda_transformer_grads_same_bits_every_run, (ot_begin(), transformer_grads_same_bits(), ot_end()))
 GPU_TEST(cuda_op_bias, (ot_begin(), ops_bias(), ot_end()))
 GPU_TEST(cuda_op_conv, (ot_begin(), ops_conv_in(0, 0), ot_end()))
@@ -3169,6 +3274,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(cuda_op_permute),
       cmocka_unit_test(cuda_op_attention),
       cmocka_unit_test(cuda_op_attention_tensor_cores),
+      cmocka_unit_test(cuda_op_attention_bf16_heads),
       cmocka_unit_test(cuda_transformer_grads_same_bits_every_run),
       cmocka_unit_test(cuda_op_bias),
       cmocka_unit_test(cuda_op_conv),

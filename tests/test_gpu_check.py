@@ -98,7 +98,7 @@ class GpuCheck(unittest.TestCase):
         # the GPT row's kernels, the fused attention's on tensor cores (bf16) among them (the stand-in's CPU
         # time: plumbing only)
         kernels = [r.split(" | ")[0].strip("| ") for r in stages["profile"]["kernels"]]
-        self.assertIn("attn_fwd_tc_kernel<2>", kernels)
+        self.assertIn("attn_fwd_tc_kernel<bf16x2>", kernels)  # bfloat16 heads (heads16), 2 column groups
         self.assertRegex(stages["profile"]["kernels"][0], r"^\| \S+ \| \d+ \| [\d.]+ \| [\d.]+% \| [\d.]+ \|$")
         md = open(os.path.join(out, "summary.md")).read()
         self.assertIn("| stage | status | seconds | details |", md)

@@ -19,8 +19,9 @@ estimate), 8 for ResNet-18 (36-50%: its 11M parameters and their momentum are mo
 and 4 sequences of 128 tokens for gpt_tiny (85-91%), 4 of 64 tokens for the GPT-2 shape on the CPU and 8
 on the GPU (21% and 30%: its 54M parameters, their gradients and AdamW's state are most of the rest; its
 activations are mostly the 50257-wide logits and their gradient; on the GPU the fused attention keeps no
-(B, H, T, T) scores, which 4 sequences left at 19%), and 12 on the GPU in bf16 (25%: the logits and their
-gradient, and the MLPs' hidden activations, in bfloat16, half the bytes; 8 sequences left them at 20%). The stand-in runs kernels thread by thread, so its batches
+(B, H, T, T) scores, which 4 sequences left at 19%), and 12 on the GPU in bf16 (23%: the logits and their
+gradient, the MLPs' hidden activations and the attention's heads in bfloat16, half the bytes; 8 sequences left
+them at 20%). The stand-in runs kernels thread by thread, so its batches
 are what takes it a few seconds. More in CASES, one line each: the 16-bit convolution operands, the
 bf16 gradient bucket, the EMA and the device cache on the GPU; checkpoints, two ranks' MPI sums and 4
 threads (oneDNN's Winograd filter gradient touches a share of its per-thread copies) on the CPU. The

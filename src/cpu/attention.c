@@ -3,8 +3,10 @@
  * stored. The reference the stand-in tests hold the kernels to; the CPU's model.attention auto runs the
  * materialised path (layer_attention.c), which OpenBLAS makes the faster here. */
 #include <math.h>
+#include <stdlib.h>
 
 #include "cpu.h"
+#include "half.h"
 
 /* x . y over n values, in 8 interleaved partial sums (vectorisable without reassociation) added in
  * a fixed order: the same bits every run. */
@@ -27,13 +29,40 @@ static inline int64_t attention_head_offset(const dt_attention_geom *g, int64_t 
   return head / g->h * g->t * ld + head % g->h * g->hd;
 }
 
+/* The heads in a buffer of row stride ld as FP32, from their bfloat16 values (g->io16): the B T rows' extent. */
+static float *widen_heads(const void *x16, const dt_attention_geom *g, int64_t ld) {
+  const uint16_t *h = x16;
+  const int64_t rows = g->b * g->t, n = rows ? (rows - 1) * ld + g->h * g->hd : 0;
+  float *x = dt_malloc((size_t)(n + 1) * sizeof(float));
+  for (int64_t i = 0; i < n; i++) x[i] = dt_from_bf16(h[i]);
+  return x;
+}
+
+/* The heads' values of x (as widen_heads lays them out) rounded into their bfloat16 places; nothing else of
+ * the buffer is written (q, k and v share one). */
+static void narrow_heads(const float *x, void *x16, const dt_attention_geom *g, int64_t ld) {
+  uint16_t *h = x16;
+  for (int64_t r = 0; r < g->b * g->t; r++)
+    for (int64_t e = 0; e < g->h * g->hd; e++) h[r * ld + e] = dt_to_bf16(x[r * ld + e]);
+}
+
 /* One query row at a time (rows in parallel), in one pass over its keys: the running maximum m
  * rescales the sum and the output so far when it grows (online softmax); o = sum_j mask_j p_j v_j /
  * sum_j p_j, lse = m + log sum. */
 VECTOR_CLONES void cpu_attention_fwd(cpu_impl *im, const dt_op *op) {
-  (void)im;
   const typeof(op->p.attention_fwd) *q = &op->p.attention_fwd;
   const dt_attention_geom *g = &q->g;
+  if (g->io16) { /* bfloat16 heads: widened, the op in FP32, o rounded back */
+    dt_op fp32 = *op;
+    typeof(fp32.p.attention_fwd) *f = &fp32.p.attention_fwd;
+    float *qw = widen_heads(q->q, g, g->ld_qkv), *kw = widen_heads(q->k, g, g->ld_qkv);
+    float *vw = widen_heads(q->v, g, g->ld_qkv), *ow = widen_heads(q->o, g, g->ld_o);
+    f->g.io16 = 0, f->q = qw, f->k = kw, f->v = vw, f->o = ow;
+    cpu_attention_fwd(im, &fp32);
+    narrow_heads(ow, q->o, g, g->ld_o);
+    free(qw), free(kw), free(vw), free(ow);
+    return;
+  }
   const int64_t t = g->t, hd = g->hd;
   const uint64_t seed = g->p > 0 ? dt_hash64(g->seed ^ *g->step_seed) : 0;
   const float keep = g->p > 0 ? 1.0f / (1.0f - g->p) : 1.0f;
@@ -70,9 +99,22 @@ VECTOR_CLONES void cpu_attention_fwd(cpu_impl *im, const dt_op *op) {
  * p = exp(scale q_i . k_j - lse_i), dp = dout_i . v_j (masked as forward), ds = scale p (dp - delta_i);
  * dv_j += mask p dout_i, dq_i += ds k_j, dk_j += ds q_i, rows in increasing order. */
 VECTOR_CLONES void cpu_attention_bwd(cpu_impl *im, const dt_op *op) {
-  (void)im;
   const typeof(op->p.attention_bwd) *q = &op->p.attention_bwd;
   const dt_attention_geom *g = &q->g;
+  if (g->io16) { /* as the forward: dq, dk, dv rounded back */
+    dt_op fp32 = *op;
+    typeof(fp32.p.attention_bwd) *f = &fp32.p.attention_bwd;
+    const int64_t ld = g->ld_qkv, ldo = g->ld_o;
+    float *w[8] = {widen_heads(q->q, g, ld),  widen_heads(q->k, g, ld),     widen_heads(q->v, g, ld),
+                   widen_heads(q->o, g, ldo), widen_heads(q->dout, g, ldo), widen_heads(q->dq, g, ld),
+                   widen_heads(q->dk, g, ld), widen_heads(q->dv, g, ld)};
+    f->g.io16 = 0, f->q = w[0], f->k = w[1], f->v = w[2], f->o = w[3], f->dout = w[4];
+    f->dq = w[5], f->dk = w[6], f->dv = w[7];
+    cpu_attention_bwd(im, &fp32);
+    narrow_heads(w[5], q->dq, g, ld), narrow_heads(w[6], q->dk, g, ld), narrow_heads(w[7], q->dv, g, ld);
+    for (int i = 0; i < 8; i++) free(w[i]);
+    return;
+  }
   const int64_t t = g->t, hd = g->hd, ld = g->ld_qkv, ldo = g->ld_o;
   const uint64_t seed = g->p > 0 ? dt_hash64(g->seed ^ *g->step_seed) : 0;
   const float keep = g->p > 0 ? 1.0f / (1.0f - g->p) : 1.0f;

@@ -325,7 +325,8 @@ void cuda_permute(cuda_impl *im, const dt_op *op) {
 
 /* A head the kernels take, rows that hold the heads, buffers they can index. */
 static void check_attention_geom(const dt_attention_geom *g) {
-  DT_ASSERT(g->hd >= 1 && g->hd <= DT_ATTENTION_MAX_HD && g->ld_qkv >= g->h * g->hd && g->ld_o >= g->h * g->hd);
+  DT_ASSERT(g->hd >= 1 && g->hd <= DT_ATTENTION_MAX_HD && g->ld_qkv >= g->h * g->hd && g->ld_o >= g->h * g->hd &&
+            (!g->io16 || g->io16 == DT_F16_BF16));
   CHECK_INDEXABLE(g->b * g->t * g->ld_qkv);
   CHECK_INDEXABLE(g->b * g->t * g->ld_o);
 }
