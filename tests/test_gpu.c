@@ -1907,6 +1907,13 @@ static void ops_embed(void) {
 /* Layernorm over D = 37 and D = 300 (more than a block's threads), rows of (B, T = 5), and 130
  * rows (more than K_LN_CHUNKS chunks of dgamma, dbeta): y, mean, rstd; dx overwritten, dgamma
  * and dbeta added into. */
+static dt_op ln_fwd_op(int64_t n, int64_t d, const float *x, const float *gamma, const float *beta, float *y,
+                       float *mean, float *rstd) {
+  return (dt_op){.type = DT_OP_LN_FWD,
+                 .p.ln_fwd = {
+                     .n = n, .d = d, .eps = 1e-5f, .x = x, .gamma = gamma, .beta = beta, .y = y, .mean = mean, .rstd = rstd}};
+}
+
 static dt_op ln_bwd_op(int64_t n, int64_t d, const float *x, const float *dy, const float *gamma, const float *mean,
                        const float *rstd, float *dx, const float *dx_add, float *dgamma, float *dbeta) {
   return (dt_op){.type = DT_OP_LN_BWD,
@@ -1930,16 +1937,7 @@ static void ln_case(int64_t D, int64_t cap, int64_t n, const char *rows_name) {
   dbuf dbeta = ot_rand(D, -1, 1);
   ot_case(DT_OP_LN_FWD, "D %lld, %s", (long long)D, rows_name);
   BOTH {
-    dt_op op = {.type = DT_OP_LN_FWD,
-                .p.ln_fwd = {.n = n,
-                             .d = D,
-                             .eps = 1e-5f,
-                             .x = F(x),
-                             .gamma = F(gamma),
-                             .beta = F(beta),
-                             .y = F(y),
-                             .mean = F(mean),
-                             .rstd = F(rstd)}};
+    dt_op op = ln_fwd_op(n, D, F(x), F(gamma), F(beta), F(y), F(mean), F(rstd));
     RUN(op);
   }
   ot_check("y", y, n * D);
@@ -2001,17 +1999,8 @@ static void ops_layernorm_bf16(void) {
       dbuf y = ot_rand16(c * ld, -1, 1), mean = ot_rand(c, -1, 1), rstd = ot_rand(c, -1, 1);
       ot_case(DT_OP_LN_FWD, "y in bfloat16 rows (y16), D %lld, %s", (long long)D, ROWS_NAME(r));
       BOTH {
-        dt_op op = {.type = DT_OP_LN_FWD,
-                    .p.ln_fwd = {.n = n,
-                                 .d = D,
-                                 .eps = 1e-5f,
-                                 .x = F(x),
-                                 .gamma = F(gamma),
-                                 .beta = F(beta),
-                                 .y = F(y),
-                                 .mean = F(mean),
-                                 .rstd = F(rstd),
-                                 .y16 = DT_F16_BF16}};
+        dt_op op = ln_fwd_op(n, D, F(x), F(gamma), F(beta), F(y), F(mean), F(rstd));
+        op.p.ln_fwd.y16 = DT_F16_BF16;
         RUN(op);
       }
       ot_check16_rows("y", y, c * ld, n * ld, D, ld);
@@ -2518,6 +2507,21 @@ static void ops_gelu_mlp_rows16(int no_lt) {
  * is taken out). T = 5 and 70 (a partial tile, two tiles) with hd 8 and 24 (a partial column group),
  * T = 130 (three tiles) with hd 64, T = 33 with hd 128 (the widest), hd 6 (not whole float4s: the tiles'
  * scalar loads); causal and not, dropout 0 and 0.25 (the dropout op's masks). */
+/* The ops' geometry over the layer's layout for rows samples of H heads of hd over T positions, causal or not,
+ * with dropout 0.25 or none. */
+static dt_attention_geom case_geom(int64_t rows, int64_t H, int64_t T, int64_t hd, int causal, int drop) {
+  return (dt_attention_geom){.b = rows,
+                             .h = H,
+                             .t = T,
+                             .hd = hd,
+                             .ld_qkv = 3 * H * hd,
+                             .ld_o = H * hd,
+                             .causal = causal,
+                             .scale = 1.0f / sqrtf((float)hd),
+                             .p = drop ? 0.25f : 0.0f,
+                             .seed = 77};
+}
+
 static void attention_case(int64_t T, int64_t hd, int64_t H, int64_t cap, int64_t rows, const char *rows_name) {
   const int64_t c = H * hd, n = cap * T * 3 * c, no = cap * T * c, written = rows * T * 3 * c;
   const int tc = ot.precision == DT_PREC_BF16;
@@ -2536,16 +2540,7 @@ static void attention_case(int64_t T, int64_t hd, int64_t H, int64_t cap, int64_
     for (int drop = 0; drop < 2; drop++) {
       dbuf o = ot_rand(no, -1, 1), lse = ot_rand(cap * H * T, -1, 1), delta = ot_rand(cap * H * T, -1, 1);
       dbuf dqkv = ot_rand(n, -1, 1);
-      dt_attention_geom g = {.b = rows,
-                             .h = H,
-                             .t = T,
-                             .hd = hd,
-                             .ld_qkv = 3 * c,
-                             .ld_o = c,
-                             .causal = causal,
-                             .scale = 1.0f / sqrtf((float)hd),
-                             .p = drop ? 0.25f : 0.0f,
-                             .seed = 77};
+      dt_attention_geom g = case_geom(rows, H, T, hd, causal, drop);
       ot_case(DT_OP_ATTENTION_FWD, "T %lld, hd %lld, H %lld, %s, dropout %g, %s", (long long)T, (long long)hd,
               (long long)H, causal ? "causal" : "not causal", g.p, rows_name);
       BOTH {
@@ -2684,16 +2679,7 @@ static void attention16_case(int64_t T, int64_t hd, int64_t H, int64_t cap, int6
       dbuf o16 = ot_rand16(no, -1, 1), o = ot_rand(no, -1, 1), lse16 = ot_rand(cap * H * T, -1, 1);
       dbuf lse = ot_buf(OT_F32, lse16.init, cap * H * T), delta16 = ot_rand(cap * H * T, -1, 1);
       dbuf delta = ot_buf(OT_F32, delta16.init, cap * H * T), dqkv16 = ot_rand16(n, -1, 1), dqkv = ot_rand(n, -1, 1);
-      dt_attention_geom g = {.b = rows,
-                             .h = H,
-                             .t = T,
-                             .hd = hd,
-                             .ld_qkv = 3 * c,
-                             .ld_o = c,
-                             .causal = causal,
-                             .scale = 1.0f / sqrtf((float)hd),
-                             .p = drop ? 0.25f : 0.0f,
-                             .seed = 77};
+      dt_attention_geom g = case_geom(rows, H, T, hd, causal, drop);
       ot_case(DT_OP_ATTENTION_FWD, "bfloat16 heads (io16), T %lld, hd %lld, H %lld, %s, dropout %g, %s", (long long)T,
               (long long)hd, (long long)H, causal ? "causal" : "not causal", g.p, rows_name);
       BOTH {
