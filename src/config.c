@@ -34,7 +34,10 @@ static const dt_key config_keys[] = {
      "ResNet's residuals between such layers add 16-bit NHWC values as far as its global_avgpool (the sums "
      "rounded to 16 bits), and "
      "under bf16 on CUDA a last linear without a bias (GPT-2's tied head) writes bfloat16 logits, which the loss "
-     "reads and whose bfloat16 gradient the linear's GEMMs read as it is (PyTorch's autocast rounds them so too); "
+     "reads and whose bfloat16 gradient the linear's GEMMs read as it is (PyTorch's autocast rounds them so too), "
+     "and a transformer keeps in bfloat16 what autocast does between its norms and products: a layernorm's "
+     "output before a linear or attention layer, an MLP's hidden activations (the gelu and bias in the first "
+     "linear's GEMM) and the fused attention's q, k, v and merged heads, with their gradients; "
      "false runs them apart"},
     {"model.attention", DT_KEY_ENUM, F(attention), "auto", NOB, "auto|fused|materialized",
      "fused: each attention layer's heads in one op that never stores the (B, H, T, T) scores (online softmax; "

@@ -38,6 +38,12 @@ static float *widen_heads(const void *x16, const dt_attention_geom *g, int64_t l
   return x;
 }
 
+/* Zeroed FP32 heads laid out as widen_heads lays them out: an output's. */
+static float *fresh_heads(const dt_attention_geom *g, int64_t ld) {
+  const int64_t rows = g->b * g->t, n = rows ? (rows - 1) * ld + g->h * g->hd : 0;
+  return dt_calloc((size_t)n + 1, sizeof(float));
+}
+
 /* The heads' values of x (as widen_heads lays them out) rounded into their bfloat16 places; nothing else of
  * the buffer is written (q, k and v share one). */
 static void narrow_heads(const float *x, void *x16, const dt_attention_geom *g, int64_t ld) {
@@ -56,7 +62,7 @@ VECTOR_CLONES void cpu_attention_fwd(cpu_impl *im, const dt_op *op) {
     dt_op fp32 = *op;
     typeof(fp32.p.attention_fwd) *f = &fp32.p.attention_fwd;
     float *qw = widen_heads(q->q, g, g->ld_qkv), *kw = widen_heads(q->k, g, g->ld_qkv);
-    float *vw = widen_heads(q->v, g, g->ld_qkv), *ow = widen_heads(q->o, g, g->ld_o);
+    float *vw = widen_heads(q->v, g, g->ld_qkv), *ow = fresh_heads(g, g->ld_o);
     f->g.io16 = 0, f->q = qw, f->k = kw, f->v = vw, f->o = ow;
     cpu_attention_fwd(im, &fp32);
     narrow_heads(ow, q->o, g, g->ld_o);
@@ -106,8 +112,8 @@ VECTOR_CLONES void cpu_attention_bwd(cpu_impl *im, const dt_op *op) {
     typeof(fp32.p.attention_bwd) *f = &fp32.p.attention_bwd;
     const int64_t ld = g->ld_qkv, ldo = g->ld_o;
     float *w[8] = {widen_heads(q->q, g, ld),  widen_heads(q->k, g, ld),     widen_heads(q->v, g, ld),
-                   widen_heads(q->o, g, ldo), widen_heads(q->dout, g, ldo), widen_heads(q->dq, g, ld),
-                   widen_heads(q->dk, g, ld), widen_heads(q->dv, g, ld)};
+                   widen_heads(q->o, g, ldo), widen_heads(q->dout, g, ldo), fresh_heads(g, ld),
+                   fresh_heads(g, ld),        fresh_heads(g, ld)};
     f->g.io16 = 0, f->q = w[0], f->k = w[1], f->v = w[2], f->o = w[3], f->dout = w[4];
     f->dq = w[5], f->dk = w[6], f->dv = w[7];
     cpu_attention_bwd(im, &fp32);
