@@ -350,17 +350,13 @@ static void pick_logits16(dt_model *m, int format) {
  * the second's GEMMs to make), and reads its dy so; the second reads x and writes dx so (its x16). Hidden widths
  * that are whole rows of 8 values (the gelu's buffers are laid out as the linear's), every dimension at least
  * DT_GEMM16_MIN_DIM. */
-static void pick_gelu16(dt_seq *s, int format) {
-  for (int i = 0; i < s->n; i++) {
-    dt_layer *l = s->layers[i];
-    pick_gelu16(&l->body, format);
-    pick_gelu16(&l->shortcut, format);
-    if (!(l->ops->traits & DT_LAYER_LINEAR) || !l->gelu_next || i + 2 >= s->n || s->layers[i + 2]->dgelu_aux != l)
-      continue;
-    dt_layer *gelu = l->gelu_next, *next = s->layers[i + 2];
+static void pick_gelu16(dt_model *m, int format) {
+  for (int i = 0; i < m->n_all; i++) {
+    dt_layer *next = m->all[i], *l = next->dgelu_aux; /* the second linear, and the first */
+    if (!l) continue;
     const int fits = format == DT_F16_BF16 && l->args.out % 8 == 0 && l->in.c >= DT_GEMM16_MIN_DIM &&
                      l->args.out >= DT_GEMM16_MIN_DIM && next->args.out >= DT_GEMM16_MIN_DIM;
-    l->y16 = gelu->y16 = next->x16 = fits ? format : DT_F16_NONE;
+    l->y16 = l->gelu_next->y16 = next->x16 = fits ? format : DT_F16_NONE;
   }
 }
 
@@ -409,7 +405,7 @@ static void pick_ops(dt_model *m, int cuda, size_t shared_per_block, int format)
   pick_y16(m, format);
   pick_trunk16(m, format);
   pick_logits16(m, format);
-  pick_gelu16(&m->top, format);
+  pick_gelu16(m, format);
   pick_norm16(&m->top, m->fuse, format);
   pick_heads16(m, format);
   if (m->teacher) pick_ops(m->teacher, cuda, shared_per_block, format);

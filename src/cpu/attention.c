@@ -29,19 +29,24 @@ static inline int64_t attention_head_offset(const dt_attention_geom *g, int64_t 
   return head / g->h * g->t * ld + head % g->h * g->hd;
 }
 
-/* The heads in a buffer of row stride ld as FP32, from their bfloat16 values (g->io16): the B T rows' extent. */
-static float *widen_heads(const void *x16, const dt_attention_geom *g, int64_t ld) {
-  const uint16_t *h = x16;
-  const int64_t rows = g->b * g->t, n = rows ? (rows - 1) * ld + g->h * g->hd : 0;
-  float *x = dt_malloc((size_t)(n + 1) * sizeof(float));
-  for (int64_t i = 0; i < n; i++) x[i] = dt_from_bf16(h[i]);
-  return x;
+/* The values the B T rows of heads span in a buffer of row stride ld. */
+static int64_t heads_extent(const dt_attention_geom *g, int64_t ld) {
+  const int64_t rows = g->b * g->t;
+  return rows ? (rows - 1) * ld + g->h * g->hd : 0;
 }
 
-/* Zeroed FP32 heads laid out as widen_heads lays them out: an output's. */
+/* Zeroed FP32 heads of that extent: an output's. */
 static float *fresh_heads(const dt_attention_geom *g, int64_t ld) {
-  const int64_t rows = g->b * g->t, n = rows ? (rows - 1) * ld + g->h * g->hd : 0;
-  return dt_calloc((size_t)n + 1, sizeof(float));
+  return dt_calloc((size_t)heads_extent(g, ld) + 1, sizeof(float));
+}
+
+/* The heads in a buffer of row stride ld as FP32, from their bfloat16 values (g->io16). */
+static float *widen_heads(const void *x16, const dt_attention_geom *g, int64_t ld) {
+  const uint16_t *h = x16;
+  const int64_t n = heads_extent(g, ld);
+  float *x = fresh_heads(g, ld);
+  for (int64_t i = 0; i < n; i++) x[i] = dt_from_bf16(h[i]);
+  return x;
 }
 
 /* The heads' values of x (as widen_heads lays them out) rounded into their bfloat16 places; nothing else of

@@ -38,8 +38,8 @@ static void gemm_rows16(cpu_impl *im, const dt_op *op) {
   if (aux) fp32.p.gemm.aux = aux;
   if (bias) fp32.p.gemm.bias = bias;
   cpu_gemm(im, &fp32);
-  if (c && q->m && q->n) cpu_narrow_rows(c, q->c, q->c16, q->m, q->n);
-  if (aux && q->epilogue == DT_GEMM_GELU_TANH && q->m && q->n) cpu_narrow_rows(aux, q->aux, q->c16, q->m, q->n);
+  if (c) cpu_narrow_rows(c, q->c, q->c16, q->m, q->n);
+  if (aux && q->epilogue == DT_GEMM_GELU_TANH) cpu_narrow_rows(aux, q->aux, q->c16, q->m, q->n);
   free(a), free(b), free(c), free(aux), free(bias);
 }
 

@@ -222,6 +222,81 @@ static int gemm_lt(cuda_impl *im, const typeof(((dt_op *)0)->p.gemm) *q, int bf1
   return 1;
 }
 
+/* The bfloat16 operands of a GEMM on the 16-bit path (gemm16_plan, bytes16 of copies): a 16-bit A or B (a16,
+ * b16) as it is, else its copy in im->h16. A dense layer's dy is A of both its weight gradient and, next, its
+ * input gradient (layer_dense.c): the second takes the copy the first left at the start of h16, and the
+ * first sums its bias gradient (a_col_sums) as it copies. With a 16-bit C the bias is read as a bfloat16 copy
+ * (cuBLASLt's epilogue takes C's type). Sets *a_op, *b_op and *bias; returns A's copy (NULL: a16), laid out as
+ * layout says, for cuda_hold_dy16. */
+static uint16_t *gemm16_operands(cuda_impl *im, const dt_op *op, const operand16 *a, const operand16 *b,
+                                 size_t bytes16, const void **a_op, const void **b_op, const void **bias,
+                                 int64_t layout[4]) {
+  const typeof(op->p.gemm) *q = &op->p.gemm;
+  /* NULL when nothing is copied (a16 and b16 without a bias, or k 0: no rows, and cuBLAS reads no A or B) */
+  uint16_t *h16 =
+      bytes16 ? cuda_grow_device(im, (void **)&im->h16, &im->h16_bytes, bytes16, "16-bit GEMM operands") : NULL;
+  const size_t a_bytes = q->a16 ? 0 : align256((size_t)(a->rows * a->ld16) * 2),
+               b_bytes = q->b16 ? 0 : align256((size_t)(b->rows * b->ld16) * 2);
+  uint16_t *a16 = q->a16 ? NULL : h16, *b16 = q->b16 ? NULL : h16 + a_bytes / 2;
+  layout[0] = DY16_ROWS, layout[1] = a->rows, layout[2] = a->cols, layout[3] = a->ld16;
+  if (q->a16) {
+    cuda_forget_dy16(im); /* the next copy takes the start of h16 */
+  } else if (cuda_dy16_held(im, q->a, a16, layout)) {
+    im->dy16_reuses++;
+    if (q->a_col_sums) k_bias_grad(im->stream, q->a, q->a_col_sums, a->rows, a->cols, 1);
+  } else if (q->a_col_sums) { /* a dense layer's dy: its bias gradient summed as it is copied */
+    double *partials = cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes, cuda_partials_bytes(op),
+                                        "bias gradient sums");
+    k_pack_bf16_rows_sums(im->stream, q->a, a16, a->rows, a->cols, a->ld16, q->a_col_sums, partials);
+    im->col_sums_copied++;
+  } else {
+    k_pack_bf16_rows(im->stream, q->a, a16, a->rows, a->cols, a->ld16);
+  }
+  if (b16) k_pack_bf16_rows(im->stream, q->b, b16, b->rows, b->cols, b->ld16);
+  *bias = q->bias;
+  if (q->c16 && q->bias) {
+    uint16_t *bias16 = h16 + (a_bytes + b_bytes) / 2;
+    k_pack_bf16_rows(im->stream, q->bias, bias16, 1, q->n, q->n);
+    *bias = bias16;
+  }
+  *a_op = q->a16 ? (const void *)q->a : a16, *b_op = q->b16 ? (const void *)q->b : b16;
+  return a16;
+}
+
+/* C as gemm_lt would write it where cuBLASLt cannot, through cublasGemmEx on the operands as given (of type
+ * `type`, column-major as cuda_gemm swaps them). An FP32 C starts as the bias rows and the GEMM adds to it (beta
+ * 1; one rounding either way, as on the CPU), then the gelu's, its derivative's or the relu's kernel runs. A
+ * 16-bit C takes the product rounded into the gelu's input (GELU_TANH), else into C, then one kernel adds the
+ * FP32 bias and writes the gelu, or multiplies C by the gelu's derivative at aux: a rounding more than
+ * cuBLASLt's epilogue (of the product, before the bias or the derivative). */
+static void gemm_apart(cuda_impl *im, const typeof(((dt_op *)0)->p.gemm) *q, const void *a_op, int64_t lda_op,
+                       const void *b_op, int64_t ldb_op, cudaDataType type, cublasComputeType_t compute) {
+  const cublasOperation_t ta = q->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = q->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (q->c16 && (q->bias || q->epilogue)) {
+    const float zero = 0.0f;
+    void *dest = q->epilogue == DT_GEMM_GELU_TANH ? (void *)q->aux : (void *)q->c;
+    CUBLAS_CHECK(cublasGemmEx(im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, b_op, type, (int)ldb_op,
+                              a_op, type, (int)lda_op, &zero, dest, CUDA_R_16BF, (int)dt_ld16(q->n), compute,
+                              CUBLAS_GEMM_DEFAULT));
+    if (q->epilogue == DT_GEMM_DGELU_TANH)
+      k_dgelu_tanh_bf16_rows(im->stream, (const uint16_t *)q->aux, (uint16_t *)q->c, q->m, q->n, dt_ld16(q->n));
+    else
+      k_bias_gelu_bf16_rows(im->stream, (uint16_t *)dest, q->bias, q->epilogue ? (uint16_t *)q->c : NULL, q->m, q->n,
+                            dt_ld16(q->n));
+    return;
+  }
+  const float one = 1.0f, *beta = &q->beta;
+  float *dest = q->epilogue == DT_GEMM_GELU_TANH ? q->aux : q->c; /* a gelu's input first */
+  if (q->bias) k_fill_rows(im->stream, dest, q->bias, q->m, q->n), beta = &one;
+  CUBLAS_CHECK(cublasGemmEx(im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, b_op, type, (int)ldb_op,
+                            a_op, type, (int)lda_op, beta, dest, q->c16 ? CUDA_R_16BF : CUDA_R_32F,
+                            (int)(q->c16 ? dt_ld16(q->n) : q->n), compute, CUBLAS_GEMM_DEFAULT));
+  if (q->epilogue == DT_GEMM_GELU_TANH) k_act_fwd(im->stream, DT_ACT_GELU_TANH, q->aux, q->c, q->m * q->n);
+  if (q->epilogue == DT_GEMM_DGELU_TANH) /* in place: c = gelu_tanh'(aux) c */
+    k_act_bwd(im->stream, DT_ACT_GELU_TANH, q->aux, NULL, q->c, q->c, q->m * q->n);
+  if (q->epilogue == DT_GEMM_RELU) k_act_fwd(im->stream, DT_ACT_RELU, q->c, q->c, q->m * q->n); /* in place */
+}
+
 /* Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: the operands swap, and so do
  * their leading dimensions (at least 1, even when k is 0) and batch strides. */
 void cuda_gemm(cuda_impl *im, const dt_op *op) {
@@ -247,8 +322,8 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
   }
   if (!q->m || !q->n) return; /* a rank with no rows this batch */
   int64_t lda = q->trans_a ? q->m : q->k, ldb = q->trans_b ? q->k : q->n;
-  const cublasOperation_t ta = q->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = q->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   if (q->batch > 1) {
+    const cublasOperation_t ta = q->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = q->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
     DT_ASSERT(q->batch < ((int64_t)1 << 31) && !q->bias);
     CUBLAS_CHECK(cublasGemmStridedBatchedEx(
         im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, q->b, CUDA_R_32F, (int)(ldb > 1 ? ldb : 1),
@@ -256,9 +331,7 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
         q->stride_c, (int)q->batch, gemm_compute[im->precision], CUBLAS_GEMM_DEFAULT));
     return;
   }
-  /* A bias, a gelu or its derivative: cuBLASLt's epilogue applies it as C is written. Else (no
-   * algorithm, an unaligned bias or gelu input) C starts as the bias rows, the GEMM adds to it
-   * (beta 1; one rounding either way, as on the CPU), and the gelu's kernel runs after. */
+  /* A bias, a gelu or its derivative: cuBLASLt's epilogue applies it as C is written; else gemm_apart */
   DT_ASSERT((!q->bias && !q->epilogue) || q->beta == 0.0f);
   const void *a_op = q->a, *b_op = q->b, *bias = q->bias;
   int64_t lda_op = lda > 1 ? lda : 1, ldb_op = ldb > 1 ? ldb : 1;
@@ -267,69 +340,13 @@ void cuda_gemm(cuda_impl *im, const dt_op *op) {
   uint16_t *a16 = NULL;
   int64_t layout[4] = {0};
   if (on16) {
-    /* A dense layer's dy is A of both its weight gradient and, next, its input gradient (layer_dense.c):
-     * the second takes the copy the first left at the start of h16. A 16-bit A or B (a16, b16) is read where
-     * it is; with a 16-bit C, the bias is read as a bfloat16 copy (cuBLASLt's epilogue takes C's type). */
-    /* NULL when nothing is copied (a16 and b16 without a bias, or k 0: no rows, and cuBLAS reads no A or B) */
-    uint16_t *h16 =
-        bytes16 ? cuda_grow_device(im, (void **)&im->h16, &im->h16_bytes, bytes16, "16-bit GEMM operands") : NULL;
-    const size_t a_bytes = q->a16 ? 0 : align256((size_t)(a.rows * a.ld16) * 2),
-                 b_bytes = q->b16 ? 0 : align256((size_t)(b.rows * b.ld16) * 2);
-    a16 = q->a16 ? NULL : h16;
-    uint16_t *b16 = q->b16 ? NULL : h16 + a_bytes / 2;
-    layout[0] = DY16_ROWS, layout[1] = a.rows, layout[2] = a.cols, layout[3] = a.ld16;
-    if (q->a16) {
-      cuda_forget_dy16(im); /* the next copy takes the start of h16 */
-    } else if (cuda_dy16_held(im, q->a, a16, layout)) {
-      im->dy16_reuses++;
-      if (q->a_col_sums) k_bias_grad(im->stream, q->a, q->a_col_sums, a.rows, a.cols, 1);
-    } else if (q->a_col_sums) { /* a dense layer's dy: its bias gradient summed as it is copied */
-      double *partials = cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes, cuda_partials_bytes(op),
-                                          "bias gradient sums");
-      k_pack_bf16_rows_sums(im->stream, q->a, a16, a.rows, a.cols, a.ld16, q->a_col_sums, partials);
-      im->col_sums_copied++;
-    } else {
-      k_pack_bf16_rows(im->stream, q->a, a16, a.rows, a.cols, a.ld16);
-    }
-    if (b16) k_pack_bf16_rows(im->stream, q->b, b16, b.rows, b.cols, b.ld16);
-    if (q->c16 && q->bias) {
-      uint16_t *bias16 = h16 + (a_bytes + b_bytes) / 2;
-      k_pack_bf16_rows(im->stream, q->bias, bias16, 1, q->n, q->n);
-      bias = bias16;
-    }
-    a_op = q->a16 ? (const void *)q->a : a16, b_op = q->b16 ? (const void *)q->b : b16, lda_op = a.ld16,
-    ldb_op = b.ld16, type = CUDA_R_16BF, compute = CUBLAS_COMPUTE_32F;
+    a16 = gemm16_operands(im, op, &a, &b, bytes16, &a_op, &b_op, &bias, layout);
+    lda_op = a.ld16, ldb_op = b.ld16, type = CUDA_R_16BF, compute = CUBLAS_COMPUTE_32F;
   }
   /* the workspace whether or not cuBLASLt takes the GEMM, as the memory estimate counts it */
   if (cuda_gemm_workspace(op))
     cuda_grow_device(im, &im->workspace, &im->workspace_bytes, GEMM_LT_WORKSPACE, "cuBLASLt workspace");
-  if (cuda_gemm_workspace(op) && gemm_lt(im, q, on16, a_op, lda_op, b_op, ldb_op, bias)) {
-    /* done in cuBLASLt's epilogue */
-  } else if (q->c16 && (q->bias || q->epilogue)) {
-    /* 16-bit C: the product rounded into the gelu's input (GELU_TANH), else C; then one kernel adds the
-     * FP32 bias to it and writes the gelu, or multiplies C by the gelu's derivative at aux: a rounding more
-     * than cuBLASLt's epilogue (of the product, before the bias or the derivative) */
-    const float zero = 0.0f;
-    void *dest = q->epilogue == DT_GEMM_GELU_TANH ? (void *)q->aux : (void *)q->c;
-    CUBLAS_CHECK(cublasGemmEx(im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, b_op, type, (int)ldb_op,
-                              a_op, type, (int)lda_op, &zero, dest, CUDA_R_16BF, (int)dt_ld16(q->n), compute,
-                              CUBLAS_GEMM_DEFAULT));
-    if (q->epilogue == DT_GEMM_DGELU_TANH)
-      k_dgelu_tanh_bf16_rows(im->stream, (const uint16_t *)q->aux, (uint16_t *)q->c, q->m, q->n, dt_ld16(q->n));
-    else
-      k_bias_gelu_bf16_rows(im->stream, (uint16_t *)dest, q->bias, q->epilogue ? (uint16_t *)q->c : NULL, q->m, q->n,
-                            dt_ld16(q->n));
-  } else {
-    const float one = 1.0f, *beta = &q->beta;
-    float *dest = q->epilogue == DT_GEMM_GELU_TANH ? q->aux : q->c; /* a gelu's input first */
-    if (q->bias) k_fill_rows(im->stream, dest, q->bias, q->m, q->n), beta = &one;
-    CUBLAS_CHECK(cublasGemmEx(im->blas, tb, ta, (int)q->n, (int)q->m, (int)q->k, &q->alpha, b_op, type, (int)ldb_op,
-                              a_op, type, (int)lda_op, beta, dest, q->c16 ? CUDA_R_16BF : CUDA_R_32F,
-                              (int)(q->c16 ? dt_ld16(q->n) : q->n), compute, CUBLAS_GEMM_DEFAULT));
-    if (q->epilogue == DT_GEMM_GELU_TANH) k_act_fwd(im->stream, DT_ACT_GELU_TANH, q->aux, q->c, q->m * q->n);
-    if (q->epilogue == DT_GEMM_DGELU_TANH) /* in place: c = gelu_tanh'(aux) c */
-      k_act_bwd(im->stream, DT_ACT_GELU_TANH, q->aux, NULL, q->c, q->c, q->m * q->n);
-    if (q->epilogue == DT_GEMM_RELU) k_act_fwd(im->stream, DT_ACT_RELU, q->c, q->c, q->m * q->n); /* in place */
-  }
+  if (!cuda_gemm_workspace(op) || !gemm_lt(im, q, on16, a_op, lda_op, b_op, ldb_op, bias))
+    gemm_apart(im, q, a_op, lda_op, b_op, ldb_op, type, compute);
   if (on16 && !q->a16) cuda_hold_dy16(im, q->a, a16, layout); /* A as it was: C never aliases it (cuBLAS's) */
 }
