@@ -79,6 +79,28 @@ __global__ void unpack16_kernel(const uint16_t *y, float *x, int64_t n, fast_div
   }
 }
 
+// The weights16 op: a warp per row of the table's entries (numbered across them: row0), its lanes along the
+// columns, and for a filter each lane's K * K values in turn: a dense row's reads and writes in order, a
+// filter's writes in order, without a division.
+__global__ void weights16_kernel(const float *params, uint16_t *w16, const dt_weight16 *table, int n, int64_t rows) {
+  const int64_t row = (int64_t)blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
+  if (row >= rows) return;
+  int lo = 0, hi = n - 1; /* the last entry whose row0 <= row */
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (table[mid].row0 <= row)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const dt_weight16 t = table[lo];
+  const int64_t r = row - t.row0;
+  const float *x = params + t.src + r * t.cols * t.inner;
+  uint16_t *y = w16 + t.dst + r * t.inner * t.ld;
+  for (int64_t c = threadIdx.x % 32; c < t.cols; c += 32)
+    for (int64_t s = 0; s < t.inner; s++) y[s * t.ld + c] = dt_to_16(x[c * t.inner + s], t.format);
+}
+
 // x (rows, cols) FP32 -> y (rows, ld) bfloat16, the columns past cols left as they are; i runs over x
 __global__ void pack_bf16_rows_kernel(const float *x, uint16_t *y, int64_t n, fast_div cols_div, int64_t ld) {
   GRID_STRIDE(i, n) {
@@ -186,6 +208,12 @@ void k_pack_bf16_rows(cudaStream_t s, const float *x, uint16_t *y, int64_t rows,
   const int64_t n = rows * cols;
   if (!n) return;
   LAUNCH(pack_bf16_rows_kernel, blocks_for(n), kThreads, 0, s)(x, y, n, make_fast_div(cols), ld);
+}
+
+void k_weights16(cudaStream_t s, const float *params, uint16_t *w16, const dt_weight16 *table, int n, int64_t rows) {
+  if (!rows) return;
+  const int64_t warps = kThreads / 32;
+  LAUNCH(weights16_kernel, (rows + warps - 1) / warps, kThreads, 0, s)(params, w16, table, n, rows);
 }
 
 void k_unpack16(cudaStream_t s, const uint16_t *y, float *x, int64_t b, int64_t c, int64_t sp, int bf16,

@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "attention_geom.h"
+#include "half.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -69,6 +70,9 @@ void k_pack_bf16_rows_sums(cudaStream_t s, const float *x, uint16_t *y, int64_t 
 /* The sums alone, of x (rows, cols) already bfloat16 rows of ld (a 16-bit dy), in the same chunks and order. */
 void k_bf16_rows_sums(cudaStream_t s, const uint16_t *x, int64_t rows, int64_t cols, int64_t ld, float *db,
                       double *partials);
+/* The weights16 op (backend.h): every entry of table (n, device memory) copied from params to w16, rows the
+ * entries' rows in all (half.h's dt_weight16) */
+void k_weights16(cudaStream_t s, const float *params, uint16_t *w16, const dt_weight16 *table, int n, int64_t rows);
 
 /* optim.cu: one pass over the flat parameter buffer */
 /* hyper: the step's values, uploaded by the host (SGD: lr; AdamW: lr, lr / bc1, sqrt(bc2)) */

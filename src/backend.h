@@ -69,7 +69,9 @@
   X(PERMUTE, permute)                 /* y = x with its dims permuted: y's dim i is x's dim perm[i] */              \
   X(ATTENTION_FWD, attention_fwd)     /* o = dropout(softmax(scale q k^T)) v per head, the (T, T) scores never     \
                                          stored; lse kept for the backward */                                          \
-  X(ATTENTION_BWD, attention_bwd)     /* dq, dk, dv of attention_fwd, its scores computed again */
+  X(ATTENTION_BWD, attention_bwd)     /* dq, dk, dv of attention_fwd, its scores computed again */                  \
+  X(WEIGHTS16, weights16)             /* the 16-bit copies of a model's weights that its GEMMs and convolutions     \
+                                         read (model.c's weights16), all in one pass over a table */
 // clang-format on
 
 typedef enum {
@@ -152,7 +154,8 @@ typedef struct {
                        from the same FP32 sum as the gelu (GELU_TANH) or read (DGELU_TANH) */
       int a16;      /* 0, or A stored so already (rows of dt_ld16 of its stored columns: a loss's 16-bit dlogits, a
                        linear's 16-bit dy or x), read as it is; one product */
-      int b16;      /* 0, or B stored so already (a linear's 16-bit x, the B of its weight gradient); one product */
+      int b16; /* 0, or B stored so already (a linear's 16-bit x, the B of its weight gradient; its weight's copy in
+                  the model's weights16, the B of its forward and input gradient); one product */
       float *a_col_sums;   /* NULL, or (A's stored columns): += the sums of A's columns as stored (a16: of its
                               bfloat16 values), in double, as bias_grad's (a dense layer's bias gradient, from the
                               dy its weight gradient reads: CUDA under bf16 sums it as it copies dy to bfloat16);
@@ -182,6 +185,8 @@ typedef struct {
                     cuDNN computes it (CUDA: the precision's format), for a batchnorm's x16 */
       int in16;  /* 0, or x is in that format as (B, H, W, C) already (a batchnorm's y16): read as it is, no
                     x16 copy; so for conv_bwd_filter's x and conv_bwd_data's dx */
+      int w16;   /* 0, or w is the weights' copy in that format as (O, K, K, C) (the model's weights16, made by
+                    the weights16 op; the backend's format): read as it is, no copy; so for conv_bwd_data */
     } conv_fwd;
     struct {
       dt_conv_geom g;
@@ -189,6 +194,7 @@ typedef struct {
       float *dx;
       int dy16; /* 0 (dy FP32), or dy's 16-bit format as (B, Ho, Wo, O): conv_fwd's y16, a batchnorm's dx */
       int in16; /* as conv_fwd's: dx written so */
+      int w16;  /* as conv_fwd's */
     } conv_bwd_data;
     struct {
       dt_conv_geom g;
@@ -376,6 +382,13 @@ typedef struct {
       const float *x;
       float *y;
     } copy;
+    struct {
+      const float *params;      /* flat: the weights as they are now */
+      uint16_t *w16;            /* their copies, each at its entry's dst */
+      const dt_weight16 *table; /* (n) in order of row0 */
+      int n;
+      int64_t rows; /* the entries' rows, all together */
+    } weights16;
     struct {
       int64_t n, t, d, vocab; /* n = B * T rows */
       const float *tokens;    /* (N) token ids as floats, each in [0, vocab) (checked when the data is read) */

@@ -37,7 +37,10 @@ static const dt_key config_keys[] = {
      "reads and whose bfloat16 gradient the linear's GEMMs read as it is (PyTorch's autocast rounds them so too), "
      "and a transformer keeps in bfloat16 what autocast does between its norms and products: a layernorm's "
      "output before a linear or attention layer, an MLP's hidden activations (the gelu and bias in the first "
-     "linear's GEMM) and the fused attention's q, k, v and merged heads, with their gradients; "
+     "linear's GEMM) and the fused attention's q, k, v and merged heads, with their gradients; and on CUDA "
+     "under bf16 the weights of the linear and attention layers, and under bf16 and fp16 the conv2d filters, are "
+     "copied to 16 bits once a forward, all in one pass, not by each GEMM or convolution that reads them (the "
+     "same bits); "
      "false runs them apart"},
     {"model.attention", DT_KEY_ENUM, F(attention), "auto", NOB, "auto|fused|materialized",
      "fused: each attention layer's heads in one op that never stores the (B, H, T, T) scores (online softmax; "

@@ -96,4 +96,14 @@ DT_HD int64_t dt_ld16(int64_t n) {
   return (n + 7) / 8 * 8;
 }
 
+/* One weight's 16-bit copy (backend.h's weights16 op): the FP32 (rows, cols, inner) at params + src becomes
+ * (rows, inner, ld) at w16 + dst in `format`, the columns past cols left as they are. A dense weight (out, in):
+ * inner 1, ld dt_ld16(in), the bfloat16 rows a GEMM reads as its B (gemm.b16); a convolution's (O, C, K, K):
+ * inner K * K, ld C, the (O, K, K, C) filter cuDNN reads in NHWC (conv_fwd.w16). row0: the rows of the
+ * entries before it in its table. */
+typedef struct {
+  int64_t src, dst, rows, cols, inner, ld, row0;
+  int format;
+} dt_weight16;
+
 #endif

@@ -216,8 +216,8 @@ static void attention_forward(dt_layer *l, dt_pass *pass, const float *x) {
   dt_backend *be = pass->be;
   const float *w = pass->params;
   const int64_t b = pass->batch, t = l->in.h, c = l->in.c, h = l->args.heads, hd = c / h;
-  dense_forward(be, b * t, c, 3 * c, x, w + l->tensors[0].offset, w + l->tensors[1].offset, s->qkv, NULL, 0, l->x16,
-                l->heads16);
+  dense_forward(be, b * t, c, 3 * c, x, w + l->tensors[0].offset, layer_w16(l, pass, 0), w + l->tensors[1].offset,
+                s->qkv, NULL, 0, l->x16, l->heads16);
   if (l->fused_attention) {
     dt_op op = {.type = DT_OP_ATTENTION_FWD,
                 .p.attention_fwd = {.g = fused_geom(l, pass),
@@ -234,8 +234,8 @@ static void attention_forward(dt_layer *l, dt_pass *pass, const float *x) {
     int64_t att_dims[4] = {b, h, t, hd};
     permute(be, 4, att_dims, swap_th, s->att, s->merged);
   }
-  dense_forward(be, b * t, c, c, s->merged, w + l->tensors[2].offset, w + l->tensors[3].offset, l->y, NULL, 0,
-                l->heads16, 0);
+  dense_forward(be, b * t, c, c, s->merged, w + l->tensors[2].offset, layer_w16(l, pass, 1), w + l->tensors[3].offset,
+                l->y, NULL, 0, l->heads16, 0);
 }
 
 /* Materialised: dq, dk, dv (each (B*H, T, hd)) from d_att through the (B*H, T, T) buffers. */
@@ -277,8 +277,8 @@ static void attention_backward(dt_layer *l, dt_pass *pass, const float *x, float
   const float *w = pass->params;
   float *g = pass->grads;
   const int64_t b = pass->batch, t = l->in.h, c = l->in.c, h = l->args.heads, hd = c / h;
-  dense_backward(be, b * t, c, c, s->merged, w + l->tensors[2].offset, l->dy, NULL, g + l->tensors[2].offset,
-                 g + l->tensors[3].offset, s->d_merged, NULL, l->heads16, 0);
+  dense_backward(be, b * t, c, c, s->merged, w + l->tensors[2].offset, layer_w16(l, pass, 1), l->dy, NULL,
+                 g + l->tensors[2].offset, g + l->tensors[3].offset, s->d_merged, NULL, l->heads16, 0);
   if (l->fused_attention) {
     dt_op op = {.type = DT_OP_ATTENTION_BWD,
                 .p.attention_bwd = {.g = fused_geom(l, pass),
@@ -301,8 +301,8 @@ static void attention_backward(dt_layer *l, dt_pass *pass, const float *x, float
     int64_t head_dims[5] = {3, b, h, t, hd};
     permute(be, 5, head_dims, from_heads, s->d_heads, s->d_qkv);
   }
-  dense_backward(be, b * t, c, 3 * c, x, w + l->tensors[0].offset, s->d_qkv, NULL, g + l->tensors[0].offset,
-                 g + l->tensors[1].offset, dx, NULL, l->x16, l->heads16);
+  dense_backward(be, b * t, c, 3 * c, x, w + l->tensors[0].offset, layer_w16(l, pass, 0), s->d_qkv, NULL,
+                 g + l->tensors[0].offset, g + l->tensors[1].offset, dx, NULL, l->x16, l->heads16);
 }
 
 /* Forward FLOPs per sample: the projections and the two products over heads. */

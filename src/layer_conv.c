@@ -78,7 +78,8 @@ static void conv_forward(dt_layer *l, dt_pass *pass, const float *x) {
   dt_op op = {.type = DT_OP_CONV_FWD};
   op.p.conv_fwd.g = geom(l, pass->batch);
   op.p.conv_fwd.x = x;
-  op.p.conv_fwd.w = w;
+  op.p.conv_fwd.w = l->w16 ? layer_w16(l, pass, 0) : w; /* its 16-bit copy (model.c's pick_weights16) */
+  op.p.conv_fwd.w16 = l->w16;
   op.p.conv_fwd.y = l->y;
   op.p.conv_fwd.x16 = ((conv_state *)l->priv)->x16;
   op.p.conv_fwd.y16 = l->y16; /* then no bias (fuse_seq) */
@@ -116,7 +117,8 @@ static void conv_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx)
     dt_op d = {.type = DT_OP_CONV_BWD_DATA};
     d.p.conv_bwd_data.g = geom(l, pass->batch);
     d.p.conv_bwd_data.dy = l->dy;
-    d.p.conv_bwd_data.w = w;
+    d.p.conv_bwd_data.w = l->w16 ? layer_w16(l, pass, 0) : w;
+    d.p.conv_bwd_data.w16 = l->w16;
     d.p.conv_bwd_data.dx = dx;
     d.p.conv_bwd_data.dy16 = l->y16;
     d.p.conv_bwd_data.in16 = l->in16;

@@ -75,18 +75,29 @@ dt_op dense_gemm(int kind, int64_t rows, int64_t in, int64_t out) {
   return op;
 }
 
+int dense_reads_w16(int w16, int64_t rows, int x16, int y16) {
+  return w16 && (x16 || y16 || rows >= DT_GEMM16_MIN_DIM) ? DT_F16_BF16 : DT_F16_NONE;
+}
+
+/* W's operand: its bfloat16 copy (w16) where the GEMM runs on bfloat16 operands (dense_reads_w16), else W. */
+static void weight_operand(typeof(((dt_op *)0)->p.gemm) *g, const float *w, const void *w16, int x16, int y16) {
+  g->b16 = dense_reads_w16(w16 != NULL, g->m, x16, y16);
+  g->b = g->b16 ? (const float *)w16 : w;
+}
+
 void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
-                   const float *bias, float *y, float *gelu_y, int relu, int x16, int y16) {
+                   const void *w16, const float *bias, float *y, float *gelu_y, int relu, int x16, int y16) {
   dt_op op = dense_gemm(DENSE_FWD, rows, in, out);
-  op.p.gemm.a = x, op.p.gemm.b = w, op.p.gemm.c = y, op.p.gemm.bias = bias, op.p.gemm.a16 = x16, op.p.gemm.c16 = y16;
+  op.p.gemm.a = x, op.p.gemm.c = y, op.p.gemm.bias = bias, op.p.gemm.a16 = x16, op.p.gemm.c16 = y16;
+  weight_operand(&op.p.gemm, w, w16, x16, y16);
   if (gelu_y) op.p.gemm.epilogue = DT_GEMM_GELU_TANH, op.p.gemm.aux = y, op.p.gemm.c = gelu_y;
   if (relu) op.p.gemm.epilogue = DT_GEMM_RELU;
   backend_run(be, &op);
 }
 
 void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
-                    const float *dy, const float *relu_y, float *dw, float *dbias, float *dx, float *dgelu_x, int x16,
-                    int y16) {
+                    const void *w16, const float *dy, const float *relu_y, float *dw, float *dbias, float *dx,
+                    float *dgelu_x, int x16, int y16) {
   DT_ASSERT(!y16 || !relu_y);
   /* the two GEMMs back to back: under bf16 the CUDA backend copies dy to bfloat16 once for both, and sums
    * dbias's columns as it copies */
@@ -97,18 +108,20 @@ void dense_backward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const
   backend_run(be, &op);
   if (dx) {
     op = dense_gemm(DENSE_DX, rows, in, out);
-    op.p.gemm.a = dy, op.p.gemm.b = w, op.p.gemm.c = dx, op.p.gemm.a16 = y16, op.p.gemm.c16 = x16;
+    op.p.gemm.a = dy, op.p.gemm.c = dx, op.p.gemm.a16 = y16, op.p.gemm.c16 = x16;
+    weight_operand(&op.p.gemm, w, w16, x16, y16);
     if (dgelu_x) op.p.gemm.epilogue = DT_GEMM_DGELU_TANH, op.p.gemm.aux = dgelu_x;
     backend_run(be, &op);
   }
 }
 
-int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][7]) {
+int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][8]) {
   const int64_t rows = shape_rows(l->in, batch), c = l->in.c;
   if (l->ops == &dt_layer_linear) {
     products[0][0] = rows, products[0][1] = c, products[0][2] = l->args.out;
     products[0][3] = l->args.bias || l->gelu_next || l->dgelu_aux || l->fused_relu, products[0][4] = l->y16;
     products[0][5] = l->args.bias, products[0][6] = l->x16;
+    products[0][7] = dense_reads_w16(l->w16, rows, l->x16, l->y16);
     return 1;
   }
   if (l->ops != &dt_layer_attention) return 0;
@@ -116,6 +129,7 @@ int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][7
     products[p][0] = rows, products[p][1] = c, products[p][2] = p ? c : 3 * c;
     products[p][3] = 1, products[p][4] = p ? 0 : l->heads16, products[p][5] = 1,
     products[p][6] = p ? l->heads16 : l->x16;
+    products[p][7] = dense_reads_w16(l->w16, rows, (int)products[p][6], (int)products[p][4]);
   }
   return 2;
 }
@@ -128,8 +142,8 @@ int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][7
  * bfloat16 rows (y16), the second reads x and writes dx (through the gelu's derivative) so (x16). */
 static void linear_forward(dt_layer *l, dt_pass *pass, const float *x) {
   dense_forward(pass->be, shape_rows(l->in, pass->batch), l->in.c, l->args.out, x, pass->params + weight_off(l),
-                l->args.bias ? pass->params + bias_off(l) : NULL, l->y, l->gelu_next ? l->gelu_next->y : NULL,
-                l->fused_relu, l->x16, l->y16);
+                layer_w16(l, pass, 0), l->args.bias ? pass->params + bias_off(l) : NULL, l->y,
+                l->gelu_next ? l->gelu_next->y : NULL, l->fused_relu, l->x16, l->y16);
 }
 
 /* After such a gelu (dgelu_aux), dx goes through the gelu's derivative at its input. A fused relu's gradient
@@ -138,8 +152,8 @@ static void linear_forward(dt_layer *l, dt_pass *pass, const float *x) {
  * pass. */
 static void linear_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
   /* a fused relu has a layer after it, so its linear is not the classifier, the one with 16-bit y */
-  dense_backward(pass->be, shape_rows(l->in, pass->batch), l->in.c, l->args.out, x, pass->params + weight_off(l), l->dy,
-                 l->fused_relu ? l->y : NULL, pass->grads + weight_off(l),
+  dense_backward(pass->be, shape_rows(l->in, pass->batch), l->in.c, l->args.out, x, pass->params + weight_off(l),
+                 layer_w16(l, pass, 0), l->dy, l->fused_relu ? l->y : NULL, pass->grads + weight_off(l),
                  l->args.bias ? pass->grads + bias_off(l) : NULL, dx, l->dgelu_aux ? l->dgelu_aux->y : NULL, l->x16,
                  l->y16);
 }

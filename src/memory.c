@@ -37,13 +37,13 @@ static int scratch_ops(const dt_model *m, int64_t batch, int backward, dt_op *op
     const dt_layer *l = m->all[i];
     const int first = l == m->top.layers[0];
     dt_conv_geom g;
-    int64_t dense[2][7];
+    int64_t dense[2][8];
     const int n_dense = layer_dense_products(l, batch, dense);
     for (int d = 0; d < n_dense; d++) {
       const int64_t rows = dense[d][0], in = dense[d][1], out = dense[d][2];
-      /* the 16-bit C and A of the gradients (y16), the 16-bit A and B of the gradients and C of dx (x16): no
-       * copies of them; under y16 a bias's bfloat16 copy */
-      const int y16 = (int)dense[d][4], x16 = (int)dense[d][6];
+      /* the 16-bit C and A of the gradients (y16), the 16-bit A and B of the gradients and C of dx (x16), the
+       * weight's copy (w16): no copies of them; under y16 a bias's bfloat16 copy */
+      const int y16 = (int)dense[d][4], x16 = (int)dense[d][6], w16 = (int)dense[d][7];
       static const float bias_marker; /* these ops are shapes only: never read */
       static float sums_marker;       /* so too */
       ops[n] = dense_gemm(DENSE_FWD, rows, in, out);
@@ -51,19 +51,21 @@ static int scratch_ops(const dt_model *m, int64_t batch, int backward, dt_op *op
         ops[n].p.gemm.bias = &bias_marker;
       else if (dense[d][3])
         ops[n].p.gemm.epilogue = DT_GEMM_GELU_TANH;
-      ops[n].p.gemm.a16 = x16, ops[n++].p.gemm.c16 = y16;
+      ops[n].p.gemm.a16 = x16, ops[n].p.gemm.b16 = w16, ops[n++].p.gemm.c16 = y16;
       if (backward) { /* with a bias, its gradient summed as dy is copied: partial sums */
         ops[n] = dense_gemm(DENSE_DW, rows, in, out), ops[n].p.gemm.a16 = y16, ops[n].p.gemm.b16 = x16;
         if (dense[d][5]) ops[n].p.gemm.a_col_sums = &sums_marker;
         n++;
       }
       if (backward && !first)
-        ops[n] = dense_gemm(DENSE_DX, rows, in, out), ops[n].p.gemm.a16 = y16, ops[n++].p.gemm.c16 = x16;
+        ops[n] = dense_gemm(DENSE_DX, rows, in, out), ops[n].p.gemm.a16 = y16, ops[n].p.gemm.b16 = w16,
+        ops[n++].p.gemm.c16 = x16;
     }
     if (layer_conv_geom(l, batch, &g)) {
-      ops[n++] = (dt_op){.type = DT_OP_CONV_FWD, .p.conv_fwd = {.g = g}};
+      ops[n++] = (dt_op){.type = DT_OP_CONV_FWD, .p.conv_fwd = {.g = g, .w16 = l->w16}};
       if (backward) ops[n++] = (dt_op){.type = DT_OP_CONV_BWD_FILTER, .p.conv_bwd_filter = {.g = g}};
-      if (backward && !first) ops[n++] = (dt_op){.type = DT_OP_CONV_BWD_DATA, .p.conv_bwd_data = {.g = g}};
+      if (backward && !first)
+        ops[n++] = (dt_op){.type = DT_OP_CONV_BWD_DATA, .p.conv_bwd_data = {.g = g, .w16 = l->w16}};
     } else if (backward && l->ops == &dt_layer_batchnorm) {
       ops[n++] = (dt_op){.type = DT_OP_BN_STATS, .p.bn_stats = {.b = batch, .c = l->in.c, .s = l->in.h * l->in.w}};
     } else if (backward && l->ops == &dt_layer_layernorm) {

@@ -397,6 +397,50 @@ static void pick_heads16(dt_model *m, int format) {
   }
 }
 
+/* A weight tensor's 16-bit copy in m's table: a dense weight (out, in) as bfloat16 rows of dt_ld16(in), a filter
+ * (O, C, K, K) as (O, K, K, C), each starting 256 bytes after the last. Returns its offset in weights16. */
+static int64_t add_weight16(dt_model *m, const dt_tensor *t, int format) {
+  const int filter = t->ndim == 4;
+  dt_weight16 e = {.src = t->offset, .rows = t->dims[0], .cols = t->dims[1], .format = format};
+  e.inner = filter ? t->dims[2] * t->dims[3] : 1;
+  e.ld = filter ? e.cols : dt_ld16(e.cols);
+  e.dst = m->w16_values, e.row0 = m->w16_rows;
+  m->w16_table = dt_realloc(m->w16_table, (size_t)(m->n_w16 + 1) * sizeof *m->w16_table);
+  m->w16_table[m->n_w16++] = e;
+  m->w16_values += (e.rows * e.inner * e.ld + 127) / 128 * 128;
+  m->w16_rows += e.rows;
+  return e.dst;
+}
+
+/* model.fuse on CUDA under bf16: every weight a dense product reads on bfloat16 operands (a linear's, a tied
+ * one's embedding's, an attention layer's two projections'; every dimension at least DT_GEMM16_MIN_DIM); under
+ * bf16 and fp16: every convolution's filter. Each is copied to 16 bits once a forward, by one op over all of
+ * them (as autocast casts a weight once and keeps the copy for the backward), where each of its GEMMs and
+ * convolutions copied it again: twice a step for a linear, and one launch each. */
+static void pick_weights16(dt_model *m, int format) {
+  free(m->w16_table);
+  m->w16_table = NULL, m->n_w16 = 0, m->w16_rows = m->w16_values = 0;
+  for (int i = 0; i < m->n_all; i++) {
+    dt_layer *l = m->all[i];
+    const unsigned traits = l->ops->traits;
+    const int dense =
+        format == DT_F16_BF16 && l->in.c >= DT_GEMM16_MIN_DIM &&
+        ((traits & DT_LAYER_ATTENTION) || ((traits & DT_LAYER_LINEAR) && l->args.out >= DT_GEMM16_MIN_DIM));
+    l->w16 = m->fuse && (dense || (format && (traits & DT_LAYER_CONV))) ? format : DT_F16_NONE;
+    if (!l->w16) continue;
+    if (l->tied) {
+      l->w16_off[0] = add_weight16(m, &l->tied->tensors[0], format);
+      continue;
+    }
+    int n = 0;
+    for (int t = 0; t < l->n_tensors; t++) /* the weights: 2-D (dense) or 4-D (filters); not the biases */
+      if (l->tensors[t].ndim >= 2) {
+        DT_ASSERT(n < 2);
+        l->w16_off[n++] = add_weight16(m, &l->tensors[t], format);
+      }
+  }
+}
+
 /* Under bf16 and fp16 CUDA convolves 16-bit NHWC copies: a convolution's output and gradient between it and
  * its batchnorm stay as cuDNN has them. The teacher runs in the model's precision (the backend's). */
 static void pick_ops(dt_model *m, int cuda, size_t shared_per_block, int format) {
@@ -408,6 +452,7 @@ static void pick_ops(dt_model *m, int cuda, size_t shared_per_block, int format)
   pick_gelu16(m, format);
   pick_norm16(&m->top, m->fuse, format);
   pick_heads16(m, format);
+  pick_weights16(m, format);
   if (m->teacher) pick_ops(m->teacher, cuda, shared_per_block, format);
 }
 
@@ -643,6 +688,11 @@ void model_alloc(dt_model *m, dt_backend *be, int64_t max_batch, uint64_t seed) 
   m->grads = m->frozen ? NULL : be->alloc(be, (size_t)m->n_params * sizeof(float));
   m->bufs = be->alloc(be, (size_t)(m->n_bufs ? m->n_bufs : 1) * sizeof(float));
   m->input_x = be->alloc(be, (size_t)(max_batch * shape_size(m->input)) * sizeof(float));
+  if (m->n_w16) {
+    m->weights16 = (void *)be->alloc(be, (size_t)m->w16_values * sizeof *m->weights16);
+    m->w16_entries = (void *)be->alloc(be, (size_t)m->n_w16 * sizeof *m->w16_entries);
+    be->to_device(be, m->w16_entries, m->w16_table, (size_t)m->n_w16 * sizeof *m->w16_entries);
+  }
   m->norm = be->alloc(be, (size_t)(2 * m->in_channels) * sizeof(float));
   be->to_device(be, m->norm, m->in_mean, (size_t)m->in_channels * sizeof(float));
   be->to_device(be, m->norm + m->in_channels, m->in_std, (size_t)m->in_channels * sizeof(float));
@@ -695,7 +745,9 @@ void model_free(dt_model *m) {
     be->free(be, m->bufs);
     be->free(be, m->input_x);
     be->free(be, m->norm);
+    if (m->weights16) be->free(be, m->weights16), be->free(be, m->w16_entries);
   }
+  free(m->w16_table);
   free_seq(&m->top, be);
   acts_free(m->acts);
   free(m->all);
@@ -761,7 +813,7 @@ dt_memory model_memory(const dt_model *m, int64_t batch, int optim_states, int t
   mem.params = (size_t)m->n_params * f;
   mem.grads = m->frozen ? 0 : mem.params;
   mem.optim = (size_t)optim_states * mem.params;
-  mem.buffers = (size_t)m->n_bufs * f;
+  mem.buffers = (size_t)m->n_bufs * f + (size_t)m->w16_values * 2 + (size_t)m->n_w16 * sizeof(dt_weight16);
   for (int i = 0; i < m->n_all; i++) {
     dt_memory layer = {0}; /* its activations are counted where model_activation_bytes places them */
     if (m->all[i]->ops->memory) m->all[i]->ops->memory(m->all[i], batch, threads, &layer);
@@ -887,6 +939,13 @@ void seq_backward(dt_seq *s, dt_pass *pass, const float *x, float *dx) {
 }
 
 void model_forward(dt_model *m, dt_pass *pass) {
+  pass->weights16 = m->weights16;
+  if (m->n_w16) {
+    dt_op op = {.type = DT_OP_WEIGHTS16};
+    op.p.weights16 = (typeof(op.p.weights16)){
+        .params = pass->params, .w16 = m->weights16, .table = m->w16_entries, .n = m->n_w16, .rows = m->w16_rows};
+    backend_run(pass->be, &op);
+  }
   seq_forward(&m->top, pass, m->input_x);
 }
 void model_backward(dt_model *m, dt_pass *pass) {

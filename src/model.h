@@ -208,6 +208,10 @@ struct dt_layer {
                             dx in bfloat16 rows (its GEMMs' a16, b16 and c16) */
   int in16;              /* conv2d after such a batchnorm or residual, or first in such a residual's branch: its
                             x and dx are that layer's y and dy, in this format (read as they are: no x16 copy) */
+  int w16;               /* linear, attention, conv2d (model.c's pick_weights16): its weights are read from their
+                            16-bit copies in the model's weights16, made once a forward (half.h's format) */
+  int64_t w16_off[2];    /* those copies' offsets in weights16 (16-bit values), in the order of the layer's
+                            weights (attention: qkv's, then proj's; a tied linear: its embedding's) */
   void *priv;            /* per-kind state */
 };
 
@@ -230,6 +234,8 @@ struct dt_pass {
   const uint64_t *step_seed; /* (1) backend memory: the micro-batch's dropout seed; NULL when not training */
   const float *teacher_logits;  /* (B, K) backend memory: distillation's teacher's logits for the loss, or NULL */
   float *params, *grads, *bufs; /* flat, backend memory */
+  const uint16_t *weights16;    /* the model's 16-bit copies of params' weights (its weights16; set by model_forward),
+                                   which layers with w16 read */
   /* sync batchnorm: sums (n doubles, backend memory) over all ranks in place, queued where the
    * communicator allows; NULL: single process */
   void (*allreduce_sum)(void *ctx, double *data, int n);
@@ -266,6 +272,14 @@ struct dt_model {
   int64_t max_batch;
   float *params, *grads, *bufs;
   float *input_x; /* (B, input) */
+  /* model.fuse under bf16 (fp16: convolutions only) on CUDA: one 16-bit copy of each weight a GEMM or a
+   * convolution reads, made at the start of each forward (pick_weights16; a layer's w16) */
+  dt_weight16 *w16_table; /* (n_w16) host memory: each copy's entry, in the order of the layers */
+  int n_w16;
+  int64_t w16_rows;         /* the entries' rows */
+  int64_t w16_values;       /* the copies' 16-bit values, each copy's start 256-byte aligned */
+  dt_weight16 *w16_entries; /* backend memory: w16_table */
+  uint16_t *weights16;      /* backend memory: the copies */
   float *norm;    /* (2 * in_channels): mean, then std */
   dt_acts *acts;  /* every layer's activation memory (owned) */
 };
@@ -307,7 +321,8 @@ int64_t model_max_row(const dt_model *m);
 
 /* Queues the normalised input of rows raw rows (backend memory, (rows, input)) into m->input_x. */
 void model_input(dt_model *m, const float *raw, int64_t rows);
-/* Forward over pass->batch rows of m->input_x; logits end in the last layer's y. */
+/* Forward over pass->batch rows of m->input_x; logits end in the last layer's y. First makes the 16-bit
+ * copies of pass->params' weights (m->n_w16) and points pass->weights16 at them, for its backward too. */
 void model_forward(dt_model *m, dt_pass *pass);
 /* The loss of the last forward over pass->batch rows: dlogits (the last layer's dy) written,
  * the summed loss and hits added to sums[0], sums[1]. labels, targets, sums: backend memory. */

@@ -671,6 +671,110 @@ static void ops_conv_in(int f16, int in16) {
   }
 }
 
+/* Buffer b holds the same bits on the CPU and on CUDA. */
+static void ot_check_bits(const char *what, dbuf b) {
+  void *h[2] = {ot_fetch(b, 0), ot_fetch(b, 1)};
+  int same = !memcmp(h[0], h[1], (size_t)b.n * ot_size(b.type));
+  free(h[0]);
+  free(h[1]);
+  if (!same) fail_msg("op %s [%s]: %s: not the same bits on CUDA as on the CPU", dt_op_names[ot.op], ot.kase, what);
+}
+
+/* The first n elements of a and b on CUDA are the same bits. */
+static void ot_check_same_on_cuda(const char *what, dbuf a, dbuf b, int64_t n) {
+  void *h[2] = {ot_fetch(a, 1), ot_fetch(b, 1)};
+  const int same = !memcmp(h[0], h[1], (size_t)n * ot_size(a.type));
+  free(h[0]);
+  free(h[1]);
+  if (!same) fail_msg("op %s [%s]: %s: CUDA's results differ", dt_op_names[ot.op], ot.kase, what);
+}
+
+/* The weights16 op (model.c's pick_weights16) in the backend's format, over a table of a dense weight (5, 21)
+ * in bfloat16 rows of 24, a filter (4, 3, 3, 3) as (4, 3, 3, 3) (O, K, K, C) and a dense weight (17, 16): the
+ * same bits on both backends, each value the rounding of its weight where the test's own indexing puts it,
+ * the padding and the gaps between copies as they were. Then its readers: on CUDA, a convolution's forward and
+ * backward data reading the filter's copy (w16) and a GEMM's forward and input gradient reading the dense
+ * copy (b16, bfloat16 only) give the bits of the same ops copying the FP32 weights themselves, and the CPU,
+ * which widens the copies, agrees within the precision's tolerance. */
+static void ops_weights16(void) {
+  const int f16 = ot_format16();
+  dt_weight16 table[3] = {
+      {.src = 3, .dst = 0, .rows = 5, .cols = 21, .inner = 1, .ld = 24, .row0 = 0, .format = DT_F16_BF16},
+      {.src = 115, .dst = 128, .rows = 4, .cols = 3, .inner = 9, .ld = 3, .row0 = 5, .format = f16},
+      {.src = 224, .dst = 256, .rows = 17, .cols = 16, .inner = 1, .ld = 16, .row0 = 9, .format = DT_F16_BF16}};
+  const int64_t n_params = 224 + 17 * 16 + 5, n16 = 256 + 17 * 16 + 8;
+  dbuf params = ot_rand(n_params, -2, 2), w16 = ot_rand16(n16, -1, 1);
+  dbuf entries = ot_buf(OT_I32, table, (int64_t)(sizeof table / 4));
+  ot_case(DT_OP_WEIGHTS16, "a dense weight, a filter, a dense weight");
+  BOTH {
+    dt_op op = {.type = DT_OP_WEIGHTS16};
+    op.p.weights16 = (typeof(op.p.weights16)){
+        .params = F(params), .w16 = (uint16_t *)F(w16), .table = (const dt_weight16 *)F(entries), .n = 3, .rows = 26};
+    RUN(op);
+  }
+  ot_check_bits("the copies", w16);
+  float *hp = ot_fetch(params, 0);
+  uint16_t *got = ot_fetch(w16, 0), *want = malloc((size_t)w16.n * 4 + 8);
+  memcpy(want, w16.init, (size_t)w16.n * 4);
+  for (int e = 0; e < 3; e++) {
+    const dt_weight16 *t = &table[e];
+    for (int64_t o = 0; o < t->rows; o++)
+      for (int64_t c = 0; c < t->cols; c++)
+        for (int64_t k = 0; k < t->inner; k++) /* dense: (o, c) at o * ld + c; filter: (o, c, k) at (o, k, c) */
+          want[t->dst + o * t->inner * t->ld + k * t->ld + c] =
+              dt_to_16(hp[t->src + o * t->cols * t->inner + c * t->inner + k], t->format);
+  }
+  for (int64_t i = 0; i < n16; i++)
+    if (got[i] != want[i]) fail_msg("weights16: 16-bit value %lld is %#x, expected %#x", (long long)i, got[i], want[i]);
+  free(hp);
+  free(got);
+  free(want);
+
+  FOR_ROWS(r) {
+    const dt_conv_geom g = conv_geom(rows, 3, 8, 8, 4, 3, 1, 1);
+    const int64_t xs = g.c * g.h * g.w, ys = g.o * g.ho * g.wo;
+    dbuf x = ot_rand(cap * xs, -1, 1), dy = ot_rand(cap * ys, -1, 1);
+    dbuf y[2] = {ot_rand(cap * ys, -1, 1), ot_rand(cap * ys, -1, 1)};
+    dbuf dx[2] = {ot_rand(cap * xs, -1, 1), ot_rand(cap * xs, -1, 1)};
+    ot_case(DT_OP_CONV_FWD, "its filter's 16-bit copy, %s", ROWS_NAME(r));
+    for (int copy = 0; copy < 2; copy++) /* the FP32 filter, then its copy */
+      BOTH {
+        const float *w = copy ? (const float *)((uint16_t *)F(w16) + 128) : F(params) + 115;
+        dt_op op = {.type = DT_OP_CONV_FWD};
+        op.p.conv_fwd = (typeof(op.p.conv_fwd)){.g = g, .x = F(x), .w = w, .y = F(y[copy]), .w16 = copy ? f16 : 0};
+        RUN(op);
+        op = (dt_op){.type = DT_OP_CONV_BWD_DATA};
+        op.p.conv_bwd_data =
+            (typeof(op.p.conv_bwd_data)){.g = g, .dy = F(dy), .w = w, .dx = F(dx[copy]), .w16 = copy ? f16 : 0};
+        RUN(op);
+      }
+    ot_check("y", y[1], rows * ys);
+    ot_check_same_on_cuda("y", y[0], y[1], rows * ys);
+    ot_case(DT_OP_CONV_BWD_DATA, "its filter's 16-bit copy, %s", ROWS_NAME(r));
+    ot_check("dx", dx[1], rows * xs);
+    ot_check_same_on_cuda("dx", dx[0], dx[1], rows * xs);
+  }
+  if (f16 != DT_F16_BF16) return;
+  const int64_t rows = 18, in = 16, out = 17; /* every dimension at least DT_GEMM16_MIN_DIM: bfloat16 operands */
+  dbuf x = ot_rand(rows * in, -1, 1), dy = ot_rand(rows * out, -1, 1);
+  dbuf y[2] = {ot_rand(rows * out, -1, 1), ot_rand(rows * out, -1, 1)};
+  dbuf dx[2] = {ot_rand(rows * in, -1, 1), ot_rand(rows * in, -1, 1)};
+  ot_case(DT_OP_GEMM, "a dense weight's bfloat16 copy (b16): forward and input gradient");
+  for (int copy = 0; copy < 2; copy++) BOTH {
+      const float *w = copy ? (const float *)((uint16_t *)F(w16) + 256) : F(params) + 224;
+      dt_op op = dense_gemm(DENSE_FWD, rows, in, out);
+      op.p.gemm.a = F(x), op.p.gemm.b = w, op.p.gemm.c = F(y[copy]), op.p.gemm.b16 = copy ? DT_F16_BF16 : 0;
+      RUN(op);
+      op = dense_gemm(DENSE_DX, rows, in, out);
+      op.p.gemm.a = F(dy), op.p.gemm.b = w, op.p.gemm.c = F(dx[copy]), op.p.gemm.b16 = copy ? DT_F16_BF16 : 0;
+      RUN(op);
+    }
+  ot_check("y", y[1], rows * out);
+  ot_check("dx", dx[1], rows * in);
+  ot_check_same_on_cuda("y", y[0], y[1], rows * out);
+  ot_check_same_on_cuda("dx", dx[0], dx[1], rows * in);
+}
+
 /* Batchnorm on x (B, C, S) in FP32 (f16 0), or (f16: half.h's format, the CUDA backend's) on a convolution's
  * 16-bit NHWC output (x16: x and bwd_apply's dx (B, S, C) 16-bit; the CPU widens x and rounds dx); y16 (with
  * f16): y and dy 16-bit NHWC too, for a convolution after it. */
@@ -1671,15 +1775,6 @@ static void ops_upload_download(void) {
       fail_msg("upload_ahead into a new buffer on %s: %g", s ? "CUDA" : "CPU", got[0]);
     ot.be[s]->free(ot.be[s], fresh);
   }
-}
-
-/* Buffer b holds the same bits on the CPU and on CUDA. */
-static void ot_check_bits(const char *what, dbuf b) {
-  void *h[2] = {ot_fetch(b, 0), ot_fetch(b, 1)};
-  int same = !memcmp(h[0], h[1], (size_t)b.n * ot_size(b.type));
-  free(h[0]);
-  free(h[1]);
-  if (!same) fail_msg("op %s [%s]: %s: not the same bits on CUDA as on the CPU", dt_op_names[ot.op], ot.kase, what);
 }
 
 /* The 16-bit value i of buffer b on one side (0: CPU, 1: CUDA), widened. */
@@ -3090,7 +3185,7 @@ static void gemm_bias_in_cublaslt_epilogue(void) {
     be->to_device(be, w + cases[c].off_w, hw, (size_t)(out * in) * 4);
     be->to_device(be, bias + cases[c].off_bias, hb, (size_t)out * 4);
     const int64_t fused = backend_cuda_gemm_epilogues(be);
-    dense_forward(be, rows, in, out, x + cases[c].off_x, w + cases[c].off_w, bias + cases[c].off_bias,
+    dense_forward(be, rows, in, out, x + cases[c].off_x, w + cases[c].off_w, NULL, bias + cases[c].off_bias,
                   y + cases[c].off_y, NULL, 0, 0, 0);
     be->to_host(be, got, y + cases[c].off_y, (size_t)(rows * out) * 4);
     const int want_fused = cases[c].off_bias % 4 == 0 && !(cases[c].no_algorithm && standin) && rows > 1;
@@ -3147,6 +3242,8 @@ GPU_TEST(cuda_op_conv, (ot_begin(), ops_conv_in(0, 0), ot_end()))
 /* 16 bits: the operands' NHWC copies (kernels/convert.cu) and cuDNN on them, against FP32 on the CPU */
 GPU_TEST(cuda_op_conv_bf16, (ot_begin_precision(DT_PREC_BF16, 1e-2), ops_conv_in(0, 0), ot_end()))
 GPU_TEST(cuda_op_conv_fp16, (ot_begin_precision(DT_PREC_FP16, 2e-3), ops_conv_in(0, 0), ot_end()))
+GPU_TEST(cuda_op_weights16, (ot_begin_precision(DT_PREC_BF16, 1e-2), ops_weights16(), ot_end(),
+                             ot_begin_precision(DT_PREC_FP16, 2e-3), ops_weights16(), ot_end()))
 GPU_TEST(cuda_conv16_reuses_dy_only_back_to_back, conv16_reuses_dy_only_back_to_back())
 GPU_TEST(cuda_conv16_backward_filter_reads_the_forwards_x16, conv16_backward_filter_reads_the_forwards_x16())
 GPU_TEST(cuda_gemm16_reuses_dy_only_back_to_back, gemm16_reuses_dy_only_back_to_back())
@@ -3266,6 +3363,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(cuda_op_conv),
       cmocka_unit_test(cuda_op_conv_bf16),
       cmocka_unit_test(cuda_op_conv_fp16),
+      cmocka_unit_test(cuda_op_weights16),
       cmocka_unit_test(cuda_conv16_reuses_dy_only_back_to_back),
       cmocka_unit_test(cuda_conv16_backward_filter_reads_the_forwards_x16),
       cmocka_unit_test(cuda_gemm16_reuses_dy_only_back_to_back),

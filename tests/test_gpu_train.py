@@ -747,9 +747,14 @@ class GpuPrecision(GpuCase):
         residual CNN (stem, a block with a projection: 4 convolution-batchnorm pairs, 1 batchnorm-convolution
         pair; the residual's sum, which a flatten reads, stays FP32) end with the parameters of model.fuse
         false, which keeps the copies; on the stand-in bit for bit, and its profile shows the batchnorm's 16-bit kernels and, per pair and step, a copy of y to FP32 and
-        one of dy to 16 bits fewer (of x to 16 bits and dx to FP32 for the second kind)."""
+        one of dy to 16 bits fewer (of x to 16 bits and dx to FP32 for the second kind). The filters are copied
+        to 16 bits once a forward, all in one launch (weights16_kernel), where each convolution copied its own
+        for its forward and its input gradient; evaluation's forwards copy the weights they are given, the EMA's
+        for its metrics, which equal model.fuse false's too."""
         cfg = self.images_config("res.yaml", STEM + basic_block(40, 2, True) + "    - flatten\n    - linear: {out: 3}\n")
-        pairs, bn_conv, steps = 4, 1, 4
+        pairs, bn_conv, convs, steps = 4, 1, 4, 4
+        evaluate = ("--set", "data.val.x=/train/images", "--set", "data.val.y=/train/labels", "--set",
+                    "train.eval_every_steps=2", "--set", "train.ema.decay=0.5")
         for prec in ("bf16", "fp16"):
             got = self.fuse_pair(cfg, prec)
             assert_params_close(self, got["true"][0], got["false"][0], 1e-5, prec)
@@ -761,8 +766,19 @@ class GpuPrecision(GpuCase):
                         "bn16_apply_kernel": pairs * steps, "bn16_bwd_apply_kernel": pairs * steps}
                 self.assertEqual({k: on.get(k, 0) for k in want}, want, prec)
                 self.assertFalse([k for k in off if k.startswith("bn16_")], prec)
-                for copy in ("pack16_tiled_kernel", "unpack16_tiled_kernel"):
-                    self.assertEqual(off[copy] - on[copy], (pairs + bn_conv) * steps, (prec, copy, on, off))
+                packs = {f: sum(n for k, n in got[f][1].items() if k.startswith("pack16")) for f in got}
+                weights = 2 * convs - 1  # each filter for its forward and input gradient, but the first's
+                self.assertEqual(packs["false"] - packs["true"], (pairs + bn_conv + weights) * steps, (prec, on, off))
+                self.assertEqual(off["unpack16_tiled_kernel"] - on["unpack16_tiled_kernel"], (pairs + bn_conv) * steps,
+                                 (prec, on, off))
+                self.assertEqual((on.get("weights16_kernel"), off.get("weights16_kernel")), (steps, None), prec)
+        if SIM:
+            got = self.fuse_pair(cfg, "bf16", evaluate, tag="_eval")
+            evals = {f: [(r["val_loss"], r["ema_val_loss"]) for r in self.w.metrics(f"bf16_{f}_eval") if "ema_val_loss" in r]
+                     for f in ("true", "false")}
+            self.assertEqual(len(evals["true"]), 2, evals)
+            self.assertEqual(evals["true"], evals["false"])
+            self.assertGreater(got["true"][1]["weights16_kernel"], steps)  # and each evaluation chunk's forward
 
     def test_a_linear_applies_the_relu_after_it_in_its_gemm(self):
         """model.fuse: a relu right after a linear is applied by the linear's GEMM (cuBLASLt's RELU_BIAS or RELU
@@ -863,8 +879,8 @@ checkpoint: {{dir: ""}}
         its shortcut, and takes its gradient so; the pool averages the last sums into FP32. The sums round to
         16 bits where model.fuse false keeps them in FP32, so 4 steps end near its parameters, not on them.
         The stand-in's profile shows the 16-bit sums, relu backward and pooling kernels and no FP32 ones, and
-        of the 16-bit copies only the input's and the weights' (each convolution's w for its forward and its
-        input gradient, its dw back to FP32): no activation is copied. train.recompute blocks gives the same
+        of the 16-bit copies only the input's and the weights' (all of them once a forward, in one launch, and
+        each convolution's dw back to FP32): no activation is copied. train.recompute blocks gives the same
         bits."""
         cfg = self.images_config("trunk.yaml", STEM + basic_block(8) + basic_block(16, 2, True) +
                                  "    - global_avgpool\n    - linear: {out: 3}\n")
@@ -885,7 +901,8 @@ checkpoint: {{dir: ""}}
                 self.assertEqual({k: on.get(k, 0) for k in want}, want, prec)
                 self.assertFalse([k for k in ("add_kernel", "act_bwd_kernel", "act_fwd_kernel") if k in on], prec)
                 copies = {d: sum(n for k, n in on.items() if k.startswith(d + "16")) for d in ("pack", "unpack")}
-                self.assertEqual(copies, {"pack": (2 * convs - 1 + 1) * steps, "unpack": convs * steps}, (prec, on))
+                self.assertEqual(copies, {"pack": steps, "unpack": convs * steps}, (prec, on))
+                self.assertEqual(on.get("weights16_kernel"), steps, (prec, on))
         rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", "train.precision=bf16", "--set",
                                 "train.recompute=blocks", "--set", f"checkpoint.dir={self.w.file('rec')}", "--set",
                                 f"log.dir={self.w.file('rec')}"], 1, ENV1)
@@ -912,7 +929,8 @@ checkpoint: {{dir: ""}}
             on = got["true"][1]
             self.assertEqual((on.get("add16_kernel"), on.get("relu_bwd16_kernel")), (2 * steps, steps), on)
             copies = {d: sum(n for k, n in on.items() if k.startswith(d + "16")) for d in ("pack", "unpack")}
-            self.assertEqual(copies, {"pack": 2 * convs * steps, "unpack": convs * steps}, on)
+            self.assertEqual(copies, {"pack": steps, "unpack": convs * steps}, on)  # the input's; the weights' together
+            self.assertEqual(on.get("weights16_kernel"), steps, on)
         broken = self.images_config("broken.yaml", STEM + """\
     - residual:
         body: [{conv2d: {out: 8, kernel: 3, pad: 1, bias: false}}, {batchnorm: {}}]
@@ -939,7 +957,7 @@ checkpoint: {{dir: ""}}
         the 16-bit pooling kernels, and a copy of x to 16 bits and one of dx to FP32 a step fewer, for that
         convolution, than the two convolution-batchnorm pairs save; the pool before the flatten stays FP32. On
         the stand-in the first step's loss is the same bits, and in fp16 (no such tie in this data) so are the
-        parameters after 4 steps."""
+        parameters after 4 steps. (The filters' copies, all made once a forward, are fewer too.)"""
         cfg = self.images_config("pool.yaml", """\
     - conv2d: {out: 8, kernel: 3, pad: 1, bias: false}
     - batchnorm: {}
@@ -952,7 +970,7 @@ checkpoint: {{dir: ""}}
     - flatten
     - linear: {out: 3}
 """)
-        pairs, pools, steps = 2, 1, 4
+        pairs, pools, convs, steps = 2, 1, 2, 4
         for prec in ("bf16", "fp16"):
             got = self.fuse_pair(cfg, prec)
             assert_params_close(self, got["true"][0], got["false"][0], 5e-2, prec)
@@ -964,8 +982,10 @@ checkpoint: {{dir: ""}}
                 self.assertEqual((on.get("pool16_fwd_kernel"), on.get("pool16_bwd_kernel")), (pools * steps,) * 2, prec)
                 self.assertEqual((on.get("pool_fwd_kernel"), on.get("pool_bwd_kernel")), (steps, steps), prec)
                 self.assertFalse([k for k in off if k.startswith("pool16")], prec)
-                for copy in ("pack16_tiled_kernel", "unpack16_tiled_kernel"):
-                    self.assertEqual(off[copy] - on[copy], (pairs + pools) * steps, (prec, copy, on, off))
+                packs = {f: sum(n for k, n in got[f][1].items() if k.startswith("pack16")) for f in got}
+                self.assertEqual(packs["false"] - packs["true"], (pairs + pools + 2 * convs - 1) * steps, (prec, on, off))
+                self.assertEqual(off["unpack16_tiled_kernel"] - on["unpack16_tiled_kernel"], (pairs + pools) * steps,
+                                 (prec, on, off))
 
     def test_bf16_classifier_keeps_its_logits_in_bfloat16(self):
         """Under bf16 (model.fuse) the last layer, a linear without a bias, writes the logits in bfloat16 as its
@@ -1014,7 +1034,9 @@ checkpoint: {{dir: ""}}
         from the second step on (the first grows the copies' buffer, which costs a held copy): dlogits', two a
         layernorm (x of its reader's forward and weight gradient, 3 layernorms), the MLP's second linear's x
         twice and the merged heads twice (the output projection's x), less the bias copies of the MLP's first
-        linear and the qkv projection."""
+        linear and the qkv projection; and 10 more, as each of the 5 weights (the attention's two projections, the
+        MLP's two linears, the tied classifier's) is copied once a step for both its GEMMs, all in one launch
+        (weights16_kernel), not by each."""
         cfg = self.small_gpt()
         steps = 16
         got = self.fuse_pair(cfg, "bf16", ("--set", f"train.max_steps={steps}"))
@@ -1030,7 +1052,8 @@ checkpoint: {{dir: ""}}
                                           "dgelu_tanh_bf16_rows_kernel") if k in on], on)
             first = self.fuse_pair(cfg, "bf16", ("--set", "train.max_steps=1"), tag="_first")
             saved = [got[f][1]["pack_bf16_rows_kernel"] - first[f][1]["pack_bf16_rows_kernel"] for f in ("false", "true")]
-            self.assertEqual(saved[0] - saved[1], 9 * (steps - 1), (on, off))
+            self.assertEqual(saved[0] - saved[1], (9 + 2 * 5) * (steps - 1), (on, off))
+            self.assertEqual(on.get("weights16_kernel"), steps, on)
         rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", "train.precision=bf16", "--set",
                                 f"train.max_steps={steps}", "--set", "train.recompute=blocks", "--set",
                                 f"log.dir={self.w.file('recompute')}"], 1, ENV1)

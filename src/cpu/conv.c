@@ -138,28 +138,35 @@ static void conv_bwd_filter(cpu_impl *im, const dt_conv_geom *g, const float *x,
   }
 }
 
-/* 16-bit operands (in16, y16, dy16) go through FP32 copies (cpu_widen16, cpu_narrow16). */
+/* A 16-bit filter (O, K, K, C) (w16) as FP32 (O, C, K, K); NULL for an FP32 one. */
+static float *widen_filter(const float *w, int w16, const dt_conv_geom *g) {
+  return cpu_widen16(w, w16, g->o, g->c, g->k * g->k);
+}
+
+/* 16-bit operands (in16, y16, dy16, w16) go through FP32 copies (cpu_widen16, cpu_narrow16). */
 void cpu_conv_fwd(cpu_impl *im, const dt_op *op) {
   const typeof(op->p.conv_fwd) *q = &op->p.conv_fwd;
   const dt_conv_geom *g = &q->g;
   DT_ASSERT(!q->in16 || !q->x16); /* a 16-bit x is its own copy (backend.h) */
   float *x = cpu_widen16(q->x, q->in16, g->b, g->c, g->h * g->w),
-        *y = cpu_fp32_for(q->y16, g->b * g->o * g->ho * g->wo);
-  conv_fwd(im, g, x ? x : q->x, q->w, y ? y : q->y);
+        *y = cpu_fp32_for(q->y16, g->b * g->o * g->ho * g->wo), *w = widen_filter(q->w, q->w16, g);
+  conv_fwd(im, g, x ? x : q->x, w ? w : q->w, y ? y : q->y);
   if (y) cpu_narrow16(y, q->y, q->y16, g->b, g->o, g->ho * g->wo);
   free(x);
   free(y);
+  free(w);
 }
 
 void cpu_conv_bwd_data(cpu_impl *im, const dt_op *op) {
   const typeof(op->p.conv_bwd_data) *q = &op->p.conv_bwd_data;
   const dt_conv_geom *g = &q->g;
   float *dy = cpu_widen16(q->dy, q->dy16, g->b, g->o, g->ho * g->wo),
-        *dx = cpu_fp32_for(q->in16, g->b * g->c * g->h * g->w);
-  conv_bwd_data(im, g, dy ? dy : q->dy, q->w, dx ? dx : q->dx);
+        *dx = cpu_fp32_for(q->in16, g->b * g->c * g->h * g->w), *w = widen_filter(q->w, q->w16, g);
+  conv_bwd_data(im, g, dy ? dy : q->dy, w ? w : q->w, dx ? dx : q->dx);
   if (dx) cpu_narrow16(dx, q->dx, q->in16, g->b, g->c, g->h * g->w);
   free(dy);
   free(dx);
+  free(w);
 }
 
 void cpu_conv_bwd_filter(cpu_impl *im, const dt_op *op) {

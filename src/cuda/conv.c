@@ -182,30 +182,34 @@ static conv_plan *plan_to_run(cuda_impl *im, const dt_conv_geom *g) {
   return p;
 }
 
-/* Bytes of a convolution's three operands in 16 bits, each 256-byte aligned (conv16_scratch). */
-static size_t conv16_bytes(const dt_conv_geom *g) {
-  return align256((size_t)(g->b * g->c * g->h * g->w) * 2) + align256((size_t)(g->o * g->c * g->k * g->k) * 2) +
+/* Bytes of a convolution's three operands in 16 bits, each 256-byte aligned (conv16_scratch); the filter's but
+ * for an op that reads the model's copy (w16). */
+static size_t conv16_bytes(const dt_conv_geom *g, int w16) {
+  return align256((size_t)(g->b * g->c * g->h * g->w) * 2) +
+         (w16 ? 0 : align256((size_t)(g->o * g->c * g->k * g->k) * 2)) +
          align256((size_t)(g->b * g->o * g->ho * g->wo) * 2);
 }
 
-void cuda_conv_scratch(cuda_impl *im, const dt_conv_geom *g, size_t *workspace, size_t *h16) {
+void cuda_conv_scratch(cuda_impl *im, const dt_conv_geom *g, int w16, size_t *workspace, size_t *h16) {
   if (!g->b) return; /* never run (cuDNN refuses zero-sized tensors) */
   const conv_plan *p = plan_for(im, g);
-  const size_t ws = p->ws_bytes ? p->ws_bytes : 1, b16 = is16(im) ? conv16_bytes(g) : 0;
+  const size_t ws = p->ws_bytes ? p->ws_bytes : 1, b16 = is16(im) ? conv16_bytes(g, w16) : 0;
   if (ws > *workspace) *workspace = ws;
   if (b16 > *h16) *h16 = b16;
 }
 
-/* A convolution's three operands in 16 bits, NHWC, in im->h16: (b, c, h, w), (o, c, k, k) and
- * (b, o, ho, wo), each 256-byte aligned. */
+/* A convolution's three operands in 16 bits, NHWC, in im->h16: (b, c, h, w), (o, c, k, k) (none, NULL, where
+ * the op reads the model's copy: w16) and (b, o, ho, wo), each 256-byte aligned. */
 typedef struct {
   uint16_t *x, *w, *y;
 } conv16;
 
-static conv16 conv16_scratch(cuda_impl *im, const dt_conv_geom *g) {
-  size_t nx = align256((size_t)(g->b * g->c * g->h * g->w) * 2), nw = align256((size_t)(g->o * g->c * g->k * g->k) * 2);
-  char *base = cuda_grow_device(im, (void **)&im->h16, &im->h16_bytes, conv16_bytes(g), "16-bit convolution operands");
-  return (conv16){.x = (uint16_t *)base, .w = (uint16_t *)(base + nx), .y = (uint16_t *)(base + nx + nw)};
+static conv16 conv16_scratch(cuda_impl *im, const dt_conv_geom *g, int w16) {
+  size_t nx = align256((size_t)(g->b * g->c * g->h * g->w) * 2),
+         nw = w16 ? 0 : align256((size_t)(g->o * g->c * g->k * g->k) * 2);
+  char *base =
+      cuda_grow_device(im, (void **)&im->h16, &im->h16_bytes, conv16_bytes(g, w16), "16-bit convolution operands");
+  return (conv16){.x = (uint16_t *)base, .w = w16 ? NULL : (uint16_t *)(base + nx), .y = (uint16_t *)(base + nx + nw)};
 }
 
 /* The layout key of a held 16-bit dy (cuda_dy16_held): g's dy as NHWC. */
@@ -224,7 +228,8 @@ void cuda_conv_fwd(cuda_impl *im, const dt_op *op) {
   const float one = 1.0f, zero = 0.0f;
   if (!g->b) return; /* cuDNN refuses zero-sized tensors */
   conv_plan *p = plan_to_run(im, g);
-  DT_ASSERT((!q->y16 || q->y16 == cuda_format16(im)) && (!q->in16 || (q->in16 == cuda_format16(im) && !q->x16)));
+  DT_ASSERT((!q->y16 || q->y16 == cuda_format16(im)) && (!q->in16 || (q->in16 == cuda_format16(im) && !q->x16)) &&
+            (!q->w16 || q->w16 == cuda_format16(im)));
   if (!is16(im)) {
     CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, q->x, p->w, q->w, p->conv[FWD],
                                         (cudnnConvolutionFwdAlgo_t)p->algo[FWD], im->workspace, im->workspace_bytes,
@@ -232,12 +237,13 @@ void cuda_conv_fwd(cuda_impl *im, const dt_op *op) {
     return;
   }
   const int bf16 = im->precision == DT_PREC_BF16;
-  conv16 h = conv16_scratch(im, g);
+  conv16 h = conv16_scratch(im, g, q->w16);
   const uint16_t *x16 = q->in16 ? (const uint16_t *)q->x : q->x16 ? (uint16_t *)q->x16 : h.x;
   uint16_t *y16 = q->y16 ? (uint16_t *)q->y : h.y;
   if (!q->in16) k_pack16(im->stream, q->x, (uint16_t *)x16, g->b, g->c, g->h * g->w, bf16);
-  k_pack16(im->stream, q->w, h.w, g->o, g->c, g->k * g->k, bf16);
-  CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, x16, p->w, h.w, p->conv[FWD],
+  const void *w16 = q->w16 ? (const void *)q->w : h.w;
+  if (!q->w16) k_pack16(im->stream, q->w, h.w, g->o, g->c, g->k * g->k, bf16);
+  CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, x16, p->w, w16, p->conv[FWD],
                                       (cudnnConvolutionFwdAlgo_t)p->algo[FWD], im->workspace, im->workspace_bytes,
                                       &zero, p->y, y16));
   if (!q->y16) k_unpack16(im->stream, h.y, q->y, g->b, g->o, g->ho * g->wo, bf16, 0);
@@ -249,7 +255,8 @@ void cuda_conv_bwd_data(cuda_impl *im, const dt_op *op) {
   const float one = 1.0f, zero = 0.0f;
   if (!g->b) return;
   conv_plan *p = plan_to_run(im, g);
-  DT_ASSERT((!q->dy16 || q->dy16 == cuda_format16(im)) && (!q->in16 || q->in16 == cuda_format16(im)));
+  DT_ASSERT((!q->dy16 || q->dy16 == cuda_format16(im)) && (!q->in16 || q->in16 == cuda_format16(im)) &&
+            (!q->w16 || q->w16 == cuda_format16(im)));
   if (!is16(im)) {
     CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, q->w, p->y, q->dy, p->conv[BWD_DATA],
                                              (cudnnConvolutionBwdDataAlgo_t)p->algo[BWD_DATA], im->workspace,
@@ -257,7 +264,7 @@ void cuda_conv_bwd_data(cuda_impl *im, const dt_op *op) {
     return;
   }
   const int bf16 = im->precision == DT_PREC_BF16;
-  conv16 h = conv16_scratch(im, g);
+  conv16 h = conv16_scratch(im, g, q->w16);
   int64_t layout[4];
   dy16_nhwc(g, layout);
   const uint16_t *dy16 = q->dy16 ? (const uint16_t *)q->dy : h.y;
@@ -268,8 +275,9 @@ void cuda_conv_bwd_data(cuda_impl *im, const dt_op *op) {
       k_pack16(im->stream, q->dy, h.y, g->b, g->o, g->ho * g->wo, bf16);
   }
   cuda_forget_dy16(im); /* one use: another backward data may pack another dy, or lay h16 out otherwise */
-  k_pack16(im->stream, q->w, h.w, g->o, g->c, g->k * g->k, bf16);
-  CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, h.w, p->y, dy16, p->conv[BWD_DATA],
+  const void *w16 = q->w16 ? (const void *)q->w : h.w;
+  if (!q->w16) k_pack16(im->stream, q->w, h.w, g->o, g->c, g->k * g->k, bf16);
+  CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, w16, p->y, dy16, p->conv[BWD_DATA],
                                            (cudnnConvolutionBwdDataAlgo_t)p->algo[BWD_DATA], im->workspace,
                                            im->workspace_bytes, &zero, p->x, q->in16 ? (void *)q->dx : h.x));
   if (!q->in16) k_unpack16(im->stream, h.x, q->dx, g->b, g->c, g->h * g->w, bf16, 0);
@@ -290,7 +298,7 @@ void cuda_conv_bwd_filter(cuda_impl *im, const dt_op *op) {
     return;
   }
   const int bf16 = im->precision == DT_PREC_BF16;
-  conv16 h = conv16_scratch(im, g);
+  conv16 h = conv16_scratch(im, g, 0); /* its filter gradient's 16 bits */
   const uint16_t *x16 = q->in16 ? (const uint16_t *)q->x : q->x16;
   if (!x16) k_pack16(im->stream, q->x, h.x, g->b, g->c, g->h * g->w, bf16), x16 = h.x;
   const uint16_t *dy16 = q->dy16 ? (const uint16_t *)q->dy : h.y;

@@ -106,8 +106,9 @@ static inline int cuda_format16(const cuda_impl *im) {
 /* conv.c: destroys the convolution plans and frees their workspace and 16-bit operands (shut-down). */
 void cuda_conv_free(cuda_impl *im);
 /* conv.c: plans convolution g now (kept), and raises *workspace and *h16 to the cuDNN workspace and
- * the 16-bit operands (train.precision bf16, fp16) it needs. */
-void cuda_conv_scratch(cuda_impl *im, const dt_conv_geom *g, size_t *workspace, size_t *h16);
+ * the 16-bit operands (train.precision bf16, fp16) it needs: its filter's too unless the op reads the
+ * model's copy (w16). */
+void cuda_conv_scratch(cuda_impl *im, const dt_conv_geom *g, int w16, size_t *workspace, size_t *h16);
 /* The layouts of a held 16-bit dy (im->dy16_layout[0]): conv.c's NHWC copies, gemm.c's padded rows. */
 enum { DY16_NHWC = 1, DY16_ROWS = 2 };
 /* backend.c: appends a line (ending in a newline) to im->notes, for the log. */
@@ -159,6 +160,7 @@ void cuda_input(cuda_impl *im, const dt_op *op);
 void cuda_clip(cuda_impl *im, const dt_op *op);
 void cuda_copy(cuda_impl *im, const dt_op *op);
 void cuda_gather(cuda_impl *im, const dt_op *op);
+void cuda_weights16(cuda_impl *im, const dt_op *op);
 
 /* ops.c, kernels/pool.cu */
 void cuda_pool_fwd(cuda_impl *im, const dt_op *op);

@@ -99,6 +99,11 @@ void cuda_copy(cuda_impl *im, const dt_op *op) {
   if (q->n) CUDA_CHECK(cudaMemcpyAsync(q->y, q->x, (size_t)q->n * sizeof(float), cudaMemcpyDeviceToDevice, im->stream));
 }
 
+void cuda_weights16(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.weights16) *q = &op->p.weights16;
+  k_weights16(im->stream, q->params, q->w16, q->table, q->n, q->rows);
+}
+
 void cuda_input(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.input) *q = &op->p.input;
   CHECK_INDEXABLE(q->b * q->c * q->s);
