@@ -154,8 +154,8 @@ typedef struct {
                        from the same FP32 sum as the gelu (GELU_TANH) or read (DGELU_TANH) */
       int a16;      /* 0, or A stored so already (rows of dt_ld16 of its stored columns: a loss's 16-bit dlogits, a
                        linear's 16-bit dy or x), read as it is; one product */
-      int b16; /* 0, or B stored so already (a linear's 16-bit x, the B of its weight gradient; its weight's copy in
-                  the model's weights16, the B of its forward and input gradient); one product */
+      int b16;      /* 0, or B stored so already (a linear's 16-bit x, the B of its weight gradient; its weight's copy
+                       in the model's weights16, the B of its forward and input gradient); one product */
       float *a_col_sums;   /* NULL, or (A's stored columns): += the sums of A's columns as stored (a16: of its
                               bfloat16 values), in double, as bias_grad's (a dense layer's bias gradient, from the
                               dy its weight gradient reads: CUDA under bf16 sums it as it copies dy to bfloat16);

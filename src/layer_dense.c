@@ -75,13 +75,15 @@ dt_op dense_gemm(int kind, int64_t rows, int64_t in, int64_t out) {
   return op;
 }
 
-int dense_reads_w16(int w16, int64_t rows, int x16, int y16) {
-  return w16 && (x16 || y16 || rows >= DT_GEMM16_MIN_DIM) ? DT_F16_BF16 : DT_F16_NONE;
+int dense_reads_w16(int w16, int64_t rows, int64_t in, int64_t out, int x16, int y16) {
+  const int64_t widest = in > out ? in : out, limit = (int64_t)1 << 31; /* gemm16_plan's copy of A */
+  return w16 && (x16 || y16 || rows >= DT_GEMM16_MIN_DIM) && rows * widest < limit ? DT_F16_BF16 : DT_F16_NONE;
 }
 
-/* W's operand: its bfloat16 copy (w16) where the GEMM runs on bfloat16 operands (dense_reads_w16), else W. */
+/* W's operand: its bfloat16 copy (w16) where the GEMM runs on bfloat16 operands (dense_reads_w16), else W. The
+ * forward's and the input gradient's (n, k) are (out, in) and (in, out). */
 static void weight_operand(typeof(((dt_op *)0)->p.gemm) *g, const float *w, const void *w16, int x16, int y16) {
-  g->b16 = dense_reads_w16(w16 != NULL, g->m, x16, y16);
+  g->b16 = dense_reads_w16(w16 != NULL, g->m, g->n, g->k, x16, y16);
   g->b = g->b16 ? (const float *)w16 : w;
 }
 
@@ -121,7 +123,7 @@ int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][8
     products[0][0] = rows, products[0][1] = c, products[0][2] = l->args.out;
     products[0][3] = l->args.bias || l->gelu_next || l->dgelu_aux || l->fused_relu, products[0][4] = l->y16;
     products[0][5] = l->args.bias, products[0][6] = l->x16;
-    products[0][7] = dense_reads_w16(l->w16, rows, l->x16, l->y16);
+    products[0][7] = dense_reads_w16(l->w16, rows, c, l->args.out, l->x16, l->y16);
     return 1;
   }
   if (l->ops != &dt_layer_attention) return 0;
@@ -129,7 +131,7 @@ int layer_dense_products(const dt_layer *l, int64_t batch, int64_t products[2][8
     products[p][0] = rows, products[p][1] = c, products[p][2] = p ? c : 3 * c;
     products[p][3] = 1, products[p][4] = p ? 0 : l->heads16, products[p][5] = 1,
     products[p][6] = p ? l->heads16 : l->x16;
-    products[p][7] = dense_reads_w16(l->w16, rows, (int)products[p][6], (int)products[p][4]);
+    products[p][7] = dense_reads_w16(l->w16, rows, c, products[p][2], (int)products[p][6], (int)products[p][4]);
   }
   return 2;
 }

@@ -27,16 +27,15 @@ void dense_init(dt_layer *l, float *params, float *bufs, uint64_t seed);
  * weight gradient dW += dy^T x, or the input gradient dx = dy W. layer_dense.c. */
 enum { DENSE_FWD, DENSE_DW, DENSE_DX };
 dt_op dense_gemm(int kind, int64_t rows, int64_t in, int64_t out);
-/* Whether a dense product of `rows` rows whose layer has w16 reads its weight's bfloat16 copy: where its GEMM
- * runs on bfloat16 operands (src/cuda/gemm.c: one in 16-bit rows already, x16 or y16, or every dimension at
- * least DT_GEMM16_MIN_DIM, as pick_weights16 checked the others), so that the copy changes no result: its
- * format, else 0 (W read as it is). layer_dense.c. */
-int dense_reads_w16(int w16, int64_t rows, int x16, int y16);
+/* Whether a dense product (rows, in, out) whose layer has w16 reads its weight's bfloat16 copy: where its GEMMs
+ * run on bfloat16 operands anyway (src/cuda/gemm.c's gemm16_plan: one in 16-bit rows already, x16 or y16, or
+ * every dimension at least DT_GEMM16_MIN_DIM, as pick_weights16 checked in and out; A's copy under 2^31
+ * values), so that the copy changes no result: its format, else 0 (W read as it is). layer_dense.c. */
+int dense_reads_w16(int w16, int64_t rows, int64_t in, int64_t out, int x16, int y16);
 /* Queues y(rows, out) = x(rows, in) W^T + bias (bias NULL: none); W (out, in), or its bfloat16 copy w16 (NULL:
- * none; dense_reads_w16); and, when gelu_y is not
- * NULL, gelu_y = gelu_tanh(y) in the same GEMM: the gelu after it; or with relu, y = relu(x W^T + bias) (the
- * relu after it). x16, y16 (half.h's format, 0: FP32): x is read from, y (and gelu_y) written in 16-bit rows
- * (backend.h's gemm.a16 and c16; no relu with y16). layer_dense.c. */
+ * none; dense_reads_w16); and, when gelu_y is not NULL, gelu_y = gelu_tanh(y) in the same GEMM: the gelu after
+ * it; or with relu, y = relu(x W^T + bias) (the relu after it). x16, y16 (half.h's format, 0: FP32): x is read
+ * from, y (and gelu_y) written in 16-bit rows (backend.h's gemm.a16 and c16; no relu with y16). layer_dense.c. */
 void dense_forward(dt_backend *be, int64_t rows, int64_t in, int64_t out, const float *x, const float *w,
                    const void *w16, const float *bias, float *y, float *gelu_y, int relu, int x16, int y16);
 /* Queues dW += dy^T x and dbias += column sums of dy (NULL: none) in one GEMM op, dx = dy W (NULL: none), times

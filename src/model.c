@@ -398,7 +398,7 @@ static void pick_heads16(dt_model *m, int format) {
 }
 
 /* A weight tensor's 16-bit copy in m's table: a dense weight (out, in) as bfloat16 rows of dt_ld16(in), a filter
- * (O, C, K, K) as (O, K, K, C), each starting 256 bytes after the last. Returns its offset in weights16. */
+ * (O, C, K, K) as (O, K, K, C), each at the next 256-byte boundary. Returns its offset in weights16. */
 static int64_t add_weight16(dt_model *m, const dt_tensor *t, int format) {
   const int filter = t->ndim == 4;
   dt_weight16 e = {.src = t->offset, .rows = t->dims[0], .cols = t->dims[1], .format = format};

@@ -690,7 +690,8 @@ static void ot_check_same_on_cuda(const char *what, dbuf a, dbuf b, int64_t n) {
 }
 
 /* The weights16 op (model.c's pick_weights16) in the backend's format, over a table of a dense weight (5, 21)
- * in bfloat16 rows of 24, a filter (4, 3, 3, 3) as (4, 3, 3, 3) (O, K, K, C) and a dense weight (17, 16): the
+ * in bfloat16 rows of 24, a filter (4, 3, 3, 3) as (4, 3, 3, 3) (O, K, K, C) and a dense weight (17, 40) (rows
+ * longer than a warp's lanes): the
  * same bits on both backends, each value the rounding of its weight where the test's own indexing puts it,
  * the padding and the gaps between copies as they were. Then its readers: on CUDA, a convolution's forward and
  * backward data reading the filter's copy (w16) and a GEMM's forward and input gradient reading the dense
@@ -701,8 +702,8 @@ static void ops_weights16(void) {
   dt_weight16 table[3] = {
       {.src = 3, .dst = 0, .rows = 5, .cols = 21, .inner = 1, .ld = 24, .row0 = 0, .format = DT_F16_BF16},
       {.src = 115, .dst = 128, .rows = 4, .cols = 3, .inner = 9, .ld = 3, .row0 = 5, .format = f16},
-      {.src = 224, .dst = 256, .rows = 17, .cols = 16, .inner = 1, .ld = 16, .row0 = 9, .format = DT_F16_BF16}};
-  const int64_t n_params = 224 + 17 * 16 + 5, n16 = 256 + 17 * 16 + 8;
+      {.src = 224, .dst = 256, .rows = 17, .cols = 40, .inner = 1, .ld = 40, .row0 = 9, .format = DT_F16_BF16}};
+  const int64_t n_params = 224 + 17 * 40 + 5, n16 = 256 + 17 * 40 + 8;
   dbuf params = ot_rand(n_params, -2, 2), w16 = ot_rand16(n16, -1, 1);
   dbuf entries = ot_buf(OT_I32, table, (int64_t)(sizeof table / 4));
   ot_case(DT_OP_WEIGHTS16, "a dense weight, a filter, a dense weight");
@@ -755,7 +756,7 @@ static void ops_weights16(void) {
     ot_check_same_on_cuda("dx", dx[0], dx[1], rows * xs);
   }
   if (f16 != DT_F16_BF16) return;
-  const int64_t rows = 18, in = 16, out = 17; /* every dimension at least DT_GEMM16_MIN_DIM: bfloat16 operands */
+  const int64_t rows = 18, in = 40, out = 17; /* every dimension at least DT_GEMM16_MIN_DIM: bfloat16 operands */
   dbuf x = ot_rand(rows * in, -1, 1), dy = ot_rand(rows * out, -1, 1);
   dbuf y[2] = {ot_rand(rows * out, -1, 1), ot_rand(rows * out, -1, 1)};
   dbuf dx[2] = {ot_rand(rows * in, -1, 1), ot_rand(rows * in, -1, 1)};
@@ -2918,7 +2919,8 @@ static void transformer_grads_same_bits(void) {
 /* Under bf16 a backward data right after the backward filter of the same dy takes the 16-bit copy of
  * dy that the first packed, once; a copy or another op between them, here one that changes dy (a new
  * dy copied in, dy doubled by a scale or by a GEMM on FP32 operands), or a backward data of another dy,
- * makes it pack again. Either way dx has the bits of a backend that packs dy itself. */
+ * makes it pack again. Either way dx has the bits of a backend that packs dy itself. So too where the
+ * backward data reads the model's 16-bit copy of its filter (w16), whose scratch has no filter in it. */
 static void conv16_reuses_dy_only_back_to_back(void) {
   dt_conv_geom g = conv_geom(2, 8, 6, 6, 16, 3, 1, 1);
   const int64_t nx = g.b * g.c * g.h * g.w, nw = g.o * g.c * g.k * g.k, ny = g.b * g.o * g.ho * g.wo;
@@ -2937,9 +2939,17 @@ static void conv16_reuses_dy_only_back_to_back(void) {
   fast->to_device(fast, w, hw, (size_t)nw * 4);
   ref->to_device(ref, rw, hw, (size_t)nw * 4);
   fast->to_device(fast, other_dy, hdy[1], (size_t)ny * 4);
+  uint16_t *hw16 = calloc((size_t)nw, sizeof *hw16); /* the filter (O, C, K, K) as (O, K, K, C) in bfloat16 */
+  for (int64_t o = 0; o < g.o; o++)
+    for (int64_t c = 0; c < g.c; c++)
+      for (int64_t k = 0; k < g.k * g.k; k++)
+        hw16[(o * g.k * g.k + k) * g.c + c] = dt_to_bf16(hw[(o * g.c + c) * g.k * g.k + k]);
+  float *w16 = fast->alloc(fast, (size_t)nw * 2);
+  fast->to_device(fast, w16, hw16, (size_t)nw * 2);
   static const char *how[] = {"the same", "a copied", "a doubled", "after another's backward data, the same",
                               "a GEMM-doubled"};
-  for (int changed = 0; changed < 5; changed++) {
+  for (int run = 0; run < 10; run++) {
+    const int changed = run % 5, copy = run / 5; /* copy: the backward data reads w16 */
     fast->to_device(fast, dy, hdy[0], (size_t)ny * 4);
     dt_op k = {.type = DT_OP_CONV_BWD_FILTER, .p.conv_bwd_filter = {.g = g, .x = x, .dy = dy, .dw = dw}};
     backend_run(fast, &k);
@@ -2953,21 +2963,24 @@ static void conv16_reuses_dy_only_back_to_back(void) {
                   &(dt_op){.type = DT_OP_GEMM,
                            .p.gemm = {.m = 2, .n = ny / 2, .k = 1, .alpha = 0, .beta = 2, .a = x, .b = w, .c = dy}});
     int64_t reuses = backend_cuda_dy16_reuses(fast);
-    dt_op d = {.type = DT_OP_CONV_BWD_DATA, .p.conv_bwd_data = {.g = g, .dy = dy, .w = w, .dx = dx}};
+    dt_op d = {.type = DT_OP_CONV_BWD_DATA,
+               .p.conv_bwd_data = {.g = g, .dy = dy, .w = copy ? w16 : w, .dx = dx, .w16 = copy ? DT_F16_BF16 : 0}};
     backend_run(fast, &d);
     ref->to_device(ref, rdy, hdy[changed == 3 ? 0 : changed == 4 ? 2 : changed], (size_t)ny * 4);
     dt_op r = {.type = DT_OP_CONV_BWD_DATA, .p.conv_bwd_data = {.g = g, .dy = rdy, .w = rw, .dx = rdx}};
     backend_run(ref, &r);
     fast->to_host(fast, got, dx, (size_t)nx * 4);
     ref->to_host(ref, want, rdx, (size_t)nx * 4);
+    const char *filter = copy ? ", the filter's copy" : "";
     if (backend_cuda_dy16_reuses(fast) - reuses != !changed)
-      fail_msg("%s dy: %lld packs of dy skipped", how[changed], (long long)(backend_cuda_dy16_reuses(fast) - reuses));
+      fail_msg("%s dy%s: %lld packs of dy skipped", how[changed], filter,
+               (long long)(backend_cuda_dy16_reuses(fast) - reuses));
     for (int64_t i = 0; i < nx; i++)
       if (memcmp(&got[i], &want[i], 4))
-        fail_msg("%s dy: dx[%lld] = %.9g, packed afresh %.9g", how[changed], (long long)i, got[i], want[i]);
+        fail_msg("%s dy%s: dx[%lld] = %.9g, packed afresh %.9g", how[changed], filter, (long long)i, got[i], want[i]);
   }
-  free(hx), free(hw), free(hdy[0]), free(hdy[1]), free(hdy[2]), free(got), free(want);
-  float *mine[] = {x, w, dy, dw, dx, other_dy};
+  free(hx), free(hw), free(hw16), free(hdy[0]), free(hdy[1]), free(hdy[2]), free(got), free(want);
+  float *mine[] = {x, w, w16, dy, dw, dx, other_dy};
   for (size_t i = 0; i < sizeof mine / sizeof *mine; i++) fast->free(fast, mine[i]);
   ref->free(ref, rw), ref->free(ref, rdy), ref->free(ref, rdx);
   fast->destroy(fast);

@@ -198,18 +198,19 @@ void cuda_conv_scratch(cuda_impl *im, const dt_conv_geom *g, int w16, size_t *wo
   if (b16 > *h16) *h16 = b16;
 }
 
-/* A convolution's three operands in 16 bits, NHWC, in im->h16: (b, c, h, w), (o, c, k, k) (none, NULL, where
- * the op reads the model's copy: w16) and (b, o, ho, wo), each 256-byte aligned. */
+/* A convolution's three operands in 16 bits, NHWC, in im->h16: (b, c, h, w), (b, o, ho, wo) and (o, c, k, k)
+ * (none, NULL, where the op reads the model's copy: w16), each 256-byte aligned. y's place is the same either
+ * way, so that a backward data reading the model's copy finds the dy its backward filter left (dy16 held). */
 typedef struct {
   uint16_t *x, *w, *y;
 } conv16;
 
 static conv16 conv16_scratch(cuda_impl *im, const dt_conv_geom *g, int w16) {
   size_t nx = align256((size_t)(g->b * g->c * g->h * g->w) * 2),
-         nw = w16 ? 0 : align256((size_t)(g->o * g->c * g->k * g->k) * 2);
+         ny = align256((size_t)(g->b * g->o * g->ho * g->wo) * 2);
   char *base =
       cuda_grow_device(im, (void **)&im->h16, &im->h16_bytes, conv16_bytes(g, w16), "16-bit convolution operands");
-  return (conv16){.x = (uint16_t *)base, .w = w16 ? NULL : (uint16_t *)(base + nx), .y = (uint16_t *)(base + nx + nw)};
+  return (conv16){.x = (uint16_t *)base, .w = w16 ? NULL : (uint16_t *)(base + nx + ny), .y = (uint16_t *)(base + nx)};
 }
 
 /* The layout key of a held 16-bit dy (cuda_dy16_held): g's dy as NHWC. */

@@ -42,7 +42,9 @@ static int gemm16_plan(const cuda_impl *im, const dt_op *op, operand16 *a, opera
     return 0;
   *a = stored(DT_GEMM_A_ROWS(q), DT_GEMM_A_COLS(q));
   *b = q->trans_b ? stored(q->n, q->k) : stored(q->k, q->n);
-  const int64_t limit = (int64_t)1 << 31; /* k_pack_bf16_rows' (fast_div is exact below 2^31) */
+  /* k_pack_bf16_rows' (fast_div is exact below 2^31); layers.h's dense_reads_w16 follows these rules, so that a
+   * weight's 16-bit copy (b16) goes only to a GEMM that would copy it */
+  const int64_t limit = (int64_t)1 << 31;
   const int over = (!q->a16 && a->rows * a->cols >= limit) || (!q->b16 && b->rows * b->cols >= limit);
   DT_ASSERT(!(rows16 && over)); /* device.c keeps every tensor under 2^31 values */
   if (over) return 0;
