@@ -73,12 +73,17 @@ static void conv_init(dt_layer *l, float *params, float *bufs, uint64_t seed) {
     init_uniform(params + l->tensors[t].offset, l->tensors[t].count, bound, dt_hash64(seed + (uint64_t)t));
 }
 
+/* The filter the convolutions read: its 16-bit copy (l->w16, model.c's pick_weights16), else the FP32 weights. */
+static const float *filter(const dt_layer *l, const dt_pass *pass) {
+  return l->w16 ? (const float *)layer_w16(l, pass, 0) : pass->params + l->param_off;
+}
+
 static void conv_forward(dt_layer *l, dt_pass *pass, const float *x) {
   const float *w = pass->params + l->param_off;
   dt_op op = {.type = DT_OP_CONV_FWD};
   op.p.conv_fwd.g = geom(l, pass->batch);
   op.p.conv_fwd.x = x;
-  op.p.conv_fwd.w = l->w16 ? layer_w16(l, pass, 0) : w; /* its 16-bit copy (model.c's pick_weights16) */
+  op.p.conv_fwd.w = filter(l, pass);
   op.p.conv_fwd.w16 = l->w16;
   op.p.conv_fwd.y = l->y;
   op.p.conv_fwd.x16 = ((conv_state *)l->priv)->x16;
@@ -96,7 +101,6 @@ static void conv_forward(dt_layer *l, dt_pass *pass, const float *x) {
 /* The bias first, so that the two convolutions run back to back: the second then reuses the copy
  * of dy the first made (the CPU backend's blocked one, CUDA's 16-bit one under bf16 and fp16). */
 static void conv_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx) {
-  const float *w = pass->params + l->param_off;
   float *dw = pass->grads + l->param_off;
   if (l->args.bias) {
     dt_op b = {.type = DT_OP_BIAS_GRAD};
@@ -117,7 +121,7 @@ static void conv_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx)
     dt_op d = {.type = DT_OP_CONV_BWD_DATA};
     d.p.conv_bwd_data.g = geom(l, pass->batch);
     d.p.conv_bwd_data.dy = l->dy;
-    d.p.conv_bwd_data.w = l->w16 ? layer_w16(l, pass, 0) : w;
+    d.p.conv_bwd_data.w = filter(l, pass);
     d.p.conv_bwd_data.w16 = l->w16;
     d.p.conv_bwd_data.dx = dx;
     d.p.conv_bwd_data.dy16 = l->y16;

@@ -213,6 +213,14 @@ static conv16 conv16_scratch(cuda_impl *im, const dt_conv_geom *g, int w16) {
   return (conv16){.x = (uint16_t *)base, .w = w16 ? NULL : (uint16_t *)(base + nx + ny), .y = (uint16_t *)(base + nx)};
 }
 
+/* The 16-bit filter a forward or backward data reads: the model's copy (w16: w is it), else w packed into the
+ * scratch's filter. */
+static const void *filter16(cuda_impl *im, const dt_conv_geom *g, const float *w, int w16, const conv16 *h) {
+  if (w16) return w;
+  k_pack16(im->stream, w, h->w, g->o, g->c, g->k * g->k, im->precision == DT_PREC_BF16);
+  return h->w;
+}
+
 /* The layout key of a held 16-bit dy (cuda_dy16_held): g's dy as NHWC. */
 static void dy16_nhwc(const dt_conv_geom *g, int64_t layout[4]) {
   layout[0] = DY16_NHWC, layout[1] = g->b, layout[2] = g->o, layout[3] = g->ho * g->wo;
@@ -242,9 +250,7 @@ void cuda_conv_fwd(cuda_impl *im, const dt_op *op) {
   const uint16_t *x16 = q->in16 ? (const uint16_t *)q->x : q->x16 ? (uint16_t *)q->x16 : h.x;
   uint16_t *y16 = q->y16 ? (uint16_t *)q->y : h.y;
   if (!q->in16) k_pack16(im->stream, q->x, (uint16_t *)x16, g->b, g->c, g->h * g->w, bf16);
-  const void *w16 = q->w16 ? (const void *)q->w : h.w;
-  if (!q->w16) k_pack16(im->stream, q->w, h.w, g->o, g->c, g->k * g->k, bf16);
-  CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, x16, p->w, w16, p->conv[FWD],
+  CUDNN_CHECK(cudnnConvolutionForward(im->dnn, &one, p->x, x16, p->w, filter16(im, g, q->w, q->w16, &h), p->conv[FWD],
                                       (cudnnConvolutionFwdAlgo_t)p->algo[FWD], im->workspace, im->workspace_bytes,
                                       &zero, p->y, y16));
   if (!q->y16) k_unpack16(im->stream, h.y, q->y, g->b, g->o, g->ho * g->wo, bf16, 0);
@@ -276,11 +282,10 @@ void cuda_conv_bwd_data(cuda_impl *im, const dt_op *op) {
       k_pack16(im->stream, q->dy, h.y, g->b, g->o, g->ho * g->wo, bf16);
   }
   cuda_forget_dy16(im); /* one use: another backward data may pack another dy, or lay h16 out otherwise */
-  const void *w16 = q->w16 ? (const void *)q->w : h.w;
-  if (!q->w16) k_pack16(im->stream, q->w, h.w, g->o, g->c, g->k * g->k, bf16);
-  CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, w16, p->y, dy16, p->conv[BWD_DATA],
-                                           (cudnnConvolutionBwdDataAlgo_t)p->algo[BWD_DATA], im->workspace,
-                                           im->workspace_bytes, &zero, p->x, q->in16 ? (void *)q->dx : h.x));
+  CUDNN_CHECK(cudnnConvolutionBackwardData(im->dnn, &one, p->w, filter16(im, g, q->w, q->w16, &h), p->y, dy16,
+                                           p->conv[BWD_DATA], (cudnnConvolutionBwdDataAlgo_t)p->algo[BWD_DATA],
+                                           im->workspace, im->workspace_bytes, &zero, p->x,
+                                           q->in16 ? (void *)q->dx : h.x));
   if (!q->in16) k_unpack16(im->stream, h.x, q->dx, g->b, g->c, g->h * g->w, bf16, 0);
 }
 
