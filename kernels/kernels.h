@@ -90,11 +90,24 @@ void k_ema(cudaStream_t s, float *ema, const float *x, int64_t n, float decay);
 
 /* norm.cu: batchnorm over (B, C, S) per channel (sums as backend.h's ops), and layernorm per row.
  * The statistics' sums run over each channel's n = B * S positions in k_bn_chunks(n) chunks, summed into
- * `partials` (2 * C * k_bn_chunks(n) doubles), then over the chunks in order: no atomics. */
-enum { K_BN_CHUNKS = 64, K_BN_CHUNK_MIN = 16384 };
+ * `partials`, then over the chunks in an order fixed by the shapes, by the last block to finish: in tiers
+ * of K_BN_TIER chunks where there are more (the tiers' sums follow the chunks' in partials, k_bn_partials
+ * doubles in all). `tickets` (k_bn_tickets) count the blocks done: zero when allocated, and left so by
+ * every launch. */
+enum { K_BN_CHUNKS = 64, K_BN_CHUNK_MIN = 16384, K_BN_TIER = 64 };
 static inline int64_t k_bn_chunks(int64_t n) {
   const int64_t most = K_BN_CHUNKS, chunks = (n + K_BN_CHUNK_MIN - 1) / K_BN_CHUNK_MIN;
   return chunks < 1 ? 1 : chunks > most ? most : chunks;
+}
+static inline int64_t k_bn_tiers(int64_t chunks) {
+  return (chunks + K_BN_TIER - 1) / K_BN_TIER;
+}
+static inline int64_t k_bn_partials(int64_t chunks, int64_t c) {
+  return 2 * c * (chunks + (k_bn_tiers(chunks) > 1 ? k_bn_tiers(chunks) : 0));
+}
+/* groups: C (FP32) or (C + 31) / 32 (16-bit) */
+static inline int64_t k_bn_tickets(int64_t chunks, int64_t groups) {
+  return groups * (k_bn_tiers(chunks) + 1);
 }
 /* backend.h's bn_stats.finalize: k_bn_finalize's work in training on the sums just added, by the kernel that
  * adds each channel's (mean NULL: none) */
@@ -103,7 +116,7 @@ typedef struct {
   float *mean, *invstd, *running_mean, *running_var;
 } k_bn_fin;
 void k_bn_stats(cudaStream_t s, const float *x, int64_t b, int64_t c, int64_t sp, double *sums, double *partials,
-                k_bn_fin fin);
+                unsigned *tickets, k_bn_fin fin);
 void k_bn_finalize(cudaStream_t s, int64_t c, int training, float momentum, float eps, const double *sums, float *mean,
                    float *invstd, float *running_mean, float *running_var);
 /* relu: the fused relu of backend.h's bn ops (forward applies it; backward masks dy where z <= 0) */
@@ -111,14 +124,14 @@ void k_bn_apply(cudaStream_t s, int relu, const float *x, float *y, int64_t b, i
                 const float *invstd, const float *gamma, const float *beta);
 void k_bn_bwd_stats(cudaStream_t s, int relu, const float *x, const float *dy, int64_t b, int64_t c, int64_t sp,
                     const float *mean, const float *invstd, const float *gamma, const float *beta, double *sums,
-                    float *dgamma, float *dbeta, double *partials);
+                    float *dgamma, float *dbeta, double *partials, unsigned *tickets);
 void k_bn_bwd_apply(cudaStream_t s, int relu, const float *x, const float *dy, float *dx, int64_t b, int64_t c,
                     int64_t sp, const double *count, const float *mean, const float *invstd, const float *gamma,
                     const float *beta, const double *sums);
 /* The same on a convolution's output as cuDNN wrote it (backend.h's x16): x and dx 16-bit (B, S, C) in
  * `format` (half.h's DT_F16_BF16 or DT_F16_HALF), y and dy FP32 (B, C, S); the same roundings. A block
  * sums 32 channels, so the positions go in more chunks, k_bn16_chunks(n, c), at least K_BN16_CHUNK_MIN
- * positions each and about K_BN16_BLOCKS blocks in all (each channel's chunks then summed by a block). */
+ * positions each and about K_BN16_BLOCKS blocks in all; a group of 32 channels takes one channel's tickets. */
 enum { K_BN16_BLOCKS = 2048, K_BN16_CHUNK_MIN = 128 };
 static inline int64_t k_bn16_chunks(int64_t n, int64_t c) {
   const int64_t groups = (c + 31) / 32, most = K_BN16_BLOCKS / groups,
@@ -126,13 +139,14 @@ static inline int64_t k_bn16_chunks(int64_t n, int64_t c) {
   return chunks < 1 || most < 1 ? 1 : chunks > most ? most : chunks;
 }
 void k_bn16_stats(cudaStream_t s, const uint16_t *x, int format, int64_t b, int64_t c, int64_t sp, double *sums,
-                  double *partials, k_bn_fin fin);
+                  double *partials, unsigned *tickets, k_bn_fin fin);
 /* y16 and dy16 (a convolution reads y next): y and dy 16-bit (B, S, C) in the same format, else FP32 (B, C, S) */
 void k_bn16_apply(cudaStream_t s, int relu, const uint16_t *x, int format, void *y, int y16, int64_t b, int64_t c,
                   int64_t sp, const float *mean, const float *invstd, const float *gamma, const float *beta);
 void k_bn16_bwd_stats(cudaStream_t s, int relu, const uint16_t *x, int format, const void *dy, int dy16, int64_t b,
                       int64_t c, int64_t sp, const float *mean, const float *invstd, const float *gamma,
-                      const float *beta, double *sums, float *dgamma, float *dbeta, double *partials);
+                      const float *beta, double *sums, float *dgamma, float *dbeta, double *partials,
+                      unsigned *tickets);
 void k_bn16_bwd_apply(cudaStream_t s, int relu, const uint16_t *x, int format, const void *dy, int dy16, uint16_t *dx,
                       int64_t b, int64_t c, int64_t sp, const double *count, const float *mean, const float *invstd,
                       const float *gamma, const float *beta, const double *sums);

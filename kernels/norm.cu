@@ -8,31 +8,15 @@
 #include "kernels.h"
 
 // Batchnorm's sums run over the b * sp positions of each channel in chunks (k_bn_chunks, bn_grid): block
-// (channel, chunk) sums its chunk in double into partials (chunks, 2C); bn_sums_kernel then adds each
-// channel's chunks in order. One block per channel left all but C of an H100's 132 SMs idle (C = 32:
-// about 0.13 TB/s measured, 4% of its bandwidth); no atomics, so every run gives the same bits.
+// (channel, chunk) sums its chunk in double into partials (chunks, 2C), and the last block to finish adds
+// each channel's chunks in order (bn_tail). One block per channel left all but C of an H100's 132 SMs idle
+// (C = 32: about 0.13 TB/s measured, 4% of its bandwidth); the order of every sum is fixed by the shapes,
+// so every run gives the same bits.
 static __device__ __forceinline__ void bn_chunk(int64_t n, int64_t per, int64_t *r0, int64_t *r1) {
   *r0 = blockIdx.y * per;
   *r1 = *r0 + per < n ? *r0 + per : n;
 }
 
-// partials (chunks, 2C): sum(c), sumsq(c) of the chunk
-__global__ void bn_stats_kernel(const float *x, int64_t b, int64_t c, fast_div sp, int64_t per, double *partials) {
-  int64_t ch = blockIdx.x, r0, r1;
-  bn_chunk(b * sp.d, per, &r0, &r1);
-  double s1 = 0, s2 = 0;
-  for (int64_t i = r0 + threadIdx.x; i < r1; i += blockDim.x) {
-    double v = x[channel_offset(i, ch, c, sp)];
-    s1 += v;
-    s2 += v * v;
-  }
-  s1 = block_sum(s1);
-  s2 = block_sum(s2);
-  if (threadIdx.x == 0) partials[blockIdx.y * 2 * c + ch] = s1, partials[blockIdx.y * 2 * c + c + ch] = s2;
-}
-
-// sums (2C) from partials (chunks, 2C), chunk by chunk; count >= 0 goes to sums[2C] (the forward's);
-// dgamma, dbeta (backward's; NULL in forward) get the sums added
 // Channel ch's batch statistics in training from its sum s1 and sum of squares s2 over n values, and its running
 // ones updated, as src/cpu/norm.c's cpu_bn_finalize (double precision, PyTorch's rules).
 static __device__ __forceinline__ void bn_finalize_channel(int64_t ch, double n, double s1, double s2, float momentum,
@@ -50,20 +34,103 @@ static __device__ __forceinline__ void bn_finalize_channel(int64_t ch, double n,
   }
 }
 
-// Each channel's chunks added in order (count >= 0: the forward's, written after the 2C sums), then its
-// statistics where mean is not NULL (kernels.h's k_bn_fin; pointers as arguments of their own, where the
-// stand-in looks for what a kernel may touch)
-__global__ void bn_sums_kernel(const double *partials, int64_t chunks, int64_t c, double count, double *sums,
-                               float *dgamma, float *dbeta, float momentum, float eps, float *mean, float *invstd,
-                               float *running_mean, float *running_var) {
-  GRID_STRIDE(ch, c) {
-    double s1 = 0, s2 = 0;
-    for (int64_t k = 0; k < chunks; k++) s1 += partials[k * 2 * c + ch], s2 += partials[k * 2 * c + c + ch];
-    sums[ch] = s1, sums[c + ch] = s2;
-    if (dbeta) dbeta[ch] += (float)s1, dgamma[ch] += (float)s2;
-    if (ch == 0 && count >= 0) sums[2 * c] = count;
-    if (mean) bn_finalize_channel(ch, count, s1, s2, momentum, eps, mean, invstd, running_mean, running_var);
+// Channel ch's two sums s1, s2 over the chunks: into sums (2C; count >= 0, the forward's, goes to sums[2C]),
+// added to dbeta, dgamma (the backward's; NULL in the forward), and its statistics where mean is not NULL
+// (kernels.h's k_bn_fin)
+static __device__ __forceinline__ void bn_sums_channel(int64_t ch, int64_t c, double s1, double s2, double count,
+                                                       double *sums, float *dgamma, float *dbeta, float momentum,
+                                                       float eps, float *mean, float *invstd, float *running_mean,
+                                                       float *running_var) {
+  sums[ch] = s1, sums[c + ch] = s2;
+  if (dbeta) dbeta[ch] += (float)s1, dgamma[ch] += (float)s2;
+  if (ch == 0 && count >= 0) sums[2 * c] = count;
+  if (mean) bn_finalize_channel(ch, count, s1, s2, momentum, eps, mean, invstd, running_mean, running_var);
+}
+
+// Whether this block is the last of `members` to take a ticket (every thread gets the answer). Each block
+// fences its writes before taking one, and the last fences again before reading the others' (through L2:
+// __ldcg), as the CUDA guide's last-block reduction; the last puts the ticket back to 0 for the next launch.
+static __device__ bool bn_last_of(unsigned *ticket, unsigned members) {
+  __shared__ unsigned last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(ticket, 1u) == members - 1;
+    if (last) *ticket = 0;
   }
+  __syncthreads();
+  const bool mine = last;
+  if (mine) __threadfence();
+  return mine;
+}
+
+// Rows [0, count) of src (rows of 2C doubles: the first sums, then the second) added for the block's
+// `width` channels from ch0: thread (lane, row) adds rows row, row + rows, ... in order, and the threads of
+// row 0 (threadIdx.x < width) then add the rows' sums in row order, returning channel ch0 + lane's two.
+static __device__ void bn_add_rows(const double *src, int64_t count, int64_t c, int64_t ch0, int width, double *s1,
+                                   double *s2) {
+  __shared__ double red[2][kThreads];
+  const int lane = threadIdx.x % width, row = threadIdx.x / width, rows = blockDim.x / width;
+  const int64_t ch = ch0 + lane;
+  double a = 0, b = 0;
+  if (ch < c)
+    for (int64_t k = row; k < count; k += rows)
+      a += __ldcg(src + k * 2 * c + ch), b += __ldcg(src + k * 2 * c + c + ch);
+  red[0][threadIdx.x] = a, red[1][threadIdx.x] = b;
+  __syncthreads();
+  if (row == 0)
+    for (int r = 1; r < rows && r < count; r++) a += red[0][r * width + lane], b += red[1][r * width + lane];
+  *s1 = a, *s2 = b;
+}
+
+// The statistics kernels' end, where a kernel of its own added the chunks (a launch a batchnorm a pass fewer).
+// Block (group, chunk) has written its chunk's partials (chunks, 2C) for the group's `width` channels from
+// ch0; the chunks go in tiers of K_BN_TIER. The last block of a tier to finish adds the tier's chunks into
+// tier sums (tiers, 2C), after the partials (with one tier: the totals); the last tier of the group adds the
+// tiers and hands each channel's totals to bn_sums_channel. tickets: (groups, tiers + 1), zero between launches.
+// Which block finishes last changes no bits: every sum's order is fixed by the shapes. The whole block calls it,
+// as the kernel's last statement.
+static __device__ void bn_tail(double *partials, int64_t chunks, int64_t c, int64_t ch0, int width, unsigned *tickets,
+                               double count, double *sums, float *dgamma, float *dbeta, float momentum, float eps,
+                               float *mean, float *invstd, float *running_mean, float *running_var) {
+  const int64_t tiers = (chunks + K_BN_TIER - 1) / K_BN_TIER, tier = blockIdx.y / K_BN_TIER, first = tier * K_BN_TIER;
+  const int64_t members = chunks - first < K_BN_TIER ? chunks - first : (int64_t)K_BN_TIER, ch = ch0 + threadIdx.x;
+  unsigned *group = tickets + blockIdx.x * (tiers + 1);
+  if (!bn_last_of(group + tier, (unsigned)members)) return;
+  double s1, s2;
+  bn_add_rows(partials + first * 2 * c, members, c, ch0, width, &s1, &s2);
+  if (tiers > 1) {
+    double *tier_sums = partials + chunks * 2 * c;
+    if ((int)threadIdx.x < width && ch < c) tier_sums[tier * 2 * c + ch] = s1, tier_sums[tier * 2 * c + c + ch] = s2;
+    if (!bn_last_of(group + tiers, (unsigned)tiers)) return;
+    bn_add_rows(tier_sums, tiers, c, ch0, width, &s1, &s2);
+  }
+  if ((int)threadIdx.x < width && ch < c)
+    bn_sums_channel(ch, c, s1, s2, count, sums, dgamma, dbeta, momentum, eps, mean, invstd, running_mean, running_var);
+}
+
+// bn_tail's arguments from count on, which the statistics kernels take as their last (pointers as arguments of
+// their own, where the stand-in looks for what a kernel may touch)
+#define BN_TAIL_PARAMS                                                                                                \
+  unsigned *tickets, double count, double *sums, float *dgamma, float *dbeta, float momentum, float eps, float *mean, \
+      float *invstd, float *running_mean, float *running_var
+#define BN_TAIL_ARGS tickets, count, sums, dgamma, dbeta, momentum, eps, mean, invstd, running_mean, running_var
+
+// partials (chunks, 2C): sum(c), sumsq(c) of the chunk; then bn_tail
+__global__ void bn_stats_kernel(const float *x, int64_t b, int64_t c, fast_div sp, int64_t per, double *partials,
+                                BN_TAIL_PARAMS) {
+  int64_t ch = blockIdx.x, r0, r1;
+  bn_chunk(b * sp.d, per, &r0, &r1);
+  double s1 = 0, s2 = 0;
+  for (int64_t i = r0 + threadIdx.x; i < r1; i += blockDim.x) {
+    double v = x[channel_offset(i, ch, c, sp)];
+    s1 += v;
+    s2 += v * v;
+  }
+  s1 = block_sum(s1);
+  s2 = block_sum(s2);
+  if (threadIdx.x == 0) partials[blockIdx.y * 2 * c + ch] = s1, partials[blockIdx.y * 2 * c + c + ch] = s2;
+  bn_tail(partials, gridDim.y, c, ch, 1, BN_TAIL_ARGS);
 }
 
 // One thread per channel: the running statistics in evaluation, else bn_finalize_channel.
@@ -107,15 +174,15 @@ __device__ __forceinline__ float bn_dx(float d, float xhat, float mdy, float mdy
   return __fmul_rn(__fmul_rn(gamma, invstd), __fsub_rn(__fsub_rn(d, mdy), __fmul_rn(xhat, mdyx)));
 }
 
-// partials (chunks, 2C): sum_dy(c), sum_dy_xhat(c) of the chunk; their sums are also the parameter
-// gradients' shares
+// partials (chunks, 2C): sum_dy(c), sum_dy_xhat(c) of the chunk, then bn_tail; their sums are also the
+// parameter gradients' shares. mean and invstd are read, and bn_tail's (the forward's) NULL.
 __global__ void bn_bwd_stats_kernel(int relu, const float *x, const float *dy, int64_t b, int64_t c, fast_div sp,
-                                    int64_t per, const float *mean, const float *invstd, const float *gamma,
-                                    const float *beta, double *partials) {
+                                    int64_t per, const float *bn_mean, const float *bn_invstd, const float *gamma,
+                                    const float *beta, double *partials, BN_TAIL_PARAMS) {
   int64_t ch = blockIdx.x, r0, r1;
   bn_chunk(b * sp.d, per, &r0, &r1);
   double s1 = 0, s2 = 0;
-  float m = mean[ch], is = invstd[ch], g = relu ? gamma[ch] : 0.0f, bt = relu ? beta[ch] : 0.0f;
+  float m = bn_mean[ch], is = bn_invstd[ch], g = relu ? gamma[ch] : 0.0f, bt = relu ? beta[ch] : 0.0f;
   for (int64_t i = r0 + threadIdx.x; i < r1; i += blockDim.x) {
     int64_t j = channel_offset(i, ch, c, sp);
     float d = bn_grad_at_z(relu, dy[j], x[j], m, is, g, bt);
@@ -125,6 +192,7 @@ __global__ void bn_bwd_stats_kernel(int relu, const float *x, const float *dy, i
   s1 = block_sum(s1);
   s2 = block_sum(s2);
   if (threadIdx.x == 0) partials[blockIdx.y * 2 * c + ch] = s1, partials[blockIdx.y * 2 * c + c + ch] = s2;
+  bn_tail(partials, gridDim.y, c, ch, 1, BN_TAIL_ARGS);
 }
 
 __global__ void bn_bwd_apply_kernel(int relu, const float *x, const float *dy, float *dx, int64_t n, fast_div c,
@@ -160,30 +228,11 @@ static __device__ __forceinline__ void bn16_partials(double (*red)[kRows16][kLan
   }
 }
 
-// As bn_sums_kernel, for the 16-bit kernels' hundreds of chunks: a block per channel, thread t adding chunks
-// t, t + blockDim.x, ..., then the block's sum (block_sum: one order for a given shape)
-__global__ void bn_chunk_sums_kernel(const double *partials, int64_t chunks, int64_t c, double count, double *sums,
-                                     float *dgamma, float *dbeta, float momentum, float eps, float *mean, float *invstd,
-                                     float *running_mean, float *running_var) {
-  const int64_t ch = blockIdx.x;
-  double s1 = 0, s2 = 0;
-  for (int64_t k = threadIdx.x; k < chunks; k += blockDim.x)
-    s1 += partials[k * 2 * c + ch], s2 += partials[k * 2 * c + c + ch];
-  s1 = block_sum(s1);
-  s2 = block_sum(s2);
-  if (threadIdx.x == 0) {
-    sums[ch] = s1, sums[c + ch] = s2;
-    if (dbeta) dbeta[ch] += (float)s1, dgamma[ch] += (float)s2;
-    if (ch == 0 && count >= 0) sums[2 * c] = count;
-    if (mean) bn_finalize_channel(ch, count, s1, s2, momentum, eps, mean, invstd, running_mean, running_var);
-  }
-}
-
-// partials (chunks, 2C) of a chunk, read along the channels: sum(c) and sumsq(c) of x (dy NULL: forward), or
-// sum_dy(c) and sum_dy_xhat(c) with dy 16-bit NHWC too (bn_apply's y16: a convolution read y)
+// partials (chunks, 2C) of a chunk, read along the channels, then bn_tail: sum(c) and sumsq(c) of x (dy NULL:
+// forward), or sum_dy(c) and sum_dy_xhat(c) with dy 16-bit NHWC too (bn_apply's y16: a convolution read y)
 __global__ void bn16_sums_kernel(int relu, const uint16_t *x, int format, const uint16_t *dy, int64_t n, int64_t c,
-                                 int64_t per, const float *mean, const float *invstd, const float *gamma,
-                                 const float *beta, double *partials) {
+                                 int64_t per, const float *bn_mean, const float *bn_invstd, const float *gamma,
+                                 const float *beta, double *partials, BN_TAIL_PARAMS) {
   __shared__ double red[2][kRows16][kLanes16];
   const int lane = threadIdx.x % kLanes16, row = threadIdx.x / kLanes16;
   const int64_t ch = (int64_t)blockIdx.x * kLanes16 + lane;
@@ -197,7 +246,7 @@ __global__ void bn16_sums_kernel(int relu, const uint16_t *x, int format, const 
       s2 += v * v;
     }
   } else if (ch < c) {
-    const float m = mean[ch], is = invstd[ch], g = relu ? gamma[ch] : 0.0f, bt = relu ? beta[ch] : 0.0f;
+    const float m = bn_mean[ch], is = bn_invstd[ch], g = relu ? gamma[ch] : 0.0f, bt = relu ? beta[ch] : 0.0f;
     for (int64_t p = r0 + row; p < r1; p += kRows16) {
       float xv = dt_from_16(x[p * c + ch], format);
       float d = bn_grad_at_z(relu, dt_from_16(dy[p * c + ch], format), xv, m, is, g, bt);
@@ -206,6 +255,7 @@ __global__ void bn16_sums_kernel(int relu, const uint16_t *x, int format, const 
     }
   }
   bn16_partials(red, s1, s2, ch, c, partials);
+  bn_tail(partials, gridDim.y, c, (int64_t)blockIdx.x * kLanes16, kLanes16, BN_TAIL_ARGS);
 }
 
 // y (B, C, S) = z, or relu(z), of x (B, S, C): z computed as a tile is read (the lane's channel), written
@@ -248,15 +298,15 @@ static __device__ __forceinline__ void bn16_dy_tile(float (*tile)[kLanes16 + 1],
     tile[r][lane] = ch0 + r < c && q0 + lane < end ? dy[channel_offset(q0 + lane, ch0 + r, c, sp)] : 0.0f;
 }
 
-// partials (chunks, 2C): sum_dy(c), sum_dy_xhat(c) of the chunk (whole tiles of positions)
+// partials (chunks, 2C): sum_dy(c), sum_dy_xhat(c) of the chunk (whole tiles of positions), then bn_tail
 __global__ void bn16_bwd_stats_kernel(int relu, const uint16_t *x, int format, const float *dy, int64_t n, int64_t c,
-                                      fast_div sp, int64_t per, const float *mean, const float *invstd,
-                                      const float *gamma, const float *beta, double *partials) {
+                                      fast_div sp, int64_t per, const float *bn_mean, const float *bn_invstd,
+                                      const float *gamma, const float *beta, double *partials, BN_TAIL_PARAMS) {
   __shared__ float tile[kLanes16][kLanes16 + 1];
   __shared__ double red[2][kRows16][kLanes16];
   const int lane = threadIdx.x % kLanes16, row = threadIdx.x / kLanes16;
   const int64_t ch0 = (int64_t)blockIdx.x * kLanes16, ch = ch0 + lane;
-  const float m = ch < c ? mean[ch] : 0.0f, is = ch < c ? invstd[ch] : 0.0f;
+  const float m = ch < c ? bn_mean[ch] : 0.0f, is = ch < c ? bn_invstd[ch] : 0.0f;
   const float g = relu && ch < c ? gamma[ch] : 0.0f, bt = relu && ch < c ? beta[ch] : 0.0f;
   int64_t r0, r1;
   bn_chunk(n, per, &r0, &r1);
@@ -273,6 +323,7 @@ __global__ void bn16_bwd_stats_kernel(int relu, const uint16_t *x, int format, c
       }
   }
   bn16_partials(red, s1, s2, ch, c, partials);
+  bn_tail(partials, gridDim.y, c, ch0, kLanes16, BN_TAIL_ARGS);
 }
 
 // dx (B, S, C) 16-bit from x (B, S, C) and dy (B, C, S), written along the channels
@@ -393,13 +444,12 @@ static dim3 bn_grid(int64_t n, int64_t c, int64_t *per) {
 }
 
 void k_bn_stats(cudaStream_t s, const float *x, int64_t b, int64_t c, int64_t sp, double *sums, double *partials,
-                k_bn_fin fin) {
+                unsigned *tickets, k_bn_fin fin) {
   int64_t per;
   dim3 grid = bn_grid(b * sp, c, &per);
-  LAUNCH(bn_stats_kernel, grid, kThreads, 0, s)(x, b, c, make_fast_div(sp), per, partials);
-  LAUNCH(bn_sums_kernel, blocks_for(c), kThreads, 0, s)
-  (partials, grid.y, c, (double)(b * sp), sums, (float *)NULL, (float *)NULL, fin.momentum, fin.eps, fin.mean,
-   fin.invstd, fin.running_mean, fin.running_var);
+  LAUNCH(bn_stats_kernel, grid, kThreads, 0, s)
+  (x, b, c, make_fast_div(sp), per, partials, tickets, (double)(b * sp), sums, (float *)NULL, (float *)NULL,
+   fin.momentum, fin.eps, fin.mean, fin.invstd, fin.running_mean, fin.running_var);
 }
 
 void k_bn_finalize(cudaStream_t s, int64_t c, int training, float momentum, float eps, const double *sums, float *mean,
@@ -416,14 +466,12 @@ void k_bn_apply(cudaStream_t s, int relu, const float *x, float *y, int64_t b, i
 
 void k_bn_bwd_stats(cudaStream_t s, int relu, const float *x, const float *dy, int64_t b, int64_t c, int64_t sp,
                     const float *mean, const float *invstd, const float *gamma, const float *beta, double *sums,
-                    float *dgamma, float *dbeta, double *partials) {
+                    float *dgamma, float *dbeta, double *partials, unsigned *tickets) {
   int64_t per;
   dim3 grid = bn_grid(b * sp, c, &per);
   LAUNCH(bn_bwd_stats_kernel, grid, kThreads, 0, s)
-  (relu, x, dy, b, c, make_fast_div(sp), per, mean, invstd, gamma, beta, partials);
-  LAUNCH(bn_sums_kernel, blocks_for(c), kThreads, 0, s)
-  (partials, grid.y, c, -1.0, sums, dgamma, dbeta, 0.0f, 0.0f, (float *)NULL, (float *)NULL, (float *)NULL,
-   (float *)NULL);
+  (relu, x, dy, b, c, make_fast_div(sp), per, mean, invstd, gamma, beta, partials, tickets, -1.0, sums, dgamma, dbeta,
+   0.0f, 0.0f, (float *)NULL, (float *)NULL, (float *)NULL, (float *)NULL);
 }
 
 void k_bn_bwd_apply(cudaStream_t s, int relu, const float *x, const float *dy, float *dx, int64_t b, int64_t c,
@@ -446,15 +494,13 @@ static dim3 bn16_tiles(int64_t n, int64_t c) {
 }
 
 void k_bn16_stats(cudaStream_t s, const uint16_t *x, int format, int64_t b, int64_t c, int64_t sp, double *sums,
-                  double *partials, k_bn_fin fin) {
+                  double *partials, unsigned *tickets, k_bn_fin fin) {
   int64_t per;
   dim3 grid = bn16_grid(b * sp, c, &per);
   LAUNCH(bn16_sums_kernel, grid, kThreads, 0, s)
   (0, x, format, (const uint16_t *)NULL, b * sp, c, per, (const float *)NULL, (const float *)NULL, (const float *)NULL,
-   (const float *)NULL, partials);
-  LAUNCH(bn_chunk_sums_kernel, (unsigned)c, row_threads(grid.y), 0, s)
-  (partials, grid.y, c, (double)(b * sp), sums, (float *)NULL, (float *)NULL, fin.momentum, fin.eps, fin.mean,
-   fin.invstd, fin.running_mean, fin.running_var);
+   (const float *)NULL, partials, tickets, (double)(b * sp), sums, (float *)NULL, (float *)NULL, fin.momentum, fin.eps,
+   fin.mean, fin.invstd, fin.running_mean, fin.running_var);
 }
 
 void k_bn16_apply(cudaStream_t s, int relu, const uint16_t *x, int format, void *y, int y16, int64_t b, int64_t c,
@@ -466,19 +512,19 @@ void k_bn16_apply(cudaStream_t s, int relu, const uint16_t *x, int format, void 
 
 void k_bn16_bwd_stats(cudaStream_t s, int relu, const uint16_t *x, int format, const void *dy, int dy16, int64_t b,
                       int64_t c, int64_t sp, const float *mean, const float *invstd, const float *gamma,
-                      const float *beta, double *sums, float *dgamma, float *dbeta, double *partials) {
+                      const float *beta, double *sums, float *dgamma, float *dbeta, double *partials,
+                      unsigned *tickets) {
   int64_t per;
   dim3 grid = bn16_grid(b * sp, c, &per);
   if (dy16) {
     LAUNCH(bn16_sums_kernel, grid, kThreads, 0, s)
-    (relu, x, format, (const uint16_t *)dy, b * sp, c, per, mean, invstd, gamma, beta, partials);
+    (relu, x, format, (const uint16_t *)dy, b * sp, c, per, mean, invstd, gamma, beta, partials, tickets, -1.0, sums,
+     dgamma, dbeta, 0.0f, 0.0f, (float *)NULL, (float *)NULL, (float *)NULL, (float *)NULL);
   } else {
     LAUNCH(bn16_bwd_stats_kernel, grid, kThreads, 0, s)
-    (relu, x, format, (const float *)dy, b * sp, c, make_fast_div(sp), per, mean, invstd, gamma, beta, partials);
+    (relu, x, format, (const float *)dy, b * sp, c, make_fast_div(sp), per, mean, invstd, gamma, beta, partials,
+     tickets, -1.0, sums, dgamma, dbeta, 0.0f, 0.0f, (float *)NULL, (float *)NULL, (float *)NULL, (float *)NULL);
   }
-  LAUNCH(bn_chunk_sums_kernel, (unsigned)c, row_threads(grid.y), 0, s)
-  (partials, grid.y, c, -1.0, sums, dgamma, dbeta, 0.0f, 0.0f, (float *)NULL, (float *)NULL, (float *)NULL,
-   (float *)NULL);
 }
 
 void k_bn16_bwd_apply(cudaStream_t s, int relu, const uint16_t *x, int format, const void *dy, int dy16, uint16_t *dx,

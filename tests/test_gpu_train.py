@@ -750,7 +750,8 @@ class GpuPrecision(GpuCase):
         one of dy to 16 bits fewer (of x to 16 bits and dx to FP32 for the second kind). The filters are copied
         to 16 bits once a forward, all in one launch (weights16_kernel), where each convolution copied its own
         for its forward and its input gradient; evaluation's forwards copy the weights they are given, the EMA's
-        for its metrics, which equal model.fuse false's too."""
+        for its metrics, which equal model.fuse false's too. A batchnorm's statistics are one launch (the
+        last block to finish adds the chunks' sums), both ways and with either layout."""
         cfg = self.images_config("res.yaml", STEM + basic_block(40, 2, True) + "    - flatten\n    - linear: {out: 3}\n")
         pairs, bn_conv, convs, steps = 4, 1, 4, 4
         evaluate = ("--set", "data.val.x=/train/images", "--set", "data.val.y=/train/labels", "--set",
@@ -766,6 +767,11 @@ class GpuPrecision(GpuCase):
                         "bn16_apply_kernel": pairs * steps, "bn16_bwd_apply_kernel": pairs * steps}
                 self.assertEqual({k: on.get(k, 0) for k in want}, want, prec)
                 self.assertFalse([k for k in off if k.startswith("bn16_")], prec)
+                # a batchnorm's statistics, forward and backward, are one launch each (their last block adds
+                # the chunks), 16-bit or not: with its apply, 4 launches a step
+                for f in got:
+                    self.assertEqual(sum(n for k, n in got[f][1].items() if k.startswith("bn")), 4 * pairs * steps,
+                                     (prec, f, got[f][1]))
                 packs = {f: sum(n for k, n in got[f][1].items() if k.startswith("pack16")) for f in got}
                 weights = 2 * convs - 1  # each filter for its forward and input gradient, but the first's
                 self.assertEqual(packs["false"] - packs["true"], (pairs + bn_conv + weights) * steps, (prec, on, off))

@@ -318,11 +318,12 @@ static char *cuda_take_notes(dt_backend *be) {
 
 static size_t cuda_scratch(dt_backend *be, const dt_op *ops, int n) {
   cuda_impl *im = be->impl;
-  size_t workspace = 0, h16 = 0, partials = 0;
+  size_t workspace = 0, h16 = 0, partials = 0, tickets = 0;
   for (int i = 0; i < n; i++) {
     const dt_op *op = &ops[i];
-    const size_t p = cuda_partials_bytes(op);
+    const size_t p = cuda_partials_bytes(op), t = cuda_tickets_bytes(op);
     if (p > partials) partials = p;
+    if (t > tickets) tickets = t;
     if (op->type == DT_OP_CONV_FWD) cuda_conv_scratch(im, &op->p.conv_fwd.g, op->p.conv_fwd.w16, &workspace, &h16);
     if (op->type == DT_OP_CONV_BWD_DATA)
       cuda_conv_scratch(im, &op->p.conv_bwd_data.g, op->p.conv_bwd_data.w16, &workspace, &h16);
@@ -330,7 +331,7 @@ static size_t cuda_scratch(dt_backend *be, const dt_op *ops, int n) {
     if (op->type == DT_OP_GEMM && cuda_gemm16_bytes(im, op) > h16) h16 = cuda_gemm16_bytes(im, op);
     if (op->type == DT_OP_GEMM && cuda_gemm_workspace(op) > workspace) workspace = cuda_gemm_workspace(op);
   }
-  return workspace + h16 + partials;
+  return workspace + h16 + partials + tickets;
 }
 
 static void cuda_destroy(dt_backend *be) {
@@ -347,6 +348,7 @@ static void cuda_destroy(dt_backend *be) {
   for (int i = 0; i < 2; i++) CUDA_CHECK(cudaEventDestroy(im->marks[i]));
   CUDA_CHECK(cudaStreamDestroy(im->copy));
   cuda_device_free(im, im->partials);
+  cuda_device_free(im, im->tickets);
   CUDNN_CHECK(cudnnDestroy(im->dnn));
   CUBLAS_CHECK(cublasLtDestroy(im->lt));
   CUBLAS_CHECK(cublasDestroy(im->blas));

@@ -62,6 +62,8 @@ typedef struct {
   int64_t col_sums_copied; /* bias gradients summed as their dy was copied to bfloat16 (gemm.a_col_sums) */
   double *partials; /* device: per-block or per-sample pairs, summed in a fixed order */
   size_t partials_bytes;
+  unsigned *tickets; /* device: the batchnorm statistics kernels' counts of blocks done, zero between launches */
+  size_t tickets_bytes;
   char *stage;              /* pinned host staging for upload(): two halves of stage_half bytes */
   size_t stage_half;        /* bytes in each half */
   size_t stage_used;        /* bytes used in the current half */
@@ -90,7 +92,7 @@ void cuda_device_free(cuda_impl *im, void *p);
 /* A failed allocation: out of memory gets the batch-size advice; any other error (a sticky one
  * left by earlier asynchronous work) is reported as it is. */
 
-/* Grows a device buffer (im->workspace, im->h16, im->partials) to `need` bytes; `what` names it
+/* Grows a device buffer (im->workspace, im->h16, im->partials, im->tickets) to `need` bytes; `what` names it
  * in the out-of-memory message. Bumps the backend's generation when the buffer moves. */
 void *cuda_grow_device(cuda_impl *im, void **buf, size_t *have, size_t need, const char *what);
 
@@ -122,6 +124,8 @@ int cuda_dy16_held(const cuda_impl *im, const float *dy, const uint16_t *at, con
 void cuda_hold_dy16(cuda_impl *im, const float *dy, const uint16_t *at, const int64_t layout[4]);
 /* ops.c: the bytes of partial sums (im->partials) op needs; 0 for an op without them. */
 size_t cuda_partials_bytes(const dt_op *op);
+/* ops.c: the bytes of tickets (im->tickets) op needs; 0 for an op without them. */
+size_t cuda_tickets_bytes(const dt_op *op);
 
 /* gemm.c (cuBLAS, cuBLASLt) */
 void cuda_gemm(cuda_impl *im, const dt_op *op);

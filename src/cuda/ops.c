@@ -62,6 +62,36 @@ void cuda_scale(cuda_impl *im, const dt_op *op) {
   k_scale(im->stream, q->x, q->alpha, q->n);
 }
 
+/* The chunks a batchnorm's statistics kernels sum each channel's n positions in, and the tickets they
+ * take (kernels.h) */
+static int64_t bn_chunks(int64_t n, int64_t c, int x16) {
+  return x16 ? k_bn16_chunks(n, c) : k_bn_chunks(n);
+}
+static int64_t bn_tickets(int64_t n, int64_t c, int x16) {
+  return k_bn_tickets(bn_chunks(n, c, x16), x16 ? (c + 31) / 32 : c);
+}
+
+size_t cuda_tickets_bytes(const dt_op *op) {
+  if (op->type == DT_OP_BN_STATS)
+    return (size_t)bn_tickets(op->p.bn_stats.b * op->p.bn_stats.s, op->p.bn_stats.c, op->p.bn_stats.x16) *
+           sizeof(unsigned);
+  if (op->type == DT_OP_BN_BWD_STATS)
+    return (size_t)bn_tickets(op->p.bn_bwd_stats.b * op->p.bn_bwd_stats.s, op->p.bn_bwd_stats.c,
+                              op->p.bn_bwd_stats.x16) *
+           sizeof(unsigned);
+  return 0;
+}
+
+/* im->tickets grown to op's and zeroed where new (queued on the stream: its kernels follow) */
+static unsigned *tickets_for(cuda_impl *im, const dt_op *op) {
+  const size_t need = cuda_tickets_bytes(op);
+  if (need > im->tickets_bytes) {
+    cuda_grow_device(im, (void **)&im->tickets, &im->tickets_bytes, need, "batchnorm tickets");
+    CUDA_CHECK(cudaMemsetAsync(im->tickets, 0, need, im->stream));
+  }
+  return im->tickets;
+}
+
 size_t cuda_partials_bytes(const dt_op *op) {
   int64_t n = 0; /* doubles */
   if (op->type == DT_OP_SUMSQ) {
@@ -70,10 +100,10 @@ size_t cuda_partials_bytes(const dt_op *op) {
     n = 2 * K_LN_CHUNKS * op->p.ln_bwd.d > 2 * K_SUM_BLOCKS ? 2 * K_LN_CHUNKS * op->p.ln_bwd.d : 2 * K_SUM_BLOCKS;
   } else if (op->type == DT_OP_BN_STATS) {
     const typeof(op->p.bn_stats) *q = &op->p.bn_stats;
-    n = 2 * q->c * (q->x16 ? k_bn16_chunks(q->b * q->s, q->c) : k_bn_chunks(q->b * q->s));
+    n = k_bn_partials(bn_chunks(q->b * q->s, q->c, q->x16), q->c);
   } else if (op->type == DT_OP_BN_BWD_STATS) {
     const typeof(op->p.bn_bwd_stats) *q = &op->p.bn_bwd_stats;
-    n = 2 * q->c * (q->x16 ? k_bn16_chunks(q->b * q->s, q->c) : k_bn_chunks(q->b * q->s));
+    n = k_bn_partials(bn_chunks(q->b * q->s, q->c, q->x16), q->c);
   } else if (op->type == DT_OP_GEMM && op->p.gemm.a_col_sums) {
     n = k_pack_bf16_rows_chunks(DT_GEMM_A_ROWS(&op->p.gemm), DT_GEMM_A_COLS(&op->p.gemm)) * DT_GEMM_A_COLS(&op->p.gemm);
   } else if (op->type == DT_OP_LOSS) {
@@ -133,10 +163,11 @@ void cuda_bn_stats(cuda_impl *im, const dt_op *op) {
   DT_ASSERT(!f || (f->training && f->sums == q->sums && f->c == q->c));
   const k_bn_fin fin =
       f ? (k_bn_fin){f->momentum, f->eps, f->mean, f->invstd, f->running_mean, f->running_var} : (k_bn_fin){0};
+  unsigned *tickets = tickets_for(im, op);
   if (q->x16)
-    k_bn16_stats(im->stream, x16_of(im, q->x, q->x16), q->x16, q->b, q->c, q->s, q->sums, partials, fin);
+    k_bn16_stats(im->stream, x16_of(im, q->x, q->x16), q->x16, q->b, q->c, q->s, q->sums, partials, tickets, fin);
   else
-    k_bn_stats(im->stream, q->x, q->b, q->c, q->s, q->sums, partials, fin);
+    k_bn_stats(im->stream, q->x, q->b, q->c, q->s, q->sums, partials, tickets, fin);
 }
 
 void cuda_bn_finalize(cuda_impl *im, const dt_op *op) {
@@ -162,12 +193,13 @@ void cuda_bn_bwd_stats(cuda_impl *im, const dt_op *op) {
   double *partials = cuda_grow_device(im, (void **)&im->partials, &im->partials_bytes, cuda_partials_bytes(op),
                                       "batchnorm gradient sums");
   DT_ASSERT(!q->dy16 || q->dy16 == q->x16);
+  unsigned *tickets = tickets_for(im, op);
   if (q->x16)
     k_bn16_bwd_stats(im->stream, q->relu, x16_of(im, q->x, q->x16), q->x16, q->dy, q->dy16, q->b, q->c, q->s, q->mean,
-                     q->invstd, q->gamma, q->beta, q->sums, q->dgamma, q->dbeta, partials);
+                     q->invstd, q->gamma, q->beta, q->sums, q->dgamma, q->dbeta, partials, tickets);
   else
     k_bn_bwd_stats(im->stream, q->relu, q->x, q->dy, q->b, q->c, q->s, q->mean, q->invstd, q->gamma, q->beta, q->sums,
-                   q->dgamma, q->dbeta, partials);
+                   q->dgamma, q->dbeta, partials, tickets);
 }
 
 void cuda_bn_bwd_apply(cuda_impl *im, const dt_op *op) {

@@ -83,12 +83,18 @@ static inline float __fsub_rn(float a, float b) {
   return a - b;
 }
 
-// Fences order memory between threads; blocks and threads run one at a time here.
+// Fences order memory between threads; blocks and threads run one at a time here, so a compiler barrier does
+// (an atomic fence is one -fsanitize=thread cannot instrument).
 static inline void __threadfence() {
-  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  __asm__ __volatile__("" ::: "memory");
 }
 static inline void __threadfence_block() {
-  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  __asm__ __volatile__("" ::: "memory");
+}
+// A load that skips L1 ("cache global"), for data other blocks of the same launch wrote: one memory here.
+template <class T>
+static inline T __ldcg(const T *p) {
+  return *p;
 }
 
 namespace gpusim_detail {
