@@ -61,6 +61,7 @@ int teacher_load(dt_teacher *t, const dt_config *cfg, dt_backend *be, int64_t ma
   dt_model *tm = &t->model;
   model_alloc(tm, be, max_batch, 0);
   int code = ckpt_share_model(cfg->v.distill_weights, tm, 0, "distill.weights", comm);
+  if (!code) model_weights16(tm, tm->params); /* its forwards' 16-bit copies, once: the weights never change */
   if (!code && comm->rank == 0)
     printf("distill: teacher %s (%lld parameters) from %s, frozen, in evaluation mode\n", t->cfg.path,
            (long long)tm->n_params, cfg->v.distill_weights);

@@ -938,14 +938,17 @@ void seq_backward(dt_seq *s, dt_pass *pass, const float *x, float *dx) {
   }
 }
 
+void model_weights16(dt_model *m, const float *params) {
+  if (!m->n_w16) return;
+  dt_op op = {.type = DT_OP_WEIGHTS16};
+  op.p.weights16 = (typeof(op.p.weights16)){
+      .params = params, .w16 = m->weights16, .table = m->w16_entries, .n = m->n_w16, .rows = m->w16_rows};
+  backend_run(m->be, &op);
+}
+
 void model_forward(dt_model *m, dt_pass *pass) {
   pass->weights16 = m->weights16;
-  if (m->n_w16) {
-    dt_op op = {.type = DT_OP_WEIGHTS16};
-    op.p.weights16 = (typeof(op.p.weights16)){
-        .params = pass->params, .w16 = m->weights16, .table = m->w16_entries, .n = m->n_w16, .rows = m->w16_rows};
-    backend_run(pass->be, &op);
-  }
+  if (!m->frozen) model_weights16(m, pass->params);
   seq_forward(&m->top, pass, m->input_x);
 }
 void model_backward(dt_model *m, dt_pass *pass) {

@@ -273,7 +273,8 @@ struct dt_model {
   float *params, *grads, *bufs;
   float *input_x; /* (B, input) */
   /* model.fuse under bf16 (fp16: convolutions only) on CUDA: one 16-bit copy of each weight a GEMM or a
-   * convolution reads, made at the start of each forward (pick_weights16; a layer's w16) */
+   * convolution reads, made at the start of each forward (pick_weights16; a layer's w16), or a frozen
+   * model's once, as its weights are loaded (model_weights16) */
   dt_weight16 *w16_table; /* (n_w16) host memory: each copy's entry, in the order of the layers */
   int n_w16;
   int64_t w16_rows;         /* the entries' rows */
@@ -321,8 +322,11 @@ int64_t model_max_row(const dt_model *m);
 
 /* Queues the normalised input of rows raw rows (backend memory, (rows, input)) into m->input_x. */
 void model_input(dt_model *m, const float *raw, int64_t rows);
+/* Queues the 16-bit copies of params' weights (m->n_w16; none: nothing) into m->weights16. */
+void model_weights16(dt_model *m, const float *params);
 /* Forward over pass->batch rows of m->input_x; logits end in the last layer's y. First makes the 16-bit
- * copies of pass->params' weights (m->n_w16) and points pass->weights16 at them, for its backward too. */
+ * copies of pass->params' weights (model_weights16; a frozen model's were made as its weights were loaded)
+ * and points pass->weights16 at them, for its backward too. */
 void model_forward(dt_model *m, dt_pass *pass);
 /* The loss of the last forward over pass->batch rows: dlogits (the last layer's dy) written,
  * the summed loss and hits added to sums[0], sums[1]. labels, targets, sums: backend memory. */

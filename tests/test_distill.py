@@ -14,6 +14,7 @@ and /status show the teacher."""
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 import unittest
@@ -417,8 +418,10 @@ class Gpu(unittest.TestCase):
     def test_16_bit_precisions_run_the_teacher_too(self):
         """bf16 and fp16 (loss scaling, which the teacher's term carries too): the taught run's losses
         stay within 2% of fp32's on the same device, and differ from them (the teacher's and the
-        student's products both ran in 16 bits)."""
-        env, visible, _ = helpers.gpu_setup(1)
+        student's products both ran in 16 bits). The teacher's convolution reads its filter's 16-bit copy,
+        made once as the teacher is loaded (the student, an MLP narrower than 16, has none): on the stand-in
+        one weights16_kernel in the run, not one a step."""
+        env, visible, sim = helpers.gpu_setup(1)
         if visible < 1:
             self.skipTest("no GPU")
         w = Workdir()
@@ -430,9 +433,12 @@ class Gpu(unittest.TestCase):
                 log = w.file(f"log-{precision}")
                 rc, out, err = run([cfg, "--device", "cuda", "--set", f"train.precision={precision}", "--set",
                                     f"log.dir={log}", "--set", f"checkpoint.dir={log}"],
-                                   binary=helpers.GPU_BINARY, env=env, timeout=300)
+                                   binary=helpers.GPU_BINARY, env=dict(env, GPUSIM_PROFILE="1"), timeout=300)
                 self.assertEqual(rc, 0, out + err)
                 losses[precision] = [r["loss"] for r in w.metrics(f"log-{precision}") if "loss" in r]
+                if sim:
+                    copies = re.findall(r"^\s*weights16_kernel\s+(\d+)\s", err, re.M)
+                    self.assertEqual(copies, [] if precision == "fp32" else ["1"], (precision, err))
             for precision in ("bf16", "fp16"):
                 np.testing.assert_allclose(losses[precision], losses["fp32"], rtol=0.02, err_msg=precision)
                 self.assertNotEqual(losses[precision], losses["fp32"], precision)
