@@ -48,8 +48,9 @@ static __device__ __forceinline__ void bn_sums_channel(int64_t ch, int64_t c, do
 }
 
 // Whether this block is the last of `members` to take a ticket (every thread gets the answer). Each block
-// fences its writes before taking one, and the last fences again before reading the others' (through L2:
-// __ldcg), as the CUDA guide's last-block reduction; the last puts the ticket back to 0 for the next launch.
+// fences its writes before taking one, and the last fences again before reading the others' (volatile loads,
+// which no L1 serves), as the CUDA guide's last-block reduction; the last puts the ticket back to 0 for the
+// next launch.
 static __device__ bool bn_last_of(unsigned *ticket, unsigned members) {
   __shared__ unsigned last;
   __threadfence();
@@ -66,16 +67,16 @@ static __device__ bool bn_last_of(unsigned *ticket, unsigned members) {
 
 // Rows [0, count) of src (rows of 2C doubles: the first sums, then the second) added for the block's
 // `width` channels from ch0: thread (lane, row) adds rows row, row + rows, ... in order, and the threads of
-// row 0 (threadIdx.x < width) then add the rows' sums in row order, returning channel ch0 + lane's two.
-static __device__ void bn_add_rows(const double *src, int64_t count, int64_t c, int64_t ch0, int width, double *s1,
-                                   double *s2) {
+// row 0 (threadIdx.x < width) then add the rows' sums in row order, returning channel ch0 + lane's two. No
+// barrier at its end: a second call's writes to red come after bn_last_of's.
+static __device__ void bn_add_rows(const volatile double *src, int64_t count, int64_t c, int64_t ch0, int width,
+                                   double *s1, double *s2) {
   __shared__ double red[2][kThreads];
   const int lane = threadIdx.x % width, row = threadIdx.x / width, rows = blockDim.x / width;
   const int64_t ch = ch0 + lane;
   double a = 0, b = 0;
   if (ch < c)
-    for (int64_t k = row; k < count; k += rows)
-      a += __ldcg(src + k * 2 * c + ch), b += __ldcg(src + k * 2 * c + c + ch);
+    for (int64_t k = row; k < count; k += rows) a += src[k * 2 * c + ch], b += src[k * 2 * c + c + ch];
   red[0][threadIdx.x] = a, red[1][threadIdx.x] = b;
   __syncthreads();
   if (row == 0)

@@ -781,13 +781,13 @@ static void ops_weights16(void) {
  * f16): y and dy 16-bit NHWC too, for a convolution after it. */
 static void ops_batchnorm_in(int f16, int y16) {
   /* (C, S). 6001: 6 or 5 rows make 36006 or 30005 positions a channel, the sums' 3 or 2 chunks of at least
-   * K_BN_CHUNK_MIN (of 5 rows: the last shorter); 16-bit x: 71 or 59 chunks of whole 32-position tiles (71:
-   * two tiers of K_BN_TIER, which the last block to finish adds).
-   * 40 channels past a 32-channel tile, 49 positions crossing tiles and images. */
-  const int64_t shapes[][2] = {{3, 4}, {3, 1}, {3, 6001}, {40, 49}};
+   * K_BN_CHUNK_MIN (of 5 rows: the last shorter); 16-bit x: 282 or 235 chunks of whole 32-position tiles, 5
+   * or 4 tiers of K_BN_TIER for the last blocks to add. 2731: 6 rows make 129 16-bit chunks, tiers of 64, 64
+   * and 1. 40 channels past a 32-channel tile, 49 positions crossing tiles and images. */
+  const int64_t shapes[][2] = {{3, 4}, {3, 1}, {3, 6001}, {3, 2731}, {40, 49}};
   const char *in = y16 ? "16-bit NHWC x and y, " : f16 ? "16-bit NHWC x, " : "";
   FOR_ROWS(r) {
-    for (int si = 0; si < 4; si++) {
+    for (int si = 0; si < 5; si++) {
       const int64_t C = shapes[si][0], S = shapes[si][1], n = cap * C * S;
       dbuf x = f16 ? ot_rand16(n, -2, 3) : ot_rand(n, -2, 3), dy = y16 ? ot_rand16(n, -1, 1) : ot_rand(n, -1, 1);
       dbuf y = y16 ? ot_rand16(n, -1, 1) : ot_rand(n, -1, 1);

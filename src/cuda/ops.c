@@ -82,7 +82,9 @@ size_t cuda_tickets_bytes(const dt_op *op) {
   return 0;
 }
 
-/* im->tickets grown to op's and zeroed where new (queued on the stream: its kernels follow) */
+/* im->tickets grown to op's and zeroed where new (queued on the stream: its kernels follow). Grown during a
+ * capture, the memset is the graph's, which train_step.c replays as soon as it is captured; a warm-up step
+ * runs every op before a capture, so growing there is for a shape the warm-up did not see. */
 static unsigned *tickets_for(cuda_impl *im, const dt_op *op) {
   const size_t need = cuda_tickets_bytes(op);
   if (need > im->tickets_bytes) {

@@ -91,11 +91,6 @@ static inline void __threadfence() {
 static inline void __threadfence_block() {
   __asm__ __volatile__("" ::: "memory");
 }
-// A load that skips L1 ("cache global"), for data other blocks of the same launch wrote: one memory here.
-template <class T>
-static inline T __ldcg(const T *p) {
-  return *p;
-}
 
 namespace gpusim_detail {
 template <class T>
