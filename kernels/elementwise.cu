@@ -249,12 +249,26 @@ __global__ void sumsq_kernel(const float *x, int64_t n, double *pairs) {
   if (threadIdx.x == 0) pairs[2 * blockIdx.x] = acc, pairs[2 * blockIdx.x + 1] = bad;
 }
 
+// A raw value of channel ch normalised: (raw * scale - mean) / std, as the CPU's
+static __device__ __forceinline__ float input_value(float raw, uint32_t ch, float scale, const float *mean,
+                                                    const float *std) {
+  float m = mean ? mean[ch] : 0.0f, inv = std ? 1.0f / std[ch] : 1.0f;
+  return (raw * scale - m) * inv;
+}
+
 __global__ void input_kernel(const float *raw, float *x, int64_t n, fast_div c, fast_div sp, float scale,
                              const float *mean, const float *std) {
+  GRID_STRIDE(i, n) x[i] = input_value(raw[i], channel_of(i, c, sp), scale, mean, std);
+}
+
+// x (B, S, C) 16-bit in `format`, element i = (b * S + s) * C + ch, from raw (B, C, S): the first convolution's
+// NHWC operand, written along the channels
+__global__ void input16_kernel(const float *raw, uint16_t *x, int format, int64_t n, fast_div c, fast_div sp,
+                               float scale, const float *mean, const float *std) {
   GRID_STRIDE(i, n) {
-    uint32_t ch = channel_of(i, c, sp);
-    float m = mean ? mean[ch] : 0.0f, inv = std ? 1.0f / std[ch] : 1.0f;
-    x[i] = (raw[i] * scale - m) * inv;
+    const uint32_t pos = div_by((uint32_t)i, c), ch = (uint32_t)i - pos * c.d, b = div_by(pos, sp);
+    const int64_t from = ((int64_t)b * c.d + ch) * sp.d + (pos - b * sp.d);
+    x[i] = dt_to_16(input_value(raw[from], ch, scale, mean, std), format);
   }
 }
 
@@ -347,10 +361,15 @@ void k_sum_pairs(cudaStream_t s, const double *pairs, int64_t n, double *out) {
   LAUNCH(sum_pairs_kernel, 1, kThreads, 0, s)(pairs, n, out);
 }
 
-void k_input(cudaStream_t s, const float *raw, float *x, int64_t b, int64_t c, int64_t sp, float scale,
+void k_input(cudaStream_t s, const float *raw, float *x, int x16, int64_t b, int64_t c, int64_t sp, float scale,
              const float *mean, const float *std) {
-  LAUNCH(input_kernel, blocks_for(b * c * sp), kThreads, 0, s)
-  (raw, x, b * c * sp, make_fast_div(c), make_fast_div(sp), scale, mean, std);
+  if (x16) {
+    LAUNCH(input16_kernel, blocks_for(b * c * sp), kThreads, 0, s)
+    (raw, (uint16_t *)x, x16, b * c * sp, make_fast_div(c), make_fast_div(sp), scale, mean, std);
+  } else {
+    LAUNCH(input_kernel, blocks_for(b * c * sp), kThreads, 0, s)
+    (raw, x, b * c * sp, make_fast_div(c), make_fast_div(sp), scale, mean, std);
+  }
 }
 
 }  // extern "C"

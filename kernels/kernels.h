@@ -49,7 +49,8 @@ enum { K_SUM_BLOCKS = 256 }; /* blocks of k_sumsq: pairs holds 2 * K_SUM_BLOCKS 
 void k_sumsq(cudaStream_t s, const float *x, int64_t n, double *out, double *pairs);
 /* out[0], out[1] += the sums of pairs[2i] and pairs[2i + 1] over i < n, in an order fixed by n */
 void k_sum_pairs(cudaStream_t s, const double *pairs, int64_t n, double *out);
-void k_input(cudaStream_t s, const float *raw, float *x, int64_t b, int64_t c, int64_t sp, float scale,
+/* x16: x as 16-bit NHWC (B, S, C) in that format (half.h), else FP32 (B, C, S) */
+void k_input(cudaStream_t s, const float *raw, float *x, int x16, int64_t b, int64_t c, int64_t sp, float scale,
              const float *mean, const float *std);
 
 /* convert.cu: x (B, C, S) FP32 to y (B, S, C) in bfloat16 (bf16 = 1) or IEEE half, rounded to

@@ -458,6 +458,8 @@ typedef struct {
       const float *mean, *std; /* (C); NULL: none */
       const float *raw;
       float *x;
+      int x16; /* 0, or (CUDA) half.h's format: x written as 16-bit NHWC (B, S, C), rounded to nearest even,
+                  for a first conv2d that reads it so (its in16; model.c's pick_input16) */
     } input;
     struct {
       int64_t n;

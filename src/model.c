@@ -290,6 +290,14 @@ static void pick_y16(dt_model *m, int format) {
   }
 }
 
+/* A first layer that is a convolution reads the input as the input op writes it, 16-bit NHWC, and keeps no
+ * copy of it (the input stays until the next micro-batch's): no pack of the input to 16 bits a forward. */
+static void pick_input16(dt_model *m, int format) {
+  dt_layer *first = m->top.n ? m->top.layers[0] : NULL;
+  m->input16 = m->fuse && format && !m->tokens && first && (first->ops->traits & DT_LAYER_CONV) ? format : DT_F16_NONE;
+  if (m->input16) first->in16 = format, first->keeps_x16 = 0;
+}
+
 /* Whether a residual's neighbours keep it 16-bit (l->y16 marks those still in the running): a batchnorm that
  * reads 16 bits writes them; a residual so marked writes and reads them; a conv2d and a global_avgpool read them. */
 static int trunk16_fits(const dt_layer *l) {
@@ -446,6 +454,7 @@ static void pick_weights16(dt_model *m, int format) {
 static void pick_ops(dt_model *m, int cuda, size_t shared_per_block, int format) {
   for (int i = 0; i < m->n_all; i++)
     if (m->all[i]->ops->pick) m->all[i]->ops->pick(m->all[i], m, cuda, shared_per_block);
+  pick_input16(m, format);
   pick_y16(m, format);
   pick_trunk16(m, format);
   pick_logits16(m, format);
@@ -989,7 +998,8 @@ void model_input(dt_model *m, const float *raw, int64_t rows) {
                           .mean = m->has_mean ? m->norm : NULL,
                           .std = m->has_std ? m->norm + ch : NULL,
                           .raw = raw,
-                          .x = m->input_x}};
+                          .x = m->input_x,
+                          .x16 = m->input16}};
   backend_run(m->be, &op);
 }
 

@@ -271,7 +271,8 @@ struct dt_model {
   dt_backend *be;
   int64_t max_batch;
   float *params, *grads, *bufs;
-  float *input_x; /* (B, input) */
+  float *input_x; /* (B, input); as 16-bit NHWC (B, S, C) where input16 */
+  int input16;    /* half.h's format: model_input writes input_x so, for a first conv2d (its in16) */
   /* model.fuse under bf16 (fp16: convolutions only) on CUDA: one 16-bit copy of each weight a GEMM or a
    * convolution reads, made at the start of each forward (pick_weights16; a layer's w16), or a frozen
    * model's once, as its weights are loaded (model_weights16) */

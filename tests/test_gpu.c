@@ -1631,7 +1631,9 @@ static void ops_gather(void) {
   }
 }
 
-static void ops_input(void) {
+/* x as FP32 (B, C, S) (f16 0), or (f16: half.h's format, the CUDA backend's) as 16-bit NHWC (B, S, C), whose
+ * values are checked against the FP32 op's, rounded, bit for bit on both backends. */
+static void ops_input_in(int f16) {
   const int64_t S = 20;
   FOR_ROWS(r) {
     int64_t n = cap * 3 * S;
@@ -1641,8 +1643,8 @@ static void ops_input(void) {
     free(raw_h);
     const float norm[6] = {0.2860f, 0.4218f, 0.5071f, 0.3530f, 0.2420f, 0.2865f}; /* mean, then std */
     dbuf stats = ot_buf(OT_F32, norm, 6);
-    dbuf x1 = ot_rand(n, -1, 1), x2 = ot_rand(n, -1, 1);
-    ot_case(DT_OP_INPUT, "mean and std (C = 3), and none, %s", ROWS_NAME(r));
+    dbuf x1 = ot_rand(n, -1, 1), x2 = ot_rand(n, -1, 1), x16 = ot_rand16(n, -1, 1);
+    ot_case(DT_OP_INPUT, "mean and std (C = 3), and none%s, %s", f16 ? ", and 16-bit NHWC" : "", ROWS_NAME(r));
     BOTH {
       dt_op op = {.type = DT_OP_INPUT,
                   .p.input = {.b = rows,
@@ -1654,12 +1656,36 @@ static void ops_input(void) {
                               .raw = F(raw),
                               .x = F(x1)}};
       RUN(op);
+      if (f16) {
+        op.p.input.x = F(x16), op.p.input.x16 = f16;
+        RUN(op);
+        op.p.input.x16 = 0;
+      }
       op.p.input.mean = op.p.input.std = NULL;
       op.p.input.x = F(x2);
       RUN(op);
     }
     ot_check("x (with mean and std)", x1, rows * 3 * S);
     ot_check("x (no mean and std)", x2, rows * 3 * S);
+    if (!f16) continue;
+    for (int side = 0; side < 2; side++) {
+      float *fp32 = ot_fetch(x1, side);
+      uint16_t *got = ot_fetch(x16, side);
+      for (int64_t b = 0; b < rows; b++)
+        for (int64_t c = 0; c < 3; c++)
+          for (int64_t i = 0; i < S; i++) {
+            const uint16_t want = dt_to_16(fp32[(b * 3 + c) * S + i], f16), at = got[(b * S + i) * 3 + c];
+            if (at != want)
+              fail_msg("op input [%s]: on %s the 16-bit x at (%lld, %lld, %lld) is %#x, the FP32 x's rounding %#x",
+                       ot.kase, side ? "CUDA" : "the CPU", (long long)b, (long long)i, (long long)c, at, want);
+          }
+      for (int64_t i = rows * 3 * S; i < cap * 3 * S; i++)
+        if (got[i] != ((const uint16_t *)x16.init)[i])
+          fail_msg("op input [%s]: on %s 16-bit value %lld, past the rows, changed", ot.kase, side ? "CUDA" : "the CPU",
+                   (long long)i);
+      free(fp32);
+      free(got);
+    }
   }
 }
 
@@ -3283,7 +3309,9 @@ GPU_TEST(cuda_op_add_scale, (ot_begin(), ops_elementwise(), ot_end()))
 GPU_TEST(cuda_op_loss, (ot_begin(), ops_loss(), ot_end()))
 GPU_TEST(cuda_op_sgd_adamw, (ot_begin(), ops_optim(), ot_end()))
 GPU_TEST(cuda_op_sumsq, (ot_begin(), ops_sumsq(), ot_end()))
-GPU_TEST(cuda_op_input, (ot_begin(), ops_input(), ot_end()))
+GPU_TEST(cuda_op_input,
+         (ot_begin(), ops_input_in(0), ot_end(), ot_begin_precision(DT_PREC_BF16, 1e-5), ops_input_in(DT_F16_BF16),
+          ot_end(), ot_begin_precision(DT_PREC_FP16, 1e-5), ops_input_in(DT_F16_HALF), ot_end()))
 GPU_TEST(cuda_op_loss_scaling, (ot_begin(), ops_scaler(), ot_end()))
 GPU_TEST(cuda_op_optimizer_counts_nonfinite_gradients, (ot_begin(), ops_optim_nonfinite(), ot_end()))
 GPU_TEST(cuda_op_gather, (ot_begin(), ops_gather(), ot_end()))

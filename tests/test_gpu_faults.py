@@ -166,10 +166,12 @@ class GpuFaults(FaultCases, unittest.TestCase):
                       "(cudaErrorIllegalAddress), reported by cudaGetLastError() after the input op at src/cuda/",
                       errors(err)[0])
         # a library that meets the fault first (cuDNN, whose convolution follows the 16-bit copy that faulted
-        # within one op) fails with its own status: the context's fault is what is named
+        # within one op: the input's, which model.fuse true leaves to the input op) fails with its own status:
+        # the context's fault is what is named
         self.w.cleanup()
         self.setUp()
-        rc, out, err, _ = self.run_gpu(["--set", "train.cuda_graph=off", "--set", "train.precision=bf16"],
+        rc, out, err, _ = self.run_gpu(["--set", "train.cuda_graph=off", "--set", "train.precision=bf16", "--set",
+                                        "model.fuse=false"],
                                        env=dict(blocking, GPUSIM_KERNEL_FAULT="pack16_kernel:1@1"))
         self.assertEqual(rc, 70, out + err)
         self.assertEqual(len(errors(err)), 1, err)

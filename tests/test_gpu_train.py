@@ -751,7 +751,8 @@ class GpuPrecision(GpuCase):
         to 16 bits once a forward, all in one launch (weights16_kernel), where each convolution copied its own
         for its forward and its input gradient; evaluation's forwards copy the weights they are given, the EMA's
         for its metrics, which equal model.fuse false's too. A batchnorm's statistics are one launch (the
-        last block to finish adds the chunks' sums), both ways and with either layout."""
+        last block to finish adds the chunks' sums), both ways and with either layout. The input op writes the
+        input as the stem's convolution reads it, 16-bit NHWC, where the convolution copied it."""
         cfg = self.images_config("res.yaml", STEM + basic_block(40, 2, True) + "    - flatten\n    - linear: {out: 3}\n")
         pairs, bn_conv, convs, steps = 4, 1, 4, 4
         evaluate = ("--set", "data.val.x=/train/images", "--set", "data.val.y=/train/labels", "--set",
@@ -774,7 +775,9 @@ class GpuPrecision(GpuCase):
                                      (prec, f, got[f][1]))
                 packs = {f: sum(n for k, n in got[f][1].items() if k.startswith("pack16")) for f in got}
                 weights = 2 * convs - 1  # each filter for its forward and input gradient, but the first's
-                self.assertEqual(packs["false"] - packs["true"], (pairs + bn_conv + weights) * steps, (prec, on, off))
+                # and the input, which the input op writes as the stem's convolution reads it (input16_kernel)
+                self.assertEqual(packs["false"] - packs["true"], (pairs + bn_conv + weights + 1) * steps, (prec, on, off))
+                self.assertEqual((on.get("input16_kernel"), off.get("input16_kernel")), (steps, None), prec)
                 self.assertEqual(off["unpack16_tiled_kernel"] - on["unpack16_tiled_kernel"], (pairs + bn_conv) * steps,
                                  (prec, on, off))
                 self.assertEqual((on.get("weights16_kernel"), off.get("weights16_kernel")), (steps, None), prec)
@@ -885,9 +888,9 @@ checkpoint: {{dir: ""}}
         its shortcut, and takes its gradient so; the pool averages the last sums into FP32. The sums round to
         16 bits where model.fuse false keeps them in FP32, so 4 steps end near its parameters, not on them.
         The stand-in's profile shows the 16-bit sums, relu backward and pooling kernels and no FP32 ones, and
-        of the 16-bit copies only the input's and the weights' (all of them once a forward, in one launch, and
-        each convolution's dw back to FP32): no activation is copied. train.recompute blocks gives the same
-        bits."""
+        of the 16-bit copies only the weights' (all of them once a forward, in one launch, and each
+        convolution's dw back to FP32; the input op writes the input as the stem reads it): no activation is
+        copied. train.recompute blocks gives the same bits."""
         cfg = self.images_config("trunk.yaml", STEM + basic_block(8) + basic_block(16, 2, True) +
                                  "    - global_avgpool\n    - linear: {out: 3}\n")
         convs, residuals, steps = 6, 2, 4
@@ -907,7 +910,8 @@ checkpoint: {{dir: ""}}
                 self.assertEqual({k: on.get(k, 0) for k in want}, want, prec)
                 self.assertFalse([k for k in ("add_kernel", "act_bwd_kernel", "act_fwd_kernel") if k in on], prec)
                 copies = {d: sum(n for k, n in on.items() if k.startswith(d + "16")) for d in ("pack", "unpack")}
-                self.assertEqual(copies, {"pack": steps, "unpack": convs * steps}, (prec, on))
+                self.assertEqual(copies, {"pack": 0, "unpack": convs * steps}, (prec, on))
+                self.assertEqual(on.get("input16_kernel"), steps, (prec, on))
                 self.assertEqual(on.get("weights16_kernel"), steps, (prec, on))
         rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", "train.precision=bf16", "--set",
                                 "train.recompute=blocks", "--set", f"checkpoint.dir={self.w.file('rec')}", "--set",
@@ -917,8 +921,8 @@ checkpoint: {{dir: ""}}
 
     def test_16bit_residual_sums_reach_a_convolution_or_stay_fp32_whole(self):
         """The 16-bit trunk's other ends (model.c's pick_trunk16): a convolution right after a residual reads its
-        16-bit sum as it is and writes its input gradient into the residual's gradient so (no activation copy
-        but the input's, 4 steps near model.fuse false in bf16); and a chain of residuals one of which cannot
+        16-bit sum as it is and writes its input gradient into the residual's gradient so (no activation copy,
+        4 steps near model.fuse false in bf16); and a chain of residuals one of which cannot
         add 16-bit values (a convolution with a bias begins its branch: no batchnorm takes its output in 16
         bits) stays FP32 whole, the residual before it too: no 16-bit sums at all, and on the stand-in the
         parameters of model.fuse false bit for bit."""
@@ -935,7 +939,7 @@ checkpoint: {{dir: ""}}
             on = got["true"][1]
             self.assertEqual((on.get("add16_kernel"), on.get("relu_bwd16_kernel")), (2 * steps, steps), on)
             copies = {d: sum(n for k, n in on.items() if k.startswith(d + "16")) for d in ("pack", "unpack")}
-            self.assertEqual(copies, {"pack": steps, "unpack": convs * steps}, on)  # the input's; the weights' together
+            self.assertEqual(copies, {"pack": 0, "unpack": convs * steps}, on)  # the weights' together
             self.assertEqual(on.get("weights16_kernel"), steps, on)
         broken = self.images_config("broken.yaml", STEM + """\
     - residual:
@@ -963,7 +967,8 @@ checkpoint: {{dir: ""}}
         the 16-bit pooling kernels, and a copy of x to 16 bits and one of dx to FP32 a step fewer, for that
         convolution, than the two convolution-batchnorm pairs save; the pool before the flatten stays FP32. On
         the stand-in the first step's loss is the same bits, and in fp16 (no such tie in this data) so are the
-        parameters after 4 steps. (The filters' copies, all made once a forward, are fewer too.)"""
+        parameters after 4 steps. (The filters' copies, all made once a forward, are fewer too, and the input
+        op writes the input as the first convolution reads it.)"""
         cfg = self.images_config("pool.yaml", """\
     - conv2d: {out: 8, kernel: 3, pad: 1, bias: false}
     - batchnorm: {}
@@ -989,7 +994,8 @@ checkpoint: {{dir: ""}}
                 self.assertEqual((on.get("pool_fwd_kernel"), on.get("pool_bwd_kernel")), (steps, steps), prec)
                 self.assertFalse([k for k in off if k.startswith("pool16")], prec)
                 packs = {f: sum(n for k, n in got[f][1].items() if k.startswith("pack16")) for f in got}
-                self.assertEqual(packs["false"] - packs["true"], (pairs + pools + 2 * convs - 1) * steps, (prec, on, off))
+                self.assertEqual(packs["false"] - packs["true"], (pairs + pools + 2 * convs - 1 + 1) * steps,
+                                 (prec, on, off))
                 self.assertEqual(off["unpack16_tiled_kernel"] - on["unpack16_tiled_kernel"], (pairs + pools) * steps,
                                  (prec, on, off))
 

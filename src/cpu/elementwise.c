@@ -3,6 +3,7 @@
  * over elements, vectorised at the machine's width (VECTOR_CLONES); sums are taken in a fixed
  * order. Borrows tanh_poly.h's tanh (the one kernels/ use) and hash.h's dropout mask. */
 #include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -238,8 +239,15 @@ VECTOR_CLONES void cpu_sumsq(cpu_impl *im, const dt_op *op) {
 }
 
 VECTOR_CLONES void cpu_input(cpu_impl *im, const dt_op *op) {
-  (void)im;
   const typeof(op->p.input) *q = &op->p.input;
+  if (q->x16) { /* the FP32 values, rounded into place */
+    dt_op wide = *op;
+    wide.p.input.x = dt_malloc((size_t)(q->b * q->c * q->s) * sizeof(float)), wide.p.input.x16 = 0;
+    cpu_input(im, &wide);
+    cpu_narrow16(wide.p.input.x, q->x, q->x16, q->b, q->c, q->s);
+    free(wide.p.input.x);
+    return;
+  }
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < q->b; b++)
     for (int64_t c = 0; c < q->c; c++) {

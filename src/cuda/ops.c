@@ -139,7 +139,8 @@ void cuda_weights16(cuda_impl *im, const dt_op *op) {
 void cuda_input(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.input) *q = &op->p.input;
   CHECK_INDEXABLE(q->b * q->c * q->s);
-  k_input(im->stream, q->raw, q->x, q->b, q->c, q->s, q->scale, q->mean, q->std);
+  DT_ASSERT(!q->x16 || q->x16 == cuda_format16(im));
+  k_input(im->stream, q->raw, q->x, q->x16, q->b, q->c, q->s, q->scale, q->mean, q->std);
 }
 
 void cuda_gather(cuda_impl *im, const dt_op *op) {
