@@ -183,8 +183,8 @@ typedef struct {
                     x's, (B, C, H, W) as NHWC, for conv_bwd_filter of the same x */
       int y16;   /* 0 (y FP32), or half.h's DT_F16_*: y is written in that format as (B, Ho, Wo, O), NHWC, as
                     cuDNN computes it (CUDA: the precision's format), for a batchnorm's x16 */
-      int in16;  /* 0, or x is in that format as (B, H, W, C) already (a batchnorm's y16): read as it is, no
-                    x16 copy; so for conv_bwd_filter's x and conv_bwd_data's dx */
+      int in16;  /* 0, or x is in that format as (B, H, W, C) already (a batchnorm's y16, or the input op's x16):
+                    read as it is, no x16 copy; so for conv_bwd_filter's x and conv_bwd_data's dx */
       int w16;   /* 0, or w is the weights' copy in that format as (O, K, K, C) (the model's weights16, made by
                     the weights16 op; the backend's format): read as it is, no copy; so for conv_bwd_data */
     } conv_fwd;

@@ -294,8 +294,9 @@ static void pick_y16(dt_model *m, int format) {
  * copy of it (the input stays until the next micro-batch's): no pack of the input to 16 bits a forward. */
 static void pick_input16(dt_model *m, int format) {
   dt_layer *first = m->top.n ? m->top.layers[0] : NULL;
-  m->input16 = m->fuse && format && !m->tokens && first && (first->ops->traits & DT_LAYER_CONV) ? format : DT_F16_NONE;
-  if (m->input16) first->in16 = format, first->keeps_x16 = 0;
+  if (!first || !(first->ops->traits & DT_LAYER_CONV)) return;
+  m->input16 = first->in16 = m->fuse && format && !m->tokens ? format : DT_F16_NONE;
+  if (m->input16) first->keeps_x16 = 0;
 }
 
 /* Whether a residual's neighbours keep it 16-bit (l->y16 marks those still in the running): a batchnorm that
@@ -953,10 +954,12 @@ void model_weights16(dt_model *m, const float *params) {
   op.p.weights16 = (typeof(op.p.weights16)){
       .params = params, .w16 = m->weights16, .table = m->w16_entries, .n = m->n_w16, .rows = m->w16_rows};
   backend_run(m->be, &op);
+  m->w16_made = 1;
 }
 
 void model_forward(dt_model *m, dt_pass *pass) {
   pass->weights16 = m->weights16;
+  DT_ASSERT(!m->frozen || !m->n_w16 || m->w16_made); /* a frozen model's, as its weights were loaded */
   if (!m->frozen) model_weights16(m, pass->params);
   seq_forward(&m->top, pass, m->input_x);
 }

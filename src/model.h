@@ -207,9 +207,11 @@ struct dt_layer {
                             linear after such a gelu, or a linear or attention layer after such a layernorm: x and
                             dx in bfloat16 rows (its GEMMs' a16, b16 and c16) */
   int in16;              /* conv2d after such a batchnorm or residual, or first in such a residual's branch: its
-                            x and dx are that layer's y and dy, in this format (read as they are: no x16 copy) */
+                            x and dx are that layer's y and dy, in this format (read as they are: no x16 copy);
+                            the model's first layer: its x is the input op's (the model's input16; no dx) */
   int w16;               /* linear, attention, conv2d (model.c's pick_weights16): its weights are read from their
-                            16-bit copies in the model's weights16, made once a forward (half.h's format) */
+                            16-bit copies in the model's weights16, made once a forward (a frozen model's once,
+                            as its weights are loaded; half.h's format) */
   int64_t w16_off[2];    /* those copies' offsets in weights16 (16-bit values), in the order of the layer's
                             weights (attention: qkv's, then proj's; a tied linear: its embedding's) */
   void *priv;            /* per-kind state */
@@ -282,6 +284,7 @@ struct dt_model {
   int64_t w16_values;       /* the copies' 16-bit values, each copy's start 256-byte aligned */
   dt_weight16 *w16_entries; /* backend memory: w16_table */
   uint16_t *weights16;      /* backend memory: the copies */
+  int w16_made;             /* model_weights16 has queued them at least once */
   float *norm;    /* (2 * in_channels): mean, then std */
   dt_acts *acts;  /* every layer's activation memory (owned) */
 };

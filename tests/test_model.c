@@ -279,6 +279,49 @@ static size_t record_scratch(dt_backend *be, const dt_op *ops, int n) {
  * layer, the forward (rows, out, in), the weight gradient (out, in, rows, A transposed) and the input
  * gradient (rows, in, out), by hand for 3 sequences of 8 tokens of 128 values; then evaluation's
  * forwards of 5 sequences. */
+/* model.c's pick_input16: under bf16 and fp16 with model.fuse on CUDA, a first layer that is a convolution reads
+ * the input as the input op writes it, 16-bit NHWC, and keeps no 16-bit copy of it (2 bytes a value of its input
+ * fewer in the estimate); on the CPU, in FP32, without model.fuse, or where the first layer is not a
+ * convolution, nothing changes. */
+static void first_convolution_reads_the_input_op_in_16_bits(void **state) {
+  (void)state;
+  const char *conv =
+      "  input: [3, 8, 8]\n  layers: [{conv2d: {out: 4, kernel: 3, pad: 1, bias: false}}, {batchnorm: {}},"
+      " {relu: {}}, {flatten: {}}, {linear: {out: 5}}]\n";
+  const char *res =
+      "  input: [4, 8, 8]\n  layers: [{residual: {body: [{conv2d: {out: 4, kernel: 3, pad: 1}}]}},"
+      " {flatten: {}}, {linear: {out: 5}}]\n";
+  const struct {
+    const char *yaml;
+    int cuda, precision, fuse, want;
+  } cases[] = {{conv, 1, DT_PREC_BF16, 1, DT_F16_BF16}, {conv, 1, DT_PREC_FP16, 1, DT_F16_HALF},
+               {conv, 1, DT_PREC_BF16, 0, DT_F16_NONE}, {conv, 1, DT_PREC_FP32, 1, DT_F16_NONE},
+               {conv, 0, DT_PREC_BF16, 1, DT_F16_NONE}, {res, 1, DT_PREC_BF16, 1, DT_F16_NONE}};
+  const int64_t B = 6;
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+    dt_config cfg;
+    dt_model m;
+    dt_status st;
+    assert_int_equal(build(cases[i].yaml, &cfg, &m, &st), 0);
+    m.precision = cases[i].precision, m.fuse = cases[i].fuse;
+    model_pick_ops(&m, cases[i].cuda, 227 << 10);
+    dt_layer *first = m.top.layers[0];
+    const int conv_first = first->ops->traits & DT_LAYER_CONV;
+    const int keeps = cases[i].cuda && cases[i].precision != DT_PREC_FP32 && !cases[i].want;
+    if (m.input16 != cases[i].want || (conv_first && (first->in16 != cases[i].want || first->keeps_x16 != keeps)))
+      fail_msg("case %zu: input16 %d, the first layer's in16 %d and keeps_x16 %d; expected %d, %d, %d", i, m.input16,
+               first->in16, first->keeps_x16, cases[i].want, cases[i].want, keeps);
+    if (i == 0) { /* against model.fuse false's estimate, whose convolution keeps the copy */
+      const size_t fused = model_memory(&m, B, 1, 1).activations;
+      m.fuse = 0;
+      model_pick_ops(&m, 1, 227 << 10);
+      assert_int_equal(model_memory(&m, B, 1, 1).activations - fused, (size_t)(B * 3 * 8 * 8 * 2));
+    }
+    model_free(&m);
+    config_free(&cfg);
+  }
+}
+
 static void memory_estimate_asks_about_each_gemm(void **state) {
   (void)state;
   dt_config cfg;
@@ -346,6 +389,7 @@ int main(void) {
       cmocka_unit_test(losses_parse),
       cmocka_unit_test(memory_estimate_by_hand),
       cmocka_unit_test(attention_picks_by_device_and_shared_memory),
+      cmocka_unit_test(first_convolution_reads_the_input_op_in_16_bits),
       cmocka_unit_test(memory_estimate_asks_about_each_gemm),
       cmocka_unit_test(step_waits_spin_only_near_the_last_ones_end),
   };
