@@ -62,24 +62,28 @@ void cuda_scale(cuda_impl *im, const dt_op *op) {
   k_scale(im->stream, q->x, q->alpha, q->n);
 }
 
-/* The chunks a batchnorm's statistics kernels sum each channel's n positions in, and the tickets they
- * take (kernels.h) */
-static int64_t bn_chunks(int64_t n, int64_t c, int x16) {
-  return x16 ? k_bn16_chunks(n, c) : k_bn_chunks(n);
-}
-static int64_t bn_tickets(int64_t n, int64_t c, int x16) {
-  return k_bn_tickets(bn_chunks(n, c, x16), x16 ? (c + 31) / 32 : c);
+/* A batchnorm statistics op's sums, forward or backward (kernels.h): its channels, the chunks its kernels sum
+ * each channel's positions in, and the groups of channels that take tickets. 0: op is neither. */
+typedef struct {
+  int64_t c, chunks, groups;
+} bn_sums_shape;
+static int bn_sums_of(const dt_op *op, bn_sums_shape *bn) {
+  int64_t n, c;
+  int x16;
+  if (op->type == DT_OP_BN_STATS)
+    n = op->p.bn_stats.b * op->p.bn_stats.s, c = op->p.bn_stats.c, x16 = op->p.bn_stats.x16;
+  else if (op->type == DT_OP_BN_BWD_STATS)
+    n = op->p.bn_bwd_stats.b * op->p.bn_bwd_stats.s, c = op->p.bn_bwd_stats.c, x16 = op->p.bn_bwd_stats.x16;
+  else
+    return 0;
+  *bn =
+      (bn_sums_shape){.c = c, .chunks = x16 ? k_bn16_chunks(n, c) : k_bn_chunks(n), .groups = x16 ? (c + 31) / 32 : c};
+  return 1;
 }
 
 size_t cuda_tickets_bytes(const dt_op *op) {
-  if (op->type == DT_OP_BN_STATS)
-    return (size_t)bn_tickets(op->p.bn_stats.b * op->p.bn_stats.s, op->p.bn_stats.c, op->p.bn_stats.x16) *
-           sizeof(unsigned);
-  if (op->type == DT_OP_BN_BWD_STATS)
-    return (size_t)bn_tickets(op->p.bn_bwd_stats.b * op->p.bn_bwd_stats.s, op->p.bn_bwd_stats.c,
-                              op->p.bn_bwd_stats.x16) *
-           sizeof(unsigned);
-  return 0;
+  bn_sums_shape bn;
+  return bn_sums_of(op, &bn) ? (size_t)k_bn_tickets(bn.chunks, bn.groups) * sizeof(unsigned) : 0;
 }
 
 /* im->tickets grown to op's and zeroed where new (queued on the stream: its kernels follow). Grown during a
@@ -96,16 +100,13 @@ static unsigned *tickets_for(cuda_impl *im, const dt_op *op) {
 
 size_t cuda_partials_bytes(const dt_op *op) {
   int64_t n = 0; /* doubles */
+  bn_sums_shape bn;
   if (op->type == DT_OP_SUMSQ) {
     n = (int64_t)K_SUM_BLOCKS * 2;
   } else if (op->type == DT_OP_LN_BWD) {
     n = 2 * K_LN_CHUNKS * op->p.ln_bwd.d > 2 * K_SUM_BLOCKS ? 2 * K_LN_CHUNKS * op->p.ln_bwd.d : 2 * K_SUM_BLOCKS;
-  } else if (op->type == DT_OP_BN_STATS) {
-    const typeof(op->p.bn_stats) *q = &op->p.bn_stats;
-    n = k_bn_partials(bn_chunks(q->b * q->s, q->c, q->x16), q->c);
-  } else if (op->type == DT_OP_BN_BWD_STATS) {
-    const typeof(op->p.bn_bwd_stats) *q = &op->p.bn_bwd_stats;
-    n = k_bn_partials(bn_chunks(q->b * q->s, q->c, q->x16), q->c);
+  } else if (bn_sums_of(op, &bn)) {
+    n = k_bn_partials(bn.chunks, bn.c);
   } else if (op->type == DT_OP_GEMM && op->p.gemm.a_col_sums) {
     n = k_pack_bf16_rows_chunks(DT_GEMM_A_ROWS(&op->p.gemm), DT_GEMM_A_COLS(&op->p.gemm)) * DT_GEMM_A_COLS(&op->p.gemm);
   } else if (op->type == DT_OP_LOSS) {
