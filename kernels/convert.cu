@@ -79,26 +79,51 @@ __global__ void unpack16_kernel(const uint16_t *y, float *x, int64_t n, fast_div
   }
 }
 
-// The weights16 op: a warp per row of the table's entries (numbered across them: row0), its lanes along the
-// columns, and for a filter each lane's K * K values in turn: a dense row's reads and writes in order, a
-// filter's writes in order, without a division.
-__global__ void weights16_kernel(const float *params, uint16_t *w16, const dt_weight16 *table, int n, int64_t rows) {
+// The weights16 and grads16 ops: a warp per row of the table's entries (numbered across them from table[0].row0).
+// Returns the warp's entry and its row r in it, NULL past the rows.
+static __device__ const dt_weight16 *entry_of(const dt_weight16 *table, int n, int64_t rows, int64_t *r) {
   const int64_t row = (int64_t)blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
-  if (row >= rows) return;
-  int lo = 0, hi = n - 1; /* the last entry whose row0 <= row */
+  if (row >= rows) return NULL;
+  const int64_t at = table[0].row0 + row;
+  int lo = 0, hi = n - 1; /* the last entry whose row0 <= at */
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (table[mid].row0 <= row)
+    if (table[mid].row0 <= at)
       lo = mid;
     else
       hi = mid - 1;
   }
-  const dt_weight16 t = table[lo];
-  const int64_t r = row - t.row0;
+  *r = at - table[lo].row0;
+  return &table[lo];
+}
+
+// The lanes along the columns, and for a filter each lane's K * K values in turn: a dense row's reads and writes
+// in order, a filter's writes in order, without a division.
+__global__ void weights16_kernel(const float *params, uint16_t *w16, const dt_weight16 *table, int n, int64_t rows) {
+  int64_t r;
+  const dt_weight16 *e = entry_of(table, n, rows, &r);
+  if (!e) return;
+  const dt_weight16 t = *e;
   const float *x = params + t.src + r * t.cols * t.inner;
   uint16_t *y = w16 + t.dst + r * t.inner * t.ld;
   for (int64_t c = threadIdx.x % 32; c < t.cols; c += 32)
     for (int64_t s = 0; s < t.inner; s++) y[s * t.ld + c] = dt_to_16(x[c * t.inner + s], t.format);
+}
+
+// The inverse way, for the entries with grad (filters): grads(rows, cols, inner) += g16(rows, inner, ld) widened,
+// the lanes along a row's FP32 values (its cols * inner), so that the wider side is read and written in order and
+// a filter of few channels (a stem's 3) still fills the warp.
+__global__ void grads16_kernel(float *grads, const uint16_t *g16, const dt_weight16 *table, int n, int64_t rows) {
+  int64_t r;
+  const dt_weight16 *e = entry_of(table, n, rows, &r);
+  if (!e || !e->grad) return;
+  const dt_weight16 t = *e;
+  float *x = grads + t.src + r * t.cols * t.inner;
+  const uint16_t *y = g16 + t.dst + r * t.inner * t.ld;
+  for (int64_t i = threadIdx.x % 32; i < t.cols * t.inner; i += 32) {
+    const int64_t c = i / t.inner, s = i - c * t.inner;
+    x[i] += dt_from_16(y[s * t.ld + c], t.format);
+  }
 }
 
 // x (rows, cols) FP32 -> y (rows, ld) bfloat16, the columns past cols left as they are; i runs over x
@@ -214,6 +239,12 @@ void k_weights16(cudaStream_t s, const float *params, uint16_t *w16, const dt_we
   if (!rows) return;
   const int64_t warps = kThreads / 32;
   LAUNCH(weights16_kernel, (rows + warps - 1) / warps, kThreads, 0, s)(params, w16, table, n, rows);
+}
+
+void k_grads16(cudaStream_t s, float *grads, const uint16_t *g16, const dt_weight16 *table, int n, int64_t rows) {
+  if (!rows) return;
+  const int64_t warps = kThreads / 32;
+  LAUNCH(grads16_kernel, (rows + warps - 1) / warps, kThreads, 0, s)(grads, g16, table, n, rows);
 }
 
 void k_unpack16(cudaStream_t s, const uint16_t *y, float *x, int64_t b, int64_t c, int64_t sp, int bf16,

@@ -74,6 +74,8 @@ void k_bf16_rows_sums(cudaStream_t s, const uint16_t *x, int64_t rows, int64_t c
 /* The weights16 op (backend.h): every entry of table (n, device memory) copied from params to w16, rows the
  * entries' rows in all (half.h's dt_weight16) */
 void k_weights16(cudaStream_t s, const float *params, uint16_t *w16, const dt_weight16 *table, int n, int64_t rows);
+/* The grads16 op: every entry of table with grad (n consecutive entries, rows in all) added from g16 into grads */
+void k_grads16(cudaStream_t s, float *grads, const uint16_t *g16, const dt_weight16 *table, int n, int64_t rows);
 
 /* optim.cu: one pass over the flat parameter buffer */
 /* hyper: the step's values, uploaded by the host (SGD: lr; AdamW: lr, lr / bc1, sqrt(bc2)) */

@@ -71,7 +71,9 @@
                                          stored; lse kept for the backward */                                          \
   X(ATTENTION_BWD, attention_bwd)     /* dq, dk, dv of attention_fwd, its scores computed again */                  \
   X(WEIGHTS16, weights16)             /* the 16-bit copies of a model's weights that its GEMMs and convolutions     \
-                                         read (model.c's weights16), all in one pass over a table */
+                                         read (model.c's weights16), all in one pass over a table */                   \
+  X(GRADS16, grads16)                 /* the 16-bit filter gradients the convolutions left (conv_bwd_filter's dw16)  \
+                                         added into the FP32 gradients, all in one pass over a table */
 // clang-format on
 
 typedef enum {
@@ -203,6 +205,9 @@ typedef struct {
       const void *x16; /* NULL, or conv_fwd's x16 of this x, read instead of copying x again */
       int dy16;        /* as conv_bwd_data's */
       int in16;        /* as conv_fwd's: x read so */
+      int dw16;        /* 0 (added into dw), or the gradient is written, not added, as (O, K, K, C) in that 16-bit
+                          format (the backend's) at dw: the model's grads16, which the grads16 op adds into the FP32
+                          gradients (one launch for many convolutions, where each widened its own) */
     } conv_bwd_filter;
     struct {
       int64_t b, c, s;
@@ -389,6 +394,13 @@ typedef struct {
       int n;
       int64_t rows; /* the entries' rows, all together */
     } weights16;
+    struct {
+      float *grads;             /* flat: the FP32 gradients, each entry's added into at its src */
+      const uint16_t *g16;      /* the 16-bit gradients, each at its entry's dst (the model's grads16) */
+      const dt_weight16 *table; /* (n) consecutive entries of a weights16 table; those without grad skipped */
+      int n;
+      int64_t rows; /* the entries' rows, all together: from table[0].row0 */
+    } grads16;
     struct {
       int64_t n, t, d, vocab; /* n = B * T rows */
       const float *tokens;    /* (N) token ids as floats, each in [0, vocab) (checked when the data is read) */

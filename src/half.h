@@ -100,10 +100,12 @@ DT_HD int64_t dt_ld16(int64_t n) {
  * (rows, inner, ld) at w16 + dst in `format`, the columns past cols left as they are. A dense weight (out, in):
  * inner 1, ld dt_ld16(in), the bfloat16 rows a GEMM reads as its B (gemm.b16); a convolution's (O, C, K, K):
  * inner K * K, ld C, the (O, K, K, C) filter cuDNN reads in NHWC (conv_fwd.w16). row0: the rows of the
- * entries before it in its table. */
+ * entries before it in its table. grad: the layer's backward leaves the weight's gradient in the same layout at
+ * dst of the model's grads16 (a convolution's filter gradient, as cuDNN computes it under bf16 and fp16), for the
+ * grads16 op to add into the FP32 gradients at src. */
 typedef struct {
   int64_t src, dst, rows, cols, inner, ld, row0;
-  int format;
+  int format, grad;
 } dt_weight16;
 
 #endif

@@ -776,6 +776,90 @@ static void ops_weights16(void) {
   ot_check_same_on_cuda("dx", dx[0], dx[1], rows * in);
 }
 
+/* The grads16 op over a table of a dense weight (no grad), a filter (4, 3, 3, 3) and a 1x1 filter (5, 6, 1, 1)
+ * with grad, and a dense weight (17, 40) (no grad): on both backends each 16-bit gradient widened and added where
+ * the test's own indexing puts it, the rest of the gradients as they were; the same over the table's last two
+ * entries alone (its rows numbered from their first's row0). Then its writer: a convolution's backward filter
+ * leaving the (4, 3, 3, 3) filter's gradient in 16 bits (dw16) and the op adding it give, on CUDA, the bits of the
+ * same backward filter adding into dw itself (no rows: it adds zeros), and the CPU agrees within the tolerance;
+ * neither writes past the filter's 16-bit values. */
+static void ops_grads16(void) {
+  const int f16 = ot_format16();
+  dt_weight16 table[4] = {
+      {.src = 0, .dst = 0, .rows = 5, .cols = 21, .inner = 1, .ld = 24, .row0 = 0, .format = DT_F16_BF16},
+      {.src = 105, .dst = 128, .rows = 4, .cols = 3, .inner = 9, .ld = 3, .row0 = 5, .format = f16, .grad = 1},
+      {.src = 213, .dst = 256, .rows = 5, .cols = 6, .inner = 1, .ld = 6, .row0 = 9, .format = f16, .grad = 1},
+      {.src = 243, .dst = 384, .rows = 17, .cols = 40, .inner = 1, .ld = 40, .row0 = 14, .format = DT_F16_BF16}};
+  const int64_t n_params = 243 + 17 * 40 + 3, n16 = 384 + 17 * 40 + 8;
+  dbuf g16 = ot_rand16(n16, -1, 1), entries = ot_buf(OT_I32, table, (int64_t)(sizeof table / 4));
+  dbuf grads[2] = {ot_rand(n_params, -2, 2), ot_rand(n_params, -2, 2)};
+  ot_case(DT_OP_GRADS16, "a dense weight, a filter, a 1x1 filter, a dense weight; the last two");
+  BOTH {
+    const dt_weight16 *t = (const dt_weight16 *)I(entries);
+    for (int part = 0; part < 2; part++) {
+      dt_op op = {.type = DT_OP_GRADS16};
+      op.p.grads16 = (typeof(op.p.grads16)){.grads = F(grads[part]),
+                                            .g16 = (const uint16_t *)F(g16),
+                                            .table = part ? t + 2 : t,
+                                            .n = part ? 2 : 4,
+                                            .rows = part ? 22 : 31};
+      RUN(op);
+    }
+  }
+  const uint16_t *h16 = g16.init;
+  for (int part = 0; part < 2; part++) {
+    ot_check_bits("the gradients", grads[part]);
+    float *got = ot_fetch(grads[part], 0), *want = malloc((size_t)n_params * sizeof *want);
+    memcpy(want, grads[part].init, (size_t)n_params * sizeof *want);
+    for (int e = part ? 2 : 0; e < 4; e++) {
+      const dt_weight16 *t = &table[e];
+      for (int64_t o = 0; t->grad && o < t->rows; o++)
+        for (int64_t c = 0; c < t->cols; c++)
+          for (int64_t k = 0; k < t->inner; k++) /* (o, c, k) from (o, k, c) */
+            want[t->src + (o * t->cols + c) * t->inner + k] +=
+                dt_from_16(h16[t->dst + (o * t->inner + k) * t->ld + c], t->format);
+    }
+    for (int64_t i = 0; i < n_params; i++)
+      if (got[i] != want[i])
+        fail_msg("grads16 (part %d): gradient %lld is %g, expected %g", part, (long long)i, got[i], want[i]);
+    free(got);
+    free(want);
+  }
+
+  dt_weight16 filter = table[1]; /* the (4, 3, 3, 3) filter alone, its gradient's 16 bits at dst 0 */
+  filter.src = filter.dst = filter.row0 = 0;
+  dbuf filter_entry = ot_buf(OT_I32, &filter, (int64_t)(sizeof filter / 4));
+  FOR_ROWS(r) {
+    const dt_conv_geom g = conv_geom(rows, 3, 8, 8, 4, 3, 1, 1);
+    const int64_t xs = g.c * g.h * g.w, ys = g.o * g.ho * g.wo, ws = g.o * g.c * g.k * g.k;
+    dbuf x = ot_rand(cap * xs, -1, 1), dy = ot_rand(cap * ys, -1, 1), slot = ot_rand16(ws + 8, -1, 1);
+    dbuf dw0 = ot_rand(ws, -1, 1), dw[2] = {dw0, ot_buf(OT_F32, dw0.init, ws)};
+    ot_case(DT_OP_CONV_BWD_FILTER, "its 16-bit gradient (dw16) added by grads16, %s", ROWS_NAME(r));
+    BOTH {
+      dt_op op = {.type = DT_OP_CONV_BWD_FILTER};
+      op.p.conv_bwd_filter = (typeof(op.p.conv_bwd_filter)){.g = g, .x = F(x), .dy = F(dy), .dw = F(dw[0])};
+      RUN(op);
+      op.p.conv_bwd_filter.dw = F(slot), op.p.conv_bwd_filter.dw16 = f16;
+      RUN(op);
+      op = (dt_op){.type = DT_OP_GRADS16};
+      op.p.grads16 = (typeof(op.p.grads16)){.grads = F(dw[1]),
+                                            .g16 = (const uint16_t *)F(slot),
+                                            .table = (const dt_weight16 *)I(filter_entry),
+                                            .n = 1,
+                                            .rows = 4};
+      RUN(op);
+    }
+    ot_check("dw (its 16 bits added)", dw[1], ws);
+    ot_check_same_on_cuda("dw", dw[0], dw[1], ws);
+    for (int s = 0; s < 2; s++) { /* the 16-bit filter and nothing past it written */
+      uint16_t *after = ot_fetch(slot, s);
+      if (memcmp(after + ws, (const uint16_t *)slot.init + ws, 8 * sizeof *after))
+        fail_msg("conv_bwd_filter (dw16) wrote past the filter's %lld values on backend %d", (long long)ws, s);
+      free(after);
+    }
+  }
+}
+
 /* Batchnorm on x (B, C, S) in FP32 (f16 0), or (f16: half.h's format, the CUDA backend's) on a convolution's
  * 16-bit NHWC output (x16: x and bwd_apply's dx (B, S, C) 16-bit; the CPU widens x and rounds dx); y16 (with
  * f16): y and dy 16-bit NHWC too, for a convolution after it. */
@@ -3284,6 +3368,8 @@ GPU_TEST(cuda_op_conv_bf16, (ot_begin_precision(DT_PREC_BF16, 1e-2), ops_conv_in
 GPU_TEST(cuda_op_conv_fp16, (ot_begin_precision(DT_PREC_FP16, 2e-3), ops_conv_in(0, 0), ot_end()))
 GPU_TEST(cuda_op_weights16, (ot_begin_precision(DT_PREC_BF16, 1e-2), ops_weights16(), ot_end(),
                              ot_begin_precision(DT_PREC_FP16, 2e-3), ops_weights16(), ot_end()))
+GPU_TEST(cuda_op_grads16, (ot_begin_precision(DT_PREC_BF16, 1e-2), ops_grads16(), ot_end(),
+                           ot_begin_precision(DT_PREC_FP16, 2e-3), ops_grads16(), ot_end()))
 GPU_TEST(cuda_conv16_reuses_dy_only_back_to_back, conv16_reuses_dy_only_back_to_back())
 GPU_TEST(cuda_conv16_backward_filter_reads_the_forwards_x16, conv16_backward_filter_reads_the_forwards_x16())
 GPU_TEST(cuda_gemm16_reuses_dy_only_back_to_back, gemm16_reuses_dy_only_back_to_back())
@@ -3406,6 +3492,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(cuda_op_conv_bf16),
       cmocka_unit_test(cuda_op_conv_fp16),
       cmocka_unit_test(cuda_op_weights16),
+      cmocka_unit_test(cuda_op_grads16),
       cmocka_unit_test(cuda_conv16_reuses_dy_only_back_to_back),
       cmocka_unit_test(cuda_conv16_backward_filter_reads_the_forwards_x16),
       cmocka_unit_test(cuda_gemm16_reuses_dy_only_back_to_back),

@@ -174,9 +174,12 @@ void cpu_conv_bwd_filter(cpu_impl *im, const dt_op *op) {
   const dt_conv_geom *g = &q->g;
   float *dy = cpu_widen16(q->dy, q->dy16, g->b, g->o, g->ho * g->wo),
         *x = cpu_widen16(q->x, q->in16, g->b, g->c, g->h * g->w);
-  conv_bwd_filter(im, g, x ? x : q->x, dy ? dy : q->dy, q->dw);
+  float *dw = q->dw16 ? dt_calloc((size_t)(g->o * g->c * g->k * g->k), sizeof *dw) : NULL; /* written, not added */
+  conv_bwd_filter(im, g, x ? x : q->x, dy ? dy : q->dy, dw ? dw : q->dw);
+  if (dw) cpu_narrow16(dw, q->dw, q->dw16, g->o, g->c, g->k * g->k);
   free(dy);
   free(x);
+  free(dw);
 }
 
 size_t cpu_conv_scratch(cpu_impl *im, const dt_op *ops, int n) {

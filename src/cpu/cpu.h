@@ -80,6 +80,7 @@ void cpu_clip(cpu_impl *im, const dt_op *op);
 void cpu_copy(cpu_impl *im, const dt_op *op);
 void cpu_gather(cpu_impl *im, const dt_op *op);
 void cpu_weights16(cpu_impl *im, const dt_op *op);
+void cpu_grads16(cpu_impl *im, const dt_op *op);
 
 /* pool.c */
 void cpu_pool_fwd(cpu_impl *im, const dt_op *op);

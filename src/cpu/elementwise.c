@@ -309,6 +309,21 @@ void cpu_weights16(cpu_impl *im, const dt_op *op) {
   }
 }
 
+void cpu_grads16(cpu_impl *im, const dt_op *op) {
+  (void)im;
+  const typeof(op->p.grads16) *q = &op->p.grads16;
+  for (int e = 0; e < q->n; e++) {
+    const dt_weight16 *t = &q->table[e];
+    if (!t->grad) continue;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < t->rows; r++)
+      for (int64_t c = 0; c < t->cols; c++)
+        for (int64_t s = 0; s < t->inner; s++)
+          q->grads[t->src + (r * t->cols + c) * t->inner + s] +=
+              dt_from_16(q->g16[t->dst + (r * t->inner + s) * t->ld + c], t->format);
+  }
+}
+
 float *cpu_fp32_for(int format, int64_t n) {
   return format ? dt_malloc((size_t)(n + 1) * sizeof(float)) : NULL;
 }

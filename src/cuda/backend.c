@@ -327,7 +327,8 @@ static size_t cuda_scratch(dt_backend *be, const dt_op *ops, int n) {
     if (op->type == DT_OP_CONV_FWD) cuda_conv_scratch(im, &op->p.conv_fwd.g, op->p.conv_fwd.w16, &workspace, &h16);
     if (op->type == DT_OP_CONV_BWD_DATA)
       cuda_conv_scratch(im, &op->p.conv_bwd_data.g, op->p.conv_bwd_data.w16, &workspace, &h16);
-    if (op->type == DT_OP_CONV_BWD_FILTER) cuda_conv_scratch(im, &op->p.conv_bwd_filter.g, 0, &workspace, &h16);
+    if (op->type == DT_OP_CONV_BWD_FILTER)
+      cuda_conv_scratch(im, &op->p.conv_bwd_filter.g, op->p.conv_bwd_filter.dw16, &workspace, &h16);
     if (op->type == DT_OP_GEMM && cuda_gemm16_bytes(im, op) > h16) h16 = cuda_gemm16_bytes(im, op);
     if (op->type == DT_OP_GEMM && cuda_gemm_workspace(op) > workspace) workspace = cuda_gemm_workspace(op);
   }

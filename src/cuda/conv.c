@@ -183,7 +183,7 @@ static conv_plan *plan_to_run(cuda_impl *im, const dt_conv_geom *g) {
 }
 
 /* Bytes of a convolution's three operands in 16 bits, each 256-byte aligned (conv16_scratch); the filter's but
- * for an op that reads the model's copy (w16). */
+ * for an op that reads the model's copy (w16) or writes its gradient into the model's grads16 (dw16). */
 static size_t conv16_bytes(const dt_conv_geom *g, int w16) {
   return align256((size_t)(g->b * g->c * g->h * g->w) * 2) +
          (w16 ? 0 : align256((size_t)(g->o * g->c * g->k * g->k) * 2)) +
@@ -199,8 +199,9 @@ void cuda_conv_scratch(cuda_impl *im, const dt_conv_geom *g, int w16, size_t *wo
 }
 
 /* A convolution's three operands in 16 bits, NHWC, in im->h16: (b, c, h, w), (b, o, ho, wo) and (o, c, k, k)
- * (none, NULL, where the op reads the model's copy: w16), each 256-byte aligned. y's place is the same either
- * way, so that a backward data reading the model's copy finds the dy its backward filter left (dy16 held). */
+ * (none, NULL, where the op reads the model's copy, w16, or writes the model's grads16, dw16), each 256-byte aligned.
+ * y's place is the same either way, so that a backward data reading the model's copy finds the dy its backward filter
+ * left (dy16 held). */
 typedef struct {
   uint16_t *x, *w, *y;
 } conv16;
@@ -228,7 +229,8 @@ static void dy16_nhwc(const dt_conv_geom *g, int64_t layout[4]) {
 
 /* The three convolution ops. FP32: cuDNN on the tensors as they are (NCHW). bf16 and fp16: the
  * operands are rounded into 16-bit NHWC copies, cuDNN computes with FP32 accumulation on tensor
- * cores, and the result comes back to FP32 NCHW (the filter gradient added into dw, as FP32). The
+ * cores, and the result comes back to FP32 NCHW (the filter gradient added into dw, as FP32, or left in
+ * 16 bits for the model's grads16 op: dw16). The
  * forward's copy of x goes where the op says (x16: the layer keeps it for its backward filter); a y16
  * forward leaves y as cuDNN wrote it, and a dy16 backward reads dy so, without copies. */
 void cuda_conv_fwd(cuda_impl *im, const dt_op *op) {
@@ -289,14 +291,19 @@ void cuda_conv_bwd_data(cuda_impl *im, const dt_op *op) {
   if (!q->in16) k_unpack16(im->stream, h.x, q->dx, g->b, g->c, g->h * g->w, bf16, 0);
 }
 
-/* Adds into dw: beta = 1 in FP32; in 16 bits the result is added as it is widened. */
+/* Adds into dw: beta = 1 in FP32; in 16 bits the result is added as it is widened, or (dw16) written to dw as
+ * cuDNN computes it. */
 void cuda_conv_bwd_filter(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.conv_bwd_filter) *q = &op->p.conv_bwd_filter;
   const dt_conv_geom *g = &q->g;
   const float one = 1.0f, zero = 0.0f;
-  if (!g->b) return;
+  DT_ASSERT((!q->dy16 || q->dy16 == cuda_format16(im)) && (!q->in16 || (q->in16 == cuda_format16(im) && !q->x16)) &&
+            (!q->dw16 || q->dw16 == cuda_format16(im)));
+  if (!g->b) { /* no rows: nothing to add, or a 16-bit gradient of zeros for the grads16 op to add */
+    if (q->dw16) CUDA_CHECK(cudaMemsetAsync(q->dw, 0, (size_t)(g->o * g->c * g->k * g->k) * 2, im->stream));
+    return;
+  }
   conv_plan *p = plan_to_run(im, g);
-  DT_ASSERT((!q->dy16 || q->dy16 == cuda_format16(im)) && (!q->in16 || (q->in16 == cuda_format16(im) && !q->x16)));
   if (!is16(im)) {
     CUDNN_CHECK(cudnnConvolutionBackwardFilter(im->dnn, &one, p->x, q->x, p->y, q->dy, p->conv[BWD_FILTER],
                                                (cudnnConvolutionBwdFilterAlgo_t)p->algo[BWD_FILTER], im->workspace,
@@ -304,15 +311,15 @@ void cuda_conv_bwd_filter(cuda_impl *im, const dt_op *op) {
     return;
   }
   const int bf16 = im->precision == DT_PREC_BF16;
-  conv16 h = conv16_scratch(im, g, 0); /* its filter gradient's 16 bits */
+  conv16 h = conv16_scratch(im, g, q->dw16); /* its filter gradient's 16 bits, unless they go to dw (dw16) */
   const uint16_t *x16 = q->in16 ? (const uint16_t *)q->x : q->x16;
   if (!x16) k_pack16(im->stream, q->x, h.x, g->b, g->c, g->h * g->w, bf16), x16 = h.x;
   const uint16_t *dy16 = q->dy16 ? (const uint16_t *)q->dy : h.y;
   if (!q->dy16) k_pack16(im->stream, q->dy, h.y, g->b, g->o, g->ho * g->wo, bf16);
   CUDNN_CHECK(cudnnConvolutionBackwardFilter(im->dnn, &one, p->x, x16, p->y, dy16, p->conv[BWD_FILTER],
                                              (cudnnConvolutionBwdFilterAlgo_t)p->algo[BWD_FILTER], im->workspace,
-                                             im->workspace_bytes, &zero, p->w, h.w));
-  k_unpack16(im->stream, h.w, q->dw, g->o, g->c, g->k * g->k, bf16, 1);
+                                             im->workspace_bytes, &zero, p->w, q->dw16 ? (void *)q->dw : h.w));
+  if (!q->dw16) k_unpack16(im->stream, h.w, q->dw, g->o, g->c, g->k * g->k, bf16, 1);
   if (!q->dy16) { /* cuDNN left h.y as it was */
     int64_t layout[4];
     dy16_nhwc(g, layout);

@@ -165,6 +165,7 @@ void cuda_clip(cuda_impl *im, const dt_op *op);
 void cuda_copy(cuda_impl *im, const dt_op *op);
 void cuda_gather(cuda_impl *im, const dt_op *op);
 void cuda_weights16(cuda_impl *im, const dt_op *op);
+void cuda_grads16(cuda_impl *im, const dt_op *op);
 
 /* ops.c, kernels/pool.cu */
 void cuda_pool_fwd(cuda_impl *im, const dt_op *op);

@@ -137,6 +137,11 @@ void cuda_weights16(cuda_impl *im, const dt_op *op) {
   k_weights16(im->stream, q->params, q->w16, q->table, q->n, q->rows);
 }
 
+void cuda_grads16(cuda_impl *im, const dt_op *op) {
+  const typeof(op->p.grads16) *q = &op->p.grads16;
+  k_grads16(im->stream, q->grads, q->g16, q->table, q->n, q->rows);
+}
+
 void cuda_input(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.input) *q = &op->p.input;
   CHECK_INDEXABLE(q->b * q->c * q->s);
