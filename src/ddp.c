@@ -52,6 +52,11 @@ void ddp_free(dt_ddp *g) {
   memset(g, 0, sizeof *g);
 }
 
+/* Whether starting a bucket reads its gradients: to check them, or to send them. */
+static int buckets_read(const dt_ddp *g) {
+  return g->grad_check || g->dev || g->comm->size > 1;
+}
+
 static void start_bucket(dt_ddp *g, dt_bucket *b) {
   check_bucket(g, b->begin, b->end);
   b->started = 1;
@@ -80,6 +85,8 @@ void ddp_ready(void *ctx, int64_t from) {
   dt_ddp *g = ctx;
   const int before = g->next;
   const double t0 = dt_now(), mpi_s = ddp_backward_mpi_s(g);
+  if (g->settle && buckets_read(g) && g->next < g->n_buckets && g->buckets[g->next].begin >= from)
+    g->settle(g->settle_ctx, from);
   while (g->next < g->n_buckets && g->buckets[g->next].begin >= from) start_bucket(g, &g->buckets[g->next++]);
   if (!g->dev) /* Open MPI progresses non-blocking collectives inside MPI calls: poke the ones in flight */
     for (int i = 0; i < (g->next ? g->buckets[g->next - 1].first + g->buckets[g->next - 1].n : 0); i++)

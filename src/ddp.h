@@ -37,6 +37,11 @@ typedef struct dt_ddp {
   double *grad_check;   /* (2) backend memory or NULL: sum of squares and non-finite count of the sent buckets */
   const int64_t *shard; /* dist.zero 1: (size + 1) rank r owns [shard[r], shard[r + 1]); NULL: all-reduce */
   int n_buckets, n_pieces;
+  /* NULL, or called before buckets that read the gradients (to check or send them) start, with every
+   * gradient at offset >= from final: the ones at those offsets that the model still holds elsewhere are
+   * added in first (model_add_grads16, ctx the model) */
+  void (*settle)(void *settle_ctx, int64_t from);
+  void *settle_ctx;
   dt_bucket *buckets; /* buckets[0] is the last range of the buffer */
   dt_piece *pieces;   /* bucket by bucket, in the order they are sent */
   int next;           /* the first bucket not yet started */

@@ -113,6 +113,11 @@ static void conv_backward(dt_layer *l, dt_pass *pass, const float *x, float *dx)
   op.p.conv_bwd_filter.x = x;
   op.p.conv_bwd_filter.dy = l->dy;
   op.p.conv_bwd_filter.dw = dw;
+  if (l->w16) { /* its 16-bit gradient, for the model's grads16 op (model_add_grads16) */
+    DT_ASSERT(pass->grads16);
+    op.p.conv_bwd_filter.dw = (float *)(pass->grads16 + l->w16_off[0]);
+    op.p.conv_bwd_filter.dw16 = l->w16;
+  }
   op.p.conv_bwd_filter.x16 = ((conv_state *)l->priv)->x16;
   op.p.conv_bwd_filter.dy16 = l->y16;
   op.p.conv_bwd_filter.in16 = l->in16;

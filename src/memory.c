@@ -63,7 +63,7 @@ static int scratch_ops(const dt_model *m, int64_t batch, int backward, dt_op *op
     }
     if (layer_conv_geom(l, batch, &g)) {
       ops[n++] = (dt_op){.type = DT_OP_CONV_FWD, .p.conv_fwd = {.g = g, .w16 = l->w16}};
-      if (backward) ops[n++] = (dt_op){.type = DT_OP_CONV_BWD_FILTER, .p.conv_bwd_filter = {.g = g}};
+      if (backward) ops[n++] = (dt_op){.type = DT_OP_CONV_BWD_FILTER, .p.conv_bwd_filter = {.g = g, .dw16 = l->w16}};
       if (backward && !first)
         ops[n++] = (dt_op){.type = DT_OP_CONV_BWD_DATA, .p.conv_bwd_data = {.g = g, .w16 = l->w16}};
     } else if (backward && l->ops == &dt_layer_batchnorm) {

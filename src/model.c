@@ -414,6 +414,15 @@ static int64_t add_weight16(dt_model *m, const dt_tensor *t, int format) {
   e.inner = filter ? t->dims[2] * t->dims[3] : 1;
   e.ld = filter ? e.cols : dt_ld16(e.cols);
   e.dst = m->w16_values, e.row0 = m->w16_rows;
+  e.grad = filter && !m->frozen; /* cuDNN's filter gradient is 16-bit: it goes to grads16 (conv_bwd_filter.dw16) */
+  if (e.grad) {                  /* in order of src, as the backward finishes them in reverse (model_add_grads16) */
+    for (int i = m->n_w16 - 1; i >= 0; i--)
+      if (m->w16_table[i].grad) {
+        DT_ASSERT(m->w16_table[i].src < e.src);
+        break;
+      }
+    m->g16_values = e.dst + e.rows * e.inner * e.ld;
+  }
   m->w16_table = dt_realloc(m->w16_table, (size_t)(m->n_w16 + 1) * sizeof *m->w16_table);
   m->w16_table[m->n_w16++] = e;
   m->w16_values += (e.rows * e.inner * e.ld + 127) / 128 * 128;
@@ -428,7 +437,7 @@ static int64_t add_weight16(dt_model *m, const dt_tensor *t, int format) {
  * convolutions copied it again: twice a step for a linear, and one launch each. */
 static void pick_weights16(dt_model *m, int format) {
   free(m->w16_table);
-  m->w16_table = NULL, m->n_w16 = 0, m->w16_rows = m->w16_values = 0;
+  m->w16_table = NULL, m->n_w16 = 0, m->w16_rows = m->w16_values = m->g16_values = 0;
   for (int i = 0; i < m->n_all; i++) {
     dt_layer *l = m->all[i];
     const unsigned traits = l->ops->traits;
@@ -703,6 +712,7 @@ void model_alloc(dt_model *m, dt_backend *be, int64_t max_batch, uint64_t seed) 
     m->w16_entries = (void *)be->alloc(be, (size_t)m->n_w16 * sizeof *m->w16_entries);
     be->to_device(be, m->w16_entries, m->w16_table, (size_t)m->n_w16 * sizeof *m->w16_entries);
   }
+  if (m->g16_values) m->grads16 = (void *)be->alloc(be, (size_t)m->g16_values * sizeof *m->grads16);
   m->norm = be->alloc(be, (size_t)(2 * m->in_channels) * sizeof(float));
   be->to_device(be, m->norm, m->in_mean, (size_t)m->in_channels * sizeof(float));
   be->to_device(be, m->norm + m->in_channels, m->in_std, (size_t)m->in_channels * sizeof(float));
@@ -756,6 +766,7 @@ void model_free(dt_model *m) {
     be->free(be, m->input_x);
     be->free(be, m->norm);
     if (m->weights16) be->free(be, m->weights16), be->free(be, m->w16_entries);
+    if (m->grads16) be->free(be, m->grads16);
   }
   free(m->w16_table);
   free_seq(&m->top, be);
@@ -823,7 +834,8 @@ dt_memory model_memory(const dt_model *m, int64_t batch, int optim_states, int t
   mem.params = (size_t)m->n_params * f;
   mem.grads = m->frozen ? 0 : mem.params;
   mem.optim = (size_t)optim_states * mem.params;
-  mem.buffers = (size_t)m->n_bufs * f + (size_t)m->w16_values * 2 + (size_t)m->n_w16 * sizeof(dt_weight16);
+  mem.buffers =
+      (size_t)m->n_bufs * f + (size_t)(m->w16_values + m->g16_values) * 2 + (size_t)m->n_w16 * sizeof(dt_weight16);
   for (int i = 0; i < m->n_all; i++) {
     dt_memory layer = {0}; /* its activations are counted where model_activation_bytes places them */
     if (m->all[i]->ops->memory) m->all[i]->ops->memory(m->all[i], batch, threads, &layer);
@@ -964,7 +976,29 @@ void model_forward(dt_model *m, dt_pass *pass) {
   seq_forward(&m->top, pass, m->input_x);
 }
 void model_backward(dt_model *m, dt_pass *pass) {
+  DT_ASSERT(!m->grads16 || pass->grads == m->grads);
+  pass->grads16 = m->grads16;
+  m->g16_pending = m->n_w16;
   seq_backward(&m->top, pass, m->input_x, NULL);
+  model_add_grads16(m, 0);
+}
+
+void model_add_grads16(dt_model *m, int64_t from) {
+  if (!m->grads16) return; /* no filters, or a frozen model's */
+  const dt_weight16 *t = m->w16_table;
+  int first = -1, last = -1; /* the entries with grad not yet added, at offsets >= from: first..last */
+  for (int i = m->g16_pending - 1; i >= 0 && (!t[i].grad || t[i].src >= from); i--)
+    if (t[i].grad) {
+      if (last < 0) last = i;
+      first = i;
+    }
+  if (first < 0) return;
+  m->g16_pending = first;
+  const int64_t rows = t[last].row0 + t[last].rows - t[first].row0;
+  dt_op op = {.type = DT_OP_GRADS16};
+  op.p.grads16 = (typeof(op.p.grads16)){
+      .grads = m->grads, .g16 = m->grads16, .table = m->w16_entries + first, .n = last - first + 1, .rows = rows};
+  backend_run(m->be, &op);
 }
 float *model_logits(dt_model *m) {
   return m->top.layers[m->top.n - 1]->y;

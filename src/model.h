@@ -238,6 +238,8 @@ struct dt_pass {
   float *params, *grads, *bufs; /* flat, backend memory */
   const uint16_t *weights16;    /* the model's 16-bit copies of params' weights (its weights16; set by model_forward),
                                    which layers with w16 read */
+  uint16_t *grads16;            /* where layers with w16 leave their 16-bit filter gradients (the model's grads16;
+                                   set by model_backward) */
   /* sync batchnorm: sums (n doubles, backend memory) over all ranks in place, queued where the
    * communicator allows; NULL: single process */
   void (*allreduce_sum)(void *ctx, double *data, int n);
@@ -285,6 +287,11 @@ struct dt_model {
   dt_weight16 *w16_entries; /* backend memory: w16_table */
   uint16_t *weights16;      /* backend memory: the copies */
   int w16_made;             /* model_weights16 has queued them at least once */
+  /* a model that trains: its convolutions' filter gradients in 16 bits, as cuDNN computes them (the table's
+   * entries with grad), each in its entry's layout at its dst, added into grads by model_add_grads16 */
+  int64_t g16_values; /* the end of the last entry with grad, in 16-bit values; 0: none */
+  uint16_t *grads16;  /* backend memory (g16_values), or NULL */
+  int g16_pending;    /* during a backward: the entries before this one are not yet added into grads */
   float *norm;    /* (2 * in_channels): mean, then std */
   dt_acts *acts;  /* every layer's activation memory (owned) */
 };
@@ -337,6 +344,11 @@ void model_forward(dt_model *m, dt_pass *pass);
 void model_loss(dt_model *m, dt_pass *pass, const int32_t *labels, const float *targets, double *sums);
 /* Backward from the last layer's dy (set by model_loss). */
 void model_backward(dt_model *m, dt_pass *pass);
+/* During model_backward, once every gradient at offset >= from is final: queues the addition of the 16-bit
+ * filter gradients at offsets >= from that this backward has not yet added into m->grads (one op; none:
+ * nothing). model_backward adds what is left as it ends; before then, whoever reads those gradients (the
+ * buckets of ddp_ready) calls it first. */
+void model_add_grads16(dt_model *m, int64_t from);
 float *model_logits(dt_model *m);
 float *model_dlogits(dt_model *m);
 /* The logits of rows [row, row + n) of the last forward (rows of n_classes values) to host memory as FP32,

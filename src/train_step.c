@@ -122,6 +122,11 @@ void step_open(dt_trainer *tr, dt_status *st) {
   tr->micro_per_epoch = tr->step->smp.steps;
 }
 
+/* The buckets' settle hook (ddp.h): the model's 16-bit filter gradients added in before a bucket reads them. */
+static void add_grads16(void *model, int64_t from) {
+  model_add_grads16(model, from);
+}
+
 const dt_ddp *step_alloc(dt_trainer *tr) {
   const dt_config_values *v = tr->v;
   dt_model *m = tr->m;
@@ -164,6 +169,7 @@ const dt_ddp *step_alloc(dt_trainer *tr) {
   ddp_init(&tr->step->ddp, tr->comm, tr->opts->dev, be, m->grads, m->n_params,
            (int64_t)(v->bucket_mb * 1048576.0 / sizeof(float)), s->checked_in_update ? NULL : s->stats + 2,
            tr->step->shard);
+  tr->step->ddp.settle = add_grads16, tr->step->ddp.settle_ctx = m;
   return &tr->step->ddp;
 }
 

@@ -752,7 +752,9 @@ class GpuPrecision(GpuCase):
         for its forward and its input gradient; evaluation's forwards copy the weights they are given, the EMA's
         for its metrics, which equal model.fuse false's too. A batchnorm's statistics are one launch (the
         last block to finish adds the chunks' sums), both ways and with either layout. The input op writes the
-        input as the stem's convolution reads it, 16-bit NHWC, where the convolution copied it."""
+        input as the stem's convolution reads it, 16-bit NHWC, where the convolution copied it. The filters'
+        16-bit gradients are added into the FP32 ones all in one launch (grads16_kernel), where each
+        convolution widened its own."""
         cfg = self.images_config("res.yaml", STEM + basic_block(40, 2, True) + "    - flatten\n    - linear: {out: 3}\n")
         pairs, bn_conv, convs, steps = 4, 1, 4, 4
         evaluate = ("--set", "data.val.x=/train/images", "--set", "data.val.y=/train/labels", "--set",
@@ -778,8 +780,10 @@ class GpuPrecision(GpuCase):
                 # and the input, which the input op writes as the stem's convolution reads it (input16_kernel)
                 self.assertEqual(packs["false"] - packs["true"], (pairs + bn_conv + weights + 1) * steps, (prec, on, off))
                 self.assertEqual((on.get("input16_kernel"), off.get("input16_kernel")), (steps, None), prec)
-                self.assertEqual(off["unpack16_tiled_kernel"] - on["unpack16_tiled_kernel"], (pairs + bn_conv) * steps,
-                                 (prec, on, off))
+                # and each filter's gradient back to FP32, where all of them are added in one launch a step
+                unpacks = {f: sum(n for k, n in got[f][1].items() if k.startswith("unpack16")) for f in got}
+                self.assertEqual(unpacks["false"] - unpacks["true"], (pairs + bn_conv + convs) * steps, (prec, on, off))
+                self.assertEqual((on.get("grads16_kernel"), off.get("grads16_kernel")), (steps, None), prec)
                 self.assertEqual((on.get("weights16_kernel"), off.get("weights16_kernel")), (steps, None), prec)
         if SIM:
             got = self.fuse_pair(cfg, "bf16", evaluate, tag="_eval")
@@ -888,12 +892,12 @@ checkpoint: {{dir: ""}}
         its shortcut, and takes its gradient so; the pool averages the last sums into FP32. The sums round to
         16 bits where model.fuse false keeps them in FP32, so 4 steps end near its parameters, not on them.
         The stand-in's profile shows the 16-bit sums, relu backward and pooling kernels and no FP32 ones, and
-        of the 16-bit copies only the weights' (all of them once a forward, in one launch, and each
-        convolution's dw back to FP32; the input op writes the input as the stem reads it): no activation is
-        copied. train.recompute blocks gives the same bits."""
+        of the 16-bit copies only the weights' (all of them once a forward, in one launch, and their gradients
+        back into FP32 once a backward, in one launch; the input op writes the input as the stem reads it): no
+        activation is copied. train.recompute blocks gives the same bits."""
         cfg = self.images_config("trunk.yaml", STEM + basic_block(8) + basic_block(16, 2, True) +
                                  "    - global_avgpool\n    - linear: {out: 3}\n")
-        convs, residuals, steps = 6, 2, 4
+        residuals, steps = 2, 4
         fp32, trained = self.fuse_pair(cfg, "fp32")["true"][0], {}
         for prec in ("bf16", "fp16"):
             got = self.fuse_pair(cfg, prec)
@@ -910,14 +914,46 @@ checkpoint: {{dir: ""}}
                 self.assertEqual({k: on.get(k, 0) for k in want}, want, prec)
                 self.assertFalse([k for k in ("add_kernel", "act_bwd_kernel", "act_fwd_kernel") if k in on], prec)
                 copies = {d: sum(n for k, n in on.items() if k.startswith(d + "16")) for d in ("pack", "unpack")}
-                self.assertEqual(copies, {"pack": 0, "unpack": convs * steps}, (prec, on))
+                self.assertEqual(copies, {"pack": 0, "unpack": 0}, (prec, on))
                 self.assertEqual(on.get("input16_kernel"), steps, (prec, on))
-                self.assertEqual(on.get("weights16_kernel"), steps, (prec, on))
+                self.assertEqual((on.get("weights16_kernel"), on.get("grads16_kernel")), (steps, steps), (prec, on))
         rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", "train.precision=bf16", "--set",
                                 "train.recompute=blocks", "--set", f"checkpoint.dir={self.w.file('rec')}", "--set",
                                 f"log.dir={self.w.file('rec')}"], 1, ENV1)
         self.assertEqual(rc, 0, out + err)
         assert_params_equal(self, params(self.w.latest("rec")), trained["bf16"], "recompute")
+
+    @unittest.skipUnless(VISIBLE2 >= 2, "fewer than 2 GPUs visible")
+    def test_16bit_filter_gradients_reach_every_bucket_over_nccl(self):
+        """Under bf16 and fp16 (model.fuse) the convolutions leave their filter gradients in 16 bits, as cuDNN
+        computes them, and one op adds the ones a bucket covers into the FP32 gradients before it is sent
+        (ddp's settle hook, model_add_grads16), where each convolution added its own. Two ranks over NCCL with
+        buckets of 64 values, several of them started during backward, end on the bits of one rank that adds
+        the same two halves of each step as micro-batches (train.grad_accum 2: its 16-bit gradients added
+        once, as each backward ends); the batchnorms' statistics are each half's in both (their running
+        statistics, updated once a micro-batch, differ). The stand-in's profile shows one grads16_kernel a
+        micro-batch on one rank, and 6 a step on two (without the hook the stand-in reports NCCL reading
+        gradients the op writes)."""
+        cfg = self.images_config("buckets.yaml", STEM + basic_block(8) + basic_block(16, 2, True) +
+                                 "    - global_avgpool\n    - linear: {out: 3}\n")
+        steps = 4
+        for prec in ("bf16", "fp16"):
+            runs = {}
+            for name, np_, env, extra in (("one", 1, ENV1, ["train.grad_accum=2", "train.global_batch_size=6"]),
+                                          ("two", 2, ENV2, ["dist.comm=nccl", "dist.bucket_mb=0.000244140625"])):
+                sub = f"{prec}_{name}"
+                rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", f"train.precision={prec}", "--set",
+                                        "data.shuffle=false", "--set", f"checkpoint.dir={self.w.file(sub)}",
+                                        *[a for e in extra for a in ("--set", e)]], np_,
+                                       dict(env, GPUSIM_PROFILE="1"))
+                self.assertEqual(rc, 0, out + err)
+                trained = {k: v for k, v in params(self.w.latest(sub)).items() if "running_" not in k}
+                runs[name] = (trained, re.findall(r"^\s*grads16_kernel\s+(\d+)\s", err, re.M))
+            self.assertEqual(len(runs["one"][0]), 20)  # 6 filters, 6 batchnorms' two, the linear's two
+            assert_params_equal(self, runs["two"][0], runs["one"][0], f"{prec}: 2 ranks against 2 micro-batches")
+            if SIM:
+                self.assertEqual(runs["one"][1], [str(2 * steps)], prec)
+                self.assertEqual(runs["two"][1], [str(6 * steps)] * 2, prec)  # each rank's profile
 
     def test_16bit_residual_sums_reach_a_convolution_or_stay_fp32_whole(self):
         """The 16-bit trunk's other ends (model.c's pick_trunk16): a convolution right after a residual reads its
@@ -932,15 +968,15 @@ checkpoint: {{dir: ""}}
     - flatten
     - linear: {out: 3}
 """)
-        convs, steps = 5, 4
+        steps = 4
         got = self.fuse_pair(into_conv, "bf16")
         self.assertLess(params_distance(got["true"][0], got["false"][0]), 2e-2)
         if SIM:
             on = got["true"][1]
             self.assertEqual((on.get("add16_kernel"), on.get("relu_bwd16_kernel")), (2 * steps, steps), on)
             copies = {d: sum(n for k, n in on.items() if k.startswith(d + "16")) for d in ("pack", "unpack")}
-            self.assertEqual(copies, {"pack": 0, "unpack": convs * steps}, on)  # the weights' together
-            self.assertEqual(on.get("weights16_kernel"), steps, on)
+            self.assertEqual(copies, {"pack": 0, "unpack": 0}, on)  # the weights' and their gradients' together
+            self.assertEqual((on.get("weights16_kernel"), on.get("grads16_kernel")), (steps, steps), on)
         broken = self.images_config("broken.yaml", STEM + """\
     - residual:
         body: [{conv2d: {out: 8, kernel: 3, pad: 1, bias: false}}, {batchnorm: {}}]
@@ -967,8 +1003,9 @@ checkpoint: {{dir: ""}}
         the 16-bit pooling kernels, and a copy of x to 16 bits and one of dx to FP32 a step fewer, for that
         convolution, than the two convolution-batchnorm pairs save; the pool before the flatten stays FP32. On
         the stand-in the first step's loss is the same bits, and in fp16 (no such tie in this data) so are the
-        parameters after 4 steps. (The filters' copies, all made once a forward, are fewer too, and the input
-        op writes the input as the first convolution reads it.)"""
+        parameters after 4 steps. (The filters' copies, all made once a forward, and their gradients' back to
+        FP32, all once a backward, are fewer too, and the input op writes the input as the first convolution
+        reads it.)"""
         cfg = self.images_config("pool.yaml", """\
     - conv2d: {out: 8, kernel: 3, pad: 1, bias: false}
     - batchnorm: {}
@@ -996,8 +1033,9 @@ checkpoint: {{dir: ""}}
                 packs = {f: sum(n for k, n in got[f][1].items() if k.startswith("pack16")) for f in got}
                 self.assertEqual(packs["false"] - packs["true"], (pairs + pools + 2 * convs - 1 + 1) * steps,
                                  (prec, on, off))
-                self.assertEqual(off["unpack16_tiled_kernel"] - on["unpack16_tiled_kernel"], (pairs + pools) * steps,
-                                 (prec, on, off))
+                unpacks = {f: sum(n for k, n in got[f][1].items() if k.startswith("unpack16")) for f in got}
+                self.assertEqual(unpacks["false"] - unpacks["true"], (pairs + pools + convs) * steps, (prec, on, off))
+                self.assertEqual(on.get("grads16_kernel"), steps, prec)
 
     def test_bf16_classifier_keeps_its_logits_in_bfloat16(self):
         """Under bf16 (model.fuse) the last layer, a linear without a bias, writes the logits in bfloat16 as its
