@@ -10,6 +10,7 @@
 
 #include "attention_geom.h"
 #include "half.h"
+#include "optim_runs.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -80,11 +81,13 @@ void k_grads16(cudaStream_t s, float *grads, const uint16_t *g16, const dt_weigh
 /* optim.cu: one pass over the flat parameter buffer */
 /* hyper: the step's values, uploaded by the host (SGD: lr; AdamW: lr, lr / bc1, sqrt(bc2)) */
 /* skip: NULL, or a count that, above 0, makes the step leave everything as it is; nonfinite: NULL, or
- * a count the number of g's non-finite values is added to (whole numbers: the same sum in any order) */
+ * a count the number of g's non-finite values is added to (whole numbers: the same sum in any order);
+ * runs: NULL (wd on every value), or (n_runs, device memory) each run's weight decay (optim_runs.h) */
 void k_sgd(cudaStream_t s, float *p, const float *g, float *mom, int64_t n, const float *hyper, const double *skip,
-           double *nonfinite, float momentum, float wd, int nesterov);
+           double *nonfinite, float momentum, float wd, const dt_decay_run *runs, int n_runs, int nesterov);
 void k_adamw(cudaStream_t s, float *p, const float *g, float *m, float *v, int64_t n, const float *hyper,
-             const double *skip, double *nonfinite, float b1, float b2, float eps, float wd);
+             const double *skip, double *nonfinite, float b1, float b2, float eps, float wd, const dt_decay_run *runs,
+             int n_runs);
 /* fp16 loss scaling (backend.h's DT_OP_UNSCALE and DT_OP_SCALER_UPDATE) */
 void k_unscale(cudaStream_t s, float *x, int64_t n, const float *scaler);
 void k_scaler_update(cudaStream_t s, float *scaler, const double *overflow, int64_t growth_interval, float growth,

@@ -11,14 +11,23 @@ static __device__ __forceinline__ void add_nonfinite(double *nonfinite, int coun
   if (count) atomicAdd(nonfinite, (double)count);
 }
 
+// The weight decay of value i: wd, or that of its run (runs in order, the first at 0), found from *r, the run
+// of the thread's value before (a thread's values come in increasing order: each run is passed once).
+static __device__ __forceinline__ float decay_of(int64_t i, float wd, const dt_decay_run *runs, int n_runs, int *r) {
+  if (!runs) return wd;
+  while (*r + 1 < n_runs && runs[*r + 1].start <= i) ++*r;
+  return runs[*r].weight_decay;
+}
+
 __global__ void sgd_kernel(float *p, const float *g, float *mom, int64_t n, const float *hyper, const double *skip,
-                           double *nonfinite, float momentum, float wd, int nesterov) {
+                           double *nonfinite, float momentum, float weight_decay, const dt_decay_run *runs, int n_runs,
+                           int nesterov) {
   if (skip && *skip > 0) return;
   float lr = hyper[0];
-  int first = hyper[1] != 0.0f, bad = 0;
+  int first = hyper[1] != 0.0f, bad = 0, run = 0;
   GRID_STRIDE(i, n) {
     // p read once: the store to mom would make the compiler read it again
-    float gi = g[i], pi = p[i], d = gi + wd * pi;
+    float wd = decay_of(i, weight_decay, runs, n_runs, &run), gi = g[i], pi = p[i], d = gi + wd * pi;
     bad += !isfinite(gi);
     if (momentum > 0) {
       float buf = first ? d : momentum * mom[i] + d;
@@ -31,11 +40,13 @@ __global__ void sgd_kernel(float *p, const float *g, float *mom, int64_t n, cons
 }
 
 __global__ void adamw_kernel(float *p, const float *g, float *m, float *v, int64_t n, const float *hyper,
-                             const double *skip, double *nonfinite, float b1, float b2, float eps, float wd) {
+                             const double *skip, double *nonfinite, float b1, float b2, float eps, float weight_decay,
+                             const dt_decay_run *runs, int n_runs) {
   if (skip && *skip > 0) return;
   float lr = hyper[0], step_size = hyper[1], bc2_sqrt = hyper[2];
-  int bad = 0;
+  int bad = 0, run = 0;
   GRID_STRIDE(i, n) {  // each value read and written once: the compiler cannot know that p, m, v do not alias
+    float wd = decay_of(i, weight_decay, runs, n_runs, &run);
     float gi = g[i], pi = __fmul_rn(p[i], 1.0f - lr * wd);  // rounded, as when it was stored: no FMA with the update
     bad += !isfinite(gi);
     float mi = b1 * m[i] + (1.0f - b1) * gi;
@@ -73,13 +84,16 @@ __global__ void ema_kernel(float *ema, const float *x, int64_t n, float decay, f
 extern "C" {
 
 void k_sgd(cudaStream_t s, float *p, const float *g, float *mom, int64_t n, const float *hyper, const double *skip,
-           double *nonfinite, float momentum, float wd, int nesterov) {
-  LAUNCH(sgd_kernel, blocks_for(n), kThreads, 0, s)(p, g, mom, n, hyper, skip, nonfinite, momentum, wd, nesterov);
+           double *nonfinite, float momentum, float wd, const dt_decay_run *runs, int n_runs, int nesterov) {
+  LAUNCH(sgd_kernel, blocks_for(n), kThreads, 0, s)
+  (p, g, mom, n, hyper, skip, nonfinite, momentum, wd, runs, n_runs, nesterov);
 }
 
 void k_adamw(cudaStream_t s, float *p, const float *g, float *m, float *v, int64_t n, const float *hyper,
-             const double *skip, double *nonfinite, float b1, float b2, float eps, float wd) {
-  LAUNCH(adamw_kernel, blocks_for(n), kThreads, 0, s)(p, g, m, v, n, hyper, skip, nonfinite, b1, b2, eps, wd);
+             const double *skip, double *nonfinite, float b1, float b2, float eps, float wd, const dt_decay_run *runs,
+             int n_runs) {
+  LAUNCH(adamw_kernel, blocks_for(n), kThreads, 0, s)
+  (p, g, m, v, n, hyper, skip, nonfinite, b1, b2, eps, wd, runs, n_runs);
 }
 
 void k_unscale(cudaStream_t s, float *x, int64_t n, const float *scaler) {

@@ -16,6 +16,7 @@
 #include "attention_geom.h"
 #include "half.h"
 #include "hash.h"
+#include "optim_runs.h"
 
 /* Every op once, in the order of dt_op_type: X(NAME, name) for DT_OP_NAME, whose parameters are
  * the union member p.name and whose implementations are cpu_name (src/cpu/cpu.h) and cuda_name
@@ -336,6 +337,9 @@ typedef struct {
       float *param;
       const float *grad;
       float *mom;
+      const dt_decay_run *runs; /* NULL: weight_decay on every value; else (n_runs, backend memory, the first at
+                                   0, in order) each run's own, in one pass over all of them */
+      int n_runs;
     } sgd;
     struct {
       int64_t n;
@@ -346,6 +350,8 @@ typedef struct {
       float *param;
       const float *grad;
       float *m, *v;
+      const dt_decay_run *runs; /* as sgd's */
+      int n_runs;
     } adamw;
     struct {
       int64_t n;

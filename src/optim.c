@@ -70,20 +70,26 @@ void optim_init(dt_optim *o, const dt_config_values *cfg, dt_backend *be, int64_
   o->hyper = be->alloc(be, DT_OPTIM_HYPER * sizeof(float));
 }
 
-void optim_set_runs(dt_optim *o, int n, const int64_t *off, const int64_t *len, const int *decay) {
-  o->n_runs = n;
-  o->run_off = dt_malloc((size_t)(n ? n : 1) * sizeof(int64_t));
-  o->run_len = dt_malloc((size_t)(n ? n : 1) * sizeof(int64_t));
-  o->run_decay = dt_malloc((size_t)(n ? n : 1) * sizeof(int));
-  memcpy(o->run_off, off, (size_t)n * sizeof(int64_t));
-  memcpy(o->run_len, len, (size_t)n * sizeof(int64_t));
-  memcpy(o->run_decay, decay, (size_t)n * sizeof(int));
+void optim_set_runs(dt_optim *o, dt_backend *be, int n, const int64_t *off, const int64_t *len, const int *decay) {
+  dt_decay_run *runs = dt_malloc((size_t)(n ? n : 1) * sizeof *runs);
+  int k = 0;
+  for (int i = 0; i < n; i++) {
+    DT_ASSERT(off[i] == (i ? off[i - 1] + len[i - 1] : 0));
+    const int64_t a = off[i] > o->lo ? off[i] : o->lo, b = off[i] + len[i] < o->hi ? off[i] + len[i] : o->hi;
+    if (a < b)
+      runs[k++] = (dt_decay_run){.start = a - o->lo, .weight_decay = decay[i] ? (float)o->cfg->weight_decay : 0};
+  }
+  DT_ASSERT(!o->runs && (!k || runs[0].start == 0));
+  if (k) {
+    o->runs = (dt_decay_run *)be->alloc(be, (size_t)k * sizeof *runs);
+    be->to_device(be, o->runs, runs, (size_t)k * sizeof *runs);
+    o->n_runs = k;
+  }
+  free(runs);
 }
 
 void optim_free(dt_optim *o, dt_backend *be) {
-  free(o->run_off);
-  free(o->run_len);
-  free(o->run_decay);
+  if (o->runs) be->free(be, o->runs);
   for (int i = 0; i < o->n_states; i++) be->free(be, o->states[i]);
   if (o->hyper) be->free(be, o->hyper);
   memset(o, 0, sizeof *o);
@@ -95,23 +101,10 @@ void optim_prepare(dt_optim *o, dt_backend *be, double lr) {
   be->upload(be, o->hyper, h, sizeof h);
 }
 
-/* One run [off, off + len) of the flat buffer, clipped to the slice [lo, hi) this rank steps. */
-static void apply_run(dt_optim *o, dt_backend *be, int64_t off, int64_t len, float wd, float *params,
-                      const float *grads) {
-  const int64_t a = off > o->lo ? off : o->lo, b = off + len < o->hi ? off + len : o->hi;
-  if (a >= b) return;
-  float *states[DT_OPTIM_MAX_STATES] = {0};
-  for (int i = 0; i < o->n_states; i++) states[i] = o->states[i] + (a - o->lo);
-  o->ops->step(o->cfg, be, b - a, o->step, o->hyper, o->skip, o->nonfinite, wd, params + a, grads + a, states);
-}
-
 void optim_apply(dt_optim *o, dt_backend *be, float *params, const float *grads) {
-  const float wd = (float)o->cfg->weight_decay;
-  if (o->n_runs == 0)
-    apply_run(o, be, 0, o->n, wd, params, grads);
-  else
-    for (int r = 0; r < o->n_runs; r++)
-      apply_run(o, be, o->run_off[r], o->run_len[r], o->run_decay[r] ? wd : 0.0f, params, grads);
+  if (o->hi > o->lo) /* the slice [lo, hi) this rank steps, in one op */
+    o->ops->step(o->cfg, be, o->hi - o->lo, o->step, o->hyper, o->skip, o->nonfinite, (float)o->cfg->weight_decay,
+                 o->runs, o->n_runs, params + o->lo, grads + o->lo, o->states);
   o->step++;
 }
 

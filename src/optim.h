@@ -23,9 +23,11 @@ typedef struct {
    * op itself depends on t only through `first` values fixed after step 0, so a captured step
    * replays. skip: NULL, or device memory that, above 0, makes the step a no-op (fp16 overflow).
    * nonfinite: NULL, or device memory the count of the non-finite gradient values is added to.
+   * runs: NULL (weight_decay on every value), or (n_runs, backend memory) each run's weight decay.
    * states: n_states tensors of n. */
   void (*step)(const dt_config_values *c, dt_backend *be, int64_t n, int64_t t, const float *hyper, const double *skip,
-               double *nonfinite, float weight_decay, float *params, const float *grads, float *const *states);
+               double *nonfinite, float weight_decay, const dt_decay_run *runs, int n_runs, float *params,
+               const float *grads, float *const *states);
 } dt_optim_ops;
 
 extern const dt_optim_ops dt_optim_sgd;   /* optim_sgd.c */
@@ -49,11 +51,10 @@ typedef struct {
   const double *skip;                 /* (1) backend memory or NULL: the op's skip (set by the trainer) */
   double *nonfinite;                  /* (1) backend memory or NULL: the op's count (set by the trainer) */
   int64_t step;                       /* optimizer steps taken */
-  /* optim.no_decay: runs of the flat buffer stepped with or without weight decay (n_runs 0: one
-   * run of everything, with decay) */
+  /* optim.no_decay: the runs of [lo, hi) stepped with and without weight decay, all in one op (NULL:
+   * every value with decay) */
+  dt_decay_run *runs; /* (n_runs) backend memory */
   int n_runs;
-  int64_t *run_off, *run_len;
-  int *run_decay;
 } dt_optim;
 
 double schedule_lr(const dt_config_values *cfg, int64_t t, int64_t total);
@@ -65,8 +66,9 @@ void optim_slice(const dt_config_values *cfg, int64_t n, int world, int rank, in
 void optim_init(dt_optim *o, const dt_config_values *cfg, dt_backend *be, int64_t n, int64_t lo, int64_t hi,
                 int64_t total_steps);
 void optim_free(dt_optim *o, dt_backend *be);
-/* Steps runs [off, off + len) with weight decay where decay[i], without elsewhere (copied). */
-void optim_set_runs(dt_optim *o, int n, const int64_t *off, const int64_t *len, const int *decay);
+/* Steps runs [off, off + len) (n of them, in order, together the whole buffer) with weight decay where
+ * decay[i], without elsewhere: their parts in [lo, hi), uploaded as the ops' table of runs. */
+void optim_set_runs(dt_optim *o, dt_backend *be, int n, const int64_t *off, const int64_t *len, const int *decay);
 /* Uploads the next step's values at lr (queued; outside a captured step). */
 void optim_prepare(dt_optim *o, dt_backend *be, double lr);
 /* Queues the step prepared last over params[lo, hi) with grads[lo, hi); advances o->step. */

@@ -19,8 +19,8 @@ static void adamw_hyper(const dt_config_values *c, int64_t t, double lr, float *
 }
 
 static void adamw_step(const dt_config_values *c, dt_backend *be, int64_t n, int64_t t, const float *hyper,
-                       const double *skip, double *nonfinite, float weight_decay, float *params, const float *grads,
-                       float *const *states) {
+                       const double *skip, double *nonfinite, float weight_decay, const dt_decay_run *runs, int n_runs,
+                       float *params, const float *grads, float *const *states) {
   (void)t;
   dt_op op = {.type = DT_OP_ADAMW,
               .p.adamw = {.n = n,
@@ -34,7 +34,9 @@ static void adamw_step(const dt_config_values *c, dt_backend *be, int64_t n, int
                           .param = params,
                           .grad = grads,
                           .m = states[0],
-                          .v = states[1]}};
+                          .v = states[1],
+                          .runs = runs,
+                          .n_runs = n_runs}};
   backend_run(be, &op);
 }
 

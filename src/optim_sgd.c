@@ -13,8 +13,8 @@ static void sgd_hyper(const dt_config_values *c, int64_t t, double lr, float *ou
 }
 
 static void sgd_step(const dt_config_values *c, dt_backend *be, int64_t n, int64_t t, const float *hyper,
-                     const double *skip, double *nonfinite, float weight_decay, float *params, const float *grads,
-                     float *const *states) {
+                     const double *skip, double *nonfinite, float weight_decay, const dt_decay_run *runs, int n_runs,
+                     float *params, const float *grads, float *const *states) {
   (void)t;
   dt_op op = {.type = DT_OP_SGD,
               .p.sgd = {.n = n,
@@ -26,7 +26,9 @@ static void sgd_step(const dt_config_values *c, dt_backend *be, int64_t n, int64
                         .nesterov = c->nesterov,
                         .param = params,
                         .grad = grads,
-                        .mom = c->momentum > 0 ? states[0] : NULL}};
+                        .mom = c->momentum > 0 ? states[0] : NULL,
+                        .runs = runs,
+                        .n_runs = n_runs}};
   backend_run(be, &op);
 }
 

@@ -144,7 +144,7 @@ const dt_ddp *step_alloc(dt_trainer *tr) {
     int64_t *off = dt_malloc((size_t)m->n_tensors * sizeof(int64_t)),
             *len = dt_malloc((size_t)m->n_tensors * sizeof(int64_t));
     int *decay = dt_malloc((size_t)m->n_tensors * sizeof(int));
-    optim_set_runs(&tr->step->opt, model_decay_runs(m, v->no_decay, off, len, decay), off, len, decay);
+    optim_set_runs(&tr->step->opt, be, model_decay_runs(m, v->no_decay, off, len, decay), off, len, decay);
     free(off);
     free(len);
     free(decay);

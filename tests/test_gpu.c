@@ -1514,6 +1514,69 @@ static void ops_optim(void) {
   }
 }
 
+/* optim.no_decay's runs in one op: SGD (momentum, not the first step) and AdamW over 1.2M values, more than
+ * CUDA's grid has threads (each passes runs as its values go on), in runs of 5, 995, 3, ~600k, 1 and ~500k
+ * values and a last of 100k, with and without decay in turn: the two backends agree, and on each the op
+ * gives the bits of one op a run (each run's weight decay, its values alone), as the optimizer ran it. */
+static void ops_optim_runs(void) {
+  const int64_t n = 1200000, starts[] = {0, 5, 1000, 1003, 600000, 600001, 1100000};
+  enum { RUNS = sizeof starts / sizeof *starts };
+  dt_decay_run table[RUNS];
+  for (int r = 0; r < RUNS; r++) table[r] = (dt_decay_run){.start = starts[r], .weight_decay = r % 2 ? 0 : 0.5f};
+  dbuf runs = ot_buf(OT_I32, table, (int64_t)(sizeof table / 4));
+  for (int kind = 0; kind < 2; kind++) {
+    const float h[3] = {0.1f, 0.9f, 0.99f}; /* SGD: lr, not the first step; AdamW: lr, lr / bc1, sqrt(bc2) */
+    dbuf hyper = ot_buf(OT_F32, kind ? h : (const float[]){0.1f, 0.0f}, kind ? 3 : 2);
+    dbuf p[2], g = ot_rand(n, -1, 1), m[2], v[2];
+    p[0] = ot_rand(n, -1, 1), m[0] = ot_rand(n, -0.1f, 0.1f), v[0] = ot_rand(n, 0, 0.01f);
+    p[1] = ot_buf(OT_F32, p[0].init, n), m[1] = ot_buf(OT_F32, m[0].init, n), v[1] = ot_buf(OT_F32, v[0].init, n);
+    ot_case(kind ? DT_OP_ADAMW : DT_OP_SGD, "7 runs of weight decay 0.5 and 0 in one op, 1.2M values");
+    BOTH {
+      for (int each = 0; each < 2; each++) /* one op with the table, then one a run */
+        for (int r = 0; r < (each ? RUNS : 1); r++) {
+          const int64_t lo = each ? starts[r] : 0, len = (each && r + 1 < RUNS ? starts[r + 1] : n) - lo;
+          const float wd = each ? table[r].weight_decay : 0.25f; /* the table's, not this */
+          const dt_decay_run *t = each ? NULL : (const dt_decay_run *)I(runs);
+          dt_op op = kind ? (dt_op){.type = DT_OP_ADAMW,
+                                    .p.adamw = {.n = len,
+                                                .beta1 = 0.9f,
+                                                .beta2 = 0.999f,
+                                                .eps = 1e-8f,
+                                                .weight_decay = wd,
+                                                .hyper = F(hyper),
+                                                .param = F(p[each]) + lo,
+                                                .grad = F(g) + lo,
+                                                .m = F(m[each]) + lo,
+                                                .v = F(v[each]) + lo,
+                                                .runs = t,
+                                                .n_runs = each ? 0 : RUNS}}
+                          : (dt_op){.type = DT_OP_SGD,
+                                    .p.sgd = {.n = len,
+                                              .momentum = 0.9f,
+                                              .weight_decay = wd,
+                                              .hyper = F(hyper),
+                                              .param = F(p[each]) + lo,
+                                              .grad = F(g) + lo,
+                                              .mom = F(m[each]) + lo,
+                                              .runs = t,
+                                              .n_runs = each ? 0 : RUNS}};
+          RUN(op);
+        }
+    }
+    ot_check("param", p[0], n);
+    ot_check("first moment or momentum", m[0], n);
+    for (int s = 0; s < 2; s++)
+      for (int each = 0; each < 2; each++) { /* the same bits both ways, on each backend */
+        float *a = ot_fetch(each ? m[0] : p[0], s), *b = ot_fetch(each ? m[1] : p[1], s);
+        if (memcmp(a, b, (size_t)n * sizeof *a))
+          fail_msg("op %s: backend %d: one op over the runs differs from one a run (%s)", dt_op_names[ot.op], s,
+                   each ? "m" : "param");
+        free(a);
+        free(b);
+      }
+  }
+}
+
 /* A rank alone has its optimizer count the gradient's non-finite values: three (NaN, inf, -inf) spread
  * over a gradient that many blocks of the kernel share, added to what the count held, on both
  * backends; a finite gradient adds nothing, and the update around them is the one without a count. */
@@ -3394,6 +3457,7 @@ GPU_TEST(cuda_op_dropout, (ot_begin(), ops_dropout(), ot_end()))
 GPU_TEST(cuda_op_add_scale, (ot_begin(), ops_elementwise(), ot_end()))
 GPU_TEST(cuda_op_loss, (ot_begin(), ops_loss(), ot_end()))
 GPU_TEST(cuda_op_sgd_adamw, (ot_begin(), ops_optim(), ot_end()))
+GPU_TEST(cuda_op_optim_runs, (ot_begin(), ops_optim_runs(), ot_end()))
 GPU_TEST(cuda_op_sumsq, (ot_begin(), ops_sumsq(), ot_end()))
 GPU_TEST(cuda_op_input,
          (ot_begin(), ops_input_in(0), ot_end(), ot_begin_precision(DT_PREC_BF16, 1e-5), ops_input_in(DT_F16_BF16),
@@ -3507,6 +3571,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(cuda_op_add_scale),
       cmocka_unit_test(cuda_op_loss),
       cmocka_unit_test(cuda_op_sgd_adamw),
+      cmocka_unit_test(cuda_op_optim_runs),
       cmocka_unit_test(cuda_op_sumsq),
       cmocka_unit_test(cuda_op_input),
       cmocka_unit_test(cuda_op_optimizer_counts_nonfinite_gradients),

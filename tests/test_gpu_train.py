@@ -284,15 +284,19 @@ class GpuTraining(GpuCase):
     def test_transformer_matches_the_cpu(self):
         """The GPT on 2 ranks: CUDA against the CPU, steps captured as graphs after the first and replayed
         although each step's count of real targets differs (the loss weight is read on the device). The last
-        global batch has 2 rows: a rank runs one."""
+        global batch has 2 rows: a rank runs one. AdamW steps the runs optim.no_decay cuts the parameters
+        into (with and without decay in turn) in one launch a step (the stand-in's profile)."""
         cfg = self.gpt_config()
         rc, out, err = run([cfg, "--device", "cpu", "--set", f"checkpoint.dir={self.w.file('cpu')}",
                             "--set", f"log.dir={self.w.file('cpu')}"], np_=2)
         self.assertEqual(rc, 0, out + err)
         rc, out, err = gpu_run([cfg, "--device", "cuda", "--set", f"checkpoint.dir={self.w.file('gpu')}",
-                                "--set", f"log.dir={self.w.file('gpu')}"], 2, ENV2 if VISIBLE2 >= 2 else ENV1)
+                                "--set", f"log.dir={self.w.file('gpu')}"], 2,
+                               dict(ENV2 if VISIBLE2 >= 2 else ENV1, GPUSIM_PROFILE="1"))
         self.assertEqual(rc, 0, out + err)
         self.assertIn("cuda backend", out)
+        if SIM:
+            self.assertEqual(re.findall(r"^\s*adamw_kernel\s+(\d+)\s", err, re.M), ["9", "9"])
         if VISIBLE2 >= 2:  # NCCL: the step is captured
             self.assertRegex(out, r"cuda graph: \d+ steps? captured, [3-9] replayed")  # every full step after 2
         cpu, gpu = self.losses("cpu"), self.losses("gpu")
