@@ -199,7 +199,7 @@ $(DASHBOARD_OBJ): $(BUILD)/dashboard_assets.c
 $(BUILD)/tests/%: tests/%.c $(OBJS) tests/*.h $(SAN_DEPS) | $(BUILD)/tests
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(OBJS) $(LDLIBS) -lcmocka
 
-$(BUILD)/kernels/%.o: kernels/%.cu kernels/*.h kernels/*.cuh src/hash.h src/half.h src/attention_geom.h
+$(BUILD)/kernels/%.o: kernels/%.cu kernels/*.h kernels/*.cuh src/hash.h src/half.h src/attention_geom.h src/optim_runs.h
 	@mkdir -p $(BUILD)/kernels
 	$(NVCC) $(NVCCFLAGS) -Xcompiler -fPIC -Ikernels -Isrc -c -o $@ $<
 
@@ -229,7 +229,7 @@ $(SIM)/libnvidia-ml.so.1: tests/gpusim/nvml.c $(SIM)/libgpusim.so
 	$(CC) -O2 -g -fPIC -shared -Wall -Wextra -Werror -Wl,--no-undefined -o $@ $< -L$(SIM) -lgpusim
 
 # kernels/*.cu as C++ against the device-emulation header
-$(SIM)/kernels/%.o: kernels/%.cu kernels/*.h kernels/*.cuh src/hash.h src/half.h src/attention_geom.h $(SIM_HEADERS)
+$(SIM)/kernels/%.o: kernels/%.cu kernels/*.h kernels/*.cuh src/hash.h src/half.h src/attention_geom.h src/optim_runs.h $(SIM_HEADERS)
 	@mkdir -p $(SIM)/kernels
 	$(CXX) -x c++ $(SIM_CXXFLAGS) $(SIM_TRACE) -include tests/gpusim/gpusim_device.h -Ikernels -Isrc -c -o $@ $<
 

@@ -71,7 +71,7 @@ void optim_init(dt_optim *o, const dt_config_values *cfg, dt_backend *be, int64_
 }
 
 void optim_set_runs(dt_optim *o, dt_backend *be, int n, const int64_t *off, const int64_t *len, const int *decay) {
-  dt_decay_run *runs = dt_malloc((size_t)(n ? n : 1) * sizeof *runs);
+  dt_decay_run *runs = dt_calloc((size_t)(n ? n : 1), sizeof *runs); /* its padding uploaded as zeros */
   int k = 0;
   for (int i = 0; i < n; i++) {
     DT_ASSERT(off[i] == (i ? off[i - 1] + len[i - 1] : 0));

@@ -3,7 +3,7 @@
  * lr(t), then the scheduler advances). An optimizer is a descriptor (one file each,
  * optim_<name>.c): its state tensors, named as PyTorch's optimizer state, and its step, queued
  * as one backend op. Adding one touches its file, its backend op and the optim.name key.
- * Owns: the optimizer state buffers (backend memory). */
+ * Owns: the optimizer state buffers and the table of optim.no_decay's runs (backend memory). */
 #ifndef DT_OPTIM_H
 #define DT_OPTIM_H
 

@@ -7,6 +7,7 @@
 /* Run r of an optimizer op's values ([*lo, *hi), its weight decay returned): the whole range with wd where
  * there is no table of runs (n_runs of a NULL table counts as 1). */
 static float run_of(const dt_decay_run *runs, int n_runs, int64_t n, float wd, int r, int64_t *lo, int64_t *hi) {
+  DT_ASSERT(!runs || (n_runs > 0 && runs[0].start == 0));
   if (!runs) {
     *lo = 0, *hi = n;
     return wd;

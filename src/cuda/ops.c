@@ -298,12 +298,14 @@ void cuda_loss(cuda_impl *im, const dt_op *op) {
 
 void cuda_sgd(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.sgd) *q = &op->p.sgd;
+  DT_ASSERT(!q->runs || q->n_runs > 0); /* and the first run at 0 (optim_set_runs; the CPU's op checks it) */
   k_sgd(im->stream, q->param, q->grad, q->mom, q->n, q->hyper, q->skip, q->nonfinite, q->momentum, q->weight_decay,
         q->runs, q->n_runs, q->nesterov);
 }
 
 void cuda_adamw(cuda_impl *im, const dt_op *op) {
   const typeof(op->p.adamw) *q = &op->p.adamw;
+  DT_ASSERT(!q->runs || q->n_runs > 0); /* as cuda_sgd's */
   k_adamw(im->stream, q->param, q->grad, q->m, q->v, q->n, q->hyper, q->skip, q->nonfinite, q->beta1, q->beta2, q->eps,
           q->weight_decay, q->runs, q->n_runs);
 }
