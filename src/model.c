@@ -795,18 +795,16 @@ static int tensor_decays(const dt_model *m, const dt_tensor *t, int no_decay) {
   return 1;
 }
 
-int model_decay_runs(const dt_model *m, int no_decay, int64_t *off, int64_t *len, int *decay) {
+int model_decay_runs(const dt_model *m, int no_decay, float weight_decay, dt_decay_run *runs) {
   int n = 0;
+  int64_t end = 0; /* the parameters are laid out one tensor after another: each run ends where the next starts */
   for (int i = 0; i < m->n_tensors; i++) {
     const dt_tensor *t = &m->tensors[i];
     if (t->is_buffer) continue;
-    int d = tensor_decays(m, t, no_decay);
-    if (n && decay[n - 1] == d && off[n - 1] + len[n - 1] == t->offset) {
-      len[n - 1] += t->count;
-    } else {
-      off[n] = t->offset, len[n] = t->count, decay[n] = d;
-      n++;
-    }
+    DT_ASSERT(t->offset == end);
+    const float wd = tensor_decays(m, t, no_decay) ? weight_decay : 0.0f;
+    if (!n || runs[n - 1].weight_decay != wd) runs[n++] = (dt_decay_run){.start = t->offset, .weight_decay = wd};
+    end += t->count;
   }
   return n;
 }

@@ -316,10 +316,10 @@ size_t model_activation_bytes(const dt_model *m, int64_t batch, int recompute);
  * `batch` rows, and in *bytes how much; NULL for a model without layers. */
 const dt_layer *model_largest_activations(const dt_model *m, int64_t batch, size_t *bytes);
 
-/* Splits the flat parameters into runs of consecutive tensors that do or do not take weight decay
- * under optim.no_decay's DT_NO_DECAY_* bits. Fills off/len/decay (capacity: m->n_tensors) and
- * returns the number of runs. */
-int model_decay_runs(const dt_model *m, int no_decay, int64_t *off, int64_t *len, int *decay);
+/* Splits the flat parameters into runs of consecutive tensors that do (weight_decay) or do not (0) take
+ * weight decay under optim.no_decay's DT_NO_DECAY_* bits. Fills runs (capacity: m->n_tensors; the first
+ * starts at 0, each ends where the next starts) and returns their number. */
+int model_decay_runs(const dt_model *m, int no_decay, float weight_decay, dt_decay_run *runs);
 
 /* Prints every layer kind with its parameters (Markdown), from the layers' own key tables. */
 void model_print_layer_keys(FILE *out);

@@ -70,14 +70,13 @@ void optim_init(dt_optim *o, const dt_config_values *cfg, dt_backend *be, int64_
   o->hyper = be->alloc(be, DT_OPTIM_HYPER * sizeof(float));
 }
 
-void optim_set_runs(dt_optim *o, dt_backend *be, int n, const int64_t *off, const int64_t *len, const int *decay) {
+void optim_set_runs(dt_optim *o, dt_backend *be, int n, const dt_decay_run *all) {
   dt_decay_run *runs = dt_calloc((size_t)(n ? n : 1), sizeof *runs); /* its padding uploaded as zeros */
   int k = 0;
   for (int i = 0; i < n; i++) {
-    DT_ASSERT(off[i] == (i ? off[i - 1] + len[i - 1] : 0));
-    const int64_t a = off[i] > o->lo ? off[i] : o->lo, b = off[i] + len[i] < o->hi ? off[i] + len[i] : o->hi;
-    if (a < b)
-      runs[k++] = (dt_decay_run){.start = a - o->lo, .weight_decay = decay[i] ? (float)o->cfg->weight_decay : 0};
+    const int64_t end = i + 1 < n ? all[i + 1].start : o->n;
+    const int64_t a = all[i].start > o->lo ? all[i].start : o->lo, b = end < o->hi ? end : o->hi;
+    if (a < b) runs[k++] = (dt_decay_run){.start = a - o->lo, .weight_decay = all[i].weight_decay};
   }
   DT_ASSERT(!o->runs && (!k || runs[0].start == 0));
   if (k) {

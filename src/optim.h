@@ -66,9 +66,9 @@ void optim_slice(const dt_config_values *cfg, int64_t n, int world, int rank, in
 void optim_init(dt_optim *o, const dt_config_values *cfg, dt_backend *be, int64_t n, int64_t lo, int64_t hi,
                 int64_t total_steps);
 void optim_free(dt_optim *o, dt_backend *be);
-/* Steps runs [off, off + len) (n of them, in order, together the whole buffer) with weight decay where
- * decay[i], without elsewhere: their parts in [lo, hi), uploaded as the ops' table of runs. */
-void optim_set_runs(dt_optim *o, dt_backend *be, int n, const int64_t *off, const int64_t *len, const int *decay);
+/* Steps the runs of the whole buffer (n, host memory: model_decay_runs's) each with its own weight decay:
+ * their parts in [lo, hi), uploaded as the ops' table of runs. */
+void optim_set_runs(dt_optim *o, dt_backend *be, int n, const dt_decay_run *all);
 /* Uploads the next step's values at lr (queued; outside a captured step). */
 void optim_prepare(dt_optim *o, dt_backend *be, double lr);
 /* Queues the step prepared last over params[lo, hi) with grads[lo, hi); advances o->step. */

@@ -141,13 +141,9 @@ const dt_ddp *step_alloc(dt_trainer *tr) {
   }
   optim_init(&tr->step->opt, v, be, m->n_params, lo, hi, tr->total);
   if (v->no_decay) { /* optim.no_decay: weight decay only on the other tensors */
-    int64_t *off = dt_malloc((size_t)m->n_tensors * sizeof(int64_t)),
-            *len = dt_malloc((size_t)m->n_tensors * sizeof(int64_t));
-    int *decay = dt_malloc((size_t)m->n_tensors * sizeof(int));
-    optim_set_runs(&tr->step->opt, be, model_decay_runs(m, v->no_decay, off, len, decay), off, len, decay);
-    free(off);
-    free(len);
-    free(decay);
+    dt_decay_run *runs = dt_malloc((size_t)m->n_tensors * sizeof *runs);
+    optim_set_runs(&tr->step->opt, be, model_decay_runs(m, v->no_decay, (float)v->weight_decay, runs), runs);
+    free(runs);
   }
   dt_step_sums *s = &tr->step->sums;
   s->stats = (double *)be->alloc(be, STATS * sizeof(double));
